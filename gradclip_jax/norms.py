@@ -1,0 +1,719 @@
+"""The norm engine: the single source of every norm in gradclip_jax.
+
+Every transform, function and per-example clipper in the package measures through
+this module, so a global norm always equals the norm of the concatenated leaves,
+for every ``ord``, and every norm has the same numerical guarantees:
+
+* **Accumulation.** 16-bit leaves (float16, bfloat16) accumulate in float32,
+  float32 in float32 and float64 (under x64) in float64. Complex leaves use
+  ``|x|`` and accumulate in their real dtype.
+* **No overflow or underflow.** The fast path sums powers directly. When the
+  sum is not finite or is so small that elements may have underflowed, one
+  ``lax.cond`` recomputes with every element divided by ``max|x|`` (``min|x|``
+  for negative ``p``), so fp16 values of 300 or float32 values of 1e30 give the
+  right, finite norm. The predicate is a scalar, so the common case pays nothing.
+* **Finite derivatives.** Roots and powers use the double-``where`` trick, so the
+  gradient of a norm at zero is zero, never NaN.
+* **Leaves.** ``None`` and :class:`optax.MaskedNode` are empty subtrees and count
+  for nothing; ``float0`` leaves are skipped; integer and bool leaves raise a
+  ``TypeError`` naming their path.
+
+Supported ``ord`` values (see :func:`parse_ord`): any float ``p`` as
+``torch.linalg.vector_norm`` defines it (``p != 0``: ``(sum |x|^p)^(1/p)``, negative
+``p`` too; ``inf``: max|x|; ``-inf``: min|x|; ``0``: number of non-zeros), and the
+strings ``'l0' 'l1' 'l2' 'l3' 'l4' 'linf'``, ``'mad'`` (mean |x|), ``'rms'``,
+``'std'`` / ``'var'`` (unbiased; a one-element slice gives 0) and ``'sum'`` (signed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from gradclip_jax.hyperparams import is_traced, static_value
+
+OrdLike = Union[int, float, str]
+DimLike = Union[None, int, Sequence[int], str]
+Axes = Union[tuple[int, ...], None]
+
+__all__ = [
+    "NormSpec",
+    "OrdLike",
+    "DimLike",
+    "parse_ord",
+    "tree_norm",
+    "leaf_norms",
+]
+
+_STRING_ORDS = {
+    "l0": 0.0,
+    "l1": 1.0,
+    "l2": 2.0,
+    "l3": 3.0,
+    "l4": 4.0,
+    "linf": math.inf,
+}
+_STAT_ORDS = ("mad", "rms", "std", "var", "sum")
+# kinds whose partial statistics are sums (and so combine across leaves by +)
+_SUM_KINDS = ("pow", "count", "mad", "rms", "sum", "var", "std")
+# kinds whose fast path can underflow (powers of small numbers)
+_UNDERFLOW_KINDS = ("rms", "var", "std")
+
+
+@dataclasses.dataclass(frozen=True)
+class NormSpec:
+    """A parsed ``ord``.
+
+    Attributes:
+      kind: ``'pow'`` (a p-norm with ``p`` not 0 or +-inf), ``'max'``, ``'min'``,
+        ``'count'``, ``'mad'``, ``'rms'``, ``'std'``, ``'var'`` or ``'sum'``.
+      p: the exponent of a ``'pow'`` norm.
+      label: the ``ord`` as the user wrote it, for messages.
+    """
+
+    kind: str
+    p: float = 2.0
+    label: str = "2"
+
+    @property
+    def signed(self) -> bool:
+        """True when the "norm" can be negative (only ``'sum'``)."""
+        return self.kind == "sum"
+
+
+def parse_ord(ord: OrdLike | NormSpec, fn: str = "gradclip_jax") -> NormSpec:  # noqa: A002
+    """Parses an ``ord`` argument.
+
+    Args:
+      ord: a number (``p``, ``inf``, ``-inf``, ``0``), one of the strings
+        ``'l0' 'l1' 'l2' 'l3' 'l4' 'linf' 'mad' 'rms' 'std' 'var' 'sum'`` (case
+        insensitive; ``'inf'`` and ``'-inf'`` are accepted too), or a
+        :class:`NormSpec`.
+      fn: the calling function's name, for error messages.
+
+    Returns:
+      The :class:`NormSpec`.
+
+    Raises:
+      ValueError: for an unknown string, NaN or a non-scalar.
+      TypeError: for a traced ``ord`` or a non-number.
+    """
+    if isinstance(ord, NormSpec):
+        return ord
+    if is_traced(ord):
+        static_value(fn, "ord", ord)  # raises the explanatory TypeError
+    ord = static_value(fn, "ord", ord)
+    if isinstance(ord, str):
+        key = ord.strip().lower()
+        if key in _STAT_ORDS:
+            return NormSpec(kind=key, p=math.nan, label=key)
+        if key in ("inf", "+inf", "infinity"):
+            p = math.inf
+        elif key in ("-inf", "-infinity"):
+            p = -math.inf
+        elif key in _STRING_ORDS:
+            p = _STRING_ORDS[key]
+        else:
+            raise ValueError(
+                f"{fn}: unknown ord {ord!r}; expected a number or one of "
+                "'l0', 'l1', 'l2', 'l3', 'l4', 'linf', 'mad', 'rms', 'std', 'var', 'sum'"
+            )
+        label = key
+    elif isinstance(ord, bool) or not isinstance(ord, (int, float)):
+        raise TypeError(f"{fn}: ord must be a number or a string, got {ord!r}")
+    else:
+        p = float(ord)
+        label = repr(ord)
+        if math.isnan(p):
+            raise ValueError(f"{fn}: ord must not be NaN")
+    if p == math.inf:
+        return NormSpec(kind="max", p=p, label=label)
+    if p == -math.inf:
+        return NormSpec(kind="min", p=p, label=label)
+    if p == 0.0:
+        return NormSpec(kind="count", p=p, label=label)
+    return NormSpec(kind="pow", p=p, label=label)
+
+
+# ----------------------------------------------------------------------------
+# Leaves
+# ----------------------------------------------------------------------------
+
+
+def acc_dtype(dtype: Any) -> np.dtype:
+    """The dtype a norm of a leaf of ``dtype`` accumulates in (and is returned in)."""
+    dtype = np.dtype(dtype)
+    if np.issubdtype(dtype, np.complexfloating):
+        dtype = np.finfo(dtype).dtype  # complex64 -> float32, complex128 -> float64
+    if dtype.itemsize < 4:
+        return np.dtype(np.float32)
+    return dtype
+
+
+def _is_float0(x: Any) -> bool:
+    return getattr(x, "dtype", None) == jax.dtypes.float0
+
+
+def is_numeric_leaf(x: Any) -> bool:
+    """True for a leaf the engine measures (not a ``float0`` placeholder)."""
+    return not _is_float0(x)
+
+
+def check_float_leaf(path: Any, x: Any, fn: str) -> jax.Array:
+    """Returns ``x`` as an array, or raises ``TypeError`` naming the leaf's path."""
+    if not hasattr(x, "dtype"):
+        if isinstance(x, bool) or not isinstance(x, (int, float, complex)):
+            raise TypeError(
+                f"{fn}: leaf {jax.tree_util.keystr(path) or '<root>'} is {type(x).__name__} "
+                f"{x!r}, not an array"
+            )
+        if isinstance(x, int):
+            raise TypeError(
+                f"{fn}: leaf {jax.tree_util.keystr(path) or '<root>'} is the integer {x!r}; "
+                "norm-based functions need floating-point or complex leaves"
+            )
+        x = jnp.asarray(x)
+    dtype = np.dtype(x.dtype)
+    if not (np.issubdtype(dtype, np.inexact) or dtype == jnp.bfloat16):
+        raise TypeError(
+            f"{fn}: leaf {jax.tree_util.keystr(path) or '<root>'} has dtype {dtype}; "
+            "norm-based functions need floating-point or complex leaves (cast it, or "
+            "leave it out with optax.masked)"
+        )
+    return x
+
+
+@dataclasses.dataclass
+class FlatTree:
+    """A flattened pytree split into measured leaves and pass-through leaves.
+
+    Attributes:
+      treedef: the tree structure.
+      leaves: every leaf, in order.
+      paths: every leaf's key path.
+      active: indices (into ``leaves``) of the floating-point leaves to measure.
+    """
+
+    treedef: Any
+    leaves: list[Any]
+    paths: list[Any]
+    active: list[int]
+
+    @property
+    def arrays(self) -> list[jax.Array]:
+        """The measured leaves."""
+        return [self.leaves[i] for i in self.active]
+
+    def rebuild(self, new_active: Sequence[Any], fill: Any = "keep") -> Any:
+        """A tree with the measured leaves replaced by ``new_active``.
+
+        Pass-through leaves are kept (``fill='keep'``) or replaced by ``fill``.
+        """
+        out = list(self.leaves) if fill == "keep" else [fill] * len(self.leaves)
+        for i, v in zip(self.active, new_active):
+            out[i] = v
+        return jax.tree_util.tree_unflatten(self.treedef, out)
+
+
+def flatten(tree: Any, fn: str) -> FlatTree:
+    """Flattens ``tree``, validating every leaf the engine will measure."""
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    paths = [p for p, _ in pairs]
+    leaves = [x for _, x in pairs]
+    active = []
+    for i, (path, x) in enumerate(pairs):
+        if _is_float0(x):
+            continue
+        leaves[i] = check_float_leaf(path, x, fn)
+        active.append(i)
+    return FlatTree(treedef=treedef, leaves=leaves, paths=paths, active=active)
+
+
+def tree_acc_dtype(leaves: Sequence[Any]) -> np.dtype:
+    """The common accumulation dtype of ``leaves`` (float32 when there are none).
+
+    Leaves that are not floating point are ignored, so this is safe at ``init``.
+    """
+    dtypes = []
+    for x in leaves:
+        dtype = getattr(x, "dtype", None)
+        if dtype is None or dtype == jax.dtypes.float0:
+            continue
+        dtype = np.dtype(dtype)
+        if np.issubdtype(dtype, np.inexact) or dtype == jnp.bfloat16:
+            dtypes.append(acc_dtype(dtype))
+    if not dtypes:
+        return np.dtype(jnp.zeros((), jnp.float32).dtype)
+    return np.dtype(jnp.result_type(*dtypes))
+
+
+# ----------------------------------------------------------------------------
+# Axes
+# ----------------------------------------------------------------------------
+
+
+def check_dim(dim: DimLike, inverse_dims: bool, fn: str, allow_global: bool = True) -> DimLike:
+    """Validates ``dim`` / ``inverse_dims`` at construction and normalises ``dim``."""
+    dim = static_value(fn, "dim", dim)
+    if isinstance(dim, str):
+        if dim != "global" or not allow_global:
+            allowed = "None, an int, a tuple of ints or 'global'" if allow_global else (
+                "None, an int or a tuple of ints"
+            )
+            raise ValueError(f"{fn}: dim must be {allowed}, got {dim!r}")
+        return dim
+    if dim is None:
+        if inverse_dims:
+            raise ValueError(
+                f"{fn}: inverse_dims=True needs dim (the axes to keep); with dim=None "
+                "there would be no axis left to reduce"
+            )
+        return None
+    if isinstance(dim, (int, np.integer)) and not isinstance(dim, bool):
+        return (int(dim),)
+    try:
+        dims = tuple(static_value(fn, "dim", d) for d in dim)  # type: ignore[union-attr]
+    except TypeError as err:
+        raise ValueError(f"{fn}: dim must be None, an int or a tuple of ints, got {dim!r}") from err
+    if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) for d in dims):
+        raise ValueError(f"{fn}: dim must be None, an int or a tuple of ints, got {dim!r}")
+    return tuple(int(d) for d in dims)
+
+
+def reduction_axes(
+    shape: Sequence[int], dim: DimLike, inverse_dims: bool = False, min_size: int = 1
+) -> Axes:
+    """The axes of a leaf of ``shape`` that one norm reduces over.
+
+    Args:
+      shape: the leaf's shape.
+      dim: ``None`` (the whole leaf), or a tuple of axes (negative axes count from
+        this leaf's last axis; axes the leaf lacks are ignored).
+      inverse_dims: reduce over every axis not in ``dim``.
+      min_size: slices with fewer elements are left alone.
+
+    Returns:
+      A sorted tuple of axes, or ``None`` when the leaf is left unchanged (no axis to
+      reduce, or slices smaller than ``min_size``).
+    """
+    ndim = len(shape)
+    if dim is None:
+        axes: tuple[int, ...] = tuple(range(ndim))
+    else:
+        assert not isinstance(dim, str)
+        picked = set()
+        for d in dim:  # type: ignore[union-attr]
+            d = d + ndim if d < 0 else d
+            if 0 <= d < ndim:
+                picked.add(d)
+        if inverse_dims:
+            picked = set(range(ndim)) - picked
+        axes = tuple(sorted(picked))
+        if not axes:
+            return None
+    size = 1
+    for a in axes:
+        size *= shape[a]
+    if size < min_size:
+        return None
+    return axes
+
+
+def _size(shape: Sequence[int], axes: Axes) -> int:
+    n = 1
+    for a in range(len(shape)) if axes is None else axes:
+        n *= shape[a]
+    return n
+
+
+# ----------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------
+
+
+def _safe_pos(s: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(s > 0, s with non-positive entries replaced by 1)``: the double-where."""
+    pos = s > 0
+    return pos, jnp.where(pos, s, jnp.ones_like(s))
+
+
+def _root(s: jax.Array, p: float) -> jax.Array:
+    """``s ** (1/p)`` with finite derivatives at 0 (and ``0 -> inf`` for p < 0)."""
+    pos, safe = _safe_pos(s)
+    if p == 2.0:
+        r = jnp.sqrt(safe)
+    elif p == 1.0:
+        return s
+    else:
+        r = safe ** (1.0 / p)
+    return jnp.where(pos, r, jnp.zeros_like(s) if p > 0 else jnp.full_like(s, jnp.inf))
+
+
+def _abs(x: jax.Array, acc: np.dtype) -> jax.Array:
+    if jnp.iscomplexobj(x):
+        return jnp.abs(x).astype(acc)
+    return jnp.abs(x.astype(acc))
+
+
+def _abs_sq(x: jax.Array, acc: np.dtype) -> jax.Array:
+    if jnp.iscomplexobj(x):
+        re, im = jnp.real(x).astype(acc), jnp.imag(x).astype(acc)
+        return re * re + im * im
+    y = x.astype(acc)
+    return y * y
+
+
+def _pow_abs(a: jax.Array, p: float) -> jax.Array:
+    """``|x| ** p`` from ``a = |x|`` with finite derivatives where it matters."""
+    if p == 1.0:
+        return a
+    if p == 2.0:
+        return a * a
+    if p > 1.0:
+        return a**p
+    pos, safe = _safe_pos(a)
+    fill = jnp.zeros_like(a) if p > 0 else jnp.full_like(a, jnp.inf)
+    return jnp.where(pos, safe**p, fill)
+
+
+def _scaled(x: jax.Array, acc: np.dtype, scale: jax.Array | None) -> jax.Array:
+    """``x`` in its accumulation dtype, divided by ``scale`` when one is given."""
+    if jnp.iscomplexobj(x):
+        y = x.astype(jnp.result_type(acc, jnp.complex64))
+    else:
+        y = x.astype(acc)
+    if scale is not None:
+        y = y / scale.astype(acc)
+    return y
+
+
+@dataclasses.dataclass
+class _Job:
+    """One leaf to measure: the array and its reduction axes (``None`` = all)."""
+
+    x: jax.Array
+    axes: Axes
+    keepdims: bool  # False: reduce to a scalar per leaf (global mode)
+
+    @property
+    def acc(self) -> np.dtype:
+        return acc_dtype(self.x.dtype)
+
+    @property
+    def n(self) -> int:
+        return _size(self.x.shape, self.axes)
+
+    def sum(self, v: jax.Array) -> jax.Array:
+        if self.keepdims:
+            return jnp.sum(v, axis=self.axes, keepdims=True)
+        return jnp.sum(v)
+
+    def max(self, v: jax.Array) -> jax.Array:
+        if self.keepdims:
+            return jnp.max(v, axis=self.axes, keepdims=True, initial=0.0)
+        return jnp.max(v, initial=0.0)
+
+    def min(self, v: jax.Array) -> jax.Array:
+        if self.keepdims:
+            return jnp.min(v, axis=self.axes, keepdims=True, initial=jnp.inf)
+        return jnp.min(v, initial=jnp.inf)
+
+
+def _stat(job: _Job, spec: NormSpec, scale: jax.Array | None, center: jax.Array | None) -> jax.Array:
+    """The partial statistic of one leaf (sum-type kinds) before combination."""
+    acc = job.acc
+    k = spec.kind
+    if k == "sum":
+        return job.sum(_scaled(job.x, acc, scale))
+    if k == "count":
+        return job.sum((job.x != 0).astype(acc))
+    if k in ("var", "std"):
+        y = _scaled(job.x, acc, scale)
+        if center is not None:
+            y = y - center
+        return job.sum(_abs_sq(y, acc))
+    y = _scaled(job.x, acc, scale)
+    if k == "rms" or (k == "pow" and spec.p == 2.0):
+        return job.sum(_abs_sq(y, acc))
+    if k == "mad":
+        return job.sum(_abs(y, acc))
+    return job.sum(_pow_abs(_abs(y, acc), spec.p))
+
+
+class _Combiner:
+    """Combines per-leaf partial statistics into one (global mode, psum'd)."""
+
+    def __init__(self, dtype: np.dtype, axis_name: Any):
+        self.dtype = dtype
+        self.axis_name = axis_name
+
+    def sum(self, parts: Sequence[jax.Array]) -> jax.Array:
+        if parts:
+            total = jnp.sum(jnp.stack([p.astype(self.dtype) for p in parts]))
+        else:
+            total = jnp.zeros((), self.dtype)
+        if self.axis_name is not None:
+            total = lax.psum(total, self.axis_name)
+        return total
+
+    def max(self, parts: Sequence[jax.Array]) -> jax.Array:
+        total = jnp.max(jnp.stack([p.astype(self.dtype) for p in parts])) if parts else jnp.zeros((), self.dtype)
+        if self.axis_name is not None:
+            total = lax.pmax(total, self.axis_name)
+        return total
+
+    def min(self, parts: Sequence[jax.Array]) -> jax.Array:
+        total = (
+            jnp.min(jnp.stack([p.astype(self.dtype) for p in parts]))
+            if parts
+            else jnp.full((), jnp.inf, self.dtype)
+        )
+        if self.axis_name is not None:
+            total = lax.pmin(total, self.axis_name)
+        return total
+
+    def count(self, n: int) -> Any:
+        if self.axis_name is not None:
+            return lax.psum(jnp.asarray(n, self.dtype), self.axis_name)
+        return n
+
+
+def _finish(spec: NormSpec, s: jax.Array, n: Any) -> jax.Array:
+    """Turns a (combined) partial statistic into the norm (before rescaling)."""
+    k = spec.kind
+    if k in ("count", "sum"):
+        return s
+    if k == "mad":
+        return s / jnp.maximum(n, 1)
+    if k == "rms":
+        return _root(s / jnp.maximum(n, 1), 2.0)
+    if k in ("var", "std"):
+        var = jnp.where(n > 1, s / jnp.maximum(n - 1, 1), jnp.zeros_like(s))
+        return var if k == "var" else _root(var, 2.0)
+    return _root(s, spec.p)
+
+
+def _is_bad(spec: NormSpec, s: jax.Array, n: Any) -> jax.Array:
+    """True where the fast path's statistic may have over- or underflowed."""
+    bad = ~jnp.isfinite(s)
+    underflow = spec.kind in _UNDERFLOW_KINDS or (spec.kind == "pow" and spec.p != 1.0)
+    if underflow:
+        info = jnp.finfo(s.dtype)
+        # Each underflowed element loses less than `tiny`; below n*tiny/eps that loss
+        # could exceed one ulp of the sum, so recompute in scaled units.
+        thr = jnp.asarray(n, s.dtype) * (float(info.tiny) / float(info.eps))
+        bad = bad | (s < thr)
+    return jnp.any(bad)
+
+
+def _rescale_norm(spec: NormSpec, r: jax.Array, m: jax.Array) -> jax.Array:
+    if spec.kind == "var":
+        return r * m * m
+    return r * m
+
+
+def _compute(
+    jobs: Sequence[_Job], spec: NormSpec, combine: bool, axis_name: Any, dtype: np.dtype | None = None
+) -> Any:
+    """Norms of ``jobs``: a list of keepdims arrays, or one scalar when ``combine``."""
+    k = spec.kind
+    comb = _Combiner(dtype or tree_acc_dtype([j.x for j in jobs]), axis_name)
+
+    # max / min / count cannot overflow: no fallback needed.
+    if k == "max":
+        parts = [j.max(_abs(j.x, j.acc)) for j in jobs]
+        return comb.max(parts) if combine else parts
+    if k == "min":
+        parts = [j.min(_abs(j.x, j.acc)) for j in jobs]
+        if not combine:
+            return parts
+        total = comb.min(parts)
+        # an empty tree has no minimum: report 0 ("counts for nothing")
+        n = comb.count(sum(j.n for j in jobs))
+        return jnp.where(jnp.asarray(n) > 0, total, jnp.zeros_like(total))
+    if k == "count":
+        parts = [_stat(j, spec, None, None) for j in jobs]
+        return comb.sum(parts) if combine else parts
+
+    def one_pass(scale: Any) -> tuple[Any, Any]:
+        """Returns (norms, bad) for a given scale (None, or per-job / global)."""
+        scales = scale if isinstance(scale, list) else [scale] * len(jobs)
+        centers: list[Any] = [None] * len(jobs)
+        if k in ("var", "std"):
+            # two-pass variance: the mean first, then squared deviations
+            means = [_stat(j, NormSpec("sum"), s, None) for j, s in zip(jobs, scales)]
+            if combine:
+                n_tot = comb.count(sum(j.n for j in jobs))
+                mu = comb.sum(means) / jnp.maximum(n_tot, 1)
+                centers = [mu.astype(j.acc) if not jnp.iscomplexobj(j.x) else mu for j in jobs]
+            else:
+                centers = [m / max(j.n, 1) for j, m in zip(jobs, means)]
+        stats = [_stat(j, spec, s, c) for j, s, c in zip(jobs, scales, centers)]
+        if combine:
+            n = comb.count(sum(j.n for j in jobs))
+            s = comb.sum(stats)
+            return _finish(spec, s, n), _is_bad(spec, s, n)
+        norms = [_finish(spec, s, j.n) for j, s in zip(jobs, stats)]
+        bads = [_is_bad(spec, s, j.n) for j, s in zip(jobs, stats)]
+        bad = jnp.any(jnp.stack(bads)) if bads else jnp.zeros((), bool)
+        return norms, bad
+
+    main, bad = one_pass(None)
+
+    def fallback(main: Any) -> Any:
+        # Rescale by max|x| (min|x| for negative p) so no power over/underflows.
+        if k == "pow" and spec.p < 0:
+            ms = [j.min(_abs(j.x, j.acc)) for j in jobs]
+            ms = comb.min(ms) if combine else ms
+        else:
+            ms = [j.max(_abs(j.x, j.acc)) for j in jobs]
+            ms = comb.max(ms) if combine else ms
+        if combine:
+            ok = jnp.isfinite(ms) & (ms > 0)
+            safe_m = jnp.where(ok, ms, jnp.ones_like(ms))
+            scaled, _ = one_pass(safe_m)
+            return jnp.where(ok, _rescale_norm(spec, scaled, safe_m), main)
+        oks = [jnp.isfinite(m) & (m > 0) for m in ms]
+        safe = [jnp.where(o, m, jnp.ones_like(m)) for o, m in zip(oks, ms)]
+        scaled, _ = one_pass(safe)
+        return [
+            jnp.where(o, _rescale_norm(spec, r, m), mn)
+            for o, r, m, mn in zip(oks, scaled, safe, main)
+        ]
+
+    if not jobs:
+        return main
+    return lax.cond(bad, fallback, lambda m: m, main)
+
+
+def global_norm(
+    arrays: Sequence[jax.Array], spec: NormSpec, axis_name: Any = None, dtype: np.dtype | None = None
+) -> jax.Array:
+    """One norm over all ``arrays`` (as if concatenated), in the accumulation dtype.
+
+    ``axis_name`` combines the partial statistics across devices (``psum``/``pmax``)
+    for leaves sharded by hand inside ``shard_map`` or ``pmap``.
+    """
+    jobs = [_Job(x, None, keepdims=False) for x in arrays]
+    return _compute(jobs, spec, combine=True, axis_name=axis_name, dtype=dtype)
+
+
+def slice_norms(
+    arrays: Sequence[jax.Array], axes: Sequence[tuple[int, ...]], spec: NormSpec
+) -> list[jax.Array]:
+    """Per-slice norms of each array over its ``axes``, with ``keepdims=True``.
+
+    Every array's result broadcasts against the array; one ``lax.cond`` covers the
+    overflow fallback of all of them.
+    """
+    jobs = [_Job(x, tuple(a), keepdims=True) for x, a in zip(arrays, axes)]
+    return _compute(jobs, spec, combine=False, axis_name=None)
+
+
+def check_complex(flat: FlatTree, spec: NormSpec, fn: str) -> None:
+    """A signed ``'sum'`` has no meaning for complex leaves: raise naming the leaf."""
+    if spec.kind != "sum":
+        return
+    for i in flat.active:
+        if jnp.iscomplexobj(flat.leaves[i]):
+            raise TypeError(
+                f"{fn}: ord='sum' is a signed sum and is not defined for the complex "
+                f"leaf {jax.tree_util.keystr(flat.paths[i])}"
+            )
+
+
+# ----------------------------------------------------------------------------
+# Public functions
+# ----------------------------------------------------------------------------
+
+
+def tree_norm(tree: Any, ord: OrdLike = 2, *, axis_name: Any = None) -> jax.Array:  # noqa: A002
+    """The global norm of a pytree: the norm of all its leaves concatenated.
+
+    .. math:: \\|g\\|_p = \\Big(\\sum_{\\text{leaves } i} \\sum_j |g_{ij}|^p\\Big)^{1/p}
+
+    and the corresponding definition for the other ``ord`` values (see
+    :func:`parse_ord`). 16-bit leaves accumulate in float32; the result is finite
+    whenever every element is finite; an empty tree has norm 0.
+
+    Args:
+      tree: a pytree of floating-point or complex arrays (``None``,
+        :class:`optax.MaskedNode` and ``float0`` leaves count for nothing).
+      ord: which norm (default 2, the Euclidean norm).
+      axis_name: inside ``shard_map`` / ``pmap``, the axis over which the leaves are
+        sharded by hand; partial norms are combined across it.
+
+    Returns:
+      A scalar in the accumulation dtype (float32, or float64 for float64 leaves).
+
+    Raises:
+      TypeError: for an integer or bool leaf (the message names its path).
+      ValueError: for an unknown ``ord``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import gradclip_jax as gcx
+      >>> float(gcx.tree_norm({'a': jnp.array([3.0]), 'b': jnp.array([4.0])}))
+      5.0
+      >>> float(gcx.tree_norm([jnp.full(4, 300.0, jnp.float16)]))  # no fp16 overflow
+      600.0
+    """
+    spec = parse_ord(ord, "tree_norm")
+    flat = flatten(tree, "tree_norm")
+    check_complex(flat, spec, "tree_norm")
+    return global_norm(flat.arrays, spec, axis_name)
+
+
+def leaf_norms(
+    tree: Any,
+    ord: OrdLike = 2,  # noqa: A002
+    dim: DimLike = None,
+    inverse_dims: bool = False,
+    *,
+    keepdims: bool = False,
+) -> Any:
+    """Per-leaf (or per-slice) norms, as a tree of the same structure.
+
+    Args:
+      tree: a pytree of floating-point or complex arrays.
+      ord: which norm (see :func:`parse_ord`).
+      dim: ``None`` for one norm per leaf, or an int / tuple of axes to reduce
+        over (negative axes count from each leaf's last axis; axes a leaf lacks
+        are ignored). A leaf with no axis to reduce gets ``None``.
+      inverse_dims: reduce over every axis *not* in ``dim``.
+      keepdims: keep the reduced axes with size 1 (so the result broadcasts
+        against the leaf).
+
+    Returns:
+      A tree whose leaves are the norms (shape of the leaf with the reduced axes
+      removed, or kept with size 1), in the accumulation dtype.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import gradclip_jax as gcx
+      >>> gcx.leaf_norms({'w': jnp.array([[3.0, 0.0], [4.0, 1.0]])}, dim=0)
+      {'w': Array([5., 1.], dtype=float32)}
+    """
+    spec = parse_ord(ord, "leaf_norms")
+    d = check_dim(dim, inverse_dims, "leaf_norms", allow_global=False)
+    flat = flatten(tree, "leaf_norms")
+    check_complex(flat, spec, "leaf_norms")
+    arrays, axes, where = [], [], []
+    for pos, x in enumerate(flat.arrays):
+        ax = reduction_axes(x.shape, d, inverse_dims)
+        if ax is not None:
+            arrays.append(x)
+            axes.append(ax)
+            where.append(pos)
+    norms = slice_norms(arrays, axes, spec)
+    out: list[Any] = [None] * len(flat.active)
+    for pos, ax, nrm in zip(where, axes, norms):
+        out[pos] = nrm if keepdims else jnp.squeeze(nrm, axis=ax)
+    return flat.rebuild(out, fill=None)
