@@ -1,0 +1,216 @@
+"""Shared machinery of the stateful clippers (private).
+
+The stateful transforms (:mod:`gradclip_jax.ema`, :mod:`gradclip_jax.growth`,
+:mod:`gradclip_jax.adaptive`) keep per-leaf statistics in trees shaped like the
+parameters: the measured (floating-point) leaves hold arrays, every other leaf
+holds ``None``. These helpers build such trees at ``init``, read them back as flat
+lists aligned with :attr:`gradclip_jax.norms.FlatTree.arrays` at ``update``, and
+write them again with the structure fixed at ``init`` (so the state never
+changes structure: safe in ``lax.scan``, ``vmap`` and checkpoints).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from gradclip_jax import norms as _norms
+from gradclip_jax.clipping import clip_factor, scale_leaf
+from gradclip_jax.hyperparams import as_scalar, is_traced, resolve, static_value
+
+
+def count0() -> jax.Array:
+    """A fresh int32 step counter."""
+    return jnp.zeros([], jnp.int32)
+
+
+def scalar_dtype(params: Any) -> np.dtype:
+    """The dtype of scalar statistics: the engine's accumulation dtype of ``params``."""
+    return _norms.tree_acc_dtype(jax.tree_util.tree_leaves(params))
+
+
+def array_dtype(x: Any) -> np.dtype:
+    """The dtype of a parameter-shaped statistic of leaf ``x``.
+
+    16-bit leaves keep float32 statistics; float32/float64/complex keep their own
+    dtype.
+    """
+    return np.dtype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def real_array_dtype(x: Any) -> np.dtype:
+    """Like :func:`array_dtype` but real (for statistics of ``|x|``)."""
+    return _norms.acc_dtype(array_dtype(x))
+
+
+def check_int(fn: str, name: str, value: Any, low: int) -> int:
+    """A structural integer argument (``history_size``, ``warmup_steps``) as a Python int."""
+    value = static_value(fn, name, value)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{fn}: `{name}` must be an int, got {value!r}")
+    if value < low:
+        raise ValueError(f"{fn}: `{name}` must be >= {low}, got {value}")
+    return int(value)
+
+
+def check_choice(fn: str, name: str, value: Any, choices: Sequence[str]) -> str:
+    """A string option, case-insensitive; ``ValueError`` naming the choices otherwise."""
+    value = static_value(fn, name, value)
+    if isinstance(value, str) and value.lower() in choices:
+        return value.lower()
+    raise ValueError(f"{fn}: `{name}` must be one of {tuple(choices)}, got {value!r}")
+
+
+def check_transform(fn: str, name: str, value: Any) -> None:
+    """``None`` or an optax transformation (anything with ``init`` and ``update``)."""
+    if value is None:
+        return
+    if not (callable(getattr(value, "init", None)) and callable(getattr(value, "update", None))):
+        raise ValueError(f"{fn}: `{name}` must be an optax.GradientTransformation or None, got {value!r}")
+
+
+def hp(value: Any, count: jax.Array, dtype: Any) -> jax.Array:
+    """A hyperparameter (number, array or schedule) at step ``count`` as a 0-d array."""
+    return as_scalar(resolve(value, count), dtype)
+
+
+def known(value: Any) -> bool:
+    """True when ``value`` is a concrete number (not a schedule, not traced, not None)."""
+    return value is not None and not callable(value) and not is_traced(value)
+
+
+def per_leaf(params: Any, fn: str, make: Callable[[Any], Any]) -> Any:
+    """A tree shaped like ``params`` with ``make(leaf)`` at each measured leaf, ``None`` elsewhere."""
+    flat = _norms.flatten(params, fn)
+    return flat.rebuild([make(x) for x in flat.arrays], fill=None)
+
+
+def leaves_of(tree: Any, n: int, fn: str, what: str) -> list[Any]:
+    """The per-leaf statistics of a state tree, checked against ``n`` measured leaves."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    if len(leaves) != n:
+        raise ValueError(
+            f"{fn}: the updates have {n} floating-point leaves but the state's `{what}` has "
+            f"{len(leaves)}; pass updates with the structure of the params given to init"
+        )
+    return leaves
+
+
+def like(tree: Any, leaves: Sequence[Any]) -> Any:
+    """``leaves`` put back into ``tree``'s structure, each cast to the old leaf's dtype."""
+    old, treedef = jax.tree_util.tree_flatten(tree)
+    return jax.tree_util.tree_unflatten(
+        treedef, [jnp.asarray(n).astype(o.dtype).reshape(o.shape) for n, o in zip(leaves, old, strict=True)]
+    )
+
+
+def whole_leaf_norms(arrays: Sequence[jax.Array], spec: _norms.NormSpec) -> list[jax.Array]:
+    """One norm per array (over all its axes) from the engine, as 0-d arrays.
+
+    All arrays go through a single :func:`gradclip_jax.norms.slice_norms` call, so
+    one overflow-fallback ``lax.cond`` covers them all.
+    """
+    out = _norms.slice_norms(arrays, [tuple(range(x.ndim)) for x in arrays], spec)
+    return [n.reshape(()) for n in out]
+
+
+def stack(scalars: Sequence[jax.Array], dtype: Any) -> jax.Array:
+    """Per-leaf scalars as one vector, so per-leaf arithmetic is one fused op, not one per leaf."""
+    if not scalars:
+        return jnp.zeros((0,), dtype)
+    return jnp.stack([jnp.asarray(x).astype(dtype).reshape(()) for x in scalars])
+
+
+def unstack(vector: jax.Array) -> list[jax.Array]:
+    """The entries of a vector from :func:`stack`, as 0-d arrays."""
+    return [vector[i] for i in range(vector.shape[0])]
+
+
+def pack(tensorwise: bool, template: Any, vector: jax.Array) -> Any:
+    """A stacked statistic written back as the state field ``template`` holds it.
+
+    Per-leaf fields (``tensorwise``) become a tree like ``template``; a global
+    field is the single entry, in ``template``'s dtype.
+    """
+    if tensorwise:
+        return like(template, unstack(vector))
+    return vector[0].astype(template.dtype)
+
+
+def all_finite(values: Sequence[jax.Array]) -> jax.Array:
+    """True when every element of every array in ``values`` is finite (a 0-d bool)."""
+    # max|v| is NaN or inf exactly when some element is: one fused reduction per
+    # array, without materialising an elementwise boolean array.
+    oks = [jnp.isfinite(jnp.max(jnp.abs(v), initial=0)) for v in values]
+    if not oks:
+        return jnp.ones((), bool)
+    return jnp.all(jnp.stack(oks))
+
+
+def any_true(values: Sequence[jax.Array]) -> jax.Array:
+    """True when any element of any array in ``values`` is true (a 0-d bool)."""
+    flags = [jnp.any(v) for v in values]
+    if not flags:
+        return jnp.zeros((), bool)
+    return jnp.any(jnp.stack(flags))
+
+
+def keep_unless(ok: jax.Array, new: Any, old: Any) -> Any:
+    """``new`` where the scalar ``ok`` is true, else ``old`` (leafwise, same structure)."""
+    return jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+
+def bounded_factor(norm: jax.Array, bound: jax.Array) -> jax.Array:
+    """:func:`~gradclip_jax.clipping.clip_factor` for a bound that may be ``inf``/NaN (no clip).
+
+    An infinite bound never clips; routing it around ``clip_factor`` keeps the
+    derivative finite (``inf / norm`` in the unselected branch would give NaN).
+    """
+    finite = jnp.isfinite(bound)
+    f = clip_factor(norm, jnp.where(finite, bound, jnp.ones_like(bound)))
+    return jnp.where(finite, f, jnp.ones_like(f))
+
+
+def safe_div(num: jax.Array, den: jax.Array, use: jax.Array) -> jax.Array:
+    """``num / den`` where ``use``, else 1: the double-``where`` (finite derivatives)."""
+    one = jnp.ones_like(den)
+    return jnp.where(use, num / jnp.where(use, den, one), one)
+
+
+def scale_all(flat: _norms.FlatTree, factors: Sequence[jax.Array] | jax.Array) -> Any:
+    """Every measured leaf of ``flat`` times its factor (one multiply per leaf)."""
+    arrays = flat.arrays
+    per_leaf: list[jax.Array] = (
+        list(factors) if isinstance(factors, (list, tuple)) else [factors] * len(arrays)  # type: ignore[list-item]
+    )
+    return flat.rebuild([scale_leaf(x, f) for x, f in zip(arrays, per_leaf, strict=True)])
+
+
+def measured(updates: Any, spec: _norms.NormSpec | None, fn: str) -> _norms.FlatTree:
+    """Flattens and validates ``updates`` for the engine (complex ``'sum'`` is rejected)."""
+    flat = _norms.flatten(updates, fn)
+    if spec is not None:
+        _norms.check_complex(flat, spec, fn)
+    return flat
+
+
+def run_inner(
+    inner: optax.GradientTransformation | None, updates: Any, state: Any, params: Any, fn: str
+) -> tuple[_norms.FlatTree, Any]:
+    """Runs an optional child transformation; returns its output (flattened) and state."""
+    if inner is None:
+        return _norms.flatten(updates, fn), state
+    out, new_state = inner.update(updates, state, params)
+    return _norms.flatten(out, fn), new_state
+
+
+def init_inner(inner: optax.GradientTransformation | None, params: Any) -> Any:
+    """The child's initial state, or :class:`optax.EmptyState` without a child."""
+    return optax.EmptyState() if inner is None else inner.init(params)

@@ -1,0 +1,332 @@
+"""Clipping the growth of updates from one step to the next (torchzero's growth clippers).
+
+:func:`clip_norm_growth` and :func:`clip_value_growth` port torchzero 0.4.4's
+``ClipNormGrowth`` and ``ClipValueGrowth`` (shared spec:
+``reference-semantics.md`` §2.11-2.12) with the same math, except for two
+reference bugs that are not copied:
+
+* ``add=None, mul=None`` is the identity with the usual state (torchzero's
+  ``ClipNormGrowth`` crashes on step 2);
+* ``min_value`` floors only the *tracked* norm. torchzero also floors the divisor
+  of every update at ``min_value``, so with ``min_value > 1`` every update after
+  the first is divided by at least ``min_value``.
+
+Both also take any ``ord`` of the norm engine, in tensorwise and global mode,
+and skip non-finite updates (``skip_nonfinite``, default on): such an update
+passes through unchanged and leaves the state and ``count`` as they were.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from gradclip_jax import _stateful as _st
+from gradclip_jax import norms as _norms
+from gradclip_jax.hyperparams import Hyperparam, check_scalar, increment, mark_static, static_value
+from gradclip_jax.norms import OrdLike
+
+__all__ = [
+    "ClipNormGrowthState",
+    "ClipValueGrowthState",
+    "clip_norm_growth",
+    "clip_value_growth",
+]
+
+
+class ClipNormGrowthState(NamedTuple):
+    """State of :func:`clip_norm_growth`.
+
+    Per-leaf fields are trees shaped like the parameters (``None`` at leaves that
+    are not measured) when ``tensorwise=True``, and scalars otherwise.
+
+    Attributes:
+      count: number of updates absorbed so far (int32; skipped non-finite updates
+        do not count). The first absorbed update only sets ``prev_norm``.
+      prev_norm: the tracked norm :math:`N` (the last clipped norm, limited in
+        its decay and floored at ``min_value``).
+      norm: the norm of the last update before clipping.
+      clip_norm: the bound in force at the last update, ``min(N + add, N * mul)``
+        (``inf`` on the first step or when neither ``add`` nor ``mul`` is set).
+      clipped: whether the last update was clipped.
+    """
+
+    count: jax.Array
+    prev_norm: Any
+    norm: Any
+    clip_norm: Any
+    clipped: Any
+
+
+class ClipValueGrowthState(NamedTuple):
+    """State of :func:`clip_value_growth`.
+
+    Attributes:
+      count: number of updates absorbed so far (int32).
+      prev: the tracked signed values :math:`R` (a tree like the parameters,
+        float32 for 16-bit leaves): the last clipped update, limited in its
+        decay.
+      clipped: per leaf, whether any element of the last update was clipped.
+    """
+
+    count: jax.Array
+    prev: Any
+    clipped: Any
+
+
+def _check_common(fn: str, add: Any, mul: Any, min_value: Any, max_decay: Any) -> None:
+    check_scalar(fn, "add", add, low=0.0, allow_none=True)
+    check_scalar(fn, "mul", mul, low=0.0, allow_none=True)
+    check_scalar(fn, "min_value", min_value, low=0.0, allow_none=True)
+    check_scalar(fn, "max_decay", max_decay, low=0.0, low_inclusive=False, allow_none=True)
+
+
+@mark_static("ord", "tensorwise")
+def clip_norm_growth(
+    add: Hyperparam | None = None,
+    mul: Hyperparam | None = 1.5,
+    min_value: Hyperparam | None = 1e-4,
+    max_decay: Hyperparam | None = 2.0,
+    ord: OrdLike = 2,  # noqa: A002
+    tensorwise: bool = True,
+    *,
+    skip_nonfinite: bool = True,
+) -> optax.GradientTransformation:
+    """Limits how fast the update's norm may grow from step to step (torchzero ``ClipNormGrowth``).
+
+    For each leaf (``tensorwise=True``) or all leaves together, with :math:`n_t`
+    the update's norm and :math:`N` the tracked norm:
+
+    .. math::
+
+        N_1 &= n_1 \\quad \\text{(the first update passes unchanged)} \\\\
+        b_t &= \\min(N_{t-1} + \\text{add},\\; N_{t-1} \\cdot \\text{mul}) \\\\
+        u_t &\\leftarrow u_t \\cdot \\min(1, b_t / n_t) \\\\
+        N_t &= \\max\\Big(\\begin{cases} N_{t-1} / \\text{max\\_decay} & n_t / N_{t-1} < 1 / \\text{max\\_decay} \\\\ \\min(n_t, b_t) & \\text{otherwise} \\end{cases},\\; \\text{min\\_value}\\Big)
+
+    (a term whose hyperparameter is ``None`` is left out). The tracked norm
+    follows the *clipped* norm but shrinks by at most ``max_decay`` per step, and
+    ``min_value`` keeps it from collapsing to 0.
+
+    As in torchzero, the first tracked norm is not floored: after an all-zero
+    first update the second update is clipped to zero, then growth resumes from
+    ``min_value`` (with ``min_value=None`` every later update stays zero; keep a
+    positive ``min_value``). Unlike torchzero, ``min_value`` never divides the
+    updates themselves, and ``add=mul=None`` is the identity.
+
+    Args:
+      add: additive allowance: the norm may grow by at most ``add`` per step
+        (default ``None``, off).
+      mul: multiplicative allowance (default 1.5).
+      min_value: floor of the tracked norm (default 1e-4; ``None`` for none).
+      max_decay: the tracked norm shrinks by at most this factor per step
+        (default 2.0; ``None`` for no limit).
+      ord: the norm (default 2), any ``ord`` of the engine.
+      tensorwise: one tracked norm per leaf (default) or one over all leaves.
+      skip_nonfinite: pass updates with a non-finite norm through unchanged and
+        keep the state (default True).
+
+    Returns:
+      An :class:`optax.GradientTransformation` with state
+      :class:`ClipNormGrowthState`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from gradclip_jax.growth import clip_norm_growth
+      >>> tx = clip_norm_growth(mul=2.0)
+      >>> state = tx.init(jnp.zeros(2))
+      >>> out, state = tx.update(jnp.array([0.3, 0.4]), state)  # norm 0.5: tracked
+      >>> out, state = tx.update(jnp.array([3.0, 4.0]), state)  # norm 5 > 2 * 0.5
+      >>> out
+      Array([0.6, 0.8], dtype=float32)
+      >>> float(state.prev_norm)
+      1.0
+    """
+    fn = "clip_norm_growth"
+    spec = _norms.parse_ord(ord, fn)
+    tensorwise = bool(static_value(fn, "tensorwise", tensorwise))
+    skip = bool(static_value(fn, "skip_nonfinite", skip_nonfinite))
+    _check_common(fn, add, mul, min_value, max_decay)
+
+    def init_fn(params: Any) -> ClipNormGrowthState:
+        if tensorwise:
+            zero = _st.per_leaf(params, fn, lambda x: jnp.zeros((), _norms.acc_dtype(x.dtype)))
+            no = _st.per_leaf(params, fn, lambda x: jnp.zeros((), bool))
+        else:
+            zero = jnp.zeros((), _st.scalar_dtype(params))
+            no = jnp.zeros((), bool)
+        return ClipNormGrowthState(count=_st.count0(), prev_norm=zero, norm=zero, clip_norm=zero, clipped=no)
+
+    def update_fn(updates: Any, state: ClipNormGrowthState, params: Any = None) -> tuple:
+        del params
+        flat = _st.measured(updates, spec, fn)
+        arrays = flat.arrays
+        count = state.count
+        first = count == 0
+        # One entry per leaf (tensorwise) or a single global entry; the arithmetic
+        # below runs on these vectors, one fused op for all leaves.
+        if tensorwise:
+            k = len(arrays)
+            norm_list = _st.whole_leaf_norms(arrays, spec)
+            prev_list = _st.leaves_of(state.prev_norm, k, fn, "prev_norm")
+            old_list = _st.leaves_of(state.clip_norm, k, fn, "clip_norm")
+        else:
+            norm_list = [_norms.global_norm(arrays, spec, dtype=state.norm.dtype)]
+            prev_list, old_list = [state.prev_norm], [state.clip_norm]
+        dt = _norms.tree_acc_dtype(norm_list)
+        nrm, prev = _st.stack(norm_list, dt), _st.stack(prev_list, dt)
+
+        bound = jnp.full_like(nrm, jnp.inf)
+        if add is not None:
+            bound = jnp.minimum(bound, prev + _st.hp(add, count, dt))
+        if mul is not None:
+            bound = jnp.minimum(bound, prev * _st.hp(mul, count, dt))
+        bound = jnp.where(first, jnp.inf, bound)
+        f = _st.bounded_factor(nrm, bound)
+        new = nrm * f  # the clipped norm, min(n, bound)
+        if max_decay is not None:
+            md = _st.hp(max_decay, count, dt)
+            nonzero = prev != 0
+            ratio = nrm / jnp.where(nonzero, prev, jnp.ones_like(prev))
+            new = jnp.where(nonzero & (ratio < 1 / md), prev / md, new)
+        if min_value is not None:
+            new = jnp.maximum(new, _st.hp(min_value, count, dt))
+        tracked = jnp.where(first, nrm, new)
+
+        ok = _st.all_finite([nrm]) if skip else jnp.ones((), bool)
+        f = jnp.where(ok, f, jnp.ones_like(f))
+        out = _st.scale_all(flat, _st.unstack(f) if tensorwise else f[0])
+        new_state = ClipNormGrowthState(
+            count=jnp.where(ok, increment(count), count),
+            prev_norm=_st.pack(tensorwise, state.prev_norm, jnp.where(ok, tracked, prev)),
+            norm=_st.pack(tensorwise, state.norm, nrm),
+            clip_norm=_st.pack(tensorwise, state.clip_norm, jnp.where(ok, bound, _st.stack(old_list, dt))),
+            clipped=_st.pack(tensorwise, state.clipped, (f < 1) & ok),
+        )
+        return out, new_state
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def clip_value_growth(
+    add: Hyperparam | None = None,
+    mul: Hyperparam | None = 1.5,
+    min_value: Hyperparam | None = 1e-4,
+    max_decay: Hyperparam | None = 2.0,
+    *,
+    skip_nonfinite: bool = True,
+) -> optax.GradientTransformation:
+    """Limits how fast each element's magnitude may grow (torchzero ``ClipValueGrowth``).
+
+    Elementwise, with :math:`x` the incoming value and :math:`r` the tracked
+    (signed) previous value; the first update passes unchanged and sets
+    :math:`r = x`. Afterwards:
+
+    1. additive (``add`` set): where :math:`|x| - |r| > \\text{add}`, shrink
+       :math:`x` to magnitude :math:`|r| + \\text{add}` (same sign);
+    2. multiplicative (``mul`` set): with :math:`m = \\max(|r|, \\text{min\\_value})`
+       and :math:`\\rho = \\max(|x| / m, 10^{-8})`, where :math:`\\rho > \\text{mul}`
+       scale :math:`x` to magnitude :math:`\\text{mul} \\cdot m`;
+    3. tracking: :math:`r \\leftarrow r / \\text{max\\_decay}` where
+       :math:`\\rho < 1/\\text{max\\_decay}` (:math:`\\rho` from the value after
+       step 1), else :math:`r \\leftarrow x` (the clipped value).
+
+    With ``min_value=None`` an element whose tracked value is 0 is clipped to 0
+    for good (as in torchzero); the default ``min_value=1e-4`` lets it grow back
+    from 1.5e-4. ``add=mul=None`` is the identity. Complex elements keep their
+    phase.
+
+    Args:
+      add: additive allowance per step (default ``None``, off).
+      mul: multiplicative allowance (default 1.5).
+      min_value: floor of the tracked magnitude used by the multiplicative bound
+        (default 1e-4; ``None`` for none).
+      max_decay: the tracked value shrinks by at most this factor per step
+        (default 2.0; ``None`` tracks the clipped value as is).
+      skip_nonfinite: when any element is not finite, pass the update through
+        unchanged and keep the state (default True).
+
+    Returns:
+      An :class:`optax.GradientTransformation` with state
+      :class:`ClipValueGrowthState`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from gradclip_jax.growth import clip_value_growth
+      >>> tx = clip_value_growth(mul=2.0)
+      >>> state = tx.init(jnp.zeros(2))
+      >>> out, state = tx.update(jnp.array([1.0, -1.0]), state)
+      >>> out, state = tx.update(jnp.array([5.0, -1.5]), state)
+      >>> out
+      Array([ 2. , -1.5], dtype=float32)
+    """
+    fn = "clip_value_growth"
+    skip = bool(static_value(fn, "skip_nonfinite", skip_nonfinite))
+    _check_common(fn, add, mul, min_value, max_decay)
+
+    def init_fn(params: Any) -> ClipValueGrowthState:
+        return ClipValueGrowthState(
+            count=_st.count0(),
+            prev=_st.per_leaf(params, fn, lambda x: jnp.zeros(x.shape, _st.array_dtype(x))),
+            clipped=_st.per_leaf(params, fn, lambda x: jnp.zeros((), bool)),
+        )
+
+    def one(x: jax.Array, r: jax.Array, count: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(output, new tracked value, any clipped) for one leaf, in the state's dtype.
+
+        The two bounds compose into one magnitude bound: the additive step caps
+        ``|x|`` at ``|r| + add`` and the multiplicative one then caps it at
+        ``mul * m``, so the output is ``x`` with its magnitude capped at the
+        smaller of the two. A NaN bound (a NaN in ``r``) clips nothing.
+        """
+        dt = _norms.acc_dtype(r.dtype)
+        x = x.astype(r.dtype)
+        ax, ar = jnp.abs(x), jnp.abs(r)
+        m = ar if min_value is None else jnp.maximum(ar, _st.hp(min_value, count, dt))
+        bound = None
+        after_add = ax  # |x| after the additive step (the decay test uses it)
+        if add is not None:
+            bound = ar + _st.hp(add, count, dt)
+            after_add = jnp.minimum(ax, bound)
+        if mul is not None:
+            by_mul = _st.hp(mul, count, dt) * m
+            bound = by_mul if bound is None else jnp.minimum(bound, by_mul)
+        if bound is None:
+            y, hit = x, jnp.zeros((), bool)
+        else:
+            y = jnp.where(ax > bound, jnp.sign(x) * bound, x)
+            hit = jnp.max(ax - bound, initial=-jnp.inf) > 0  # any(|x| > bound), one reduction
+        tracked = y
+        if max_decay is not None:
+            # rho = max(|x| / m, 1e-8) < 1 / max_decay, without dividing by m (m may be 0)
+            md = _st.hp(max_decay, count, dt)
+            shrink = (after_add < m / md) & (md * 1e-8 < 1)
+            tracked = jnp.where(shrink, r / md, y)
+        return y, tracked, hit
+
+    def update_fn(updates: Any, state: ClipValueGrowthState, params: Any = None) -> tuple:
+        del params
+        flat = _st.measured(updates, None, fn)
+        arrays = flat.arrays
+        count = state.count
+        first = count == 0
+        prevs = _st.leaves_of(state.prev, len(arrays), fn, "prev")
+        ok = _st.all_finite(arrays) if skip else jnp.ones((), bool)
+        outs, new_prev, flags = [], [], []
+        for u, r in zip(arrays, prevs, strict=True):
+            y, t, hit = one(u, r, count)
+            keep = first | ~ok
+            outs.append(jnp.where(keep, u, y.astype(u.dtype)))
+            new_prev.append(jnp.where(ok, jnp.where(first, u.astype(r.dtype), t), r))
+            flags.append(hit & ok & ~first)
+        new_state = ClipValueGrowthState(
+            count=jnp.where(ok, increment(count), count),
+            prev=_st.like(state.prev, new_prev),
+            clipped=_st.like(state.clipped, flags),
+        )
+        return flat.rebuild(outs), new_state
+
+    return optax.GradientTransformation(init_fn, update_fn)
