@@ -142,33 +142,51 @@ def scale_leaf(x: jax.Array, factor: jax.Array) -> jax.Array:
     return (x * factor.astype(acc)).astype(x.dtype)
 
 
-def clip_factor(
-    norm: jax.Array, max_norm: Any = None, min_norm: Any = None
-) -> jax.Array:
+@jax.custom_jvp
+def _ratio(b: jax.Array, n: jax.Array) -> jax.Array:
+    """``b / n`` whose derivative stays finite for tiny (or huge) ``n``.
+
+    The tangent is written as ``(t_b - f * t_n) / n`` with ``f = b / n``: linear in
+    the tangents, so reverse mode transposes it to *divide the cotangent by n
+    first*. The textbook ``-b t_n / n**2`` would square a 1e-30 norm to 0 (or a
+    1e20 norm to inf) in float32 and turn a finite gradient into NaN.
+    """
+    return b / n
+
+
+@_ratio.defjvp
+def _ratio_jvp(primals: tuple, tangents: tuple) -> tuple:
+    b, n = primals
+    tb, tn = tangents
+    f = b / n
+    return f, tb / n - (f * tn) / n
+
+
+def clip_factor(norm: jax.Array, max_norm: Any = None, min_norm: Any = None) -> jax.Array:
     """The factor that brings ``norm`` into ``[min_norm, max_norm]``.
 
     ``max_norm / norm`` when ``norm > max_norm``, ``min_norm / norm`` when
     ``0 < norm < min_norm``, else exactly 1. A zero, negative or non-finite norm
     gives 1: there is nothing meaningful to rescale, and non-finite inputs stay
-    visible instead of being zeroed. Derivatives are finite everywhere.
+    visible instead of being zeroed. Each branch has its own safe denominator, so
+    derivatives are finite everywhere, also for norms of 1e-30 or 1e30.
     """
     ok = jnp.isfinite(norm) & (norm > 0)
-    safe = jnp.where(ok, norm, jnp.ones_like(norm))
     factor = jnp.ones_like(norm)
-    if max_norm is not None:
-        mx = jnp.asarray(max_norm, norm.dtype)
-        factor = jnp.where(ok & (norm > mx), mx / safe, factor)
-    if min_norm is not None:
-        mn = jnp.asarray(min_norm, norm.dtype)
-        factor = jnp.where(ok & (norm < mn), mn / safe, factor)
+    for bound, pick in ((max_norm, lambda b: norm > b), (min_norm, lambda b: norm < b)):
+        if bound is None:
+            continue
+        b = jnp.asarray(bound, norm.dtype)
+        sel = ok & pick(b)
+        factor = jnp.where(sel, _ratio(b, jnp.where(sel, norm, jnp.ones_like(norm))), factor)
     return factor
 
 
 def normalize_factor(norm: jax.Array, norm_value: Any) -> jax.Array:
-    """``norm_value / norm`` for a positive finite norm, else 1."""
+    """``norm_value / norm`` for a positive finite norm, else exactly 1."""
     ok = jnp.isfinite(norm) & (norm > 0)
-    safe = jnp.where(ok, norm, jnp.ones_like(norm))
-    return jnp.where(ok, jnp.asarray(norm_value, norm.dtype) / safe, jnp.ones_like(norm))
+    target = jnp.asarray(norm_value, norm.dtype)
+    return jnp.where(ok, _ratio(target, jnp.where(ok, norm, jnp.ones_like(norm))), jnp.ones_like(norm))
 
 
 def rescale_tree(
@@ -206,8 +224,7 @@ def rescale_tree(
     arrays = flat.arrays
     if dim == "global":
         norm = _norms.global_norm(arrays, spec, axis_name, dtype=norm_dtype)
-        factor = factor_fn(norm)
-        out = flat.rebuild([scale_leaf(x, factor) for x in arrays])
+        out = flat.rebuild([scale_leaf(x, factor_fn(norm)) for x in arrays])
         return out, norm
     todo, axes = [], []
     for pos, x in enumerate(arrays):
@@ -218,10 +235,10 @@ def rescale_tree(
     measured = _norms.slice_norms([arrays[p] for p in todo], axes, spec)
     new = list(arrays)
     reported: list[Any] = [None] * len(arrays)
-    for pos, ax, nrm in zip(todo, axes, measured):
-        new[pos] = scale_leaf(arrays[pos], factor_fn(nrm))
-        r = jnp.squeeze(nrm, axis=ax)
-        reported[pos] = r if norm_dtype is None else r.astype(norm_dtype)
+    for pos, ax, n in zip(todo, axes, measured):
+        new[pos] = scale_leaf(arrays[pos], factor_fn(n))
+        nrm = jnp.squeeze(n, axis=ax)
+        reported[pos] = nrm if norm_dtype is None else nrm.astype(norm_dtype)
     return flat.rebuild(new), flat.rebuild(reported, fill=None)
 
 

@@ -515,7 +515,31 @@ def _stat(job: _Job, spec: NormSpec, scale: jax.Array | None, center: jax.Array 
         return job.sum(_abs_sq(y, acc))
     if k == "mad":
         return job.sum(_abs(y, acc))
-    return job.sum(_pow_abs(_abs(y, acc), spec.p))
+    a = _abs(y, acc)
+    if scale is None:
+        a = _guard_power_grad(a, spec.p)
+    return job.sum(_pow_abs(a, spec.p))
+
+
+def _guard_power_grad(a: jax.Array, p: float) -> jax.Array:
+    """Blocks the gradient of elements whose ``|x|^p`` derivative would overflow.
+
+    ``d|x|^p = p |x|^(p-1)`` is infinite for huge ``|x|`` (p > 1) or tiny ``|x|``
+    (p < 0). Such elements overflow the fast path's sum, so the fallback's scaled
+    pass carries the gradient; without this guard the unused fast path would
+    still contribute ``0 * inf = NaN``. The value is unchanged.
+    """
+    info = jnp.finfo(a.dtype)
+    limit = float(info.max) / (abs(p) + 1.0)
+    if p > 1.0:
+        edge = limit ** (1.0 / (p - 1.0))
+        risky = a > edge
+    elif p < 0.0:
+        edge = limit ** (1.0 / (p - 1.0))
+        risky = a < edge
+    else:
+        return a
+    return jnp.where(risky, lax.stop_gradient(a), a)
 
 
 class _Combiner:
@@ -584,34 +608,41 @@ def _is_bad(spec: NormSpec, s: jax.Array, n: Any) -> jax.Array:
     return jnp.any(bad)
 
 
-def _rescale_norm(spec: NormSpec, r: jax.Array, m: jax.Array) -> jax.Array:
-    if spec.kind == "var":
-        return r * m * m
-    return r * m
+def _ones_like(tree: Any) -> Any:
+    return jax.tree_util.tree_map(jnp.ones_like, tree)
 
 
 def _compute(
     jobs: Sequence[_Job], spec: NormSpec, combine: bool, axis_name: Any, dtype: np.dtype | None = None
-) -> Any:
-    """Norms of ``jobs``: a list of keepdims arrays, or one scalar when ``combine``."""
+) -> tuple[Any, Any]:
+    """Norms of ``jobs`` as ``(r, m)`` with norm ``= r * m``.
+
+    ``r`` is a list of keepdims arrays, or one scalar when ``combine``; ``m`` (same
+    structure) is the constant the overflow fallback divided by (exactly 1 on the
+    fast path), returned apart so that ``var`` (which scales with ``m**2``) and the
+    rest share one code path.
+    """
     k = spec.kind
     comb = _Combiner(dtype or tree_acc_dtype([j.x for j in jobs]), axis_name)
 
     # max / min / count cannot overflow: no fallback needed.
     if k == "max":
         parts = [j.max(_abs(j.x, j.acc)) for j in jobs]
-        return comb.max(parts) if combine else parts
+        out = comb.max(parts) if combine else parts
+        return out, _ones_like(out)
     if k == "min":
         parts = [j.min(_abs(j.x, j.acc)) for j in jobs]
         if not combine:
-            return parts
+            return parts, _ones_like(parts)
         total = comb.min(parts)
         # an empty tree has no minimum: report 0 ("counts for nothing")
         n = comb.count(sum(j.n for j in jobs))
-        return jnp.where(jnp.asarray(n) > 0, total, jnp.zeros_like(total))
+        total = jnp.where(jnp.asarray(n) > 0, total, jnp.zeros_like(total))
+        return total, jnp.ones_like(total)
     if k == "count":
         parts = [_stat(j, spec, None, None) for j in jobs]
-        return comb.sum(parts) if combine else parts
+        out = comb.sum(parts) if combine else parts
+        return out, _ones_like(out)
 
     def one_pass(scale: Any) -> tuple[Any, Any]:
         """Returns (norms, bad) for a given scale (None, or per-job / global)."""
@@ -640,33 +671,39 @@ def _compute(
 
     def fallback(main: Any) -> Any:
         # Rescale by max|x| (min|x| for negative p) so no power over/underflows.
+        # Every norm here is homogeneous (N(x) = m N(x/m)), so the scale is a
+        # constant for differentiation; its own derivative would bring in 1/m^2,
+        # which over- or underflows exactly in the cases this branch exists for.
         if k == "pow" and spec.p < 0:
             ms = [j.min(_abs(j.x, j.acc)) for j in jobs]
             ms = comb.min(ms) if combine else ms
         else:
             ms = [j.max(_abs(j.x, j.acc)) for j in jobs]
             ms = comb.max(ms) if combine else ms
+        ms = lax.stop_gradient(ms)
         if combine:
             ok = jnp.isfinite(ms) & (ms > 0)
             safe_m = jnp.where(ok, ms, jnp.ones_like(ms))
             scaled, _ = one_pass(safe_m)
-            return jnp.where(ok, _rescale_norm(spec, scaled, safe_m), main)
+            if spec.kind == "var":  # var scales with m^2: report it in one piece
+                return jnp.where(ok, scaled * safe_m * safe_m, main), jnp.ones_like(main)
+            return jnp.where(ok, scaled, main), safe_m
         oks = [jnp.isfinite(m) & (m > 0) for m in ms]
         safe = [jnp.where(o, m, jnp.ones_like(m)) for o, m in zip(oks, ms)]
         scaled, _ = one_pass(safe)
-        return [
-            jnp.where(o, _rescale_norm(spec, r, m), mn)
-            for o, r, m, mn in zip(oks, scaled, safe, main)
-        ]
+        if spec.kind == "var":
+            return [jnp.where(o, r * m * m, mn) for o, r, m, mn in zip(oks, scaled, safe, main)], _ones_like(main)
+        return [jnp.where(o, r, mn) for o, r, mn in zip(oks, scaled, main)], safe
 
     if not jobs:
-        return jnp.zeros((), comb.dtype) if combine else main
-    out = lax.cond(bad, fallback, lambda m: m, main)
+        zero = jnp.zeros((), comb.dtype)
+        return (zero, jnp.ones_like(zero)) if combine else (main, main)
+    r, m = lax.cond(bad, fallback, lambda mn: (mn, _ones_like(mn)), main)
     if combine:
         # an empty tree has norm 0 for every ord (for p < 0 the empty sum would give inf)
         n_tot = comb.count(sum(j.n for j in jobs))
-        out = jnp.where(jnp.asarray(n_tot) > 0, out, jnp.zeros_like(out))
-    return out
+        r = jnp.where(jnp.asarray(n_tot) > 0, r, jnp.zeros_like(r))
+    return r, m
 
 
 def global_norm(
@@ -678,8 +715,8 @@ def global_norm(
     for leaves sharded by hand inside ``shard_map`` or ``pmap``.
     """
     jobs, _ = _plan(arrays, [None] * len(arrays), keepdims=False)
-    dtype = dtype or tree_acc_dtype(arrays)
-    return _compute(jobs, spec, combine=True, axis_name=axis_name, dtype=dtype)
+    r, m = _compute(jobs, spec, combine=True, axis_name=axis_name, dtype=dtype or tree_acc_dtype(arrays))
+    return r * m
 
 
 def slice_norms(
@@ -691,11 +728,11 @@ def slice_norms(
     overflow fallback of all of them.
     """
     jobs, where = _plan(arrays, axes, keepdims=True)
-    results = _compute(jobs, spec, combine=False, axis_name=None)
+    rs, ms = _compute(jobs, spec, combine=False, axis_name=None)
     out = []
     for x, (j, k) in zip(arrays, where):
-        r = results[j]
-        out.append(r if k is None else r[k].reshape((1,) * x.ndim))
+        n = rs[j] * ms[j]
+        out.append(n if k is None else n[k].reshape((1,) * x.ndim))
     return out
 
 
