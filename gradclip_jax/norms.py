@@ -461,6 +461,19 @@ def _pack_dtype(x: jax.Array) -> Any:
     return jnp.result_type(acc, jnp.complex64) if jnp.iscomplexobj(x) else acc
 
 
+def _replicated_type(x: jax.Array) -> bool:
+    """False for a leaf whose type carries an explicit sharding over some mesh axis.
+
+    Packing such leaves into one buffer would mix shardings (a ShardingTypeError
+    under explicit sharding), so they are reduced on their own.
+    """
+    try:
+        spec = jax.typeof(x).sharding.spec
+    except AttributeError:  # pragma: no cover - older jax
+        return True
+    return all(s is None for s in spec)
+
+
 def _plan(arrays: Sequence[jax.Array], axes: Sequence[Axes], keepdims: bool) -> tuple[list[_Job], list[Any]]:
     """Builds the reductions for ``arrays``; returns (jobs, where each result lives).
 
@@ -473,7 +486,7 @@ def _plan(arrays: Sequence[jax.Array], axes: Sequence[Axes], keepdims: bool) -> 
     groups: dict[Any, list[int]] = {}
     for i, (x, ax) in enumerate(zip(arrays, axes)):
         whole = ax is None or tuple(ax) == tuple(range(x.ndim))
-        if whole and 0 < x.size <= PACK_MAX_SIZE:
+        if whole and 0 < x.size <= PACK_MAX_SIZE and _replicated_type(x):
             groups.setdefault(np.dtype(_pack_dtype(x)), []).append(i)
         else:
             where[i] = (len(jobs), None)
@@ -529,16 +542,15 @@ def _guard_power_grad(a: jax.Array, p: float) -> jax.Array:
     pass carries the gradient; without this guard the unused fast path would
     still contribute ``0 * inf = NaN``. The value is unchanged.
     """
-    info = jnp.finfo(a.dtype)
-    limit = float(info.max) / (abs(p) + 1.0)
-    if p > 1.0:
-        edge = limit ** (1.0 / (p - 1.0))
-        risky = a > edge
-    elif p < 0.0:
-        edge = limit ** (1.0 / (p - 1.0))
-        risky = a < edge
-    else:
+    if 0.0 <= p <= 1.0:
         return a
+    info = jnp.finfo(a.dtype)
+    # edge = (max / (|p| + 1)) ** (1 / (p - 1)), in logs so float64 cannot overflow
+    log_edge = (math.log(float(info.max)) - math.log(abs(p) + 1.0)) / (p - 1.0)
+    if log_edge >= math.log(float(info.max)):
+        return a
+    edge = math.exp(log_edge)
+    risky = a > edge if p > 1.0 else a < edge
     return jnp.where(risky, lax.stop_gradient(a), a)
 
 
@@ -612,6 +624,21 @@ def _ones_like(tree: Any) -> Any:
     return jax.tree_util.tree_map(jnp.ones_like, tree)
 
 
+def _power_of_two(m: jax.Array) -> jax.Array:
+    """The power of two nearest above ``m``, clamped so its reciprocal is normal.
+
+    Dividing by it is exact, and XLA may turn the division into a multiplication
+    by the reciprocal without flushing it to zero (dividing by ``max|x|`` itself
+    broke for ``max|x| > 8.5e37`` in float32, whose reciprocal is subnormal).
+    Zero, inf and NaN pass through so the caller can recognise them.
+    """
+    info = jnp.finfo(m.dtype)
+    _, e = jnp.frexp(m)
+    e = jnp.clip(e, int(info.minexp) + 1, int(info.maxexp) - 2)
+    p2 = jnp.ldexp(jnp.ones_like(m), e)
+    return jnp.where(jnp.isfinite(m) & (m > 0), p2, m)
+
+
 def _compute(
     jobs: Sequence[_Job], spec: NormSpec, combine: bool, axis_name: Any, dtype: np.dtype | None = None
 ) -> tuple[Any, Any]:
@@ -670,7 +697,7 @@ def _compute(
     main, bad = one_pass(None)
 
     def fallback(main: Any) -> Any:
-        # Rescale by max|x| (min|x| for negative p) so no power over/underflows.
+        # Rescale by about max|x| (min|x| for negative p) so no power over/underflows.
         # Every norm here is homogeneous (N(x) = m N(x/m)), so the scale is a
         # constant for differentiation; its own derivative would bring in 1/m^2,
         # which over- or underflows exactly in the cases this branch exists for.
@@ -680,7 +707,7 @@ def _compute(
         else:
             ms = [j.max(_abs(j.x, j.acc)) for j in jobs]
             ms = comb.max(ms) if combine else ms
-        ms = lax.stop_gradient(ms)
+        ms = lax.stop_gradient(jax.tree_util.tree_map(_power_of_two, ms))
         if combine:
             ok = jnp.isfinite(ms) & (ms > 0)
             safe_m = jnp.where(ok, ms, jnp.ones_like(ms))
