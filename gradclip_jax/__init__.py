@@ -10,7 +10,19 @@ Example:
   >>> state = tx.init({'w': jnp.zeros(3)})
 """
 
-from gradclip_jax import norms
+from gradclip_jax import norms, privacy
+from gradclip_jax.adaptive import (
+    AdaGCState,
+    AutoClipState,
+    QuantileClipState,
+    SkipOnSpikeState,
+    ZClipState,
+    adagc,
+    autoclip,
+    quantile_clip,
+    skip_on_spike,
+    zclip,
+)
 from gradclip_jax.clipping import (
     AdaptiveGradClipState,
     CentralizeState,
@@ -29,36 +41,62 @@ from gradclip_jax.clipping import (
     normalize,
     unit_axes,
 )
+from gradclip_jax.dp import (
+    DPAggregateState,
+    DPNoiseState,
+    DPQuantileAggregateState,
+    dp_aggregate,
+    dp_noise,
+    dp_quantile_aggregate,
+    dpsgd,
+    noise_multiplier_for_gradient,
+)
+from gradclip_jax.ema import (
+    ClipValueByEMAState,
+    NormByEMAState,
+    clip_norm_by_ema,
+    clip_value_by_ema,
+    normalize_by_ema,
+)
 from gradclip_jax.functional import clip_grad_norm, clip_grad_value, normalize_grads
+from gradclip_jax.growth import (
+    ClipNormGrowthState,
+    ClipValueGrowthState,
+    clip_norm_growth,
+    clip_value_growth,
+)
 from gradclip_jax.hyperparams import inject_hyperparams
 from gradclip_jax.norms import NormSpec, leaf_norms, parse_ord, tree_norm
+from gradclip_jax.per_example import (
+    ClippedGradFn,
+    ClippedGradInfo,
+    clipped_grad,
+    per_example_global_norm_clip,
+    per_example_layer_norm_clip,
+    per_example_norms,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AdaptiveGradClipState",
-    "CentralizeState",
-    "ClipByBlockRmsState",
-    "ClipByGlobalNormState",
-    "ClipByNormState",
-    "ClipByValueState",
-    "NormSpec",
-    "NormalizeState",
-    "adaptive_grad_clip",
-    "centralize",
-    "clip",
-    "clip_by_block_rms",
-    "clip_by_global_norm",
-    "clip_by_norm",
-    "clip_by_value",
-    "clip_grad_norm",
-    "clip_grad_value",
+    # stateless transforms
+    "adaptive_grad_clip", "centralize", "clip", "clip_by_block_rms", "clip_by_global_norm",
+    "clip_by_norm", "clip_by_value", "normalize",
+    "AdaptiveGradClipState", "CentralizeState", "ClipByBlockRmsState", "ClipByGlobalNormState",
+    "ClipByNormState", "ClipByValueState", "NormalizeState",
+    # stateful and adaptive transforms
+    "adagc", "autoclip", "clip_norm_by_ema", "clip_norm_growth", "clip_value_by_ema",
+    "clip_value_growth", "normalize_by_ema", "quantile_clip", "skip_on_spike", "zclip",
+    "AdaGCState", "AutoClipState", "ClipNormGrowthState", "ClipValueByEMAState",
+    "ClipValueGrowthState", "NormByEMAState", "QuantileClipState", "SkipOnSpikeState", "ZClipState",
+    # functional API and the norm engine
+    "clip_grad_norm", "clip_grad_value", "normalize_grads", "leaf_norms", "tree_norm",
+    "parse_ord", "NormSpec", "unit_axes", "norms",
+    # per-example and differential privacy
+    "clipped_grad", "per_example_global_norm_clip", "per_example_layer_norm_clip",
+    "per_example_norms", "ClippedGradFn", "ClippedGradInfo",
+    "dp_aggregate", "dp_noise", "dp_quantile_aggregate", "dpsgd", "noise_multiplier_for_gradient",
+    "DPAggregateState", "DPNoiseState", "DPQuantileAggregateState", "privacy",
+    # hyperparameters
     "inject_hyperparams",
-    "leaf_norms",
-    "normalize",
-    "normalize_grads",
-    "norms",
-    "parse_ord",
-    "tree_norm",
-    "unit_axes",
 ]

@@ -21,7 +21,7 @@ import optax
 
 from gradclip_jax import norms as _norms
 from gradclip_jax.clipping import clip_factor, scale_leaf
-from gradclip_jax.hyperparams import as_scalar, is_traced, resolve, static_value
+from gradclip_jax.hyperparams import as_scalar, resolve, static_value
 
 
 def count0() -> jax.Array:
@@ -79,11 +79,6 @@ def check_transform(fn: str, name: str, value: Any) -> None:
 def hp(value: Any, count: jax.Array, dtype: Any) -> jax.Array:
     """A hyperparameter (number, array or schedule) at step ``count`` as a 0-d array."""
     return as_scalar(resolve(value, count), dtype)
-
-
-def known(value: Any) -> bool:
-    """True when ``value`` is a concrete number (not a schedule, not traced, not None)."""
-    return value is not None and not callable(value) and not is_traced(value)
 
 
 def per_leaf(params: Any, fn: str, make: Callable[[Any], Any]) -> Any:
@@ -162,11 +157,6 @@ def any_true(values: Sequence[jax.Array]) -> jax.Array:
     return jnp.any(jnp.stack(flags))
 
 
-def keep_unless(ok: jax.Array, new: Any, old: Any) -> Any:
-    """``new`` where the scalar ``ok`` is true, else ``old`` (leafwise, same structure)."""
-    return jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), new, old)
-
-
 def bounded_factor(norm: jax.Array, bound: jax.Array) -> jax.Array:
     """:func:`~gradclip_jax.clipping.clip_factor` for a bound that may be ``inf``/NaN (no clip).
 
@@ -202,13 +192,25 @@ def measured(updates: Any, spec: _norms.NormSpec | None, fn: str) -> _norms.Flat
 
 
 def run_inner(
-    inner: optax.GradientTransformation | None, updates: Any, state: Any, params: Any, fn: str
+    inner: optax.GradientTransformation | None,
+    updates: Any,
+    flat: _norms.FlatTree,
+    state: Any,
+    params: Any,
+    fn: str,
 ) -> tuple[_norms.FlatTree, Any]:
-    """Runs an optional child transformation; returns its output (flattened) and state."""
+    """Runs an optional child transformation; returns its output (flattened) and state.
+
+    Without a child the output is ``flat``, the already-flattened ``updates``. The
+    child must keep the number of measured leaves.
+    """
     if inner is None:
-        return _norms.flatten(updates, fn), state
+        return flat, state
     out, new_state = inner.update(updates, state, params)
-    return _norms.flatten(out, fn), new_state
+    out_flat = _norms.flatten(out, fn)
+    if len(out_flat.arrays) != len(flat.arrays):
+        raise ValueError(f"{fn}: `inner` changed the number of floating-point leaves")
+    return out_flat, new_state
 
 
 def init_inner(inner: optax.GradientTransformation | None, params: Any) -> Any:

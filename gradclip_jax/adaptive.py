@@ -86,7 +86,7 @@ class AutoClipState(NamedTuple):
       clipped: whether the last update was clipped.
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # NamedTuple field named like tuple.count, as in optax
     history: jax.Array
     head: jax.Array
     filled: jax.Array
@@ -242,7 +242,7 @@ class ZClipState(NamedTuple):
         :func:`skip_on_spike` reads).
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # NamedTuple field named like tuple.count, as in optax
     mean: jax.Array
     var: jax.Array
     norm: jax.Array
@@ -446,7 +446,7 @@ class AdaGCState(NamedTuple):
       clipped: per leaf, whether it was scaled down at the last update.
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # NamedTuple field named like tuple.count, as in optax
     gamma: Any
     norm: Any
     clip_norm: Any
@@ -607,7 +607,7 @@ class QuantileClipState(NamedTuple):
       clipped: whether the last update was clipped.
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # NamedTuple field named like tuple.count, as in optax
     estimate: jax.Array
     norm: jax.Array
     clip_norm: jax.Array

@@ -67,7 +67,7 @@ class DPAggregateState(NamedTuple):
     """
 
     rng_key: jax.Array
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # NamedTuple field named like tuple.count, as in optax
 
 
 DPNoiseState = DPAggregateState
@@ -86,7 +86,7 @@ class DPQuantileAggregateState(NamedTuple):
 
     rng_key: jax.Array
     clip_norm: jax.Array
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # NamedTuple field named like tuple.count, as in optax
 
 
 def _key(seed: Any, fn: str) -> jax.Array:
@@ -154,7 +154,7 @@ def _clip_sum(
 def dp_aggregate(
     l2_norm_clip: Hyperparam,
     noise_multiplier: Hyperparam,
-    seed: Any = 0,
+    seed: Any,
     *,
     batch_size: Hyperparam | None = None,
     nan_safe: bool = True,
@@ -181,7 +181,9 @@ def dp_aggregate(
       l2_norm_clip: :math:`C \\ge 0`: number, array or schedule.
       noise_multiplier: :math:`z \\ge 0`: number, array or schedule. The noise
         standard deviation is :math:`zC`.
-      seed: an int seed or a ``jax.random`` key.
+      seed: an int seed or a ``jax.random`` key. The privacy guarantee assumes
+        the noise is secret: in production draw the seed from a secure source
+        (e.g. ``secrets.randbits(63)``) and do not log it.
       batch_size: the divisor :math:`B`. ``None`` (default, optax's behaviour)
         divides by the number of rows in the update; with Poisson sampling pass
         the *expected* batch size, since the actual size is private.
@@ -281,7 +283,7 @@ def dpsgd(
 
 
 def dp_noise(
-    stddev: Hyperparam, seed: Any = 0, *, normalize_by: Hyperparam = 1.0
+    stddev: Hyperparam, seed: Any, *, normalize_by: Hyperparam = 1.0
 ) -> optax.GradientTransformation:
     """Adds Gaussian noise to an already clipped gradient sum, then divides.
 
@@ -304,7 +306,7 @@ def dp_noise(
     Example:
       >>> import jax.numpy as jnp
       >>> from gradclip_jax.dp import dp_noise
-      >>> tx = dp_noise(stddev=0.0, normalize_by=4)
+      >>> tx = dp_noise(stddev=0.0, seed=0, normalize_by=4)
       >>> tx.update({'w': jnp.array([2.0])}, tx.init(None))[0]
       {'w': Array([0.5], dtype=float32)}
     """
@@ -380,7 +382,7 @@ def noise_multiplier_for_gradient(noise_multiplier: Any, count_noise_std: Any) -
 
 def dp_quantile_aggregate(
     noise_multiplier: float,
-    seed: Any = 0,
+    seed: Any,
     *,
     initial_l2_norm_clip: float = 0.1,
     target_unclipped_quantile: float = 0.5,

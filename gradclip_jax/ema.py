@@ -69,7 +69,7 @@ class NormByEMAState(NamedTuple):
       inner_state: the state of ``inner`` (:class:`optax.EmptyState` without one).
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # NamedTuple field named like tuple.count, as in optax
     exp_avg: Any
     prev_ema_norm: Any
     norm: Any
@@ -92,7 +92,7 @@ class ClipValueByEMAState(NamedTuple):
         without one).
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # NamedTuple field named like tuple.count, as in optax
     exp_avg: Any
     clipped: Any
     inner_state: Any
@@ -154,10 +154,8 @@ def _norm_by_ema(
         n = len(arrays)
         count = state.count
         first = count == 0
-        ema = [
-            _lerp(e, u, beta, count)
-            for e, u in zip(_st.leaves_of(state.exp_avg, n, fn, "exp_avg"), arrays, strict=True)
-        ]
+        old_ema = _st.leaves_of(state.exp_avg, n, fn, "exp_avg")
+        ema = [_lerp(e, u, beta, count) for e, u in zip(old_ema, arrays, strict=True)]
 
         # Norms of the update (a) and of the EMA (e): one per leaf, or one global.
         # The per-leaf arithmetic below runs on stacked vectors (one fused op).
@@ -167,9 +165,8 @@ def _norm_by_ema(
             prev_list = _st.leaves_of(state.prev_ema_norm, n, fn, "prev_ema_norm")
             old_list = _st.leaves_of(state.clip_norm, n, fn, "clip_norm")
         else:
-            dt = state.norm.dtype
-            a_list = [_norms.global_norm(arrays, spec, dtype=dt)]
-            e_list = [_norms.global_norm(ema, spec, dtype=dt)]
+            a_list = [_norms.global_norm(arrays, spec, dtype=state.norm.dtype)]
+            e_list = [_norms.global_norm(ema, spec, dtype=state.norm.dtype)]
             prev_list, old_list = [state.prev_ema_norm], [state.clip_norm]
         dt = _norms.tree_acc_dtype(a_list)
         a, e = _st.stack(a_list, dt), _st.stack(e_list, dt)
@@ -200,12 +197,9 @@ def _norm_by_ema(
 
         ok = _st.all_finite([a]) if skip else jnp.ones((), bool)
         f = jnp.where(ok, f, jnp.ones_like(f))
-        out_flat, inner_state = _st.run_inner(inner, updates, state.inner_state, params, fn)
-        if len(out_flat.arrays) != n:
-            raise ValueError(f"{fn}: `inner` changed the number of floating-point leaves")
+        out_flat, inner_state = _st.run_inner(inner, updates, flat, state.inner_state, params, fn)
         out = _st.scale_all(out_flat, _st.unstack(f) if tensorwise else f[0])
 
-        old_ema = jax.tree_util.tree_leaves(state.exp_avg)
         new_state = NormByEMAState(
             count=jnp.where(ok, increment(count), count),
             exp_avg=_st.like(state.exp_avg, [jnp.where(ok, x, o) for x, o in zip(ema, old_ema, strict=True)]),
@@ -442,10 +436,8 @@ def clip_value_by_ema(
             for b, e in zip(_st.leaves_of(bound_tree, n, fn, "exp_avg_tfm output"), ema, strict=True)
         ]
 
-        out_flat, inner_state = _st.run_inner(inner, updates, state.inner_state, params, fn)
+        out_flat, inner_state = _st.run_inner(inner, updates, flat, state.inner_state, params, fn)
         ws = out_flat.arrays
-        if len(ws) != n:
-            raise ValueError(f"{fn}: `inner` changed the number of floating-point leaves")
         outs, flags = [], []
         for w, b in zip(ws, bounds, strict=True):
             clipped = _clamp(w, b)

@@ -54,7 +54,7 @@ class ClipNormGrowthState(NamedTuple):
       clipped: whether the last update was clipped.
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # NamedTuple field named like tuple.count, as in optax
     prev_norm: Any
     norm: Any
     clip_norm: Any
@@ -72,7 +72,7 @@ class ClipValueGrowthState(NamedTuple):
       clipped: per leaf, whether any element of the last update was clipped.
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # NamedTuple field named like tuple.count, as in optax
     prev: Any
     clipped: Any
 

@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any, Union
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-Numeric = Union[float, int, jax.Array, np.ndarray]
-Hyperparam = Union[Numeric, Callable[[jax.Array], Numeric]]
+Numeric = float | int | jax.Array | np.ndarray
+Hyperparam = Numeric | Callable[[jax.Array], Numeric]
 
 __all__ = ["Hyperparam", "inject_hyperparams"]
 

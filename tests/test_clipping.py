@@ -173,7 +173,7 @@ def test_normalize_and_centralize():
 def test_complex_leaves():
     z = jnp.array([3 + 4j, 6 + 8j], jnp.complex64)
     tx = gcx.clip_by_global_norm(1.0)
-    out, state = tx.update([z], tx.init([z]))
+    out, _state = tx.update([z], tx.init([z]))
     assert out[0].dtype == jnp.complex64
     np.testing.assert_allclose(float(jnp.linalg.norm(out[0])), 1.0, rtol=1e-6)
     np.testing.assert_allclose(np.angle(out[0]), np.angle(z), rtol=1e-6)

@@ -85,7 +85,7 @@ def test_optax_agc_fails_under_explicit_sharding_ours_does_not():
     with jax.set_mesh(mesh):
         gs = {k: jax.device_put(v, SPECS[k]) for k, v in g.items()}
         ps = {k: jax.device_put(v, SPECS[k]) for k, v in p.items()}
-        with pytest.raises(Exception, match="[Ss]harding"):
+        with pytest.raises(Exception, match=r"[Ss]harding"):
             optax.adaptive_grad_clip(0.05).update(gs, None, ps)
         tx = gcx.adaptive_grad_clip(0.05)
         tx.update(gs, tx.init(ps), ps)

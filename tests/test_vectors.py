@@ -95,7 +95,7 @@ def _ours(case: dict, xs: list[np.ndarray]):
         return gcx.clip_grad_norm(xs, _p(case, "max_norm"), ord=_p(case, "norm_type", 2.0))
     else:  # pragma: no cover
         raise AssertionError(m)
-    out, state = tx.update(xs, tx.init(xs))
+    out, _state = tx.update(xs, tx.init(xs))
     return out, None
 
 

@@ -1,4 +1,6 @@
-"""Test configuration: 8 simulated CPU devices for the sharding tests.
+"""Test configuration (repo root, so it runs before anything imports jax).
+
+Sets 8 simulated CPU devices for the sharding tests.
 
 XLA reads the device count once, when jax is first imported, so it is set here,
 before any test module imports jax.

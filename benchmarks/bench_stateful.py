@@ -1,0 +1,137 @@
+"""Per-step cost of the stateful clippers, as a ratio to ``optax.clip_by_global_norm``.
+
+Each clipper's ``update`` is jitted and timed on a transformer-shaped float32 tree
+(~30M parameters: an 8192 x 512 embedding and 8 layers of four 512 x 512
+attention matrices, a 512 x 2048 and a 2048 x 512 MLP matrix and four layer-norm
+vectors; ``quick=True`` uses a ~3M-parameter tree). Timing is interleaved A/B
+against ``optax.clip_by_global_norm`` in the same process: every repetition times
+the baseline and the clipper back to back, each call ends with
+``block_until_ready`` on the updates and the state, compilation is excluded (two
+warm-up calls), and the medians are reported.
+
+Run alone with ``python -m benchmarks.bench_stateful [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from gradclip_jax.adaptive import adagc, autoclip, quantile_clip, skip_on_spike, zclip
+from gradclip_jax.ema import clip_norm_by_ema, clip_value_by_ema, normalize_by_ema
+from gradclip_jax.growth import clip_norm_growth, clip_value_growth
+
+GROUP = "stateful"
+
+
+def transformer_tree(vocab: int, d: int, layers: int, seed: int = 0) -> dict[str, Any]:
+    """Gradient-like float32 leaves shaped like a small transformer's parameters."""
+    rng = np.random.default_rng(seed)
+
+    def leaf(*shape: int) -> jax.Array:
+        return jnp.asarray(rng.standard_normal(shape, dtype=np.float32) * 1e-2)
+
+    tree: dict[str, Any] = {"embed": leaf(vocab, d)}
+    for i in range(layers):
+        tree[f"layer{i}"] = {
+            "q": leaf(d, d), "k": leaf(d, d), "v": leaf(d, d), "o": leaf(d, d),
+            "mlp_in": leaf(d, 4 * d), "mlp_out": leaf(4 * d, d),
+            "ln1_scale": leaf(d), "ln1_bias": leaf(d), "ln2_scale": leaf(d), "ln2_bias": leaf(d),
+        }
+    return tree
+
+
+# (name, factory, note): scalar-statistic clippers first (target <= 1.15x).
+CLIPPERS: list[tuple[str, Callable[[], optax.GradientTransformation], str]] = [
+    ("autoclip", lambda: autoclip(), "scalar statistic; history 1000 sorted per step"),
+    ("zclip", lambda: zclip(), "scalar statistic"),
+    ("quantile_clip", lambda: quantile_clip(), "scalar statistic"),
+    ("skip_on_spike(zclip)", lambda: skip_on_spike(zclip()), "scalar statistic + a select per leaf"),
+    ("adagc", lambda: adagc(warmup_steps=0), "per-leaf norms, after warm-up"),
+    ("adagc(warm-up)", lambda: adagc(warmup_steps=10**9), "per-leaf norms + the global norm (warm-up only)"),
+    ("clip_norm_growth", lambda: clip_norm_growth(), "per-leaf norms"),
+    ("clip_norm_growth(global)", lambda: clip_norm_growth(tensorwise=False), "scalar statistic"),
+    ("clip_norm_by_ema", lambda: clip_norm_by_ema(), "param-sized EMA: read+write state, 2 norms"),
+    ("clip_norm_by_ema(global)", lambda: clip_norm_by_ema(tensorwise=False), "param-sized EMA"),
+    ("normalize_by_ema", lambda: normalize_by_ema(), "param-sized EMA"),
+    ("clip_value_by_ema", lambda: clip_value_by_ema(), "param-sized EMA, elementwise"),
+    ("clip_value_growth", lambda: clip_value_growth(), "param-sized state, elementwise"),
+]
+
+
+def _timer(tx: optax.GradientTransformation, updates: Any) -> Callable[[], float]:
+    """A closure that runs one jitted step (feeding the state back) and returns seconds."""
+    step = jax.jit(tx.update)
+    state = [tx.init(updates)]
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        out, new = step(updates, state[0])
+        jax.block_until_ready((out, new))
+        t1 = time.perf_counter()
+        state[0] = new
+        return t1 - t0
+
+    for _ in range(2):  # compile and warm up
+        run()
+    return run
+
+
+def run(quick: bool = False) -> list[dict]:
+    """Times every stateful clipper against ``optax.clip_by_global_norm``.
+
+    Args:
+      quick: a ~3M-parameter tree and few repetitions (for CI smoke runs).
+
+    Returns:
+      One row per clipper: ``{"group", "name", "ours_ms", "baseline_ms", "ratio",
+      "note"}`` with median milliseconds per step and ``ratio = ours / baseline``.
+    """
+    if quick:
+        updates, reps = transformer_tree(4096, 192, 6), 7
+    else:
+        updates, reps = transformer_tree(8192, 512, 8), 31
+    n_params = sum(x.size for x in jax.tree_util.tree_leaves(updates))
+    baseline = _timer(optax.clip_by_global_norm(1.0), updates)
+    rows = []
+    for name, make, note in CLIPPERS:
+        ours = _timer(make(), updates)
+        a, b = [], []
+        for _ in range(reps):
+            a.append(baseline())
+            b.append(ours())
+        base_ms = statistics.median(a) * 1e3
+        ours_ms = statistics.median(b) * 1e3
+        rows.append({
+            "group": GROUP,
+            "name": name,
+            "ours_ms": ours_ms,
+            "baseline_ms": base_ms,
+            "ratio": ours_ms / base_ms,
+            "note": f"{note}; {n_params / 1e6:.1f}M fp32 params, {jax.default_backend()}, "
+                    f"median of {reps}",
+        })
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="~3M parameters, few repetitions")
+    args = parser.parse_args()
+    rows = run(quick=args.quick)
+    width = max(len(r["name"]) for r in rows)
+    print(f"{'name':<{width}}  {'ours ms':>9}  {'optax ms':>9}  {'ratio':>6}  note")
+    for r in rows:
+        print(f"{r['name']:<{width}}  {r['ours_ms']:9.3f}  {r['baseline_ms']:9.3f}  {r['ratio']:6.3f}  {r['note']}")
+
+
+if __name__ == "__main__":
+    main()

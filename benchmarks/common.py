@@ -1,0 +1,71 @@
+"""Shared benchmark helpers: model-shaped trees and interleaved A/B timing."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def transformer_tree(vocab: int = 8192, d: int = 512, layers: int = 8, seed: int = 0,
+                     dtype: Any = jnp.float32) -> dict[str, Any]:
+    """Gradient-like leaves shaped like a transformer's parameters.
+
+    The defaults give ~29.6M parameters: an 8192 x 512 embedding and 8 layers of
+    four d x d attention matrices, a d x 4d and a 4d x d MLP matrix, two biases and
+    four layer-norm vectors.
+    """
+    rng = np.random.default_rng(seed)
+
+    def leaf(*shape: int) -> jax.Array:
+        return jnp.asarray(rng.standard_normal(shape, dtype=np.float32) * 1e-2, dtype)
+
+    tree: dict[str, Any] = {"embed": leaf(vocab, d), "final_norm": leaf(d)}
+    for i in range(layers):
+        tree[f"layer{i}"] = {
+            "q": leaf(d, d), "k": leaf(d, d), "v": leaf(d, d), "o": leaf(d, d),
+            "mlp_in": leaf(d, 4 * d), "mlp_in_bias": leaf(4 * d),
+            "mlp_out": leaf(4 * d, d), "mlp_out_bias": leaf(d),
+            "ln1_scale": leaf(d), "ln1_bias": leaf(d), "ln2_scale": leaf(d), "ln2_bias": leaf(d),
+        }
+    return tree
+
+
+def num_params(tree: Any) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(tree))
+
+
+def block(x: Any) -> Any:
+    return jax.tree_util.tree_map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
+
+
+def interleaved_ms(fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 2,
+                   max_s: float = 60.0) -> dict[str, float]:
+    """Median wall time (ms) of each thunk, timed round-robin so drift hits all alike.
+
+    Every thunk must return something ``block_until_ready`` can wait on. Warm-up
+    calls (compilation) are excluded.
+    """
+    for f in fns.values():
+        for _ in range(warmup):
+            block(f())
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    start = time.perf_counter()
+    for _ in range(reps):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            block(f())
+            times[k].append(time.perf_counter() - t0)
+        if time.perf_counter() - start > max_s:
+            break
+    return {k: 1e3 * statistics.median(v) for k, v in times.items()}
+
+
+def row(group: str, name: str, ours_ms: float, baseline_ms: float, note: str = "", **extra: Any) -> dict:
+    return {"group": group, "name": name, "ours_ms": ours_ms, "baseline_ms": baseline_ms,
+            "ratio": ours_ms / baseline_ms if baseline_ms else float("nan"), "note": note, **extra}

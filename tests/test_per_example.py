@@ -1,0 +1,666 @@
+"""Tests for gradclip_jax.per_example: per-example clipping and clipped_grad."""
+
+from __future__ import annotations
+
+import math
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from gradclip_jax.per_example import (
+    ClippedGradInfo,
+    clipped_grad,
+    per_example_global_norm_clip,
+    per_example_layer_norm_clip,
+    per_example_norms,
+)
+
+B = 7  # not a multiple of 3: the last microbatch is padded
+
+# ----------------------------------------------------------------------------
+# Models (plain JAX parameter dicts); every loss returns per-example losses (B,)
+# ----------------------------------------------------------------------------
+
+
+def _xent(logits, y):
+    return -jnp.sum(jax.nn.log_softmax(logits) * jax.nn.one_hot(y, logits.shape[-1]), axis=-1)
+
+
+def mlp_setup(seed=0, batch=B):
+    r = np.random.default_rng(seed)
+    params = {
+        "l1": {"w": jnp.asarray(r.normal(size=(6, 8)), jnp.float32), "b": jnp.asarray(r.normal(size=8), jnp.float32)},
+        "l2": {"w": jnp.asarray(r.normal(size=(8, 3)), jnp.float32), "b": jnp.zeros(3, jnp.float32)},
+    }
+    data = {
+        "x": jnp.asarray(r.normal(size=(batch, 6)) * r.uniform(0.1, 3.0, size=(batch, 1)), jnp.float32),
+        "y": jnp.asarray(r.integers(0, 3, size=batch)),
+    }
+
+    def loss(p, b):
+        h = jnp.tanh(b["x"] @ p["l1"]["w"] + p["l1"]["b"])
+        return _xent(h @ p["l2"]["w"] + p["l2"]["b"], b["y"])
+
+    return loss, params, data
+
+
+def cnn_setup(seed=1, batch=B):
+    r = np.random.default_rng(seed)
+    params = {
+        "conv": jnp.asarray(r.normal(size=(3, 3, 1, 4)) * 0.5, jnp.float32),
+        "conv_b": jnp.asarray(r.normal(size=4) * 0.1, jnp.float32),
+        "dense": jnp.asarray(r.normal(size=(4, 3)), jnp.float32),
+    }
+    data = {
+        "img": jnp.asarray(r.normal(size=(batch, 8, 8, 1)) * r.uniform(0.2, 3.0, size=(batch, 1, 1, 1)), jnp.float32),
+        "y": jnp.asarray(r.integers(0, 3, size=batch)),
+    }
+
+    def loss(p, b):
+        h = lax.conv_general_dilated(
+            b["img"], p["conv"], window_strides=(1, 1), padding="SAME",
+            dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        )
+        h = jax.nn.relu(h + p["conv_b"])
+        return _xent(jnp.mean(h, axis=(1, 2)) @ p["dense"], b["y"])
+
+    return loss, params, data
+
+
+def embed_setup(seed=2, batch=B):
+    r = np.random.default_rng(seed)
+    params = {
+        "emb": jnp.asarray(r.normal(size=(20, 5)), jnp.float32),
+        "w": jnp.asarray(r.normal(size=(5,)), jnp.float32),
+        "b": jnp.zeros((), jnp.float32),
+    }
+    data = {
+        "tokens": jnp.asarray(r.integers(0, 20, size=(batch, 4))),
+        "y": jnp.asarray(r.normal(size=batch) * 3.0, jnp.float32),
+    }
+
+    def loss(p, b):
+        e = jnp.mean(p["emb"][b["tokens"]], axis=1)
+        return 0.5 * (e @ p["w"] + p["b"] - b["y"]) ** 2
+
+    return loss, params, data
+
+
+MODELS = {"mlp": mlp_setup, "cnn": cnn_setup, "embed": embed_setup}
+
+# ----------------------------------------------------------------------------
+# Reference: a Python loop over examples, float64 clipping and summation
+# ----------------------------------------------------------------------------
+
+_GRAD_CACHE: dict = {}
+
+
+def per_example_grads_loop(loss, params, data):
+    """Each example's gradient (as float64 numpy leaves), one jax.grad call per example."""
+    key = id(loss)
+    if key not in _GRAD_CACHE:
+        _GRAD_CACHE[key] = jax.jit(jax.grad(lambda p, ex: loss(p, ex)[0]))
+    g1 = _GRAD_CACHE[key]
+    n = jax.tree.leaves(data)[0].shape[0]
+    out = []
+    for i in range(n):
+        ex = jax.tree.map(lambda x: x[i : i + 1], data)
+        out.append([np.asarray(leaf, np.float64) for leaf in jax.tree.leaves(g1(params, ex))])
+    return out
+
+
+def loop_reference(loss, params, data, clip, *, mask=None, mode="clip", gamma=0.01, layer_clips=None):
+    grads = per_example_grads_loop(loss, params, data)
+    treedef = jax.tree.structure(params)
+    total = [np.zeros_like(leaf) for leaf in grads[0]]
+    norms, clipped = [], 0
+    for i, g in enumerate(grads):
+        n = math.sqrt(sum(float(np.sum(leaf**2)) for leaf in g))
+        if mask is not None and not mask[i]:
+            norms.append(0.0)
+            continue
+        norms.append(n)
+        if layer_clips is not None:
+            for k, (leaf, c) in enumerate(zip(g, layer_clips, strict=True)):
+                ln = math.sqrt(float(np.sum(leaf**2)))
+                total[k] += leaf * (min(1.0, c / ln) if ln > 0 else 1.0)
+            continue
+        f = (min(1.0, clip / n) if n > 0 else 1.0) if mode == "clip" else clip / (n + gamma)
+        clipped += f < 1
+        for k, leaf in enumerate(g):
+            total[k] += f * leaf
+    return jax.tree.unflatten(treedef, total), np.asarray(norms), clipped
+
+
+def assert_tree_close(a, b, rtol=2e-5, atol=2e-6):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(la, lb, strict=True):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        scale = max(1.0, float(np.max(np.abs(y))))
+        np.testing.assert_allclose(x, y, rtol=rtol, atol=atol * scale)
+
+
+def median_clip(loss, params, data):
+    grads = per_example_grads_loop(loss, params, data)
+    norms = [math.sqrt(sum(float(np.sum(leaf**2)) for leaf in g)) for g in grads]
+    return float(np.median(norms))
+
+
+# ----------------------------------------------------------------------------
+# clipped_grad against the loop
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("microbatch_size", [None, 1, 3])
+def test_clipped_grad_matches_loop(model, microbatch_size):
+    loss, params, data = MODELS[model]()
+    clip = median_clip(loss, params, data)
+    grad_fn = clipped_grad(loss, clip, microbatch_size=microbatch_size)
+    grads, info = jax.jit(grad_fn)(params, data)
+    ref, ref_norms, ref_clipped = loop_reference(loss, params, data, clip)
+    assert isinstance(info, ClippedGradInfo)
+    assert_tree_close(grads, ref)
+    np.testing.assert_allclose(info.norms, ref_norms, rtol=1e-5)
+    assert int(info.num_clipped) == ref_clipped
+    assert 0 < ref_clipped < B  # the test exercises both branches
+    np.testing.assert_allclose(info.values, loss(params, data), rtol=1e-5, atol=1e-6)
+    assert jax.tree.map(lambda g: g.dtype, grads) == jax.tree.map(lambda p: p.dtype, params)
+
+
+def test_microbatch_size_does_not_change_result():
+    loss, params, data = mlp_setup(batch=10)
+    outs = [
+        jax.jit(clipped_grad(loss, 1.0, microbatch_size=m))(params, data) for m in (None, 1, 3, 4, 64)
+    ]
+    for g, info in outs[1:]:
+        assert_tree_close(g, outs[0][0], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(info.norms, outs[0][1].norms, rtol=1e-6)
+        assert int(info.num_clipped) == int(outs[0][1].num_clipped)
+
+
+@pytest.mark.parametrize("microbatch_size", [None, 3])
+def test_padding_mask(microbatch_size):
+    loss, params, data = mlp_setup()
+    mask = np.array([True, False, True, True, False, True, True])
+    # Padding rows may hold garbage, even NaN: they must contribute nothing.
+    data = dict(data, x=data["x"].at[1].set(jnp.nan).at[4].set(1e30))
+    clip = 0.8
+    grads, info = jax.jit(clipped_grad(loss, clip, microbatch_size=microbatch_size))(
+        params, data, mask=jnp.asarray(mask)
+    )
+    ref, ref_norms, ref_clipped = loop_reference(loss, params, data, clip, mask=mask)
+    assert_tree_close(grads, ref)
+    assert int(info.num_clipped) == ref_clipped
+    np.testing.assert_allclose(np.asarray(info.norms)[mask], ref_norms[mask], rtol=1e-5)
+    assert np.all(np.asarray(info.norms)[~mask] == 0)
+    # all padding: exactly zero
+    zeros, info0 = jax.jit(clipped_grad(loss, clip, microbatch_size=microbatch_size))(
+        params, data, mask=jnp.zeros(B, bool)
+    )
+    assert all(float(jnp.max(jnp.abs(z))) == 0.0 for z in jax.tree.leaves(zeros))
+    assert int(info0.num_clipped) == 0
+
+
+def test_has_aux():
+    loss, params, data = mlp_setup()
+
+    def loss_aux(p, b):
+        losses = loss(p, b)
+        h = b["x"] @ p["l1"]["w"]
+        return losses, {"h": h, "count": jnp.sum(b["y"]), "tag": jnp.ones((2, 2))}
+
+    for mb in (None, 3):
+        grads, info = jax.jit(clipped_grad(loss_aux, 0.5, has_aux=True, microbatch_size=mb))(params, data)
+        ref, _, _ = loop_reference(loss, params, data, 0.5)
+        assert_tree_close(grads, ref)
+        np.testing.assert_allclose(info.aux["h"], data["x"] @ params["l1"]["w"], rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(info.aux["count"], data["y"])
+        assert info.aux["tag"].shape == (B, 2, 2)
+    _, info = clipped_grad(loss, 0.5)(params, data)
+    assert info.aux is None
+
+
+@pytest.mark.parametrize("per_layer", [True, "size"])
+def test_per_layer(per_layer):
+    loss, params, data = mlp_setup()
+    clip = 1.5
+    grads, info = jax.jit(clipped_grad(loss, clip, per_layer=per_layer, microbatch_size=3))(params, data)
+    leaves = jax.tree.leaves(params)
+    if per_layer is True:
+        clips = [clip / math.sqrt(len(leaves))] * len(leaves)
+    else:
+        total = sum(x.size for x in leaves)
+        clips = [clip * math.sqrt(x.size / total) for x in leaves]
+    ref, _, _ = loop_reference(loss, params, data, clip, layer_clips=clips)
+    assert_tree_close(grads, ref)
+    # per-leaf reports
+    assert jax.tree.structure(info.num_clipped) == jax.tree.structure(params)
+    assert all(n.shape == (B,) for n in jax.tree.leaves(info.norms))
+    assert clipped_grad(loss, clip, per_layer=per_layer).sensitivity() == pytest.approx(clip)
+
+
+def test_per_layer_tree_of_norms():
+    loss, params, data = mlp_setup()
+    clips = {"l1": {"w": 0.5, "b": 0.2}, "l2": {"w": 1.0, "b": 0.1}}
+    grad_fn = clipped_grad(loss, clips)
+    grads, _ = jax.jit(grad_fn)(params, data)
+    ref, _, _ = loop_reference(loss, params, data, None, layer_clips=jax.tree.leaves(clips))
+    assert_tree_close(grads, ref)
+    assert grad_fn.sensitivity() == pytest.approx(math.sqrt(0.25 + 0.04 + 1.0 + 0.01))
+    with pytest.raises(ValueError, match="structure of params"):
+        clipped_grad(loss, {"l1": 1.0, "l2": 1.0})(params, data)
+
+
+@pytest.mark.parametrize("microbatch_size", [None, 3])
+def test_normalize(microbatch_size):
+    loss, params, data = cnn_setup()
+    grads, info = jax.jit(clipped_grad(loss, 2.0, normalize=True, gamma=0.01, microbatch_size=microbatch_size))(
+        params, data
+    )
+    ref, ref_norms, _ = loop_reference(loss, params, data, 2.0, mode="normalize", gamma=0.01)
+    assert_tree_close(grads, ref)
+    np.testing.assert_allclose(info.norms, ref_norms, rtol=1e-5)
+
+
+def test_zero_gradient_examples_no_nan():
+    def loss(w, b):  # linear: the gradient of example i is x_i
+        return b["x"] @ w
+
+    w = jnp.ones(3)
+    x = jnp.array([[0.0, 0, 0], [3, 4, 0], [0, 0, 0], [0.1, 0, 0]])
+    for kwargs in ({}, {"normalize": True}, {"normalize": True, "gamma": 0.0}, {"per_layer": True}):
+        for clip in (0.0, 1.0):
+            grads, info = jax.jit(clipped_grad(loss, clip, **kwargs))(w, {"x": x})
+            assert np.all(np.isfinite(grads)), (kwargs, clip)
+            assert np.all(np.isfinite(info.norms))
+    grads, info = jax.jit(clipped_grad(loss, 1.0))(w, {"x": x})
+    np.testing.assert_allclose(grads, [0.6 + 0.1, 0.8, 0.0], rtol=1e-6)
+    assert int(info.num_clipped) == 1
+
+
+def test_nan_safe():
+    loss, params, data = mlp_setup()
+    bad = dict(data, x=data["x"].at[2].set(jnp.nan))
+    good_mask = np.arange(B) != 2
+    grads, info = jax.jit(clipped_grad(loss, 0.7))(params, bad)
+    ref, _, _ = loop_reference(loss, params, data, 0.7, mask=good_mask)
+    assert_tree_close(grads, ref)
+    assert np.isnan(np.asarray(info.norms)[2])
+    grads_unsafe, _ = jax.jit(clipped_grad(loss, 0.7, nan_safe=False))(params, bad)
+    assert all(np.any(np.isnan(g)) for g in jax.tree.leaves(grads_unsafe))
+
+
+def test_bfloat16_params_accumulate_in_float32():
+    loss, params, data = mlp_setup()
+    params16 = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+
+    def loss16(p, b):
+        return loss(p, dict(b, x=b["x"].astype(jnp.bfloat16))).astype(jnp.float32)
+
+    grads, info = jax.jit(clipped_grad(loss16, 0.5))(params16, data)
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+    assert info.norms.dtype == jnp.float32
+    # each clipped contribution has norm <= C: check one example at a time
+    one_fn = jax.jit(clipped_grad(loss16, 0.5))
+    for i in range(B):
+        one = jax.tree.map(lambda x: x[i : i + 1], data)
+        g, _ = one_fn(params16, one)
+        n = math.sqrt(sum(float(np.sum(np.asarray(leaf, np.float64) ** 2)) for leaf in jax.tree.leaves(g)))
+        assert n <= 0.5 * (1 + 1e-5)
+
+
+def test_extreme_scales_contribution_bounded():
+    def loss(w, b):  # linear: the gradient of example i is x_i
+        return b["x"] @ w
+
+    w = jnp.ones(4)
+    rows = [
+        [1e30, 1e30, -1e30, 1e30],  # squares overflow float32; the norm (2e30) does not
+        [1e-30, 2e-30, 0, 0],  # squares underflow
+        [2e37, -2e37, 2e37, 2e37],  # near the top of the range, norm 4e37
+        [1e38, 0, 0, 0],  # max|x| ~ 1e38: the norm still fits
+        [3e38, 3e38, 3e38, 3e38],  # the norm (6e38) does not fit in float32
+    ]
+    x = jnp.array(rows, jnp.float32)
+    grad_fn = jax.jit(clipped_grad(loss, 1.0))
+    for i, row in enumerate(rows):
+        g, info = grad_fn(w, {"x": x[i : i + 1]})
+        true = float(np.linalg.norm(np.asarray(row, np.float64)))
+        n = float(np.linalg.norm(np.asarray(g, np.float64)))
+        assert np.all(np.isfinite(g))
+        assert n <= 1.0 * (1 + 1e-6), (row, n)
+        reported = float(info.norms[0])
+        # the reported norm is right, or inf when it cannot be represented (never too small)
+        assert reported == pytest.approx(true, rel=1e-6) or reported == np.inf, (row, reported)
+    for i in (0, 1, 2):
+        _, info = grad_fn(w, {"x": x[i : i + 1]})
+        np.testing.assert_allclose(float(info.norms[0]), np.linalg.norm(np.asarray(rows[i], np.float64)), rtol=1e-6)
+    # leaves near the top of the range whose squares (and sum of squares) overflow
+    big = [jnp.array([[5e37, 0.0]]), jnp.array([[3e37]])]
+    np.testing.assert_allclose(per_example_norms(big), [math.hypot(5e37, 3e37)], rtol=1e-6)
+    out, n_clipped = jax.jit(per_example_global_norm_clip)(big, 1.0)
+    assert int(n_clipped) == 1
+    assert math.sqrt(sum(float(np.sum(np.asarray(o, np.float64) ** 2)) for o in out)) <= 1.0 + 1e-6
+    # the same guarantees for the optax-style functions, all rows at once
+    for fn in (per_example_global_norm_clip, per_example_layer_norm_clip):
+        out, _ = jax.jit(fn)([x], 1.0)
+        assert float(np.linalg.norm(np.asarray(out[0], np.float64))) <= 5.0
+
+
+# ----------------------------------------------------------------------------
+# Neighbouring datasets: the clipped sum moves by at most the sensitivity
+# ----------------------------------------------------------------------------
+
+
+def _dist(a, b):
+    return math.sqrt(sum(float(np.sum((np.asarray(x, np.float64) - np.asarray(y, np.float64)) ** 2)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"per_layer": True}, {"normalize": True}, {"microbatch_size": 3}],
+    ids=["clip", "per_layer", "normalize", "microbatch"],
+)
+def test_neighbours_move_sum_by_at_most_sensitivity(kwargs):
+    loss, params, data = mlp_setup()
+    clip = 0.3  # small: every example is clipped
+    grad_fn = clipped_grad(loss, clip, **kwargs)
+    f = jax.jit(grad_fn)
+    full, _ = f(params, data)
+    tol = 1e-5
+    for i in (0, 3, B - 1):
+        # add / remove one example
+        keep = np.arange(B) != i
+        removed, _ = f(params, jax.tree.map(lambda x: x[keep], data))
+        assert _dist(full, removed) <= grad_fn.sensitivity("add_or_remove") * (1 + tol)
+        # zero-out (padding) one example
+        zeroed, _ = f(params, data, mask=jnp.asarray(keep))
+        assert _dist(full, zeroed) <= grad_fn.sensitivity("zero_out") * (1 + tol)
+        # replace one example by an extreme one, and by a NaN one
+        for value in (1e6, -1e30, jnp.nan):
+            other = dict(data, x=data["x"].at[i].set(value), y=data["y"].at[i].set((data["y"][i] + 1) % 3))
+            replaced, _ = f(params, other)
+            d = _dist(full, replaced)
+            assert math.isfinite(d)
+            assert d <= grad_fn.sensitivity("replace") * (1 + tol)
+    assert grad_fn.sensitivity() == pytest.approx(clip)
+    assert grad_fn.sensitivity("replace") == pytest.approx(2 * clip)
+
+
+def test_sensitivity_relations():
+    loss, _, _ = mlp_setup()
+    g = clipped_grad(loss, 2.5)
+    assert g.sensitivity() == 2.5
+    assert g.sensitivity("replace_one") == 5.0
+    assert g.sensitivity("zero_out") == 2.5
+    with pytest.raises(ValueError, match="neighbouring relation"):
+        g.sensitivity("swap")
+    dp_accounting = pytest.importorskip("dp_accounting")
+    assert g.sensitivity(dp_accounting.NeighboringRelation.REPLACE_ONE) == 5.0
+    assert g.sensitivity(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE) == 2.5
+    # a traced clip norm gives a traced sensitivity
+    out = jax.jit(lambda c: clipped_grad(loss, c).sensitivity("replace"))(1.5)
+    assert float(out) == 3.0
+
+
+# ----------------------------------------------------------------------------
+# Bad input
+# ----------------------------------------------------------------------------
+
+
+def test_bad_batch_and_loss_errors():
+    loss, params, data = mlp_setup()
+    f = clipped_grad(loss, 1.0)
+    with pytest.raises(ValueError, match=r"\['scale'\].*scalar"):
+        f(params, dict(data, scale=jnp.ones(())))
+    with pytest.raises(ValueError, match=r"\['y'\] has batch size 6.*\['x'\] has batch size 7"):
+        f(params, dict(data, y=data["y"][:6]))
+    with pytest.raises(ValueError, match=r"loss_fn must return per-example losses of shape \(B,\) = \(7,\).*got shape \(\)"):
+        clipped_grad(lambda p, b: jnp.mean(loss(p, b)), 1.0)(params, data)
+    with pytest.raises(ValueError, match=r"got shape \(7, 1\)"):
+        clipped_grad(lambda p, b: loss(p, b)[:, None], 1.0)(params, data)
+    with pytest.raises(ValueError, match="pair"):
+        clipped_grad(loss, 1.0, has_aux=True)(params, data)
+    with pytest.raises(ValueError, match="`mask`"):
+        f(params, data, mask=jnp.ones(5, bool))
+    with pytest.raises(ValueError, match="no array leaf"):
+        f(params, {})
+
+
+def test_bad_construction_errors():
+    loss, _, _ = mlp_setup()
+    with pytest.raises(ValueError, match="method='ghost' is not implemented in this version; use 'vmap' or 'auto'"):
+        clipped_grad(loss, 1.0, method="ghost")
+    with pytest.raises(ValueError, match="unknown method"):
+        clipped_grad(loss, 1.0, method="magic")
+    for mb in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="microbatch_size"):
+            clipped_grad(loss, 1.0, microbatch_size=mb)
+    for c in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="l2_clip_norm"):
+            clipped_grad(loss, c)
+    with pytest.raises(ValueError, match="gamma"):
+        clipped_grad(loss, 1.0, normalize=True, gamma=-1.0)
+    with pytest.raises(ValueError, match="per_layer"):
+        clipped_grad(loss, 1.0, per_layer="bogus")
+    # 'auto' and 'vmap' are accepted
+    clipped_grad(loss, 1.0, method="auto")
+    clipped_grad(loss, 1.0, method="vmap")
+
+
+def test_per_example_functions_bad_input():
+    with pytest.raises(ValueError, match=r"leaf \[1\] is a scalar"):
+        per_example_global_norm_clip([jnp.ones((4, 3)), jnp.ones(())], 1.0)
+    with pytest.raises(ValueError, match=r"leaf \['b'\] has batch size 3.*\['a'\] has batch size 4"):
+        per_example_global_norm_clip({"a": jnp.ones((4, 3)), "b": jnp.ones((3, 3))}, 1.0)
+    with pytest.raises(ValueError, match=r"leaf \['b'\] has batch size 3"):
+        per_example_layer_norm_clip({"a": jnp.ones((4, 3)), "b": jnp.ones((3, 3))}, 1.0)
+    with pytest.raises(TypeError, match=r"\['i'\]"):
+        per_example_global_norm_clip({"i": jnp.ones((4, 3), jnp.int32)}, 1.0)
+    with pytest.raises(ValueError, match="l2_norm_clip"):
+        per_example_global_norm_clip([jnp.ones((4, 3))], -1.0)
+
+
+# ----------------------------------------------------------------------------
+# optax parity of the per-example functions
+# ----------------------------------------------------------------------------
+
+
+def _per_example_grads(seed, shapes, batch=6, zero_row=2):
+    r = np.random.default_rng(seed)
+    scales = r.uniform(0.1, 5.0, size=(batch,))
+    out = []
+    for s in shapes:
+        g = r.normal(size=(batch, *s)) * scales.reshape((-1,) + (1,) * len(s))
+        g[zero_row] = 0.0  # a zero example: no division by zero
+        out.append(jnp.asarray(g, jnp.float32))
+    return out
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.5, 2.0, 1e9, np.inf])
+def test_global_norm_clip_matches_optax(clip):
+    grads = _per_example_grads(0, [(3, 4), (5,), ()])
+    ours, n_ours = jax.jit(per_example_global_norm_clip)(grads, clip)
+    ref, n_ref = optax.per_example_global_norm_clip(grads, clip)
+    assert_tree_close(ours, ref, rtol=1e-6, atol=1e-6)
+    assert int(n_ours) == int(n_ref)
+    assert n_ours.dtype == jnp.int32
+
+
+@pytest.mark.parametrize("uniform", [True, False])
+@pytest.mark.parametrize("clip", [0.0, 0.7, 3.0, np.inf])
+def test_layer_norm_clip_matches_optax(uniform, clip):
+    grads = _per_example_grads(1, [(3, 4), (5,), (2, 2, 2)])
+    ours, counts = per_example_layer_norm_clip(grads, clip, uniform=uniform)
+    ref, ref_counts = optax.per_example_layer_norm_clip(grads, clip, uniform=uniform)
+    assert_tree_close(ours, ref, rtol=1e-6, atol=1e-6)
+    assert [int(c) for c in counts] == [int(c) for c in ref_counts]
+
+
+def test_per_example_functions_on_dicts_and_empty():
+    grads = _per_example_grads(2, [(3,), (2, 2)])
+    tree = {"a": grads[0], "b": {"c": grads[1]}}
+    out, n = per_example_global_norm_clip(tree, 1.0)
+    ref, n_ref = optax.per_example_global_norm_clip(grads, 1.0)
+    assert_tree_close([out["a"], out["b"]["c"]], ref, rtol=1e-6, atol=1e-6)
+    assert int(n) == int(n_ref)
+    np.testing.assert_allclose(per_example_norms(tree), jax.vmap(optax.tree.norm)(grads), rtol=1e-6)
+    empty, n0 = per_example_global_norm_clip([], 1.0)
+    assert empty == [] and int(n0) == 0
+
+
+def test_per_example_clip_is_differentiable_at_zero():
+    grads = [jnp.zeros((3, 4)), jnp.zeros((3,))]
+
+    def f(g):
+        s, _ = per_example_global_norm_clip(g, 1.0)
+        return sum(jnp.sum(x) for x in s)
+
+    d = jax.grad(f)(grads)
+    assert all(np.all(np.isfinite(x)) for x in d)
+    # vmap over stacked batches
+    stacked = [jnp.ones((2, 3, 4)), jnp.ones((2, 3))]
+    out, n = jax.vmap(lambda g: per_example_global_norm_clip(g, 1.0))(stacked)
+    assert out[0].shape == (2, 4) and n.shape == (2,)
+
+
+# ----------------------------------------------------------------------------
+# Hypothesis: contributions never exceed C, zero examples never give NaN
+# ----------------------------------------------------------------------------
+
+_clip_one = jax.jit(per_example_global_norm_clip)
+_layer_one = jax.jit(per_example_layer_norm_clip)
+
+
+@hypothesis.given(
+    seed=st.integers(0, 2**31 - 1),
+    exponent=st.integers(-30, 38),
+    clip=st.floats(1e-4, 1e4),
+    dtype=st.sampled_from(["float32", "bfloat16"]),
+    zero=st.booleans(),
+)
+def test_contribution_never_exceeds_clip(seed, exponent, clip, dtype, zero):
+    r = np.random.default_rng(seed)
+    leaves = [np.clip(r.normal(size=s), -3, 3) for s in ((1, 3, 5), (1, 7), (1,))]
+    leaves[r.integers(3)] *= 10.0 ** -r.integers(0, 5)  # leaves of different magnitudes
+    scale = 0.0 if zero else 10.0**exponent
+    grads = [jnp.asarray(x * scale, dtype) for x in leaves]
+    for fn in (_clip_one, _layer_one):
+        out, _ = fn(grads, clip)
+        out64 = [np.asarray(x, np.float64) for x in out]
+        assert all(np.all(np.isfinite(x)) for x in out64)
+        norm = math.sqrt(sum(float(np.sum(x**2)) for x in out64))
+        assert norm <= clip * (1 + 1e-5)
+        if zero:
+            assert norm == 0.0
+    assert all(x.dtype == jnp.float32 for x in out)
+
+
+# ----------------------------------------------------------------------------
+# Data parallel: explicit, automatic and shard_map sharding of the batch
+# ----------------------------------------------------------------------------
+
+needs_8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+
+
+@needs_8
+def test_explicit_sharding_matches_single_device():
+    loss, params, data = mlp_setup(batch=16)
+    grads16 = _per_example_grads(3, [(3, 4), (5,)], batch=16)
+    ref_sum, ref_n = per_example_global_norm_clip(grads16, 1.0)
+    ref_layer, _ = per_example_layer_norm_clip(grads16, 1.0)
+    ref_cg, ref_info = clipped_grad(loss, 0.5)(params, data)
+    mask = jnp.arange(16) % 3 != 0
+    ref_masked, _ = clipped_grad(loss, 0.5)(params, data, mask=mask)
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        g_sh = [jax.sharding.reshard(g, P("x")) for g in grads16]
+        # optax fails here (tensordot over a sharded contracting axis); we do not
+        with pytest.raises(Exception, match=r"(?i)shard"):
+            jax.jit(optax.per_example_global_norm_clip)(g_sh, 1.0)
+        out, n = jax.jit(per_example_global_norm_clip)(g_sh, 1.0)
+        assert_tree_close(out, ref_sum, rtol=1e-6, atol=1e-6)
+        assert int(n) == int(ref_n)
+        out_l, _ = jax.jit(per_example_layer_norm_clip)(g_sh, 1.0)
+        assert_tree_close(out_l, ref_layer, rtol=1e-6, atol=1e-6)
+        p_rep = jax.tree.map(lambda x: jax.sharding.reshard(x, P()), params)
+        d_sh = jax.tree.map(lambda x: jax.sharding.reshard(x, P("x")), data)
+        for mb in (None, 8):
+            cg, info = jax.jit(clipped_grad(loss, 0.5, microbatch_size=mb))(p_rep, d_sh)
+            assert_tree_close(cg, ref_cg)
+            np.testing.assert_allclose(info.norms, ref_info.norms, rtol=1e-5)
+            assert int(info.num_clipped) == int(ref_info.num_clipped)
+            cgm, _ = jax.jit(clipped_grad(loss, 0.5, microbatch_size=mb))(p_rep, d_sh, mask=mask)
+            assert_tree_close(cgm, ref_masked)
+        with pytest.raises(ValueError, match="multiple of 8"):
+            jax.jit(clipped_grad(loss, 0.5, microbatch_size=4))(p_rep, d_sh)
+
+
+@needs_8
+def test_automatic_sharding_matches_single_device():
+    loss, params, data = mlp_setup(batch=16)
+    ref, ref_info = clipped_grad(loss, 0.5)(params, data)
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+    d_sh = jax.device_put(data, NamedSharding(mesh, P("x")))
+    for mb in (None, 3):
+        cg, info = jax.jit(clipped_grad(loss, 0.5, microbatch_size=mb))(params, d_sh)
+        assert_tree_close(cg, ref)
+        assert int(info.num_clipped) == int(ref_info.num_clipped)
+    g = jax.device_put(_per_example_grads(4, [(3, 4)], batch=16), NamedSharding(mesh, P("x")))
+    out, _ = jax.jit(per_example_global_norm_clip)(g, 1.0)
+    ref_o, _ = optax.per_example_global_norm_clip(jax.device_get(g), 1.0)
+    assert_tree_close(out, ref_o, rtol=1e-6, atol=1e-6)
+
+
+@needs_8
+@pytest.mark.parametrize("microbatch_size", [None, 1])
+def test_shard_map_psum_matches_single_device(microbatch_size):
+    loss, params, data = mlp_setup(batch=16)
+    ref, ref_info = jax.jit(clipped_grad(loss, 0.5))(params, data)
+    mesh = jax.make_mesh((8,), ("x",))
+    # replicated params inside shard_map: each device clips its own examples only
+    grad_fn = clipped_grad(loss, 0.5, microbatch_size=microbatch_size)
+
+    def local(p, d):
+        g, info = grad_fn(p, d)
+        return jax.lax.psum(g, "x"), jax.lax.psum(info.num_clipped, "x"), info.norms
+
+    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("x")), out_specs=(P(), P(), P("x"))))
+    d_sh = jax.device_put(data, NamedSharding(mesh, P("x")))
+    p_rep = jax.device_put(params, NamedSharding(mesh, P()))
+    g, n, norms = f(p_rep, d_sh)
+    assert_tree_close(g, ref)
+    assert int(n) == int(ref_info.num_clipped)
+    np.testing.assert_allclose(norms, ref_info.norms, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------
+# Memory: microbatching bounds the compiled temporary memory
+# ----------------------------------------------------------------------------
+
+
+def test_microbatching_reduces_compiled_memory():
+    r = np.random.default_rng(0)
+    params = {"w": jnp.asarray(r.normal(size=(64, 64)), jnp.float32)}
+    data = {"x": jnp.asarray(r.normal(size=(64, 64)), jnp.float32)}
+
+    def loss(p, b):
+        return jnp.sum(jnp.tanh(b["x"] @ p["w"]), axis=-1)
+
+    def temp(mb):
+        f = jax.jit(clipped_grad(loss, 1.0, microbatch_size=mb))
+        return f.lower(params, data).compile().memory_analysis().temp_size_in_bytes
+
+    sizes = [temp(mb) for mb in (None, 16, 4)]
+    assert sizes[0] > sizes[1] > sizes[2], sizes
+    assert sizes[0] >= 64 * 64 * 64 * 4  # the full batch materializes B x P floats
