@@ -20,7 +20,7 @@ import numpy as np
 import optax
 
 from gradclip_jax import norms as _norms
-from gradclip_jax.clipping import clip_factor, scale_leaf
+from gradclip_jax.clipping import scale_leaf
 from gradclip_jax.hyperparams import as_scalar, resolve, static_value
 
 
@@ -155,17 +155,6 @@ def any_true(values: Sequence[jax.Array]) -> jax.Array:
     if not flags:
         return jnp.zeros((), bool)
     return jnp.any(jnp.stack(flags))
-
-
-def bounded_factor(norm: jax.Array, bound: jax.Array) -> jax.Array:
-    """:func:`~gradclip_jax.clipping.clip_factor` for a bound that may be ``inf``/NaN (no clip).
-
-    An infinite bound never clips; routing it around ``clip_factor`` keeps the
-    derivative finite (``inf / norm`` in the unselected branch would give NaN).
-    """
-    finite = jnp.isfinite(bound)
-    f = clip_factor(norm, jnp.where(finite, bound, jnp.ones_like(bound)))
-    return jnp.where(finite, f, jnp.ones_like(f))
 
 
 def safe_div(num: jax.Array, den: jax.Array, use: jax.Array) -> jax.Array:

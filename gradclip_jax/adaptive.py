@@ -202,7 +202,7 @@ def autoclip(
         filled = jnp.where(record, jnp.minimum(state.filled + 1, size), state.filled)
         q = _st.hp(percentile, count, dt) / 100
         thr = jnp.maximum(_percentile(history, filled, q), _st.hp(min_clip_norm, count, dt))
-        f = _st.bounded_factor(n, thr)
+        f = _clip_factor(n, thr)
         ok = finite if skip else jnp.ones((), bool)
         out = _st.scale_all(flat, jnp.where(ok, f, jnp.ones_like(f)))
         return out, AutoClipState(

@@ -168,17 +168,21 @@ def clip_factor(norm: jax.Array, max_norm: Any = None, min_norm: Any = None) -> 
     ``max_norm / norm`` when ``norm > max_norm``, ``min_norm / norm`` when
     ``0 < norm < min_norm``, else exactly 1. A zero, negative or non-finite norm
     gives 1: there is nothing meaningful to rescale, and non-finite inputs stay
-    visible instead of being zeroed. Each branch has its own safe denominator, so
-    derivatives are finite everywhere, also for norms of 1e-30 or 1e30.
+    visible instead of being zeroed. An infinite bound never clips. Each branch has
+    its own safe operands, so derivatives are finite everywhere, also for norms of
+    1e-30 or 1e30 and for infinite bounds.
     """
     ok = jnp.isfinite(norm) & (norm > 0)
     factor = jnp.ones_like(norm)
+    one = jnp.ones_like(norm)
     for bound, pick in ((max_norm, lambda b: norm > b), (min_norm, lambda b: norm < b)):
         if bound is None:
             continue
         b = jnp.asarray(bound, norm.dtype)
-        sel = ok & pick(b)
-        factor = jnp.where(sel, _ratio(b, jnp.where(sel, norm, jnp.ones_like(norm))), factor)
+        # an infinite or NaN bound never selects; both operands get the safe value
+        # outside the selected branch so its derivative cannot be inf * 0
+        sel = ok & jnp.isfinite(b) & pick(b)
+        factor = jnp.where(sel, _ratio(jnp.where(sel, b, one), jnp.where(sel, norm, one)), factor)
     return factor
 
 

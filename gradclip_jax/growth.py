@@ -26,6 +26,7 @@ import optax
 
 from gradclip_jax import _stateful as _st
 from gradclip_jax import norms as _norms
+from gradclip_jax.clipping import clip_factor
 from gradclip_jax.hyperparams import Hyperparam, check_scalar, increment, mark_static, static_value
 from gradclip_jax.norms import OrdLike
 
@@ -185,7 +186,7 @@ def clip_norm_growth(
         if mul is not None:
             bound = jnp.minimum(bound, prev * _st.hp(mul, count, dt))
         bound = jnp.where(first, jnp.inf, bound)
-        f = _st.bounded_factor(nrm, bound)
+        f = clip_factor(nrm, bound)
         new = nrm * f  # the clipped norm, min(n, bound)
         if max_decay is not None:
             md = _st.hp(max_decay, count, dt)
