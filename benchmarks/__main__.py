@@ -1,6 +1,6 @@
 """Runs every benchmark in one process and prints/saves the ratio table.
 
-Usage: ``python -m benchmarks [--quick] [--only core,stateful,dp] [--out DIR]``.
+Usage: ``python -m benchmarks [--quick] [--only core,stateful,dp,ghost] [--out DIR]``.
 Writes ``DIR/results.json`` and ``DIR/RESULTS.md`` (default ``benchmarks/results``).
 Ratios are ours / baseline measured in this process, so < 1 means faster.
 """
@@ -16,7 +16,7 @@ import time
 
 import jax
 
-SUITES = ("core", "stateful", "dp")
+SUITES = ("core", "stateful", "dp", "ghost")
 
 
 def _markdown(rows: list[dict], meta: dict) -> str:

@@ -10,7 +10,7 @@ Example:
   >>> state = tx.init({'w': jnp.zeros(3)})
 """
 
-from gradclip_jax import norms, privacy
+from gradclip_jax import ghost, norms, privacy
 from gradclip_jax.adaptive import (
     AdaGCState,
     AutoClipState,
@@ -59,6 +59,7 @@ from gradclip_jax.ema import (
     normalize_by_ema,
 )
 from gradclip_jax.functional import clip_grad_norm, clip_grad_value, normalize_grads
+from gradclip_jax.ghost import GhostReport, ghost_report
 from gradclip_jax.growth import (
     ClipNormGrowthState,
     ClipValueGrowthState,
@@ -94,7 +95,7 @@ __all__ = [
     "parse_ord", "NormSpec", "unit_axes", "norms",
     # per-example and differential privacy
     "clipped_grad", "per_example_global_norm_clip", "per_example_layer_norm_clip",
-    "per_example_norms", "ClippedGradFn", "ClippedGradInfo",
+    "per_example_norms", "ClippedGradFn", "ClippedGradInfo", "ghost", "ghost_report", "GhostReport",
     "dp_aggregate", "dp_noise", "dp_quantile_aggregate", "dpsgd", "noise_multiplier_for_gradient",
     "DPAggregateState", "DPNoiseState", "DPQuantileAggregateState", "privacy",
     # hyperparameters

@@ -648,7 +648,7 @@ def clipped_grad(
     (expected) batch size to get a DP-SGD gradient (see
     :func:`gradclip_jax.dp.dp_noise`).
 
-    How it runs (``method='vmap'``; ``'auto'`` is the same for now): each example
+    How it runs (``method='vmap'``; for ``'ghost'``, see :mod:`gradclip_jax.ghost`): each example
     is passed to ``loss_fn`` as a batch of one (leaves of shape ``(1, ...)``),
     ``jax.vmap(jax.value_and_grad(...))`` materializes the per-example gradients of a
     chunk of examples once, as one row per example, the norm engine measures the
@@ -678,9 +678,12 @@ def clipped_grad(
         any other leaf gets a new leading axis of size ``B``.
       microbatch_size: ``None`` (default: one vmap over the whole batch) or a
         positive int, the number of examples per sequential chunk.
-      method: ``'vmap'`` or ``'auto'`` (the same in this version). ``'ghost'``
-        (norms without materializing per-example gradients) is not implemented
-        yet and raises ``ValueError``.
+      method: ``'vmap'``; ``'ghost'`` (per-example norms from activations and
+        output cotangents, then one reweighted backward pass; leaves the analysis
+        does not recognise fall back to vmap; see :mod:`gradclip_jax.ghost`);
+        ``'auto'`` (default): ghost when the ghost-measurable per-example
+        gradients would be large (``ghost.AUTO_MIN_ELEMENTS``), else vmap.
+        16-bit parameters always use vmap.
       per_layer: ``False`` (default) clips each example's global norm. ``True`` or
         ``'uniform'`` clips each leaf of each example to :math:`C/\\sqrt{K}` (K
         leaves, optax's uniform rule); ``'size'`` to :math:`C\\sqrt{D_l/D}` (by
@@ -727,12 +730,8 @@ def clipped_grad(
     if not callable(loss_fn):
         raise TypeError(f"{fn}: loss_fn must be callable, got {loss_fn!r}")
     method = static_value(fn, "method", method)
-    if method == "ghost":
-        raise ValueError(
-            "method='ghost' is not implemented in this version; use 'vmap' or 'auto'"
-        )
-    if method not in ("vmap", "auto"):
-        raise ValueError(f"{fn}: unknown method {method!r}; expected 'vmap' or 'auto'")
+    if method not in ("vmap", "ghost", "auto"):
+        raise ValueError(f"{fn}: unknown method {method!r}; expected 'vmap', 'ghost' or 'auto'")
     microbatch_size = static_value(fn, "microbatch_size", microbatch_size)
     if microbatch_size is not None and (
         isinstance(microbatch_size, bool)
@@ -880,7 +879,18 @@ def clipped_grad(
             num_clipped=num_clipped, norms=norms_out, values=vals, aux=aux if has_aux else None
         )
 
-    return ClippedGradFn(impl, sens, clipped_grad.__doc__ or "")
+    if method == "vmap":
+        return ClippedGradFn(impl, sens, clipped_grad.__doc__ or "")
+    # method 'ghost' / 'auto': norms from activations where the analysis allows it
+    # (gradclip_jax.ghost), the vmap path (impl) otherwise.
+    from gradclip_jax import ghost as _ghost
+
+    ghost_impl = _ghost.make_ghost_impl(
+        loss_fn, l2_clip_norm, method=method, layer_mode=layer_mode, factors=factors, vmap_impl=impl,
+        has_aux=has_aux,
+        microbatch_size=microbatch_size, nan_safe=nan_safe, spmd_axis_name=spmd_axis_name,
+    )
+    return ClippedGradFn(ghost_impl, sens, clipped_grad.__doc__ or "")
 
 
 def _vma(x: Any) -> frozenset:

@@ -1,0 +1,89 @@
+"""Benchmark: ghost clipping (``clipped_grad(..., method='ghost')``).
+
+MLP 784-512-512-10 (669,706 parameters), softmax cross-entropy, float32, at batch
+sizes 32, 128 and 512 (32 and 128 with ``quick=True``). For each batch size it
+times, interleaved (one call of each function per round, medians over rounds,
+``block_until_ready``, compile excluded):
+
+* ``ghost``: ``clipped_grad(loss, C, method='ghost')`` (two backward passes,
+  no per-example gradient materialized);
+* ``nonprivate``: ``jax.grad`` of the summed loss (the baseline, bar: ghost
+  <= 1.5x);
+* ``vmap``: ``clipped_grad(loss, C, method='vmap')`` (reported as a second row,
+  ghost vs vmap).
+
+Rows: ``{"group": "ghost", "name", "ours_ms", "baseline_ms", "ratio", "note"}``
+(``ratio = ours_ms / baseline_ms``). Each note records the max abs difference
+between the ghost and vmap clipped sums. Two last rows give the compiled
+temporary memory (``memory_analysis().temp_size_in_bytes``, in MiB, in the
+``ours_ms``/``baseline_ms`` columns and as ``ours_mb``/``baseline_mb``) at the
+largest batch, ghost vs non-private and ghost vs vmap.
+
+Run alone: ``python -m benchmarks.bench_ghost`` (``--quick`` for fewer repetitions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.bench_dp import CLIP, _max_diff, _mlp, _temp_mb
+from benchmarks.common import interleaved_ms, row
+from gradclip_jax.per_example import clipped_grad
+
+
+def run(quick: bool = False) -> list[dict]:
+    """Runs the benchmark and returns its rows (see the module docstring)."""
+    reps = 5 if quick else 20
+    max_s = 20.0 if quick else 60.0
+    batches = (32, 128) if quick else (32, 128, 512)
+    env = f"{jax.default_backend()} x{jax.device_count()}, jax {jax.__version__}, {platform.machine()}"
+    rows: list[dict] = []
+    for batch in batches:
+        losses, params, data = _mlp(0, batch)
+        ghost = jax.jit(clipped_grad(losses, CLIP, method="ghost"))
+        vmap = jax.jit(clipped_grad(losses, CLIP, method="vmap"))
+        nonprivate = jax.jit(jax.grad(lambda p, b: jnp.sum(losses(p, b))))
+        diff = _max_diff(ghost(params, data)[0], vmap(params, data)[0])
+        fns: dict[str, Callable[[], Any]] = {
+            "ghost": lambda: ghost(params, data)[0],
+            "nonprivate": lambda: nonprivate(params, data),
+            "vmap": lambda: vmap(params, data)[0],
+        }
+        ms = interleaved_ms(fns, reps, max_s=max_s)
+        note = f"MLP 784-512-512-10, B={batch}, {env}; max|ghost-vmap|={diff:.1e}"
+        rows.append(row("ghost", f"ghost vs non-private grad, B={batch}", ms["ghost"], ms["nonprivate"],
+                        note + "; bar <= 1.5x"))
+        rows.append(row("ghost", f"ghost vs vmap clipped_grad, B={batch}", ms["ghost"], ms["vmap"], note))
+    # compiled temporary memory (MiB) at the largest batch: ghost vs non-private vs vmap
+    losses, params, data = _mlp(0, batches[-1])
+    mem = {
+        "ghost": _temp_mb(clipped_grad(losses, CLIP, method="ghost"), params, data),
+        "nonprivate": _temp_mb(jax.grad(lambda p, b: jnp.sum(losses(p, b))), params, data),
+        "vmap": _temp_mb(clipped_grad(losses, CLIP, method="vmap"), params, data),
+    }
+    note = (f"compiled temp memory (MiB, not ms), B={batches[-1]}: ghost {mem['ghost']:.1f}, "
+            f"non-private {mem['nonprivate']:.1f}, vmap {mem['vmap']:.1f}")
+    rows.append(row("ghost", f"memory ghost vs non-private, B={batches[-1]}", mem["ghost"], mem["nonprivate"], note,
+                    ours_mb=mem["ghost"], baseline_mb=mem["nonprivate"]))
+    rows.append(row("ghost", f"memory ghost vs vmap, B={batches[-1]}", mem["ghost"], mem["vmap"], note,
+                    ours_mb=mem["ghost"], baseline_mb=mem["vmap"]))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    for r in run(quick=args.quick):
+        print(json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()

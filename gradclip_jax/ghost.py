@@ -1,0 +1,1006 @@
+"""Ghost clipping: per-example gradient norms without per-example gradients.
+
+:func:`gradclip_jax.per_example.clipped_grad` with ``method='ghost'`` (or
+``'auto'``) dispatches here. The loss is traced to a jaxpr, and every parameter
+leaf is classified by how the loss uses it:
+
+* **dense**: the leaf (possibly cast, transposed or reshaped) is an operand of
+  a ``dot_general`` whose other operand ``a`` carries the batch on some free
+  axis (``x @ w``, ``jnp.einsum('btd,dp->btp', x, w)``, ``w @ x.T``,
+  ``flax.linen.Dense``, ``jax.vmap`` of ``equinox.nn.Linear``). With ``a_b`` of
+  shape ``(T, D)`` (``T`` = product of the other free axes, e.g. the sequence)
+  and the output cotangent ``g_b`` of shape ``(T, P)``, the per-example gradient
+  is :math:`G_b = a_b^\\top g_b` and
+
+  .. math:: \\|G_b\\|_F = \\|a_b\\|_2 \\, \\|g_b\\|_2 \\quad (T = 1), \\qquad
+            \\|G_b\\|_F^2 = \\langle a_b a_b^\\top, g_b g_b^\\top \\rangle \\quad (T > 1)
+
+  (Goodfellow 2015; Li et al. 2021, Eq. 3). The Gram form costs
+  :math:`O(T^2)` per example and is used when :math:`2T^2 < PD`; otherwise only
+  that layer's per-example gradient :math:`a_b^\\top g_b` is formed.
+* **embedding**: the leaf is the table of a row lookup ``E[ids]`` /
+  ``jnp.take`` / ``flax.linen.Embed`` (a ``gather``) with batched indices. With
+  ``ids_b`` of length ``T`` and cotangents ``g_b`` (zeroed for dropped
+  out-of-range ids),
+
+  .. math:: \\|G_b\\|_F^2 = \\sum_{t,s} [\\mathrm{ids}_{bt} = \\mathrm{ids}_{bs}]
+            \\, \\langle g_{bt}, g_{bs} \\rangle .
+
+* **elementwise** (biases, LayerNorm/RMSNorm scales and biases, any
+  broadcast parameter added to, subtracted from or multiplied with batched data)
+  and **conv** (the kernel of a ``conv_general_dilated`` on a batched input):
+  only that leaf's per-example gradient is formed, by pulling ``g_b`` back
+  through that single operation on example ``b``'s operands (the leaf's size per
+  example: small for biases, scales and kernels).
+* **tied** leaves (used several times, e.g. an embedding table reused as the
+  output projection): when every use is one of the above (batch on axis 0), the
+  per-example gradient of each use is formed as for ``conv`` and they are
+  **summed before the norm** (so the cross terms are exact; this costs the
+  leaf's size per example).
+* anything else (a leaf used through ``sin``, inside a ``scan``/``cond``, ...)
+  **falls back**: that leaf's per-example gradients are materialized with
+  ``jax.vmap(jax.grad)`` (all other leaves held fixed), exactly as
+  ``method='vmap'`` does. :func:`ghost_report` lists each leaf's kind or reason.
+
+Nested ``jit`` calls (``jnp.take``, ``jax.nn.log_softmax``, ...) are inlined
+before the analysis, so models written with flax or equinox work unchanged.
+
+The cotangents ``g`` come from *one* backward pass: a zero "probe" is added to
+the output of every recognised operation, and ``jax.vjp`` of the per-example
+losses with respect to the probes, with cotangent ``ones(B)``, gives every
+example's cotangent at once, because example ``b``'s loss depends only on row
+``b`` (checked, see below). The per-example norm is
+:math:`\\|g_b\\| = \\sqrt{\\sum_l \\|G_{b,l}\\|^2}` (the norm of the per-leaf norms,
+combined as in the vmap path), and the clipped sum comes from a **second backward
+pass** on the reweighted loss, with the factors held constant:
+
+.. math:: \\nabla_\\theta \\sum_b c_b \\, \\ell_b(\\theta) = \\sum_b c_b \\nabla_\\theta
+          \\ell_b(\\theta), \\qquad c_b = \\min(1, C / \\|g_b\\|)
+
+(or :math:`C / (\\|g_b\\| + \\gamma)` with ``normalize=True``).
+
+Soundness: ghost norms are only valid if example ``b``'s loss depends on row
+``b`` of the batch alone. The analysis propagates a "row-wise" property through
+the jaxpr (elementwise ops, dot_general, reductions and reshapes that keep axis
+0, gathers, convolutions, pooling, nested calls, ...); a loss that mixes
+examples (batch norm, a mean over the batch) or uses an operation the analysis
+does not know on batched data is computed entirely by the vmap path.
+
+Differences from ``method='vmap'`` (documented, by design): norms and sums agree
+to float rounding (the sum is accumulated by autodiff in the parameter dtype,
+then cast to the accumulation dtype); an example whose norm does not fit in the
+dtype (finite elements, norm above ~3.4e38 in float32) is treated as non-finite
+(dropped with ``nan_safe``) instead of being clipped with the vmap path's upper
+bound; ``per_layer`` clipping and 16-bit parameters use the vmap path (the
+reweighted backward pass would round each clipped contribution in 16 bits);
+a loss that reads the batch size as a number (``x.shape[0]``) sees ``B`` here
+and 1 in the vmap path (per-example losses should not do that).
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from gradclip_jax.per_example import clipped_grad
+  >>> def loss(p, x):  # per-example losses, shape (B,)
+  ...     return jnp.sum(jnp.tanh(x @ p['w'] + p['b']), axis=-1)
+  >>> params = {'w': jnp.ones((3, 2)), 'b': jnp.zeros(2)}
+  >>> x = jnp.arange(12.0).reshape(4, 3) / 10
+  >>> g_ghost, info = jax.jit(clipped_grad(loss, 1.0, method='ghost'))(params, x)
+  >>> g_vmap, _ = clipped_grad(loss, 1.0, method='vmap')(params, x)
+  >>> bool(jnp.allclose(g_ghost['w'], g_vmap['w'], rtol=1e-5)), info.norms.shape
+  (True, (4,))
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as _jcore
+
+from gradclip_jax import norms as _norms
+from gradclip_jax import per_example as _pe
+
+__all__ = ["GhostReport", "ghost_report", "make_ghost_impl"]
+
+# A value's state: an int ``k`` (it carries the batch on axis ``k``, one example
+# per slice, computed from that example alone), _CONST (does not depend on the
+# batch) or _MIXED (anything else). _ROW is the batch on axis 0.
+_ROW, _CONST, _MIXED = 0, "const", "mixed"
+State = int | str
+
+# Operations applied to a parameter that keep the gradient's norm: the gradient
+# with respect to the parameter is a permutation/reshape/cast of the gradient with
+# respect to the result.
+_NORM_KEEPING = frozenset({"convert_element_type", "transpose", "reshape", "squeeze", "copy", "copy_p"})
+# Operations allowed between a parameter and an elementwise use (bias broadcasting).
+_CHAIN = _NORM_KEEPING | {"broadcast_in_dim"}
+
+_ELEMENTWISE = frozenset(
+    [
+        "add", "sub", "mul", "div", "rem", "pow", "max", "min", "neg", "sign", "floor", "ceil",
+        "round", "is_finite", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos",
+        "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh", "asinh", "acosh", "atanh", "sqrt",
+        "rsqrt", "cbrt", "abs", "integer_pow", "square", "erf", "erfc", "erf_inv", "lgamma", "digamma",
+        "igamma", "select_n", "clamp", "convert_element_type", "eq", "ne", "lt", "le", "gt", "ge",
+        "and", "or", "not", "xor", "stop_gradient", "nextafter", "reduce_precision", "copy", "copy_p",
+        "real", "imag", "conj", "shift_left", "shift_right_logical", "shift_right_arithmetic",
+        "population_count", "bessel_i0e", "bessel_i1e", "random_gamma_grad", "add_any",
+    ]
+)
+_REDUCE_AXES = frozenset(
+    {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+     "reduce_xor", "argmax", "argmin"}
+)
+_CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
+_CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+# Call-like primitives whose sub-jaxpr runs once on the equation's operands (not
+# loops or conditionals: a scan over a batched axis would run over examples).
+_CALLS = frozenset(
+    {"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+     "custom_vjp_call_jaxpr", "remat", "checkpoint", "remat2"}
+)
+
+
+# ----------------------------------------------------------------------------
+# Analysis
+# ----------------------------------------------------------------------------
+
+
+@dataclass
+class _Site:
+    """A recognised use of one parameter leaf (by the top-level equation ``eqn``)."""
+
+    kind: str  # 'dense' | 'elementwise' | 'embedding' | 'conv'
+    leaf: int  # index into the flattened params
+    eqn: int
+    pos: int  # operand position of the parameter (after its chain)
+    chain: list[int]  # top-level equations from the parameter to the operand
+    rows: tuple[int, ...] = ()  # operand positions carrying the batch on axis 0
+    axis: int = 0  # dense: the batch axis of the batched operand (the others: 0)
+    out_axis: int = 0  # the batch axis of the operation's output
+
+
+@dataclass
+class _Plan:
+    row_wise: bool
+    sites: list[_Site]
+    ghost: set[int]  # leaf indices (flattened params) measured without materializing
+    reasons: dict[int, str] = field(default_factory=dict)  # fallback leaf -> why
+
+
+class GhostReport(tuple):
+    """Which parameter leaves ghost clipping measures directly.
+
+    A pair ``(ghost, fallback)``: ``ghost`` lists ``(path, kind)`` for leaves whose
+    per-example norms come from activations (``kind`` is ``'dense'``,
+    ``'elementwise'``, ``'embedding'`` or ``'unused'``); ``fallback`` lists
+    ``(path, reason)`` for leaves whose per-example gradients are materialized.
+    """
+
+    __slots__ = ()
+
+    @property
+    def ghost(self) -> list[tuple[str, str]]:
+        return self[0]  # type: ignore[no-any-return]
+
+    @property
+    def fallback(self) -> list[tuple[str, str]]:
+        return self[1]  # type: ignore[no-any-return]
+
+
+def _sub_jaxpr(eqn: Any) -> Any | None:
+    """The (closed or open) jaxpr a call-like equation runs on its operands, if any."""
+    for name in _CALL_PARAMS:
+        j = eqn.params.get(name)
+        if j is not None and (hasattr(j, "eqns") or hasattr(j, "jaxpr")):
+            return j
+    return None
+
+
+def _open(j: Any) -> tuple[Any, list[Any] | None]:
+    """``(jaxpr, consts)`` of a ClosedJaxpr, or ``(jaxpr, None)`` of an open one."""
+    if hasattr(j, "jaxpr") and hasattr(j, "consts"):
+        return j.jaxpr, list(j.consts)
+    return j, None
+
+
+def _shape(v: Any) -> tuple[int, ...]:
+    return tuple(getattr(v.aval, "shape", ()))
+
+
+def _row_rule(eqn: Any, states: list[State], bsize: int) -> list[State]:
+    """Output states of one equation given its input states (row-wise propagation)."""
+    n_out = len(eqn.outvars)
+    if all(s == _CONST for s in states):
+        return [_CONST] * n_out
+    if any(s == _MIXED for s in states):
+        return [_MIXED] * n_out
+    name = eqn.primitive.name
+    p = eqn.params
+    ins = [_shape(v) for v in eqn.invars]
+    outs = [_shape(v) for v in eqn.outvars]
+    ok_out = all(len(o) >= 1 and o[0] == bsize for o in outs)
+    rows = [i for i, s in enumerate(states) if isinstance(s, int)]
+    axes = {states[i] for i in rows}
+
+    def res(ok: bool) -> list[State]:
+        return [_ROW if (ok and ok_out) else _MIXED] * n_out
+
+    def res_at(k: Any) -> list[State]:
+        k = int(k)  # params may hold numpy integers
+        ok = all(0 <= k < len(o) and o[k] == bsize for o in outs)
+        return [k if ok else _MIXED] * n_out
+
+    # Rules that follow the batch axis wherever it is (vmapped libraries such as
+    # equinox compute `W @ x`, which puts it on axis 1, then transpose it back).
+    k0 = int(next(iter(axes))) if len(axes) == 1 else None
+    if name in _ELEMENTWISE:
+        if k0 is None or not all(len(ins[i]) == len(outs[0]) for i in rows):
+            return [_MIXED] * n_out
+        return res_at(k0)
+    if name == "transpose" and k0 is not None:
+        return res_at(tuple(p["permutation"]).index(k0))
+    if name == "broadcast_in_dim" and k0 is not None and states[0] == k0:
+        return res_at(tuple(p["broadcast_dimensions"])[k0])
+    if name in _REDUCE_AXES and k0 is not None:
+        red = tuple(p["axes"])
+        return [_MIXED] * n_out if k0 in red else res_at(k0 - sum(a < k0 for a in red))
+    if name == "squeeze" and k0 is not None:
+        sq = tuple(p["dimensions"])
+        return [_MIXED] * n_out if k0 in sq else res_at(k0 - sum(a < k0 for a in sq))
+    if name in _CUMULATIVE and k0 is not None:
+        return [_MIXED] * n_out if p["axis"] == k0 else res_at(k0)
+    if name == "dot_general":
+        (lc, rc), (lb, rb) = p["dimension_numbers"]
+        lfree = [d for d in range(len(ins[0])) if d not in lc and d not in lb]
+        rfree = [d for d in range(len(ins[1])) if d not in rc and d not in rb]
+        sl, sr = states[0], states[1]
+        if isinstance(sl, int) and sr == _CONST and sl in lfree:
+            return res_at(len(lb) + lfree.index(sl))
+        if sl == _CONST and isinstance(sr, int) and sr in rfree:
+            return res_at(len(lb) + len(lfree) + rfree.index(sr))
+        if isinstance(sl, int) and isinstance(sr, int) and sl in lb and sr in rb:
+            i = tuple(lb).index(sl)
+            return res_at(i) if tuple(rb)[i] == sr else [_MIXED] * n_out
+        return [_MIXED] * n_out
+    sub = _sub_jaxpr(eqn) if name in _CALLS else None
+    if sub is not None:
+        jaxpr, _ = _open(sub)
+        if len(jaxpr.invars) != len(states):
+            return [_MIXED] * n_out
+        return _row_states(jaxpr, states, bsize)
+    if axes != {0}:
+        return [_MIXED] * n_out
+
+    if name == "reshape":
+        return res(p.get("dimensions") is None)
+    if name == "concatenate":
+        return res(p["dimension"] != 0)
+    if name == "slice":
+        strides = p.get("strides")
+        return res(
+            p["start_indices"][0] == 0 and p["limit_indices"][0] == bsize
+            and (strides is None or strides[0] == 1)
+        )
+    if name == "pad":
+        return res(states[0] == _ROW and tuple(p["padding_config"][0]) == (0, 0, 0))
+    if name == "dynamic_slice":
+        return res(states[0] == _ROW and all(s == _CONST for s in states[1:]) and p["slice_sizes"][0] == bsize)
+    if name == "gather":
+        dn = p["dimension_numbers"]
+        if 0 in tuple(dn.offset_dims) and states[1] == _ROW:
+            return [_MIXED] * n_out
+        if states[1] == _ROW:  # batched indices
+            if len(ins[1]) < 2:
+                return [_MIXED] * n_out
+            if states[0] == _ROW:
+                ob, sb = tuple(dn.operand_batching_dims), tuple(dn.start_indices_batching_dims)
+                return res(0 in ob and sb[ob.index(0)] == 0)
+            return res(True)
+        # batched operand, constant indices: the whole batch axis must be sliced through
+        return res(
+            0 not in tuple(dn.start_index_map) and 0 not in tuple(dn.collapsed_slice_dims)
+            and p["slice_sizes"][0] == bsize and len(dn.offset_dims) > 0 and dn.offset_dims[0] == 0
+            and not tuple(dn.operand_batching_dims)
+        )
+    if name == "conv_general_dilated":
+        dn = p["dimension_numbers"]
+        return res(
+            states[0] == _ROW and states[1] == _CONST and dn.lhs_spec[0] == 0 and dn.out_spec[0] == 0
+            and p["batch_group_count"] == 1
+        )
+    if name.startswith("reduce_window") or name in ("reduce_window",):
+        wd, ws = p["window_dimensions"], p["window_strides"]
+        pad = p["padding"]
+        return res(wd[0] == 1 and ws[0] == 1 and tuple(pad[0]) == (0, 0))
+    if name in ("sort",):
+        return res(p["dimension"] != 0)
+    if name == "top_k":
+        return res(len(ins[0]) >= 2)
+    if name == "iota":
+        return [_CONST] * n_out
+    return [_MIXED] * n_out
+
+
+def _row_states(jaxpr: Any, in_states: Sequence[State], bsize: int) -> list[State]:
+    """Propagates the row-wise property through ``jaxpr`` (constvars are constant)."""
+    env: dict[Any, State] = {}
+    for v, s in zip(jaxpr.invars, in_states, strict=True):
+        env[v] = s
+
+    def read(v: Any) -> State:
+        return env.get(v, _CONST) if not _is_literal(v) else _CONST
+
+    for eqn in jaxpr.eqns:
+        outs = _row_rule(eqn, [read(v) for v in eqn.invars], bsize)
+        for v, s in zip(eqn.outvars, outs, strict=True):
+            env[v] = s
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _is_literal(v: Any) -> bool:
+    return isinstance(v, _jcore.Literal)
+
+
+def _analyse(jaxpr: Any, n_params: int, active: Sequence[int], n_batch: int, bsize: int) -> _Plan:
+    """Classifies every active parameter leaf of the top-level ``jaxpr``.
+
+    ``jaxpr.invars`` are the flattened ``(params, batch, args)``; the first output
+    is the per-example loss.
+    """
+    invars = jaxpr.invars
+    states: dict[Any, State] = {}
+    for i, v in enumerate(invars):
+        states[v] = _ROW if n_params <= i < n_params + n_batch else _CONST
+    alias: dict[Any, tuple[int, list[int], bool]] = {}
+    for i in range(n_params):
+        alias[invars[i]] = (i, [], False)
+    uses: dict[int, list[_Site | None]] = {i: [] for i in range(n_params)}
+
+    def state(v: Any) -> State:
+        return _CONST if _is_literal(v) else states.get(v, _CONST)
+
+    for k, eqn in enumerate(jaxpr.eqns):
+        name = eqn.primitive.name
+        in_states = [state(v) for v in eqn.invars]
+        aliased = [(pos, alias[v]) for pos, v in enumerate(eqn.invars) if not _is_literal(v) and v in alias]
+        if name in _CHAIN and len(eqn.invars) == 1 and aliased:
+            leaf, chain, bcast = aliased[0][1]
+            alias[eqn.outvars[0]] = (leaf, [*chain, k], bcast or name not in _NORM_KEEPING)
+            states[eqn.outvars[0]] = _CONST
+            continue
+        out_states = _row_rule(eqn, in_states, bsize)
+        for v, s in zip(eqn.outvars, out_states, strict=True):
+            states[v] = s
+        for pos, (leaf, chain, bcast) in aliased:
+            uses[leaf].append(_classify(eqn, k, pos, leaf, chain, bcast, in_states, out_states, len(aliased)))
+    for v in jaxpr.outvars:
+        if not _is_literal(v) and v in alias:
+            uses[alias[v][0]].append(None)
+
+    row_wise = state(jaxpr.outvars[0]) in (_ROW, _CONST)
+    sites: list[_Site] = []
+    ghost: set[int] = set()
+    reasons: dict[int, str] = {}
+    for leaf in active:
+        u = uses[leaf]
+        if not row_wise:
+            reasons[leaf] = "the loss mixes examples or uses an unsupported operation on batched data"
+        elif len(u) == 0:
+            ghost.add(leaf)
+        elif len(u) > 1:
+            if all(x is not None and x.axis == 0 for x in u):  # tied: every use recognised
+                sites.extend(x for x in u if x is not None)
+                ghost.add(leaf)
+            else:
+                reasons[leaf] = f"used {len(u)} times, not all in a supported way"
+        elif u[0] is None:
+            reasons[leaf] = "unsupported use"
+        else:
+            sites.append(u[0])
+            ghost.add(leaf)
+    for leaf in active:
+        if leaf not in ghost and leaf not in reasons:
+            reasons[leaf] = "unsupported use"
+    return _Plan(row_wise, sites, ghost, reasons)
+
+
+def _classify(
+    eqn: Any, k_eqn: int, pos: int, leaf: int, chain: list[int], bcast: bool,
+    in_states: list[State], out_states: list[State], n_aliased: int,
+) -> _Site | None:
+    """A :class:`_Site` when this use of a parameter is recognised, else ``None``."""
+    name = eqn.primitive.name
+    if n_aliased != 1 or not isinstance(out_states[0], int):
+        return None
+    other = 1 - pos
+    if name == "dot_general":  # the batch may be on any free axis of the other operand
+        (lc, rc), (lb, _) = eqn.params["dimension_numbers"]
+        k = in_states[other]
+        contracted = lc if other == 0 else rc
+        if not bcast and isinstance(k, int) and not lb and k not in contracted:
+            return _Site("dense", leaf, k_eqn, pos, chain, (other,), k, int(out_states[0]))
+        return None
+    if out_states[0] != _ROW or any(isinstance(st, int) and st != 0 for st in in_states):
+        return None
+    rows = tuple(i for i, st in enumerate(in_states) if st == _ROW)
+    if name == "conv_general_dilated" and pos == 1 and not bcast and rows == (0,):
+        return _Site("conv", leaf, k_eqn, pos, chain, rows)
+    if name in ("add", "sub", "mul") and len(eqn.invars) == 2:
+        q = _shape(eqn.invars[pos])
+        out = _shape(eqn.outvars[0])
+        if in_states[other] != _ROW:
+            return None
+        if len(q) == 0 or (len(q) == len(out) and q[0] == 1):
+            return _Site("elementwise", leaf, k_eqn, pos, chain, rows)
+        return None
+    if name == "gather" and pos == 0 and not bcast and in_states[1] == _ROW:
+        dn = eqn.params["dimension_numbers"]
+        q = _shape(eqn.invars[0])
+        out = _shape(eqn.outvars[0])
+        idx = _shape(eqn.invars[1])
+        if (
+            len(q) >= 1 and tuple(dn.collapsed_slice_dims) == (0,) and tuple(dn.start_index_map) == (0,)
+            and not tuple(dn.operand_batching_dims) and idx[-1] == 1
+            and tuple(eqn.params["slice_sizes"]) == (1, *q[1:])
+            and tuple(dn.offset_dims) == tuple(range(len(out) - len(q) + 1, len(out)))
+        ):
+            return _Site("embedding", leaf, k_eqn, pos, chain, rows)
+        return None
+    return None
+
+
+# ----------------------------------------------------------------------------
+# Evaluation with probes
+# ----------------------------------------------------------------------------
+
+
+def _bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+    params = eqn.primitive.get_bind_params(eqn.params)
+    with eqn.ctx.manager:
+        ans = eqn.primitive.bind(*invals, **params)
+    return list(ans) if eqn.primitive.multiple_results else [ans]
+
+
+def _run(closed: Any, inputs: Sequence[Any], sites: Sequence[_Site], probes: Sequence[Any]) -> tuple[list, list]:
+    """Evaluates ``closed`` on ``inputs`` adding ``probes[j]`` to site ``j``'s output.
+
+    Returns ``(outputs, per-site operand values)``.
+    """
+    jaxpr = closed.jaxpr
+    env: dict[Any, Any] = {}
+    for v, x in zip(jaxpr.constvars, closed.consts, strict=True):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, inputs, strict=True):
+        env[v] = x
+    at = {s.eqn: j for j, s in enumerate(sites)}
+    operands: list[Any] = [None] * len(sites)
+
+    def read(v: Any) -> Any:
+        return v.val if _is_literal(v) else env[v]
+
+    for k, eqn in enumerate(jaxpr.eqns):
+        invals = [read(v) for v in eqn.invars]
+        outs = _bind(eqn, invals)
+        j = at.get(k)
+        if j is not None:
+            operands[j] = invals
+            outs = [outs[0] + probes[j].astype(outs[0].dtype)]
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            env[v] = x
+    return [read(v) for v in jaxpr.outvars], operands
+
+
+def _replay_chain(closed: Any, chain: Sequence[int], x: Any) -> Any:
+    for k in chain:
+        x = _bind(closed.jaxpr.eqns[k], [x])[0]
+    return x
+
+
+def _hi_einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.einsum(spec, a, b, precision=lax.Precision.HIGHEST)
+
+
+def _dense_norm(site: _Site, eqn: Any, a: jax.Array, g: jax.Array, acc: Any) -> jax.Array:
+    """Per-example ``||a_b^T g_b||_F`` for ``dot_general`` of ``a`` with a parameter.
+
+    ``a`` is the batched operand (batch on axis ``site.axis``) and ``g`` the
+    output cotangent. ``a``'s free axes other than the batch are the ``T`` axes,
+    its contracted axes the ``D`` axes, and the parameter's free axes the ``P``
+    axes of the output.
+    """
+    (lc, rc), _ = eqn.params["dimension_numbers"]
+    a_pos, k = 1 - site.pos, site.axis
+    ca = tuple(lc if a_pos == 0 else rc)
+    n_lhs_free = len(_shape(eqn.invars[0])) - len(lc)
+    n_rhs_free = len(_shape(eqn.invars[1])) - len(rc)
+    a_free = [d for d in range(a.ndim) if d not in ca]
+    offset = 0 if a_pos == 0 else n_lhs_free
+    w_out = list(range(n_lhs_free, n_lhs_free + n_rhs_free)) if a_pos == 0 else list(range(n_lhs_free))
+    seq = [d for d in a_free if d != k]
+    g_perm = (offset + a_free.index(k), *[offset + a_free.index(d) for d in seq], *w_out)
+    bsz = a.shape[k]
+    t = math.prod(a.shape[d] for d in seq)
+    dsz = math.prod(a.shape[d] for d in ca)
+    a3 = jnp.reshape(jnp.transpose(a, (k, *seq, *ca)), (bsz, t, dsz)).astype(acc)
+    g3 = jnp.reshape(jnp.transpose(g, g_perm), (bsz, t, -1)).astype(acc)
+    psz = g3.shape[-1]
+    if t == 1:
+        na, ng = _pe.leaf_example_norms([a3, g3])
+        return na * ng
+    if 2 * t * t < psz * dsz:
+        aa = _hi_einsum("btd,bsd->bts", a3, a3)
+        gg = _hi_einsum("btp,bsp->bts", g3, g3)
+        sq = jnp.sum(aa * gg, axis=(1, 2))
+        return _pe._sqrt_safe(jnp.maximum(sq, jnp.zeros_like(sq)))
+    per_example = _hi_einsum("btd,btp->bdp", a3, g3)  # this layer's per-example gradients only
+    return _pe.leaf_example_norms([per_example])[0]
+
+
+def _embedding_norm(eqn: Any, idx: jax.Array, g: jax.Array, acc: Any) -> jax.Array:
+    """Per-example norm of the gradient of an embedding table ``E[ids]`` (see module doc)."""
+    bsz = idx.shape[0]
+    ids = jnp.reshape(idx, (bsz, -1))
+    t = ids.shape[1]
+    g3 = jnp.reshape(g, (bsz, t, -1)).astype(acc)
+    rows = _shape(eqn.invars[0])[0]
+    if eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:  # out-of-range ids get no gradient
+        ok = (ids >= 0) & (ids < rows)
+        g3 = jnp.where(ok[:, :, None], g3, jnp.zeros((), acc))
+    else:  # clipped (or promised in bounds) indices
+        ids = jnp.clip(ids, 0, rows - 1)
+    if t == 1:
+        return _pe.leaf_example_norms([g3])[0]
+    same = (ids[:, :, None] == ids[:, None, :]).astype(acc)
+    gg = _hi_einsum("btp,bsp->bts", g3, g3)
+    sq = jnp.sum(same * gg, axis=(1, 2))
+    return _pe._sqrt_safe(jnp.maximum(sq, jnp.zeros_like(sq)))
+
+
+def _local_grads(closed: Any, site: _Site, param: jax.Array, invals: Sequence[Any], g: jax.Array) -> jax.Array:
+    """Per-example gradients of one parameter leaf through one operation only, ``(B, *leaf)``.
+
+    With the operation's output cotangent ``g`` (from the probe), example ``b``'s
+    gradient is the pull-back of ``g_b`` through that single operation evaluated
+    on row ``b`` of its batched operands, and through the parameter's chain
+    (cast, reshape, broadcast). Nothing else of the model is differentiated per
+    example; the result has the size of the leaf per example (biases, scales,
+    convolution kernels, tied tables).
+    """
+    eqn = closed.jaxpr.eqns[site.eqn]
+
+    def one(row_vals: list, gb: jax.Array) -> jax.Array:
+        def f(w: jax.Array) -> jax.Array:
+            vals = list(invals)
+            vals[site.pos] = _replay_chain(closed, site.chain, w)
+            for r, x in zip(site.rows, row_vals, strict=True):
+                vals[r] = jnp.expand_dims(x, 0)
+            return _bind(eqn, vals)[0]  # type: ignore[no-any-return]
+
+        out, pull = jax.vjp(f, param)
+        return pull(jnp.expand_dims(gb, 0).astype(out.dtype))[0]  # type: ignore[no-any-return]
+
+    row_vals = [invals[r] for r in site.rows]
+    ref = row_vals[0]
+    row_vals = [_pe.match_batch_sharding(x, ref) for x in row_vals]  # vmap needs one batch sharding
+    return jax.vmap(one)(row_vals, _pe.match_batch_sharding(g, ref))  # type: ignore[no-any-return]
+
+
+# ----------------------------------------------------------------------------
+# The clipped_grad implementation
+# ----------------------------------------------------------------------------
+
+
+def _trace(loss_fn: Callable[..., Any], params: Any, batch: Any, args: Sequence[Any], has_aux: bool) -> Any:
+    """The closed jaxpr of ``loss_fn`` over flattened ``(params, batch, args)``."""
+
+    def flat_loss(p: Any, b: Any, a: Any) -> Any:
+        out = loss_fn(p, b, *a)
+        return out[0] if has_aux else out
+
+    closed = jax.make_jaxpr(flat_loss)(params, batch, tuple(args))
+    if not any(e.primitive.name in _INLINE for e in closed.jaxpr.eqns):
+        return closed
+
+    def inlined(p: Any, b: Any, a: Any) -> Any:
+        leaves = jax.tree_util.tree_leaves((p, b, a))
+        return _inline_eval(closed.jaxpr, closed.consts, leaves)[0]
+
+    return jax.make_jaxpr(inlined)(params, batch, tuple(args))
+
+
+_INLINE = frozenset({"pjit", "jit", "closed_call", "core_call"})
+
+
+def _inline_eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    """Evaluates ``jaxpr``, running nested ``jit`` calls inline (so that, traced, the
+    parameters used inside library helpers such as ``jnp.take`` appear at the top level)."""
+    env: dict[Any, Any] = {}
+    for v, x in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args, strict=True):
+        env[v] = x
+
+    def read(v: Any) -> Any:
+        return v.val if _is_literal(v) else env[v]
+
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        sub = _sub_jaxpr(eqn) if eqn.primitive.name in _INLINE else None
+        j, sub_consts = _open(sub) if sub is not None else (None, None)
+        if j is not None and (sub_consts is not None or not j.constvars):
+            outs = _inline_eval(j, sub_consts or [], invals)
+        else:
+            outs = _bind(eqn, invals)
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            env[v] = x
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _plan_for(loss_fn: Callable[..., Any], params: Any, batch: Any, args: Sequence[Any], has_aux: bool, fn: str) -> tuple:
+    pflat = _norms.flatten(params, fn)
+    n_params = len(pflat.leaves)
+    n_batch = len(jax.tree_util.tree_leaves(batch))
+    bsize = _pe.batch_size_of(batch, fn)
+    closed = _trace(loss_fn, params, batch, args, has_aux)
+    plan = _analyse(closed.jaxpr, n_params, pflat.active, n_batch, bsize)
+    return closed, plan, pflat
+
+
+def ghost_report(loss_fn: Callable[..., Any], params: Any, batch: Any, *args: Any, has_aux: bool = False) -> GhostReport:
+    """Which leaves of ``params`` ghost clipping measures directly, and why others fall back.
+
+    Static (nothing is computed); use it to check a model before training.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from gradclip_jax.ghost import ghost_report
+      >>> def loss(p, b):
+      ...     return jnp.sum((b @ p['w'] + p['b']) ** 2, axis=-1)
+      >>> rep = ghost_report(loss, {'w': jnp.ones((3, 2)), 'b': jnp.zeros(2)}, jnp.ones((4, 3)))
+      >>> rep.ghost, rep.fallback
+      ([("['b']", 'elementwise'), ("['w']", 'dense')], [])
+    """
+    _, plan, pflat = _plan_for(loss_fn, params, batch, args, has_aux, "ghost_report")
+    by_leaf: dict[int, list[str]] = {}
+    for site in plan.sites:
+        by_leaf.setdefault(site.leaf, []).append(site.kind)
+    kinds = {i: (k[0] if len(k) == 1 else "tied:" + "+".join(k)) for i, k in by_leaf.items()}
+    ghost = [(_pe._keystr(pflat.paths[i]), kinds.get(i, "unused")) for i in pflat.active if i in plan.ghost]
+    fallback = [(_pe._keystr(pflat.paths[i]), plan.reasons[i]) for i in pflat.active if i not in plan.ghost]
+    return GhostReport((ghost, fallback))
+
+
+AUTO_MIN_ELEMENTS = 2**20
+"""``method='auto'`` uses ghost clipping when the per-example gradients of the
+ghost-measurable leaves would hold at least this many elements (``B`` times their
+size) and those leaves hold at least half of the parameters; below that, the
+single backward pass of the vmap path is as cheap and exact to the last bit."""
+
+
+def _use_ghost(plan: _Plan, pflat: _norms.FlatTree, bsize: int, method: str) -> bool:
+    """Whether to take the ghost path (else the vmap path computes everything)."""
+    if not plan.row_wise or not plan.ghost:
+        return False
+    # 16-bit parameters: the reweighted backward pass would round each clipped
+    # contribution in 16 bits (norm up to ~0.4% above C); the vmap path clips in float32.
+    if any(np.dtype(pflat.leaves[i].dtype).itemsize < 4 for i in pflat.active):
+        return False
+    if method == "ghost":
+        return True
+    sizes = {i: math.prod(np.shape(pflat.leaves[i])) for i in pflat.active}
+    ghost_size = sum(sizes[i] for i in plan.ghost)
+    return bsize * ghost_size >= AUTO_MIN_ELEMENTS and 2 * ghost_size >= sum(sizes.values())
+
+
+def make_ghost_impl(
+    loss_fn: Callable[..., Any],
+    l2_clip_norm: Any,
+    *,
+    method: str,
+    layer_mode: str | None = None,
+    factors: Callable[[jax.Array, Any], jax.Array],
+    vmap_impl: Callable[..., Any],
+    has_aux: bool,
+    microbatch_size: int | None,
+    nan_safe: bool,
+    spmd_axis_name: Any,
+) -> Callable[..., Any]:
+    """The ``(params, batch, *args, mask=None) -> (grads, info)`` function of ``method='ghost'``.
+
+    Used by :func:`gradclip_jax.per_example.clipped_grad`, which validates the
+    arguments. ``factors(norms, C)`` maps per-example norms to clip factors (clip
+    or normalize); ``vmap_impl`` is the vmap implementation, used when no leaf
+    can be measured without materializing.
+    """
+    fn = "clipped_grad"
+
+    def impl(params: Any, batch: Any, *args: Any, mask: Any = None) -> tuple[Any, Any]:
+        bsize = _pe.batch_size_of(batch, fn)
+        _pe._check_loss_shape(loss_fn, params, batch, args, bsize, has_aux, fn)
+        valid = _pe.check_mask(mask, bsize, fn)
+        _, plan0, pflat0 = _plan_for(loss_fn, params, batch, args, has_aux, fn)
+        if not _use_ghost(plan0, pflat0, bsize, method):
+            return vmap_impl(params, batch, *args, mask=mask)  # type: ignore[no-any-return]
+
+        params = _pe._vary_like_batch(params, batch)
+        pflat = _norms.flatten(params, fn)
+        ref = jax.tree_util.tree_leaves(batch)[0]
+        clip_list: list[Any] | None = None
+        if layer_mode == "tree":
+            budgets_tree = _pe._match_clip_tree(l2_clip_norm, params, fn)
+            clip_list = [budgets_tree[i] for i in pflat.active]
+        elif layer_mode is not None:
+            shapes = [jnp.zeros((1, *x.shape), jnp.float32) for x in pflat.arrays]
+            clip_list = _pe.layer_budgets(shapes, l2_clip_norm, layer_mode == "uniform")
+
+        def chunk(chunk_batch: Any, chunk_valid: jax.Array | None) -> tuple:
+            closed, plan, _ = _plan_for(loss_fn, params, chunk_batch, args, has_aux, fn)
+            m = jax.tree_util.tree_leaves(chunk_batch)[0].shape[0]
+            eqns = closed.jaxpr.eqns
+            probes = [
+                _pe._vary_like(jnp.zeros(_shape(eqns[s.eqn].outvars[0]), eqns[s.eqn].outvars[0].aval.dtype), ref)
+                for s in plan.sites
+            ]
+
+            def probed(p: Any, pr: list) -> tuple:
+                inputs = jax.tree_util.tree_leaves((p, chunk_batch, tuple(args)))
+                outs, operands = _run(closed, inputs, plan.sites, pr)
+                return outs[0], operands
+
+            # One forward pass, linearized once, pulled back twice: with ones(B) for
+            # the probe cotangents (pass 1), with the clip factors for the sum (pass 2).
+            losses: jax.Array
+            operands: list[Any]
+            losses, pull, operands = jax.vjp(probed, params, probes, has_aux=True)
+            cts = pull(jnp.ones_like(losses))[1]
+
+            def reweighted(w: jax.Array) -> Any:
+                return pull(w.astype(losses.dtype))[0]
+
+            acc = _norms.tree_acc_dtype(pflat.arrays) if pflat.arrays else np.dtype(np.float32)
+            leaf_norm: dict[int, jax.Array] = {}
+            n_sites: dict[int, int] = {}
+            for s in plan.sites:
+                n_sites[s.leaf] = n_sites.get(s.leaf, 0) + 1
+            local: dict[int, jax.Array] = {}  # summed per-example gradients of tied / local leaves
+            for s, ops, g in zip(plan.sites, operands, cts, strict=True):
+                eqn = eqns[s.eqn]
+                if n_sites[s.leaf] == 1 and s.kind == "dense":
+                    leaf_norm[s.leaf] = _dense_norm(s, eqn, ops[1 - s.pos], g, acc)
+                elif n_sites[s.leaf] == 1 and s.kind == "embedding":
+                    leaf_norm[s.leaf] = _embedding_norm(eqn, ops[1], g, acc)
+                else:  # elementwise, conv, or one use of a tied leaf: that leaf's gradient only
+                    lg = _local_grads(closed, s, pflat.leaves[s.leaf], ops, g).astype(acc)
+                    local[s.leaf] = lg if s.leaf not in local else local[s.leaf] + lg
+            for i, lg in local.items():
+                leaf_norm[i] = _pe.leaf_example_norms([_pe.as_rows(lg)])[0]
+            fb = [i for i in pflat.active if i not in plan.ghost]
+            rows: list[jax.Array] = []
+            if fb:
+                rows = _fallback_rows(loss_fn, pflat, fb, chunk_batch, args, has_aux, spmd_axis_name)
+                for i, nrm in zip(fb, _pe.leaf_example_norms(rows), strict=True):
+                    leaf_norm[i] = nrm
+            ref_c = jax.tree_util.tree_leaves(chunk_batch)[0]
+            all_norms = [
+                _pe.match_batch_sharding(leaf_norm.get(i, jnp.zeros((m,), acc)).astype(acc), ref_c)
+                for i in pflat.active
+            ]
+            if chunk_valid is not None:
+                chunk_valid = _pe.match_batch_sharding(chunk_valid, ref_c)
+            vals, aux = _values_and_aux(loss_fn, params, chunk_batch, args, has_aux, losses, spmd_axis_name)
+            if clip_list is not None:  # per-layer: book-keeping sums, one factor per leaf
+                lsums, lns, lflags = _per_layer_sums(
+                    closed, plan, pflat, operands, cts, local, fb, rows, all_norms,
+                    clip_list, factors, chunk_valid, nan_safe,
+                )
+                return lsums, lns, lflags, vals, aux
+            ns = _pe.combine_l2(all_norms)
+            finite = jnp.isfinite(ns)
+            f = factors(ns, l2_clip_norm)
+            keep = chunk_valid
+            if nan_safe:
+                keep = finite if keep is None else keep & finite
+            w = f if keep is None else jnp.where(keep, f, jnp.zeros_like(f))
+            w = lax.stop_gradient(w)
+            sums = _reweighted_sums(reweighted, loss_fn, params, pflat, chunk_batch, args, w, keep, finite, has_aux)
+            flags = f < 1
+            if chunk_valid is not None:
+                flags = flags & chunk_valid
+                ns = jnp.where(chunk_valid, ns, jnp.zeros_like(ns))
+            return sums, ns, flags, vals, aux
+
+        mb = microbatch_size
+        if mb is None or mb >= bsize:
+            sums, ns, flags, vals, aux = chunk(batch, valid)
+        else:
+            init = [jnp.zeros(x.shape, _norms.acc_dtype(x.dtype)) for x in pflat.arrays]
+            sums, ns, flags, vals, aux = _pe._scan_chunks(chunk, init, batch, valid, bsize, mb)
+        grads = pflat.rebuild(sums, fill=None)
+        if clip_list is None:
+            num_clipped: Any = jnp.sum(flags).astype(jnp.int32)
+        else:
+            num_clipped = pflat.rebuild([jnp.sum(fl).astype(jnp.int32) for fl in flags], fill=None)
+            ns = pflat.rebuild(ns, fill=None)
+        info = _pe.ClippedGradInfo(num_clipped=num_clipped, norms=ns, values=vals, aux=aux if has_aux else None)
+        return grads, info
+
+    return impl
+
+
+def _site_sum(closed: Any, site: _Site, param: jax.Array, invals: Sequence[Any], g: jax.Array,
+              w: jax.Array, keep: jax.Array | None) -> jax.Array:
+    """Book-keeping: ``sum_b w_b G_b`` for one use of a leaf, from its operands and cotangent.
+
+    The pull-back of the cotangent ``w_b g_b`` (dropped examples: 0, and their
+    batched operands zeroed so that NaN cannot leak) through the single
+    operation (and the leaf's chain) at the whole batch.
+    """
+    eqn = closed.jaxpr.eqns[site.eqn]
+    vals = list(invals)
+    if keep is not None:
+        for r in site.rows:
+            x = vals[r]
+            k = keep.reshape((1,) * site.axis + (-1,) + (1,) * (x.ndim - site.axis - 1))
+            vals[r] = jnp.where(k, x, jnp.zeros((), x.dtype))
+    wk = w if keep is None else jnp.where(keep, w, jnp.zeros_like(w))
+    shape = (1,) * site.out_axis + (-1,) + (1,) * (g.ndim - site.out_axis - 1)
+    ct = g * wk.reshape(shape).astype(g.dtype)
+    if keep is not None:
+        ct = jnp.where(keep.reshape(shape), ct, jnp.zeros((), ct.dtype))
+
+    def f(p: jax.Array) -> jax.Array:
+        v = list(vals)
+        v[site.pos] = _replay_chain(closed, site.chain, p)
+        return _bind(eqn, v)[0]  # type: ignore[no-any-return]
+
+    _, pull = jax.vjp(f, param)
+    return pull(ct)[0]  # type: ignore[no-any-return]
+
+
+def _per_layer_sums(
+    closed: Any, plan: _Plan, pflat: _norms.FlatTree, operands: Sequence[Any], cts: Sequence[Any],
+    local: dict[int, jax.Array], fb: Sequence[int], rows: Sequence[jax.Array], all_norms: Sequence[jax.Array],
+    clip_list: Sequence[Any], factors: Callable[[jax.Array, Any], jax.Array], valid: jax.Array | None,
+    nan_safe: bool,
+) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
+    """Per-layer clipping: each leaf ``l`` gets :math:`\\sum_b c_{b,l} G_{b,l}` (book-keeping).
+
+    The factors differ between leaves, so one reweighted backward pass cannot
+    serve them all; instead each leaf's sum is formed from what pass 1 kept:
+    dense and embedding leaves by pulling ``c_{b,l} g_b`` back through their one
+    operation, tied / elementwise / conv leaves from their per-example gradients,
+    fallback leaves from their rows.
+    """
+    finite = jnp.all(jnp.stack([jnp.isfinite(n) for n in all_norms]), axis=0)
+    keep = valid
+    if nan_safe:
+        keep = finite if keep is None else keep & finite
+    fs = [factors(n, c) for n, c in zip(all_norms, clip_list, strict=True)]
+    site_of = {s.leaf: (s, o, g) for s, o, g in zip(plan.sites, operands, cts, strict=True)}
+    fb_rows = dict(zip(fb, rows, strict=True))
+    sums = []
+    for i, f in zip(pflat.active, fs, strict=True):
+        leaf = pflat.leaves[i]
+        acc = _norms.acc_dtype(leaf.dtype)
+        w = lax.stop_gradient(f)
+        if i in local or i in fb_rows:
+            r = _pe.as_rows(local[i]) if i in local else fb_rows[i]
+            total = _pe.fused_sums([r], [w], keep, finite)[0]
+        elif i in site_of:
+            s, o, g = site_of[i]
+            total = _site_sum(closed, s, leaf, o, g, w, keep)
+        else:  # unused leaf
+            total = jnp.zeros(leaf.shape, acc)
+        sums.append(jnp.reshape(total, leaf.shape).astype(acc))
+    flags = [f < 1 for f in fs]
+    ns = list(all_norms)
+    if valid is not None:
+        flags = [fl & valid for fl in flags]
+        ns = [jnp.where(valid, n, jnp.zeros_like(n)) for n in ns]
+    return sums, ns, flags
+
+
+def _one_example_loss(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+    def scalar_loss(p: Any, example: Any, *a: Any) -> tuple:
+        ex1 = jax.tree_util.tree_map(lambda x: jnp.expand_dims(x, 0), example)
+        out = loss_fn(p, ex1, *a)
+        loss, aux = out if has_aux else (out, None)
+        if has_aux:
+            aux = jax.tree_util.tree_map(_pe._squeeze_example_axis, aux)
+        return jnp.reshape(loss, ()), aux
+
+    return scalar_loss
+
+
+def _fallback_rows(
+    loss_fn: Callable[..., Any], pflat: _norms.FlatTree, fb: Sequence[int], batch: Any,
+    args: Sequence[Any], has_aux: bool, spmd_axis_name: Any,
+) -> list[jax.Array]:
+    """Per-example gradients of the fallback leaves only, one row per example."""
+    scalar_loss = _one_example_loss(loss_fn, has_aux)
+
+    def one(sub: list, example: Any, *a: Any) -> list:
+        def f(s: list) -> jax.Array:
+            leaves = list(pflat.leaves)
+            for i, x in zip(fb, s, strict=True):
+                leaves[i] = x
+            p = jax.tree_util.tree_unflatten(pflat.treedef, leaves)
+            return scalar_loss(p, example, *a)[0]
+
+        return jax.grad(f)(sub)  # type: ignore[no-any-return]
+
+    sub = [pflat.leaves[i] for i in fb]
+    g = jax.vmap(one, in_axes=(None, 0) + (None,) * len(args), spmd_axis_name=spmd_axis_name)(sub, batch, *args)
+    return [_pe.as_rows(x) for x in g]
+
+
+def _reweighted_sums(
+    reweighted: Callable[[jax.Array], Any],
+    loss_fn: Callable[..., Any], params: Any, pflat: _norms.FlatTree, batch: Any, args: Sequence[Any],
+    w: jax.Array, keep: jax.Array | None, finite: jax.Array, has_aux: bool,
+) -> list[jax.Array]:
+    """``grad sum_b w_b l_b``: the second backward pass (the sum of clipped gradients).
+
+    ``reweighted(w)`` pulls the cotangent ``w`` back through the (already
+    linearized) loss, which is the gradient of :math:`\\sum_b w_b \\ell_b`.
+    A dropped example (``keep`` False) has weight 0, which zeroes its contribution
+    exactly when its gradient is finite. If a dropped example has a non-finite
+    norm, ``0 * inf`` could leak NaN through the shared backward pass, so a
+    ``lax.cond`` takes a path that forms each example's gradient in turn and
+    skips the dropped ones.
+    """
+    accs = [_norms.acc_dtype(x.dtype) for x in pflat.arrays]
+
+    def fast(_: Any) -> list[jax.Array]:
+        g = _norms.flatten(reweighted(w), "clipped_grad").arrays
+        return [x.astype(a) for x, a in zip(g, accs, strict=True)]
+
+    if keep is None:
+        return fast(None)
+    scalar_loss = _one_example_loss(loss_fn, has_aux)
+
+    def safe(_: Any) -> list[jax.Array]:
+        def body(carry: list, xs: tuple) -> tuple:
+            example, wi, ki = xs
+            g = jax.grad(lambda p: scalar_loss(p, example, *args)[0])(params)
+            rows = _norms.flatten(g, "clipped_grad").arrays
+            new = [
+                c + jnp.where(ki, wi.astype(a) * r.astype(a), jnp.zeros((), a))
+                for c, r, a in zip(carry, rows, accs, strict=True)
+            ]
+            return new, None
+
+        init = [jnp.zeros(x.shape, a) for x, a in zip(pflat.arrays, accs, strict=True)]
+        ref = jax.tree_util.tree_leaves(batch)[0]
+        if _pe.batch_axis_sharding(ref)[0] is not None:
+            # a scan cannot run over a sharded axis: form the per-example gradients
+            per_ex = jax.vmap(lambda ex: jax.grad(lambda p: scalar_loss(p, ex, *args)[0])(params))(batch)
+            rows = [_pe.as_rows(x) for x in _norms.flatten(per_ex, "clipped_grad").arrays]
+            sums = _pe.fused_sums(rows, [w] * len(rows), keep, jnp.zeros_like(keep))
+            return _pe.unrow(sums, _norms.flatten(per_ex, "clipped_grad").arrays)
+        out, _ = lax.scan(body, init, (batch, w, keep))
+        return out  # type: ignore[no-any-return]
+
+    risky = jnp.any(~keep & ~finite)
+    return lax.cond(risky, safe, fast, None)  # type: ignore[no-any-return]
+
+
+def _values_and_aux(
+    loss_fn: Callable[..., Any], params: Any, batch: Any, args: Sequence[Any], has_aux: bool,
+    losses: jax.Array, spmd_axis_name: Any,
+) -> tuple[jax.Array, Any]:
+    """Per-example losses, and with ``has_aux`` the per-example aux (one forward per example)."""
+    if not has_aux:
+        return losses, None
+    scalar_loss = _one_example_loss(loss_fn, has_aux)
+    vals, aux = jax.vmap(
+        lambda ex, *a: scalar_loss(params, ex, *a), in_axes=(0,) + (None,) * len(args),
+        spmd_axis_name=spmd_axis_name,
+    )(batch, *args)
+    return vals, aux

@@ -1,0 +1,380 @@
+"""Tests for gradclip_jax.ghost: clipped_grad(method='ghost') against method='vmap'."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from gradclip_jax.ghost import ghost_report
+from gradclip_jax.per_example import clipped_grad
+from tests.test_per_example import B, _xent, cnn_setup, embed_setup, mlp_setup
+
+# ----------------------------------------------------------------------------
+# Models (plain JAX); every loss returns per-example losses of shape (B,)
+# ----------------------------------------------------------------------------
+
+
+def _scales(r, batch, ndim):
+    return r.uniform(0.1, 3.0, size=(batch,) + (1,) * (ndim - 1))
+
+
+def seq_setup(seq=3, seed=3, batch=B, dtype=jnp.float32):
+    """Dense layers on a (B, T, d) input: Gram identity for T=3, materialized for T=8."""
+    r = np.random.default_rng(seed)
+    params = {
+        "w1": jnp.asarray(r.normal(size=(6, 8)) / 2, dtype), "b1": jnp.asarray(r.normal(size=8), dtype),
+        "w2": jnp.asarray(r.normal(size=(8, 3)) / 3, dtype),
+    }
+    data = {
+        "x": jnp.asarray(r.normal(size=(batch, seq, 6)) * _scales(r, batch, 3), dtype),
+        "y": jnp.asarray(r.integers(0, 3, size=batch)),
+    }
+
+    def loss(p, b):
+        h = jnp.tanh(jnp.einsum("btd,dp->btp", b["x"], p["w1"]) + p["b1"])
+        return _xent(jnp.mean(h @ p["w2"], axis=1), b["y"])
+
+    return loss, params, data
+
+
+def layernorm_setup(seed=4, batch=B):
+    """Dense + LayerNorm (scale and bias) + tied-free head; sequence axis of 4."""
+    r = np.random.default_rng(seed)
+    params = {
+        "w": jnp.asarray(r.normal(size=(5, 6)), jnp.float32),
+        "scale": jnp.asarray(1 + 0.3 * r.normal(size=6), jnp.float32),
+        "bias": jnp.asarray(0.3 * r.normal(size=6), jnp.float32),
+        "head": jnp.asarray(r.normal(size=(6,)), jnp.float32),
+    }
+    data = {"x": jnp.asarray(r.normal(size=(batch, 4, 5)) * _scales(r, batch, 3), jnp.float32),
+            "y": jnp.asarray(r.normal(size=batch), jnp.float32)}
+
+    def loss(p, b):
+        h = b["x"] @ p["w"]
+        mu = jnp.mean(h, axis=-1, keepdims=True)
+        var = jnp.var(h, axis=-1, keepdims=True)
+        h = (h - mu) * lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]
+        return (jnp.mean(jnp.tanh(h) @ p["head"], axis=1) - b["y"]) ** 2
+
+    return loss, params, data
+
+
+def tied_setup(seed=5, batch=B):
+    """Tied input/output embedding (used twice), plus an elementwise sin of a parameter."""
+    r = np.random.default_rng(seed)
+    params = {"emb": jnp.asarray(r.normal(size=(6, 4)), jnp.float32),
+              "freq": jnp.asarray(r.normal(size=4), jnp.float32)}
+    data = {"tok": jnp.asarray(r.integers(0, 6, size=(batch, 5))), "y": jnp.asarray(r.integers(0, 6, size=batch))}
+
+    def loss(p, b):
+        h = jnp.mean(p["emb"][b["tok"]], axis=1) * jnp.sin(p["freq"])
+        return _xent(h @ p["emb"].T, b["y"])
+
+    return loss, params, data
+
+
+def mixing_setup(seed=6, batch=B):
+    """Batch-statistics normalization: examples interact, so nothing can be ghost-measured."""
+    loss0, params, data = mlp_setup(seed, batch)
+
+    def loss(p, b):
+        x = b["x"] - jnp.mean(b["x"], axis=0)
+        return loss0(p, {**b, "x": x})
+
+    return loss, params, data
+
+
+def embed_seq_setup(seed=7, batch=B):
+    """Embedding lookup with repeated tokens in each sequence (small vocabulary)."""
+    r = np.random.default_rng(seed)
+    params = {"emb": jnp.asarray(r.normal(size=(5, 3)), jnp.float32),
+              "w": jnp.asarray(r.normal(size=(3, 2)), jnp.float32)}
+    data = {"tok": jnp.asarray(r.integers(0, 5, size=(batch, 6))), "y": jnp.asarray(r.integers(0, 2, size=batch))}
+
+    def loss(p, b):
+        return _xent(jnp.sum(p["emb"][b["tok"]] @ p["w"], axis=1), b["y"])
+
+    return loss, params, data
+
+
+MODELS = {
+    "mlp": mlp_setup, "seq_gram": seq_setup, "seq_materialized": lambda: seq_setup(seq=8),
+    "cnn": cnn_setup, "embed": embed_setup, "embed_seq": embed_seq_setup, "layernorm": layernorm_setup,
+    "tied": tied_setup, "mixing": mixing_setup,
+}
+
+# ----------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------
+
+
+def _clip_between_norms(loss, params, data):
+    """A clip norm strictly between two middle per-example norms (no ties with a norm)."""
+    _, info = clipped_grad(loss, 1.0, method="vmap")(params, data)
+    n = np.sort(np.asarray(info.norms))
+    return float(np.sqrt(n[len(n) // 2 - 1] * n[len(n) // 2]))
+
+
+def _close(a, b, rtol, atol):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def _compare(loss, params, data, clip, rtol=1e-5, atol=1e-6, mask=None, **kw):
+    ref_g, ref_i = jax.jit(clipped_grad(loss, clip, method="vmap", **kw))(params, data, mask=mask)
+    g, i = jax.jit(clipped_grad(loss, clip, method="ghost", **kw))(params, data, mask=mask)
+    assert jax.tree.structure(g) == jax.tree.structure(ref_g)
+    _close(g, ref_g, rtol, atol)
+    _close(i.norms, ref_i.norms, rtol, atol)
+    assert jax.tree.structure(i.num_clipped) == jax.tree.structure(ref_i.num_clipped)
+    _close(i.num_clipped, ref_i.num_clipped, 0, 0)
+    np.testing.assert_allclose(np.asarray(i.values), np.asarray(ref_i.values), rtol=rtol, atol=atol)
+    return g, i
+
+
+# ----------------------------------------------------------------------------
+# Tests
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_ghost_matches_vmap(model):
+    loss, params, data = MODELS[model]()
+    _compare(loss, params, data, _clip_between_norms(loss, params, data))
+
+
+def test_report_classifies_leaves():
+    kinds = dict(ghost_report(*mlp_setup()).ghost)
+    assert kinds == {"['l1']['b']": "elementwise", "['l1']['w']": "dense",
+                     "['l2']['b']": "elementwise", "['l2']['w']": "dense"}
+    rep = ghost_report(*cnn_setup())
+    assert dict(rep.ghost) == {"['conv']": "conv", "['conv_b']": "elementwise", "['dense']": "dense"}
+    assert rep.fallback == []
+    rep = ghost_report(*layernorm_setup())
+    assert dict(rep.ghost) == {"['w']": "dense", "['scale']": "elementwise", "['bias']": "elementwise",
+                               "['head']": "dense"}
+    rep = ghost_report(*embed_seq_setup())
+    assert dict(rep.ghost) == {"['emb']": "embedding", "['w']": "dense"}
+    rep = ghost_report(*tied_setup())
+    assert dict(rep.ghost) == {"['emb']": "tied:embedding+dense"}
+    assert [p for p, _ in rep.fallback] == ["['freq']"]  # used through sin(): materialized
+    rep = ghost_report(*mixing_setup())
+    assert rep.ghost == [] and len(rep.fallback) == 4
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_microbatch_mask_normalize(model):
+    loss, params, data = MODELS[model]()
+    clip = _clip_between_norms(loss, params, data)
+    mask = jnp.array([True, False, True, True, False, True, True])
+    _compare(loss, params, data, clip, microbatch_size=3, mask=mask)
+    _compare(loss, params, data, clip, normalize=True, mask=mask)
+
+
+def test_all_padding_gives_zero():
+    loss, params, data = mlp_setup()
+    g, i = jax.jit(clipped_grad(loss, 1.0, method="ghost"))(params, data, mask=jnp.zeros(B, bool))
+    assert all(float(jnp.max(jnp.abs(x))) == 0.0 for x in jax.tree.leaves(g))
+    assert int(i.num_clipped) == 0 and float(jnp.max(i.norms)) == 0.0
+
+
+def test_nan_example_is_dropped():
+    loss, params, data = mlp_setup()
+    data = {**data, "x": data["x"].at[2, 0].set(jnp.nan)}
+    g, i = jax.jit(clipped_grad(loss, 1.0, method="ghost"))(params, data)
+    assert not np.isfinite(np.asarray(i.norms)[2])
+    keep = jnp.arange(B) != 2
+    ref, _ = clipped_grad(loss, 1.0, method="vmap")(params, data, mask=keep)
+    _close(g, ref, 1e-5, 1e-6)
+
+
+def test_has_aux_and_per_layer():
+    loss0, params, data = mlp_setup()
+
+    def loss(p, b):
+        out = loss0(p, b)
+        return out, {"twice": 2 * out}
+
+    clip = _clip_between_norms(loss0, params, data)
+    _, i = _compare(loss, params, data, clip, has_aux=True)
+    np.testing.assert_allclose(i.aux["twice"], 2 * i.values, rtol=1e-6)
+
+
+def test_float64_tight():
+    with jax.enable_x64(True):
+        loss, params, data = seq_setup(dtype=jnp.float64)
+        _compare(loss, params, data, _clip_between_norms(loss, params, data), rtol=1e-12, atol=1e-13)
+
+
+def test_extra_args_and_closure_under_jit():
+    loss0, params, data = mlp_setup()
+
+    @jax.jit
+    def step(p, d, temp):
+        def loss(q, b, t):
+            return loss0(q, b) * t * temp  # closes over a tracer, takes an extra arg
+
+        return clipped_grad(loss, 1.0, method="ghost")(p, d, 2.0)
+
+    g, i = step(params, data, 0.5)
+
+    def loss_ref(q, b, t):
+        return loss0(q, b) * t * 0.5
+
+    ref_g, ref_i = clipped_grad(loss_ref, 1.0, method="vmap")(params, data, 2.0)
+    _close(g, ref_g, 1e-5, 1e-6)
+    _close(i.norms, ref_i.norms, 1e-5, 1e-6)
+
+
+def test_auto_and_errors():
+    loss, params, data = mlp_setup()
+    g, _ = clipped_grad(loss, 1.0, method="auto")(params, data)
+    ref, _ = clipped_grad(loss, 1.0, method="vmap")(params, data)
+    _close(g, ref, 1e-5, 1e-6)
+    with pytest.raises(ValueError, match="unknown method"):
+        clipped_grad(loss, 1.0, method="magic")
+    with pytest.raises(ValueError, match="shape"):
+        clipped_grad(lambda p, b: jnp.sum(loss(p, b)), 1.0, method="ghost")(params, data)
+
+
+def lhs_param_setup(seed=8, batch=B):
+    """``W @ x.T`` (the parameter on the left, the batch on axis 1 of the product)."""
+    r = np.random.default_rng(seed)
+    params = {"w": jnp.asarray(r.normal(size=(3, 4)), jnp.float32)}
+    data = {"x": jnp.asarray(r.normal(size=(batch, 4)) * _scales(r, batch, 2), jnp.float32),
+            "y": jnp.asarray(r.integers(0, 3, size=batch))}
+
+    def loss(p, b):
+        return _xent(jnp.tanh(p["w"] @ b["x"].T).T, b["y"])
+
+    return loss, params, data
+
+
+@pytest.mark.parametrize("mode", ["fill", "clip"])
+def test_embedding_out_of_range_ids(mode):
+    r = np.random.default_rng(9)
+    table = jnp.asarray(r.normal(size=(5, 3)), jnp.float32)
+    ids = jnp.array([[0, 1, 7, 1], [2, 9, 2, 3], [4, 4, 4, -1]])
+
+    def loss(p, b):
+        return jnp.sum(jnp.take(p, b, axis=0, mode=mode) ** 2, axis=(1, 2))
+
+    assert dict(ghost_report(loss, table, ids).ghost) == {"<root>": "embedding"}
+    _compare(loss, table, ids, 10.0)
+
+
+def test_param_on_left_and_scan_over_batch():
+    loss, params, data = lhs_param_setup()
+    assert dict(ghost_report(loss, params, data).ghost) == {"['w']": "dense"}
+    _compare(loss, params, data, _clip_between_norms(loss, params, data))
+
+    def mixing(p, b):  # a scan over the batch axis carries state across examples
+        c, _ = lax.scan(lambda c, x: (c + jnp.sum(x @ p["w"].T), None), 0.0, b["x"])
+        return loss(p, b) + c
+
+    rep = ghost_report(mixing, params, data)
+    assert rep.ghost == [] and "mixes examples" in rep.fallback[0][1]
+
+
+def test_auto_uses_ghost_above_threshold(monkeypatch):
+    import gradclip_jax.ghost as ghost_mod
+
+    loss, params, data = seq_setup()
+    clip = _clip_between_norms(loss, params, data)
+    ref, _ = clipped_grad(loss, clip, method="vmap")(params, data)
+    monkeypatch.setattr(ghost_mod, "AUTO_MIN_ELEMENTS", 0)
+    g, _ = jax.jit(clipped_grad(loss, clip, method="auto"))(params, data)
+    _close(g, ref, 1e-5, 1e-6)
+
+
+def test_flax_model_unchanged():
+    nn = pytest.importorskip("flax.linen")
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, tok):
+            h = nn.Embed(11, 8)(tok)
+            h = nn.gelu(nn.LayerNorm()(nn.Dense(16)(h)))
+            h = nn.RMSNorm()(nn.Conv(4, (3,))(h))
+            return nn.Dense(3)(jnp.mean(h, axis=1))
+
+    net = Net()
+    r = np.random.default_rng(10)
+    data = {"tok": jnp.asarray(r.integers(0, 11, (B, 5))), "y": jnp.asarray(r.integers(0, 3, B))}
+    params = net.init(jax.random.key(0), data["tok"])
+
+    def loss(p, b):
+        return _xent(net.apply(p, b["tok"]), b["y"])
+
+    rep = ghost_report(loss, params, data)
+    assert rep.fallback == [] and len(rep.ghost) == 10
+    _compare(loss, params, data, _clip_between_norms(loss, params, data))
+
+
+def test_equinox_model_unchanged():
+    eqx = pytest.importorskip("equinox")
+
+    class Mlp(eqx.Module):
+        l1: eqx.nn.Linear
+        ln: eqx.nn.LayerNorm
+        l2: eqx.nn.Linear
+
+        def __init__(self, key):
+            k1, k2 = jax.random.split(key)
+            self.l1, self.ln, self.l2 = eqx.nn.Linear(6, 8, key=k1), eqx.nn.LayerNorm(8), eqx.nn.Linear(8, 3, key=k2)
+
+        def __call__(self, x):
+            return self.l2(jnp.tanh(self.ln(self.l1(x))))
+
+    params, static = eqx.partition(Mlp(jax.random.key(1)), eqx.is_inexact_array)
+    _, _, data = mlp_setup()
+
+    def loss(p, b):
+        return _xent(jax.vmap(eqx.combine(p, static))(b["x"]), b["y"])
+
+    rep = ghost_report(loss, params, data)
+    assert rep.fallback == [] and len(rep.ghost) == 6
+    _compare(loss, params, data, _clip_between_norms(loss, params, data))
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+def test_sharded_batch_matches_single_device():
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    loss, params, data = mlp_setup(batch=16)
+    mask = jnp.arange(16) % 3 != 0
+    ref, ref_i = clipped_grad(loss, 0.5, method="vmap")(params, data, mask=mask)
+    grad_fn = clipped_grad(loss, 0.5, method="ghost")
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,))
+    with jax.set_mesh(mesh):  # explicit sharding of the batch axis
+        p_rep = jax.tree.map(lambda x: jax.sharding.reshard(x, P()), params)
+        d_sh = jax.tree.map(lambda x: jax.sharding.reshard(x, P("x")), data)
+        g, i = jax.jit(grad_fn)(p_rep, d_sh, mask=mask)
+    _close(g, ref, 1e-5, 1e-6)
+    _close(i.norms, ref_i.norms, 1e-5, 1e-6)
+
+    def local(p, d, m):  # shard_map: each device clips its own examples
+        g, info = grad_fn(p, d, mask=m)
+        return jax.lax.psum(g, "x"), info.norms
+
+    mesh = jax.make_mesh((8,), ("x",))
+    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("x"), P("x")), out_specs=(P(), P("x"))))
+    g, norms = f(jax.device_put(params, NamedSharding(mesh, P())), jax.device_put(data, NamedSharding(mesh, P("x"))),
+                 jax.device_put(mask, NamedSharding(mesh, P("x"))))
+    _close(g, ref, 1e-5, 1e-6)
+    _close(norms, ref_i.norms, 1e-5, 1e-6)
+
+
+@pytest.mark.parametrize("model", ["seq_materialized", "cnn", "embed_seq", "tied"])
+def test_per_layer(model):
+    loss, params, data = MODELS[model]()
+    clip = _clip_between_norms(loss, params, data)
+    mask = jnp.array([True, False, True, True, False, True, True])
+    _compare(loss, params, data, clip, per_layer=True, mask=mask)
+    _compare(loss, params, data, clip, per_layer="size", microbatch_size=3)
+    tree_clip = jax.tree.map(lambda x: clip * (1.0 + 0.1 * x.ndim), params)
+    _compare(loss, params, data, tree_clip, normalize=True)
