@@ -18,7 +18,7 @@ import numpy as np
 import gradclip_jax as gcx
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 OUT = pathlib.Path(__file__).parent / "assets"
 STEPS = 300
