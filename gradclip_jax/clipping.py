@@ -409,28 +409,42 @@ def clip_by_norm(
     check_scalar(fn, "min_norm", min_norm, allow_none=True)
     _check_order(fn, min_norm, max_norm)
 
-    def init_fn(params: Any) -> ClipByNormState:
-        return ClipByNormState(count=_count0(), norm=_norm_template(params, fn, d, inv, ms))
+    def factor_at(count: jax.Array) -> Any:
+        hi, lo = resolve(max_norm, count), resolve(min_norm, count)
+        return lambda n: clip_factor(
+            n,
+            None if hi is None else as_scalar(hi, n.dtype),
+            None if lo is None else as_scalar(lo, n.dtype),
+        )
 
-    def update_fn(updates: Any, state: ClipByNormState, params: Any = None) -> tuple:
+    return _slice_transform(fn, ClipByNormState, factor_at, spec, d, inv, ms)
+
+
+def _slice_transform(
+    fn: str, state_cls: Any, factor_at: Any, spec: _norms.NormSpec, dim: DimLike, inv: bool, ms: int
+) -> optax.GradientTransformation:
+    """A transform that rescales each slice by ``factor_at(count)(norm)``.
+
+    The shared body of :func:`clip_by_norm` and :func:`normalize`: the state is
+    ``state_cls(count, norm)`` with the per-slice (or global) norms it measured.
+    """
+
+    def init_fn(params: Any) -> Any:
+        return state_cls(count=_count0(), norm=_norm_template(params, fn, dim, inv, ms))
+
+    def update_fn(updates: Any, state: Any, params: Any = None) -> tuple:
         del params
-        hi = resolve(max_norm, state.count)
-        lo = resolve(min_norm, state.count)
         out, nrm = rescale_tree(
             updates,
-            lambda n: clip_factor(
-                n,
-                None if hi is None else as_scalar(hi, n.dtype),
-                None if lo is None else as_scalar(lo, n.dtype),
-            ),
+            factor_at(state.count),
             fn=fn,
             ord=spec,
-            dim=d,
+            dim=dim,
             inverse_dims=inv,
             min_size=ms,
             norm_dtype=_state_dtype(state.norm),
         )
-        return out, ClipByNormState(count=increment(state.count), norm=_like(nrm, state.norm))
+        return out, state_cls(count=increment(state.count), norm=_like(nrm, state.norm))
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -492,25 +506,11 @@ def normalize(
     spec, d, inv, ms = _validate_shape_args(fn, ord, dim, inverse_dims, min_size)
     check_scalar(fn, "norm_value", norm_value)
 
-    def init_fn(params: Any) -> NormalizeState:
-        return NormalizeState(count=_count0(), norm=_norm_template(params, fn, d, inv, ms))
+    def factor_at(count: jax.Array) -> Any:
+        target = resolve(norm_value, count)
+        return lambda n: normalize_factor(n, as_scalar(target, n.dtype))
 
-    def update_fn(updates: Any, state: NormalizeState, params: Any = None) -> tuple:
-        del params
-        target = resolve(norm_value, state.count)
-        out, nrm = rescale_tree(
-            updates,
-            lambda n: normalize_factor(n, as_scalar(target, n.dtype)),
-            fn=fn,
-            ord=spec,
-            dim=d,
-            inverse_dims=inv,
-            min_size=ms,
-            norm_dtype=_state_dtype(state.norm),
-        )
-        return out, NormalizeState(count=increment(state.count), norm=_like(nrm, state.norm))
-
-    return optax.GradientTransformation(init_fn, update_fn)
+    return _slice_transform(fn, NormalizeState, factor_at, spec, d, inv, ms)
 
 
 def clip_value_tree(tree: Any, bound: Any, fn: str) -> Any:
