@@ -28,8 +28,6 @@ import argparse
 import itertools
 import json
 import platform
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from benchmarks.common import interleaved_ms
 from gradclip_jax.per_example import clipped_grad
 
 CLIP = 1.0
@@ -91,22 +90,6 @@ def _jax_privacy(losses: Callable[..., Any]) -> Callable[..., Any] | None:
     return fn
 
 
-def _median_ms(fns: dict[str, Callable[[], Any]], reps: int, max_s: float) -> dict[str, float]:
-    """Interleaved timing: each round calls every function once; medians in ms."""
-    for f in fns.values():  # warm-up (compile excluded)
-        jax.block_until_ready(f())
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    start = time.perf_counter()
-    for r in range(reps):
-        for k, f in fns.items():
-            t = time.perf_counter()
-            jax.block_until_ready(f())
-            times[k].append(time.perf_counter() - t)
-        if r >= 1 and time.perf_counter() - start > max_s:
-            break
-    return {k: 1e3 * statistics.median(v) for k, v in times.items()}
-
-
 def _temp_mb(f: Callable[..., Any], *args: Any) -> float:
     compiled = jax.jit(f).lower(*args).compile()
     return compiled.memory_analysis().temp_size_in_bytes / 2**20
@@ -133,12 +116,12 @@ def run(quick: bool = False) -> list[dict]:
             "hand": lambda: hand(params, data),
             "nonprivate": lambda: nonprivate(params, data),
         }
-        ms = _median_ms(fns, reps, max_s)
+        ms = interleaved_ms(fns, reps, warmup=1, max_s=max_s)
         jp = _jax_privacy(losses)
         if jp is not None:
             # seconds per call on CPU: timed after the others, with few repetitions
             jp_jit = jax.jit(jp)
-            ms.update(_median_ms({"jax_privacy": lambda: jp_jit(params, data)}, 3, 10.0))
+            ms.update(interleaved_ms({"jax_privacy": lambda: jp_jit(params, data)}, 3, warmup=1, max_s=10.0))
         diff = _max_diff(ours(params, data)[0], hand(params, data))
         tag = f"mlp 784-512-512-10 B={batch}"
         rows.append(
@@ -197,7 +180,7 @@ def run(quick: bool = False) -> list[dict]:
         mbs[m] = _temp_mb(f, params, data)
         jf = jax.jit(f)
         fns[str(m)] = lambda jf=jf: jf(params, data)[0]
-    ms = _median_ms(fns, max(3, reps // 3), max_s)
+    ms = interleaved_ms(fns, max(3, reps // 3), warmup=1, max_s=max_s)
     for m in micro:
         rows.append(
             {

@@ -21,32 +21,14 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 
+from benchmarks.common import transformer_tree
 from gradclip_jax.adaptive import adagc, autoclip, quantile_clip, skip_on_spike, zclip
 from gradclip_jax.ema import clip_norm_by_ema, clip_value_by_ema, normalize_by_ema
 from gradclip_jax.growth import clip_norm_growth, clip_value_growth
 
 GROUP = "stateful"
-
-
-def transformer_tree(vocab: int, d: int, layers: int, seed: int = 0) -> dict[str, Any]:
-    """Gradient-like float32 leaves shaped like a small transformer's parameters."""
-    rng = np.random.default_rng(seed)
-
-    def leaf(*shape: int) -> jax.Array:
-        return jnp.asarray(rng.standard_normal(shape, dtype=np.float32) * 1e-2)
-
-    tree: dict[str, Any] = {"embed": leaf(vocab, d)}
-    for i in range(layers):
-        tree[f"layer{i}"] = {
-            "q": leaf(d, d), "k": leaf(d, d), "v": leaf(d, d), "o": leaf(d, d),
-            "mlp_in": leaf(d, 4 * d), "mlp_out": leaf(4 * d, d),
-            "ln1_scale": leaf(d), "ln1_bias": leaf(d), "ln2_scale": leaf(d), "ln2_bias": leaf(d),
-        }
-    return tree
 
 
 # (name, factory, note): scalar-statistic clippers first (target <= 1.15x).

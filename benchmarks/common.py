@@ -56,12 +56,12 @@ def interleaved_ms(fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 2
             block(f())
     times: dict[str, list[float]] = {k: [] for k in fns}
     start = time.perf_counter()
-    for _ in range(reps):
+    for r in range(reps):
         for k, f in fns.items():
             t0 = time.perf_counter()
             block(f())
             times[k].append(time.perf_counter() - t0)
-        if time.perf_counter() - start > max_s:
+        if r >= 1 and time.perf_counter() - start > max_s:  # at least two rounds
             break
     return {k: 1e3 * statistics.median(v) for k, v in times.items()}
 
