@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from gradclip_jax import norms as _norms
+from gradclip_jax.hyperparams import check_scalar, is_traced
 
 __all__ = [
     "add_gaussian_noise",
@@ -47,18 +48,12 @@ def _dp_accounting() -> Any:
 
 
 def _check(fn: str, name: str, value: Any, low: float, high: float, low_open: bool, high_open: bool) -> float:
-    if isinstance(value, bool):
+    """A plain number in the given interval (accounting runs on the host: no schedules or tracers)."""
+    if value is None or callable(value) or is_traced(value):
         raise TypeError(f"{fn}: `{name}` must be a number, got {value!r}")
-    try:
-        v = float(value)
-    except (TypeError, ValueError) as err:
-        raise TypeError(f"{fn}: `{name}` must be a number, got {value!r}") from err
-    bad = math.isnan(v) or v < low or v > high or (low_open and v == low) or (high_open and v == high)
-    if bad:
-        lo = "(" if low_open else "["
-        hi = ")" if high_open else "]"
-        raise ValueError(f"{fn}: `{name}` must be in {lo}{low}, {high}{hi}, got {value!r}")
-    return v
+    check_scalar(fn, name, value, low=low, high=high, low_inclusive=not low_open,
+                 high_inclusive=not high_open)
+    return float(value)
 
 
 def _check_steps(fn: str, steps: Any) -> int:
