@@ -527,12 +527,14 @@ def _dense_norm(site: _Site, eqn: Any, a: jax.Array, g: jax.Array, acc: Any) -> 
     bsz = a.shape[k]
     t = math.prod(a.shape[d] for d in seq)
     dsz = math.prod(a.shape[d] for d in ca)
+    if t == 1:  # 2-D views (a bitcast for the usual (B, D) operand, no copy of the activations)
+        a2 = jnp.reshape(jnp.transpose(a, (k, *seq, *ca)), (bsz, dsz))
+        g2 = jnp.reshape(jnp.transpose(g, g_perm), (bsz, -1))
+        na, ng = _pe.leaf_example_norms([a2, g2])
+        return (na * ng).astype(acc)
     a3 = jnp.reshape(jnp.transpose(a, (k, *seq, *ca)), (bsz, t, dsz)).astype(acc)
     g3 = jnp.reshape(jnp.transpose(g, g_perm), (bsz, t, -1)).astype(acc)
     psz = g3.shape[-1]
-    if t == 1:
-        na, ng = _pe.leaf_example_norms([a3, g3])
-        return na * ng
     if 2 * t * t < psz * dsz:
         aa = _hi_einsum("btd,bsd->bts", a3, a3)
         gg = _hi_einsum("btp,bsp->bts", g3, g3)
@@ -710,15 +712,19 @@ def make_ghost_impl(
     microbatch_size: int | None,
     nan_safe: bool,
     spmd_axis_name: Any,
+    ghost_sum: str = "backward",
 ) -> Callable[..., Any]:
     """The ``(params, batch, *args, mask=None) -> (grads, info)`` function of ``method='ghost'``.
 
     Used by :func:`gradclip_jax.per_example.clipped_grad`, which validates the
     arguments. ``factors(norms, C)`` maps per-example norms to clip factors (clip
     or normalize); ``vmap_impl`` is the vmap implementation, used when no leaf
-    can be measured without materializing.
+    can be measured without materializing. ``ghost_sum`` picks how the clipped
+    sum is formed (``'backward'`` or ``'bookkeeping'``, see the module doc);
+    per-layer clipping always uses book-keeping.
     """
     fn = "clipped_grad"
+    second_pass = ghost_sum == "backward" and layer_mode is None
 
     def impl(params: Any, batch: Any, *args: Any, mask: Any = None) -> tuple[Any, Any]:
         bsize = _pe.batch_size_of(batch, fn)
@@ -753,15 +759,19 @@ def make_ghost_impl(
                 outs, operands = _run(closed, inputs, plan.sites, pr)
                 return outs[0], operands
 
-            # One forward pass, linearized once, pulled back twice: with ones(B) for
-            # the probe cotangents (pass 1), with the clip factors for the sum (pass 2).
+            # One forward pass, then a backward pass to the probes: every site's
+            # operands and its output cotangent for every example. For the
+            # second backward pass the forward is linearized with respect to the
+            # parameters too (and pulled back twice); book-keeping holds the
+            # parameters fixed, so pass 1 forms no parameter gradient.
             losses: jax.Array
             operands: list[Any]
-            losses, pull, operands = jax.vjp(probed, params, probes, has_aux=True)
-            cts = pull(jnp.ones_like(losses))[1]
-
-            def reweighted(w: jax.Array) -> Any:
-                return pull(w.astype(losses.dtype))[0]
+            if second_pass:
+                losses, pull, operands = jax.vjp(probed, params, probes, has_aux=True)
+                cts = pull(jnp.ones_like(losses))[1]
+            else:
+                losses, pull, operands = jax.vjp(lambda pr: probed(params, pr), probes, has_aux=True)
+                cts = pull(jnp.ones_like(losses))[0]
 
             acc = _norms.tree_acc_dtype(pflat.arrays) if pflat.arrays else np.dtype(np.float32)
             leaf_norm: dict[int, jax.Array] = {}
@@ -778,14 +788,13 @@ def make_ghost_impl(
                 else:  # elementwise, conv, or one use of a tied leaf: that leaf's gradient only
                     lg = _local_grads(closed, s, pflat.leaves[s.leaf], ops, g).astype(acc)
                     local[s.leaf] = lg if s.leaf not in local else local[s.leaf] + lg
-            for i, lg in local.items():
-                leaf_norm[i] = _pe.leaf_example_norms([_pe.as_rows(lg)])[0]
+            rows: dict[int, jax.Array] = {i: _pe.as_rows(lg) for i, lg in local.items()}
             fb = [i for i in pflat.active if i not in plan.ghost]
-            rows: list[jax.Array] = []
             if fb:
-                rows = _fallback_rows(loss_fn, pflat, fb, chunk_batch, args, has_aux, spmd_axis_name)
-                for i, nrm in zip(fb, _pe.leaf_example_norms(rows), strict=True):
-                    leaf_norm[i] = nrm
+                fb_rows = _fallback_rows(loss_fn, pflat, fb, chunk_batch, args, has_aux, spmd_axis_name)
+                rows.update(zip(fb, fb_rows, strict=True))
+            for i, r in rows.items():
+                leaf_norm[i] = _pe.leaf_example_norms([r])[0]
             ref_c = jax.tree_util.tree_leaves(chunk_batch)[0]
             all_norms = [
                 _pe.match_batch_sharding(leaf_norm.get(i, jnp.zeros((m,), acc)).astype(acc), ref_c)
@@ -794,25 +803,37 @@ def make_ghost_impl(
             if chunk_valid is not None:
                 chunk_valid = _pe.match_batch_sharding(chunk_valid, ref_c)
             vals, aux = _values_and_aux(loss_fn, params, chunk_batch, args, has_aux, losses, spmd_axis_name)
-            if clip_list is not None:  # per-layer: book-keeping sums, one factor per leaf
-                lsums, lns, lflags = _per_layer_sums(
-                    closed, plan, pflat, operands, cts, local, fb, rows, all_norms,
-                    clip_list, factors, chunk_valid, nan_safe,
-                )
-                return lsums, lns, lflags, vals, aux
-            ns = _pe.combine_l2(all_norms)
-            finite = jnp.isfinite(ns)
-            f = factors(ns, l2_clip_norm)
+            if clip_list is not None:  # per-layer: one factor per leaf and example
+                finite = jnp.all(jnp.stack([jnp.isfinite(n) for n in all_norms]), axis=0)
+                fs = [factors(n, c) for n, c in zip(all_norms, clip_list, strict=True)]
+                ns: Any = list(all_norms)
+            else:
+                ns = _pe.combine_l2(all_norms)
+                finite = jnp.isfinite(ns)
+                fs = [factors(ns, l2_clip_norm)] * len(all_norms)
             keep = chunk_valid
             if nan_safe:
                 keep = finite if keep is None else keep & finite
-            w = f if keep is None else jnp.where(keep, f, jnp.zeros_like(f))
-            w = lax.stop_gradient(w)
-            sums = _reweighted_sums(reweighted, loss_fn, params, pflat, chunk_batch, args, w, keep, finite, has_aux)
-            flags = f < 1
-            if chunk_valid is not None:
-                flags = flags & chunk_valid
-                ns = jnp.where(chunk_valid, ns, jnp.zeros_like(ns))
+            if second_pass:
+                w = lax.stop_gradient(fs[0])
+                if keep is not None:
+                    w = jnp.where(keep, w, jnp.zeros_like(w))
+                sums = _reweighted_sums(
+                    lambda wt: pull(wt.astype(losses.dtype))[0],
+                    loss_fn, params, pflat, chunk_batch, args, w, keep, finite, has_aux,
+                )
+            else:
+                sums = _bookkept_sums(closed, plan, pflat, operands, cts, rows, fs, keep, finite)
+            if clip_list is not None:
+                flags: Any = [f < 1 for f in fs]
+                if chunk_valid is not None:
+                    flags = [fl & chunk_valid for fl in flags]
+                    ns = [jnp.where(chunk_valid, n, jnp.zeros_like(n)) for n in ns]
+            else:
+                flags = fs[0] < 1
+                if chunk_valid is not None:
+                    flags = flags & chunk_valid
+                    ns = jnp.where(chunk_valid, ns, jnp.zeros_like(ns))
             return sums, ns, flags, vals, aux
 
         mb = microbatch_size
@@ -834,25 +855,24 @@ def make_ghost_impl(
 
 
 def _site_sum(closed: Any, site: _Site, param: jax.Array, invals: Sequence[Any], g: jax.Array,
-              w: jax.Array, keep: jax.Array | None) -> jax.Array:
+              w: jax.Array, zero: jax.Array | None) -> jax.Array:
     """Book-keeping: ``sum_b w_b G_b`` for one use of a leaf, from its operands and cotangent.
 
-    The pull-back of the cotangent ``w_b g_b`` (dropped examples: 0, and their
-    batched operands zeroed so that NaN cannot leak) through the single
-    operation (and the leaf's chain) at the whole batch.
+    The pull-back of the cotangent ``w_b g_b`` through the single operation (and
+    the leaf's chain) at the whole batch. With ``zero`` (a ``(B,)`` mask), those
+    examples' batched operands and cotangents are replaced by zeros first, so
+    that NaN or inf in a dropped example cannot leak into the sum (``0 * inf``).
     """
     eqn = closed.jaxpr.eqns[site.eqn]
     vals = list(invals)
-    if keep is not None:
+    shape = (1,) * site.out_axis + (-1,) + (1,) * (g.ndim - site.out_axis - 1)
+    ct = g * w.reshape(shape).astype(g.dtype)
+    if zero is not None:
         for r in site.rows:
             x = vals[r]
-            k = keep.reshape((1,) * site.axis + (-1,) + (1,) * (x.ndim - site.axis - 1))
-            vals[r] = jnp.where(k, x, jnp.zeros((), x.dtype))
-    wk = w if keep is None else jnp.where(keep, w, jnp.zeros_like(w))
-    shape = (1,) * site.out_axis + (-1,) + (1,) * (g.ndim - site.out_axis - 1)
-    ct = g * wk.reshape(shape).astype(g.dtype)
-    if keep is not None:
-        ct = jnp.where(keep.reshape(shape), ct, jnp.zeros((), ct.dtype))
+            k = zero.reshape((1,) * site.axis + (-1,) + (1,) * (x.ndim - site.axis - 1))
+            vals[r] = jnp.where(k, jnp.zeros((), x.dtype), x)
+        ct = jnp.where(zero.reshape(shape), jnp.zeros((), ct.dtype), ct)
 
     def f(p: jax.Array) -> jax.Array:
         v = list(vals)
@@ -863,47 +883,58 @@ def _site_sum(closed: Any, site: _Site, param: jax.Array, invals: Sequence[Any],
     return pull(ct)[0]  # type: ignore[no-any-return]
 
 
-def _per_layer_sums(
+def _bookkept_sums(
     closed: Any, plan: _Plan, pflat: _norms.FlatTree, operands: Sequence[Any], cts: Sequence[Any],
-    local: dict[int, jax.Array], fb: Sequence[int], rows: Sequence[jax.Array], all_norms: Sequence[jax.Array],
-    clip_list: Sequence[Any], factors: Callable[[jax.Array, Any], jax.Array], valid: jax.Array | None,
-    nan_safe: bool,
-) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
-    """Per-layer clipping: each leaf ``l`` gets :math:`\\sum_b c_{b,l} G_{b,l}` (book-keeping).
+    rows: dict[int, jax.Array], factors: Sequence[jax.Array], keep: jax.Array | None, finite: jax.Array,
+) -> list[jax.Array]:
+    """The clipped sum of every active leaf, :math:`\\sum_b c_{b,l} G_{b,l}`, by book-keeping.
 
-    The factors differ between leaves, so one reweighted backward pass cannot
-    serve them all; instead each leaf's sum is formed from what pass 1 kept:
-    dense and embedding leaves by pulling ``c_{b,l} g_b`` back through their one
-    operation, tied / elementwise / conv leaves from their per-example gradients,
-    fallback leaves from their rows.
+    Nothing is differentiated a second time: a dense or embedding leaf's sum is
+    the pull-back of the reweighted cotangent :math:`c_{b,l} g_b` through its
+    one operation at the whole batch (for a dense layer, :math:`a^\\top
+    \\mathrm{diag}(c)\\, g`: the parameter half of one backward pass); a leaf
+    whose per-example gradients were formed anyway (``rows``: tied, elementwise,
+    conv and fallback leaves) is their weighted row sum. ``factors`` holds one
+    ``(B,)`` vector per active leaf (the same one, for global clipping).
+
+    Examples with ``keep`` False contribute exactly zero. Their weight is 0,
+    which suffices when their values are finite; only when a dropped example is
+    non-finite (rare) does one ``lax.cond`` take the branch that also zeroes
+    their operands, so the common case makes no masked copy of any activation.
     """
-    finite = jnp.all(jnp.stack([jnp.isfinite(n) for n in all_norms]), axis=0)
-    keep = valid
-    if nan_safe:
-        keep = finite if keep is None else keep & finite
-    fs = [factors(n, c) for n, c in zip(all_norms, clip_list, strict=True)]
     site_of = {s.leaf: (s, o, g) for s, o, g in zip(plan.sites, operands, cts, strict=True)}
-    fb_rows = dict(zip(fb, rows, strict=True))
-    sums = []
-    for i, f in zip(pflat.active, fs, strict=True):
+    w_of = {i: lax.stop_gradient(f) for i, f in zip(pflat.active, factors, strict=True)}
+    if keep is not None:
+        w_of = {i: jnp.where(keep, w, jnp.zeros_like(w)) for i, w in w_of.items()}
+    row_ids = [i for i in pflat.active if i in rows]
+    totals: dict[int, jax.Array] = {}
+    if row_ids:
+        sums = _pe.fused_sums([rows[i] for i in row_ids], [w_of[i] for i in row_ids], keep, finite)
+        totals.update(zip(row_ids, sums, strict=True))
+    site_ids = [i for i in pflat.active if i in site_of and i not in totals]
+
+    risky = None if keep is None else jnp.any(~keep & ~finite)
+    for i in site_ids:
+        s, o, g = site_of[i]
+        leaf = pflat.leaves[i]
+
+        def one(zero: jax.Array | None, s: _Site = s, o: Any = o, g: jax.Array = g, i: int = i) -> jax.Array:
+            return _site_sum(closed, s, pflat.leaves[i], o, g, w_of[i], zero)
+
+        if risky is None:
+            total = one(None)
+        else:
+            total = lax.cond(risky, lambda one=one: one(~keep), lambda one=one: one(None))
+        totals[i] = total.astype(_norms.acc_dtype(leaf.dtype))
+    out = []
+    for i in pflat.active:
         leaf = pflat.leaves[i]
         acc = _norms.acc_dtype(leaf.dtype)
-        w = lax.stop_gradient(f)
-        if i in local or i in fb_rows:
-            r = _pe.as_rows(local[i]) if i in local else fb_rows[i]
-            total = _pe.fused_sums([r], [w], keep, finite)[0]
-        elif i in site_of:
-            s, o, g = site_of[i]
-            total = _site_sum(closed, s, leaf, o, g, w, keep)
-        else:  # unused leaf
+        total = totals.get(i)
+        if total is None:  # unused leaf
             total = jnp.zeros(leaf.shape, acc)
-        sums.append(jnp.reshape(total, leaf.shape).astype(acc))
-    flags = [f < 1 for f in fs]
-    ns = list(all_norms)
-    if valid is not None:
-        flags = [fl & valid for fl in flags]
-        ns = [jnp.where(valid, n, jnp.zeros_like(n)) for n in ns]
-    return sums, ns, flags
+        out.append(jnp.reshape(total, leaf.shape).astype(acc))
+    return out
 
 
 def _one_example_loss(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
