@@ -33,10 +33,20 @@ leaf is classified by how the loss uses it:
   through that single operation on example ``b``'s operands (the leaf's size per
   example: small for biases, scales and kernels).
 * **tied** leaves (used several times, e.g. an embedding table reused as the
-  output projection): when every use is one of the above (batch on axis 0), the
-  per-example gradient of each use is formed as for ``conv`` and they are
-  **summed before the norm** (so the cross terms are exact; this costs the
-  leaf's size per example).
+  output projection, ``flax`` ``Embed.attend``, or one matrix applied twice):
+  the norm of the *sum* of the uses' gradients, cross terms included. When the
+  leaf is a matrix and every use is a dense product or a row lookup (through
+  casts and transposes), each use is a sum of outer products
+  :math:`G_{b,i} = \\sum_t x_{bit} \\otimes y_{bit}` (activation and cotangent
+  rows; one-hot rows for a lookup) and
+
+  .. math:: \\Big\\|\\sum_i G_{b,i}\\Big\\|_F^2 = \\sum_{i,j} \\sum_{t,s}
+            \\langle x_{bit}, x_{bjs}\\rangle \\langle y_{bit}, y_{bjs}\\rangle ,
+
+  which never forms anything of the table's size (used when it is cheaper:
+  :math:`(\\sum_i T_i)^2 (V + d) < (\\sum_i T_i) V d`). Otherwise (and for
+  other uses with the batch on axis 0) each use's per-example gradient is formed
+  as for ``conv`` and they are summed before the norm.
 * anything else (a leaf used through ``sin``, inside a ``scan``/``cond``, ...)
   **falls back**: that leaf's per-example gradients are materialized with
   ``jax.vmap(jax.grad)`` (all other leaves held fixed), exactly as
@@ -51,13 +61,25 @@ losses with respect to the probes, with cotangent ``ones(B)``, gives every
 example's cotangent at once, because example ``b``'s loss depends only on row
 ``b`` (checked, see below). The per-example norm is
 :math:`\\|g_b\\| = \\sqrt{\\sum_l \\|G_{b,l}\\|^2}` (the norm of the per-leaf norms,
-combined as in the vmap path), and the clipped sum comes from a **second backward
-pass** on the reweighted loss, with the factors held constant:
+combined as in the vmap path). The clipped sum, with
+:math:`c_b = \\min(1, C / \\|g_b\\|)` (or :math:`C / (\\|g_b\\| + \\gamma)` with
+``normalize=True``) held constant, is formed one of two ways (``ghost_sum``):
 
-.. math:: \\nabla_\\theta \\sum_b c_b \\, \\ell_b(\\theta) = \\sum_b c_b \\nabla_\\theta
-          \\ell_b(\\theta), \\qquad c_b = \\min(1, C / \\|g_b\\|)
+* ``'backward'`` (default): a **second backward pass** on the reweighted loss,
 
-(or :math:`C / (\\|g_b\\| + \\gamma)` with ``normalize=True``).
+  .. math:: \\nabla_\\theta \\sum_b c_b \\, \\ell_b(\\theta) = \\sum_b c_b \\nabla_\\theta
+            \\ell_b(\\theta) .
+
+  Each cotangent lives only while it is used, so peak memory stays close to a
+  non-private step (1.2x on the benchmark MLP).
+* ``'bookkeeping'``: from what pass 1 kept (Bu et al. 2023): per dense use
+  :math:`\\sum_b c_b a_b^\\top g_b = a^\\top \\mathrm{diag}(c)\\, g`, the pull-back of
+  :math:`c_b g_b` through that one operation (and weighted row sums for the
+  leaves whose per-example gradients were formed). No second backward pass,
+  so it costs about one non-private step plus the norms, but every layer's
+  output cotangent is held at once (about 2x a non-private step's temporary
+  memory on the benchmark MLP). Per-layer clipping always uses it, because
+  each leaf has its own factors.
 
 Soundness: ghost norms are only valid if example ``b``'s loss depends on row
 ``b`` of the batch alone. The analysis propagates a "row-wise" property through
@@ -514,6 +536,50 @@ def _dense_norm(site: _Site, eqn: Any, a: jax.Array, g: jax.Array, acc: Any) -> 
     its contracted axes the ``D`` axes, and the parameter's free axes the ``P``
     axes of the output.
     """
+    a3, g3 = _dense_views(site, eqn, a, g, acc)
+    bsz, t, dsz = a3.shape
+    psz = g3.shape[-1]
+    if t == 1:  # 2-D views (a bitcast for the usual (B, D) operand, no copy of the activations)
+        na, ng = _pe.leaf_example_norms([jnp.reshape(a3, (bsz, dsz)), jnp.reshape(g3, (bsz, psz))])
+        return (na * ng).astype(acc)
+    if 2 * t * t < psz * dsz:
+        aa = _hi_einsum("btd,bsd->bts", a3, a3)
+        gg = _hi_einsum("btp,bsp->bts", g3, g3)
+        sq = jnp.sum(aa * gg, axis=(1, 2))
+        return _pe._sqrt_safe(jnp.maximum(sq, jnp.zeros_like(sq)))
+    per_example = _hi_einsum("btd,btp->bdp", a3, g3)  # this layer's per-example gradients only
+    return _pe.leaf_example_norms([per_example])[0]
+
+
+def _embedding_views(eqn: Any, idx: jax.Array, g: jax.Array, acc: Any) -> tuple[jax.Array, jax.Array]:
+    """``(ids, g3)`` of a row lookup: in-range ids ``(B, T)`` and cotangents ``(B, T, d)``.
+
+    Out-of-range ids get no gradient (their cotangent rows are zeroed) under
+    ``FILL_OR_DROP``; otherwise they are clipped, as the lookup did.
+    """
+    bsz = idx.shape[0]
+    ids = jnp.reshape(idx, (bsz, -1))
+    g3 = jnp.reshape(g, (bsz, ids.shape[1], -1)).astype(acc)
+    rows = _shape(eqn.invars[0])[0]
+    if eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
+        ok = (ids >= 0) & (ids < rows)
+        g3 = jnp.where(ok[:, :, None], g3, jnp.zeros((), acc))
+    return jnp.clip(ids, 0, rows - 1), g3
+
+
+def _embedding_norm(eqn: Any, idx: jax.Array, g: jax.Array, acc: Any) -> jax.Array:
+    """Per-example norm of the gradient of an embedding table ``E[ids]`` (see module doc)."""
+    ids, g3 = _embedding_views(eqn, idx, g, acc)
+    if ids.shape[1] == 1:
+        return _pe.leaf_example_norms([g3])[0]
+    same = (ids[:, :, None] == ids[:, None, :]).astype(acc)
+    gg = _hi_einsum("btp,bsp->bts", g3, g3)
+    sq = jnp.sum(same * gg, axis=(1, 2))
+    return _pe._sqrt_safe(jnp.maximum(sq, jnp.zeros_like(sq)))
+
+
+def _dense_views(site: _Site, eqn: Any, a: jax.Array, g: jax.Array, acc: Any) -> tuple[jax.Array, jax.Array]:
+    """``(a3, g3)``: a dense site's operand as ``(B, T, D)`` and cotangent as ``(B, T, P)``."""
     (lc, rc), _ = eqn.params["dimension_numbers"]
     a_pos, k = 1 - site.pos, site.axis
     ca = tuple(lc if a_pos == 0 else rc)
@@ -527,41 +593,91 @@ def _dense_norm(site: _Site, eqn: Any, a: jax.Array, g: jax.Array, acc: Any) -> 
     bsz = a.shape[k]
     t = math.prod(a.shape[d] for d in seq)
     dsz = math.prod(a.shape[d] for d in ca)
-    if t == 1:  # 2-D views (a bitcast for the usual (B, D) operand, no copy of the activations)
-        a2 = jnp.reshape(jnp.transpose(a, (k, *seq, *ca)), (bsz, dsz))
-        g2 = jnp.reshape(jnp.transpose(g, g_perm), (bsz, -1))
-        na, ng = _pe.leaf_example_norms([a2, g2])
-        return (na * ng).astype(acc)
     a3 = jnp.reshape(jnp.transpose(a, (k, *seq, *ca)), (bsz, t, dsz)).astype(acc)
     g3 = jnp.reshape(jnp.transpose(g, g_perm), (bsz, t, -1)).astype(acc)
-    psz = g3.shape[-1]
-    if 2 * t * t < psz * dsz:
-        aa = _hi_einsum("btd,bsd->bts", a3, a3)
-        gg = _hi_einsum("btp,bsp->bts", g3, g3)
-        sq = jnp.sum(aa * gg, axis=(1, 2))
-        return _pe._sqrt_safe(jnp.maximum(sq, jnp.zeros_like(sq)))
-    per_example = _hi_einsum("btd,btp->bdp", a3, g3)  # this layer's per-example gradients only
-    return _pe.leaf_example_norms([per_example])[0]
+    return a3, g3
 
 
-def _embedding_norm(eqn: Any, idx: jax.Array, g: jax.Array, acc: Any) -> jax.Array:
-    """Per-example norm of the gradient of an embedding table ``E[ids]`` (see module doc)."""
-    bsz = idx.shape[0]
-    ids = jnp.reshape(idx, (bsz, -1))
-    t = ids.shape[1]
-    g3 = jnp.reshape(g, (bsz, t, -1)).astype(acc)
-    rows = _shape(eqn.invars[0])[0]
-    if eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:  # out-of-range ids get no gradient
-        ok = (ids >= 0) & (ids < rows)
-        g3 = jnp.where(ok[:, :, None], g3, jnp.zeros((), acc))
-    else:  # clipped (or promised in bounds) indices
-        ids = jnp.clip(ids, 0, rows - 1)
-    if t == 1:
-        return _pe.leaf_example_norms([g3])[0]
-    same = (ids[:, :, None] == ids[:, None, :]).astype(acc)
-    gg = _hi_einsum("btp,bsp->bts", g3, g3)
-    sq = jnp.sum(same * gg, axis=(1, 2))
-    return _pe._sqrt_safe(jnp.maximum(sq, jnp.zeros_like(sq)))
+# A factor of a per-example gradient along one axis of a 2-D leaf: ("dense", X)
+# with X of shape (B, T, n) (one vector per position), or ("onehot", ids) with
+# ids of shape (B, T) (the basis vector e_id per position).
+Factor = tuple[str, jax.Array]
+
+
+def _site_factors(closed: Any, site: _Site, ops: Sequence[Any], g: jax.Array, leaf: jax.Array,
+                  acc: Any) -> tuple[Factor, Factor] | None:
+    """A use of a 2-D leaf as a sum of outer products, ``G_b = sum_t x_bt (x) y_bt``.
+
+    Returns the factors along leaf axes 0 and 1, or ``None`` when this use does
+    not factor that way (a leaf that is not a matrix, a chain with a reshape or
+    broadcast, a dense site contracting several axes, ...). A dense use
+    :math:`a_b^\\top g_b` gives the rows of ``a`` along the contracted axis and
+    those of ``g`` along the free one; an embedding lookup gives one-hot rows
+    of the table along axis 0 and the cotangent rows along axis 1.
+    """
+    if leaf.ndim != 2:
+        return None
+    eqn = closed.jaxpr.eqns[site.eqn]
+    perm = [0, 1]  # perm[i]: the leaf axis that is axis i of the operand
+    for k in site.chain:
+        e = closed.jaxpr.eqns[k]
+        name = e.primitive.name
+        if name == "transpose":
+            perm = [perm[p] for p in e.params["permutation"]]
+        elif name not in ("convert_element_type", "copy", "copy_p"):
+            return None
+    if site.kind == "dense":
+        (lc, rc), _ = eqn.params["dimension_numbers"]
+        cw = tuple(lc if site.pos == 0 else rc)
+        if len(cw) != 1:
+            return None
+        a3, g3 = _dense_views(site, eqn, ops[1 - site.pos], g, acc)
+        by_axis = {perm[cw[0]]: ("dense", a3), perm[1 - cw[0]]: ("dense", g3)}
+        return by_axis[0], by_axis[1]
+    if site.kind == "embedding" and perm == [0, 1]:
+        ids, g3 = _embedding_views(eqn, ops[1], g, acc)
+        return ("onehot", ids), ("dense", g3)
+    return None
+
+
+def _factor_inner(f: Factor, h: Factor) -> jax.Array:
+    """``<x_bt, x'_bs>`` for all positions: ``(B, T, S)``."""
+    (kf, xf), (kh, xh) = f, h
+    if kf == "dense" and kh == "dense":
+        return _hi_einsum("btn,bsn->bts", xf, xh)
+    if kf == "onehot" and kh == "onehot":
+        return (xf[:, :, None] == xh[:, None, :]).astype(jnp.float32)
+    if kf == "dense":  # x_bt[ids_bs]
+        return jnp.swapaxes(_factor_inner(h, f), 1, 2)
+    cols = jnp.swapaxes(xh, 1, 2)  # (B, n, S): x'_bs[ids_bt] for every t
+    return jnp.take_along_axis(cols, xf[:, :, None], axis=1)
+
+
+def _factored_norm(factors: Sequence[tuple[Factor, Factor]], acc: Any) -> jax.Array:
+    """Per-example Frobenius norm of ``sum_i G_i`` from the factors of every use ``i``.
+
+    .. math:: \\|\\sum_i G_{b,i}\\|_F^2 = \\sum_{i,j} \\sum_{t,s}
+              \\langle x_{bit}, x_{bjs} \\rangle \\langle y_{bit}, y_{bjs} \\rangle ,
+
+    cross terms included (each pair once, doubled), in ``O(T_i T_j (n_0 + n_1))``
+    per example and pair: nothing of the leaf's size is formed.
+    """
+    total = None
+    for i, (xi, yi) in enumerate(factors):
+        for j in range(i, len(factors)):
+            xj, yj = factors[j]
+            term = jnp.sum(_factor_inner(xi, xj).astype(acc) * _factor_inner(yi, yj).astype(acc), axis=(1, 2))
+            term = term if i == j else 2 * term
+            total = term if total is None else total + term
+    assert total is not None
+    return _pe._sqrt_safe(jnp.maximum(total, jnp.zeros_like(total)))
+
+
+def _factored_is_cheaper(factors: Sequence[tuple[Factor, Factor]], shape: tuple[int, ...]) -> bool:
+    """Inner products of the factors cost less than forming each use's gradient."""
+    ts = [x[1].shape[1] for x, _ in factors]
+    n0, n1 = shape
+    return sum(ti * tj for ti in ts for tj in ts) * (n0 + n1) < sum(ts) * n0 * n1
 
 
 def _local_grads(closed: Any, site: _Site, param: jax.Array, invals: Sequence[Any], g: jax.Array) -> jax.Array:
@@ -778,9 +894,21 @@ def make_ghost_impl(
             n_sites: dict[int, int] = {}
             for s in plan.sites:
                 n_sites[s.leaf] = n_sites.get(s.leaf, 0) + 1
+            # Tied leaves whose every use factors into per-position vectors: the
+            # norm from inner products of those (cross terms included).
+            factored: dict[int, list] = {}
+            for s, ops, g in zip(plan.sites, operands, cts, strict=True):
+                if n_sites[s.leaf] > 1 and factored.get(s.leaf, []) is not None:
+                    f2 = _site_factors(closed, s, ops, g, pflat.leaves[s.leaf], acc)
+                    factored[s.leaf] = None if f2 is None else [*factored.get(s.leaf, []), f2]
+            for i, fl in factored.items():
+                if fl is not None and _factored_is_cheaper(fl, pflat.leaves[i].shape):
+                    leaf_norm[i] = _factored_norm(fl, acc)
             local: dict[int, jax.Array] = {}  # summed per-example gradients of tied / local leaves
             for s, ops, g in zip(plan.sites, operands, cts, strict=True):
                 eqn = eqns[s.eqn]
+                if s.leaf in leaf_norm:  # a factored tied leaf
+                    continue
                 if n_sites[s.leaf] == 1 and s.kind == "dense":
                     leaf_norm[s.leaf] = _dense_norm(s, eqn, ops[1 - s.pos], g, acc)
                 elif n_sites[s.leaf] == 1 and s.kind == "embedding":
@@ -892,9 +1020,10 @@ def _bookkept_sums(
     Nothing is differentiated a second time: a dense or embedding leaf's sum is
     the pull-back of the reweighted cotangent :math:`c_{b,l} g_b` through its
     one operation at the whole batch (for a dense layer, :math:`a^\\top
-    \\mathrm{diag}(c)\\, g`: the parameter half of one backward pass); a leaf
-    whose per-example gradients were formed anyway (``rows``: tied, elementwise,
-    conv and fallback leaves) is their weighted row sum. ``factors`` holds one
+    \\mathrm{diag}(c)\\, g`: the parameter half of one backward pass), summed
+    over its uses for a tied leaf measured by factors; a leaf whose per-example
+    gradients were formed anyway (``rows``: elementwise, conv, other tied and
+    fallback leaves) is their weighted row sum. ``factors`` holds one
     ``(B,)`` vector per active leaf (the same one, for global clipping).
 
     Examples with ``keep`` False contribute exactly zero. Their weight is 0,
@@ -902,7 +1031,6 @@ def _bookkept_sums(
     non-finite (rare) does one ``lax.cond`` take the branch that also zeroes
     their operands, so the common case makes no masked copy of any activation.
     """
-    site_of = {s.leaf: (s, o, g) for s, o, g in zip(plan.sites, operands, cts, strict=True)}
     w_of = {i: lax.stop_gradient(f) for i, f in zip(pflat.active, factors, strict=True)}
     if keep is not None:
         w_of = {i: jnp.where(keep, w, jnp.zeros_like(w)) for i, w in w_of.items()}
@@ -911,12 +1039,13 @@ def _bookkept_sums(
     if row_ids:
         sums = _pe.fused_sums([rows[i] for i in row_ids], [w_of[i] for i in row_ids], keep, finite)
         totals.update(zip(row_ids, sums, strict=True))
-    site_ids = [i for i in pflat.active if i in site_of and i not in totals]
 
+    # Every other leaf: the sum over its uses (one, or several for a factored tied leaf).
     risky = None if keep is None else jnp.any(~keep & ~finite)
-    for i in site_ids:
-        s, o, g = site_of[i]
-        leaf = pflat.leaves[i]
+    for s, o, g in zip(plan.sites, operands, cts, strict=True):
+        i = s.leaf
+        if i in rows or i not in w_of:
+            continue
 
         def one(zero: jax.Array | None, s: _Site = s, o: Any = o, g: jax.Array = g, i: int = i) -> jax.Array:
             return _site_sum(closed, s, pflat.leaves[i], o, g, w_of[i], zero)
@@ -925,7 +1054,8 @@ def _bookkept_sums(
             total = one(None)
         else:
             total = lax.cond(risky, lambda one=one: one(~keep), lambda one=one: one(None))
-        totals[i] = total.astype(_norms.acc_dtype(leaf.dtype))
+        total = total.astype(_norms.acc_dtype(pflat.leaves[i].dtype))
+        totals[i] = total if i not in totals else totals[i] + total
     out = []
     for i in pflat.active:
         leaf = pflat.leaves[i]

@@ -357,6 +357,80 @@ def test_equinox_model_unchanged():
     _compare(loss, params, data, _clip_between_norms(loss, params, data))
 
 
+def _nnx_lm(vocab, d=16, heads=2, seq=6, seed=0):
+    """A flax nnx pre-LN transformer block LM whose output projection is the tied embedding."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.ln1 = nnx.LayerNorm(d, rngs=rngs)
+            self.att = nnx.MultiHeadAttention(num_heads=heads, in_features=d, decode=False, rngs=rngs)
+            self.ln2 = nnx.RMSNorm(d, rngs=rngs)
+            self.up = nnx.Linear(d, 2 * d, rngs=rngs)
+            self.down = nnx.Linear(2 * d, d, rngs=rngs)
+
+        def __call__(self, h, mask):
+            h = h + self.att(self.ln1(h), mask=mask)
+            return h + self.down(nnx.gelu(self.up(self.ln2(h))))
+
+    class LM(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(vocab, d, rngs=rngs)
+            self.block = Block(rngs)
+            self.ln = nnx.LayerNorm(d, rngs=rngs)
+
+        def __call__(self, tok):
+            h = self.block(self.embed(tok), nnx.make_causal_mask(tok))
+            return self.embed.attend(self.ln(h))  # tied input/output embedding
+
+    graphdef, params = nnx.split(LM(nnx.Rngs(seed)), nnx.Param)
+    tok = jnp.asarray(np.random.default_rng(seed).integers(0, vocab, (B, seq + 1)))
+    data = {"x": tok[:, :-1], "y": tok[:, 1:]}
+
+    def loss(p, b):
+        logits = nnx.merge(graphdef, p)(b["x"])
+        ll = jnp.take_along_axis(jax.nn.log_softmax(logits), b["y"][..., None], axis=-1)[..., 0]
+        return -jnp.mean(ll, axis=-1)
+
+    return loss, params, data
+
+
+@pytest.mark.parametrize("ghost_sum", SUMS)
+@pytest.mark.parametrize("vocab", [13, 64])
+def test_flax_nnx_transformer_tied_embedding(vocab, ghost_sum):
+    # vocab 13: the tied table's per-example gradients are cheaper to form;
+    # vocab 64: its norm comes from factors, nothing of shape (B, vocab, d) exists.
+    loss, params, data = _nnx_lm(vocab)
+    rep = ghost_report(loss, params, data)
+    assert rep.fallback == []
+    kinds = dict(rep.ghost)
+    assert kinds["['embed']['embedding'].value"] == "tied:embedding+dense"
+    assert kinds["['block']['att']['query']['kernel'].value"] == "dense"
+    clip = _clip_between_norms(loss, params, data)
+    _compare(loss, params, data, clip, ghost_sum=ghost_sum)
+    _compare(loss, params, data, jax.tree.map(lambda _: clip / 3, params), ghost_sum=ghost_sum)  # per-layer
+    jaxpr = str(jax.make_jaxpr(clipped_grad(loss, clip, method="ghost", ghost_sum=ghost_sum))(params, data))
+    assert (f"[{B},{vocab},16]" in jaxpr) == (vocab == 13)
+
+
+def test_weight_shared_twice_cross_terms():
+    """One square matrix applied twice: its norm needs the cross term of the two uses."""
+    r = np.random.default_rng(11)
+    params = {"w": jnp.asarray(r.normal(size=(6, 6)) / 2, jnp.float32)}
+    data = {"x": jnp.asarray(r.normal(size=(B, 6)) * _scales(r, B, 2), jnp.float32),
+            "y": jnp.asarray(r.integers(0, 6, size=B))}
+
+    def loss(p, b):
+        return _xent(jnp.tanh(b["x"] @ p["w"]) @ p["w"].T, b["y"])
+
+    assert dict(ghost_report(loss, params, data).ghost) == {"['w']": "tied:dense+dense"}
+    clip = _clip_between_norms(loss, params, data)
+    for gs in SUMS:
+        _compare(loss, params, data, clip, ghost_sum=gs)
+    jaxpr = str(jax.make_jaxpr(clipped_grad(loss, clip, method="ghost"))(params, data))
+    assert f"[{B},6,6]" not in jaxpr  # measured from factors, not per-example gradients
+
+
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 def test_sharded_batch_matches_single_device():
     from jax.sharding import AxisType, NamedSharding
