@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from benchmarks.common import interleaved_ms
+from benchmarks.common import compiled_mb, interleaved_ms
 from gradclip_jax.per_example import clipped_grad
 
 CLIP = 1.0
@@ -88,11 +88,6 @@ def _jax_privacy(losses: Callable[..., Any]) -> Callable[..., Any] | None:
         return None
     fn = jax_privacy.clipped_grad(lambda p, b: jnp.sum(losses(p, b)), l2_clip_norm=CLIP, batch_argnums=1)
     return fn
-
-
-def _temp_mb(f: Callable[..., Any], *args: Any) -> float:
-    compiled = jax.jit(f).lower(*args).compile()
-    return compiled.memory_analysis().temp_size_in_bytes / 2**20
 
 
 def _max_diff(a: Any, b: Any) -> float:
@@ -171,13 +166,13 @@ def run(quick: bool = False) -> list[dict]:
     batch = 128
     losses, params, data = _mlp(0, batch)
     hand_f = _hand(losses)
-    hand_mb = _temp_mb(hand_f, params, data)
+    hand_mb = compiled_mb(hand_f, params, data)[0]
     hand_jit = jax.jit(hand_f)
     micro = (None, 64, 16) if quick else (None, 64, 32, 16, 8)
     fns, mbs = {"hand": lambda: hand_jit(params, data)}, {}
     for m in micro:
         f = clipped_grad(losses, CLIP, method="vmap", microbatch_size=m)
-        mbs[m] = _temp_mb(f, params, data)
+        mbs[m] = compiled_mb(f, params, data)[0]
         jf = jax.jit(f)
         fns[str(m)] = lambda jf=jf: jf(params, data)[0]
     ms = interleaved_ms(fns, max(3, reps // 3), warmup=1, max_s=max_s)

@@ -1,28 +1,31 @@
 """Benchmark: ghost clipping (``clipped_grad(..., method='ghost')``).
 
-MLP 784-512-512-10 (669,706 parameters), softmax cross-entropy, float32, at batch
-sizes 32, 128 and 512 (32 and 128 with ``quick=True``). For each batch size it
-times, interleaved (one call of each function per round, medians over rounds,
-``block_until_ready``, compile excluded):
+Two models, float32, per-example losses:
 
-* ``ghost``: ``clipped_grad(loss, C, method='ghost')`` (two backward passes,
-  no per-example gradient materialized);
-* ``nonprivate``: ``jax.grad`` of the summed loss (the baseline, bar: ghost
-  <= 1.5x);
-* ``vmap``: ``clipped_grad(loss, C, method='vmap')`` (reported as a second row,
-  ghost vs vmap).
+* the MLP 784-512-512-10 (669,706 parameters, softmax cross-entropy) at batch
+  sizes 32, 128 and 512 (32 and 128 with ``quick=True``); bar: ghost <= 1.5x
+  the non-private step at B=128;
+* a small pre-LN transformer LM (2 layers, width 128, 4 heads, sequence 64,
+  vocabulary 256, plain JAX: token and position embeddings, attention, MLP,
+  layer norms and an output head; mean token cross-entropy) at batch sizes 32,
+  128 and 512 (32 with ``quick``); bar: ghost <= 2x the non-private step at B=32.
+
+For each model and batch size it times, interleaved (one call of each function
+per round, medians over rounds, ``block_until_ready``, compile excluded):
+``ghost`` (the default ``ghost_sum='auto'``), ``backward`` (``ghost_sum=
+'backward'``: a second backward pass on the reweighted loss), ``bookkeeping``
+(``ghost_sum='bookkeeping'``) and ``nonprivate`` (``jax.grad`` of the summed
+loss, the baseline); then ``vmap`` (``clipped_grad(method='vmap')``) on its
+own, because its per-example gradients flush the caches of whatever runs next.
+It reads each compiled step's memory
+(``memory_analysis()``): the temporaries, and the peak (temporaries plus
+arguments and outputs: parameters, batch, gradients). Bar: peak memory <= 1.5x
+the non-private step (judged on the temporaries, the stricter of the two).
 
 Rows: ``{"group": "ghost", "name", "ours_ms", "baseline_ms", "ratio", "note"}``
-(``ratio = ours_ms / baseline_ms``). Each note records the max abs difference
-between the ghost and vmap clipped sums. Two last rows give the compiled
-temporary memory (``memory_analysis().temp_size_in_bytes``, in MiB, in the
-``ours_ms``/``baseline_ms`` columns and as ``ours_mb``/``baseline_mb``) at the
-largest batch, ghost vs non-private and ghost vs vmap.
-
-A second model is a small pre-LN transformer (2 layers, width 128, 4 heads,
-sequence 64, vocabulary 256, plain JAX: token and position embeddings, attention,
-MLP, layer norms and an output head) at batch 32 (and 128 without ``quick``): the
-bar there is ghost <= 2x the non-private step.
+(``ratio = ours_ms / baseline_ms``; memory rows put MiB in those columns and in
+``ours_mb``/``baseline_mb``). Notes record the max abs difference between the
+ghost and vmap clipped sums.
 
 Run alone: ``python -m benchmarks.bench_ghost`` (``--quick`` for fewer repetitions).
 """
@@ -38,8 +41,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from benchmarks.bench_dp import CLIP, _max_diff, _mlp, _temp_mb
-from benchmarks.common import interleaved_ms, row
+from benchmarks.bench_dp import CLIP, _max_diff, _mlp
+from benchmarks.common import compiled_mb, interleaved_ms, row
 from gradclip_jax.per_example import clipped_grad
 
 
@@ -89,57 +92,53 @@ def _transformer(seed: int, batch: int, *, layers: int = 2, d: int = 128, heads:
     return losses, params, data
 
 
+def _model_rows(label: str, bar: str, model: Callable[..., Any], batch: int, reps: int, max_s: float,
+                env: str) -> list[dict]:
+    """Time and memory rows of one model at one batch size (see the module docstring)."""
+    losses, params, data = model(0, batch)
+    fns = {
+        "ghost": clipped_grad(losses, CLIP, method="ghost"),
+        "backward": clipped_grad(losses, CLIP, method="ghost", ghost_sum="backward"),
+        "bookkeeping": clipped_grad(losses, CLIP, method="ghost", ghost_sum="bookkeeping"),
+        "nonprivate": jax.grad(lambda p, b: jnp.sum(losses(p, b))),
+    }
+    vmap = jax.jit(clipped_grad(losses, CLIP, method="vmap"))
+    jitted = {k: jax.jit(f) for k, f in fns.items()}
+    ref = vmap(params, data)[0]
+    diff = max(_max_diff(jitted[k](params, data)[0], ref) for k in ("backward", "bookkeeping"))
+    ms = interleaved_ms({k: (lambda k=k: jitted[k](params, data)) for k in fns}, reps, max_s=max_s)
+    # vmap apart: its B x params rows would flush the caches before whichever step ran next
+    ms["vmap"] = interleaved_ms({"vmap": lambda: vmap(params, data)}, max(2, reps // 4), max_s=max_s)["vmap"]
+    mem = {k: compiled_mb(f, params, data) for k, f in fns.items()}
+    mem["vmap"] = compiled_mb(clipped_grad(losses, CLIP, method="vmap"), params, data)
+    note = f"{label}, B={batch}, {env}; max|ghost-vmap|={diff:.1e}"
+    mem_note = ("compiled memory (MiB, not ms), temporaries / peak incl. params, batch and grads: "
+                + ", ".join(f"{k} {t:.1f} / {p:.1f}" for k, (t, p) in mem.items()))
+    names = {"ghost": "ghost (default ghost_sum='auto')", "backward": "ghost_sum='backward'",
+             "bookkeeping": "ghost_sum='bookkeeping'", "vmap": "vmap"}
+    rows = []
+    for k in ("ghost", "backward", "bookkeeping"):
+        rows.append(row("ghost", f"{label} {names[k]} vs non-private grad, B={batch}", ms[k], ms["nonprivate"],
+                        note + (f"; {bar}" if k == "ghost" else "")))
+    rows.append(row("ghost", f"{label} ghost vs vmap clipped_grad, B={batch}", ms["ghost"], ms["vmap"], note))
+    for k in ("ghost", "backward", "bookkeeping", "vmap"):
+        for which, idx in (("temp", 0), ("peak", 1)):
+            rows.append(row("ghost", f"{label} memory {which} {names[k]} vs non-private, B={batch}", mem[k][idx],
+                            mem["nonprivate"][idx], mem_note + ("; bar <= 1.5x" if k == "ghost" else ""),
+                            ours_mb=mem[k][idx], baseline_mb=mem["nonprivate"][idx]))
+    return rows
+
+
 def run(quick: bool = False) -> list[dict]:
     """Runs the benchmark and returns its rows (see the module docstring)."""
     reps = 5 if quick else 20
     max_s = 20.0 if quick else 60.0
-    batches = (32, 128) if quick else (32, 128, 512)
     env = f"{jax.default_backend()} x{jax.device_count()}, jax {jax.__version__}, {platform.machine()}"
     rows: list[dict] = []
-    for batch in batches:
-        losses, params, data = _mlp(0, batch)
-        ghost = jax.jit(clipped_grad(losses, CLIP, method="ghost"))
-        vmap = jax.jit(clipped_grad(losses, CLIP, method="vmap"))
-        nonprivate = jax.jit(jax.grad(lambda p, b: jnp.sum(losses(p, b))))
-        diff = _max_diff(ghost(params, data)[0], vmap(params, data)[0])
-        fns: dict[str, Callable[[], Any]] = {
-            "ghost": lambda: ghost(params, data)[0],
-            "nonprivate": lambda: nonprivate(params, data),
-            "vmap": lambda: vmap(params, data)[0],
-        }
-        ms = interleaved_ms(fns, reps, max_s=max_s)
-        note = f"MLP 784-512-512-10, B={batch}, {env}; max|ghost-vmap|={diff:.1e}"
-        rows.append(row("ghost", f"ghost vs non-private grad, B={batch}", ms["ghost"], ms["nonprivate"],
-                        note + "; bar <= 1.5x"))
-        rows.append(row("ghost", f"ghost vs vmap clipped_grad, B={batch}", ms["ghost"], ms["vmap"], note))
-    for batch in (32,) if quick else (32, 128):
-        losses, params, data = _transformer(0, batch)
-        ghost = jax.jit(clipped_grad(losses, CLIP, method="ghost"))
-        vmap = jax.jit(clipped_grad(losses, CLIP, method="vmap"))
-        nonprivate = jax.jit(jax.grad(lambda p, b: jnp.sum(losses(p, b))))
-        diff = _max_diff(ghost(params, data)[0], vmap(params, data)[0])
-        ms = interleaved_ms({
-            "ghost": lambda: ghost(params, data)[0],
-            "nonprivate": lambda: nonprivate(params, data),
-            "vmap": lambda: vmap(params, data)[0],
-        }, reps, max_s=max_s)
-        note = f"transformer 2x128, T=64, B={batch}, {env}; max|ghost-vmap|={diff:.1e}"
-        rows.append(row("ghost", f"transformer ghost vs non-private grad, B={batch}", ms["ghost"],
-                        ms["nonprivate"], note + "; bar <= 2x"))
-        rows.append(row("ghost", f"transformer ghost vs vmap clipped_grad, B={batch}", ms["ghost"], ms["vmap"], note))
-    # compiled temporary memory (MiB) at the largest batch: ghost vs non-private vs vmap
-    losses, params, data = _mlp(0, batches[-1])
-    mem = {
-        "ghost": _temp_mb(clipped_grad(losses, CLIP, method="ghost"), params, data),
-        "nonprivate": _temp_mb(jax.grad(lambda p, b: jnp.sum(losses(p, b))), params, data),
-        "vmap": _temp_mb(clipped_grad(losses, CLIP, method="vmap"), params, data),
-    }
-    note = (f"compiled temp memory (MiB, not ms), B={batches[-1]}: ghost {mem['ghost']:.1f}, "
-            f"non-private {mem['nonprivate']:.1f}, vmap {mem['vmap']:.1f}")
-    rows.append(row("ghost", f"memory ghost vs non-private, B={batches[-1]}", mem["ghost"], mem["nonprivate"], note,
-                    ours_mb=mem["ghost"], baseline_mb=mem["nonprivate"]))
-    rows.append(row("ghost", f"memory ghost vs vmap, B={batches[-1]}", mem["ghost"], mem["vmap"], note,
-                    ours_mb=mem["ghost"], baseline_mb=mem["vmap"]))
+    for batch in (32, 128) if quick else (32, 128, 512):
+        rows += _model_rows("MLP 784-512-512-10", "bar <= 1.5x at B=128", _mlp, batch, reps, max_s, env)
+    for batch in (32,) if quick else (32, 128, 512):
+        rows += _model_rows("transformer 2x128 T=64", "bar <= 2x at B=32", _transformer, batch, reps, max_s, env)
     return rows
 
 

@@ -69,3 +69,14 @@ def interleaved_ms(fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 2
 def row(group: str, name: str, ours_ms: float, baseline_ms: float, note: str = "", **extra: Any) -> dict:
     return {"group": group, "name": name, "ours_ms": ours_ms, "baseline_ms": baseline_ms,
             "ratio": ours_ms / baseline_ms if baseline_ms else float("nan"), "note": note, **extra}
+
+
+def compiled_mb(f: Callable[..., Any], *args: Any) -> tuple[float, float]:
+    """``(temporaries, peak)`` of ``jax.jit(f)`` compiled for ``args``, in MiB.
+
+    The peak adds the arguments and outputs (parameters, batch, gradients) to
+    the temporaries, less what outputs alias from donated arguments.
+    """
+    m = jax.jit(f).lower(*args).compile().memory_analysis()
+    peak = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+    return m.temp_size_in_bytes / 2**20, peak / 2**20

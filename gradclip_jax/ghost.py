@@ -193,6 +193,11 @@ class _Plan:
     sites: list[_Site]
     ghost: set[int]  # leaf indices (flattened params) measured without materializing
     reasons: dict[int, str] = field(default_factory=dict)  # fallback leaf -> why
+    act_elems: int = 0  # elements of the batched intermediates of the loss (a proxy for activations)
+
+    def ct_elems(self, jaxpr: Any) -> int:
+        """Elements of the site output cotangents that book-keeping holds at once."""
+        return sum(math.prod(_shape(jaxpr.eqns[s.eqn].outvars[0])) for s in self.sites)
 
 
 class GhostReport(tuple):
@@ -383,6 +388,7 @@ def _analyse(jaxpr: Any, n_params: int, active: Sequence[int], n_batch: int, bsi
     for i in range(n_params):
         alias[invars[i]] = (i, [], False)
     uses: dict[int, list[_Site | None]] = {i: [] for i in range(n_params)}
+    act_elems = 0
 
     def state(v: Any) -> State:
         return _CONST if _is_literal(v) else states.get(v, _CONST)
@@ -399,6 +405,8 @@ def _analyse(jaxpr: Any, n_params: int, active: Sequence[int], n_batch: int, bsi
         out_states = _row_rule(eqn, in_states, bsize)
         for v, s in zip(eqn.outvars, out_states, strict=True):
             states[v] = s
+            if isinstance(s, int) and name not in _CHAIN:
+                act_elems += math.prod(_shape(v))
         for pos, (leaf, chain, bcast) in aliased:
             uses[leaf].append(_classify(eqn, k, pos, leaf, chain, bcast, in_states, out_states, len(aliased)))
     for v in jaxpr.outvars:
@@ -429,7 +437,7 @@ def _analyse(jaxpr: Any, n_params: int, active: Sequence[int], n_batch: int, bsi
     for leaf in active:
         if leaf not in ghost and leaf not in reasons:
             reasons[leaf] = "unsupported use"
-    return _Plan(row_wise, sites, ghost, reasons)
+    return _Plan(row_wise, sites, ghost, reasons, act_elems)
 
 
 def _classify(
@@ -801,6 +809,23 @@ size) and those leaves hold at least half of the parameters; below that, the
 single backward pass of the vmap path is as cheap and exact to the last bit."""
 
 
+BOOKKEEPING_MAX_SHARE = 0.5
+"""``ghost_sum='auto'`` uses book-keeping when the output cotangents it holds
+(the elements of every recognised operation's output) are at most this share
+of the loss's batched intermediates (a proxy for the activations a backward
+pass keeps): then holding them costs little beside the activations, and it
+saves the second backward pass. Above it (plain MLPs, where the layer outputs
+are most of the activations) the second backward pass keeps the peak memory
+near a non-private step's."""
+
+
+def _sum_mode(ghost_sum: str, closed: Any, plan: _Plan) -> str:
+    """``'backward'`` or ``'bookkeeping'``: how global clipping forms the clipped sum."""
+    if ghost_sum != "auto":
+        return ghost_sum
+    return "bookkeeping" if plan.ct_elems(closed.jaxpr) <= BOOKKEEPING_MAX_SHARE * plan.act_elems else "backward"
+
+
 def _use_ghost(plan: _Plan, pflat: _norms.FlatTree, bsize: int, method: str) -> bool:
     """Whether to take the ghost path (else the vmap path computes everything)."""
     if not plan.row_wise or not plan.ghost:
@@ -828,7 +853,7 @@ def make_ghost_impl(
     microbatch_size: int | None,
     nan_safe: bool,
     spmd_axis_name: Any,
-    ghost_sum: str = "backward",
+    ghost_sum: str = "auto",
 ) -> Callable[..., Any]:
     """The ``(params, batch, *args, mask=None) -> (grads, info)`` function of ``method='ghost'``.
 
@@ -836,11 +861,10 @@ def make_ghost_impl(
     arguments. ``factors(norms, C)`` maps per-example norms to clip factors (clip
     or normalize); ``vmap_impl`` is the vmap implementation, used when no leaf
     can be measured without materializing. ``ghost_sum`` picks how the clipped
-    sum is formed (``'backward'`` or ``'bookkeeping'``, see the module doc);
-    per-layer clipping always uses book-keeping.
+    sum is formed (``'auto'``, ``'backward'`` or ``'bookkeeping'``, see the
+    module doc); per-layer clipping always uses book-keeping.
     """
     fn = "clipped_grad"
-    second_pass = ghost_sum == "backward" and layer_mode is None
 
     def impl(params: Any, batch: Any, *args: Any, mask: Any = None) -> tuple[Any, Any]:
         bsize = _pe.batch_size_of(batch, fn)
@@ -863,6 +887,7 @@ def make_ghost_impl(
 
         def chunk(chunk_batch: Any, chunk_valid: jax.Array | None) -> tuple:
             closed, plan, _ = _plan_for(loss_fn, params, chunk_batch, args, has_aux, fn)
+            second_pass = layer_mode is None and _sum_mode(ghost_sum, closed, plan) == "backward"
             m = jax.tree_util.tree_leaves(chunk_batch)[0].shape[0]
             eqns = closed.jaxpr.eqns
             probes = [
@@ -896,11 +921,12 @@ def make_ghost_impl(
                 n_sites[s.leaf] = n_sites.get(s.leaf, 0) + 1
             # Tied leaves whose every use factors into per-position vectors: the
             # norm from inner products of those (cross terms included).
-            factored: dict[int, list] = {}
+            factored: dict[int, list | None] = {}
             for s, ops, g in zip(plan.sites, operands, cts, strict=True):
-                if n_sites[s.leaf] > 1 and factored.get(s.leaf, []) is not None:
+                prev = factored.get(s.leaf, [])
+                if n_sites[s.leaf] > 1 and prev is not None:
                     f2 = _site_factors(closed, s, ops, g, pflat.leaves[s.leaf], acc)
-                    factored[s.leaf] = None if f2 is None else [*factored.get(s.leaf, []), f2]
+                    factored[s.leaf] = None if f2 is None else [*prev, f2]
             for i, fl in factored.items():
                 if fl is not None and _factored_is_cheaper(fl, pflat.leaves[i].shape):
                     leaf_norm[i] = _factored_norm(fl, acc)
@@ -942,16 +968,17 @@ def make_ghost_impl(
             keep = chunk_valid
             if nan_safe:
                 keep = finite if keep is None else keep & finite
+            ws = [lax.stop_gradient(f) for f in fs]
+            if keep is not None:  # dropped examples weigh 0 (enough when they are finite)
+                ws = [jnp.where(keep, w, jnp.zeros_like(w)) for w in ws]
             if second_pass:
-                w = lax.stop_gradient(fs[0])
-                if keep is not None:
-                    w = jnp.where(keep, w, jnp.zeros_like(w))
-                sums = _reweighted_sums(
-                    lambda wt: pull(wt.astype(losses.dtype))[0],
-                    loss_fn, params, pflat, chunk_batch, args, w, keep, finite, has_aux,
-                )
+                def fast() -> list[jax.Array]:
+                    g = _norms.flatten(pull(ws[0].astype(losses.dtype))[0], fn).arrays
+                    return [x.astype(_norms.acc_dtype(x.dtype)) for x in g]
             else:
-                sums = _bookkept_sums(closed, plan, pflat, operands, cts, rows, fs, keep, finite)
+                def fast() -> list[jax.Array]:
+                    return _bookkept_sums(closed, plan, pflat, operands, cts, rows, ws)
+            sums = _clipped_sums(fast, loss_fn, params, pflat, chunk_batch, args, ws, keep, finite, has_aux)
             if clip_list is not None:
                 flags: Any = [f < 1 for f in fs]
                 if chunk_valid is not None:
@@ -983,24 +1010,24 @@ def make_ghost_impl(
 
 
 def _site_sum(closed: Any, site: _Site, param: jax.Array, invals: Sequence[Any], g: jax.Array,
-              w: jax.Array, zero: jax.Array | None) -> jax.Array:
+              w: jax.Array) -> jax.Array:
     """Book-keeping: ``sum_b w_b G_b`` for one use of a leaf, from its operands and cotangent.
 
     The pull-back of the cotangent ``w_b g_b`` through the single operation (and
-    the leaf's chain) at the whole batch. With ``zero`` (a ``(B,)`` mask), those
-    examples' batched operands and cotangents are replaced by zeros first, so
-    that NaN or inf in a dropped example cannot leak into the sum (``0 * inf``).
+    the leaf's chain) at the whole batch.
     """
     eqn = closed.jaxpr.eqns[site.eqn]
     vals = list(invals)
-    shape = (1,) * site.out_axis + (-1,) + (1,) * (g.ndim - site.out_axis - 1)
-    ct = g * w.reshape(shape).astype(g.dtype)
-    if zero is not None:
-        for r in site.rows:
-            x = vals[r]
-            k = zero.reshape((1,) * site.axis + (-1,) + (1,) * (x.ndim - site.axis - 1))
-            vals[r] = jnp.where(k, jnp.zeros((), x.dtype), x)
-        ct = jnp.where(zero.reshape(shape), jnp.zeros((), ct.dtype), ct)
+    r = site.rows[0]
+    x = vals[r]
+    if (site.kind == "dense" and x.size <= g.size and eqn.invars[r] not in closed.jaxpr.invars
+            and jnp.issubdtype(x.dtype, jnp.inexact)):
+        # weight the activation (an intermediate, free after this) rather than the cotangent
+        vals[r] = x * w.reshape((1,) * site.axis + (-1,) + (1,) * (x.ndim - site.axis - 1)).astype(x.dtype)
+        ct = g
+    else:
+        shape = (1,) * site.out_axis + (-1,) + (1,) * (g.ndim - site.out_axis - 1)
+        ct = g * w.reshape(shape).astype(g.dtype)
 
     def f(p: jax.Array) -> jax.Array:
         v = list(vals)
@@ -1013,7 +1040,7 @@ def _site_sum(closed: Any, site: _Site, param: jax.Array, invals: Sequence[Any],
 
 def _bookkept_sums(
     closed: Any, plan: _Plan, pflat: _norms.FlatTree, operands: Sequence[Any], cts: Sequence[Any],
-    rows: dict[int, jax.Array], factors: Sequence[jax.Array], keep: jax.Array | None, finite: jax.Array,
+    rows: dict[int, jax.Array], weights: Sequence[jax.Array],
 ) -> list[jax.Array]:
     """The clipped sum of every active leaf, :math:`\\sum_b c_{b,l} G_{b,l}`, by book-keeping.
 
@@ -1023,46 +1050,28 @@ def _bookkept_sums(
     \\mathrm{diag}(c)\\, g`: the parameter half of one backward pass), summed
     over its uses for a tied leaf measured by factors; a leaf whose per-example
     gradients were formed anyway (``rows``: elementwise, conv, other tied and
-    fallback leaves) is their weighted row sum. ``factors`` holds one
-    ``(B,)`` vector per active leaf (the same one, for global clipping).
-
-    Examples with ``keep`` False contribute exactly zero. Their weight is 0,
-    which suffices when their values are finite; only when a dropped example is
-    non-finite (rare) does one ``lax.cond`` take the branch that also zeroes
-    their operands, so the common case makes no masked copy of any activation.
+    fallback leaves) is their weighted row sum. ``weights`` holds one ``(B,)``
+    vector per active leaf (the same one, for global clipping), already 0 for
+    dropped examples (see :func:`_clipped_sums` for non-finite ones).
     """
-    w_of = {i: lax.stop_gradient(f) for i, f in zip(pflat.active, factors, strict=True)}
-    if keep is not None:
-        w_of = {i: jnp.where(keep, w, jnp.zeros_like(w)) for i, w in w_of.items()}
+    w_of = dict(zip(pflat.active, weights, strict=True))
     row_ids = [i for i in pflat.active if i in rows]
     totals: dict[int, jax.Array] = {}
     if row_ids:
-        sums = _pe.fused_sums([rows[i] for i in row_ids], [w_of[i] for i in row_ids], keep, finite)
+        sums = _pe.fused_sums([rows[i] for i in row_ids], [w_of[i] for i in row_ids])
         totals.update(zip(row_ids, sums, strict=True))
-
-    # Every other leaf: the sum over its uses (one, or several for a factored tied leaf).
-    risky = None if keep is None else jnp.any(~keep & ~finite)
-    for s, o, g in zip(plan.sites, operands, cts, strict=True):
+    for s, o, g in zip(plan.sites, operands, cts, strict=True):  # every use of the other leaves
         i = s.leaf
         if i in rows or i not in w_of:
             continue
-
-        def one(zero: jax.Array | None, s: _Site = s, o: Any = o, g: jax.Array = g, i: int = i) -> jax.Array:
-            return _site_sum(closed, s, pflat.leaves[i], o, g, w_of[i], zero)
-
-        if risky is None:
-            total = one(None)
-        else:
-            total = lax.cond(risky, lambda one=one: one(~keep), lambda one=one: one(None))
-        total = total.astype(_norms.acc_dtype(pflat.leaves[i].dtype))
+        total = _site_sum(closed, s, pflat.leaves[i], o, g, w_of[i]).astype(_norms.acc_dtype(pflat.leaves[i].dtype))
         totals[i] = total if i not in totals else totals[i] + total
     out = []
     for i in pflat.active:
         leaf = pflat.leaves[i]
         acc = _norms.acc_dtype(leaf.dtype)
-        total = totals.get(i)
-        if total is None:  # unused leaf
-            total = jnp.zeros(leaf.shape, acc)
+        t = totals.get(i)
+        total = jnp.zeros(leaf.shape, acc) if t is None else t  # None: an unused leaf
         out.append(jnp.reshape(total, leaf.shape).astype(acc))
     return out
 
@@ -1101,39 +1110,33 @@ def _fallback_rows(
     return [_pe.as_rows(x) for x in g]
 
 
-def _reweighted_sums(
-    reweighted: Callable[[jax.Array], Any],
+def _clipped_sums(
+    fast: Callable[[], list[jax.Array]],
     loss_fn: Callable[..., Any], params: Any, pflat: _norms.FlatTree, batch: Any, args: Sequence[Any],
-    w: jax.Array, keep: jax.Array | None, finite: jax.Array, has_aux: bool,
+    ws: Sequence[jax.Array], keep: jax.Array | None, finite: jax.Array, has_aux: bool,
 ) -> list[jax.Array]:
-    """``grad sum_b w_b l_b``: the second backward pass (the sum of clipped gradients).
+    """The clipped sums, ``fast()`` (second backward pass or book-keeping) unless that could leak NaN.
 
-    ``reweighted(w)`` pulls the cotangent ``w`` back through the (already
-    linearized) loss, which is the gradient of :math:`\\sum_b w_b \\ell_b`.
-    A dropped example (``keep`` False) has weight 0, which zeroes its contribution
-    exactly when its gradient is finite. If a dropped example has a non-finite
-    norm, ``0 * inf`` could leak NaN through the shared backward pass, so a
-    ``lax.cond`` takes a path that forms each example's gradient in turn and
-    skips the dropped ones.
+    ``ws`` holds each active leaf's ``(B,)`` weights, 0 for dropped examples
+    (``keep`` False). A weight of 0 removes an example's contribution exactly
+    when its values are finite; a dropped example with a non-finite norm could
+    leak NaN through ``0 * inf`` in the shared computation, so then (rarely) a
+    ``lax.cond`` takes a path that forms each kept example's gradient in turn,
+    with no copy of any activation or of the per-example gradients.
     """
     accs = [_norms.acc_dtype(x.dtype) for x in pflat.arrays]
-
-    def fast(_: Any) -> list[jax.Array]:
-        g = _norms.flatten(reweighted(w), "clipped_grad").arrays
-        return [x.astype(a) for x, a in zip(g, accs, strict=True)]
-
     if keep is None:
-        return fast(None)
+        return fast()
     scalar_loss = _one_example_loss(loss_fn, has_aux)
 
     def safe(_: Any) -> list[jax.Array]:
         def body(carry: list, xs: tuple) -> tuple:
-            example, wi, ki = xs
+            example, wis, ki = xs
             g = jax.grad(lambda p: scalar_loss(p, example, *args)[0])(params)
             rows = _norms.flatten(g, "clipped_grad").arrays
             new = [
                 c + jnp.where(ki, wi.astype(a) * r.astype(a), jnp.zeros((), a))
-                for c, r, a in zip(carry, rows, accs, strict=True)
+                for c, wi, r, a in zip(carry, wis, rows, accs, strict=True)
             ]
             return new, None
 
@@ -1142,14 +1145,14 @@ def _reweighted_sums(
         if _pe.batch_axis_sharding(ref)[0] is not None:
             # a scan cannot run over a sharded axis: form the per-example gradients
             per_ex = jax.vmap(lambda ex: jax.grad(lambda p: scalar_loss(p, ex, *args)[0])(params))(batch)
-            rows = [_pe.as_rows(x) for x in _norms.flatten(per_ex, "clipped_grad").arrays]
-            sums = _pe.fused_sums(rows, [w] * len(rows), keep, jnp.zeros_like(keep))
-            return _pe.unrow(sums, _norms.flatten(per_ex, "clipped_grad").arrays)
-        out, _ = lax.scan(body, init, (batch, w, keep))
+            arrays = _norms.flatten(per_ex, "clipped_grad").arrays
+            sums = _pe.fused_sums([_pe.as_rows(x) for x in arrays], list(ws), keep, jnp.zeros_like(keep))
+            return _pe.unrow(sums, arrays)
+        out, _ = lax.scan(body, init, (batch, list(ws), keep))
         return out  # type: ignore[no-any-return]
 
     risky = jnp.any(~keep & ~finite)
-    return lax.cond(risky, safe, fast, None)  # type: ignore[no-any-return]
+    return lax.cond(risky, safe, lambda _: fast(), None)  # type: ignore[no-any-return]
 
 
 def _values_and_aux(

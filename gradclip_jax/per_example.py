@@ -629,7 +629,7 @@ def clipped_grad(
     gamma: float = 0.01,
     nan_safe: bool = True,
     spmd_axis_name: Any = None,
-    ghost_sum: str = "backward",
+    ghost_sum: str = "auto",
 ) -> ClippedGradFn:
     """A function computing the sum of clipped per-example gradients of ``loss_fn``.
 
@@ -700,13 +700,16 @@ def clipped_grad(
         propagates into the sum.
       spmd_axis_name: passed to ``jax.vmap`` (for ``shard_map``/``pmap`` setups).
       ghost_sum: how the ghost path forms the clipped sum once the norms are
-        known. ``'backward'`` (default): a second backward pass on the loss
-        reweighted by the clip factors; the least memory (each layer's output
-        cotangent lives only while it is used, as in a non-private step).
-        ``'bookkeeping'``: reuse the stored activations and output cotangents,
-        :math:`\\sum_b c_b a_b^\\top g_b` per layer (no second backward pass:
-        faster, but every layer's output cotangent is held at once). Per-layer
-        clipping always uses book-keeping. Ignored by ``method='vmap'``.
+        known. ``'backward'``: a second backward pass on the loss reweighted by
+        the clip factors (each layer's output cotangent lives only while it is
+        used, as in a non-private step). ``'bookkeeping'``: reuse the stored
+        activations and output cotangents, :math:`\\sum_b c_b a_b^\\top g_b`
+        per layer (no second backward pass: faster, but every layer's output
+        cotangent is held at once). ``'auto'`` (default): book-keeping when
+        those cotangents are a small share of the loss's activations
+        (``ghost.BOOKKEEPING_MAX_SHARE``; transformers), else the second pass
+        (plain MLPs). Per-layer clipping always uses book-keeping. Ignored by
+        ``method='vmap'``.
 
     Returns:
       A :class:`ClippedGradFn`: ``grad_fn(params, batch, *args, mask=None) ->
@@ -760,8 +763,8 @@ def clipped_grad(
     has_aux = bool(static_value(fn, "has_aux", has_aux))
     nan_safe = bool(static_value(fn, "nan_safe", nan_safe))
     ghost_sum = static_value(fn, "ghost_sum", ghost_sum)
-    if ghost_sum not in ("backward", "bookkeeping"):
-        raise ValueError(f"{fn}: unknown ghost_sum {ghost_sum!r}; expected 'backward' or 'bookkeeping'")
+    if ghost_sum not in ("auto", "backward", "bookkeeping"):
+        raise ValueError(f"{fn}: unknown ghost_sum {ghost_sum!r}; expected 'auto', 'backward' or 'bookkeeping'")
 
     tree_clip = not _tree_is_scalar(l2_clip_norm)
     if tree_clip:

@@ -413,6 +413,22 @@ def test_flax_nnx_transformer_tied_embedding(vocab, ghost_sum):
     assert (f"[{B},{vocab},16]" in jaxpr) == (vocab == 13)
 
 
+def test_auto_sum_mode_follows_cotangent_share():
+    """'auto' keeps the second backward pass where layer outputs are most of the
+    activations (an MLP) and book-keeps where they are a small share (norms, attention)."""
+    from gradclip_jax import ghost
+
+    def mode(setup):
+        loss, params, data = setup
+        closed, plan, _ = ghost._plan_for(loss, params, data, (), False, "test")
+        return ghost._sum_mode("auto", closed, plan)
+
+    assert mode(MODELS["seq_materialized"]()) == "backward"
+    assert mode(MODELS["layernorm"]()) == "bookkeeping"
+    assert mode(_nnx_lm(64)) == "bookkeeping"
+    assert mode(MODELS["cnn"]()) == "backward"
+
+
 def test_weight_shared_twice_cross_terms():
     """One square matrix applied twice: its norm needs the cross term of the two uses."""
     r = np.random.default_rng(11)
