@@ -65,7 +65,7 @@ combined as in the vmap path). The clipped sum, with
 :math:`c_b = \\min(1, C / \\|g_b\\|)` (or :math:`C / (\\|g_b\\| + \\gamma)` with
 ``normalize=True``) held constant, is formed one of two ways (``ghost_sum``):
 
-* ``'backward'`` (default): a **second backward pass** on the reweighted loss,
+* ``'backward'``: a **second backward pass** on the reweighted loss,
 
   .. math:: \\nabla_\\theta \\sum_b c_b \\, \\ell_b(\\theta) = \\sum_b c_b \\nabla_\\theta
             \\ell_b(\\theta) .
@@ -78,8 +78,12 @@ combined as in the vmap path). The clipped sum, with
   leaves whose per-example gradients were formed). No second backward pass,
   so it costs about one non-private step plus the norms, but every layer's
   output cotangent is held at once (about 2x a non-private step's temporary
-  memory on the benchmark MLP). Per-layer clipping always uses it, because
-  each leaf has its own factors.
+  memory on the benchmark MLP, 1.0x on the benchmark transformer). Per-layer
+  clipping always uses it, because each leaf has its own factors.
+* ``'auto'`` (default): book-keeping when the output cotangents it holds are at
+  most :data:`BOOKKEEPING_MAX_SHARE` of the elements of the loss's batched
+  intermediates (a static proxy for the activations; true of transformers,
+  whose norms, attention and nonlinearities dominate), else the second pass.
 
 Soundness: ghost norms are only valid if example ``b``'s loss depends on row
 ``b`` of the batch alone. The analysis propagates a "row-wise" property through
@@ -93,8 +97,8 @@ to float rounding (the sum is accumulated by autodiff in the parameter dtype,
 then cast to the accumulation dtype); an example whose norm does not fit in the
 dtype (finite elements, norm above ~3.4e38 in float32) is treated as non-finite
 (dropped with ``nan_safe``) instead of being clipped with the vmap path's upper
-bound; ``per_layer`` clipping and 16-bit parameters use the vmap path (the
-reweighted backward pass would round each clipped contribution in 16 bits);
+bound; 16-bit parameters use the vmap path (both ways of forming the sum would
+round each clipped contribution in 16 bits);
 a loss that reads the batch size as a number (``x.shape[0]``) sees ``B`` here
 and 1 in the vmap path (per-example losses should not do that).
 
@@ -830,7 +834,7 @@ def _use_ghost(plan: _Plan, pflat: _norms.FlatTree, bsize: int, method: str) -> 
     """Whether to take the ghost path (else the vmap path computes everything)."""
     if not plan.row_wise or not plan.ghost:
         return False
-    # 16-bit parameters: the reweighted backward pass would round each clipped
+    # 16-bit parameters: the second pass or book-keeping would round each clipped
     # contribution in 16 bits (norm up to ~0.4% above C); the vmap path clips in float32.
     if any(np.dtype(pflat.leaves[i].dtype).itemsize < 4 for i in pflat.active):
         return False

@@ -680,7 +680,7 @@ def clipped_grad(
       microbatch_size: ``None`` (default: one vmap over the whole batch) or a
         positive int, the number of examples per sequential chunk.
       method: ``'vmap'``; ``'ghost'`` (per-example norms from activations and
-        output cotangents, then one reweighted backward pass; leaves the analysis
+        output cotangents, then the clipped sum (see ``ghost_sum``); leaves the analysis
         does not recognise fall back to vmap; see :mod:`gradclip_jax.ghost`);
         ``'auto'`` (default): ghost when the ghost-measurable per-example
         gradients would be large (``ghost.AUTO_MIN_ELEMENTS``), else vmap.
