@@ -983,32 +983,11 @@ def make_ghost_impl(
                 def fast() -> list[jax.Array]:
                     return _bookkept_sums(closed, plan, pflat, operands, cts, rows, ws)
             sums = _clipped_sums(fast, loss_fn, params, pflat, chunk_batch, args, ws, keep, finite, has_aux)
-            if clip_list is not None:
-                flags: Any = [f < 1 for f in fs]
-                if chunk_valid is not None:
-                    flags = [fl & chunk_valid for fl in flags]
-                    ns = [jnp.where(chunk_valid, n, jnp.zeros_like(n)) for n in ns]
-            else:
-                flags = fs[0] < 1
-                if chunk_valid is not None:
-                    flags = flags & chunk_valid
-                    ns = jnp.where(chunk_valid, ns, jnp.zeros_like(ns))
+            flags, ns = _pe.clip_flags(fs, ns, chunk_valid, clip_list is not None)
             return sums, ns, flags, vals, aux
 
-        mb = microbatch_size
-        if mb is None or mb >= bsize:
-            sums, ns, flags, vals, aux = chunk(batch, valid)
-        else:
-            init = [jnp.zeros(x.shape, _norms.acc_dtype(x.dtype)) for x in pflat.arrays]
-            sums, ns, flags, vals, aux = _pe._scan_chunks(chunk, init, batch, valid, bsize, mb)
-        grads = pflat.rebuild(sums, fill=None)
-        if clip_list is None:
-            num_clipped: Any = jnp.sum(flags).astype(jnp.int32)
-        else:
-            num_clipped = pflat.rebuild([jnp.sum(fl).astype(jnp.int32) for fl in flags], fill=None)
-            ns = pflat.rebuild(ns, fill=None)
-        info = _pe.ClippedGradInfo(num_clipped=num_clipped, norms=ns, values=vals, aux=aux if has_aux else None)
-        return grads, info
+        return _pe.run_chunks(  # type: ignore[no-any-return]
+            chunk, pflat, batch, valid, bsize, microbatch_size, clip_list is not None, has_aux)
 
     return impl
 

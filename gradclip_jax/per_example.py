@@ -617,6 +617,46 @@ def _tree_is_scalar(x: Any) -> bool:
     return np.ndim(x) == 0 or (hasattr(x, "shape") and math.prod(x.shape) == 1)
 
 
+def clip_flags(fs: Sequence[jax.Array], ns: Any, valid: jax.Array | None, per_layer: bool) -> tuple[Any, Any]:
+    """``(clipped flags, norms)`` of one chunk: padding examples are not clipped and get norm 0.
+
+    Global clipping: one ``(B,)`` factor ``fs[0]`` and norms ``ns``; per-layer:
+    one per leaf (lists).
+    """
+    if not per_layer:
+        flags = fs[0] < 1
+        if valid is not None:
+            flags = flags & valid
+            ns = jnp.where(valid, ns, jnp.zeros_like(ns))
+        return flags, ns
+    flag_list = [f < 1 for f in fs]
+    if valid is not None:
+        flag_list = [fl & valid for fl in flag_list]
+        ns = [jnp.where(valid, v, jnp.zeros_like(v)) for v in ns]
+    return flag_list, ns
+
+
+def run_chunks(
+    chunk: Callable[..., tuple], pflat: _norms.FlatTree, batch: Any, valid: jax.Array | None, bsize: int,
+    microbatch_size: int | None, per_layer: bool, has_aux: bool,
+) -> tuple[Any, ClippedGradInfo]:
+    """Runs ``chunk(batch, valid) -> (sums, norms, flags, values, aux)`` over the batch
+    (at once, or in microbatches) and builds ``(grads, info)``."""
+    mb = microbatch_size
+    if mb is None or mb >= bsize:
+        sums, ns, flags, vals, aux = chunk(batch, valid)
+    else:
+        init = [jnp.zeros(x.shape, _norms.acc_dtype(x.dtype)) for x in pflat.arrays]
+        sums, ns, flags, vals, aux = _scan_chunks(chunk, init, batch, valid, bsize, mb)
+    if per_layer:
+        num_clipped: Any = pflat.rebuild([jnp.sum(fl).astype(jnp.int32) for fl in flags], fill=None)
+        ns = pflat.rebuild(ns, fill=None)
+    else:
+        num_clipped = jnp.sum(flags).astype(jnp.int32)
+    grads = pflat.rebuild(sums, fill=None)
+    return grads, ClippedGradInfo(num_clipped=num_clipped, norms=ns, values=vals, aux=aux if has_aux else None)
+
+
 def clipped_grad(
     loss_fn: Callable[..., Any],
     l2_clip_norm: Any,
@@ -862,37 +902,10 @@ def clipped_grad(
             if nan_safe:
                 keep = fin if keep is None else keep & fin
             sums = unrow(fused_sums(rows, fs, keep, fin), arrays)
-            if clip_list is None:
-                flags: Any = fs[0] < 1
-                if chunk_valid is not None:
-                    flags = flags & chunk_valid
-                    ns = jnp.where(chunk_valid, ns, jnp.zeros_like(ns))
-            else:
-                flags = [f < 1 for f in fs]
-                if chunk_valid is not None:
-                    flags = [fl & chunk_valid for fl in flags]
-                    ns = [jnp.where(chunk_valid, v, jnp.zeros_like(v)) for v in ns]
+            flags, ns = clip_flags(fs, ns, chunk_valid, clip_list is not None)
             return sums, ns, flags, vals, aux
 
-        mb = microbatch_size
-        if mb is None or mb >= bsize:
-            sums, ns, flags, vals, aux = chunk(batch, valid)
-        else:
-            init = [jnp.zeros(x.shape, _norms.acc_dtype(x.dtype)) for x in pflat.arrays]
-            sums, ns, flags, vals, aux = _scan_chunks(chunk, init, batch, valid, bsize, mb)
-
-        if clip_list is None:
-            num_clipped = jnp.sum(flags).astype(jnp.int32)
-            norms_out = ns
-        else:
-            num_clipped = pflat.rebuild(
-                [jnp.sum(fl).astype(jnp.int32) for fl in flags], fill=None
-            )
-            norms_out = pflat.rebuild(ns, fill=None)
-        grads = pflat.rebuild(sums, fill=None)
-        return grads, ClippedGradInfo(
-            num_clipped=num_clipped, norms=norms_out, values=vals, aux=aux if has_aux else None
-        )
+        return run_chunks(chunk, pflat, batch, valid, bsize, microbatch_size, clip_list is not None, has_aux)
 
     if method == "vmap":
         return ClippedGradFn(impl, sens, clipped_grad.__doc__ or "")
