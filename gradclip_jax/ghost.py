@@ -692,6 +692,13 @@ def _factored_is_cheaper(factors: Sequence[tuple[Factor, Factor]], shape: tuple[
     return sum(ti * tj for ti in ts for tj in ts) * (n0 + n1) < sum(ts) * n0 * n1
 
 
+def _apply_site(closed: Any, site: _Site, vals: Sequence[Any], param: jax.Array) -> jax.Array:
+    """The site's one operation on ``vals``, with ``param`` (through its chain) as the parameter operand."""
+    v = list(vals)
+    v[site.pos] = _replay_chain(closed, site.chain, param)
+    return _bind(closed.jaxpr.eqns[site.eqn], v)[0]  # type: ignore[no-any-return]
+
+
 def _local_grads(closed: Any, site: _Site, param: jax.Array, invals: Sequence[Any], g: jax.Array) -> jax.Array:
     """Per-example gradients of one parameter leaf through one operation only, ``(B, *leaf)``.
 
@@ -702,17 +709,12 @@ def _local_grads(closed: Any, site: _Site, param: jax.Array, invals: Sequence[An
     example; the result has the size of the leaf per example (biases, scales,
     convolution kernels, tied tables).
     """
-    eqn = closed.jaxpr.eqns[site.eqn]
 
     def one(row_vals: list, gb: jax.Array) -> jax.Array:
-        def f(w: jax.Array) -> jax.Array:
-            vals = list(invals)
-            vals[site.pos] = _replay_chain(closed, site.chain, w)
-            for r, x in zip(site.rows, row_vals, strict=True):
-                vals[r] = jnp.expand_dims(x, 0)
-            return _bind(eqn, vals)[0]  # type: ignore[no-any-return]
-
-        out, pull = jax.vjp(f, param)
+        vals = list(invals)
+        for r, x in zip(site.rows, row_vals, strict=True):
+            vals[r] = jnp.expand_dims(x, 0)
+        out, pull = jax.vjp(lambda w: _apply_site(closed, site, vals, w), param)
         return pull(jnp.expand_dims(gb, 0).astype(out.dtype))[0]  # type: ignore[no-any-return]
 
     row_vals = [invals[r] for r in site.rows]
@@ -999,25 +1001,9 @@ def _site_sum(closed: Any, site: _Site, param: jax.Array, invals: Sequence[Any],
     The pull-back of the cotangent ``w_b g_b`` through the single operation (and
     the leaf's chain) at the whole batch.
     """
-    eqn = closed.jaxpr.eqns[site.eqn]
-    vals = list(invals)
-    r = site.rows[0]
-    x = vals[r]
-    if (site.kind == "dense" and x.size <= g.size and eqn.invars[r] not in closed.jaxpr.invars
-            and jnp.issubdtype(x.dtype, jnp.inexact)):
-        # weight the activation (an intermediate, free after this) rather than the cotangent
-        vals[r] = x * w.reshape((1,) * site.axis + (-1,) + (1,) * (x.ndim - site.axis - 1)).astype(x.dtype)
-        ct = g
-    else:
-        shape = (1,) * site.out_axis + (-1,) + (1,) * (g.ndim - site.out_axis - 1)
-        ct = g * w.reshape(shape).astype(g.dtype)
-
-    def f(p: jax.Array) -> jax.Array:
-        v = list(vals)
-        v[site.pos] = _replay_chain(closed, site.chain, p)
-        return _bind(eqn, v)[0]  # type: ignore[no-any-return]
-
-    _, pull = jax.vjp(f, param)
+    shape = (1,) * site.out_axis + (-1,) + (1,) * (g.ndim - site.out_axis - 1)
+    ct = g * w.reshape(shape).astype(g.dtype)
+    _, pull = jax.vjp(lambda p: _apply_site(closed, site, invals, p), param)
     return pull(ct)[0]  # type: ignore[no-any-return]
 
 
@@ -1107,9 +1093,9 @@ def _clipped_sums(
     ``lax.cond`` takes a path that forms each kept example's gradient in turn,
     with no copy of any activation or of the per-example gradients.
     """
-    accs = [_norms.acc_dtype(x.dtype) for x in pflat.arrays]
     if keep is None:
         return fast()
+    accs = [_norms.acc_dtype(x.dtype) for x in pflat.arrays]
     scalar_loss = _one_example_loss(loss_fn, has_aux)
 
     def safe(_: Any) -> list[jax.Array]:
