@@ -1,14 +1,24 @@
 """Runs every benchmark in one process and prints/saves the ratio table.
 
-Usage: ``python -m benchmarks [--quick] [--only core,stateful,dp,ghost] [--out DIR]``.
-Writes ``DIR/results.json`` and ``DIR/RESULTS.md`` (default ``benchmarks/results``).
+Usage: ``python -m benchmarks [--quick] [--only core,stateful,dp,ghost,sampling,core-gpu] [--out DIR]``.
+Writes ``DIR/results.json`` and ``DIR/RESULTS.md`` (default ``benchmarks/results``);
+the GPU suites (``core-gpu``, not run by default) write ``DIR/results_<suite>.json``
+and ``DIR/RESULTS_<suite>.md`` of their own, so a GPU run does not replace the
+CPU table.
 Ratios are ours / baseline measured in this process, so < 1 means faster.
+
+Suites in ``EXTRA_SUITES`` run only when named in ``--only``: ``ghost-gpu``
+(full DP training steps of GPT-2 small and WRN-16-4 on a GPU; ``--models``
+picks its configs, ``--force-cpu`` makes a tiny smoke run without a GPU) writes
+its own results files (``DIR/GHOST_GPU.md``, ``DIR/ghost_gpu.json``) and its
+rows are printed but not added to ``RESULTS.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import pathlib
 import platform
@@ -16,7 +26,9 @@ import time
 
 import jax
 
-SUITES = ("core", "stateful", "dp", "ghost")
+SUITES = ("core", "stateful", "dp", "ghost", "sampling")
+GPU_SUITES = ("core-gpu",)  # rows go to results_<suite>.json / RESULTS_<suite>.md
+EXTRA_SUITES = ("ghost-gpu", *GPU_SUITES)  # run only when named in --only
 
 
 def _markdown(rows: list[dict], meta: dict) -> str:
@@ -40,25 +52,41 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small trees and few repetitions")
     parser.add_argument("--only", default=",".join(SUITES), help="comma-separated suites")
     parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
+    parser.add_argument("--models", default=None, help="ghost-gpu: configs to run (e.g. gpt2,wrn)")
+    parser.add_argument("--force-cpu", action="store_true", help="ghost-gpu: tiny smoke run without a GPU")
     args = parser.parse_args()
     rows: list[dict] = []
-    for name in args.only.split(","):
-        mod = importlib.import_module(f"benchmarks.bench_{name.strip()}")
+    names = [n.strip() for n in args.only.split(",") if n.strip()]
+    for name in names:
+        if name not in SUITES + EXTRA_SUITES:
+            parser.error(f"--only: unknown suite {name!r}; known: {', '.join(SUITES + EXTRA_SUITES)}")
+        mod = importlib.import_module(f"benchmarks.bench_{name.replace('-', '_')}")
+        params = inspect.signature(mod.run).parameters
+        extra = {k: v for k, v in (("out", args.out), ("models", args.models),
+                                   ("force", True if args.force_cpu else None)) if k in params}
         t0 = time.perf_counter()
-        suite_rows = mod.run(quick=args.quick)
+        suite_rows = mod.run(quick=args.quick, **extra)
         for r in suite_rows:
             print(f"[{r['group']}] {r['name']}: {r['ours_ms']:.2f} ms vs {r['baseline_ms']:.2f} ms "
                   f"= {r['ratio']:.3f}  {r.get('note', '')}", flush=True)
         print(f"-- {name}: {time.perf_counter() - t0:.0f} s", flush=True)
-        rows += suite_rows
+        if name not in EXTRA_SUITES or name in GPU_SUITES:  # ghost-gpu writes its own files
+            rows += suite_rows
+    if not rows:
+        return
     meta = {"jax": jax.__version__, "backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
             "machine": f"{platform.machine()} {platform.system()}", "quick": args.quick,
             "date": time.strftime("%Y-%m-%d")}
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    (out / "RESULTS.md").write_text(_markdown(rows, meta))
-    print(f"wrote {out / 'results.json'} and {out / 'RESULTS.md'}")
+    gpu_only = all(n in EXTRA_SUITES for n in names)  # rows only from GPU suites
+    suffix = "_" + "+".join(n for n in names if n in GPU_SUITES) if gpu_only else ""
+    if gpu_only and not rows:
+        print("no rows (no GPU); nothing written")
+        return
+    (out / f"results{suffix}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (out / f"RESULTS{suffix}.md").write_text(_markdown(rows, meta))
+    print(f"wrote {out / f'results{suffix}.json'} and {out / f'RESULTS{suffix}.md'}")
 
 
 if __name__ == "__main__":

@@ -45,11 +45,13 @@ def block(x: Any) -> Any:
 
 
 def interleaved_ms(fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 2,
-                   max_s: float = 60.0) -> dict[str, float]:
+                   max_s: float = 60.0, rounds: dict[str, int] | None = None) -> dict[str, float]:
     """Median wall time (ms) of each thunk, timed round-robin so drift hits all alike.
 
     Every thunk must return something ``block_until_ready`` can wait on. Warm-up
-    calls (compilation) are excluded.
+    calls (compilation) are excluded. It stops after ``reps`` rounds, or after
+    ``max_s`` seconds once two rounds are done; ``rounds`` (if given) receives the
+    number of timed calls of each thunk.
     """
     for f in fns.values():
         for _ in range(warmup):
@@ -63,6 +65,8 @@ def interleaved_ms(fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 2
             times[k].append(time.perf_counter() - t0)
         if r >= 1 and time.perf_counter() - start > max_s:  # at least two rounds
             break
+    if rounds is not None:
+        rounds.update({k: len(v) for k, v in times.items()})
     return {k: 1e3 * statistics.median(v) for k, v in times.items()}
 
 
@@ -71,12 +75,17 @@ def row(group: str, name: str, ours_ms: float, baseline_ms: float, note: str = "
             "ratio": ours_ms / baseline_ms if baseline_ms else float("nan"), "note": note, **extra}
 
 
-def compiled_mb(f: Callable[..., Any], *args: Any) -> tuple[float, float]:
-    """``(temporaries, peak)`` of ``jax.jit(f)`` compiled for ``args``, in MiB.
+def memory_mb(compiled: Any) -> tuple[float, float]:
+    """``(temporaries, peak)`` of a compiled executable's ``memory_analysis()``, in MiB.
 
     The peak adds the arguments and outputs (parameters, batch, gradients) to
     the temporaries, less what outputs alias from donated arguments.
     """
-    m = jax.jit(f).lower(*args).compile().memory_analysis()
+    m = compiled.memory_analysis()
     peak = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
     return m.temp_size_in_bytes / 2**20, peak / 2**20
+
+
+def compiled_mb(f: Callable[..., Any], *args: Any) -> tuple[float, float]:
+    """``(temporaries, peak)`` of ``jax.jit(f)`` compiled for ``args``, in MiB (see :func:`memory_mb`)."""
+    return memory_mb(jax.jit(f).lower(*args).compile())

@@ -10,7 +10,7 @@ Example:
   >>> state = tx.init({'w': jnp.zeros(3)})
 """
 
-from gradclip_jax import ghost, norms, privacy
+from gradclip_jax import dp, ghost, norms, privacy
 from gradclip_jax.adaptive import (
     AdaGCState,
     AutoClipState,
@@ -42,15 +42,22 @@ from gradclip_jax.clipping import (
     unit_axes,
 )
 from gradclip_jax.dp import (
+    BatchOverflowError,
     DPAggregateState,
     DPNoiseState,
     DPQuantileAggregateState,
+    PoissonBatch,
+    PoissonSampler,
+    PrivateStepMetrics,
+    PrivateTraining,
     dp_aggregate,
     dp_noise,
     dp_quantile_aggregate,
     dpsgd,
+    make_private,
     noise_multiplier_for_gradient,
 )
+from gradclip_jax.dp.accounting import PrivacyAccountant
 from gradclip_jax.ema import (
     ClipValueByEMAState,
     NormByEMAState,
@@ -67,6 +74,7 @@ from gradclip_jax.growth import (
     clip_value_growth,
 )
 from gradclip_jax.hyperparams import inject_hyperparams
+from gradclip_jax.monitor import norms_from_state
 from gradclip_jax.norms import NormSpec, leaf_norms, parse_ord, tree_norm
 from gradclip_jax.per_example import (
     ClippedGradFn,
@@ -97,7 +105,10 @@ __all__ = [
     "clipped_grad", "per_example_global_norm_clip", "per_example_layer_norm_clip",
     "per_example_norms", "ClippedGradFn", "ClippedGradInfo", "ghost", "ghost_report", "GhostReport",
     "dp_aggregate", "dp_noise", "dp_quantile_aggregate", "dpsgd", "noise_multiplier_for_gradient",
-    "DPAggregateState", "DPNoiseState", "DPQuantileAggregateState", "privacy",
-    # hyperparameters
-    "inject_hyperparams",
+    "DPAggregateState", "DPNoiseState", "DPQuantileAggregateState", "dp", "privacy",
+    # private training: Poisson batches, the accountant, the one-call private step
+    "PoissonSampler", "PoissonBatch", "BatchOverflowError", "PrivacyAccountant", "make_private",
+    "PrivateTraining", "PrivateStepMetrics",
+    # hyperparameters and logging
+    "inject_hyperparams", "norms_from_state",
 ]

@@ -20,13 +20,9 @@ import numpy as np
 import optax
 
 from gradclip_jax import norms as _norms
+from gradclip_jax._numerics import count0 as count0
 from gradclip_jax.clipping import scale_leaf
-from gradclip_jax.hyperparams import as_scalar, resolve, static_value
-
-
-def count0() -> jax.Array:
-    """A fresh int32 step counter."""
-    return jnp.zeros([], jnp.int32)
+from gradclip_jax.hyperparams import static_value
 
 
 def scalar_dtype(params: Any) -> np.dtype:
@@ -54,7 +50,7 @@ def check_int(fn: str, name: str, value: Any, low: int) -> int:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{fn}: `{name}` must be an int, got {value!r}")
+        raise TypeError(f"{fn}: `{name}` must be an int, got {type(value).__name__} {value!r}")
     if value < low:
         raise ValueError(f"{fn}: `{name}` must be >= {low}, got {value}")
     return int(value)
@@ -63,7 +59,9 @@ def check_int(fn: str, name: str, value: Any, low: int) -> int:
 def check_choice(fn: str, name: str, value: Any, choices: Sequence[str]) -> str:
     """A string option, case-insensitive; ``ValueError`` naming the choices otherwise."""
     value = static_value(fn, name, value)
-    if isinstance(value, str) and value.lower() in choices:
+    if not isinstance(value, str):
+        raise TypeError(f"{fn}: `{name}` must be one of the strings {tuple(choices)}, got {value!r}")
+    if value.lower() in choices:
         return value.lower()
     raise ValueError(f"{fn}: `{name}` must be one of {tuple(choices)}, got {value!r}")
 
@@ -73,12 +71,15 @@ def check_transform(fn: str, name: str, value: Any) -> None:
     if value is None:
         return
     if not (callable(getattr(value, "init", None)) and callable(getattr(value, "update", None))):
-        raise ValueError(f"{fn}: `{name}` must be an optax.GradientTransformation or None, got {value!r}")
+        raise TypeError(f"{fn}: `{name}` must be an optax.GradientTransformation or None, got {value!r}")
 
 
-def hp(value: Any, count: jax.Array, dtype: Any) -> jax.Array:
-    """A hyperparameter (number, array or schedule) at step ``count`` as a 0-d array."""
-    return as_scalar(resolve(value, count), dtype)
+def check_bool(fn: str, name: str, value: Any) -> bool:
+    """A structural flag (``tensorwise``, ``skip_nonfinite``) as a Python bool."""
+    value = static_value(fn, name, value)
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{fn}: `{name}` must be a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
 
 
 def per_leaf(params: Any, fn: str, make: Callable[[Any], Any]) -> Any:
@@ -88,11 +89,16 @@ def per_leaf(params: Any, fn: str, make: Callable[[Any], Any]) -> Any:
 
 
 def leaves_of(tree: Any, n: int, fn: str, what: str) -> list[Any]:
-    """The per-leaf statistics of a state tree, checked against ``n`` measured leaves."""
+    """The per-leaf statistics of a state tree, checked against ``n`` measured leaves.
+
+    (The tree itself is checked against the updates by
+    :func:`gradclip_jax._states.check_tree` first; this catches a transformation
+    such as ``exp_avg_tfm`` that changes the number of leaves.)
+    """
     leaves = jax.tree_util.tree_leaves(tree)
     if len(leaves) != n:
         raise ValueError(
-            f"{fn}: the updates have {n} floating-point leaves but the state's `{what}` has "
+            f"{fn}: the updates have {n} floating-point leaves but `{what}` has "
             f"{len(leaves)}; pass updates with the structure of the params given to init"
         )
     return leaves

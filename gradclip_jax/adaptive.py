@@ -40,12 +40,16 @@ from jax import lax
 
 from gradclip_jax import _stateful as _st
 from gradclip_jax import norms as _norms
+from gradclip_jax._states import check_state, check_tree
 from gradclip_jax.clipping import clip_factor as _clip_factor
 from gradclip_jax.hyperparams import (
     Hyperparam,
+    Hyperparams,
     check_scalar,
+    counts,
     increment,
     mark_static,
+    poison,
     resolve,
     static_value,
 )
@@ -63,6 +67,29 @@ __all__ = [
     "quantile_clip",
     "skip_on_spike",
 ]
+
+
+def _finish(
+    flat: _norms.FlatTree, f: jax.Array, n: jax.Array, thr: jax.Array, state: Any, skip: bool,
+    invalid: jax.Array | None,
+) -> tuple[Any, jax.Array, dict[str, jax.Array]]:
+    """The shared ending of the global-norm clippers (autoclip, zclip, quantile_clip).
+
+    Scales the update by ``f`` (by 1 when ``skip`` and the norm ``n`` is not
+    finite; NaN when a hyperparameter is ``invalid``) and returns
+    ``(out, ok, fields)``: ``ok`` says whether the step counts, and ``fields`` are
+    the state's monitoring fields ``count``, ``norm``, ``clip_norm`` (``thr``, or
+    the previous one on a skipped step) and ``clipped``.
+    """
+    ok = (jnp.isfinite(n) if skip else jnp.ones((), bool)) & counts(invalid)
+    out = _st.scale_all(flat, poison(jnp.where(ok, f, jnp.ones_like(f)), invalid))
+    fields = {
+        "count": jnp.where(ok, increment(state.count), state.count),
+        "norm": n,
+        "clip_norm": jnp.where(ok, thr, state.clip_norm),
+        "clipped": ok & (f < 1),
+    }
+    return out, ok, fields
 
 
 # ----------------------------------------------------------------------------
@@ -170,9 +197,10 @@ def autoclip(
     fn = "autoclip"
     spec = _norms.parse_ord(ord, fn)
     size = _st.check_int(fn, "history_size", history_size, 1)
-    skip = bool(static_value(fn, "skip_nonfinite", skip_nonfinite))
-    check_scalar(fn, "percentile", percentile, low=0.0, high=100.0)
-    check_scalar(fn, "min_clip_norm", min_clip_norm, low=0.0)
+    skip = _st.check_bool(fn, "skip_nonfinite", skip_nonfinite)
+    hps = Hyperparams(fn)
+    hps.add("percentile", percentile, low=0.0, high=100.0)
+    hps.add("min_clip_norm", min_clip_norm, low=0.0)
 
     def init_fn(params: Any) -> AutoClipState:
         dt = _st.scalar_dtype(params)
@@ -189,9 +217,10 @@ def autoclip(
 
     def update_fn(updates: Any, state: AutoClipState, params: Any = None) -> tuple:
         del params
+        check_state(fn, state, AutoClipState)
         flat = _st.measured(updates, spec, fn)
         dt = state.norm.dtype
-        count = state.count
+        v, invalid = hps.at(state.count, dt)
         n = _norms.global_norm(flat.arrays, spec, axis_name, dtype=dt)
         finite = jnp.isfinite(n)
         record = finite & (n > 0)
@@ -200,20 +229,9 @@ def autoclip(
         )
         head = jnp.where(record, (state.head + 1) % size, state.head)
         filled = jnp.where(record, jnp.minimum(state.filled + 1, size), state.filled)
-        q = _st.hp(percentile, count, dt) / 100
-        thr = jnp.maximum(_percentile(history, filled, q), _st.hp(min_clip_norm, count, dt))
-        f = _clip_factor(n, thr)
-        ok = finite if skip else jnp.ones((), bool)
-        out = _st.scale_all(flat, jnp.where(ok, f, jnp.ones_like(f)))
-        return out, AutoClipState(
-            count=jnp.where(ok, increment(count), count),
-            history=history,
-            head=head,
-            filled=filled,
-            norm=n,
-            clip_norm=jnp.where(ok, thr, state.clip_norm),
-            clipped=ok & (f < 1),
-        )
+        thr = jnp.maximum(_percentile(history, filled, v["percentile"] / 100), v["min_clip_norm"])
+        out, _, fields = _finish(flat, _clip_factor(n, thr), n, thr, state, skip, invalid)
+        return out, AutoClipState(history=history, head=head, filled=filled, **fields)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -345,19 +363,19 @@ def zclip(
       (1.5, True)
     """
     fn = "zclip"
-    cf = clip_factor
     spec = _norms.parse_ord(ord, fn)
     warm = _st.check_int(fn, "warmup_steps", warmup_steps, 1)
     md = _st.check_choice(fn, "mode", mode, ("zscore", "percentile"))
     opt = _st.check_choice(fn, "clip_option", clip_option, ("adaptive_scaling", "mean"))
-    skip = bool(static_value(fn, "skip_nonfinite", skip_nonfinite))
-    skip_stats = bool(static_value(fn, "skip_stats_on_spike", skip_stats_on_spike))
-    check_scalar(fn, "alpha", alpha, low=0.0, high=1.0, high_inclusive=False)
-    check_scalar(fn, "z_thresh", z_thresh, low=0.0, low_inclusive=False, allow_inf=False)
-    check_scalar(fn, "max_grad_norm", max_grad_norm, low=0.0, allow_none=True)
-    check_scalar(fn, "clip_factor", cf, low=0.0, low_inclusive=False, allow_inf=False)
-    check_scalar(fn, "eps", eps, low=0.0)
-    check_scalar(fn, "rel_std_floor", rel_std_floor, low=0.0, allow_inf=False)
+    skip = _st.check_bool(fn, "skip_nonfinite", skip_nonfinite)
+    skip_stats = _st.check_bool(fn, "skip_stats_on_spike", skip_stats_on_spike)
+    hps = Hyperparams(fn)
+    hps.add("alpha", alpha, low=0.0, high=1.0, high_inclusive=False)
+    hps.add("z_thresh", z_thresh, low=0.0, low_inclusive=False, allow_inf=False)
+    hps.add("max_grad_norm", max_grad_norm, low=0.0, allow_none=True)
+    hps.add("clip_factor", clip_factor, low=0.0, low_inclusive=False, allow_inf=False)
+    hps.add("eps", eps, low=0.0)
+    hps.add("rel_std_floor", rel_std_floor, low=0.0, allow_inf=False)
 
     def init_fn(params: Any) -> ZClipState:
         zero = jnp.zeros((), _st.scalar_dtype(params))
@@ -368,62 +386,64 @@ def zclip(
 
     def update_fn(updates: Any, state: ZClipState, params: Any = None) -> tuple:
         del params
+        check_state(fn, state, ZClipState)
         flat = _st.measured(updates, spec, fn)
         dt = state.norm.dtype
-        count, mean, var = state.count, state.mean, state.var
+        v, invalid = hps.at(state.count, dt)
         n = _norms.global_norm(flat.arrays, spec, axis_name, dtype=dt)
-        in_warmup = count < warm
-
-        # Warm-up: running mean and population variance (Welford).
-        k = (count + 1).astype(dt)
-        delta = n - mean
-        mean_w = mean + delta / k
-        var_w = var + (delta * (n - mean_w) - var) / k
-
-        # Active: z-score against the previous statistics.
-        zt = _st.hp(z_thresh, count, dt)
-        std = jnp.sqrt(jnp.maximum(var, 0))
-        std = jnp.maximum(std, _st.hp(rel_std_floor, count, dt) * mean)
-        live = ~in_warmup & (mean > 0)
-        if md == "zscore":
-            z = (n - mean) / (std + _st.hp(eps, count, dt))
-            spike = live & (z > zt)
-            if opt == "adaptive_scaling":
-                eta = _st.safe_div(z, zt, spike)  # z / z_thresh on a spike
-                tau = (mean + zt * std / eta) * _st.hp(cf, count, dt)
-            else:
-                tau = mean
-        else:
-            tau = mean + zt * std
-            spike = live & (n > tau)
+        in_warmup = state.count < warm
+        tau, spike = _zclip_threshold(n, state.mean, state.var, ~in_warmup, v, md, opt)
         cap = jnp.where(spike, tau, n)
         if max_grad_norm is not None:
-            cap = jnp.minimum(cap, _st.hp(max_grad_norm, count, dt))
-        f = _clip_factor(n, cap)
-
-        x = jnp.where(spike, tau, n)
-        a = _st.hp(alpha, count, dt)
-        mean_a = a * mean + (1 - a) * x
-        var_a = a * var + (1 - a) * (x - mean_a) ** 2
-        if skip_stats:
-            mean_a = jnp.where(spike, mean, mean_a)
-            var_a = jnp.where(spike, var, var_a)
-        new_mean = jnp.where(in_warmup, mean_w, mean_a)
-        new_var = jnp.where(in_warmup, var_w, var_a)
-
-        ok = jnp.isfinite(n) if skip else jnp.ones((), bool)
-        out = _st.scale_all(flat, jnp.where(ok, f, jnp.ones_like(f)))
+            cap = jnp.minimum(cap, v["max_grad_norm"])
+        out, ok, fields = _finish(flat, _clip_factor(n, cap), n, cap, state, skip, invalid)
+        mean, var = _zclip_statistics(n, state, in_warmup, jnp.where(spike, tau, n), spike & skip_stats, v)
         return out, ZClipState(
-            count=jnp.where(ok, increment(count), count),
-            mean=jnp.where(ok, new_mean, mean),
-            var=jnp.where(ok, new_var, var),
-            norm=n,
-            clip_norm=jnp.where(ok, cap, state.clip_norm),
-            clipped=ok & (f < 1),
+            mean=jnp.where(ok, mean, state.mean),
+            var=jnp.where(ok, var, state.var),
             spike=ok & spike,
+            **fields,
         )
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _zclip_threshold(
+    n: jax.Array, mean: jax.Array, var: jax.Array, active: jax.Array, v: dict, mode: str, option: str
+) -> tuple[jax.Array, jax.Array]:
+    """ZClip's adaptive threshold ``tau`` and spike flag against the previous statistics."""
+    zt = v["z_thresh"]
+    std = jnp.sqrt(jnp.maximum(var, 0))
+    std = jnp.maximum(std, v["rel_std_floor"] * mean)
+    live = active & (mean > 0)
+    if mode == "percentile":
+        tau = mean + zt * std
+        return tau, live & (n > tau)
+    z = (n - mean) / (std + v["eps"])
+    spike = live & (z > zt)
+    if option == "adaptive_scaling":
+        eta = _st.safe_div(z, zt, spike)  # z / z_thresh on a spike
+        tau = (mean + zt * std / eta) * v["clip_factor"]
+    else:
+        tau = mean
+    return tau, spike
+
+
+def _zclip_statistics(
+    n: jax.Array, state: ZClipState, in_warmup: jax.Array, x: jax.Array, frozen: jax.Array, v: dict
+) -> tuple[jax.Array, jax.Array]:
+    """The next ``(mean, var)``: Welford during warm-up, then the EMA of ``x`` (unless ``frozen``)."""
+    mean, var = state.mean, state.var
+    k = (state.count + 1).astype(mean.dtype)
+    delta = n - mean
+    mean_w = mean + delta / k
+    var_w = var + (delta * (n - mean_w) - var) / k
+    a = v["alpha"]
+    mean_a = a * mean + (1 - a) * x
+    var_a = a * var + (1 - a) * (x - mean_a) ** 2
+    mean_a = jnp.where(frozen, mean, mean_a)
+    var_a = jnp.where(frozen, var, var_a)
+    return jnp.where(in_warmup, mean_w, mean_a), jnp.where(in_warmup, var_w, var_a)
 
 
 # ----------------------------------------------------------------------------
@@ -523,11 +543,12 @@ def adagc(
     fn = "adagc"
     spec = _norms.parse_ord(ord, fn)
     warm = _st.check_int(fn, "warmup_steps", warmup_steps, 0)
-    skip = bool(static_value(fn, "skip_nonfinite", skip_nonfinite))
-    check_scalar(fn, "clip_ratio", clip_ratio, low=0.0, low_inclusive=False, allow_inf=False)
-    check_scalar(fn, "beta", beta, low=0.0, high=1.0, high_inclusive=False)
-    check_scalar(fn, "warmup_max_norm", warmup_max_norm, low=0.0, allow_none=True)
-    check_scalar(fn, "min_gamma", min_gamma, low=0.0, allow_inf=False)
+    skip = _st.check_bool(fn, "skip_nonfinite", skip_nonfinite)
+    hps = Hyperparams(fn)
+    hps.add("clip_ratio", clip_ratio, low=0.0, low_inclusive=False, allow_inf=False)
+    hps.add("beta", beta, low=0.0, high=1.0, high_inclusive=False)
+    hps.add("warmup_max_norm", warmup_max_norm, low=0.0, allow_none=True)
+    hps.add("min_gamma", min_gamma, low=0.0, allow_inf=False)
 
     def init_fn(params: Any) -> AdaGCState:
         def scalar(value: Any) -> Any:
@@ -543,6 +564,8 @@ def adagc(
 
     def update_fn(updates: Any, state: AdaGCState, params: Any = None) -> tuple:
         del params
+        check_state(fn, state, AdaGCState)
+        check_tree(fn, "gamma", state.gamma, updates)
         flat = _st.measured(updates, spec, fn)
         arrays = flat.arrays
         k = len(arrays)
@@ -550,6 +573,7 @@ def adagc(
         in_warmup = count < warm
         # Per-leaf arithmetic on stacked vectors (one fused op for all leaves).
         sdt = _norms.tree_acc_dtype(arrays)
+        v, invalid = hps.at(count, sdt)
         gamma = _st.stack(_st.leaves_of(state.gamma, k, fn, "gamma"), sdt)
         old = _st.stack(_st.leaves_of(state.clip_norm, k, fn, "clip_norm"), sdt)
         n = _st.stack(_st.whole_leaf_norms(arrays, spec), sdt)
@@ -561,7 +585,7 @@ def adagc(
                 lambda: _norms.global_norm(arrays, spec, dtype=sdt),
                 lambda: jnp.zeros((), sdt),
             )
-            bound_w = _st.hp(warmup_max_norm, count, sdt)
+            bound_w = v["warmup_max_norm"]
             fg = _clip_factor(total, bound_w)
         else:
             bound_w = jnp.full((), jnp.inf, sdt)
@@ -570,14 +594,14 @@ def adagc(
         gamma_w = jnp.where(post > 0, jnp.minimum(gamma, post), gamma)
 
         # Adaptive: clip each leaf at clip_ratio * gamma; the EMA tracks the clipped norm.
-        base = jnp.maximum(jnp.where(jnp.isinf(gamma), n, gamma), _st.hp(min_gamma, count, sdt))
-        bound = _st.hp(clip_ratio, count, sdt) * base
+        base = jnp.maximum(jnp.where(jnp.isinf(gamma), n, gamma), v["min_gamma"])
+        bound = v["clip_ratio"] * base
         f = _clip_factor(n, bound)
-        b = _st.hp(beta, count, sdt)
+        b = v["beta"]
         gamma_a = jnp.where(n > 0, b * base + (1 - b) * (n * f), gamma)
 
-        ok = _st.all_finite([n]) if skip else jnp.ones((), bool)
-        factors = jnp.where(ok, jnp.where(in_warmup, fg, f), 1)
+        ok = (_st.all_finite([n]) if skip else jnp.ones((), bool)) & counts(invalid)
+        factors = poison(jnp.where(ok, jnp.where(in_warmup, fg, f), 1), invalid)
         out = _st.scale_all(flat, _st.unstack(factors))
         return out, AdaGCState(
             count=jnp.where(ok, increment(count), count),
@@ -660,16 +684,17 @@ def quantile_clip(
       >>> tx = quantile_clip(initial_norm=1.0)
       >>> state = tx.init(jnp.zeros(2))
       >>> out, state = tx.update(jnp.array([3.0, 4.0]), state)  # clipped to C = 1
-      >>> out
+      >>> out.round(6)  # a clipped result sits a few ulp inside the bound
       Array([0.6, 0.8], dtype=float32)
       >>> round(float(state.estimate), 6)  # exp(0.2 * 0.5): C grows
       1.105171
     """
     fn = "quantile_clip"
     spec = _norms.parse_ord(ord, fn)
-    skip = bool(static_value(fn, "skip_nonfinite", skip_nonfinite))
-    check_scalar(fn, "target_quantile", target_quantile, low=0.0, high=1.0)
-    check_scalar(fn, "learning_rate", learning_rate, low=0.0, allow_inf=False)
+    skip = _st.check_bool(fn, "skip_nonfinite", skip_nonfinite)
+    hps = Hyperparams(fn)
+    hps.add("target_quantile", target_quantile, low=0.0, high=1.0)
+    hps.add("learning_rate", learning_rate, low=0.0, allow_inf=False)
     check_scalar(fn, "initial_norm", initial_norm, low=0.0, low_inclusive=False, allow_inf=False)
 
     def init_fn(params: Any) -> QuantileClipState:
@@ -682,24 +707,16 @@ def quantile_clip(
 
     def update_fn(updates: Any, state: QuantileClipState, params: Any = None) -> tuple:
         del params
+        check_state(fn, state, QuantileClipState)
         flat = _st.measured(updates, spec, fn)
         dt = state.norm.dtype
-        count = state.count
+        v, invalid = hps.at(state.count, dt)
         c = state.estimate
         n = _norms.global_norm(flat.arrays, spec, axis_name, dtype=dt)
-        f = _clip_factor(n, c)
         unclipped = (n <= c).astype(dt)
-        lr = _st.hp(learning_rate, count, dt)
-        nxt = c * jnp.exp(-lr * (unclipped - _st.hp(target_quantile, count, dt)))
-        ok = jnp.isfinite(n) if skip else jnp.ones((), bool)
-        out = _st.scale_all(flat, jnp.where(ok, f, jnp.ones_like(f)))
-        return out, QuantileClipState(
-            count=jnp.where(ok, increment(count), count),
-            estimate=jnp.where(ok, nxt, c),
-            norm=n,
-            clip_norm=jnp.where(ok, c, state.clip_norm),
-            clipped=ok & (f < 1),
-        )
+        nxt = c * jnp.exp(-v["learning_rate"] * (unclipped - v["target_quantile"]))
+        out, ok, fields = _finish(flat, _clip_factor(n, c), n, c, state, skip, invalid)
+        return out, QuantileClipState(estimate=jnp.where(ok, nxt, c), **fields)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -748,7 +765,13 @@ def skip_on_spike(
       inner: the transformation to wrap; its state must hold exactly one field
         named ``field``.
       field: the flag to read (default ``'spike'``, set by :func:`zclip`; use
-        ``'clipped'`` to skip whenever another clipper clips).
+        ``'clipped'`` to skip whenever another clipper clips). ``'clipped'`` is
+        recorded by every norm-based clipper: the stateless
+        :func:`clip_by_global_norm`, :func:`clip_by_norm`,
+        :func:`clip_by_block_rms` and :func:`adaptive_grad_clip` as well as the
+        stateful and adaptive ones. :func:`clip_by_value` / :func:`clip`,
+        :func:`normalize` and :func:`centralize` record no flag and cannot be
+        wrapped this way.
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs` with state
@@ -771,7 +794,7 @@ def skip_on_spike(
     fn = "skip_on_spike"
     field = static_value(fn, "field", field)
     if not isinstance(field, str):
-        raise ValueError(f"{fn}: `field` must be a string, got {field!r}")
+        raise TypeError(f"{fn}: `field` must be a string, got {field!r}")
     _st.check_transform(fn, "inner", inner)
     inner = optax.with_extra_args_support(inner)
 
@@ -782,7 +805,8 @@ def skip_on_spike(
             what = "no field" if not found else f"{len(found)} fields"
             raise ValueError(
                 f"{fn}: the inner state has {what} named {field!r}; wrap a transformation "
-                f"whose state has exactly one (zclip sets 'spike'; every clipper sets 'clipped')"
+                f"whose state has exactly one (zclip sets 'spike'; every norm-based clipper sets "
+                "'clipped'; clip_by_value, normalize and centralize set none)"
             )
         return SkipOnSpikeState(
             inner_state=inner_state, skipped=jnp.zeros((), bool), num_skipped=_st.count0()

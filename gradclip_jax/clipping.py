@@ -3,15 +3,24 @@
 Each factory returns an :class:`optax.GradientTransformation`. The states are
 small ``NamedTuple``s of fixed structure: a step ``count`` (used when a
 hyperparameter is a schedule) and, for norm-based transforms, the pre-clip
-``norm`` they measured, so ``optax.tree_utils.tree_get(state, 'norm')`` logs it.
+``norm`` they measured (log it with :func:`gradclip_jax.norms_from_state`) and,
+for the clippers, whether they ``clipped`` (what :func:`gradclip_jax.skip_on_spike`
+reads). Like optax's stateless transforms, ``update`` accepts ``state=None``
+("no state yet") and returns a proper state.
 
 House rules shared by every transform here:
 
 * a slice whose norm is ``<= 0`` (or not finite) is left unchanged: no NaN, no
-  epsilon; clipping scales by exactly ``max_norm / norm`` when ``norm > max_norm``;
+  epsilon; clipping scales by ``max_norm / norm`` when ``norm > max_norm``, lowered
+  by a few units in the last place of the leaf's dtype so the stored result's norm
+  is at most ``max_norm``, rounding included (an unclipped leaf is returned exactly);
 * outputs keep each leaf's dtype; the scale is applied in the leaf's accumulation
   dtype (float32 for 16-bit leaves) and rounded once;
-* ``None``, :class:`optax.MaskedNode` and ``float0`` leaves pass through.
+* ``None``, :class:`optax.MaskedNode` and ``float0`` leaves pass through;
+* a hyperparameter that is invalid only at run time (a traced or scheduled
+  ``max_norm`` that is negative or NaN, ...) makes the whole update NaN, so
+  :func:`optax.apply_if_finite` skips the step: never a sign flip, never
+  clipping switched off.
 """
 
 from __future__ import annotations
@@ -24,13 +33,15 @@ import numpy as np
 import optax
 
 from gradclip_jax import norms as _norms
+from gradclip_jax._numerics import bounded_factor
+from gradclip_jax._numerics import count0 as _count0
+from gradclip_jax._states import check_state, check_tree
 from gradclip_jax.hyperparams import (
     Hyperparam,
-    as_scalar,
-    check_scalar,
+    Hyperparams,
     increment,
     mark_static,
-    resolve,
+    poison,
     static_value,
 )
 from gradclip_jax.norms import DimLike, OrdLike
@@ -66,10 +77,13 @@ class ClipByGlobalNormState(NamedTuple):
       count: number of updates so far (int32); drives schedules.
       norm: the global norm of the last update before clipping (a scalar in the
         accumulation dtype, 0 before the first update).
+      clipped: whether the last update was scaled down (what
+        :func:`gradclip_jax.skip_on_spike` reads with ``field='clipped'``).
     """
 
     count: jax.Array  # type: ignore[assignment]  # NamedTuple field named like tuple.count, as in optax
     norm: jax.Array
+    clipped: jax.Array
 
 
 class ClipByNormState(NamedTuple):
@@ -80,10 +94,14 @@ class ClipByNormState(NamedTuple):
       norm: the pre-clip norms of the last update: a tree with one array of
         per-slice norms per leaf (``None`` for leaves left alone), or a scalar when
         ``dim='global'``.
+      clipped: whether the last update was scaled down: one bool per leaf (any
+        of its slices; ``None`` for leaves left alone), or a scalar when
+        ``dim='global'``.
     """
 
     count: jax.Array  # type: ignore[assignment]  # NamedTuple field named like tuple.count, as in optax
     norm: Any
+    clipped: Any
 
 
 class NormalizeState(NamedTuple):
@@ -109,10 +127,12 @@ class ClipByBlockRmsState(NamedTuple):
     Attributes:
       count: number of updates so far (int32).
       norm: tree of each leaf's root-mean-square before clipping.
+      clipped: tree of bools, whether each leaf was scaled down.
     """
 
     count: jax.Array  # type: ignore[assignment]  # NamedTuple field named like tuple.count, as in optax
     norm: Any
+    clipped: Any
 
 
 class CentralizeState(NamedTuple):
@@ -125,10 +145,12 @@ class AdaptiveGradClipState(NamedTuple):
     Attributes:
       count: number of updates so far (int32).
       norm: tree of per-unit gradient norms before clipping (one per output unit).
+      clipped: tree of bools, whether any unit of each leaf was scaled down.
     """
 
     count: jax.Array  # type: ignore[assignment]  # NamedTuple field named like tuple.count, as in optax
     norm: Any
+    clipped: Any
 
 
 # ----------------------------------------------------------------------------
@@ -137,9 +159,14 @@ class AdaptiveGradClipState(NamedTuple):
 
 
 def scale_leaf(x: jax.Array, factor: jax.Array) -> jax.Array:
-    """``x * factor`` computed in ``x``'s accumulation dtype, rounded once to x's dtype."""
+    """``x * factor`` computed in ``x``'s accumulation dtype, rounded once to x's dtype.
+
+    A factor below 1 is first lowered by the rounding margin of x's dtype
+    (:func:`gradclip_jax._numerics.bounded_factor`), so the stored result never
+    exceeds the bound because of rounding.
+    """
     acc = _norms.acc_dtype(x.dtype)
-    return (x * factor.astype(acc)).astype(x.dtype)
+    return (x * bounded_factor(factor.astype(acc), x.dtype)).astype(x.dtype)
 
 
 @jax.custom_jvp
@@ -168,9 +195,10 @@ def clip_factor(norm: jax.Array, max_norm: Any = None, min_norm: Any = None) -> 
     ``max_norm / norm`` when ``norm > max_norm``, ``min_norm / norm`` when
     ``0 < norm < min_norm``, else exactly 1. A zero, negative or non-finite norm
     gives 1: there is nothing meaningful to rescale, and non-finite inputs stay
-    visible instead of being zeroed. An infinite bound never clips. Each branch has
-    its own safe operands, so derivatives are finite everywhere, also for norms of
-    1e-30 or 1e30 and for infinite bounds.
+    visible instead of being zeroed. An infinite bound never clips; a NaN or
+    negative bound gives a NaN factor (never a sign flip, never "no clipping").
+    Each branch has its own safe operands, so derivatives are finite everywhere,
+    also for norms of 1e-30 or 1e30 and for infinite bounds.
     """
     ok = jnp.isfinite(norm) & (norm > 0)
     factor = jnp.ones_like(norm)
@@ -183,14 +211,16 @@ def clip_factor(norm: jax.Array, max_norm: Any = None, min_norm: Any = None) -> 
         # outside the selected branch so its derivative cannot be inf * 0
         sel = ok & jnp.isfinite(b) & pick(b)
         factor = jnp.where(sel, _ratio(jnp.where(sel, b, one), jnp.where(sel, norm, one)), factor)
+        factor = jnp.where(jnp.isnan(b) | (b < 0), jnp.full_like(factor, jnp.nan), factor)
     return factor
 
 
 def normalize_factor(norm: jax.Array, norm_value: Any) -> jax.Array:
-    """``norm_value / norm`` for a positive finite norm, else exactly 1."""
+    """``norm_value / norm`` for a positive finite norm, else exactly 1 (NaN for a NaN or negative target)."""
     ok = jnp.isfinite(norm) & (norm > 0)
     target = jnp.asarray(norm_value, norm.dtype)
-    return jnp.where(ok, _ratio(target, jnp.where(ok, norm, jnp.ones_like(norm))), jnp.ones_like(norm))
+    f = jnp.where(ok, _ratio(target, jnp.where(ok, norm, jnp.ones_like(norm))), jnp.ones_like(norm))
+    return jnp.where(jnp.isnan(target) | (target < 0), jnp.full_like(f, jnp.nan), f)
 
 
 def rescale_tree(
@@ -204,7 +234,7 @@ def rescale_tree(
     min_size: int = 1,
     axis_name: Any = None,
     norm_dtype: Any = None,
-) -> tuple[Any, Any]:
+) -> tuple[Any, Any, Any]:
     """Measures ``tree`` with the norm engine and rescales each slice.
 
     Args:
@@ -218,9 +248,10 @@ def rescale_tree(
       norm_dtype: dtype of the reported norms (the state's), if fixed.
 
     Returns:
-      ``(new_tree, norms)``: ``norms`` is a scalar for ``dim='global'`` and
-      otherwise a tree of per-slice norms with the reduced axes removed (``None``
-      for leaves left unchanged).
+      ``(new_tree, norms, clipped)``: ``norms`` is a scalar for ``dim='global'``
+      and otherwise a tree of per-slice norms with the reduced axes removed
+      (``None`` for leaves left unchanged); ``clipped`` says whether some factor
+      was below 1 (a scalar, or one bool per leaf).
     """
     spec = _norms.parse_ord(ord, fn)
     flat = _norms.flatten(tree, fn)
@@ -228,8 +259,10 @@ def rescale_tree(
     arrays = flat.arrays
     if dim == "global":
         norm = _norms.global_norm(arrays, spec, axis_name, dtype=norm_dtype)
-        out = flat.rebuild([scale_leaf(x, factor_fn(norm)) for x in arrays])
-        return out, norm
+        factor = factor_fn(norm)
+        out = flat.rebuild([scale_leaf(x, factor) for x in arrays])
+        return out, norm, factor < 1
+    _norms.check_axes_exist(fn, [x.shape for x in arrays], dim)
     todo, axes = [], []
     for pos, x in enumerate(arrays):
         ax = _norms.reduction_axes(x.shape, dim, inverse_dims, min_size)
@@ -239,19 +272,26 @@ def rescale_tree(
     measured = _norms.slice_norms([arrays[p] for p in todo], axes, spec, then=factor_fn)
     new = list(arrays)
     reported: list[Any] = [None] * len(arrays)
+    clipped: list[Any] = [None] * len(arrays)
     for pos, ax, (n, factor) in zip(todo, axes, measured):
         new[pos] = scale_leaf(arrays[pos], factor)
         nrm = jnp.squeeze(n, axis=ax)
         reported[pos] = nrm if norm_dtype is None else nrm.astype(norm_dtype)
-    return flat.rebuild(new), flat.rebuild(reported, fill=None)
+        clipped[pos] = jnp.any(factor < 1)
+    return flat.rebuild(new), flat.rebuild(reported, fill=None), flat.rebuild(clipped, fill=None)
 
 
-def _norm_template(params: Any, fn: str, dim: DimLike, inverse_dims: bool, min_size: int) -> Any:
-    """Zeros shaped like the norms :func:`rescale_tree` reports for ``params``."""
+def _norm_template(
+    params: Any, fn: str, dim: DimLike, inverse_dims: bool, min_size: int, flags: bool = False
+) -> Any:
+    """Zeros shaped like the norms :func:`rescale_tree` reports for ``params``.
+
+    With ``flags``: ``False`` in place of each norm array (the ``clipped`` field).
+    """
     leaves = jax.tree_util.tree_leaves(params)
     dtype = _norms.tree_acc_dtype(leaves)
     if dim == "global":
-        return jnp.zeros((), dtype)
+        return jnp.zeros((), bool) if flags else jnp.zeros((), dtype)
 
     def one(x: Any) -> Any:
         if getattr(x, "dtype", None) == jax.dtypes.float0:
@@ -260,6 +300,8 @@ def _norm_template(params: Any, fn: str, dim: DimLike, inverse_dims: bool, min_s
         ax = _norms.reduction_axes(x.shape, dim, inverse_dims, min_size)
         if ax is None:
             return None
+        if flags:
+            return jnp.zeros((), bool)
         shape = tuple(s for i, s in enumerate(x.shape) if i not in ax)
         return jnp.zeros(shape, _norms.acc_dtype(x.dtype) if _is_float(x) else dtype)
 
@@ -271,17 +313,23 @@ def _is_float(x: Any) -> bool:
     return bool(np.issubdtype(dtype, np.inexact) or dtype == jnp.bfloat16)
 
 
-def _count0() -> jax.Array:
-    return jnp.zeros([], jnp.int32)
-
-
 def _validate_shape_args(fn: str, ord: Any, dim: Any, inverse_dims: Any, min_size: Any) -> tuple:  # noqa: A002
     spec = _norms.parse_ord(ord, fn)
-    d = _norms.check_dim(dim, bool(static_value(fn, "inverse_dims", inverse_dims)), fn)
+    inv = static_value(fn, "inverse_dims", inverse_dims)
+    if not isinstance(inv, (bool, np.bool_)):
+        raise TypeError(f"{fn}: `inverse_dims` must be a bool, got {type(inv).__name__} {inv!r}")
+    d = _norms.check_dim(dim, bool(inv), fn)
     ms = static_value(fn, "min_size", min_size)
-    if isinstance(ms, bool) or not isinstance(ms, (int, np.integer)) or ms < 0:
-        raise ValueError(f"{fn}: min_size must be a non-negative int, got {min_size!r}")
-    return spec, d, bool(inverse_dims), int(ms)
+    if isinstance(ms, bool) or not isinstance(ms, (int, np.integer)):
+        raise TypeError(f"{fn}: `min_size` must be a non-negative int, got {type(ms).__name__} {ms!r}")
+    if ms < 0:
+        raise ValueError(f"{fn}: `min_size` must be a non-negative int, got {ms!r}")
+    return spec, d, bool(inv), int(ms)
+
+
+def _tree_dtype(tree: Any) -> np.dtype:
+    """The accumulation dtype of a tree's floating-point leaves (hyperparameters resolve in it)."""
+    return _norms.tree_acc_dtype(jax.tree_util.tree_leaves(tree))
 
 
 # ----------------------------------------------------------------------------
@@ -332,25 +380,28 @@ def clip_by_global_norm(
     """
     fn = "clip_by_global_norm"
     spec = _norms.parse_ord(ord, fn)
-    check_scalar(fn, "max_norm", max_norm)
+    hps = Hyperparams(fn)
+    hps.add("max_norm", max_norm)
 
     def init_fn(params: Any) -> ClipByGlobalNormState:
-        dtype = _norms.tree_acc_dtype(jax.tree_util.tree_leaves(params))
-        return ClipByGlobalNormState(count=_count0(), norm=jnp.zeros((), dtype))
+        dtype = _tree_dtype(params)
+        return ClipByGlobalNormState(count=_count0(), norm=jnp.zeros((), dtype), clipped=jnp.zeros((), bool))
 
-    def update_fn(updates: Any, state: ClipByGlobalNormState, params: Any = None) -> tuple:
+    def update_fn(updates: Any, state: ClipByGlobalNormState | None, params: Any = None) -> tuple:
         del params
-        bound = resolve(max_norm, state.count)
-        out, norm = rescale_tree(
+        state = init_fn(updates) if state is None else state
+        check_state(fn, state, ClipByGlobalNormState)
+        v, invalid = hps.at(state.count, state.norm.dtype)
+        out, norm, clipped = rescale_tree(
             updates,
-            lambda n: clip_factor(n, as_scalar(bound, n.dtype)),
+            lambda n: poison(clip_factor(n, v["max_norm"].astype(n.dtype)), invalid),
             fn=fn,
             ord=spec,
             dim="global",
             axis_name=axis_name,
             norm_dtype=state.norm.dtype,
         )
-        return out, ClipByGlobalNormState(count=increment(state.count), norm=norm)
+        return out, ClipByGlobalNormState(count=increment(state.count), norm=norm, clipped=clipped)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -395,7 +446,7 @@ def clip_by_norm(
       >>> tx = gcx.clip_by_norm(1.0, dim=1)  # clip each row of each matrix
       >>> out, state = tx.update({'w': jnp.array([[3.0, 4.0], [0.3, 0.4]])},
       ...                        tx.init({'w': jnp.zeros((2, 2))}))
-      >>> out['w']
+      >>> out['w'].round(6)  # clipped rows sit a few ulp inside the bound
       Array([[0.6, 0.8],
              [0.3, 0.4]], dtype=float32)
       >>> state.norm['w']
@@ -405,38 +456,53 @@ def clip_by_norm(
     spec, d, inv, ms = _validate_shape_args(fn, ord, dim, inverse_dims, min_size)
     if max_norm is None and min_norm is None:
         raise ValueError(f"{fn}: give max_norm, min_norm or both")
-    check_scalar(fn, "max_norm", max_norm, allow_none=True)
-    check_scalar(fn, "min_norm", min_norm, allow_none=True)
+    hps = Hyperparams(fn)
+    hps.add("max_norm", max_norm, allow_none=True)
+    hps.add("min_norm", min_norm, allow_none=True)
     _check_order(fn, min_norm, max_norm)
 
-    def factor_at(count: jax.Array) -> Any:
-        hi, lo = resolve(max_norm, count), resolve(min_norm, count)
-        return lambda n: clip_factor(
-            n,
-            None if hi is None else as_scalar(hi, n.dtype),
-            None if lo is None else as_scalar(lo, n.dtype),
+    def factor_of(v: dict, invalid: Any) -> Any:
+        hi, lo = v["max_norm"], v["min_norm"]
+        return lambda n: poison(
+            clip_factor(n, None if hi is None else hi.astype(n.dtype), None if lo is None else lo.astype(n.dtype)),
+            invalid,
         )
 
-    return _slice_transform(fn, ClipByNormState, factor_at, spec, d, inv, ms)
+    return _slice_transform(fn, ClipByNormState, hps, factor_of, spec, d, inv, ms)
 
 
 def _slice_transform(
-    fn: str, state_cls: Any, factor_at: Any, spec: _norms.NormSpec, dim: DimLike, inv: bool, ms: int
+    fn: str,
+    state_cls: Any,
+    hps: Hyperparams,
+    factor_of: Any,
+    spec: _norms.NormSpec,
+    dim: DimLike,
+    inv: bool,
+    ms: int,
 ) -> optax.GradientTransformation:
-    """A transform that rescales each slice by ``factor_at(count)(norm)``.
+    """A transform that rescales each slice by ``factor_of(values, invalid)(norm)``.
 
     The shared body of :func:`clip_by_norm` and :func:`normalize`: the state is
-    ``state_cls(count, norm)`` with the per-slice (or global) norms it measured.
+    ``state_cls(count, norm[, clipped])`` with the per-slice (or global) norms it
+    measured (and, for a clipper, whether each leaf was scaled down).
     """
+    flags = "clipped" in state_cls._fields
 
     def init_fn(params: Any) -> Any:
-        return state_cls(count=_count0(), norm=_norm_template(params, fn, dim, inv, ms))
+        extra = {"clipped": _norm_template(params, fn, dim, inv, ms, flags=True)} if flags else {}
+        return state_cls(count=_count0(), norm=_norm_template(params, fn, dim, inv, ms), **extra)
 
     def update_fn(updates: Any, state: Any, params: Any = None) -> tuple:
         del params
-        out, nrm = rescale_tree(
+        state = init_fn(updates) if state is None else state
+        check_state(fn, state, state_cls)
+        if dim != "global":
+            check_tree(fn, "norm", state.norm, updates)
+        v, invalid = hps.at(state.count, _tree_dtype(updates))
+        out, nrm, clipped = rescale_tree(
             updates,
-            factor_at(state.count),
+            factor_of(v, invalid),
             fn=fn,
             ord=spec,
             dim=dim,
@@ -444,7 +510,8 @@ def _slice_transform(
             min_size=ms,
             norm_dtype=_state_dtype(state.norm),
         )
-        return out, state_cls(count=increment(state.count), norm=_like(nrm, state.norm))
+        extra = {"clipped": clipped} if flags else {}
+        return out, state_cls(count=increment(state.count), norm=_like(nrm, state.norm), **extra)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -466,10 +533,7 @@ def _like(new: Any, template: Any) -> Any:
     """Casts reported norms to the dtypes fixed at ``init`` (scan-safe state)."""
     if isinstance(template, jax.Array) or template is None:
         return new if template is None else new.astype(template.dtype)
-    try:
-        return jax.tree_util.tree_map(lambda n, t: n.astype(t.dtype), new, template)
-    except ValueError:
-        return new  # structure differs from init (params and updates disagree)
+    return jax.tree_util.tree_map(lambda n, t: n.astype(t.dtype), new, template)
 
 
 @mark_static("ord", "dim", "inverse_dims", "min_size")
@@ -504,23 +568,35 @@ def normalize(
     """
     fn = "normalize"
     spec, d, inv, ms = _validate_shape_args(fn, ord, dim, inverse_dims, min_size)
-    check_scalar(fn, "norm_value", norm_value)
+    hps = Hyperparams(fn)
+    hps.add("norm_value", norm_value)
 
-    def factor_at(count: jax.Array) -> Any:
-        target = resolve(norm_value, count)
-        return lambda n: normalize_factor(n, as_scalar(target, n.dtype))
+    def factor_of(v: dict, invalid: Any) -> Any:
+        return lambda n: poison(normalize_factor(n, v["norm_value"].astype(n.dtype)), invalid)
 
-    return _slice_transform(fn, NormalizeState, factor_at, spec, d, inv, ms)
+    return _slice_transform(fn, NormalizeState, hps, factor_of, spec, d, inv, ms)
 
 
-def clip_value_tree(tree: Any, bound: Any, fn: str) -> Any:
+def clip_value_tree(tree: Any, bound: Any, fn: str, invalid: Any = None) -> Any:
     """Clamps every element to ``[-bound, bound]`` (complex: the magnitude).
 
     Integer leaves are clamped and keep their dtype; bool leaves raise ``TypeError``.
-    NaN stays NaN.
+    NaN stays NaN. A NaN or negative bound (or ``invalid`` true) makes every
+    floating-point element NaN (integer leaves cannot hold NaN and become 0).
     """
+    bad = jnp.isnan(jnp.asarray(bound)) | (jnp.asarray(bound) < 0)
+    if invalid is not None:
+        bad = bad | invalid
 
     def one(path: Any, x: Any) -> Any:
+        if getattr(x, "dtype", None) == jax.dtypes.float0:
+            return x
+        y = _clip_one(path, x)
+        if jnp.issubdtype(y.dtype, jnp.inexact):
+            return jnp.where(bad, jnp.full_like(y, jnp.nan), y)
+        return jnp.where(bad, jnp.zeros_like(y), y)
+
+    def _clip_one(path: Any, x: Any) -> Any:
         if getattr(x, "dtype", None) == jax.dtypes.float0:
             return x
         x = jnp.asarray(x)
@@ -584,16 +660,19 @@ def clip(max_delta: Hyperparam) -> optax.GradientTransformation:
 
 
 def _clip_value(fn: str, name: str, bound: Hyperparam) -> optax.GradientTransformation:
-    check_scalar(fn, name, bound)
+    hps = Hyperparams(fn)
+    hps.add(name, bound)
 
     def init_fn(params: Any) -> ClipByValueState:
         del params
         return ClipByValueState(count=_count0())
 
-    def update_fn(updates: Any, state: ClipByValueState, params: Any = None) -> tuple:
+    def update_fn(updates: Any, state: ClipByValueState | None, params: Any = None) -> tuple:
         del params
-        b = resolve(bound, state.count)
-        return clip_value_tree(updates, b, fn), ClipByValueState(count=increment(state.count))
+        state = init_fn(updates) if state is None else state
+        check_state(fn, state, ClipByValueState)
+        v, invalid = hps.at(state.count, _tree_dtype(updates))
+        return clip_value_tree(updates, v[name], fn, invalid), ClipByValueState(count=increment(state.count))
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -621,19 +700,27 @@ def clip_by_block_rms(threshold: Hyperparam) -> optax.GradientTransformation:
       {'w': Array([1., 1., 1., 1.], dtype=float32)}
     """
     fn = "clip_by_block_rms"
-    check_scalar(fn, "threshold", threshold)
+    hps = Hyperparams(fn)
+    hps.add("threshold", threshold)
     rms = _norms.parse_ord("rms", fn)
 
     def init_fn(params: Any) -> ClipByBlockRmsState:
-        return ClipByBlockRmsState(count=_count0(), norm=_norm_template(params, fn, None, False, 1))
-
-    def update_fn(updates: Any, state: ClipByBlockRmsState, params: Any = None) -> tuple:
-        del params
-        thr = resolve(threshold, state.count)
-        out, nrm = rescale_tree(
-            updates, lambda n: clip_factor(n, as_scalar(thr, n.dtype)), fn=fn, ord=rms
+        return ClipByBlockRmsState(
+            count=_count0(),
+            norm=_norm_template(params, fn, None, False, 1),
+            clipped=_norm_template(params, fn, None, False, 1, flags=True),
         )
-        return out, ClipByBlockRmsState(count=increment(state.count), norm=_like(nrm, state.norm))
+
+    def update_fn(updates: Any, state: ClipByBlockRmsState | None, params: Any = None) -> tuple:
+        del params
+        state = init_fn(updates) if state is None else state
+        check_state(fn, state, ClipByBlockRmsState)
+        check_tree(fn, "norm", state.norm, updates)
+        v, invalid = hps.at(state.count, _tree_dtype(updates))
+        out, nrm, clipped = rescale_tree(
+            updates, lambda n: poison(clip_factor(n, v["threshold"].astype(n.dtype)), invalid), fn=fn, ord=rms
+        )
+        return out, ClipByBlockRmsState(count=increment(state.count), norm=_like(nrm, state.norm), clipped=clipped)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -675,8 +762,10 @@ def centralize(
         del params
         return CentralizeState()
 
-    def update_fn(updates: Any, state: CentralizeState, params: Any = None) -> tuple:
+    def update_fn(updates: Any, state: CentralizeState | None, params: Any = None) -> tuple:
         del params
+        state = init_fn(updates) if state is None else state
+        check_state(fn, state, CentralizeState)
         return centralize_tree(updates, d, inv, ms, fn), state
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -693,10 +782,11 @@ def centralize_tree(tree: Any, dim: DimLike, inverse_dims: bool, min_size: int, 
             return tree
         mean = _norms.global_norm(arrays, total) / n
         return flat.rebuild([_sub(x, mean) for x in arrays])
+    _norms.check_axes_exist(fn, [x.shape for x in arrays], dim)
     todo, axes = [], []
     for pos, x in enumerate(arrays):
         ax = _norms.reduction_axes(x.shape, dim, inverse_dims, min_size)
-        if ax is not None:
+        if ax:  # a 0-d leaf (ax == ()) has no axis to centre over: unchanged
             todo.append(pos)
             axes.append(ax)
     sums = _norms.slice_norms([arrays[p] for p in todo], axes, total)
@@ -777,25 +867,38 @@ def adaptive_grad_clip(
              [0.1, 0.1]], dtype=float32)
     """
     fn = "adaptive_grad_clip"
-    check_scalar(fn, "clipping", clipping)
-    check_scalar(fn, "eps", eps)
+    hps = Hyperparams(fn)
+    hps.add("clipping", clipping)
+    hps.add("eps", eps)
     axis = static_value(fn, "axis", axis)
     l2 = _norms.parse_ord(2, fn)
 
     def init_fn(params: Any) -> AdaptiveGradClipState:
         def one(x: Any) -> Any:
             x = jnp.asarray(x) if not hasattr(x, "shape") else x
+            if not _is_float(x):
+                return None  # not measured (update raises for it)
             ax = unit_axes(x.shape, axis)
             shape = tuple(s for i, s in enumerate(x.shape) if i not in ax)
-            return jnp.zeros(shape, _norms.acc_dtype(x.dtype) if _is_float(x) else jnp.float32)
+            return jnp.zeros(shape, _norms.acc_dtype(x.dtype))
 
-        return AdaptiveGradClipState(count=_count0(), norm=jax.tree_util.tree_map(one, params))
+        def flag(x: Any) -> Any:
+            return jnp.zeros((), bool) if _is_float(jnp.asarray(x) if not hasattr(x, "dtype") else x) else None
 
-    def update_fn(updates: Any, state: AdaptiveGradClipState, params: Any = None) -> tuple:
+        return AdaptiveGradClipState(
+            count=_count0(),
+            norm=jax.tree_util.tree_map(one, params),
+            clipped=jax.tree_util.tree_map(flag, params),
+        )
+
+    def update_fn(updates: Any, state: AdaptiveGradClipState | None, params: Any = None) -> tuple:
         if params is None:
             raise ValueError(f"{fn}: update needs params (call tx.update(updates, state, params))")
-        lam = resolve(clipping, state.count)
-        floor = resolve(eps, state.count)
+        state = init_fn(params) if state is None else state
+        check_state(fn, state, AdaptiveGradClipState)
+        check_tree(fn, "norm", state.norm, updates)
+        v, invalid = hps.at(state.count, _tree_dtype(updates))
+        lam, floor = v["clipping"], v["eps"]
         gflat = _norms.flatten(updates, fn)
         pflat = _norms.flatten(params, fn)
         if gflat.treedef != pflat.treedef:
@@ -814,14 +917,18 @@ def adaptive_grad_clip(
             axes.append(unit_axes(g.shape, axis))
         gn = _norms.slice_norms(garr, axes, l2)
         pn = _norms.slice_norms(parr, axes, l2)
-        new, reported = [], []
+        new, reported, clipped = [], [], []
         for g, ax, gnorm, pnorm in zip(garr, axes, gn, pn):
             dtype = gnorm.dtype
-            bound = as_scalar(lam, dtype) * jnp.maximum(pnorm.astype(dtype), as_scalar(floor, dtype))
-            new.append(scale_leaf(g, clip_factor(gnorm, bound)))
+            bound = lam.astype(dtype) * jnp.maximum(pnorm.astype(dtype), floor.astype(dtype))
+            factor = poison(clip_factor(gnorm, bound), invalid)
+            new.append(scale_leaf(g, factor))
             reported.append(jnp.squeeze(gnorm, axis=ax))
+            clipped.append(jnp.any(factor < 1))
         return gflat.rebuild(new), AdaptiveGradClipState(
-            count=increment(state.count), norm=_like(gflat.rebuild(reported, fill=None), state.norm)
+            count=increment(state.count),
+            norm=_like(gflat.rebuild(reported, fill=None), state.norm),
+            clipped=_like(gflat.rebuild(clipped, fill=None), state.clipped),
         )
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -29,14 +29,16 @@ import optax
 
 from gradclip_jax import _stateful as _st
 from gradclip_jax import norms as _norms
+from gradclip_jax._states import check_state, check_tree
 from gradclip_jax.clipping import clip_factor, normalize_factor
 from gradclip_jax.hyperparams import (
     Hyperparam,
-    check_scalar,
+    Hyperparams,
+    counts,
     increment,
     mark_static,
+    poison,
     resolve,
-    static_value,
 )
 from gradclip_jax.norms import OrdLike
 
@@ -99,10 +101,78 @@ class ClipValueByEMAState(NamedTuple):
     exp_avg_tfm_state: Any
 
 
-def _lerp(e: jax.Array, x: jax.Array, beta: Any, count: jax.Array) -> jax.Array:
+def _lerp(e: jax.Array, x: jax.Array, beta: jax.Array) -> jax.Array:
     """``e + (1 - beta) (x - e)`` in ``e``'s dtype (torch's ``lerp_(x, 1 - beta)``)."""
-    b = _st.hp(beta, count, _norms.acc_dtype(e.dtype))
+    b = beta.astype(_norms.acc_dtype(e.dtype))
     return e + (1 - b) * (x.astype(e.dtype) - e)
+
+
+def _ema_hyperparams(fn: str, beta: Any, max_ema_growth: Any, init: Any, min_norm: Any) -> Hyperparams:
+    hps = Hyperparams(fn)
+    hps.add("beta", beta, low=0.0, high=1.0, high_inclusive=False)
+    hps.add("max_ema_growth", max_ema_growth, low=0.0, allow_none=True)
+    hps.add("init", init, low=None, allow_inf=False)
+    hps.add("min_norm", min_norm, low=0.0)
+    return hps
+
+
+def _init_norm_by_ema(params: Any, fn: str, tensorwise: bool, init: Any, inner: Any) -> NormByEMAState:
+    count = _st.count0()
+    fill = resolve(init, count)
+    exp_avg = _st.per_leaf(params, fn, lambda x: jnp.full(x.shape, jnp.asarray(fill).real, _st.array_dtype(x)))
+    if tensorwise:
+        zero = _st.per_leaf(params, fn, lambda x: jnp.zeros((), _norms.acc_dtype(x.dtype)))
+        no = _st.per_leaf(params, fn, lambda x: jnp.zeros((), bool))
+    else:
+        zero = jnp.zeros((), _st.scalar_dtype(params))
+        no = jnp.zeros((), bool)
+    return NormByEMAState(
+        count=count,
+        exp_avg=exp_avg,
+        prev_ema_norm=zero,
+        norm=zero,
+        clip_norm=zero,
+        clipped=no,
+        inner_state=_st.init_inner(inner, params),
+    )
+
+
+def _measure(
+    arrays: list[jax.Array], ema: list[jax.Array], state: NormByEMAState, spec: _norms.NormSpec,
+    tensorwise: bool, fn: str,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``(a, e, prev, old_clip)``: the norms of the update and of the EMA, stacked.
+
+    One entry per leaf (``tensorwise``) or a single global entry, so the per-leaf
+    arithmetic that follows is one fused op for all leaves.
+    """
+    n = len(arrays)
+    if tensorwise:
+        both = _st.whole_leaf_norms(arrays + ema, spec)
+        a_list, e_list = both[:n], both[n:]
+        prev_list = _st.leaves_of(state.prev_ema_norm, n, fn, "prev_ema_norm")
+        old_list = _st.leaves_of(state.clip_norm, n, fn, "clip_norm")
+    else:
+        a_list = [_norms.global_norm(arrays, spec, dtype=state.norm.dtype)]
+        e_list = [_norms.global_norm(ema, spec, dtype=state.norm.dtype)]
+        prev_list, old_list = [state.prev_ema_norm], [state.clip_norm]
+    dt = _norms.tree_acc_dtype(a_list)
+    return _st.stack(a_list, dt), _st.stack(e_list, dt), _st.stack(prev_list, dt), _st.stack(old_list, dt)
+
+
+def _growth_limit(
+    e: jax.Array, prev: jax.Array, first: jax.Array, growth: jax.Array, floor: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """``(c, e / c)``: the factor ``c >= 1`` that limits the EMA norm's growth, and the limited norm.
+
+    The EMA's norm may grow by at most ``growth`` per step, with an allowance of at
+    least ``floor`` (so an EMA that starts at zero can grow).
+    """
+    p = jnp.where(first, e, prev)
+    allowed = jnp.maximum(growth * p, floor)
+    over = e > allowed
+    c = _st.safe_div(e, allowed, over)  # max(e / allowed, 1)
+    return c, jnp.where(over, allowed, e)
 
 
 def _norm_by_ema(
@@ -118,85 +188,39 @@ def _norm_by_ema(
     skip_nonfinite: bool,
 ) -> optax.GradientTransformation:
     spec = _norms.parse_ord(ord, fn)
-    tensorwise = bool(static_value(fn, "tensorwise", tensorwise))
-    skip = bool(static_value(fn, "skip_nonfinite", skip_nonfinite))
-    check_scalar(fn, "beta", beta, low=0.0, high=1.0, high_inclusive=False)
-    check_scalar(fn, "max_ema_growth", max_ema_growth, low=0.0, allow_none=True)
-    check_scalar(fn, "init", init, low=None, allow_inf=False)
-    check_scalar(fn, "min_norm", min_norm, low=0.0)
+    tensorwise = _st.check_bool(fn, "tensorwise", tensorwise)
+    skip = _st.check_bool(fn, "skip_nonfinite", skip_nonfinite)
+    hps = _ema_hyperparams(fn, beta, max_ema_growth, init, min_norm)
     _st.check_transform(fn, "inner", inner)
 
     def init_fn(params: Any) -> NormByEMAState:
-        count = _st.count0()
-        fill = resolve(init, count)
-        exp_avg = _st.per_leaf(
-            params, fn, lambda x: jnp.full(x.shape, jnp.asarray(fill).real, _st.array_dtype(x))
-        )
-        if tensorwise:
-            zero = _st.per_leaf(params, fn, lambda x: jnp.zeros((), _norms.acc_dtype(x.dtype)))
-            no = _st.per_leaf(params, fn, lambda x: jnp.zeros((), bool))
-        else:
-            zero = jnp.zeros((), _st.scalar_dtype(params))
-            no = jnp.zeros((), bool)
-        return NormByEMAState(
-            count=count,
-            exp_avg=exp_avg,
-            prev_ema_norm=zero,
-            norm=zero,
-            clip_norm=zero,
-            clipped=no,
-            inner_state=_st.init_inner(inner, params),
-        )
+        return _init_norm_by_ema(params, fn, tensorwise, init, inner)
 
     def update_fn(updates: Any, state: NormByEMAState, params: Any = None) -> tuple:
+        check_state(fn, state, NormByEMAState)
+        check_tree(fn, "exp_avg", state.exp_avg, updates, shapes=True)
         flat = _st.measured(updates, spec, fn)
         arrays = flat.arrays
-        n = len(arrays)
         count = state.count
         first = count == 0
-        old_ema = _st.leaves_of(state.exp_avg, n, fn, "exp_avg")
-        ema = [_lerp(e, u, beta, count) for e, u in zip(old_ema, arrays, strict=True)]
+        old_ema = _st.leaves_of(state.exp_avg, len(arrays), fn, "exp_avg")
+        v, invalid = hps.at(count, _norms.tree_acc_dtype(arrays))
+        ema = [_lerp(e, u, v["beta"]) for e, u in zip(old_ema, arrays, strict=True)]
+        a, e, prev, old_clip = _measure(arrays, ema, state, spec, tensorwise, fn)
+        dt = a.dtype
 
-        # Norms of the update (a) and of the EMA (e): one per leaf, or one global.
-        # The per-leaf arithmetic below runs on stacked vectors (one fused op).
-        if tensorwise:
-            both = _st.whole_leaf_norms(arrays + ema, spec)
-            a_list, e_list = both[:n], both[n:]
-            prev_list = _st.leaves_of(state.prev_ema_norm, n, fn, "prev_ema_norm")
-            old_list = _st.leaves_of(state.clip_norm, n, fn, "clip_norm")
-        else:
-            a_list = [_norms.global_norm(arrays, spec, dtype=state.norm.dtype)]
-            e_list = [_norms.global_norm(ema, spec, dtype=state.norm.dtype)]
-            prev_list, old_list = [state.prev_ema_norm], [state.clip_norm]
-        dt = _norms.tree_acc_dtype(a_list)
-        a, e = _st.stack(a_list, dt), _st.stack(e_list, dt)
-        prev = _st.stack(prev_list, dt)
-
-        # Growth limit: the EMA's norm may grow by at most `max_ema_growth` per step.
         if max_ema_growth is not None:
-            p = jnp.where(first, e, prev)
-            allowed = jnp.maximum(_st.hp(max_ema_growth, count, dt) * p, _st.hp(min_norm, count, dt))
-            over = e > allowed
-            if tensorwise:
-                c = _st.safe_div(e, allowed, over)  # max(e / allowed, 1)
-                ema = [(x / ck).astype(x.dtype) for x, ck in zip(ema, _st.unstack(c), strict=True)]
-                e = e / c
-            else:
-                sk = _st.safe_div(allowed, e, over)[0]
-                ema = [(x * sk).astype(x.dtype) for x in ema]
-                e = jnp.where(over, allowed, e)
+            c, e = _growth_limit(e, prev, first, v["max_ema_growth"].astype(dt), v["min_norm"].astype(dt))
+            cs = _st.unstack(c) if tensorwise else [c[0]] * len(ema)
+            ema = [(x / ck.astype(x.dtype)).astype(x.dtype) for x, ck in zip(ema, cs, strict=True)]
 
         # The update's rescaling: d = a / max(e, eps), clamped (torchzero's denominator).
         bound = jnp.maximum(e, 2 * float(np.finfo(dt).tiny))
-        if normalize:
-            f = normalize_factor(a, bound)
-            flags = f != 1
-        else:
-            f = clip_factor(a, bound)
-            flags = f < 1
+        f = normalize_factor(a, bound) if normalize else clip_factor(a, bound)
+        flags = (f != 1) if normalize else (f < 1)
 
-        ok = _st.all_finite([a]) if skip else jnp.ones((), bool)
-        f = jnp.where(ok, f, jnp.ones_like(f))
+        ok = (_st.all_finite([a]) if skip else jnp.ones((), bool)) & counts(invalid)
+        f = poison(jnp.where(ok, f, jnp.ones_like(f)), invalid)
         out_flat, inner_state = _st.run_inner(inner, updates, flat, state.inner_state, params, fn)
         out = _st.scale_all(out_flat, _st.unstack(f) if tensorwise else f[0])
 
@@ -205,7 +229,7 @@ def _norm_by_ema(
             exp_avg=_st.like(state.exp_avg, [jnp.where(ok, x, o) for x, o in zip(ema, old_ema, strict=True)]),
             prev_ema_norm=_st.pack(tensorwise, state.prev_ema_norm, jnp.where(ok, e, prev)),
             norm=_st.pack(tensorwise, state.norm, a),
-            clip_norm=_st.pack(tensorwise, state.clip_norm, jnp.where(ok, e, _st.stack(old_list, dt))),
+            clip_norm=_st.pack(tensorwise, state.clip_norm, jnp.where(ok, e, old_clip)),
             clipped=_st.pack(tensorwise, state.clipped, flags & ok),
             inner_state=inner_state,
         )
@@ -272,7 +296,7 @@ def clip_norm_by_ema(
       >>> g = {'w': jnp.array([3.0, 4.0])}
       >>> state = tx.init(g)
       >>> out, state = tx.update(g, state)  # the EMA is 0.5 g, so the norm is halved
-      >>> out['w']
+      >>> out['w'].round(5)  # a clipped result sits a few ulp inside the bound
       Array([1.5, 2. ], dtype=float32)
       >>> float(state.norm), float(state.clip_norm)
       (5.0, 2.5)
@@ -398,9 +422,10 @@ def clip_value_by_ema(
       Array([ 2., -1.], dtype=float32)
     """
     fn = "clip_value_by_ema"
-    skip = bool(static_value(fn, "skip_nonfinite", skip_nonfinite))
-    check_scalar(fn, "beta", beta, low=0.0, high=1.0, high_inclusive=False)
-    check_scalar(fn, "init", init, low=0.0, allow_inf=False)
+    skip = _st.check_bool(fn, "skip_nonfinite", skip_nonfinite)
+    hps = Hyperparams(fn)
+    hps.add("beta", beta, low=0.0, high=1.0, high_inclusive=False)
+    hps.add("init", init, low=0.0, allow_inf=False)
     _st.check_transform(fn, "inner", inner)
     _st.check_transform(fn, "exp_avg_tfm", exp_avg_tfm)
 
@@ -415,17 +440,20 @@ def clip_value_by_ema(
         )
 
     def update_fn(updates: Any, state: ClipValueByEMAState, params: Any = None) -> tuple:
+        check_state(fn, state, ClipValueByEMAState)
+        check_tree(fn, "exp_avg", state.exp_avg, updates, shapes=True)
         flat = _st.measured(updates, None, fn)
         arrays = flat.arrays
         n = len(arrays)
         count = state.count
         old = _st.leaves_of(state.exp_avg, n, fn, "exp_avg")
+        v, invalid = hps.at(count, _norms.tree_acc_dtype(arrays))
         ema = []
         for e, u in zip(old, arrays, strict=True):
             mag = jnp.abs(u).astype(e.dtype)
-            start = jnp.where(count == 0, _st.hp(init, count, e.dtype) * mag, e)
-            ema.append(_lerp(start, mag, beta, count))
-        ok = _st.all_finite(arrays) if skip else jnp.ones((), bool)
+            start = jnp.where(count == 0, v["init"].astype(e.dtype) * mag, e)
+            ema.append(_lerp(start, mag, v["beta"]))
+        ok = (_st.all_finite(arrays) if skip else jnp.ones((), bool)) & counts(invalid)
 
         bound_tree = _st.like(state.exp_avg, ema)
         tfm_state = state.exp_avg_tfm_state
@@ -437,11 +465,9 @@ def clip_value_by_ema(
         ]
 
         out_flat, inner_state = _st.run_inner(inner, updates, flat, state.inner_state, params, fn)
-        ws = out_flat.arrays
         outs, flags = [], []
-        for w, b in zip(ws, bounds, strict=True):
-            clipped = _clamp(w, b)
-            outs.append(jnp.where(ok, clipped, w))
+        for w, b in zip(out_flat.arrays, bounds, strict=True):
+            outs.append(poison(jnp.where(ok, _clamp(w, b), w), invalid))
             # any(|w| > b) as one fused max-reduction
             excess = jnp.max(jnp.abs(w).astype(b.dtype) - b, initial=-jnp.inf)
             flags.append(ok & (excess > 0))

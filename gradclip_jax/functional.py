@@ -20,7 +20,7 @@ from gradclip_jax.clipping import (
     rescale_tree,
     scale_leaf,
 )
-from gradclip_jax.hyperparams import check_scalar
+from gradclip_jax.hyperparams import Hyperparams, check_scalar, poison
 from gradclip_jax.norms import DimLike, OrdLike, leaf_norms, tree_norm
 
 __all__ = ["clip_grad_norm", "clip_grad_value", "normalize_grads", "tree_norm", "leaf_norms"]
@@ -63,14 +63,15 @@ def clip_grad_norm(
       (5.0, [0.6, 0.8])
     """
     fn = "clip_grad_norm"
-    check_scalar(fn, "max_norm", max_norm)
-    check_scalar(fn, "eps", eps)
+    hps = Hyperparams(fn)
+    hps.add("max_norm", max_norm)
+    hps.add("eps", eps)
     spec = _norms.parse_ord(ord, fn)
     flat = _norms.flatten(grads, fn)
     _norms.check_complex(flat, spec, fn)
     total = _norms.global_norm(flat.arrays, spec)
-    mx = jnp.asarray(max_norm, total.dtype)
-    coef = jnp.minimum(mx / (total + jnp.asarray(eps, total.dtype)), 1.0)
+    v, invalid = hps.at(jnp.zeros((), jnp.int32), total.dtype)
+    coef = poison(jnp.minimum(v["max_norm"] / (total + v["eps"]), 1.0), invalid)
     return flat.rebuild([scale_leaf(x, coef) for x in flat.arrays]), total
 
 
@@ -94,7 +95,7 @@ def clip_grad_value(grads: Any, clip_value: float | jax.Array) -> Any:
       {'a': Array([-1. ,  0.5], dtype=float32)}
     """
     check_scalar("clip_grad_value", "clip_value", clip_value)
-    return clip_value_tree(grads, clip_value, "clip_grad_value")
+    return clip_value_tree(grads, jnp.asarray(clip_value), "clip_grad_value")
 
 
 def normalize_grads(
@@ -121,13 +122,13 @@ def normalize_grads(
     Example:
       >>> import jax.numpy as jnp
       >>> import gradclip_jax as gcx
-      >>> gcx.normalize_grads([jnp.array([3.0, 4.0])], 1.0)
+      >>> [x.round(6) for x in gcx.normalize_grads([jnp.array([3.0, 4.0])], 1.0)]
       [Array([0.6, 0.8], dtype=float32)]
     """
     fn = "normalize_grads"
     check_scalar(fn, "norm_value", norm_value)
     spec, d, inv, ms = _validate_shape_args(fn, ord, dim, inverse_dims, min_size)
-    out, _ = rescale_tree(
+    out, _, _ = rescale_tree(
         grads,
         lambda n: normalize_factor(n, jnp.asarray(norm_value, n.dtype)),
         fn=fn,

@@ -17,7 +17,10 @@ which code runs, so they must be Python values. :func:`inject_hyperparams` wraps
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -30,6 +33,8 @@ Numeric = float | int | jax.Array | np.ndarray
 Hyperparam = Numeric | Callable[[jax.Array], Numeric]
 
 __all__ = ["Hyperparam", "inject_hyperparams"]
+
+
 
 
 def is_traced(value: Any) -> bool:
@@ -51,14 +56,15 @@ def check_scalar(
 ) -> None:
     """Validates a numeric hyperparameter when it is known at construction.
 
-    Schedules and traced arrays are accepted unchecked. Raises ``ValueError``
-    naming ``fn`` and ``name`` for NaN, out-of-range or non-scalar values and
-    ``TypeError`` for values that are not numbers.
+    Schedules and traced arrays are accepted unchecked (see :class:`Hyperparams`
+    for their run-time guard). Raises ``TypeError`` naming ``fn`` and ``name`` for
+    values that are not numbers (``None`` where it is not allowed, strings,
+    bools, objects) and ``ValueError`` for NaN, out-of-range or non-scalar numbers.
     """
     if value is None:
         if allow_none:
             return
-        raise ValueError(f"{fn}: `{name}` must be a number, got None")
+        raise TypeError(f"{fn}: `{name}` must be a number, got None")
     if callable(value) or is_traced(value):
         return
     if isinstance(value, bool):
@@ -70,7 +76,7 @@ def check_scalar(
     if arr.dtype == object or not (
         np.issubdtype(arr.dtype, np.number) or arr.dtype == jnp.bfloat16
     ):
-        raise TypeError(f"{fn}: `{name}` must be a number, got {value!r}")
+        raise TypeError(f"{fn}: `{name}` must be a number, got {type(value).__name__} {value!r}")
     if arr.size != 1:
         raise ValueError(
             f"{fn}: `{name}` must be a scalar, got an array of shape {arr.shape}"
@@ -88,19 +94,58 @@ def check_scalar(
         raise ValueError(f"{fn}: `{name}` must be {bound} {high}, got {v}")
 
 
+class StaticDefault:
+    """The default of a structural argument, as a factory's signature shows it.
+
+    :func:`optax.inject_hyperparams` turns every argument whose value (default
+    included) is a number into an array held in its state, and under ``jit``
+    that array is traced, which a structural argument (``ord``, ``min_size``,
+    ``warmup_steps``, ...) cannot be. :func:`mark_static` therefore shows the
+    numeric defaults of structural arguments wrapped in this class (it prints as
+    the bare value), which optax leaves alone, so plain
+    ``optax.inject_hyperparams(gcx.zclip)()`` works; :func:`static_value`
+    unwraps it.
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    def __eq__(self, other: object) -> bool:
+        other = other.value if isinstance(other, StaticDefault) else other
+        return bool(self.value == other)
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+
+# public function name -> its structural arguments (filled by mark_static)
+_STATIC_ARGS: dict[str, tuple[str, ...]] = {}
+
+
 def static_value(fn: str, name: str, value: Any) -> Any:
     """Returns a structural argument as a Python value.
 
     Concrete arrays of one element become Python numbers (so a value that
     :func:`optax.inject_hyperparams` wrapped in an array still works at ``init``);
-    traced arrays raise a ``TypeError`` that explains the fix.
+    traced arrays raise a ``TypeError`` that names every structural argument of
+    ``fn`` and explains the fix.
     """
+    if isinstance(value, StaticDefault):
+        return value.value
     if is_traced(value):
+        names = _STATIC_ARGS.get(fn, (name,))
+        listed = ", ".join(repr(n) for n in names)
         raise TypeError(
             f"{fn}: `{name}` decides shapes and code paths, so it must be a Python "
-            "value, not a traced array. With optax.inject_hyperparams pass "
-            f"static_args=({name!r},), or use gradclip_jax.inject_hyperparams, which "
-            "does that for you."
+            "value, not a traced array (optax.inject_hyperparams turns every number it "
+            f"is given into an array). The structural arguments of {fn} are {listed}: "
+            f"pass them to optax.inject_hyperparams in static_args=({listed},), or use "
+            "gradclip_jax.inject_hyperparams, which does that for you."
         )
     if isinstance(value, (jax.Array, np.ndarray, np.generic)):
         arr = np.asarray(value)
@@ -181,10 +226,145 @@ def inject_hyperparams(
 
 
 def mark_static(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorator recording a factory's structural arguments for inject_hyperparams."""
+    """Decorator recording a factory's structural arguments.
+
+    Records them in ``factory.static_args`` (read by :func:`inject_hyperparams`)
+    and for the error messages of :func:`static_value`, and shows their numeric
+    defaults in the signature as :class:`StaticDefault`, so that plain
+    :func:`optax.inject_hyperparams` leaves them static when they are not passed.
+    """
 
     def wrap(factory: Callable[..., Any]) -> Callable[..., Any]:
         factory.static_args = tuple(names)  # type: ignore[attr-defined]
+        _STATIC_ARGS[factory.__name__] = tuple(names)
+        sig = inspect.signature(factory)
+        params = []
+        for p in sig.parameters.values():
+            d = p.default
+            if p.name in names and isinstance(d, (int, float)) and not isinstance(d, bool):
+                p = p.replace(default=StaticDefault(d))
+            params.append(p)
+        factory.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
         return factory
 
     return wrap
+
+
+def renamed_kwarg(
+    fn: str, old: str, new: str, old_value: Any, new_value: Any, default: Any = None
+) -> Any:
+    """The value of a renamed keyword argument, accepting the old spelling.
+
+    Returns ``old_value`` (with a ``DeprecationWarning`` that names ``fn`` and both
+    spellings) when only the old spelling was given, else ``new_value``. Giving
+    both raises ``TypeError``. ``default`` is the value that means "not given"
+    for both.
+
+    Example:
+      >>> import warnings
+      >>> with warnings.catch_warnings(record=True) as w:
+      ...     warnings.simplefilter("always")
+      ...     renamed_kwarg("f", "axis", "dim", 1, None)
+      1
+      >>> w[0].category.__name__
+      'DeprecationWarning'
+    """
+    if old_value is default or (isinstance(old_value, StaticDefault) and old_value == default):
+        return new_value
+    if new_value is not default and not (
+        isinstance(new_value, StaticDefault) and new_value == default
+    ):
+        raise TypeError(f"{fn}: got both `{new}` and its deprecated spelling `{old}`; pass `{new}` only")
+    warnings.warn(
+        f"{fn}: `{old}` is deprecated, use `{new}` (same meaning)", DeprecationWarning, stacklevel=3
+    )
+    return old_value
+
+
+# ----------------------------------------------------------------------------
+# Run-time guard of traced and scheduled hyperparameters
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """The valid range of a numeric hyperparameter (see :func:`check_scalar`)."""
+
+    low: float | None = 0.0
+    high: float | None = None
+    low_inclusive: bool = True
+    high_inclusive: bool = True
+    allow_none: bool = False
+    allow_inf: bool = True
+
+    def holds(self, v: jax.Array) -> jax.Array:
+        """A 0-d bool: ``v`` is in range (NaN never is)."""
+        ok = ~jnp.isnan(v)
+        if not self.allow_inf:
+            ok = ok & jnp.isfinite(v)
+        if self.low is not None:
+            ok = ok & ((v >= self.low) if self.low_inclusive else (v > self.low))
+        if self.high is not None:
+            ok = ok & ((v <= self.high) if self.high_inclusive else (v < self.high))
+        return ok
+
+
+class Hyperparams:
+    """The numeric hyperparameters of one transform: checked when it is built, guarded when used.
+
+    ``add`` validates a value with :func:`check_scalar` at construction. At
+    update time ``at(count, dtype)`` resolves every hyperparameter (schedules are
+    called) to a 0-d array and returns ``(values, invalid)``: ``invalid`` is a
+    0-d bool that is true when a traced or scheduled value is outside its range
+    (NaN, negative, ...), or ``None`` when every value was a constant checked at
+    construction (then no run-time check is compiled). Every transform turns its
+    whole update into NaN where ``invalid`` is true, so that
+    :func:`optax.apply_if_finite` skips the step: an invalid value never flips a
+    sign or switches clipping off.
+    """
+
+    def __init__(self, fn: str):
+        self.fn = fn
+        self.values: dict[str, Any] = {}
+        self.rules: dict[str, Rule] = {}
+
+    def add(self, name: str, value: Any, **rule: Any) -> None:
+        r = Rule(**rule)
+        check_scalar(self.fn, name, value, **dataclasses.asdict(r))
+        self.values[name] = value
+        self.rules[name] = r
+
+    def at(self, count: jax.Array, dtype: Any) -> tuple[dict[str, Any], jax.Array | None]:
+        out: dict[str, Any] = {}
+        invalid = None
+        for name, value in self.values.items():
+            if value is None:
+                out[name] = None
+                continue
+            v = as_scalar(resolve(value, count), dtype)
+            out[name] = v
+            if callable(value) or is_traced(value) or is_traced(v):
+                bad = ~self.rules[name].holds(v)
+                invalid = bad if invalid is None else invalid | bad
+        return out, invalid
+
+
+def counts(invalid: jax.Array | None) -> jax.Array:
+    """A 0-d bool: the step may advance a transform's statistics (no hyperparameter is invalid)."""
+    return jnp.ones((), bool) if invalid is None else ~invalid
+
+
+def poison(x: Any, invalid: jax.Array | None) -> Any:
+    """``x`` (an array or a tree) with every element NaN where ``invalid`` is true."""
+    if invalid is None:
+        return x
+
+    def one(a: Any) -> Any:
+        if a is None or getattr(a, "dtype", None) == jax.dtypes.float0:
+            return a
+        a = jnp.asarray(a)
+        if not (jnp.issubdtype(a.dtype, jnp.inexact)):
+            return a
+        return jnp.where(invalid, jnp.full_like(a, jnp.nan), a)
+
+    return jax.tree_util.tree_map(one, x)

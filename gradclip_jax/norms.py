@@ -12,6 +12,11 @@ for every ``ord``, and every norm has the same numerical guarantees:
   ``lax.cond`` recomputes with every element divided by ``max|x|`` (``min|x|``
   for negative ``p``), so fp16 values of 300 or float32 values of 1e30 give the
   right, finite norm. The predicate is a scalar, so the common case pays nothing.
+  For 2-norms and ``'rms'`` a backend may instead use Blue's branch-free
+  algorithm (three sums of squares scaled by fixed powers of two, one pass, no
+  conditional): :data:`SUMSQ_STRATEGY` picks per backend; both give the same
+  guarantees. float16 leaves need neither: their squares cannot over- or
+  underflow float32.
 * **Finite derivatives.** Roots and powers use the double-``where`` trick, so the
   gradient of a norm at zero is zero, never NaN.
 * **Leaves.** ``None`` and :class:`optax.MaskedNode` are empty subtrees and count
@@ -180,6 +185,11 @@ def check_float_leaf(path: Any, x: Any, fn: str) -> jax.Array:
                 "norm-based functions need floating-point or complex leaves"
             )
         x = jnp.asarray(x)
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # no numpy dtype: name the leaf here
+        raise TypeError(
+            f"{fn}: leaf {jax.tree_util.keystr(path) or '<root>'} is a PRNG key array; "
+            "norm-based functions need floating-point or complex leaves"
+        )
     dtype = np.dtype(x.dtype)
     if not (np.issubdtype(dtype, np.inexact) or dtype == jnp.bfloat16):
         raise TypeError(
@@ -281,10 +291,30 @@ def check_dim(dim: DimLike, inverse_dims: bool, fn: str, allow_global: bool = Tr
     try:
         dims = tuple(static_value(fn, "dim", d) for d in dim)  # type: ignore[union-attr]
     except TypeError as err:
-        raise ValueError(f"{fn}: dim must be None, an int or a tuple of ints, got {dim!r}") from err
+        raise TypeError(f"{fn}: dim must be None, an int or a tuple of ints, got {dim!r}") from err
     if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) for d in dims):
-        raise ValueError(f"{fn}: dim must be None, an int or a tuple of ints, got {dim!r}")
+        raise TypeError(f"{fn}: dim must be None, an int or a tuple of ints, got {dim!r}")
     return tuple(int(d) for d in dims)
+
+
+def check_axes_exist(fn: str, shapes: Sequence[Sequence[int]], dim: DimLike) -> None:
+    """``ValueError`` naming ``dim`` when no leaf has any of its axes.
+
+    A leaf that lacks some of the axes is measured over those it has; one that
+    lacks all of them is left unchanged. When *no* leaf has any of them, the
+    ``dim`` is a mistake (``dim=5`` on matrices), not a choice.
+    """
+    if dim is None or isinstance(dim, str) or not shapes:
+        return
+    for shape in shapes:
+        nd = len(shape)
+        if any(-nd <= d < nd for d in dim):  # type: ignore[union-attr]
+            return
+    most = max(len(s) for s in shapes)
+    raise ValueError(
+        f"{fn}: no leaf has any of the axes dim={tuple(dim)} (the leaves have at most "  # type: ignore[arg-type]
+        f"{most} axes), so nothing would be measured; pick axes the leaves have"
+    )
 
 
 def reduction_axes(
@@ -394,6 +424,18 @@ def _scaled(x: jax.Array, acc: np.dtype, scale: jax.Array | None) -> jax.Array:
 
 # Leaves at most this large are stacked with their equals before reducing (see _plan).
 PACK_MAX_SIZE = 1 << 12
+# Per backend, the largest small leaf that global mode concatenates into one
+# buffer before reducing. On CPU one reduction of the concatenation compiles much
+# faster than hundreds of tiny reductions and costs nothing at run time; on GPU
+# XLA fuses the tiny reductions itself, and the concatenation is a kernel and a
+# temporary buffer of its own (1.8 MiB on a GPT-2-XL-shaped tree), so it is off
+# there. Backends not listed use PACK_MAX_SIZE. ``benchmarks/bench_core_gpu.py``
+# times both settings.
+GLOBAL_PACK_MAX_SIZE = {"cpu": PACK_MAX_SIZE, "gpu": 0, "cuda": 0, "rocm": 0}
+
+
+def _global_pack_limit() -> int:
+    return GLOBAL_PACK_MAX_SIZE.get(jax.default_backend(), PACK_MAX_SIZE)
 
 
 @dataclasses.dataclass
@@ -458,9 +500,10 @@ def _plan(arrays: Sequence[jax.Array], axes: Sequence[Axes], keepdims: bool) -> 
     jobs: list[_Job] = []
     where: list[Any] = [None] * len(arrays)
     groups: dict[Any, list[int]] = {}
+    limit = PACK_MAX_SIZE if keepdims else _global_pack_limit()
     for i, (x, ax) in enumerate(zip(arrays, axes)):
         whole = ax is None or tuple(ax) == tuple(range(x.ndim))
-        if whole and 0 < x.size <= PACK_MAX_SIZE and _replicated_type(x):
+        if whole and 0 < x.size <= limit and _replicated_type(x):
             # one norm per leaf: group equal sizes; one norm for all: any sizes
             groups.setdefault((np.dtype(x.dtype), x.size if keepdims else 0), []).append(i)
         else:
@@ -614,6 +657,176 @@ def _power_of_two(m: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(m) & (m > 0), p2, m)
 
 
+# Per backend, how sum-of-squares norms (``ord=2`` and ``'rms'``; the norm of
+# every clip_by_global_norm) are kept free of overflow and underflow:
+#
+# * ``"cond"``: one fast pass; a ``lax.cond`` recomputes in units of max|x| when the
+#   sum over- or underflowed. Cheapest on CPU, but on GPU the conditional copies its
+#   predicate to the host and splits the program, and its untaken branch doubles
+#   the compiled program.
+# * ``"blue"``: one branch-free pass (Blue's three-accumulator algorithm): each
+#   element's square goes, scaled by a fixed power of two, into a "big", "medium"
+#   or "small" sum, computed by one variadic reduction per leaf; the sums combine
+#   exactly on scalars. Same bytes as the fast pass, no conditional, no fallback
+#   program; derivatives come from a custom JVP (``x / norm``, finite everywhere).
+# * ``"blue-sums"``: the same with three plain sums per leaf (XLA may fuse them
+#   into one multi-output reduction).
+#
+# Backends not listed use ``"cond"``. ``benchmarks/probe_norm_gpu.py`` times them.
+SUMSQ_STRATEGY = {"cpu": "cond", "gpu": "cond", "cuda": "cond", "rocm": "cond"}
+_SUMSQ_STRATEGIES = ("cond", "blue", "blue-sums")
+
+
+def _sumsq_strategy() -> str:
+    name = SUMSQ_STRATEGY.get(jax.default_backend(), "cond")
+    if name not in _SUMSQ_STRATEGIES:
+        raise ValueError(f"gradclip_jax.norms.SUMSQ_STRATEGY: unknown strategy {name!r}; "
+                         f"expected one of {_SUMSQ_STRATEGIES}")
+    return name
+
+
+def _is_sumsq(spec: NormSpec) -> bool:
+    return spec.kind == "rms" or (spec.kind == "pow" and spec.p == 2.0)
+
+
+def _needs_guard(job: _Job) -> bool:
+    """False for a leaf whose squares can neither overflow nor underflow the accumulator.
+
+    float16 (max 65504, smallest subnormal 6e-8) squared and summed in float32 stays
+    in float32's normal range for any realistic size, so its plain sum is exact.
+    """
+    return not (np.dtype(job.x.dtype) == np.float16 and job.acc == np.float32)
+
+
+def _blue_consts(dtype: Any) -> tuple[float, float, float, float]:
+    """``(t_big, s_big, t_small, s_small)`` powers of two for Blue's sums in ``dtype``.
+
+    Elements above ``t_big`` are summed as ``(x * s_big)**2``, below ``t_small`` as
+    ``(x * s_small)**2``, the rest as ``x**2``. The choice keeps every scaled square
+    normal (no precision lost to underflow, also for subnormal inputs) and any sum
+    of up to 2**48 squares finite; float32: 2**39, 2**-89, 2**-50, 2**89.
+    """
+    info = jnp.finfo(dtype)
+    emax, emin = int(info.maxexp), int(info.minexp)
+    b = (emax - 48) // 2 - 1
+    sm = emin // 2 + 13
+    return 2.0**b, 2.0 ** -(emax // 2 + 25), 2.0**sm, 2.0 ** (b - sm)
+
+
+def _blue_parts(job: _Job, variadic: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The job's (big, medium, small) scaled sums of squares, in its accumulation dtype."""
+    acc = job.acc
+    a = jnp.abs(job.x).astype(acc) if jnp.iscomplexobj(job.x) else job.x.astype(acc)
+    zero = jnp.zeros((), acc)
+    if not _needs_guard(job):
+        return zero, job.sum(a * a), zero
+    tb, sb, ts, ss = _blue_consts(acc)
+    mag = jnp.abs(a)
+    big, small = mag > tb, mag < ts
+    # one per-element scale, squared with its element: a constant scale would let
+    # XLA rewrite (x*c)**2 as x*x*(c*c), and c*c over- or underflows
+    scale = jnp.where(big, jnp.asarray(sb, acc), jnp.where(small, jnp.asarray(ss, acc), jnp.ones((), acc)))
+    u = a * scale
+    q = u * u
+    qb, qs = jnp.where(big, q, zero), jnp.where(small, q, zero)
+    qm = jnp.where(big | small, zero, q)
+    if not variadic:
+        return job.sum(qb), job.sum(qm), job.sum(qs)
+    dims = tuple(range(a.ndim)) if job.axes is None else job.axes
+    out = lax.reduce(
+        (qb, qm, qs), (zero, zero, zero),
+        lambda p, q: (p[0] + q[0], p[1] + q[1], p[2] + q[2]), dims,
+    )
+    if job.keepdims:
+        out = tuple(jnp.expand_dims(o, dims) for o in out)
+    return out
+
+
+def _blue_finish(b: jax.Array, m: jax.Array, s: jax.Array) -> jax.Array:
+    """The 2-norm from Blue's three sums (all in one dtype)."""
+    _, sb, _, ss = _blue_consts(b.dtype)
+    # each sum's own norm first (exact powers of two), then overflow-safe hypot: a
+    # rescaled sum such as m * sb * sb would let XLA fold sb * sb, which underflows
+    nb = jnp.sqrt(b) * jnp.asarray(1.0 / sb, b.dtype)
+    ns = jnp.sqrt(s) * jnp.asarray(1.0 / ss, s.dtype)
+    total = jnp.hypot(jnp.hypot(nb, jnp.sqrt(m)), ns)
+    return jnp.where(jnp.isnan(m), m, total)  # NaN lands in the medium sum and wins
+
+
+def _dot_over_norm(x: jax.Array, t: jax.Array, norm: jax.Array, job: _Job) -> tuple[jax.Array, jax.Array]:
+    """``sum(Re(conj(x) t)) / norm`` over the job's axes without overflow (the 2-norm's JVP)."""
+    acc = job.acc
+    ok = (norm > 0) & jnp.isfinite(norm)
+    p2 = _power_of_two(norm)
+    safe_p2 = jnp.where(ok, p2, jnp.ones_like(p2)).astype(acc)
+    safe_c = jnp.where(ok, norm / jnp.where(ok, p2, jnp.ones_like(p2)), jnp.ones_like(norm))
+    if jnp.iscomplexobj(x):
+        xr, xi = jnp.real(x).astype(acc) / safe_p2, jnp.imag(x).astype(acc) / safe_p2
+        prod = xr * jnp.real(t).astype(acc) + xi * jnp.imag(t).astype(acc)
+    else:
+        prod = (x.astype(acc) / safe_p2) * t.astype(acc)
+    d = job.sum(prod).astype(norm.dtype) / safe_c
+    return d, ok
+
+
+def _blue_norms(jobs: Sequence[_Job], comb: _Combiner, combine: bool, variadic: bool) -> Any:
+    """2-norms of ``jobs`` (one scalar when ``combine``, else keepdims arrays), branch-free."""
+    meta = [(j.axes, j.keepdims) for j in jobs]
+
+    def value(xs: tuple) -> Any:
+        parts = [_blue_parts(_Job(x, *m), variadic) for m, x in zip(meta, xs)]
+        if not combine:
+            return [_blue_finish(*p) for p in parts]
+        dt = comb.dtype
+        tot: list[list[jax.Array]] = [[], [], []]
+        for b, m, s in parts:
+            if np.dtype(b.dtype) != dt:
+                # another accumulation dtype (float32 leaves in a float64 norm): its
+                # norm, rounded to dt, enters as one element
+                v = _blue_finish(b, m, s).astype(dt)
+                b, m, s = _blue_parts(_Job(v, None, False), variadic=False)
+            for acc_list, v in zip(tot, (b, m, s)):
+                acc_list.append(v)
+        sums = jnp.stack([jnp.sum(jnp.stack(t)) if t else jnp.zeros((), dt) for t in tot])
+        if comb.axis_name is not None:
+            sums = lax.psum(sums, comb.axis_name)
+        return _blue_finish(sums[0], sums[1], sums[2])
+
+    f = jax.custom_jvp(value)
+
+    def jvp(primals: tuple, tangents: tuple) -> tuple:
+        (xs,), (ts,) = primals, tangents
+        out = f(xs)
+        if not combine:
+            outs = []
+            for m, x, t, n in zip(meta, xs, ts, out):
+                d, ok = _dot_over_norm(x, t, n, _Job(x, *m))
+                outs.append(jnp.where(ok, d, jnp.where(n == 0, jnp.zeros_like(n), jnp.full_like(n, jnp.nan))))
+            return out, outs
+        ok = (out > 0) & jnp.isfinite(out)
+        p2 = jnp.where(ok, _power_of_two(out), jnp.ones_like(out))
+        c = out / p2
+        dots = []
+        for m, x, t in zip(meta, xs, ts):
+            acc = _Job(x, *m).acc
+            q = p2.astype(acc)
+            if jnp.iscomplexobj(x):
+                prod = (jnp.real(x).astype(acc) / q) * jnp.real(t).astype(acc) + (
+                    jnp.imag(x).astype(acc) / q
+                ) * jnp.imag(t).astype(acc)
+            else:
+                prod = (x.astype(acc) / q) * t.astype(acc)
+            dots.append(jnp.sum(prod).astype(out.dtype))
+        tot = jnp.sum(jnp.stack(dots))
+        if comb.axis_name is not None:
+            tot = lax.psum(tot, comb.axis_name)
+        d = tot / jnp.where(ok, c, jnp.ones_like(c))
+        return out, jnp.where(ok, d, jnp.where(out == 0, jnp.zeros_like(out), jnp.full_like(out, jnp.nan)))
+
+    f.defjvp(jvp)
+    return f(tuple(j.x for j in jobs))
+
+
 def _compute(
     jobs: Sequence[_Job], spec: NormSpec, combine: bool, axis_name: Any, dtype: np.dtype | None = None
 ) -> tuple[Any, Any]:
@@ -645,6 +858,18 @@ def _compute(
         parts = [_stat(j, spec, None, None) for j in jobs]
         out = comb.sum(parts) if combine else parts
         return out, _ones_like(out)
+    strategy = _sumsq_strategy() if _is_sumsq(spec) else "cond"
+    if strategy != "cond" and jobs:
+        norms = _blue_norms(jobs, comb, combine, variadic=strategy == "blue")
+        if not combine:
+            if k == "rms":
+                norms = [nm / math.sqrt(max(j.n, 1)) for nm, j in zip(norms, jobs)]
+            return norms, _ones_like(norms)
+        n_tot = comb.count(sum(j.n for j in jobs))
+        if k == "rms":
+            norms = norms / jnp.sqrt(jnp.maximum(jnp.asarray(n_tot, norms.dtype), 1))
+        norms = jnp.where(jnp.asarray(n_tot) > 0, norms, jnp.zeros_like(norms))
+        return norms, jnp.ones_like(norms)
 
     def one_pass(scale: Any) -> tuple[Any, Any]:
         """Returns (norms, bad) for a given scale (None, or per-job / global)."""
@@ -701,7 +926,10 @@ def _compute(
     if not jobs:
         zero = jnp.zeros((), comb.dtype)
         return (zero, jnp.ones_like(zero)) if combine else (main, main)
-    r, m = lax.cond(bad, fallback, lambda mn: (mn, _ones_like(mn)), main)
+    if _is_sumsq(spec) and not any(_needs_guard(j) for j in jobs):
+        r, m = main, _ones_like(main)  # float16 squares in float32 cannot over/underflow
+    else:
+        r, m = lax.cond(bad, fallback, lambda mn: (mn, _ones_like(mn)), main)
     if combine:
         # an empty tree has norm 0 for every ord (for p < 0 the empty sum would give inf)
         n_tot = comb.count(sum(j.n for j in jobs))
@@ -825,8 +1053,9 @@ def leaf_norms(
       tree: a pytree of floating-point or complex arrays.
       ord: which norm (see :func:`parse_ord`).
       dim: ``None`` for one norm per leaf, or an int / tuple of axes to reduce
-        over (negative axes count from each leaf's last axis; axes a leaf lacks
-        are ignored). A leaf with no axis to reduce gets ``None``.
+        over (negative axes count from each leaf's last axis). A leaf that lacks
+        some of the axes is measured over those it has; a leaf that has none of
+        them gets ``None``; when no leaf has any of them, ``ValueError``.
       inverse_dims: reduce over every axis *not* in ``dim``.
       keepdims: keep the reduced axes with size 1 (so the result broadcasts
         against the leaf).
@@ -845,6 +1074,7 @@ def leaf_norms(
     d = check_dim(dim, inverse_dims, "leaf_norms", allow_global=False)
     flat = flatten(tree, "leaf_norms")
     check_complex(flat, spec, "leaf_norms")
+    check_axes_exist("leaf_norms", [x.shape for x in flat.arrays], d)
     arrays, axes, where = [], [], []
     for pos, x in enumerate(flat.arrays):
         ax = reduction_axes(x.shape, d, inverse_dims)

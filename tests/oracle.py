@@ -97,7 +97,8 @@ def centralize(xs: list[np.ndarray], dim: Any = None, inverse: bool = False, min
     out = []
     for x in xs:
         ax = axes_for(x.ndim, dim, inverse)
-        if ax is None or (int(np.prod([x.shape[a] for a in ax])) if ax else 1) < min_size:
+        # a 0-d leaf (no axis) has nothing to centre over: unchanged whatever min_size
+        if not ax or int(np.prod([x.shape[a] for a in ax])) < min_size:
             out.append(x)
             continue
         out.append(x - x.mean(axis=ax, keepdims=True))

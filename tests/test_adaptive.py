@@ -228,9 +228,14 @@ def test_zclip_invalid_arguments():
     for kwargs, name in (({"alpha": 1.0}, "alpha"), ({"z_thresh": 0.0}, "z_thresh"),
                          ({"warmup_steps": 0}, "warmup_steps"), ({"mode": "median"}, "mode"),
                          ({"clip_option": "max"}, "clip_option"), ({"max_grad_norm": -1.0}, "max_grad_norm"),
-                         ({"clip_factor": 0.0}, "clip_factor"), ({"eps": math.nan}, "eps"),
-                         ({"warmup_steps": 2.5}, "warmup_steps")):
+                         ({"clip_factor": 0.0}, "clip_factor"), ({"eps": math.nan}, "eps")):
         with pytest.raises(ValueError, match=name):
+            zclip(**kwargs)
+    # wrong types are TypeErrors
+    for kwargs, name in (({"warmup_steps": 2.5}, "warmup_steps"), ({"alpha": None}, "alpha"),
+                         ({"z_thresh": "2.5"}, "z_thresh"), ({"mode": 1}, "mode"),
+                         ({"skip_nonfinite": "yes"}, "skip_nonfinite")):
+        with pytest.raises(TypeError, match=name):
             zclip(**kwargs)
 
 

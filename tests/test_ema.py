@@ -203,7 +203,8 @@ def test_default_first_output_is_one_percent():
     for tx in (clip_norm_by_ema(), normalize_by_ema(), clip_value_by_ema()):
         out, _ = jax.jit(tx.update)(g, tx.init(g))
         for k in g:
-            np.testing.assert_allclose(out[k], 0.01 * g[k], rtol=1e-6)
+            # rtol: the factor (0.01 from the EMA's bias correction) and the clip's rounding margin
+            np.testing.assert_allclose(out[k], 0.01 * g[k], rtol=4e-6)
 
 
 def test_zero_update_gives_zero_never_nan():
@@ -347,13 +348,14 @@ def test_bfloat16_leaves_keep_dtype_and_float32_state():
     ({"init": math.inf}, "init"), ({"ord": "bogus"}, "ord"), ({"inner": 3}, "inner"),
 ])
 def test_invalid_arguments_raise(kwargs, name):
+    err = TypeError if name == "inner" else ValueError  # wrong type vs wrong value
     for make in (clip_norm_by_ema, normalize_by_ema):
-        with pytest.raises(ValueError, match=name):
+        with pytest.raises(err, match=name):
             make(**kwargs)
     if name in ("beta", "inner"):
-        with pytest.raises(ValueError, match=name):
+        with pytest.raises(err, match=name):
             clip_value_by_ema(**kwargs)
-    with pytest.raises(ValueError, match="exp_avg_tfm"):
+    with pytest.raises(TypeError, match="exp_avg_tfm"):
         clip_value_by_ema(exp_avg_tfm="no")
 
 

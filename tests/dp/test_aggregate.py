@@ -352,3 +352,33 @@ def test_quantile_mask_excludes_padding():
     _, s = tx.update(g, tx.init(None), mask=mask)
     # all 4 real examples are unclipped: fraction 1 -> C shrinks by exp(-0.2 * 0.5)
     assert float(s.clip_norm) == pytest.approx(2.0 * math.exp(-0.1), rel=1e-6)
+
+
+def test_aggregates_refuse_multisteps():
+    grads = {"w": jnp.ones((4, 2))}
+    for tx in (dp_aggregate(1.0, 1.0, seed=0), dp_quantile_aggregate(1.0, seed=0, expected_batch_size=4, count_noise_std=1.0)):
+        ms = optax.MultiSteps(tx, every_k_schedule=2)
+        with pytest.raises(ValueError, match="MultiSteps"):
+            ms.update(grads, ms.init({"w": jnp.zeros(2)}))
+
+
+def test_errors_name_the_called_function_and_spellings():
+    with pytest.raises(ValueError, match=r"^dpsgd: "):
+        dpsgd(0.1, -1.0, 1.0, seed=0)
+    with pytest.raises(ValueError, match=r"^dp_aggregate: "):
+        dp_aggregate(-1.0, 1.0, seed=0)
+    with pytest.raises(TypeError, match="dpsgd: missing"):
+        dpsgd(0.1, noise_multiplier=1.0, seed=0)
+    g = {"w": jnp.array([[3.0, 4.0], [0.3, 0.4]])}
+    ref = dp_aggregate(1.0, 0.0, seed=0)
+    want, _ = ref.update(g, ref.init({"w": jnp.zeros(2)}))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        tx = dp_aggregate(l2_clip_norm=1.0, noise_multiplier=0.0, seed=0)
+        sgd = dpsgd(0.1, l2_clip_norm=1.0, noise_multiplier=0.0, seed=0)
+    assert sum(issubclass(x.category, DeprecationWarning) for x in w) == 2
+    got, _ = tx.update(g, tx.init({"w": jnp.zeros(2)}))
+    np.testing.assert_array_equal(got["w"], want["w"])
+    sgd.update(g, sgd.init({"w": jnp.zeros(2)}), {"w": jnp.zeros(2)})
+    with pytest.raises(TypeError, match="both"):
+        dp_aggregate(1.0, 0.0, seed=0, l2_clip_norm=1.0)

@@ -1,17 +1,14 @@
-"""Tests for gradclip_jax.per_example: per-example clipping and clipped_grad."""
+"""Tests for gradclip_jax.per_example.clipped_grad (the api module): the vmap strategy."""
 
 from __future__ import annotations
 
 import math
 
-import hypothesis
-import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -22,138 +19,16 @@ from gradclip_jax.per_example import (
     per_example_layer_norm_clip,
     per_example_norms,
 )
-
-B = 7  # not a multiple of 3: the last microbatch is padded
-
-# ----------------------------------------------------------------------------
-# Models (plain JAX parameter dicts); every loss returns per-example losses (B,)
-# ----------------------------------------------------------------------------
-
-
-def _xent(logits, y):
-    return -jnp.sum(jax.nn.log_softmax(logits) * jax.nn.one_hot(y, logits.shape[-1]), axis=-1)
-
-
-def mlp_setup(seed=0, batch=B):
-    r = np.random.default_rng(seed)
-    params = {
-        "l1": {"w": jnp.asarray(r.normal(size=(6, 8)), jnp.float32), "b": jnp.asarray(r.normal(size=8), jnp.float32)},
-        "l2": {"w": jnp.asarray(r.normal(size=(8, 3)), jnp.float32), "b": jnp.zeros(3, jnp.float32)},
-    }
-    data = {
-        "x": jnp.asarray(r.normal(size=(batch, 6)) * r.uniform(0.1, 3.0, size=(batch, 1)), jnp.float32),
-        "y": jnp.asarray(r.integers(0, 3, size=batch)),
-    }
-
-    def loss(p, b):
-        h = jnp.tanh(b["x"] @ p["l1"]["w"] + p["l1"]["b"])
-        return _xent(h @ p["l2"]["w"] + p["l2"]["b"], b["y"])
-
-    return loss, params, data
-
-
-def cnn_setup(seed=1, batch=B):
-    r = np.random.default_rng(seed)
-    params = {
-        "conv": jnp.asarray(r.normal(size=(3, 3, 1, 4)) * 0.5, jnp.float32),
-        "conv_b": jnp.asarray(r.normal(size=4) * 0.1, jnp.float32),
-        "dense": jnp.asarray(r.normal(size=(4, 3)), jnp.float32),
-    }
-    data = {
-        "img": jnp.asarray(r.normal(size=(batch, 8, 8, 1)) * r.uniform(0.2, 3.0, size=(batch, 1, 1, 1)), jnp.float32),
-        "y": jnp.asarray(r.integers(0, 3, size=batch)),
-    }
-
-    def loss(p, b):
-        h = lax.conv_general_dilated(
-            b["img"], p["conv"], window_strides=(1, 1), padding="SAME",
-            dimension_numbers=("NHWC", "HWIO", "NHWC"),
-        )
-        h = jax.nn.relu(h + p["conv_b"])
-        return _xent(jnp.mean(h, axis=(1, 2)) @ p["dense"], b["y"])
-
-    return loss, params, data
-
-
-def embed_setup(seed=2, batch=B):
-    r = np.random.default_rng(seed)
-    params = {
-        "emb": jnp.asarray(r.normal(size=(20, 5)), jnp.float32),
-        "w": jnp.asarray(r.normal(size=(5,)), jnp.float32),
-        "b": jnp.zeros((), jnp.float32),
-    }
-    data = {
-        "tokens": jnp.asarray(r.integers(0, 20, size=(batch, 4))),
-        "y": jnp.asarray(r.normal(size=batch) * 3.0, jnp.float32),
-    }
-
-    def loss(p, b):
-        e = jnp.mean(p["emb"][b["tokens"]], axis=1)
-        return 0.5 * (e @ p["w"] + p["b"] - b["y"]) ** 2
-
-    return loss, params, data
-
-
-MODELS = {"mlp": mlp_setup, "cnn": cnn_setup, "embed": embed_setup}
-
-# ----------------------------------------------------------------------------
-# Reference: a Python loop over examples, float64 clipping and summation
-# ----------------------------------------------------------------------------
-
-_GRAD_CACHE: dict = {}
-
-
-def per_example_grads_loop(loss, params, data):
-    """Each example's gradient (as float64 numpy leaves), one jax.grad call per example."""
-    key = id(loss)
-    if key not in _GRAD_CACHE:
-        _GRAD_CACHE[key] = jax.jit(jax.grad(lambda p, ex: loss(p, ex)[0]))
-    g1 = _GRAD_CACHE[key]
-    n = jax.tree.leaves(data)[0].shape[0]
-    out = []
-    for i in range(n):
-        ex = jax.tree.map(lambda x: x[i : i + 1], data)
-        out.append([np.asarray(leaf, np.float64) for leaf in jax.tree.leaves(g1(params, ex))])
-    return out
-
-
-def loop_reference(loss, params, data, clip, *, mask=None, mode="clip", gamma=0.01, layer_clips=None):
-    grads = per_example_grads_loop(loss, params, data)
-    treedef = jax.tree.structure(params)
-    total = [np.zeros_like(leaf) for leaf in grads[0]]
-    norms, clipped = [], 0
-    for i, g in enumerate(grads):
-        n = math.sqrt(sum(float(np.sum(leaf**2)) for leaf in g))
-        if mask is not None and not mask[i]:
-            norms.append(0.0)
-            continue
-        norms.append(n)
-        if layer_clips is not None:
-            for k, (leaf, c) in enumerate(zip(g, layer_clips, strict=True)):
-                ln = math.sqrt(float(np.sum(leaf**2)))
-                total[k] += leaf * (min(1.0, c / ln) if ln > 0 else 1.0)
-            continue
-        f = (min(1.0, clip / n) if n > 0 else 1.0) if mode == "clip" else clip / (n + gamma)
-        clipped += f < 1
-        for k, leaf in enumerate(g):
-            total[k] += f * leaf
-    return jax.tree.unflatten(treedef, total), np.asarray(norms), clipped
-
-
-def assert_tree_close(a, b, rtol=2e-5, atol=2e-6):
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(la, lb, strict=True):
-        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-        scale = max(1.0, float(np.max(np.abs(y))))
-        np.testing.assert_allclose(x, y, rtol=rtol, atol=atol * scale)
-
-
-def median_clip(loss, params, data):
-    grads = per_example_grads_loop(loss, params, data)
-    norms = [math.sqrt(sum(float(np.sum(leaf**2)) for leaf in g)) for g in grads]
-    return float(np.median(norms))
-
+from tests.per_example.models import (
+    MODELS,
+    B,
+    assert_tree_close,
+    cnn_setup,
+    loop_reference,
+    median_clip,
+    mlp_setup,
+    random_per_example_grads,
+)
 
 # ----------------------------------------------------------------------------
 # clipped_grad against the loop
@@ -457,112 +332,6 @@ def test_bad_construction_errors():
     clipped_grad(loss, 1.0, method="vmap")
 
 
-def test_per_example_functions_bad_input():
-    with pytest.raises(ValueError, match=r"leaf \[1\] is a scalar"):
-        per_example_global_norm_clip([jnp.ones((4, 3)), jnp.ones(())], 1.0)
-    with pytest.raises(ValueError, match=r"leaf \['b'\] has batch size 3.*\['a'\] has batch size 4"):
-        per_example_global_norm_clip({"a": jnp.ones((4, 3)), "b": jnp.ones((3, 3))}, 1.0)
-    with pytest.raises(ValueError, match=r"leaf \['b'\] has batch size 3"):
-        per_example_layer_norm_clip({"a": jnp.ones((4, 3)), "b": jnp.ones((3, 3))}, 1.0)
-    with pytest.raises(TypeError, match=r"\['i'\]"):
-        per_example_global_norm_clip({"i": jnp.ones((4, 3), jnp.int32)}, 1.0)
-    with pytest.raises(ValueError, match="l2_norm_clip"):
-        per_example_global_norm_clip([jnp.ones((4, 3))], -1.0)
-
-
-# ----------------------------------------------------------------------------
-# optax parity of the per-example functions
-# ----------------------------------------------------------------------------
-
-
-def _per_example_grads(seed, shapes, batch=6, zero_row=2):
-    r = np.random.default_rng(seed)
-    scales = r.uniform(0.1, 5.0, size=(batch,))
-    out = []
-    for s in shapes:
-        g = r.normal(size=(batch, *s)) * scales.reshape((-1,) + (1,) * len(s))
-        g[zero_row] = 0.0  # a zero example: no division by zero
-        out.append(jnp.asarray(g, jnp.float32))
-    return out
-
-
-@pytest.mark.parametrize("clip", [0.0, 0.5, 2.0, 1e9, np.inf])
-def test_global_norm_clip_matches_optax(clip):
-    grads = _per_example_grads(0, [(3, 4), (5,), ()])
-    ours, n_ours = jax.jit(per_example_global_norm_clip)(grads, clip)
-    ref, n_ref = optax.per_example_global_norm_clip(grads, clip)
-    assert_tree_close(ours, ref, rtol=1e-6, atol=1e-6)
-    assert int(n_ours) == int(n_ref)
-    assert n_ours.dtype == jnp.int32
-
-
-@pytest.mark.parametrize("uniform", [True, False])
-@pytest.mark.parametrize("clip", [0.0, 0.7, 3.0, np.inf])
-def test_layer_norm_clip_matches_optax(uniform, clip):
-    grads = _per_example_grads(1, [(3, 4), (5,), (2, 2, 2)])
-    ours, counts = per_example_layer_norm_clip(grads, clip, uniform=uniform)
-    ref, ref_counts = optax.per_example_layer_norm_clip(grads, clip, uniform=uniform)
-    assert_tree_close(ours, ref, rtol=1e-6, atol=1e-6)
-    assert [int(c) for c in counts] == [int(c) for c in ref_counts]
-
-
-def test_per_example_functions_on_dicts_and_empty():
-    grads = _per_example_grads(2, [(3,), (2, 2)])
-    tree = {"a": grads[0], "b": {"c": grads[1]}}
-    out, n = per_example_global_norm_clip(tree, 1.0)
-    ref, n_ref = optax.per_example_global_norm_clip(grads, 1.0)
-    assert_tree_close([out["a"], out["b"]["c"]], ref, rtol=1e-6, atol=1e-6)
-    assert int(n) == int(n_ref)
-    np.testing.assert_allclose(per_example_norms(tree), jax.vmap(optax.tree.norm)(grads), rtol=1e-6)
-    empty, n0 = per_example_global_norm_clip([], 1.0)
-    assert empty == [] and int(n0) == 0
-
-
-def test_per_example_clip_is_differentiable_at_zero():
-    grads = [jnp.zeros((3, 4)), jnp.zeros((3,))]
-
-    def f(g):
-        s, _ = per_example_global_norm_clip(g, 1.0)
-        return sum(jnp.sum(x) for x in s)
-
-    d = jax.grad(f)(grads)
-    assert all(np.all(np.isfinite(x)) for x in d)
-    # vmap over stacked batches
-    stacked = [jnp.ones((2, 3, 4)), jnp.ones((2, 3))]
-    out, n = jax.vmap(lambda g: per_example_global_norm_clip(g, 1.0))(stacked)
-    assert out[0].shape == (2, 4) and n.shape == (2,)
-
-
-# ----------------------------------------------------------------------------
-# Hypothesis: contributions never exceed C, zero examples never give NaN
-# ----------------------------------------------------------------------------
-
-_clip_one = jax.jit(per_example_global_norm_clip)
-_layer_one = jax.jit(per_example_layer_norm_clip)
-
-
-@hypothesis.given(
-    seed=st.integers(0, 2**31 - 1),
-    exponent=st.integers(-30, 38),
-    clip=st.floats(1e-4, 1e4),
-    dtype=st.sampled_from(["float32", "bfloat16"]),
-    zero=st.booleans(),
-)
-def test_contribution_never_exceeds_clip(seed, exponent, clip, dtype, zero):
-    r = np.random.default_rng(seed)
-    leaves = [np.clip(r.normal(size=s), -3, 3) for s in ((1, 3, 5), (1, 7), (1,))]
-    leaves[r.integers(3)] *= 10.0 ** -r.integers(0, 5)  # leaves of different magnitudes
-    scale = 0.0 if zero else 10.0**exponent
-    grads = [jnp.asarray(x * scale, dtype) for x in leaves]
-    for fn in (_clip_one, _layer_one):
-        out, _ = fn(grads, clip)
-        out64 = [np.asarray(x, np.float64) for x in out]
-        assert all(np.all(np.isfinite(x)) for x in out64)
-        norm = math.sqrt(sum(float(np.sum(x**2)) for x in out64))
-        assert norm <= clip * (1 + 1e-5)
-        if zero:
-            assert norm == 0.0
-    assert all(x.dtype == jnp.float32 for x in out)
 
 
 # ----------------------------------------------------------------------------
@@ -575,7 +344,7 @@ needs_8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated)
 @needs_8
 def test_explicit_sharding_matches_single_device():
     loss, params, data = mlp_setup(batch=16)
-    grads16 = _per_example_grads(3, [(3, 4), (5,)], batch=16)
+    grads16 = random_per_example_grads(3, [(3, 4), (5,)], batch=16)
     ref_sum, ref_n = per_example_global_norm_clip(grads16, 1.0)
     ref_layer, _ = per_example_layer_norm_clip(grads16, 1.0)
     ref_cg, ref_info = clipped_grad(loss, 0.5)(params, data)
@@ -615,7 +384,7 @@ def test_automatic_sharding_matches_single_device():
         cg, info = jax.jit(clipped_grad(loss, 0.5, microbatch_size=mb))(params, d_sh)
         assert_tree_close(cg, ref)
         assert int(info.num_clipped) == int(ref_info.num_clipped)
-    g = jax.device_put(_per_example_grads(4, [(3, 4)], batch=16), NamedSharding(mesh, P("x")))
+    g = jax.device_put(random_per_example_grads(4, [(3, 4)], batch=16), NamedSharding(mesh, P("x")))
     out, _ = jax.jit(per_example_global_norm_clip)(g, 1.0)
     ref_o, _ = optax.per_example_global_norm_clip(jax.device_get(g), 1.0)
     assert_tree_close(out, ref_o, rtol=1e-6, atol=1e-6)

@@ -34,8 +34,9 @@ import numpy as np
 import optax
 
 from gradclip_jax import norms as _norms
-from gradclip_jax import per_example as _pe
-from gradclip_jax.clipping import clip_factor
+from gradclip_jax._numerics import count0 as _count0
+from gradclip_jax.dp._guards import refuse_update_averaging
+from gradclip_jax.dp.noise import noised_leaves
 from gradclip_jax.hyperparams import (
     Hyperparam,
     as_scalar,
@@ -45,6 +46,10 @@ from gradclip_jax.hyperparams import (
     resolve,
     static_value,
 )
+from gradclip_jax.per_example._batch import batch_flatten, check_mask, match_batch_sharding
+from gradclip_jax.per_example._config import clip_factors, renamed_kwarg
+from gradclip_jax.per_example._measure import as_rows, unrow
+from gradclip_jax.per_example._sums import clip_and_sum
 
 __all__ = [
     "DPAggregateState",
@@ -100,9 +105,6 @@ def _key(seed: Any, fn: str) -> jax.Array:
     return jax.random.key(seed)
 
 
-def _count0() -> jax.Array:
-    return jnp.zeros([], jnp.int32)
-
 
 def _check_batch_size(fn: str, batch_size: Any) -> None:
     if batch_size is None:
@@ -117,47 +119,33 @@ def _divisor(batch_size: Any, actual: int, dtype: Any) -> jax.Array:
     return as_scalar(batch_size, dtype)
 
 
-def _noised(
-    sums: list[jax.Array], keys: list[jax.Array], std: jax.Array, divisor: jax.Array
-) -> list[jax.Array]:
-    """``(sum + std * N(0, 1)) / divisor`` per leaf, drawn and added in the sum's dtype."""
-    out = []
-    for s, k in zip(sums, keys, strict=True):
-        noise = jax.random.normal(k, s.shape, s.dtype)
-        out.append((s + std.astype(s.dtype) * noise) / divisor.astype(s.dtype))
-    return out
+def _lowest(arrays: list[jax.Array]) -> np.dtype:
+    """The leaf dtype with the least precision (the clip factors' rounding margin is for it)."""
+    return min((np.dtype(x.dtype) for x in arrays), key=lambda d: jnp.finfo(d).nmant)
 
 
 def _clip_sum(
-    arrays: list[jax.Array], clip: jax.Array, nan_safe: bool, mask: Any, fn: str, batch: int
+    arrays: list[jax.Array], clip: jax.Array, nan_safe: bool, mask: Any, fn: str, batch: int, store: Any = None
 ) -> tuple[list[jax.Array], jax.Array, jax.Array]:
-    """Clipped per-example sums (accumulation dtype), per-example norms and the kept rows."""
-    rows = [_pe.as_rows(x) for x in arrays]
-    meas = _pe.measure(rows)
-    n = meas.norms
-    factor = clip_factor(n, clip.astype(n.dtype))
-    factor = _pe.guarded_factor(factor, meas.unmeasured, meas.bound_scale, clip)
-    keep: jax.Array | None = None
-    if mask is not None:
-        real = _pe.check_mask(mask, batch, fn)
-        assert real is not None
-        keep = _pe.match_batch_sharding(real, n)
-    fin = meas.finite
-    if nan_safe:
-        keep = fin if keep is None else keep & fin
-    sums = _pe.unrow(_pe.fused_sums(rows, [factor] * len(rows), keep, fin), arrays)
-    if keep is None:
-        keep = jnp.ones((batch,), bool)
-    return sums, n, keep
+    """Clipped per-example sums (accumulation dtype), per-example norms and the kept rows.
+
+    ``store``: the dtype the result is finally rounded to (for the clip factors' rounding margin).
+    """
+    valid = check_mask(mask, batch, fn)
+    sums, w = clip_and_sum([as_rows(x) for x in arrays], clip, valid=valid, nan_safe=nan_safe,
+                           factor_fn=lambda n, c: clip_factors(n, c, store))
+    keep = jnp.ones((batch,), bool) if w.keep is None else w.keep
+    return unrow(sums, arrays), w.norms, keep
 
 
 def dp_aggregate(
-    l2_norm_clip: Hyperparam,
-    noise_multiplier: Hyperparam,
-    seed: Any,
+    l2_norm_clip: Hyperparam | None = None,
+    noise_multiplier: Hyperparam | None = None,
+    seed: Any = None,
     *,
     batch_size: Hyperparam | None = None,
     nan_safe: bool = True,
+    l2_clip_norm: Hyperparam | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Clips per-example gradients, sums them, adds Gaussian noise, averages.
 
@@ -188,6 +176,13 @@ def dp_aggregate(
         divides by the number of rows in the update; with Poisson sampling pass
         the *expected* batch size, since the actual size is private.
       nan_safe: drop (zero) examples whose gradient is not finite (default True).
+      l2_clip_norm: the other spelling of ``l2_norm_clip`` (jax-privacy's);
+        accepted with a ``DeprecationWarning``.
+
+    Each clipped contribution, as stored in the leaf dtype, has norm at most
+    :math:`C`, rounding included. Inside :class:`optax.MultiSteps` it raises
+    ``ValueError`` (MultiSteps would average the clipped rows of several steps
+    before the noise, see :func:`dp_noise`).
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs` with state
@@ -204,7 +199,21 @@ def dp_aggregate(
       >>> [round(float(u), 4) for u in updates['w']]  # ((0.6, 0.8) + (0.3, 0.4)) / 2
       [0.45, 0.6]
     """
-    fn = "dp_aggregate"
+    clip = renamed_kwarg("dp_aggregate", "l2_clip_norm", "l2_norm_clip", l2_clip_norm, l2_norm_clip)
+    return _aggregate("dp_aggregate", clip, noise_multiplier, seed, batch_size, nan_safe)
+
+
+def _required(fn: str, **kwargs: Any) -> None:
+    for name, value in kwargs.items():
+        if value is None:
+            raise TypeError(f"{fn}: missing the required argument `{name}`")
+
+
+def _aggregate(
+    fn: str, l2_norm_clip: Any, noise_multiplier: Any, seed: Any, batch_size: Any, nan_safe: Any
+) -> optax.GradientTransformationExtraArgs:
+    """:func:`dp_aggregate`, its errors naming ``fn`` (the function the user called)."""
+    _required(fn, l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier, seed=seed)
     check_scalar(fn, "l2_norm_clip", l2_norm_clip)
     check_scalar(fn, "noise_multiplier", noise_multiplier)
     _check_batch_size(fn, batch_size)
@@ -219,7 +228,8 @@ def dp_aggregate(
         updates: Any, state: DPAggregateState, params: Any = None, *, mask: Any = None, **extra: Any
     ) -> tuple:
         del params, extra
-        flat, batch = _pe.batch_flatten(updates, fn)
+        refuse_update_averaging(fn)
+        flat, batch = batch_flatten(updates, fn)
         arrays = flat.arrays
         new_key, *keys = jax.random.split(state.rng_key, len(arrays) + 1)
         if not arrays or batch is None:
@@ -227,8 +237,8 @@ def dp_aggregate(
         acc = _norms.tree_acc_dtype(arrays)
         clip = as_scalar(resolve(l2_norm_clip, state.count), acc)
         z = as_scalar(resolve(noise_multiplier, state.count), acc)
-        sums, _, _ = _clip_sum(arrays, clip, nan_safe, mask, fn, batch)
-        out = _noised(sums, keys, clip * z, _divisor(batch_size, batch, acc))
+        sums, _, _ = _clip_sum(arrays, clip, nan_safe, mask, fn, batch, store=_lowest(arrays))
+        out = noised_leaves(sums, keys, clip * z, _divisor(batch_size, batch, acc))
         out = [o.astype(x.dtype) for o, x in zip(out, arrays, strict=True)]
         return flat.rebuild(out), DPAggregateState(rng_key=new_key, count=increment(state.count))
 
@@ -236,15 +246,16 @@ def dp_aggregate(
 
 
 def dpsgd(
-    learning_rate: optax.ScalarOrSchedule,
-    l2_norm_clip: Hyperparam,
-    noise_multiplier: Hyperparam,
-    seed: Any,
+    learning_rate: optax.ScalarOrSchedule | None = None,
+    l2_norm_clip: Hyperparam | None = None,
+    noise_multiplier: Hyperparam | None = None,
+    seed: Any = None,
     momentum: float | None = None,
     nesterov: bool = False,
     *,
     batch_size: Hyperparam | None = None,
     nan_safe: bool = True,
+    l2_clip_norm: Hyperparam | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """The DP-SGD optimizer (Abadi et al. 2016), as :func:`optax.contrib.dpsgd`.
 
@@ -261,6 +272,8 @@ def dpsgd(
       momentum: :math:`\\mu`, or ``None`` for none (default).
       nesterov: use Nesterov momentum.
       batch_size, nan_safe: as in :func:`dp_aggregate`.
+      l2_clip_norm: the other spelling of ``l2_norm_clip``, accepted with a
+        ``DeprecationWarning``.
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs` taking per-example
@@ -275,8 +288,10 @@ def dpsgd(
       >>> updates, state = tx.update({'w': jnp.ones((8, 2))}, state, params)
       >>> params = optax.apply_updates(params, updates)
     """
+    clip = renamed_kwarg("dpsgd", "l2_clip_norm", "l2_norm_clip", l2_clip_norm, l2_norm_clip)
+    _required("dpsgd", learning_rate=learning_rate)
     return optax.chain(
-        dp_aggregate(l2_norm_clip, noise_multiplier, seed, batch_size=batch_size, nan_safe=nan_safe),
+        _aggregate("dpsgd", clip, noise_multiplier, seed, batch_size, nan_safe),
         optax.trace(decay=momentum, nesterov=nesterov) if momentum is not None else optax.identity(),
         optax.scale_by_learning_rate(learning_rate),
     )
@@ -303,6 +318,13 @@ def dp_noise(
     Returns:
       An :class:`optax.GradientTransformation` with state :class:`DPNoiseState`.
 
+    Raises:
+      ValueError: when its update runs inside ``optax.MultiSteps`` (gradient
+        accumulation): MultiSteps averages the clipped sums of its pieces, which
+        divides the signal but not the noise. Accumulate the clipped sums and
+        noise once per logical step instead (:func:`gradclip_jax.dp.make_private`
+        with ``physical_batch_size``, or its ``clipped_sum``/``noisy_update``).
+
     Example:
       >>> import jax.numpy as jnp
       >>> from gradclip_jax.dp import dp_noise
@@ -321,6 +343,7 @@ def dp_noise(
 
     def update_fn(updates: Any, state: DPAggregateState, params: Any = None) -> tuple:
         del params
+        refuse_update_averaging(fn)
         flat = _norms.flatten(updates, fn)
         arrays = flat.arrays
         new_key, *keys = jax.random.split(state.rng_key, len(arrays) + 1)
@@ -329,7 +352,7 @@ def dp_noise(
             std = as_scalar(resolve(stddev, state.count), acc)
             div = as_scalar(resolve(normalize_by, state.count), acc)
             sums = [x.astype(jnp.result_type(_norms.acc_dtype(x.dtype), acc)) for x in arrays]
-            out = _noised(sums, keys, std, div)
+            out = noised_leaves(sums, keys, std, div)
             updates = flat.rebuild([o.astype(x.dtype) for o, x in zip(out, arrays, strict=True)])
         return updates, DPAggregateState(rng_key=new_key, count=increment(state.count))
 
@@ -496,23 +519,24 @@ def dp_quantile_aggregate(
         **extra: Any,
     ) -> tuple:
         del params, extra
-        flat, batch = _pe.batch_flatten(updates, fn)
+        refuse_update_averaging(fn)
+        flat, batch = batch_flatten(updates, fn)
         arrays = flat.arrays
         new_key, count_key, *keys = jax.random.split(state.rng_key, len(arrays) + 2)
         if not arrays or batch is None:
             return updates, state._replace(rng_key=new_key, count=increment(state.count))
         acc = np.dtype(jnp.result_type(_norms.tree_acc_dtype(arrays), state.clip_norm.dtype))
         clip = state.clip_norm.astype(acc)
-        sums, n, keep = _clip_sum(arrays, clip, nan_safe, mask, fn, batch)
+        sums, n, keep = _clip_sum(arrays, clip, nan_safe, mask, fn, batch, store=_lowest(arrays))
         m = _divisor(expected_batch_size, batch, acc)
-        out = _noised(sums, keys, clip * jnp.asarray(z_grad, acc), m)
+        out = noised_leaves(sums, keys, clip * jnp.asarray(z_grad, acc), m)
         out = [o.astype(x.dtype) for o, x in zip(out, arrays, strict=True)]
 
         # Noised, recentred fraction of unclipped examples (TF-Privacy form).
-        checked = None if mask is None else _pe.check_mask(mask, batch, fn)
+        checked = None if mask is None else check_mask(mask, batch, fn)
         real = jnp.ones((batch,), bool) if checked is None else checked
-        real = _pe.match_batch_sharding(real, n)
-        keep = _pe.match_batch_sharding(keep, n)
+        real = match_batch_sharding(real, n)
+        keep = match_batch_sharding(keep, n)
         unclipped = (n <= clip) & keep & real
         centred = jnp.sum(jnp.where(real, unclipped.astype(acc) - 0.5, jnp.zeros((), acc)))
         noisy = centred + jnp.asarray(count_noise_std, acc) * jax.random.normal(count_key, (), acc)

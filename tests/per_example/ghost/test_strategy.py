@@ -10,7 +10,7 @@ from jax import lax
 
 from gradclip_jax.ghost import ghost_report
 from gradclip_jax.per_example import clipped_grad
-from tests.test_per_example import B, _xent, cnn_setup, embed_setup, mlp_setup
+from tests.per_example.models import B, cnn_setup, embed_setup, mlp_setup, xent
 
 # ----------------------------------------------------------------------------
 # Models (plain JAX); every loss returns per-example losses of shape (B,)
@@ -35,7 +35,7 @@ def seq_setup(seq=3, seed=3, batch=B, dtype=jnp.float32):
 
     def loss(p, b):
         h = jnp.tanh(jnp.einsum("btd,dp->btp", b["x"], p["w1"]) + p["b1"])
-        return _xent(jnp.mean(h @ p["w2"], axis=1), b["y"])
+        return xent(jnp.mean(h @ p["w2"], axis=1), b["y"])
 
     return loss, params, data
 
@@ -71,7 +71,7 @@ def tied_setup(seed=5, batch=B):
 
     def loss(p, b):
         h = jnp.mean(p["emb"][b["tok"]], axis=1) * jnp.sin(p["freq"])
-        return _xent(h @ p["emb"].T, b["y"])
+        return xent(h @ p["emb"].T, b["y"])
 
     return loss, params, data
 
@@ -95,7 +95,7 @@ def embed_seq_setup(seed=7, batch=B):
     data = {"tok": jnp.asarray(r.integers(0, 5, size=(batch, 6))), "y": jnp.asarray(r.integers(0, 2, size=batch))}
 
     def loss(p, b):
-        return _xent(jnp.sum(p["emb"][b["tok"]] @ p["w"], axis=1), b["y"])
+        return xent(jnp.sum(p["emb"][b["tok"]] @ p["w"], axis=1), b["y"])
 
     return loss, params, data
 
@@ -265,7 +265,7 @@ def lhs_param_setup(seed=8, batch=B):
             "y": jnp.asarray(r.integers(0, 3, size=batch))}
 
     def loss(p, b):
-        return _xent(jnp.tanh(p["w"] @ b["x"].T).T, b["y"])
+        return xent(jnp.tanh(p["w"] @ b["x"].T).T, b["y"])
 
     return loss, params, data
 
@@ -324,7 +324,7 @@ def test_flax_model_unchanged():
     params = net.init(jax.random.key(0), data["tok"])
 
     def loss(p, b):
-        return _xent(net.apply(p, b["tok"]), b["y"])
+        return xent(net.apply(p, b["tok"]), b["y"])
 
     rep = ghost_report(loss, params, data)
     assert rep.fallback == [] and len(rep.ghost) == 10
@@ -350,7 +350,7 @@ def test_equinox_model_unchanged():
     _, _, data = mlp_setup()
 
     def loss(p, b):
-        return _xent(jax.vmap(eqx.combine(p, static))(b["x"]), b["y"])
+        return xent(jax.vmap(eqx.combine(p, static))(b["x"]), b["y"])
 
     rep = ghost_report(loss, params, data)
     assert rep.fallback == [] and len(rep.ghost) == 6
@@ -416,12 +416,16 @@ def test_flax_nnx_transformer_tied_embedding(vocab, ghost_sum):
 def test_auto_sum_mode_follows_cotangent_share():
     """'auto' keeps the second backward pass where layer outputs are most of the
     activations (an MLP) and book-keeps where they are a small share (norms, attention)."""
-    from gradclip_jax import ghost
 
     def mode(setup):
         loss, params, data = setup
-        closed, plan, _ = ghost._plan_for(loss, params, data, (), False, "test")
-        return ghost._sum_mode("auto", closed, plan)
+
+        def program(ghost_sum):
+            return str(jax.make_jaxpr(clipped_grad(loss, 1.0, method="ghost", ghost_sum=ghost_sum))(params, data))
+
+        auto, backward, bookkeeping = program("auto"), program("backward"), program("bookkeeping")
+        assert backward != bookkeeping
+        return {backward: "backward", bookkeeping: "bookkeeping"}.get(auto)
 
     assert mode(MODELS["seq_materialized"]()) == "backward"
     assert mode(MODELS["layernorm"]()) == "bookkeeping"
@@ -437,7 +441,7 @@ def test_weight_shared_twice_cross_terms():
             "y": jnp.asarray(r.integers(0, 6, size=B))}
 
     def loss(p, b):
-        return _xent(jnp.tanh(b["x"] @ p["w"]) @ p["w"].T, b["y"])
+        return xent(jnp.tanh(b["x"] @ p["w"]) @ p["w"].T, b["y"])
 
     assert dict(ghost_report(loss, params, data).ghost) == {"['w']": "tied:dense+dense"}
     clip = _clip_between_norms(loss, params, data)

@@ -1,0 +1,80 @@
+"""Checks that the state given to ``update`` belongs to the transform and the tree (private).
+
+Every transform calls :func:`check_state` first, so a state from another
+transform (an ``optax.chain``'s tuple, say) raises one clear ``TypeError``
+naming the transform instead of an ``AttributeError`` deep inside it; the
+per-leaf statistics of stateful transforms go through :func:`check_tree`, so a
+state initialised on another tree (other leaves, other shapes) raises a
+``ValueError`` naming the transform, the state field and the first leaf that
+differs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+
+def check_state(fn: str, state: Any, cls: type) -> None:
+    """``TypeError`` naming ``fn`` unless ``state`` is a ``cls`` (this transform's state)."""
+    if isinstance(state, cls):
+        return
+    got = type(state).__name__
+    hint = ""
+    if isinstance(state, (tuple, list)) and not hasattr(state, "_fields"):
+        hint = (
+            " (this looks like the state of an optax.chain; pass this transform's own "
+            "entry, e.g. state[0])"
+        )
+    elif state is None:
+        hint = " (call tx.init(params) first)"
+    raise TypeError(f"{fn}: expected a {cls.__name__} (from this transform's init) as state, got {got}{hint}")
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def check_tree(fn: str, what: str, template: Any, updates: Any, *, shapes: bool = False) -> None:
+    """``ValueError`` unless ``updates`` has the leaves (and shapes) ``template`` was built for.
+
+    Args:
+      fn: the public name of the transform.
+      what: the state field, for the message (``'exp_avg'``).
+      template: the state field: a tree built at ``init`` from the parameters
+        with ``None`` at the leaves that are not measured.
+      updates: the updates given to ``update``.
+      shapes: also compare the shape of every array in ``template`` with the
+        update at the same path (for parameter-shaped statistics).
+    """
+    t_pairs, _ = jax.tree_util.tree_flatten_with_path(template, is_leaf=_is_none)
+    u_pairs, _ = jax.tree_util.tree_flatten_with_path(updates, is_leaf=_is_none)
+    t_keys = [jax.tree_util.keystr(p) for p, _ in t_pairs]
+    u_keys = [jax.tree_util.keystr(p) for p, _ in u_pairs]
+    if t_keys != u_keys:
+        t_set, u_set = set(t_keys), set(u_keys)
+        extra = [k for k in u_keys if k not in t_set]
+        missing = [k for k in t_keys if k not in u_set]
+        if extra:
+            detail = f"leaf {extra[0] or '<root>'} of the updates is not in the state"
+        elif missing:
+            detail = f"leaf {missing[0] or '<root>'} of the state is not in the updates"
+        else:
+            detail = "the leaves are in another order"
+        raise ValueError(
+            f"{fn}: the state's `{what}` was initialised on another tree than these updates "
+            f"({detail}); call init with parameters shaped like the updates"
+        )
+    if not shapes:
+        return
+    for key, (_, t), (_, u) in zip(t_keys, t_pairs, u_pairs, strict=True):
+        t_shape, u_shape = getattr(t, "shape", None), getattr(u, "shape", None)
+        if t is None or t_shape is None or u_shape is None:
+            continue
+        if tuple(t_shape) != tuple(u_shape):
+            raise ValueError(
+                f"{fn}: leaf {key or '<root>'} has shape {tuple(u_shape)} but the state's "
+                f"`{what}` was initialised for shape {tuple(t_shape)}; call init with "
+                "parameters shaped like the updates"
+            )

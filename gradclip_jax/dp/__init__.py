@@ -1,0 +1,44 @@
+"""Differentially private training: aggregation, noise and accounting.
+
+* :mod:`gradclip_jax.dp.aggregate`: DP-SGD transforms over per-example gradients
+  (:func:`dp_aggregate`, :func:`dpsgd`, :func:`dp_quantile_aggregate`) and over
+  clipped sums (:func:`dp_noise`).
+* :mod:`gradclip_jax.dp.noise`: the Gaussian noise adder.
+* :mod:`gradclip_jax.dp.accounting`: privacy accounting on ``dp-accounting``
+  (also reachable as :mod:`gradclip_jax.privacy`), including the step-by-step
+  :class:`gradclip_jax.privacy.PrivacyAccountant`.
+* :mod:`gradclip_jax.dp.sampling`: Poisson batch selection padded to fixed
+  shapes (:class:`PoissonSampler`).
+* :mod:`gradclip_jax.dp.private_step`: the whole private step in one call
+  (:func:`make_private`).
+"""
+
+from gradclip_jax.dp.aggregate import (
+    DPAggregateState,
+    DPNoiseState,
+    DPQuantileAggregateState,
+    dp_aggregate,
+    dp_noise,
+    dp_quantile_aggregate,
+    dpsgd,
+    noise_multiplier_for_gradient,
+)
+from gradclip_jax.dp.private_step import PrivateStepMetrics, PrivateTraining, make_private
+from gradclip_jax.dp.sampling import BatchOverflowError, PoissonBatch, PoissonSampler
+
+__all__ = [
+    "BatchOverflowError",
+    "PoissonBatch",
+    "PoissonSampler",
+    "PrivateStepMetrics",
+    "PrivateTraining",
+    "make_private",
+    "DPAggregateState",
+    "DPNoiseState",
+    "DPQuantileAggregateState",
+    "dp_aggregate",
+    "dp_noise",
+    "dp_quantile_aggregate",
+    "dpsgd",
+    "noise_multiplier_for_gradient",
+]

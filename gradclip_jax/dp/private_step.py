@@ -1,0 +1,337 @@
+"""Private training in one call: calibrated noise, Poisson batches, an accountant, a jit-able step.
+
+:func:`make_private` is the JAX counterpart of Opacus'
+``PrivacyEngine.make_private_with_epsilon``: from the per-example loss, an optax
+optimizer and the run's shape (data set size, expected batch size, steps or
+epochs) and privacy target (:math:`\\varepsilon`, :math:`\\delta`, clip norm
+:math:`C`), it returns a :class:`PrivateTraining` holding
+
+* ``noise_multiplier``: the smallest :math:`z` whose run spends at most the
+  target (:func:`gradclip_jax.privacy.calibrate_noise_multiplier`, PLD);
+* ``sampler``: a :class:`gradclip_jax.dp.PoissonSampler` (fixed shapes);
+* ``accountant``: a :class:`gradclip_jax.privacy.PrivacyAccountant` that
+  :meth:`PrivateTraining.batches` fills one step per batch;
+* ``step(params, opt_state, batch, mask, key) -> (params, opt_state, metrics)``:
+  one DP-SGD step, pure and jit-compatible:
+
+  .. math:: \\tilde g = \\frac{1}{qn}\\Big(\\sum_{i:\\ \\text{mask}_i} g_i
+      \\min\\big(1, \\tfrac{C}{\\|g_i\\|_2}\\big) + \\mathcal{N}(0, z^2C^2 I)\\Big),
+      \\qquad (u, s) = \\text{optimizer.update}(\\tilde g, s, \\theta),
+      \\qquad \\theta \\leftarrow \\theta + u
+
+  with the clipped sum from :func:`gradclip_jax.clipped_grad` (``method='auto'``
+  by default) and the noise from :func:`gradclip_jax.privacy.add_gaussian_noise`.
+  The sum is divided by the **expected** batch size :math:`qn`, a public
+  constant (the actual batch size is not public under Poisson sampling).
+
+**Large logical batches.** With ``physical_batch_size=p``, the step still takes
+the whole padded logical batch, but computes the clipped sum ``p`` examples at a
+time (a sequential ``lax.scan`` inside :func:`gradclip_jax.clipped_grad`), so peak
+memory scales with ``p``, and adds the noise **once** to the sum of all pieces.
+When even the logical batch's data cannot be on the device at once, accumulate
+on the host: add the ``clipped_sum(params, piece, piece_mask)`` of the pieces
+(tree sums) and call ``noisy_update`` once per logical step. Do **not** wrap a
+noising transform in ``optax.MultiSteps``: it averages the updates it is given,
+which divides the signal by the number of pieces but not the noise;
+:func:`gradclip_jax.dp.dp_noise` raises inside it.
+
+**Several devices and processes.** Under ``jax.jit`` with the batch sharded over
+devices (one global array, e.g. from ``jax.make_array_from_process_local_data``
+with the pieces the sampler gives each process) every example is clipped on the
+device that holds it, the cross-device sum comes after, and the noise is drawn
+once from the (replicated) ``key``: every device and process adds the same
+noise, as in a single-process run.
+
+Nothing is hidden: the step's state is ``params`` and ``opt_state`` (pytrees)
+and the ``key`` you pass; the accountant is a host-side record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from gradclip_jax import norms as _norms
+from gradclip_jax.dp.accounting import PrivacyAccountant, PrivacyPhase, calibrate, phase_event
+from gradclip_jax.dp.noise import add_gaussian_noise
+from gradclip_jax.dp.sampling import PoissonSampler, _check_int, _rate
+from gradclip_jax.per_example import ClippedGradFn, ClippedGradInfo, clipped_grad
+
+__all__ = ["PrivateStepMetrics", "PrivateTraining", "make_private"]
+
+
+class PrivateStepMetrics(NamedTuple):
+    """What the private step reports. **Not privatized**: do not release these.
+
+    Attributes:
+      loss: mean loss over the real (unmasked) examples of the batch.
+      num_clipped: the number of real examples whose gradient was clipped.
+      grad_norm: the L2 norm of the noised, averaged gradient (a function of
+        the released gradient only: this one may be released).
+    """
+
+    loss: jax.Array
+    num_clipped: jax.Array
+    grad_norm: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivateTraining:
+    """A private training setup from :func:`make_private` (see the module docstring).
+
+    Attributes:
+      noise_multiplier: the calibrated :math:`z`.
+      l2_clip_norm: :math:`C`.
+      sample_rate: :math:`q`.
+      expected_batch_size: :math:`qn` (the divisor of the noised sum).
+      steps: the number of (logical) steps the run was calibrated for.
+      target_epsilon, delta: the privacy target.
+      planned_epsilon: the :math:`\\varepsilon` at ``delta`` of ``steps`` steps
+        at ``noise_multiplier`` (at most ``target_epsilon``).
+      sampler: the :class:`gradclip_jax.dp.PoissonSampler`.
+      accountant: the :class:`gradclip_jax.privacy.PrivacyAccountant`
+        (:meth:`batches` records into it).
+      optimizer: the optax optimizer applied to the privatized gradient.
+      grad_fn: the :func:`gradclip_jax.clipped_grad` function.
+      init: ``init(params) -> opt_state``.
+      step: ``step(params, opt_state, batch, mask, key) -> (params, opt_state,
+        metrics)``, with ``metrics`` a :class:`PrivateStepMetrics`.
+      clipped_sum: ``clipped_sum(params, batch, mask) -> (sum, info)``: the
+        clipped sum of a (piece of a) batch, for host-side accumulation.
+      noisy_update: ``noisy_update(params, opt_state, summed, key) ->
+        (params, opt_state, grad_norm)``: noise once, divide by the expected
+        batch size, apply the optimizer.
+    """
+
+    noise_multiplier: float
+    l2_clip_norm: float
+    sample_rate: float
+    expected_batch_size: float
+    steps: int
+    target_epsilon: float
+    delta: float
+    planned_epsilon: float
+    sampler: PoissonSampler
+    accountant: PrivacyAccountant
+    optimizer: optax.GradientTransformation
+    grad_fn: ClippedGradFn
+    init: Callable[[Any], Any]
+    step: Callable[..., tuple[Any, Any, PrivateStepMetrics]]
+    clipped_sum: Callable[..., tuple[Any, ClippedGradInfo]]
+    noisy_update: Callable[..., tuple[Any, Any, jax.Array]]
+
+    def record_step(self) -> None:
+        """Records one step in the accountant (:meth:`batches` calls it for you)."""
+        self.accountant.step(self.noise_multiplier, **self.sampler.accounting())
+
+    def batches(self, data: Any = None) -> Iterator[Any]:
+        """The run's batches; records each step in the accountant as it is drawn.
+
+        A step is recorded **before** its batch is yielded, so the accountant
+        never reports less than what was released (a batch drawn but not used
+        is counted: conservative).
+
+        Args:
+          data: ``None``, or a pytree of host arrays with the examples on axis 0
+            (indexed by the sampler's global indices).
+
+        Yields:
+          With ``data``: ``(batch, mask)``, numpy pytrees of this process's
+          piece. Without: the :class:`gradclip_jax.dp.PoissonBatch`\\ es.
+        """
+        for b in self.sampler:
+            self.record_step()
+            if data is None:
+                yield b
+            else:
+                yield jax.tree.map(lambda x: np.asarray(x)[b.indices], data), b.mask
+
+    def epsilon(self, delta: float | None = None) -> float:
+        """The :math:`\\varepsilon` spent so far (recorded steps) at ``delta`` (default: the target's)."""
+        return self.accountant.epsilon(self.delta if delta is None else delta)
+
+
+def _batch_rows(batch: Any) -> int:
+    leaves = jax.tree_util.tree_leaves(batch)
+    if not leaves or not all(getattr(x, "ndim", 0) >= 1 for x in leaves):
+        raise ValueError("make_private step: every leaf of `batch` needs a leading batch axis")
+    return int(leaves[0].shape[0])
+
+
+def _check_mask(mask: Any, rows: int) -> jax.Array:
+    shape = tuple(getattr(mask, "shape", ()))
+    dtype = getattr(mask, "dtype", None)
+    if shape != (rows,):
+        raise ValueError(
+            f"make_private step: `mask` must have shape ({rows},) (one entry per row of `batch`), "
+            f"got shape {shape}"
+        )
+    if dtype is None or not jnp.issubdtype(dtype, jnp.bool_):
+        raise TypeError(f"make_private step: `mask` must be a bool array, got dtype {dtype}")
+    return jnp.asarray(mask)
+
+
+def make_private(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    *,
+    dataset_size: int,
+    target_epsilon: float,
+    delta: float,
+    l2_clip_norm: float,
+    expected_batch_size: float | None = None,
+    sample_rate: float | None = None,
+    steps: int | None = None,
+    epochs: float | None = None,
+    seed: int = 0,
+    max_batch_size: int | None = None,
+    physical_batch_size: int | None = None,
+    on_overflow: str = "raise",
+    accountant: str = "pld",
+    method: str = "auto",
+    process_index: int | None = None,
+    process_count: int | None = None,
+) -> PrivateTraining:
+    """Calibrates and builds a private training run (see the module docstring).
+
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> (B,)`` per-example losses (as
+        :func:`gradclip_jax.clipped_grad`).
+      optimizer: an optax ``GradientTransformation`` applied to the privatized
+        (noised, averaged) gradient: post-processing, so any optimizer is fine.
+      dataset_size: :math:`n`.
+      target_epsilon: :math:`\\varepsilon > 0` for the whole run.
+      delta: :math:`\\delta \\in (0, 1)`; a warning when :math:`\\delta \\ge 1/n`.
+      l2_clip_norm: :math:`C > 0`.
+      expected_batch_size: :math:`qn` (give this or ``sample_rate``).
+      sample_rate: :math:`q \\in (0, 1]` (give this or ``expected_batch_size``).
+      steps: the number of logical steps :math:`T` (give this or ``epochs``).
+      epochs: passes over the data set, :math:`T = \\lceil \\text{epochs}/q \\rceil`.
+      seed: the sampler's seed (the noise key is an argument of ``step``).
+      max_batch_size, on_overflow: the padded size and overflow rule of the
+        :class:`gradclip_jax.dp.PoissonSampler` (default: the overflow
+        probability of the whole run is at most 1e-9, and an overflow raises).
+      physical_batch_size: compute the clipped sum this many examples at a time
+        (``clipped_grad``'s ``microbatch_size``); the noise is still added once
+        per logical step.
+      accountant: ``'pld'`` (default) or ``'rdp'``: used for calibration and by
+        the returned accountant.
+      method: ``clipped_grad``'s method (default ``'auto'``).
+      process_index, process_count: passed to the sampler (defaults from jax).
+
+    Returns:
+      A :class:`PrivateTraining`.
+
+    Raises:
+      ValueError: naming the argument: a rate outside (0, 1], a
+        ``max_batch_size`` below the expected batch size, an unreachable
+        ``target_epsilon``, both or neither of ``steps``/``epochs``, a bad clip
+        norm; the step raises for a ``mask`` of the wrong shape.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax
+      >>> from gradclip_jax.dp import make_private
+      >>> x = np.random.default_rng(0).normal(size=(1000, 3)).astype(np.float32)
+      >>> data = {'x': x, 'y': x @ np.array([1.0, -2.0, 0.5], np.float32)}
+      >>> def loss_fn(w, batch):
+      ...     return 0.5 * (batch['x'] @ w - batch['y']) ** 2
+      >>> priv = make_private(loss_fn, optax.sgd(0.5), dataset_size=1000, expected_batch_size=100,
+      ...                     steps=50, target_epsilon=2.0, delta=1e-4, l2_clip_norm=1.0,
+      ...                     process_index=0, process_count=1)
+      >>> step = jax.jit(priv.step)
+      >>> w, state, key = jnp.zeros(3), priv.init(jnp.zeros(3)), jax.random.key(0)
+      >>> for batch, mask in priv.batches(data):
+      ...     key, sub = jax.random.split(key)
+      ...     w, state, metrics = step(w, state, batch, mask, sub)
+      >>> priv.accountant.steps, priv.epsilon() <= 2.0
+      (50, True)
+    """
+    fn = "make_private"
+    if not callable(loss_fn):
+        raise TypeError(f"{fn}: `loss_fn` must be callable, got {loss_fn!r}")
+    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+        raise TypeError(f"{fn}: `optimizer` must be an optax GradientTransformation, got {optimizer!r}")
+    n = _check_int(fn, "dataset_size", dataset_size, 1)
+    q = _rate(fn, n, expected_batch_size, sample_rate)
+    if (steps is None) == (epochs is None):
+        raise ValueError(f"{fn}: give exactly one of `steps` and `epochs`")
+    if steps is not None:
+        t = _check_int(fn, "steps", steps, 1)
+    else:
+        if not (isinstance(epochs, (int, float)) and not isinstance(epochs, bool) and epochs > 0):
+            raise ValueError(f"{fn}: `epochs` must be a positive number, got {epochs!r}")
+        t = max(1, math.ceil(float(epochs) / q - 1e-9))
+    for name, v in (("target_epsilon", target_epsilon), ("l2_clip_norm", l2_clip_norm)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < math.inf):
+            raise ValueError(f"{fn}: `{name}` must be a positive finite number, got {v!r}")
+    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0.0 < delta < 1.0:
+        raise ValueError(f"{fn}: `delta` must be in (0, 1), got {delta!r}")
+    if delta >= 1.0 / n:
+        warnings.warn(
+            f"{fn}: `delta`={delta:g} >= 1/dataset_size={1.0 / n:g}: a mechanism that publishes one "
+            "random example outright meets such a delta; use delta well below 1/n",
+            UserWarning,
+            stacklevel=2,
+        )
+    if on_overflow == "truncate" and str(accountant).lower() != "pld":
+        raise ValueError(
+            f"{fn}: on_overflow='truncate' needs accountant='pld' (dp-accounting has no RDP bound for "
+            f"truncated Poisson sampling), got accountant={accountant!r}"
+        )
+    if physical_batch_size is not None:
+        physical_batch_size = _check_int(fn, "physical_batch_size", physical_batch_size, 1)
+    sampler = PoissonSampler(
+        n, steps=t, sample_rate=q, seed=seed, max_batch_size=max_batch_size, on_overflow=on_overflow,
+        process_index=process_index, process_count=process_count,
+    )
+    trunc = sampler.truncated_batch_size
+
+    def event(z: float) -> Any:
+        return phase_event(PrivacyPhase(z, q, t, trunc, n if trunc is not None else None))
+
+    z = calibrate(event, float(target_epsilon), float(delta), accountant, fn=fn)
+    planned = PrivacyAccountant(accountant)
+    planned.step(z, **sampler.accounting(), steps=t)
+    planned_eps = planned.epsilon(delta)
+
+    grad_fn = clipped_grad(loss_fn, l2_clip_norm, microbatch_size=physical_batch_size, method=method)
+    std = z * float(grad_fn.sensitivity())
+    divisor = q * n
+
+    def init(params: Any) -> Any:
+        return optimizer.init(params)
+
+    def clipped_sum(params: Any, batch: Any, mask: Any) -> tuple[Any, ClippedGradInfo]:
+        mask = _check_mask(mask, _batch_rows(batch))
+        return grad_fn(params, batch, mask=mask)
+
+    def noisy_update(params: Any, opt_state: Any, summed: Any, key: jax.Array) -> tuple[Any, Any, jax.Array]:
+        noised = add_gaussian_noise(summed, std, key)
+        grads = jax.tree.map(
+            lambda g, p: (g / jnp.asarray(divisor, g.dtype)).astype(jnp.asarray(p).dtype), noised, params
+        )
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, _norms.tree_norm(grads)
+
+    def step(params: Any, opt_state: Any, batch: Any, mask: Any, key: jax.Array) -> tuple[Any, Any, PrivateStepMetrics]:
+        summed, info = clipped_sum(params, batch, mask)
+        params, opt_state, gnorm = noisy_update(params, opt_state, summed, key)
+        m = jnp.asarray(mask)
+        real = jnp.maximum(jnp.sum(m), 1)
+        loss = jnp.sum(jnp.where(m, info.values, 0)) / real
+        return params, opt_state, PrivateStepMetrics(loss=loss, num_clipped=info.num_clipped, grad_norm=gnorm)
+
+    return PrivateTraining(
+        noise_multiplier=z, l2_clip_norm=float(l2_clip_norm), sample_rate=q, expected_batch_size=divisor,
+        steps=t, target_epsilon=float(target_epsilon), delta=float(delta), planned_epsilon=planned_eps,
+        sampler=sampler, accountant=PrivacyAccountant(accountant), optimizer=optimizer, grad_fn=grad_fn,
+        init=init, step=step, clipped_sum=clipped_sum, noisy_update=noisy_update,
+    )

@@ -1,0 +1,250 @@
+"""The batch axis: checks of batches, losses and masks, sharding of axis 0, and
+the one-example loss wrapper."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from gradclip_jax import norms as _norms
+
+
+def keystr(path: Any) -> str:
+    """A leaf's path as text (``<root>`` for a bare leaf)."""
+    return jax.tree_util.keystr(path) or "<root>"
+
+
+def _check_batch_axis(pairs: Sequence[tuple[Any, Any]], fn: str, what: str) -> int | None:
+    """The common size of axis 0 of ``(path, leaf)`` pairs; ValueError naming a bad leaf."""
+    batch, first = None, None
+    for path, x in pairs:
+        shape = tuple(np.shape(x))
+        if len(shape) == 0:
+            raise ValueError(
+                f"{fn}: {what} {keystr(path)} is a scalar (shape ()); every "
+                f"{what} must carry the batch on axis 0"
+            )
+        if batch is None:
+            batch, first = shape[0], path
+        elif shape[0] != batch:
+            raise ValueError(
+                f"{fn}: {what} {keystr(path)} has batch size {shape[0]} on axis 0 "
+                f"(shape {shape}), but {what} {keystr(first)} has batch size {batch}; "
+                f"every {what} must carry the same batch on axis 0"
+            )
+    return batch
+
+
+def batch_flatten(tree: Any, fn: str, what: str = "leaf") -> tuple[_norms.FlatTree, int | None]:
+    """Flattens per-example ``tree`` and checks every leaf carries the batch on axis 0.
+
+    Returns:
+      ``(flat, batch_size)``; ``batch_size`` is ``None`` for a tree with no leaf.
+
+    Raises:
+      ValueError: naming the leaf, for a scalar leaf or mismatched batch sizes.
+      TypeError: for integer or bool leaves (from the norm engine).
+    """
+    flat = _norms.flatten(tree, fn)
+    pairs = [(flat.paths[i], flat.leaves[i]) for i in flat.active]
+    return flat, _check_batch_axis(pairs, fn, what)
+
+
+def batch_size_of(batch: Any, fn: str) -> int:
+    """The batch size of a data batch (any dtypes), checking every leaf agrees on axis 0."""
+    pairs = jax.tree_util.tree_flatten_with_path(batch)[0]
+    size = _check_batch_axis(pairs, fn, "batch leaf")
+    if size is None:
+        raise ValueError(f"{fn}: `batch` has no array leaf, so it has no batch axis")
+    return size
+
+
+def check_mask(mask: Any, bsize: int, fn: str) -> jax.Array | None:
+    """``mask`` as a ``(B,)`` bool array (``None`` stays ``None``); ValueError for a bad shape."""
+    if mask is None:
+        return None
+    m = jnp.asarray(mask)
+    if m.shape != (bsize,):
+        raise ValueError(
+            f"{fn}: `mask` must have shape (B,) = ({bsize},) (the batch size), got {m.shape}"
+        )
+    if m.dtype != jnp.bool_:
+        m = m != 0
+    return m
+
+
+def check_loss_out(out: Any, bsize: int, has_aux: bool, fn: str) -> Any:
+    """The losses of ``loss_fn``'s output (abstract or traced), checked to be of shape ``(B,)``."""
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise ValueError(
+                f"{fn}: with has_aux=True, loss_fn must return a pair (losses, aux), got {out!r}"
+            )
+        out = out[0]
+    shape = getattr(out, "shape", None)
+    if shape is None or tuple(shape) != (bsize,):
+        raise ValueError(
+            f"{fn}: loss_fn must return per-example losses of shape (B,) = ({bsize},) "
+            f"(the batch size of `batch`), got {'shape ' + str(tuple(shape)) if shape is not None else repr(out)}; "
+            "return the unreduced per-example losses (no mean or sum over the batch)"
+        )
+    return out
+
+
+LOSS_CONTRACT = (
+    "loss_fn(params, batch, *args) must return the per-example losses, shape (B,), each computed "
+    "from its own example alone (clipped_grad calls it on batches of one example, so it must not close "
+    "over arrays of length B or use statistics of the whole batch)"
+)
+
+
+def check_one_example(loss_fn: Callable[..., Any], has_aux: bool, params: Any, batch: Any, args: Sequence[Any],
+                      fn: str) -> None:
+    """Traces ``loss_fn`` (shapes only) on the first example as a batch of one; ValueError stating
+    the contract when that fails or does not give one loss."""
+    # Abstract and unsharded: slicing one row of a batch sharded on axis 0 is refused.
+    one = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct((1, *np.shape(x)[1:]), jnp.result_type(x)), batch)
+    try:
+        out = jax.eval_shape(loss_fn, params, one, *args)
+    except Exception as err:
+        raise ValueError(f"{fn}: calling loss_fn on a batch of one example failed ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0] if str(err) else ''}); {LOSS_CONTRACT}") from err
+    loss = out[0] if has_aux and isinstance(out, tuple) and len(out) == 2 else out
+    shape = getattr(loss, "shape", None)
+    if shape is None or tuple(shape) != (1,):
+        raise ValueError(f"{fn}: on a batch of one example loss_fn returned "
+                         f"{'shape ' + str(tuple(shape)) if shape is not None else repr(loss)} instead of (1,); "
+                         f"{LOSS_CONTRACT}")
+
+
+class Call(NamedTuple):
+    """One call of the returned function, checked: params marked like the batch, flattened."""
+
+    params: Any
+    pflat: _norms.FlatTree
+    batch: Any
+    args: tuple
+    valid: jax.Array | None
+    bsize: int
+
+
+def prepare_call(params: Any, batch: Any, args: Sequence[Any], mask: Any, fn: str) -> Call:
+    """Checks the batch and ``mask`` and flattens ``params`` (varying like the batch under shard_map)."""
+    bsize = batch_size_of(batch, fn)
+    valid = check_mask(mask, bsize, fn)
+    params = vary_like_batch(params, batch)
+    return Call(params, _norms.flatten(params, fn), batch, tuple(args), valid, bsize)
+
+
+def first_leaf(tree: Any) -> Any:
+    return jax.tree_util.tree_leaves(tree)[0]
+
+
+def _squeeze_example_axis(x: Any) -> Any:
+    if hasattr(x, "shape") and len(x.shape) >= 1 and x.shape[0] == 1:
+        return jnp.squeeze(x, 0)
+    return x
+
+
+def one_example_loss(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., tuple]:
+    """``(params, example, *args) -> (loss, aux)``: ``loss_fn`` on a batch of one example.
+
+    The example gets a leading axis of 1; the loss comes back as a scalar and the
+    aux leaves lose that axis (they are stacked again by ``vmap``).
+    """
+
+    def scalar_loss(p: Any, example: Any, *a: Any) -> tuple:
+        ex1 = jax.tree_util.tree_map(lambda x: jnp.expand_dims(x, 0), example)
+        out = loss_fn(p, ex1, *a)
+        loss, aux = out if has_aux else (out, None)
+        if has_aux:
+            aux = jax.tree_util.tree_map(_squeeze_example_axis, aux)
+        return jnp.reshape(loss, ()), aux
+
+    return scalar_loss
+
+
+# ----------------------------------------------------------------------------
+# Sharding of the batch axis
+# ----------------------------------------------------------------------------
+
+
+def explicit_spec(x: Any) -> tuple[Any, ...] | None:
+    """The partition spec of ``x`` (padded to its rank) under explicit sharding, else ``None``."""
+    try:
+        sharding = jax.typeof(x).sharding
+        spec = tuple(sharding.spec)
+    except Exception:  # not under a mesh
+        return None
+    spec = spec + (None,) * (np.ndim(x) - len(spec))
+    if all(s is None for s in spec):
+        return None
+    return spec
+
+
+def batch_axis_sharding(x: Any) -> tuple[Any, int]:
+    """``(mesh_axes, num_shards)`` of ``x``'s axis 0 under explicit sharding, else ``(None, 1)``."""
+    spec = explicit_spec(x)
+    if spec is None or not spec or spec[0] is None:
+        return None, 1
+    ax0 = spec[0]
+    names = ax0 if isinstance(ax0, tuple) else (ax0,)
+    mesh = jax.typeof(x).sharding.mesh
+    return ax0, int(math.prod(mesh.shape[a] for a in names))
+
+
+def match_batch_sharding(v: jax.Array, like: jax.Array) -> jax.Array:
+    """``v`` (batch on axis 0) resharded like axis 0 of ``like`` when that is explicitly sharded.
+
+    Explicit sharding requires both sides of a ``select`` to agree; a replicated
+    mask or validity vector must follow the (sharded) per-example values.
+    """
+    ax0, _ = batch_axis_sharding(like)
+    if ax0 is None or batch_axis_sharding(v)[0] == ax0:
+        return v
+    spec = jax.sharding.PartitionSpec(ax0, *([None] * (v.ndim - 1)))
+    return jax.sharding.reshard(v, spec)
+
+
+def _vma(x: Any) -> frozenset:
+    """The mesh axes ``x`` varies over inside ``shard_map`` (empty outside)."""
+    try:
+        aval = jax.typeof(x)
+    except Exception:  # not an array
+        return frozenset()
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(getattr(mat, "varying", frozenset()) or frozenset())
+    return frozenset(getattr(aval, "vma", frozenset()) or frozenset())
+
+
+def _vary_over(x: Any, axes: frozenset) -> Any:
+    missing = tuple(sorted(axes - _vma(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def vary_like(x: jax.Array, ref: Any) -> jax.Array:
+    """``x`` marked as varying over every ``shard_map`` axis ``ref`` varies over."""
+    return _vary_over(x, _vma(ref))  # type: ignore[no-any-return]
+
+
+def vary_like_batch(params: Any, batch: Any) -> Any:
+    """Inside ``shard_map``: marks params as varying over the batch's mesh axes.
+
+    Otherwise the gradient with respect to replicated (invariant) params is
+    summed over devices by autodiff (the transpose of the implicit ``pcast``), which
+    would mix examples of different devices before they are clipped. With this,
+    ``grad_fn`` returns the clipped sum of the *local* examples; ``psum`` it.
+    """
+    axes: frozenset = frozenset()
+    for x in jax.tree_util.tree_leaves(batch):
+        axes = axes | _vma(x)
+    if not axes:
+        return params
+    return jax.tree_util.tree_map(lambda p: _vary_over(p, axes) if hasattr(p, "dtype") else p, params)

@@ -1,0 +1,168 @@
+"""optax-compatible per-example functions over *materialized* per-example gradients."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gradclip_jax._numerics import count0
+from gradclip_jax.hyperparams import check_scalar, static_value
+from gradclip_jax.per_example._batch import batch_flatten
+from gradclip_jax.per_example._config import clip_factors
+from gradclip_jax.per_example._measure import as_rows, example_norms, layer_budgets, unrow
+from gradclip_jax.per_example._sums import clip_and_sum
+
+__all__ = ["per_example_global_norm_clip", "per_example_layer_norm_clip", "per_example_norms"]
+
+
+def _promote_ints(grads: Any) -> Any:
+    """Integer leaves as the default float dtype (float32; float64 with x64), as optax computes them."""
+    def one(x: Any) -> Any:
+        dtype = getattr(x, "dtype", None)
+        if dtype is not None and jax.dtypes.issubdtype(dtype, np.integer):
+            return jnp.asarray(x, float)
+        return x
+
+    return jax.tree_util.tree_map(one, grads)
+
+
+def per_example_global_norm_clip(grads: Any, l2_norm_clip: Any) -> tuple[Any, jax.Array]:
+    """Clips each example's gradient to global L2 norm ``l2_norm_clip`` and sums.
+
+    With :math:`g_i` the gradient of example :math:`i` (row :math:`i` of every leaf)
+    and :math:`n_i = \\|g_i\\|_2` its global norm over all leaves:
+
+    .. math::
+        m_i = \\begin{cases} C / n_i & n_i > C \\\\ 1 & \\text{otherwise} \\end{cases},
+        \\qquad \\text{summed} = \\sum_i m_i\\, g_i, \\qquad
+        \\text{num\\_clipped} = \\#\\{i : m_i < 1\\}
+
+    The same result as :func:`optax.per_example_global_norm_clip` (Abadi et al.
+    2016), with these differences: norms are measured by the overflow-safe norm
+    engine in float32 for 16-bit leaves; the sum is one ``dot_general`` per leaf
+    in the accumulation dtype at full precision, with an explicit output sharding,
+    so it also works when the batch axis is explicitly sharded (optax's
+    ``tensordot`` raises ``ShardingTypeError`` there); a zero-norm
+    example gets multiplier 1 (no NaN, also for ``C=0``); an empty tree gives
+    ``([], 0)``. A non-finite example gets multiplier 1 and its NaN/inf
+    propagates into the sum (it is never silently dropped).
+
+    Args:
+      grads: a pytree (a list, as in optax, or any tree) of per-example gradients,
+        every floating-point leaf with the batch on axis 0.
+      l2_norm_clip: :math:`C \\ge 0` (number or array, traced too).
+
+    Returns:
+      ``(summed, num_clipped)``: the tree of summed clipped gradients (leaves of
+      shape ``leaf.shape[1:]``, summed in float32 or wider and returned, as optax
+      does, in the promoted dtype of all leaves: bfloat16 for an all-bfloat16
+      tree, float32 for a mixed one; integer leaves count as float32) and the
+      int32 number of examples that were scaled down. A single example's
+      clipped gradient, as returned, has norm at most :math:`C`, rounding included.
+
+    Raises:
+      ValueError: for a leaf without a batch axis or with a different batch size
+        (the message names the leaf), or a negative / NaN ``l2_norm_clip``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from gradclip_jax.per_example import per_example_global_norm_clip
+      >>> grads = [jnp.array([[0., 0, 0], [0, 3, 4], [4, 0, 3], [3, 4, 0]])]
+      >>> per_example_global_norm_clip(grads, 1.25)
+      ([Array([1.75, 1.75, 1.75], dtype=float32)], Array(3, dtype=int32))
+    """
+    fn = "per_example_global_norm_clip"
+    check_scalar(fn, "l2_norm_clip", l2_norm_clip)
+    flat, _ = batch_flatten(_promote_ints(grads), fn)
+    arrays = flat.arrays
+    if not arrays:
+        return grads, count0()
+    out = np.dtype(jnp.result_type(*[x.dtype for x in arrays]))  # optax's: the tree's promoted dtype
+    summed, w = clip_and_sum([as_rows(x) for x in arrays], l2_norm_clip,
+                             factor_fn=lambda n, c: clip_factors(n, c, out))
+    num_clipped = jnp.sum(w.factors[0] < 1).astype(jnp.int32)
+    return flat.rebuild([s.astype(out) for s in unrow(summed, arrays)]), num_clipped
+
+
+def per_example_layer_norm_clip(
+    grads: Any, global_l2_norm_clip: Any, uniform: bool = True
+) -> tuple[Any, Any]:
+    """Clips each leaf of each example's gradient to its own budget and sums.
+
+    With :math:`K` leaves, leaf :math:`k` of every example is clipped to
+
+    .. math:: C_k = \\begin{cases} C/\\sqrt{K} & \\text{uniform} \\\\ C\\sqrt{D_k / D} & \\text{otherwise} \\end{cases}
+
+    (:math:`D_k` the number of parameters of leaf :math:`k` per example, :math:`D`
+    their total), so :math:`\\sum_k C_k^2 = C^2` and each example's whole gradient
+    still has norm at most :math:`C`. The same result as
+    :func:`optax.per_example_layer_norm_clip` (McMahan et al. 2017), NaN-free at
+    zero norms, overflow-safe and shardable as :func:`per_example_global_norm_clip`.
+
+    Args:
+      grads: a pytree of per-example gradients (batch on axis 0 of every leaf).
+      global_l2_norm_clip: :math:`C \\ge 0`.
+      uniform: the budget rule above (default ``True``: equal budgets).
+
+    Returns:
+      ``(sums, counts)``: two trees shaped like ``grads``: the per-leaf sums of
+      clipped gradients (summed in float32 or wider, returned in each leaf's
+      dtype as optax does; integer leaves as float32) and the per-leaf int32 numbers of
+      examples whose leaf was scaled down.
+
+    Raises:
+      ValueError: as :func:`per_example_global_norm_clip`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from gradclip_jax.per_example import per_example_layer_norm_clip
+      >>> grads = [jnp.array([[3., 4.], [0., 0.]]), jnp.array([[1.], [2.]])]
+      >>> sums, counts = per_example_layer_norm_clip(grads, 2.0)  # C_k = sqrt(2)
+      >>> [s.round(5) for s in sums]  # clipped rows sit a few ulp inside C_k
+      [Array([0.84853, 1.13137], dtype=float32), Array([2.41421], dtype=float32)]
+      >>> counts
+      [Array(1, dtype=int32), Array(1, dtype=int32)]
+    """
+    fn = "per_example_layer_norm_clip"
+    check_scalar(fn, "global_l2_norm_clip", global_l2_norm_clip)
+    uniform = bool(static_value(fn, "uniform", uniform))
+    flat, _ = batch_flatten(_promote_ints(grads), fn)
+    arrays = flat.arrays
+    if not arrays:
+        return grads, grads
+    budgets = layer_budgets(arrays, global_l2_norm_clip, uniform)
+    sums: list[Any] = [None] * len(arrays)
+    counts: list[Any] = [None] * len(arrays)
+    for dtype in {np.dtype(x.dtype) for x in arrays}:  # leaves clip independently: one margin per dtype
+        idx = [i for i, x in enumerate(arrays) if np.dtype(x.dtype) == dtype]
+        part = [arrays[i] for i in idx]
+        got, w = clip_and_sum([as_rows(x) for x in part], [budgets[i] for i in idx],
+                              factor_fn=functools.partial(clip_factors, store=dtype))
+        for i, g, x, f in zip(idx, unrow(got, part), part, w.factors, strict=True):
+            sums[i] = g.astype(x.dtype)  # optax: each leaf's dtype
+            counts[i] = jnp.sum(f < 1).astype(jnp.int32)
+    return flat.rebuild(sums), flat.rebuild(counts)
+
+
+def per_example_norms(grads: Any) -> jax.Array:
+    """The global L2 norm of each example's gradient, shape ``(B,)``.
+
+    Args:
+      grads: per-example gradients (batch on axis 0 of every leaf).
+
+    Returns:
+      The norms in the accumulation dtype (float32 for 16-bit leaves), finite
+      whenever the gradients are.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from gradclip_jax.per_example import per_example_norms
+      >>> per_example_norms({'a': jnp.array([[3.0], [0.0]]), 'b': jnp.array([[4.0], [1.0]])})
+      Array([5., 1.], dtype=float32)
+    """
+    flat, batch = batch_flatten(grads, "per_example_norms")
+    return example_norms(flat.arrays, batch or 0)

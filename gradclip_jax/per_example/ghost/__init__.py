@@ -1,0 +1,17 @@
+"""Ghost clipping: per-example gradient norms without per-example gradients.
+
+The public face is :mod:`gradclip_jax.ghost` (its module doc describes the
+method). Here: ``_jaxpr`` (tracing and evaluation), ``_analysis`` (the plan:
+which leaf is measured how), ``rules`` (one file per primitive family, one
+table), ``_measure`` and ``_sums`` (norms and clipped sums), ``_strategy`` (the
+``clipped_grad`` implementation).
+"""
+
+from gradclip_jax.per_example.ghost._analysis import (
+    AUTO_MIN_ELEMENTS,
+    BOOKKEEPING_MAX_SHARE,
+    GhostReport,
+    ghost_report,
+)
+
+__all__ = ["AUTO_MIN_ELEMENTS", "BOOKKEEPING_MAX_SHARE", "GhostReport", "ghost_report"]

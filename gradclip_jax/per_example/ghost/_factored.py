@@ -1,0 +1,80 @@
+"""Tied leaves whose every use factors into per-position vectors: the norm of the
+sum of the uses' gradients from inner products of the factors, cross terms included.
+
+.. math:: \\Big\\|\\sum_i G_{b,i}\\Big\\|_F^2 = \\sum_{i,j} \\sum_{t,s}
+          \\langle x_{bit}, x_{bjs}\\rangle \\langle y_{bit}, y_{bjs}\\rangle
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from gradclip_jax._numerics import hi_einsum, sqrt_nonneg
+from gradclip_jax.per_example.ghost.rules import Factor, Site
+
+# Chain operations a factored use may go through (anything else: no factors).
+_CAST = frozenset({"convert_element_type", "copy", "copy_p"})
+
+
+def _chain_perm(closed: Any, chain: Sequence[int]) -> list[int] | None:
+    """``perm[i]``: the leaf axis that is axis ``i`` of the operand, through transposes and casts."""
+    perm = [0, 1]
+    for k in chain:
+        e = closed.jaxpr.eqns[k]
+        if e.primitive.name == "transpose":
+            perm = [perm[p] for p in e.params["permutation"]]
+        elif e.primitive.name not in _CAST:
+            return None
+    return perm
+
+
+def site_factors(closed: Any, site: Site, ops: Sequence[Any], g: jax.Array, leaf: jax.Array,
+                 acc: Any) -> tuple[Factor, Factor] | None:
+    """A use of a 2-D leaf as a sum of outer products, ``G_b = sum_t x_bt (x) y_bt``, or ``None``."""
+    if leaf.ndim != 2:
+        return None
+    perm = _chain_perm(closed, site.chain)
+    if perm is None:
+        return None
+    return site.rule.factors(site, closed.jaxpr.eqns[site.eqn], ops, g, acc, perm)
+
+
+def _factor_inner(f: Factor, h: Factor) -> jax.Array:
+    """``<x_bt, x'_bs>`` for all positions: ``(B, T, S)``."""
+    (kf, xf), (kh, xh) = f, h
+    if kf == "dense" and kh == "dense":
+        return hi_einsum("btn,bsn->bts", xf, xh)
+    if kf == "onehot" and kh == "onehot":
+        return (xf[:, :, None] == xh[:, None, :]).astype(jnp.float32)
+    if kf == "dense":  # x_bt[ids_bs]
+        return jnp.swapaxes(_factor_inner(h, f), 1, 2)
+    cols = jnp.swapaxes(xh, 1, 2)  # (B, n, S): x'_bs[ids_bt] for every t
+    return jnp.take_along_axis(cols, xf[:, :, None], axis=1)
+
+
+def factored_norm(factors: Sequence[tuple[Factor, Factor]], acc: Any) -> jax.Array:
+    """Per-example Frobenius norm of ``sum_i G_i`` from the factors of every use ``i``.
+
+    Each pair of uses once (doubled), in ``O(T_i T_j (n_0 + n_1))`` per example
+    and pair: nothing of the leaf's size is formed.
+    """
+    total = None
+    for i, (xi, yi) in enumerate(factors):
+        for j in range(i, len(factors)):
+            xj, yj = factors[j]
+            term = jnp.sum(_factor_inner(xi, xj).astype(acc) * _factor_inner(yi, yj).astype(acc), axis=(1, 2))
+            term = term if i == j else 2 * term
+            total = term if total is None else total + term
+    assert total is not None
+    return sqrt_nonneg(total)
+
+
+def factored_is_cheaper(factors: Sequence[tuple[Factor, Factor]], shape: tuple[int, ...]) -> bool:
+    """Inner products of the factors cost less than forming each use's gradient."""
+    ts = [x[1].shape[1] for x, _ in factors]
+    n0, n1 = shape
+    return sum(ti * tj for ti in ts for tj in ts) * (n0 + n1) < sum(ts) * n0 * n1

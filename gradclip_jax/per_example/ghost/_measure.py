@@ -1,0 +1,125 @@
+"""Per-leaf per-example norms on the ghost path: from each site's operands and
+output cotangent (by its rule), from factors for tied leaves, or from that leaf's
+per-example gradients alone (local pull-backs, or vmap for fallback leaves)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gradclip_jax import norms as _norms
+from gradclip_jax.per_example._batch import Call, match_batch_sharding, one_example_loss
+from gradclip_jax.per_example._config import ClipConfig
+from gradclip_jax.per_example._measure import as_rows, leaf_example_norms
+from gradclip_jax.per_example.ghost._analysis import Traced
+from gradclip_jax.per_example.ghost._factored import (
+    factored_is_cheaper,
+    factored_norm,
+    site_factors,
+)
+from gradclip_jax.per_example.ghost._jaxpr import replay
+from gradclip_jax.per_example.ghost.rules import Site
+
+
+class Pass(NamedTuple):
+    """What the probed forward and backward pass gives: per-example losses, the
+    pull-back, and every site's operands and output cotangents."""
+
+    losses: jax.Array
+    pull: Any
+    operands: list[Any]
+    cts: list[Any]
+
+
+class LeafNorms(NamedTuple):
+    norms: dict[int, jax.Array]  # per-example norm of each measured leaf, (B,)
+    rows: dict[int, jax.Array]  # per-example gradients of the leaves that had to form them, (B, D)
+    acc: Any  # the accumulation dtype of the norms
+
+
+def apply_site(closed: Any, site: Site, vals: Sequence[Any], param: jax.Array) -> jax.Array:
+    """The site's one operation on ``vals``, with ``param`` (through its chain) as the parameter operand."""
+    return replay(closed, site.eqn, site.chain, vals, site.pos, param)
+
+
+def _local_grads(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any], g: jax.Array) -> jax.Array:
+    """Per-example gradients of one parameter leaf through one operation only, ``(B, *leaf)``.
+
+    Example ``b``'s gradient is the pull-back of ``g_b`` through that single
+    operation evaluated on row ``b`` of its batched operands, and through the
+    parameter's chain (cast, reshape, broadcast): the leaf's size per example.
+    """
+
+    def one(row_vals: list, gb: jax.Array) -> jax.Array:
+        vals = list(invals)
+        for r, x in zip(site.rows, row_vals, strict=True):
+            vals[r] = jnp.expand_dims(x, 0)
+        out, pull = jax.vjp(lambda w: apply_site(closed, site, vals, w), param)
+        return pull(jnp.expand_dims(gb, 0).astype(out.dtype))[0]  # type: ignore[no-any-return]
+
+    ref = invals[site.rows[0]]
+    row_vals = [match_batch_sharding(invals[r], ref) for r in site.rows]  # vmap needs one batch sharding
+    return jax.vmap(one)(row_vals, match_batch_sharding(g, ref))  # type: ignore[no-any-return]
+
+
+def _fallback_rows(config: ClipConfig, call: Call, fb: Sequence[int], batch: Any) -> list[jax.Array]:
+    """Per-example gradients of the fallback leaves only (others held fixed), one row per example."""
+    scalar_loss = one_example_loss(config.loss_fn, config.has_aux)
+    pflat = call.pflat
+
+    def one(sub: list, example: Any, *a: Any) -> list:
+        def f(s: list) -> jax.Array:
+            leaves = list(pflat.leaves)
+            for i, x in zip(fb, s, strict=True):
+                leaves[i] = x
+            return scalar_loss(jax.tree_util.tree_unflatten(pflat.treedef, leaves), example, *a)[0]  # type: ignore[no-any-return]
+
+        return jax.grad(f)(sub)  # type: ignore[no-any-return]
+
+    in_axes = (None, 0) + (None,) * len(call.args)
+    sub = [pflat.leaves[i] for i in fb]
+    g = jax.vmap(one, in_axes=in_axes, spmd_axis_name=config.spmd_axis_name)(sub, batch, *call.args)
+    return [as_rows(x) for x in g]
+
+
+def _factored_norms(traced: Traced, pflat: _norms.FlatTree, fwd: Pass, uses: Counter, acc: Any) -> dict[int, jax.Array]:
+    """Norms of the tied leaves whose every use factors (and for which that is cheaper)."""
+    factored: dict[int, list | None] = {}
+    for s, ops, g in zip(traced.plan.sites, fwd.operands, fwd.cts, strict=True):
+        prev = factored.get(s.leaf, [])
+        if uses[s.leaf] > 1 and prev is not None:
+            f2 = site_factors(traced.closed, s, ops, g, pflat.leaves[s.leaf], acc)
+            factored[s.leaf] = None if f2 is None else [*prev, f2]
+    return {i: factored_norm(fl, acc) for i, fl in factored.items()
+            if fl is not None and factored_is_cheaper(fl, pflat.leaves[i].shape)}
+
+
+def leaf_norms(config: ClipConfig, call: Call, traced: Traced, batch: Any, fwd: Pass) -> LeafNorms:
+    """The per-example norm of every measured leaf, and the rows of those whose gradients were formed."""
+    closed, plan = traced
+    pflat = call.pflat
+    acc = _norms.tree_acc_dtype(pflat.arrays) if pflat.arrays else np.dtype(np.float32)
+    uses = Counter(s.leaf for s in plan.sites)
+    norms = _factored_norms(traced, pflat, fwd, uses, acc)
+    local: dict[int, jax.Array] = {}  # summed per-example gradients of tied / local leaves
+    for s, ops, g in zip(plan.sites, fwd.operands, fwd.cts, strict=True):
+        if s.leaf in norms:  # a factored tied leaf
+            continue
+        n = s.rule.norm(s, closed.jaxpr.eqns[s.eqn], ops, g, acc) if uses[s.leaf] == 1 else None
+        if n is not None:
+            norms[s.leaf] = n
+            continue
+        lg = _local_grads(closed, s, pflat.leaves[s.leaf], ops, g).astype(acc)
+        local[s.leaf] = lg if s.leaf not in local else local[s.leaf] + lg
+    rows = {i: as_rows(lg) for i, lg in local.items()}
+    fb = [i for i in pflat.active if i not in plan.ghost]
+    if fb:
+        rows.update(zip(fb, _fallback_rows(config, call, fb, batch), strict=True))
+    for i, r in rows.items():
+        norms[i] = leaf_example_norms([r])[0]
+    return LeafNorms(norms, rows, acc)

@@ -1,0 +1,113 @@
+"""The ghost strategy: one trace and analysis of the loss, one probed forward and
+backward pass, norms from activations and cotangents, then the clipped sum."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from gradclip_jax.per_example._batch import (
+    Call,
+    first_leaf,
+    match_batch_sharding,
+    one_example_loss,
+    vary_like,
+)
+from gradclip_jax.per_example._chunks import run_chunks
+from gradclip_jax.per_example._config import ClipConfig, ClippedGradInfo, GhostSum
+from gradclip_jax.per_example._measure import clip_budgets, from_leaf_norms
+from gradclip_jax.per_example._sums import clip_flags, weigh
+from gradclip_jax.per_example._vmap import run_vmap
+from gradclip_jax.per_example.ghost._analysis import Traced, sum_mode, trace_and_plan, use_ghost
+from gradclip_jax.per_example.ghost._jaxpr import run_probed, shape
+from gradclip_jax.per_example.ghost._measure import Pass, leaf_norms
+from gradclip_jax.per_example.ghost._sums import backward_sums, bookkept_sums, clipped_sums
+
+
+def _trace(config: ClipConfig, call: Call, batch: Any, check: bool) -> Traced:
+    bsize = first_leaf(batch).shape[0]
+    return trace_and_plan(config.loss_fn, config.has_aux, config.fn, call.params, call.pflat, batch, call.args,
+                          bsize, check=check)
+
+
+def _forward(call: Call, traced: Traced, batch: Any, backward: bool) -> Pass:
+    """One forward pass with a zero probe on every site's output, and the pull-back to the probes.
+
+    For the second backward pass the forward is linearized with respect to the
+    parameters too (and pulled back twice); book-keeping holds them fixed.
+    """
+    closed, plan = traced
+    ref = first_leaf(call.batch)
+    outs = [closed.jaxpr.eqns[s.eqn].outvars[0] for s in plan.sites]
+    probes = [vary_like(jnp.zeros(shape(v), v.aval.dtype), ref) for v in outs]
+    at = {s.eqn: j for j, s in enumerate(plan.sites)}
+
+    def probed(p: Any, pr: list) -> tuple:
+        res, operands = run_probed(closed, jax.tree_util.tree_leaves((p, batch, call.args)), at, pr)
+        return res[0], operands
+
+    losses: jax.Array
+    operands: list[Any]
+    if backward:
+        losses, pull, operands = jax.vjp(probed, call.params, probes, has_aux=True)
+        return Pass(losses, pull, operands, pull(jnp.ones_like(losses))[1])
+    losses, pull, operands = jax.vjp(lambda pr: probed(call.params, pr), probes, has_aux=True)
+    return Pass(losses, pull, operands, pull(jnp.ones_like(losses))[0])
+
+
+def _values_and_aux(config: ClipConfig, call: Call, batch: Any, losses: jax.Array) -> tuple[jax.Array, Any]:
+    """Per-example losses, and with ``has_aux`` the per-example aux (one forward per example)."""
+    if not config.has_aux:
+        return losses, None
+    scalar_loss = one_example_loss(config.loss_fn, config.has_aux)
+    in_axes = (0,) + (None,) * len(call.args)
+    return jax.vmap(lambda ex, *a: scalar_loss(call.params, ex, *a), in_axes=in_axes,  # type: ignore[no-any-return]
+                    spmd_axis_name=config.spmd_axis_name)(batch, *call.args)
+
+
+def _chunk(config: ClipConfig, call: Call, traced: Traced, clips: Any, batch: Any, valid: jax.Array | None) -> tuple:
+    """``(sums, norms, flags, values, aux)`` of the examples of ``batch`` (the whole batch or a microbatch)."""
+    m = first_leaf(batch).shape[0]
+    if m != call.bsize:  # a microbatch: the jaxpr and plan at its size
+        traced = _trace(config, call, batch, check=False)
+    backward = sum_mode(config, traced) is GhostSum.BACKWARD
+    fwd = _forward(call, traced, batch, backward)
+    measured = leaf_norms(config, call, traced, batch, fwd)
+    ref = first_leaf(batch)
+    acc = measured.acc
+    acc_norms = [match_batch_sharding(measured.norms.get(i, jnp.zeros((m,), acc)).astype(acc), ref)
+                 for i in call.pflat.active]
+    if valid is not None:
+        valid = match_batch_sharding(valid, ref)
+    vals, aux = _values_and_aux(config, call, batch, fwd.losses)
+    w = weigh(from_leaf_norms(acc_norms, clips is not None), config.l2_clip_norm if clips is None else clips,
+              len(acc_norms), factor_fn=config.factors, valid=valid, nan_safe=config.nan_safe)
+    ws = [lax.stop_gradient(f) for f in w.factors]
+    if w.keep is not None:  # dropped examples weigh 0 (enough when they are finite)
+        ws = [jnp.where(w.keep, x, jnp.zeros_like(x)) for x in ws]
+
+    def fast() -> list[jax.Array]:
+        if backward:
+            return backward_sums(config, fwd, ws)
+        return bookkept_sums(traced, call.pflat, fwd, measured.rows, ws)
+
+    sums = clipped_sums(fast, config, call, batch, ws, w.keep, w.finite)
+    flags, ns = clip_flags(w, valid, clips is not None)
+    return sums, ns, flags, vals, aux
+
+
+def run_ghost(config: ClipConfig, call: Call) -> tuple[Any, ClippedGradInfo]:
+    """``(grads, info)`` by ghost clipping, or by the vmap strategy when no leaf can be measured
+    without materializing (or ``method='auto'`` finds ghost clipping not worth it)."""
+    traced = _trace(config, call, call.batch, check=True)
+    if not use_ghost(traced.plan, call.pflat, call.bsize, config.method):
+        return run_vmap(config, call, checked=True)
+    clips = clip_budgets(config, call.params, call.pflat)
+
+    def chunk(batch: Any, valid: jax.Array | None) -> tuple:
+        return _chunk(config, call, traced, clips, batch, valid)
+
+    return run_chunks(chunk, config, call)

@@ -1,0 +1,106 @@
+"""Clipped sums on the ghost path, once the clip weights are known: a second
+backward pass, book-keeping, and the NaN-safe path both fall back to."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from gradclip_jax import norms as _norms
+from gradclip_jax.per_example._batch import (
+    Call,
+    batch_axis_sharding,
+    first_leaf,
+    one_example_loss,
+    vary_like,
+)
+from gradclip_jax.per_example._config import ClipConfig
+from gradclip_jax.per_example._measure import as_rows, unrow
+from gradclip_jax.per_example._sums import fused_sums, scan_weighted_sum
+from gradclip_jax.per_example.ghost._analysis import Traced
+from gradclip_jax.per_example.ghost._measure import Pass, apply_site
+from gradclip_jax.per_example.ghost.rules import Site
+
+
+def backward_sums(config: ClipConfig, fwd: Pass, ws: Sequence[jax.Array]) -> list[jax.Array]:
+    """:math:`\\nabla_\\theta \\sum_b c_b \\ell_b`: the pull-back of the weights through the loss."""
+    g = _norms.flatten(fwd.pull(ws[0].astype(fwd.losses.dtype))[0], config.fn).arrays
+    return [x.astype(_norms.acc_dtype(x.dtype)) for x in g]
+
+
+def _site_sum(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any], g: jax.Array,
+              w: jax.Array) -> jax.Array:
+    """``sum_b w_b G_b`` for one use of a leaf: the pull-back of ``w_b g_b`` through its one operation."""
+    shape = (1,) * site.out_axis + (-1,) + (1,) * (g.ndim - site.out_axis - 1)
+    ct = g * w.reshape(shape).astype(g.dtype)
+    _, pull = jax.vjp(lambda p: apply_site(closed, site, invals, p), param)
+    return pull(ct)[0]  # type: ignore[no-any-return]
+
+
+def bookkept_sums(traced: Traced, pflat: _norms.FlatTree, fwd: Pass, rows: dict[int, jax.Array],
+                  weights: Sequence[jax.Array]) -> list[jax.Array]:
+    """The clipped sum of every active leaf, :math:`\\sum_b c_{b,l} G_{b,l}`, by book-keeping.
+
+    Nothing is differentiated a second time: a dense or embedding leaf's sum is
+    the pull-back of the reweighted cotangent through its one operation at the
+    whole batch (for a dense layer, :math:`a^\\top \\mathrm{diag}(c)\\, g`),
+    summed over its uses for a tied leaf; a leaf whose per-example gradients were
+    formed anyway (``rows``) is their weighted row sum. ``weights`` holds one
+    ``(B,)`` vector per active leaf, already 0 for dropped examples.
+    """
+    w_of = dict(zip(pflat.active, weights, strict=True))
+    row_ids = [i for i in pflat.active if i in rows]
+    totals: dict[int, jax.Array] = {}
+    if row_ids:
+        totals.update(zip(row_ids, fused_sums([rows[i] for i in row_ids], [w_of[i] for i in row_ids]),
+                          strict=True))
+    for s, o, g in zip(traced.plan.sites, fwd.operands, fwd.cts, strict=True):  # every use of the other leaves
+        i = s.leaf
+        if i in rows or i not in w_of:
+            continue
+        total = _site_sum(traced.closed, s, pflat.leaves[i], o, g, w_of[i])
+        total = total.astype(_norms.acc_dtype(pflat.leaves[i].dtype))
+        totals[i] = total if i not in totals else totals[i] + total
+    out = []
+    for i in pflat.active:
+        leaf = pflat.leaves[i]
+        acc = _norms.acc_dtype(leaf.dtype)
+        t = totals.get(i)
+        total = jnp.zeros(leaf.shape, acc) if t is None else t  # None: an unused leaf
+        out.append(jnp.reshape(total, leaf.shape).astype(acc))
+    return out
+
+
+def clipped_sums(fast: Callable[[], list[jax.Array]], config: ClipConfig, call: Call, batch: Any,
+                 ws: Sequence[jax.Array], keep: jax.Array | None, finite: jax.Array) -> list[jax.Array]:
+    """The clipped sums, ``fast()`` (second backward pass or book-keeping) unless that could leak NaN.
+
+    A weight of 0 removes an example's contribution exactly when its values are
+    finite; a dropped example with a non-finite norm could leak NaN through
+    ``0 * inf`` in the shared computation, so then (rarely) a ``lax.cond`` takes
+    a path that forms each kept example's gradient in turn.
+    """
+    if keep is None:
+        return fast()
+    pflat = call.pflat
+    scalar_loss = one_example_loss(config.loss_fn, config.has_aux)
+
+    def grad_of(example: Any) -> Any:
+        return jax.grad(lambda p: scalar_loss(p, example, *call.args)[0])(call.params)
+
+    def safe(_: Any) -> list[jax.Array]:
+        if batch_axis_sharding(first_leaf(batch))[0] is not None:
+            # a scan cannot run over a sharded axis: form the per-example gradients
+            arrays = _norms.flatten(jax.vmap(grad_of)(batch), config.fn).arrays
+            sums = fused_sums([as_rows(x) for x in arrays], list(ws), keep, jnp.zeros_like(keep))
+            return unrow(sums, arrays)
+        ref = first_leaf(batch)
+        init = [vary_like(jnp.zeros(x.shape, _norms.acc_dtype(x.dtype)), ref) for x in pflat.arrays]
+        return scan_weighted_sum(init, keep, ws, batch, lambda ex: _norms.flatten(grad_of(ex), config.fn).arrays)
+
+    risky = jnp.any(~keep & ~finite)
+    return lax.cond(risky, safe, lambda _: fast(), None)  # type: ignore[no-any-return]

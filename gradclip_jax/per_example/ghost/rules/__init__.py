@@ -1,0 +1,28 @@
+"""Per-primitive rules of ghost clipping, one file per family, in one table
+(:data:`RULES`, filled by each family's ``register`` calls)."""
+
+from gradclip_jax.per_example.ghost.rules import (
+    calls,
+    conv,
+    dense,
+    elementwise,
+    gather,
+    random,
+    structural,
+)
+from gradclip_jax.per_example.ghost.rules._registry import (
+    CONST,
+    MIXED,
+    ROW,
+    RULES,
+    Factor,
+    Rule,
+    Site,
+    State,
+    Use,
+    row_rule,
+    rule_for,
+)
+
+__all__ = ["CONST", "MIXED", "ROW", "RULES", "Factor", "Rule", "Site", "State", "Use", "row_rule", "rule_for",
+           "calls", "conv", "dense", "elementwise", "gather", "random", "structural"]

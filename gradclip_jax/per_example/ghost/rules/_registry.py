@@ -1,0 +1,192 @@
+"""The rule protocol of ghost clipping and the one table of rules, by primitive name.
+
+A :class:`Rule` says, for the primitives it is registered under, how the
+"row-wise" property propagates (:meth:`Rule.row`), which uses of a parameter
+are measured without per-example gradients (:meth:`Rule.classify`), how
+(:meth:`Rule.norm`), and how a use factors into per-position vectors for tied
+leaves (:meth:`Rule.factors`). Adding a primitive is one :func:`register` call
+in the file of its family.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from gradclip_jax.per_example.ghost._jaxpr import is_literal, shape
+
+
+class Tag(enum.Enum):
+    """A value that does not depend on the batch (``CONST``), or mixes examples (``MIXED``)."""
+
+    CONST = "const"
+    MIXED = "mixed"
+
+
+# A value's state: an int ``k`` (it carries the batch on axis ``k``, one example
+# per slice, computed from that example alone) or a Tag. ROW is the batch on axis 0.
+State = int | Tag
+ROW, CONST, MIXED = 0, Tag.CONST, Tag.MIXED
+
+# A factor of a per-example gradient along one axis of a 2-D leaf: ("dense", X)
+# with X of shape (B, T, n) (one vector per position), or ("onehot", ids) with
+# ids of shape (B, T) (the basis vector e_id per position).
+Factor = tuple[str, jax.Array]
+
+
+@dataclass(frozen=True)
+class RowCtx:
+    """One equation and its input states, for :meth:`Rule.row`."""
+
+    eqn: Any
+    states: list[State]
+    bsize: int
+
+    @property
+    def params(self) -> Any:
+        return self.eqn.params
+
+    @property
+    def ins(self) -> list[tuple[int, ...]]:
+        return [shape(v) for v in self.eqn.invars]
+
+    @property
+    def outs(self) -> list[tuple[int, ...]]:
+        return [shape(v) for v in self.eqn.outvars]
+
+    @property
+    def rows(self) -> list[int]:
+        """Operand positions that carry the batch (on some axis)."""
+        return [i for i, s in enumerate(self.states) if isinstance(s, int)]
+
+    @property
+    def k0(self) -> int | None:
+        """The batch axis when every batched operand has it on the same axis."""
+        axes = {self.states[i] for i in self.rows}
+        return int(next(iter(axes))) if len(axes) == 1 else None  # type: ignore[arg-type]
+
+    def mixed(self) -> list[State]:
+        return [MIXED] * len(self.eqn.outvars)
+
+    def res(self, ok: bool) -> list[State]:
+        """Row-wise on axis 0 if ``ok`` and every output has the batch on axis 0."""
+        ok_out = all(len(o) >= 1 and o[0] == self.bsize for o in self.outs)
+        return [ROW if (ok and ok_out) else MIXED] * len(self.eqn.outvars)
+
+    def res_at(self, k: Any) -> list[State]:
+        """Row-wise on axis ``k`` if every output has the batch there."""
+        k = int(k)  # params may hold numpy integers
+        ok = all(0 <= k < len(o) and o[k] == self.bsize for o in self.outs)
+        return [k if ok else MIXED] * len(self.eqn.outvars)
+
+
+@dataclass(frozen=True)
+class Use:
+    """One use of a parameter leaf (through its ``chain``) as operand ``pos`` of equation ``k``."""
+
+    eqn: Any
+    k: int
+    pos: int
+    leaf: int
+    chain: list[int]
+    bcast: bool  # the chain broadcasts the leaf
+    in_states: list[State]
+    out_states: list[State]
+
+    def row_operands(self) -> tuple[int, ...] | None:
+        """Operand positions with the batch on axis 0, if the output and every batched operand has it there."""
+        if self.out_states[0] != ROW or any(isinstance(s, int) and s != 0 for s in self.in_states):
+            return None
+        return tuple(i for i, s in enumerate(self.in_states) if s == ROW)
+
+
+@dataclass(frozen=True)
+class Site:
+    """A recognised use of one parameter leaf (by the top-level equation ``eqn``)."""
+
+    kind: str  # the rule's kind: 'dense' | 'elementwise' | 'embedding' | 'conv'
+    rule: Rule
+    leaf: int  # index into the flattened params
+    eqn: int
+    pos: int  # operand position of the parameter (after its chain)
+    chain: list[int]  # top-level equations from the parameter to the operand
+    rows: tuple[int, ...] = ()  # operand positions carrying the batch on axis 0
+    axis: int = 0  # dense: the batch axis of the batched operand (the others: 0)
+    out_axis: int = 0  # the batch axis of the operation's output
+
+
+class Rule:
+    """How ghost clipping treats one family of primitives (defaults: unknown, mixes examples)."""
+
+    primitives: tuple[str, ...] = ()
+    kind: str = ""
+
+    def row(self, c: RowCtx) -> list[State]:
+        return c.mixed()
+
+    def classify(self, use: Use) -> Site | None:
+        """A :class:`Site` when this use of a parameter is measured without its per-example gradients."""
+        return None
+
+    def site(self, use: Use, rows: tuple[int, ...], axis: int = 0, out_axis: int = 0) -> Site:
+        return Site(self.kind, self, use.leaf, use.k, use.pos, use.chain, rows, axis, out_axis)
+
+    def norm(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any) -> jax.Array | None:
+        """Per-example norm of a once-used leaf's gradient; ``None``: form that leaf's gradients."""
+        return None
+
+    def factors(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any,
+                perm: list[int]) -> tuple[Factor, Factor] | None:
+        """This use of a 2-D leaf as ``sum_t x_t (x) y_t``: the factors along leaf axes 0 and 1, or ``None``.
+
+        ``perm[i]`` is the leaf axis that is axis ``i`` of the operand.
+        """
+        return None
+
+
+RULES: dict[str, Rule] = {}
+_UNKNOWN = Rule()
+
+
+def register(rule: Rule) -> Rule:
+    """Adds ``rule`` to the table under each of its primitive names."""
+    for name in rule.primitives:
+        if name in RULES:
+            raise ValueError(f"ghost rules: primitive {name!r} registered twice")
+        RULES[name] = rule
+    return rule
+
+
+def rule_for(name: str) -> Rule:
+    return RULES.get(name, _UNKNOWN)
+
+
+def row_rule(eqn: Any, states: list[State], bsize: int) -> list[State]:
+    """Output states of one equation given its input states (row-wise propagation)."""
+    n_out = len(eqn.outvars)
+    if all(s == CONST for s in states):
+        return [CONST] * n_out
+    if any(s == MIXED for s in states):
+        return [MIXED] * n_out
+    return rule_for(eqn.primitive.name).row(RowCtx(eqn, states, bsize))
+
+
+def row_states(jaxpr: Any, in_states: Sequence[State], bsize: int) -> list[State]:
+    """Propagates the row-wise property through ``jaxpr`` (constvars are constant)."""
+    env: dict[Any, State] = dict(zip(jaxpr.invars, in_states, strict=True))
+
+    def read(v: Any) -> State:
+        return CONST if is_literal(v) else env.get(v, CONST)
+
+    for eqn in jaxpr.eqns:
+        env.update(zip(eqn.outvars, row_rule(eqn, [read(v) for v in eqn.invars], bsize), strict=True))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def axis0_only(c: RowCtx) -> bool:
+    """Every batched operand has the batch on axis 0 (the rules that only follow axis 0)."""
+    return {c.states[i] for i in c.rows} == {0}

@@ -1,0 +1,111 @@
+"""``dot_general``: the batch may be on any free axis; a parameter operand is a ``dense`` site.
+
+With the batched operand ``a_b`` as ``(T, D)`` and the output cotangent ``g_b``
+as ``(T, P)``, the per-example gradient is :math:`a_b^\\top g_b` and its norm is
+:math:`\\|a_b\\|\\|g_b\\|` (``T = 1``) or :math:`\\sqrt{\\langle a_b a_b^\\top, g_b g_b^\\top\\rangle}`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from gradclip_jax._numerics import hi_einsum, sqrt_nonneg
+from gradclip_jax.per_example._measure import leaf_example_norms
+from gradclip_jax.per_example.ghost._jaxpr import shape
+from gradclip_jax.per_example.ghost.rules._registry import (
+    CONST,
+    Factor,
+    RowCtx,
+    Rule,
+    Site,
+    State,
+    Use,
+    register,
+)
+
+
+def _free(dims: int, contracted: Sequence[int], batch: Sequence[int]) -> list[int]:
+    return [d for d in range(dims) if d not in contracted and d not in batch]
+
+
+def dense_views(site: Site, eqn: Any, a: jax.Array, g: jax.Array, acc: Any) -> tuple[jax.Array, jax.Array]:
+    """``(a3, g3)``: a dense site's operand as ``(B, T, D)`` and cotangent as ``(B, T, P)``."""
+    (lc, rc), _ = eqn.params["dimension_numbers"]
+    a_pos, k = 1 - site.pos, site.axis
+    ca = tuple(lc if a_pos == 0 else rc)
+    n_lhs_free = len(shape(eqn.invars[0])) - len(lc)
+    n_rhs_free = len(shape(eqn.invars[1])) - len(rc)
+    a_free = [d for d in range(a.ndim) if d not in ca]
+    offset = 0 if a_pos == 0 else n_lhs_free
+    w_out = list(range(n_lhs_free, n_lhs_free + n_rhs_free)) if a_pos == 0 else list(range(n_lhs_free))
+    seq = [d for d in a_free if d != k]
+    g_perm = (offset + a_free.index(k), *[offset + a_free.index(d) for d in seq], *w_out)
+    bsz = a.shape[k]
+    t = math.prod(a.shape[d] for d in seq)
+    dsz = math.prod(a.shape[d] for d in ca)
+    a3 = jnp.reshape(jnp.transpose(a, (k, *seq, *ca)), (bsz, t, dsz)).astype(acc)
+    g3 = jnp.reshape(jnp.transpose(g, g_perm), (bsz, t, -1)).astype(acc)
+    return a3, g3
+
+
+class DotGeneral(Rule):
+    primitives = ("dot_general",)
+    kind = "dense"
+
+    def row(self, c: RowCtx) -> list[State]:
+        (lc, rc), (lb, rb) = c.params["dimension_numbers"]
+        lfree, rfree = _free(len(c.ins[0]), lc, lb), _free(len(c.ins[1]), rc, rb)
+        sl, sr = c.states[0], c.states[1]
+        if isinstance(sl, int) and sr == CONST and sl in lfree:
+            return c.res_at(len(lb) + lfree.index(sl))
+        if sl == CONST and isinstance(sr, int) and sr in rfree:
+            return c.res_at(len(lb) + len(lfree) + rfree.index(sr))
+        if isinstance(sl, int) and isinstance(sr, int) and sl in lb and sr in rb:
+            i = tuple(lb).index(sl)
+            return c.res_at(i) if tuple(rb)[i] == sr else c.mixed()
+        return c.mixed()
+
+    def classify(self, use: Use) -> Site | None:
+        """The batch may be on any free axis of the other operand."""
+        (lc, rc), (lb, _) = use.eqn.params["dimension_numbers"]
+        other = 1 - use.pos
+        k = use.in_states[other]
+        contracted = lc if other == 0 else rc
+        if not use.bcast and isinstance(k, int) and not lb and k not in contracted:
+            return self.site(use, (other,), k, int(use.out_states[0]))  # type: ignore[arg-type]
+        return None
+
+    def norm(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any) -> jax.Array | None:
+        """Per-example ``||a_b^T g_b||_F``: ``a``'s free axes other than the batch are ``T``,
+        its contracted axes ``D``, the parameter's free axes the ``P`` axes of the output."""
+        a3, g3 = dense_views(site, eqn, ops[1 - site.pos], g, acc)
+        bsz, t, dsz = a3.shape
+        psz = g3.shape[-1]
+        if t == 1:  # 2-D views (a bitcast for the usual (B, D) operand, no copy of the activations)
+            na, ng = leaf_example_norms([jnp.reshape(a3, (bsz, dsz)), jnp.reshape(g3, (bsz, psz))])
+            return (na * ng).astype(acc)
+        if 2 * t * t < psz * dsz:
+            aa = hi_einsum("btd,bsd->bts", a3, a3)
+            gg = hi_einsum("btp,bsp->bts", g3, g3)
+            return sqrt_nonneg(jnp.sum(aa * gg, axis=(1, 2)))
+        per_example = hi_einsum("btd,btp->bdp", a3, g3)  # this layer's per-example gradients only
+        return leaf_example_norms([per_example])[0]
+
+    def factors(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any,
+                perm: list[int]) -> tuple[Factor, Factor] | None:
+        """The rows of ``a`` along the contracted axis and those of ``g`` along the free one."""
+        (lc, rc), _ = eqn.params["dimension_numbers"]
+        cw = tuple(lc if site.pos == 0 else rc)
+        if len(cw) != 1:
+            return None
+        a3, g3 = dense_views(site, eqn, ops[1 - site.pos], g, acc)
+        by_axis = {perm[cw[0]]: ("dense", a3), perm[1 - cw[0]]: ("dense", g3)}
+        return by_axis[0], by_axis[1]
+
+
+register(DotGeneral())

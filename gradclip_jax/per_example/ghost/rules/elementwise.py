@@ -1,0 +1,59 @@
+"""Elementwise primitives: the batch axis passes through; a broadcast parameter
+added to, subtracted from or multiplied with batched data is an ``elementwise`` site."""
+
+from __future__ import annotations
+
+from gradclip_jax.per_example.ghost._jaxpr import shape
+from gradclip_jax.per_example.ghost.rules._registry import (
+    ROW,
+    RowCtx,
+    Rule,
+    Site,
+    State,
+    Use,
+    register,
+)
+
+_UNARY_OR_MIXED = (
+    "div", "rem", "pow", "max", "min", "neg", "sign", "floor", "ceil",
+    "round", "is_finite", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos",
+    "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh", "asinh", "acosh", "atanh", "sqrt",
+    "rsqrt", "cbrt", "abs", "integer_pow", "square", "erf", "erfc", "erf_inv", "lgamma", "digamma",
+    "igamma", "select_n", "clamp", "convert_element_type", "eq", "ne", "lt", "le", "gt", "ge",
+    "and", "or", "not", "xor", "stop_gradient", "nextafter", "reduce_precision", "copy", "copy_p",
+    "real", "imag", "conj", "shift_left", "shift_right_logical", "shift_right_arithmetic",
+    "population_count", "bessel_i0e", "bessel_i1e", "random_gamma_grad", "add_any",
+)
+
+
+class Elementwise(Rule):
+    """Same-rank operands: the output keeps the (common) batch axis."""
+
+    primitives: tuple[str, ...] = _UNARY_OR_MIXED
+    kind = "elementwise"
+
+    def row(self, c: RowCtx) -> list[State]:
+        k0, ins, outs = c.k0, c.ins, c.outs
+        if k0 is None or not all(len(ins[i]) == len(outs[0]) for i in c.rows):
+            return c.mixed()
+        return c.res_at(k0)
+
+
+class AffineElementwise(Elementwise):
+    """``add``, ``sub``, ``mul``: a parameter (scalar or broadcast over the batch) is a site."""
+
+    primitives = ("add", "sub", "mul")
+
+    def classify(self, use: Use) -> Site | None:
+        rows = use.row_operands()
+        if rows is None or len(use.eqn.invars) != 2 or use.in_states[1 - use.pos] != ROW:
+            return None
+        q = shape(use.eqn.invars[use.pos])
+        out = shape(use.eqn.outvars[0])
+        if len(q) == 0 or (len(q) == len(out) and q[0] == 1):
+            return self.site(use, rows)
+        return None
+
+
+register(Elementwise())
+register(AffineElementwise())

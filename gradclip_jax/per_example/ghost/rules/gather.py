@@ -1,0 +1,108 @@
+"""``gather``: batched row lookups; a table indexed by batched ids is an ``embedding`` site.
+
+With ``ids_b`` of length ``T`` and cotangents ``g_b`` (zeroed for dropped
+out-of-range ids), :math:`\\|G_b\\|_F^2 = \\sum_{t,s} [\\mathrm{ids}_{bt} =
+\\mathrm{ids}_{bs}] \\langle g_{bt}, g_{bs} \\rangle`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from gradclip_jax._numerics import hi_einsum, sqrt_nonneg
+from gradclip_jax.per_example._measure import leaf_example_norms
+from gradclip_jax.per_example.ghost._jaxpr import shape
+from gradclip_jax.per_example.ghost.rules._registry import (
+    ROW,
+    Factor,
+    RowCtx,
+    Rule,
+    Site,
+    State,
+    Use,
+    axis0_only,
+    register,
+)
+
+
+def _row_ok(c: RowCtx) -> bool:
+    dn, p, states = c.params["dimension_numbers"], c.params, c.states
+    if states[1] == ROW:  # batched indices
+        if 0 in tuple(dn.offset_dims) or len(c.ins[1]) < 2:
+            return False
+        if states[0] == ROW:
+            ob, sb = tuple(dn.operand_batching_dims), tuple(dn.start_indices_batching_dims)
+            return 0 in ob and sb[ob.index(0)] == 0
+        return True
+    # batched operand, constant indices: the whole batch axis must be sliced through
+    return bool(
+        0 not in tuple(dn.start_index_map) and 0 not in tuple(dn.collapsed_slice_dims)
+        and p["slice_sizes"][0] == c.bsize and len(dn.offset_dims) > 0 and dn.offset_dims[0] == 0
+        and not tuple(dn.operand_batching_dims)
+    )
+
+
+def _is_row_lookup(eqn: Any) -> bool:
+    """``table[ids]``: whole rows of the table at ids of shape ``(..., 1)``."""
+    dn = eqn.params["dimension_numbers"]
+    q, out, idx = shape(eqn.invars[0]), shape(eqn.outvars[0]), shape(eqn.invars[1])
+    return bool(
+        len(q) >= 1 and tuple(dn.collapsed_slice_dims) == (0,) and tuple(dn.start_index_map) == (0,)
+        and not tuple(dn.operand_batching_dims) and idx[-1] == 1
+        and tuple(eqn.params["slice_sizes"]) == (1, *q[1:])
+        and tuple(dn.offset_dims) == tuple(range(len(out) - len(q) + 1, len(out)))
+    )
+
+
+def embedding_views(eqn: Any, idx: jax.Array, g: jax.Array, acc: Any) -> tuple[jax.Array, jax.Array]:
+    """``(ids, g3)`` of a row lookup: in-range ids ``(B, T)`` and cotangents ``(B, T, d)``.
+
+    Out-of-range ids get no gradient (their cotangent rows are zeroed) under
+    ``FILL_OR_DROP``; otherwise they are clipped, as the lookup did.
+    """
+    bsz = idx.shape[0]
+    ids = jnp.reshape(idx, (bsz, -1))
+    g3 = jnp.reshape(g, (bsz, ids.shape[1], -1)).astype(acc)
+    rows = shape(eqn.invars[0])[0]
+    if eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
+        ok = (ids >= 0) & (ids < rows)
+        g3 = jnp.where(ok[:, :, None], g3, jnp.zeros((), acc))
+    return jnp.clip(ids, 0, rows - 1), g3
+
+
+class Gather(Rule):
+    primitives = ("gather",)
+    kind = "embedding"
+
+    def row(self, c: RowCtx) -> list[State]:
+        return c.res(_row_ok(c)) if axis0_only(c) else c.mixed()
+
+    def classify(self, use: Use) -> Site | None:
+        rows = use.row_operands()
+        if rows is None or use.pos != 0 or use.bcast or use.in_states[1] != ROW or not _is_row_lookup(use.eqn):
+            return None
+        return self.site(use, rows)
+
+    def norm(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any) -> jax.Array | None:
+        ids, g3 = embedding_views(eqn, ops[1], g, acc)
+        if ids.shape[1] == 1:
+            return leaf_example_norms([g3])[0]
+        same = (ids[:, :, None] == ids[:, None, :]).astype(acc)
+        gg = hi_einsum("btp,bsp->bts", g3, g3)
+        return sqrt_nonneg(jnp.sum(same * gg, axis=(1, 2)))
+
+    def factors(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any,
+                perm: list[int]) -> tuple[Factor, Factor] | None:
+        """One-hot rows of the table along axis 0 and the cotangent rows along axis 1."""
+        if perm != [0, 1]:
+            return None
+        ids, g3 = embedding_views(eqn, ops[1], g, acc)
+        return ("onehot", ids), ("dense", g3)
+
+
+register(Gather())

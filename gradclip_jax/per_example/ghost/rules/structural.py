@@ -1,0 +1,145 @@
+"""Structural primitives (transpose, broadcast, reductions, reshapes, slices,
+windows, sorting): how each moves or keeps the batch axis. None is a site."""
+
+from __future__ import annotations
+
+from gradclip_jax.per_example.ghost.rules._registry import (
+    CONST,
+    RowCtx,
+    Rule,
+    State,
+    axis0_only,
+    register,
+)
+
+
+def _removed(c: RowCtx, dims: tuple[int, ...]) -> list[State]:
+    """The batch axis after removing ``dims`` (mixed if it is one of them)."""
+    k0 = c.k0
+    if k0 is None or k0 in dims:
+        return c.mixed()
+    return c.res_at(k0 - sum(a < k0 for a in dims))
+
+
+class Transpose(Rule):
+    primitives = ("transpose",)
+
+    def row(self, c: RowCtx) -> list[State]:
+        k0 = c.k0
+        return c.mixed() if k0 is None else c.res_at(tuple(c.params["permutation"]).index(k0))
+
+
+class BroadcastInDim(Rule):
+    primitives = ("broadcast_in_dim",)
+
+    def row(self, c: RowCtx) -> list[State]:
+        k0 = c.k0
+        if k0 is None or c.states[0] != k0:
+            return c.mixed()
+        return c.res_at(tuple(c.params["broadcast_dimensions"])[k0])
+
+
+class Reduce(Rule):
+    primitives = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+                  "reduce_xor", "argmax", "argmin")
+
+    def row(self, c: RowCtx) -> list[State]:
+        return _removed(c, tuple(c.params["axes"]))
+
+
+class Squeeze(Rule):
+    primitives = ("squeeze",)
+
+    def row(self, c: RowCtx) -> list[State]:
+        return _removed(c, tuple(c.params["dimensions"]))
+
+
+class Cumulative(Rule):
+    primitives = ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")
+
+    def row(self, c: RowCtx) -> list[State]:
+        k0 = c.k0
+        return c.mixed() if k0 is None or c.params["axis"] == k0 else c.res_at(k0)
+
+
+class Axis0(Rule):
+    """Rules that only follow the batch on axis 0: ``ok(c)`` says the op keeps examples apart."""
+
+    def ok(self, c: RowCtx) -> bool:
+        return False
+
+    def row(self, c: RowCtx) -> list[State]:
+        return c.res(self.ok(c)) if axis0_only(c) else c.mixed()
+
+
+class Reshape(Axis0):
+    primitives = ("reshape",)
+
+    def ok(self, c: RowCtx) -> bool:
+        return c.params.get("dimensions") is None
+
+
+class Concatenate(Axis0):
+    primitives = ("concatenate",)
+
+    def ok(self, c: RowCtx) -> bool:
+        return bool(c.params["dimension"] != 0)
+
+
+class Slice(Axis0):
+    primitives = ("slice",)
+
+    def ok(self, c: RowCtx) -> bool:
+        p, strides = c.params, c.params.get("strides")
+        return bool(p["start_indices"][0] == 0 and p["limit_indices"][0] == c.bsize
+                    and (strides is None or strides[0] == 1))
+
+
+class Pad(Axis0):
+    primitives = ("pad",)
+
+    def ok(self, c: RowCtx) -> bool:
+        return c.states[0] == 0 and tuple(c.params["padding_config"][0]) == (0, 0, 0)
+
+
+class DynamicSlice(Axis0):
+    primitives = ("dynamic_slice",)
+
+    def ok(self, c: RowCtx) -> bool:
+        return bool(c.states[0] == 0 and all(s == CONST for s in c.states[1:])
+                    and c.params["slice_sizes"][0] == c.bsize)
+
+
+class ReduceWindow(Axis0):
+    primitives = ("reduce_window", "reduce_window_sum", "reduce_window_max", "reduce_window_min")
+
+    def ok(self, c: RowCtx) -> bool:
+        p = c.params
+        return bool(p["window_dimensions"][0] == 1 and p["window_strides"][0] == 1
+                    and tuple(p["padding"][0]) == (0, 0))
+
+
+class Sort(Axis0):
+    primitives = ("sort",)
+
+    def ok(self, c: RowCtx) -> bool:
+        return bool(c.params["dimension"] != 0)
+
+
+class TopK(Axis0):
+    primitives = ("top_k",)
+
+    def ok(self, c: RowCtx) -> bool:
+        return len(c.ins[0]) >= 2
+
+
+class Iota(Rule):
+    primitives = ("iota",)
+
+    def row(self, c: RowCtx) -> list[State]:
+        return [CONST] * len(c.eqn.outvars)
+
+
+for _rule in (Transpose(), BroadcastInDim(), Reduce(), Squeeze(), Cumulative(), Reshape(), Concatenate(),
+              Slice(), Pad(), DynamicSlice(), ReduceWindow(), Sort(), TopK(), Iota()):
+    register(_rule)

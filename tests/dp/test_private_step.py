@@ -1,0 +1,250 @@
+"""Tests for gradclip_jax.dp.private_step (make_private) and the MultiSteps guard of dp_noise."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import gradclip_jax as gcx
+from gradclip_jax import privacy
+from gradclip_jax.demo import accuracy, init_mlp, load_digits_split, per_example_loss
+from gradclip_jax.dp import make_private
+from tests.dp import setup_two_process as dp_setup
+
+pytest.importorskip("dp_accounting")
+
+
+def _lin_loss(w, batch):
+    return 0.5 * (batch["x"] @ w - batch["y"]) ** 2
+
+
+def _lin_data(n=400, seed=0):
+    r = np.random.default_rng(seed)
+    x = r.normal(size=(n, 4)).astype(np.float32)
+    return {"x": x, "y": (x @ np.array([1.0, -2.0, 0.5, 3.0], np.float32)).astype(np.float32)}
+
+
+def _priv(**kw):
+    args = dict(dataset_size=400, expected_batch_size=40, steps=30, target_epsilon=3.0, delta=1e-4,
+                l2_clip_norm=1.0, seed=0, process_index=0, process_count=1, accountant="rdp")
+    args.update(kw)
+    return make_private(_lin_loss, optax.sgd(0.1), **args)
+
+
+def test_reaches_target_epsilon_and_accounts_the_run():
+    priv = make_private(_lin_loss, optax.sgd(0.1), dataset_size=400, expected_batch_size=40, epochs=3,
+                        target_epsilon=2.0, delta=1e-4, l2_clip_norm=1.0, process_index=0, process_count=1)
+    assert priv.steps == 30 and priv.sample_rate == 0.1 and priv.expected_batch_size == 40
+    assert priv.planned_epsilon <= 2.0 and priv.planned_epsilon == pytest.approx(2.0, rel=0.01)
+    assert priv.planned_epsilon == pytest.approx(
+        privacy.epsilon(priv.noise_multiplier, 0.1, 30, 1e-4), rel=1e-9)
+    assert priv.epsilon() == 0.0
+    for i, _ in enumerate(priv.batches()):
+        assert priv.accountant.steps == i + 1  # recorded before the batch is used
+    assert priv.epsilon() == pytest.approx(priv.planned_epsilon, rel=1e-9)
+
+
+def test_step_is_dp_sgd_with_expected_batch_divisor():
+    priv = _priv()
+    d = _lin_data()
+    batch, mask = next(priv.batches(d))
+    w = jnp.array([0.3, -0.1, 0.2, 0.0])
+    key = jax.random.key(3)
+    new_w, _, metrics = jax.jit(priv.step)(w, priv.init(w), batch, mask, key)
+    # by hand: clip each real example, sum, add z*C*N(0,1) drawn by add_gaussian_noise, / (q n), sgd
+    g = jax.vmap(jax.grad(lambda w, x, y: _lin_loss(w, {"x": x[None], "y": y[None]})[0]),
+                 in_axes=(None, 0, 0))(w, batch["x"], batch["y"])
+    norms = jnp.linalg.norm(g, axis=1)
+    clipped = g * jnp.minimum(1.0, 1.0 / norms)[:, None]
+    summed = jnp.sum(jnp.where(jnp.asarray(mask)[:, None], clipped, 0.0), 0)
+    noised = privacy.add_gaussian_noise(summed, priv.noise_multiplier * 1.0, key)
+    np.testing.assert_allclose(np.asarray(new_w), np.asarray(w - 0.1 * noised / 40.0), rtol=1e-5, atol=1e-6)
+    assert int(metrics.num_clipped) == int(jnp.sum((norms > 1.0) & jnp.asarray(mask)))
+
+
+def test_padded_rows_contribute_nothing_and_neighbours_differ_by_sensitivity():
+    priv = _priv()
+    d = _lin_data()
+    params = jnp.array([0.5, 0.5, -0.5, 0.0])
+    fn = jax.jit(priv.clipped_sum)
+    for batch, mask in list(priv.batches(d))[:5]:
+        s, _ = fn(params, batch, mask)
+        # garbage (huge, NaN) in the padding rows changes nothing
+        bad = {k: np.where(mask.reshape(-1, *[1] * (v.ndim - 1)), v, np.float32(1e30)) for k, v in batch.items()}
+        bad["y"] = np.where(mask, bad["y"], np.nan).astype(np.float32)
+        s_bad, _ = fn(params, bad, mask)
+        np.testing.assert_array_equal(np.asarray(s), np.asarray(s_bad))
+        # the neighbour without one example of the batch (its row turned into padding)
+        for i in np.flatnonzero(mask)[:3]:
+            m2 = mask.copy()
+            m2[i] = False
+            s2, _ = fn(params, batch, m2)
+            rounding = 4e-7 * float(jnp.linalg.norm(s)) * len(mask) ** 0.5  # float32 sums of ~40 rows
+            assert float(jnp.linalg.norm(s - s2)) <= priv.grad_fn.sensitivity() + rounding
+
+
+def test_one_compilation_for_the_whole_run():
+    traces = []
+
+    def loss(w, batch):
+        traces.append(1)
+        return _lin_loss(w, batch)
+
+    priv = make_private(loss, optax.adam(0.05), dataset_size=400, expected_batch_size=40, steps=40,
+                        target_epsilon=3.0, delta=1e-4, l2_clip_norm=1.0, process_index=0,
+                        process_count=1, accountant="rdp")
+    step = jax.jit(priv.step)
+    w = jnp.zeros(4)
+    state = priv.init(w)
+    key = jax.random.key(0)
+    sizes = set()
+    for i, (batch, mask) in enumerate(priv.batches(_lin_data())):
+        sizes.add(int(mask.sum()))
+        key, sub = jax.random.split(key)
+        w, state, _ = step(w, state, batch, mask, sub)
+        if i == 0:
+            after_first = len(traces)
+    assert len(sizes) > 5  # the batch size did vary ...
+    assert len(traces) == after_first > 0  # ... and nothing was traced again
+    assert step._cache_size() == 1
+
+
+def test_physical_batches_and_host_accumulation_noise_once():
+    d = _lin_data()
+    full, chunked = _priv(), _priv(physical_batch_size=7)
+    w = jnp.array([0.3, -0.1, 0.2, 0.0])
+    batch, mask = next(full.batches(d))
+    key = jax.random.key(5)
+    a = jax.jit(full.step)(w, full.init(w), batch, mask, key)[0]
+    b = jax.jit(chunked.step)(w, chunked.init(w), batch, mask, key)[0]
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    # host-side accumulation: clipped sums of 3 pieces, noise once
+    cuts = np.array_split(np.arange(len(mask)), 3)
+    total = sum(full.clipped_sum(w, {k: v[c] for k, v in batch.items()}, mask[c])[0] for c in cuts)
+    c = full.noisy_update(w, full.init(w), total, key)[0]
+    np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-5, atol=1e-6)
+
+
+def test_dp_noise_refuses_multisteps():
+    params = {"w": jnp.zeros(3)}
+    tx = optax.MultiSteps(optax.chain(gcx.dp_noise(1.0, 0, normalize_by=32), optax.sgd(0.1)), 4)
+    state = tx.init(params)
+    for update in (tx.update, jax.jit(tx.update)):
+        with pytest.raises(ValueError, match=r"MultiSteps.*noise once per logical step"):
+            update(params, state, params)
+    # outside MultiSteps it works, eagerly and under jit
+    ok = optax.chain(gcx.dp_noise(1.0, 0, normalize_by=32), optax.sgd(0.1))
+    jax.jit(ok.update)(params, ok.init(params), params)
+
+
+def test_noise_std_is_z_c_over_expected_batch():
+    priv = _priv(l2_clip_norm=2.0)
+    w = jnp.zeros(20000)
+    new_w, _, _ = priv.noisy_update(w, priv.init(w), jnp.zeros(20000), jax.random.key(1))
+    std = float(jnp.std(new_w)) / 0.1  # sgd(0.1)
+    assert std == pytest.approx(priv.noise_multiplier * 2.0 / 40, rel=0.03)
+
+
+def test_errors_name_the_argument():
+    with pytest.raises(ValueError, match="sample_rate"):
+        _priv(expected_batch_size=None, sample_rate=1.5)
+    with pytest.raises(ValueError, match="expected_batch_size"):
+        _priv(expected_batch_size=0)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        _priv(max_batch_size=30)
+    with pytest.raises(ValueError, match=r"target_epsilon.*unreachable"):
+        _priv(target_epsilon=1e-4)
+    with pytest.raises(ValueError, match=r"steps.*epochs"):
+        _priv(epochs=2)
+    with pytest.raises(ValueError, match="l2_clip_norm"):
+        _priv(l2_clip_norm=0.0)
+    with pytest.raises(ValueError, match=r"truncate.*accountant"):
+        _priv(on_overflow="truncate", accountant="rdp")
+    with pytest.warns(UserWarning, match="delta"):
+        _priv(delta=1 / 300)
+    priv = _priv()
+    batch, mask = next(priv.batches(_lin_data()))
+    w = jnp.zeros(4)
+    with pytest.raises(ValueError, match=r"mask.*shape"):
+        priv.step(w, priv.init(w), batch, mask[:-1], jax.random.key(0))
+    with pytest.raises(TypeError, match=r"mask.*bool"):
+        priv.step(w, priv.init(w), batch, mask.astype(np.float32), jax.random.key(0))
+
+
+def test_digits_mlp_reaches_90_percent_at_epsilon_3():
+    x_tr, y_tr, x_te, y_te = load_digits_split(0)
+    priv = make_private(per_example_loss, optax.adam(1e-2), dataset_size=len(x_tr),
+                        expected_batch_size=128, steps=300, target_epsilon=3.0, delta=1e-5,
+                        l2_clip_norm=1.0, seed=0, process_index=0, process_count=1)
+    assert priv.planned_epsilon == pytest.approx(3.0, rel=0.01)
+    params = init_mlp(jax.random.key(0))
+    state = priv.init(params)
+    step = jax.jit(priv.step)
+    key = jax.random.key(1)
+    for batch, mask in priv.batches({"x": x_tr, "y": y_tr}):
+        key, sub = jax.random.split(key)
+        params, state, _ = step(params, state, batch, mask, sub)
+    assert priv.epsilon() == pytest.approx(priv.planned_epsilon, rel=1e-9) and priv.epsilon() <= 3.0
+    assert accuracy(params, x_te, y_te) >= 0.90
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+def test_eight_devices_equal_one_device():
+    priv = dp_setup.build()
+    d = dp_setup.data()
+    ref = dp_setup.run_steps(priv, d, lambda b, m: (b, m), dp_setup.STEPS)
+    mesh = jax.make_mesh((8,), ("x",))
+    rows, rep = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
+    priv8 = dp_setup.build()
+    with jax.set_mesh(mesh):
+        out = dp_setup.run_steps(
+            priv8, d, lambda b, m: (jax.device_put(b, rows), jax.device_put(m, rows)), dp_setup.STEPS, rep)
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True):
+        assert a.sharding.is_fully_replicated
+        shards = [np.asarray(s.data) for s in a.addressable_shards]
+        for s in shards[1:]:  # the same noise on every device
+            np.testing.assert_array_equal(s, shards[0])
+        np.testing.assert_allclose(shards[0], np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return int(s.getsockname()[1])
+
+
+def test_two_processes_equal_one_process(tmp_path):
+    worker = Path(__file__).with_name("two_process_worker.py")
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    outs = [tmp_path / f"p{i}.npz" for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, str(worker), str(i), "2", str(port), str(outs[i])],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=150)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
+    ref = dp_setup.run_steps(dp_setup.build(), dp_setup.data(), lambda b, m: (b, m), dp_setup.STEPS)
+    got = [np.load(o) for o in outs]
+    for i, layer in enumerate(ref):
+        for k, v in layer.items():
+            np.testing.assert_array_equal(got[0][f"{i}_{k}"], got[1][f"{i}_{k}"])  # same noise everywhere
+            np.testing.assert_allclose(got[0][f"{i}_{k}"], np.asarray(v), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(np.asarray(ref[0]["w"]), np.asarray(init_mlp(jax.random.key(0))[0]["w"]))

@@ -1,0 +1,80 @@
+"""The GPU DP-step benchmark (``benchmarks/bench_ghost_gpu.py``): skipping, selection and a tiny CPU run."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import pytest
+
+pytest.importorskip("flax")
+from benchmarks import bench_ghost_gpu as bg
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+on_gpu = jax.default_backend() == "gpu"
+
+
+@pytest.mark.skipif(on_gpu, reason="the skip path is for machines without a GPU")
+def test_skips_cleanly_without_gpu(tmp_path: pathlib.Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GHOST_GPU_")}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--only", "ghost-gpu", "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "skipped, no GPU" in proc.stdout
+    assert list(tmp_path.iterdir()) == []  # neither its own files nor an empty RESULTS.md
+
+
+def test_select_by_prefix_and_unknown_name() -> None:
+    assert {c.name for c in bg.select("gpt2-qkv")} == {"gpt2-qkv-b8", "gpt2-qkv-b32"}
+    assert [c.name for c in bg.select("wrn,gpt2-b8,wrn")] == ["wrn-b256", "gpt2-b8"]
+    assert {c.name for c in bg.select("gpt2")} == {c.name for c in bg.CONFIGS if c.model.startswith("gpt2")}
+    assert bg.select(None) == list(bg.CONFIGS)
+    with pytest.raises(ValueError, match="models: unknown config 'gpt3'"):
+        bg.select("gpt3")
+
+
+def test_full_gpt2_is_gpt2_small() -> None:
+    # shapes only (jax.eval_shape): 124.4M parameters with the output head tied to the embedding
+    def n_params(fused: bool) -> int:
+        box: dict = {}
+
+        def make() -> object:
+            _, params, _, label = bg._gpt2(1, fused=fused, dtype=jax.numpy.float32, tiny=False)
+            box["label"] = label
+            return params
+
+        shapes = jax.eval_shape(make)
+        assert "tied embedding" in box["label"]
+        return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+
+    assert n_params(True) == n_params(False) == 124_439_808
+
+
+@pytest.mark.slow
+def test_tiny_cpu_run_writes_and_merges_results(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GHOST_GPU_STEPS", "ghost")
+    rows = bg.run(quick=True, out=tmp_path, models="gpt2-qkv-b8", force=True)
+    assert [r["group"] for r in rows] == ["ghost-gpu"]
+    assert rows[0]["ours_ms"] > 0 and rows[0]["baseline_ms"] > 0 and rows[0]["temp_mb"] > 0
+    bg.run(quick=True, out=tmp_path, models="wrn", force=True)
+    doc = json.loads((tmp_path / bg.RESULTS_JSON).read_text())
+    assert doc["meta"]["sizes"] == "tiny (smoke)"
+    configs = {c["config"]: c for c in doc["configs"]}
+    assert list(configs) == ["gpt2-qkv-b8", "wrn-b256"]  # the second run merged into the first
+    for c in configs.values():
+        assert c["batch"] == bg.TINY_BATCH
+        steps = c["steps"]
+        assert steps["nonprivate"]["rounds"] == 5
+        assert steps["ghost"]["time_x"] == pytest.approx(steps["ghost"]["ms"] / steps["nonprivate"]["ms"])
+        assert steps["ghost"]["temp_x"] > 0 and steps["ghost"]["compile_x"] > 0
+        assert steps["vmap"]["skipped"].startswith("skipped: not selected")
+        report = c["ghost_report"]
+        assert report["ghost"] + report["fallback"] == report["leaves"] > 0
+    md = (tmp_path / bg.RESULTS_MD).read_text()
+    assert "| gpt2-qkv-b8 |" in md and "| wrn-b256 |" in md and "ghost_report:" in md

@@ -1,0 +1,146 @@
+"""The code of docs/guides/dp-sgd.md, run as written.
+
+The guide's ``python`` blocks form one program: they run in order in one
+namespace, section by section (``## `` headings). After each section the test
+checks what that section computed: the epsilon spent is the accountant's and
+meets the target, the model learned, the pieces agree with the one-call builder.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("dp_accounting")
+
+GUIDE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "guides" / "dp-sgd.md"
+SECTIONS = [
+    "1. The whole loop in one call: `make_private`",
+    "2. The same loop, piece by piece",
+    "3. Accounting: PLD or RDP",
+    "4. The padded size and overflows",
+    "5. Large logical batches",
+    "6. Several devices and processes",
+]
+
+
+def guide_sections() -> dict[str, str]:
+    """``{heading: the section's python code}`` for each ``## `` section that has code."""
+    out = {}
+    for part in re.split(r"^## ", GUIDE.read_text(), flags=re.M)[1:]:
+        code = "\n".join(re.findall(r"^```python\n(.*?)^```", part, flags=re.S | re.M))
+        if code.strip():
+            out[part.splitlines()[0].strip()] = code
+    return out
+
+
+def train_accuracy(ns: dict) -> float:
+    p, x, y = ns["params"], ns["x"], ns["data"]["y"]
+    return float(jnp.mean(jnp.argmax(x @ p["w"] + p["b"], -1) == y))
+
+
+@pytest.fixture(scope="module")
+def run_guide():
+    """Runs the sections in order; returns ``{heading: snapshot of the namespace after it}``."""
+    ns: dict = {"__name__": "dp_guide"}
+    after = {}
+    for heading, code in guide_sections().items():
+        exec(compile(code, f"{GUIDE.name}: {heading}", "exec"), ns)
+        after[heading] = dict(ns)
+    return after
+
+
+def test_every_code_block_is_in_a_checked_section():
+    assert list(guide_sections()) == SECTIONS
+    text = GUIDE.read_text()
+    assert "shuffled batches treated as Poisson" not in text
+    # no python block before the first section (it would not run)
+    assert "```python" not in text.split("\n## ")[0]
+
+
+def test_make_private_loop(run_guide):
+    ns = run_guide[SECTIONS[0]]
+    priv = ns["priv"]
+    assert priv.accountant.steps == 200 == priv.steps
+    assert priv.epsilon() == priv.accountant.epsilon(1e-5)
+    assert 2.9 < priv.epsilon() <= 3.0 + 1e-9
+    assert train_accuracy(ns) >= 0.9
+
+
+def test_piece_by_piece_loop(run_guide):
+    ns = run_guide[SECTIONS[1]]
+    acc, priv, sampler = ns["accountant"], ns["priv"], ns["sampler"]
+    assert acc.steps == 200 and len(acc.phases) == 1
+    assert acc.phases[0].sample_rate == sampler.sample_rate == pytest.approx(0.05)
+    # the same calibration as the builder's, hence (up to its tolerance) the same epsilon
+    assert ns["z"] == pytest.approx(priv.noise_multiplier, abs=2e-3)
+    assert acc.epsilon(1e-5) == pytest.approx(priv.epsilon(), rel=2e-3)
+    assert train_accuracy(ns) >= 0.9
+
+
+def test_accounting_section(run_guide):
+    ns = run_guide[SECTIONS[2]]
+    from gradclip_jax import privacy
+
+    z, q, steps, delta = ns["z"], ns["q"], ns["steps"], ns["delta"]
+    pld = privacy.epsilon(z, q, steps, delta)
+    rdp = privacy.epsilon(z, q, steps, delta, accountant="rdp")
+    assert pld < rdp  # PLD is the tighter of the two
+    two = ns["two_phase"]
+    assert two.steps == 150 and len(two.phases) == 2
+    assert two.epsilon(delta) > privacy.epsilon(z, q, 100, delta)
+
+
+def test_overflow_section(run_guide):
+    ns = run_guide[SECTIONS[3]]
+    sampler, small = ns["sampler"], ns["small"]
+    assert sampler.overflow_probability <= 1e-9
+    assert sampler.max_batch_size > sampler.expected_batch_size
+    assert small.truncated_batch_size == 80
+    phase = ns["truncated"].phases[0]
+    assert phase.truncated_batch_size == 80 and phase.steps == 200
+    # truncation is accounted: it costs (a little) epsilon at the same noise
+    eps = ns["truncated"].epsilon(1e-5)
+    assert math.isfinite(eps) and ns["priv"].epsilon() < eps < 1.05 * ns["priv"].epsilon()
+
+
+def test_large_logical_batches(run_guide):
+    ns = run_guide[SECTIONS[4]]
+    big = ns["big"]
+    assert big.sampler.max_batch_size % 100 == 0
+    assert big.accountant.steps == 20
+    assert big.epsilon() <= 3.0 + 1e-9
+    assert train_accuracy(ns) >= 0.9
+
+
+def test_host_accumulation_equals_one_step(run_guide):
+    # summing the pieces' clipped sums and noising once is the builder's own step
+    ns = run_guide[SECTIONS[4]]
+    big, data, piece = ns["big"], ns["data"], ns["piece"]
+    params = {"w": jnp.ones((8, 2)) * 0.1, "b": jnp.zeros(2)}
+    b = big.sampler.batch(0)
+    batch = jax.tree.map(lambda a: a[b.indices], data)
+    key = jax.random.key(5)
+    whole, _, _ = big.step(params, big.init(params), batch, b.mask, key)
+    total = None
+    for s in range(0, len(b.mask), piece):
+        g, _ = big.clipped_sum(params, jax.tree.map(lambda a: a[s:s + piece], batch), b.mask[s:s + piece])
+        total = g if total is None else jax.tree.map(jnp.add, total, g)
+    pieces, _, _ = big.noisy_update(params, big.init(params), total, key)
+    for a, c in zip(jax.tree.leaves(whole), jax.tree.leaves(pieces)):
+        np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-6)
+
+
+def test_sharded_section(run_guide):
+    ns = run_guide[SECTIONS[5]]
+    dist = ns["dist"]
+    assert dist.sampler.max_batch_size % jax.device_count() == 0
+    assert dist.accountant.steps == 50
+    assert dist.epsilon() <= 3.0 + 1e-9
+    assert train_accuracy(ns) >= 0.9

@@ -1,0 +1,290 @@
+"""Drop-in behaviour shared by every transform: optax idioms, state checks, run-time hyperparameters."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import gradclip_jax as gcx
+from gradclip_jax.hyperparams import renamed_kwarg
+
+# name -> (factory called with these kwargs, its numeric hyperparameters with run-time bad values)
+NEG_NAN = (-1.0, math.nan)
+TRANSFORMS = {
+    "clip_by_global_norm": (gcx.clip_by_global_norm, {"max_norm": 1.0}, {"max_norm": NEG_NAN}),
+    "clip_by_norm": (gcx.clip_by_norm, {"max_norm": 1.0, "min_norm": 0.1},
+                     {"max_norm": NEG_NAN, "min_norm": NEG_NAN}),
+    "clip_by_value": (gcx.clip_by_value, {"max_value": 1.0}, {"max_value": NEG_NAN}),
+    "clip": (gcx.clip, {"max_delta": 1.0}, {"max_delta": NEG_NAN}),
+    "clip_by_block_rms": (gcx.clip_by_block_rms, {"threshold": 1.0}, {"threshold": NEG_NAN}),
+    "normalize": (gcx.normalize, {"norm_value": 1.0}, {"norm_value": NEG_NAN}),
+    "centralize": (gcx.centralize, {}, {}),
+    "adaptive_grad_clip": (gcx.adaptive_grad_clip, {"clipping": 0.1}, {"clipping": NEG_NAN, "eps": NEG_NAN}),
+    "clip_norm_by_ema": (gcx.clip_norm_by_ema, {},
+                         {"beta": (-0.5, 1.5, math.nan), "max_ema_growth": NEG_NAN, "init": (math.inf, math.nan),
+                          "min_norm": NEG_NAN}),
+    "normalize_by_ema": (gcx.normalize_by_ema, {}, {"beta": (1.0, math.nan), "max_ema_growth": NEG_NAN}),
+    "clip_value_by_ema": (gcx.clip_value_by_ema, {}, {"beta": (1.5, math.nan), "init": NEG_NAN}),
+    "clip_norm_growth": (gcx.clip_norm_growth, {"add": 1.0},
+                         {"add": NEG_NAN, "mul": NEG_NAN, "min_value": NEG_NAN, "max_decay": (0.0, math.nan)}),
+    "clip_value_growth": (gcx.clip_value_growth, {"add": 1.0},
+                          {"add": NEG_NAN, "mul": NEG_NAN, "min_value": NEG_NAN, "max_decay": (-2.0, math.nan)}),
+    "autoclip": (gcx.autoclip, {}, {"percentile": (-1.0, 101.0, math.nan), "min_clip_norm": NEG_NAN}),
+    "zclip": (gcx.zclip, {"max_grad_norm": 10.0},
+              {"alpha": (1.0, math.nan), "z_thresh": (0.0, math.inf, math.nan), "max_grad_norm": NEG_NAN,
+               "clip_factor": (-1.0, math.nan), "eps": NEG_NAN, "rel_std_floor": NEG_NAN}),
+    "adagc": (gcx.adagc, {}, {"clip_ratio": (0.0, math.nan), "beta": (1.0, math.nan),
+                              "warmup_max_norm": NEG_NAN, "min_gamma": NEG_NAN}),
+    "quantile_clip": (gcx.quantile_clip, {}, {"target_quantile": (1.5, math.nan), "learning_rate": NEG_NAN}),
+}
+STATELESS = ["clip_by_global_norm", "clip_by_norm", "clip_by_value", "clip", "clip_by_block_rms", "normalize",
+             "centralize", "adaptive_grad_clip"]
+
+
+def _tree():
+    return {"w": jnp.array([[3.0, -4.0], [1.0, 2.0]]), "b": jnp.array([0.5, -0.25])}
+
+
+def _update(tx, g, state, params=None):
+    return tx.update(g, state, g if params is None else params)
+
+
+@pytest.mark.parametrize("name", STATELESS)
+def test_stateless_update_accepts_none_state(name):
+    factory, kwargs, _ = TRANSFORMS[name]
+    tx = factory(**kwargs)
+    g = _tree()
+    out_none, state_none = jax.jit(lambda u: _update(tx, u, None))(g)
+    out, state = _update(tx, g, tx.init(g))
+    jax.tree_util.tree_map(np.testing.assert_array_equal, out_none, out)
+    # a proper state, the one a state from init would have become
+    assert type(state_none) is type(state)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, state_none, state)
+
+
+def test_optax_update_none_matches_ours():
+    g = _tree()
+    for ours, ref in ((gcx.clip_by_global_norm(1.0), optax.clip_by_global_norm(1.0)),
+                      (gcx.clip(1.0), optax.clip(1.0)), (gcx.clip_by_block_rms(1.0), optax.clip_by_block_rms(1.0))):
+        a, _ = ours.update(g, None)
+        b, _ = ref.update(g, None)
+        jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6), a, b)
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+def test_plain_optax_inject_hyperparams_with_default_structural_args(name):
+    factory, kwargs, hps = TRANSFORMS[name]
+    tx = optax.inject_hyperparams(factory)(**kwargs)
+    g = _tree()
+    state = tx.init(g)
+    assert set(hps) <= set(state.hyperparams)
+    assert not set(getattr(factory, "static_args", ())) & set(state.hyperparams)
+    step = jax.jit(lambda u, s: _update(tx, u, s))
+    out, state = step(g, state)
+    out, state = step(g, state)
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(out))
+
+
+@pytest.mark.parametrize("name,arg,value", [("clip_by_global_norm", "ord", 1), ("zclip", "warmup_steps", 3),
+                                            ("autoclip", "history_size", 10), ("centralize", "min_size", 1)])
+def test_passing_a_structural_arg_to_optax_inject_lists_all_of_them(name, arg, value):
+    factory, kwargs, _ = TRANSFORMS[name]
+    tx = optax.inject_hyperparams(factory)(**kwargs, **{arg: value})
+    g = _tree()
+    state = tx.init(g)
+    with pytest.raises(TypeError, match="static_args") as err:
+        jax.jit(lambda u, s: _update(tx, u, s))(g, state)
+    assert name in str(err.value)
+    for static in factory.static_args:
+        assert repr(static) in str(err.value)
+    # the fix the message names works
+    tx = gcx.inject_hyperparams(factory)(**kwargs, **{arg: value})
+    jax.jit(lambda u, s: _update(tx, u, s))(g, tx.init(g))
+
+
+@pytest.mark.parametrize("name", sorted(n for n in TRANSFORMS if TRANSFORMS[n][2]))
+def test_invalid_traced_hyperparameters_give_an_all_nan_update(name):
+    factory, kwargs, hps = TRANSFORMS[name]
+    tx = optax.inject_hyperparams(factory)(**kwargs)
+    g = _tree()
+    step = jax.jit(lambda u, s: _update(tx, u, s))
+    for hp, bads in hps.items():
+        for bad in bads:
+            state = tx.init(g)
+            _, state = step(g, state)  # one valid step first (stateful ones have history)
+            state.hyperparams[hp] = jnp.asarray(bad, state.hyperparams[hp].dtype)
+            out, _ = step(g, state)
+            for leaf in jax.tree_util.tree_leaves(out):
+                assert bool(jnp.all(jnp.isnan(leaf))), (hp, bad, leaf)
+
+
+@pytest.mark.parametrize("name", ["clip_by_global_norm", "clip_by_value", "clip_norm_by_ema", "zclip"])
+def test_invalid_schedule_value_is_caught_by_apply_if_finite(name):
+    # apply_if_finite checks the updates it is given: it wraps the optimizer after the clipper
+    factory, kwargs, hps = TRANSFORMS[name]
+    hp = next(iter(hps))
+    good = {**kwargs}.get(hp, 0.5 if hp in ("beta", "alpha") else 1.0)
+    sched = lambda count: jnp.where(count >= 1, -1.0 if hp not in ("beta", "alpha") else 1.5, good)  # noqa: E731
+    tx = optax.chain(factory(**{**kwargs, hp: sched}), optax.apply_if_finite(optax.sgd(0.1), 3))
+    params = _tree()
+    state = tx.init(params)
+    step = jax.jit(lambda p, s: tx.update(p, s, p))
+    upd, state = step(params, state)
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(upd))
+    upd, state = step(params, state)  # the schedule turned invalid: the step is skipped
+    assert int(state[1].notfinite_count) == 1
+    assert all(bool(jnp.all(x == 0)) for x in jax.tree_util.tree_leaves(upd))
+    if hasattr(state[0], "exp_avg") or hasattr(state[0], "mean"):
+        assert int(state[0].count) == 1  # a stateful clipper's statistics did not absorb the step
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+def test_a_chain_state_gives_a_clear_error(name):
+    factory, kwargs, _ = TRANSFORMS[name]
+    tx = factory(**kwargs)
+    chain = optax.chain(factory(**kwargs), optax.sgd(0.1))
+    g = _tree()
+    with pytest.raises(TypeError, match=f"{name}.*optax.chain"):
+        _update(tx, g, chain.init(g))
+
+
+PER_LEAF = ["clip_by_norm", "clip_by_block_rms", "adaptive_grad_clip", "clip_norm_by_ema", "normalize_by_ema",
+            "clip_value_by_ema", "clip_norm_growth", "clip_value_growth", "adagc"]
+SHAPED = ["clip_norm_by_ema", "normalize_by_ema", "clip_value_by_ema", "clip_value_growth"]
+
+
+@pytest.mark.parametrize("name", PER_LEAF)
+def test_state_initialised_on_another_tree_names_the_leaf(name):
+    factory, kwargs, _ = TRANSFORMS[name]
+    tx = factory(**kwargs)
+    state = tx.init({"w": jnp.ones((2, 2)), "c": jnp.ones(2)})
+    g = _tree()
+    with pytest.raises(ValueError, match=rf"{name}.*\['b'\]"):
+        _update(tx, g, state)
+
+
+@pytest.mark.parametrize("name", SHAPED)
+def test_state_of_other_shapes_names_the_leaf(name):
+    factory, kwargs, _ = TRANSFORMS[name]
+    tx = factory(**kwargs)
+    g = _tree()
+    state = tx.init({"w": jnp.ones((2, 3)), "b": jnp.ones(2)})
+    with pytest.raises(ValueError, match=rf"{name}.*\['w'\].*\(2, 2\).*\(2, 3\)"):
+        _update(tx, g, state)
+
+
+NONE_MEANS_OFF = {("clip_by_norm", "max_norm"), ("clip_by_norm", "min_norm"), ("zclip", "max_grad_norm"),
+                  ("clip_norm_by_ema", "max_ema_growth"), ("normalize_by_ema", "max_ema_growth"),
+                  ("adagc", "warmup_max_norm")} | {
+    (g, hp) for g in ("clip_norm_growth", "clip_value_growth") for hp in ("add", "mul", "min_value", "max_decay")}
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+def test_wrong_types_are_type_errors_and_wrong_values_value_errors(name):
+    factory, kwargs, hps = TRANSFORMS[name]
+    for hp in hps:
+        none_ok = (name, hp) in NONE_MEANS_OFF
+        bad_types = ("1.0", object()) if none_ok else (None, "1.0", object())
+        for bad in bad_types:
+            with pytest.raises(TypeError, match=rf"{name}.*{hp}"):
+                factory(**{**kwargs, hp: bad})
+        with pytest.raises(ValueError, match=rf"{name}.*{hp}"):
+            factory(**{**kwargs, hp: math.nan})
+
+
+@pytest.mark.parametrize("make", [lambda d: gcx.clip_by_norm(1.0, dim=d), lambda d: gcx.normalize(dim=d),
+                                  lambda d: gcx.centralize(dim=d)])
+def test_dim_that_no_leaf_has_raises(make):
+    g = _tree()
+    tx = make(5)
+    with pytest.raises(ValueError, match=r"dim=\(5,\)"):
+        tx.update(g, tx.init(g))
+    tx = make((1, 5))  # some leaves have axis 1: fine, the vector is left alone
+    out, _ = tx.update(g, tx.init(g))
+    np.testing.assert_array_equal(out["b"], g["b"])
+
+
+def test_leaf_norms_dim_that_no_leaf_has_raises():
+    with pytest.raises(ValueError, match="dim"):
+        gcx.leaf_norms(_tree(), dim=-3)
+
+
+def test_centralize_leaves_0d_leaves_unchanged_with_min_size_1():
+    tx = gcx.centralize(min_size=1)
+    g = {"s": jnp.asarray(2.5), "v": jnp.array([1.0, 3.0])}
+    out, _ = tx.update(g, tx.init(g))
+    assert float(out["s"]) == 2.5
+    np.testing.assert_allclose(out["v"], [-1.0, 1.0])
+
+
+@pytest.mark.parametrize("clipper", [gcx.clip_by_global_norm(1.0), gcx.clip_by_norm(1.0),
+                                     gcx.clip_by_block_rms(0.5), gcx.adaptive_grad_clip(0.1)])
+def test_skip_on_spike_with_stateless_clippers(clipper):
+    tx = gcx.skip_on_spike(clipper, field="clipped")
+    params = {"w": jnp.ones((2, 2))}
+    state = tx.init(params)
+    small = {"w": jnp.full((2, 2), 1e-3)}
+    out, state = tx.update(small, state, params)
+    np.testing.assert_array_equal(out["w"], small["w"])
+    out, state = tx.update({"w": jnp.full((2, 2), 10.0)}, state, params)
+    assert bool(state.skipped) and int(state.num_skipped) == 1
+    np.testing.assert_array_equal(out["w"], 0.0)
+
+
+def test_skip_on_spike_rejects_flagless_transforms():
+    with pytest.raises(ValueError, match="clipped"):
+        gcx.skip_on_spike(gcx.clip_by_value(1.0), field="clipped").init(_tree())
+
+
+def test_norms_from_state_with_two_clippers_and_multi_transform():
+    tx = optax.chain(gcx.clip_by_global_norm(1.0), gcx.clip_by_norm(10.0), optax.adam(1e-3))
+    params = {"w": jnp.zeros(2), "b": jnp.zeros(1)}
+    state = tx.init(params)
+    with pytest.raises(KeyError):
+        optax.tree_utils.tree_get(state, "norm")  # why norms_from_state exists
+    _, state = jax.jit(tx.update)({"w": jnp.array([3.0, 4.0]), "b": jnp.array([12.0])}, state, params)
+    norms = gcx.norms_from_state(state)
+    assert set(norms) == {"0/norm", "1/norm/w", "1/norm/b"}
+    np.testing.assert_allclose(norms["0/norm"], 13.0)
+    np.testing.assert_allclose(norms["1/norm/w"], 5.0 / 13.0, rtol=1e-6)
+    assert set(gcx.norms_from_state(state, "clipped")) == {"0/clipped", "1/clipped/w", "1/clipped/b"}
+
+    mt = optax.multi_transform({"a": gcx.clip_by_global_norm(1.0), "z": gcx.zclip()}, {"w": "a", "b": "z"})
+    state = mt.init(params)
+    _, state = mt.update({"w": jnp.array([3.0, 4.0]), "b": jnp.array([2.0])}, state, params)
+    norms = gcx.norms_from_state(state)
+    assert {k.split("/")[1] for k in norms} == {"a", "z"}
+    assert sorted(float(v) for v in norms.values()) == [2.0, 5.0]
+
+
+def test_norms_from_state_under_flax_nnx():
+    nnx = pytest.importorskip("flax.nnx")
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.chain(gcx.clip_by_global_norm(1.0), optax.sgd(0.1)), wrt=nnx.Param)
+
+    def loss(m):
+        return jnp.sum(m(jnp.ones((1, 2))) ** 2)
+
+    grads = nnx.grad(loss)(model)
+    opt.update(model, grads)
+    norms = gcx.norms_from_state(opt.opt_state)
+    assert list(norms) == ["0/norm"]
+    assert isinstance(norms["0/norm"], jax.Array)
+    expected = gcx.tree_norm(jax.tree_util.tree_leaves(nnx.state(grads)))
+    np.testing.assert_allclose(norms["0/norm"], expected, rtol=1e-6)
+
+
+def test_renamed_kwarg_warns_and_rejects_both():
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert renamed_kwarg("f", "old", "new", 3, None) == 3
+    assert issubclass(w[0].category, DeprecationWarning) and "`old`" in str(w[0].message)
+    assert renamed_kwarg("f", "old", "new", None, 4) == 4
+    with pytest.raises(TypeError, match="both"):
+        renamed_kwarg("f", "old", "new", 3, 4)

@@ -1,0 +1,104 @@
+"""The package layout: no import cycle, modules import on their own, and one trace
+of the loss per clipped_grad call."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import gradclip_jax
+from gradclip_jax.per_example import clipped_grad
+from tests.per_example.models import mlp_setup
+
+ROOT = pathlib.Path(gradclip_jax.__file__).parent
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in ROOT.rglob("*.py")}
+
+
+def _imports(name: str, path: pathlib.Path) -> set[str]:
+    """Modules of the package that ``name`` imports at import time (module-level statements)."""
+    out: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name in MODULES}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                out.add(sub if sub in MODULES else node.module)
+    return {m for m in out if m in MODULES and m != name}
+
+
+def test_no_import_cycle():
+    graph = {name: _imports(name, path) for name, path in MODULES.items()}
+    state: dict[str, int] = {}
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                raise AssertionError("import cycle: " + " -> ".join([*stack[stack.index(n):], n]))
+            if n not in state:
+                visit(n, [*stack, n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+
+
+def test_imports_flow_one_way():
+    """Strategies may import the lower layers, never the api; the lower layers never a strategy."""
+    graph = {name: _imports(name, path) for name, path in MODULES.items()}
+    lower = {"_batch", "_measure", "_sums", "_chunks", "_config"}
+    for name, deps in graph.items():
+        if name.startswith("gradclip_jax.per_example.") and name != "gradclip_jax.per_example.api":
+            assert "gradclip_jax.per_example.api" not in deps, name
+        if name.rsplit(".", 1)[-1] in lower and name.count(".") == 2 and ".per_example." in name:
+            assert not any("ghost" in d or d.endswith("_vmap") for d in deps), (name, deps)
+
+
+@pytest.mark.parametrize("module", ["gradclip_jax.per_example.ghost.rules.dense", "gradclip_jax.per_example._sums",
+                                    "gradclip_jax.dp.aggregate", "gradclip_jax.ghost"])
+def test_module_imports_in_isolation(module):
+    subprocess.run([sys.executable, "-c", f"import {module}"], check=True, cwd=ROOT.parent)
+
+
+def _counting(loss):
+    calls = []
+
+    def counted(p, b):
+        calls.append(1)
+        return loss(p, b)
+
+    return counted, calls
+
+
+@pytest.mark.parametrize("method,nan_safe,expected", [("ghost", False, 1), ("ghost", True, 2), ("vmap", True, 2)])
+def test_loss_traced_once_per_call(method, nan_safe, expected):
+    """Ghost: one trace (shape check, analysis and the probed passes all use its jaxpr),
+    plus, with ``nan_safe``, the per-example trace of the branch that runs only when a
+    dropped example is not finite. vmap: the shape check and the per-example trace."""
+    loss, params, data = mlp_setup()
+    counted, calls = _counting(loss)
+    jax.make_jaxpr(clipped_grad(counted, 1.0, method=method, nan_safe=nan_safe))(params, data)
+    assert len(calls) == expected
+
+
+def test_ghost_falling_back_traces_twice():
+    """A loss that mixes examples: the one analysis trace, then the vmap strategy's trace."""
+    loss, params, data = mlp_setup()
+    counted, calls = _counting(lambda p, b: loss(p, b) - jnp.mean(loss(p, b)))
+    jax.make_jaxpr(clipped_grad(counted, 1.0, method="ghost", nan_safe=False))(params, data)
+    assert len(calls) == 2
