@@ -47,13 +47,29 @@ leaf is classified by how the loss uses it:
   :math:`(\\sum_i T_i)^2 (V + d) < (\\sum_i T_i) V d`). Otherwise (and for
   other uses with the batch on axis 0) each use's per-example gradient is formed
   as for ``conv`` and they are summed before the norm.
-* anything else (a leaf used through ``sin``, inside a ``scan``/``cond``, ...)
-  **falls back**: that leaf's per-example gradients are materialized with
-  ``jax.vmap(jax.grad)`` (all other leaves held fixed), exactly as
-  ``method='vmap'`` does. :func:`ghost_report` lists each leaf's kind or reason.
+* **stacked** leaves (layers stacked on a leading axis and run by
+  ``lax.scan``, ``flax.linen.scan``, ``nnx.scan``): each use reads a disjoint
+  block of the leaf (one layer's weights), so
+  :math:`\\|G_b\\|_F^2 = \\sum_l \\|G_{b,l}\\|_F^2` with each block measured by its
+  use's rule above.
+* anything else (a leaf used through ``sin``, inside a ``cond`` or a ``while``,
+  a scan longer than :data:`gradclip_jax.per_example.ghost._jaxpr.MAX_UNROLL`
+  steps, ...) **falls back**: that leaf's per-example gradients are materialized
+  with ``jax.vmap(jax.grad)`` (all other leaves held fixed), exactly as
+  ``method='vmap'`` does. :func:`ghost_report` lists each leaf's kind or reason,
+  and :class:`GhostFallbackWarning` says once which leaves fell back and at which
+  primitive (silent when ``method='auto'`` finds the model too small for ghost
+  clipping anyway).
 
-Nested ``jit`` calls (``jnp.take``, ``jax.nn.log_softmax``, ...) are inlined
-before the analysis, so models written with flax or equinox work unchanged.
+Nested ``jit`` calls (``jnp.take``, ``jax.nn.log_softmax``, ...) and
+``jax.checkpoint`` blocks are inlined, and scans that read a parameter (at most
+128 steps) unrolled, before the analysis, so models written with flax or
+equinox work unchanged. ``jnp.split``, ``concatenate``, reshapes, transposes
+and slices along any axis but the batch's keep the ghost path (a fused qkv
+projection is one dense site); ``custom_jvp``/``custom_vjp`` functions of
+activations (``jax.nn.relu``, ``jax.nn.dot_product_attention``) are followed
+through their primal. On the ghost path a ``jax.checkpoint`` block is not
+rematerialized (its activations are needed for the norms).
 
 The cotangents ``g`` come from *one* backward pass: a zero "probe" is added to
 the output of every recognised operation, and ``jax.vjp`` of the per-example
@@ -118,8 +134,9 @@ Example:
 from gradclip_jax.per_example.ghost import (
     AUTO_MIN_ELEMENTS,
     BOOKKEEPING_MAX_SHARE,
+    GhostFallbackWarning,
     GhostReport,
     ghost_report,
 )
 
-__all__ = ["AUTO_MIN_ELEMENTS", "BOOKKEEPING_MAX_SHARE", "GhostReport", "ghost_report"]
+__all__ = ["AUTO_MIN_ELEMENTS", "BOOKKEEPING_MAX_SHARE", "GhostFallbackWarning", "GhostReport", "ghost_report"]

@@ -4,6 +4,7 @@ call and its jaxpr analysed once; the resulting :class:`Plan` is passed down."""
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -15,7 +16,18 @@ from gradclip_jax import norms as _norms
 from gradclip_jax.per_example._batch import batch_size_of, check_loss_out, keystr
 from gradclip_jax.per_example._config import ClipConfig, GhostSum, Method
 from gradclip_jax.per_example.ghost._jaxpr import is_literal, shape, trace
-from gradclip_jax.per_example.ghost.rules import CONST, ROW, Site, State, Use, row_rule, rule_for
+from gradclip_jax.per_example.ghost.rules import (
+    CONST,
+    MIXED,
+    OPAQUE,
+    ROW,
+    Box,
+    Site,
+    State,
+    Use,
+    row_rule,
+    rule_for,
+)
 
 # Operations applied to a parameter that keep the gradient's norm: the gradient
 # with respect to the parameter is a permutation/reshape/cast of the gradient with
@@ -23,6 +35,8 @@ from gradclip_jax.per_example.ghost.rules import CONST, ROW, Site, State, Use, r
 _NORM_KEEPING = frozenset({"convert_element_type", "transpose", "reshape", "squeeze", "copy", "copy_p"})
 # Operations allowed between a parameter and an elementwise use (bias broadcasting).
 _CHAIN = _NORM_KEEPING | {"broadcast_in_dim"}
+# Operations that keep a value in the leaf's own coordinates (a later slice's box is the leaf's).
+_PLAIN = frozenset({"convert_element_type", "copy", "copy_p"})
 
 AUTO_MIN_ELEMENTS = 2**20
 """``method='auto'`` uses ghost clipping when the per-example gradients of the
@@ -47,6 +61,7 @@ class Plan:
     ghost: set[int]  # leaf indices (flattened params) measured without materializing
     reasons: dict[int, str] = field(default_factory=dict)  # fallback leaf -> why
     act_elems: int = 0  # elements of the batched intermediates of the loss (a proxy for activations)
+    blocks: set[int] = field(default_factory=set)  # ghost leaves whose uses read disjoint blocks
 
     def ct_elems(self, jaxpr: Any) -> int:
         """Elements of the site output cotangents that book-keeping holds at once."""
@@ -61,15 +76,37 @@ class Traced(NamedTuple):
 
 
 class _Walk(NamedTuple):
-    uses: dict[int, list[Site | None]]  # per leaf: its recognised uses (None: an unrecognised one)
+    uses: dict[int, list[Site | str]]  # per leaf: its recognised uses (a str: the primitive of an unrecognised one)
     row_wise: bool
     act_elems: int
+    mixing: str | None  # the first primitive that mixed examples, if any
 
 
-def _classify(use: Use, n_aliased: int) -> Site | None:
+class _Alias(NamedTuple):
+    """A value that is a parameter leaf seen through a chain of one-operand operations."""
+
+    leaf: int
+    chain: list[int]
+    bcast: bool  # the chain broadcasts the leaf
+    box: Box  # the block of the leaf the chain selects
+    plain: bool  # the chain so far only casts or copies (the value is in the leaf's coordinates)
+
+
+def _slice_box(eqn: Any, a: _Alias) -> Box:
+    """The block a static slice selects, in leaf coordinates when it applies to the leaf itself."""
+    p = eqn.params
+    strides = p.get("strides")
+    if a.box is not None or not a.plain or (strides is not None and any(x != 1 for x in strides)):
+        return OPAQUE
+    return (tuple(int(x) for x in p["start_indices"]), tuple(int(x) for x in p["limit_indices"]))
+
+
+def _classify(use: Use, n_aliased: int) -> Site | str:
+    name = use.eqn.primitive.name
     if n_aliased != 1 or not isinstance(use.out_states[0], int):
-        return None
-    return rule_for(use.eqn.primitive.name).classify(use)
+        return name
+    site = rule_for(name).classify(use)
+    return name if site is None else site
 
 
 def _walk(jaxpr: Any, n_params: int, n_batch: int, bsize: int) -> _Walk:
@@ -77,9 +114,9 @@ def _walk(jaxpr: Any, n_params: int, n_batch: int, bsize: int) -> _Walk:
     invars = jaxpr.invars
     states: dict[Any, State] = {v: ROW if n_params <= i < n_params + n_batch else CONST
                                 for i, v in enumerate(invars)}
-    alias: dict[Any, tuple[int, list[int], bool]] = {invars[i]: (i, [], False) for i in range(n_params)}
-    uses: dict[int, list[Site | None]] = {i: [] for i in range(n_params)}
-    act_elems = 0
+    alias: dict[Any, _Alias] = {invars[i]: _Alias(i, [], False, None, True) for i in range(n_params)}
+    uses: dict[int, list[Site | str]] = {i: [] for i in range(n_params)}
+    act_elems, mixing = 0, None
 
     def state(v: Any) -> State:
         return CONST if is_literal(v) else states.get(v, CONST)
@@ -88,34 +125,57 @@ def _walk(jaxpr: Any, n_params: int, n_batch: int, bsize: int) -> _Walk:
         name = eqn.primitive.name
         in_states = [state(v) for v in eqn.invars]
         aliased = [(pos, alias[v]) for pos, v in enumerate(eqn.invars) if not is_literal(v) and v in alias]
-        if name in _CHAIN and len(eqn.invars) == 1 and aliased:
-            leaf, chain, bcast = aliased[0][1]
-            alias[eqn.outvars[0]] = (leaf, [*chain, k], bcast or name not in _NORM_KEEPING)
+        if (name in _CHAIN or name == "slice") and len(eqn.invars) == 1 and aliased:
+            a = aliased[0][1]
+            box = _slice_box(eqn, a) if name == "slice" else a.box
+            alias[eqn.outvars[0]] = _Alias(a.leaf, [*a.chain, k], a.bcast or name == "broadcast_in_dim", box,
+                                           a.plain and name in _PLAIN)
             states[eqn.outvars[0]] = CONST
             continue
         out_states = row_rule(eqn, in_states, bsize)
+        if mixing is None and MIXED in out_states and MIXED not in in_states:
+            mixing = name
         for v, s in zip(eqn.outvars, out_states, strict=True):
             states[v] = s
             if isinstance(s, int) and name not in _CHAIN:
                 act_elems += math.prod(shape(v))
-        for pos, (leaf, chain, bcast) in aliased:
-            use = Use(eqn, k, pos, leaf, chain, bcast, in_states, out_states)
-            uses[leaf].append(_classify(use, len(aliased)))
+        for pos, a in aliased:
+            use = Use(eqn, k, pos, a.leaf, a.chain, a.bcast, in_states, out_states, a.box)
+            uses[a.leaf].append(_classify(use, len(aliased)))
     for v in jaxpr.outvars:
         if not is_literal(v) and v in alias:
-            uses[alias[v][0]].append(None)
-    return _Walk(uses, state(jaxpr.outvars[0]) in (ROW, CONST), act_elems)
+            uses[alias[v].leaf].append("an output of the loss")
+    return _Walk(uses, state(jaxpr.outvars[0]) in (ROW, CONST), act_elems, mixing)
 
 
-def _leaf_verdict(u: list[Site | None]) -> tuple[list[Site], str | None]:
-    """``(sites, None)`` for a leaf measured by ghost clipping, ``([], reason)`` otherwise."""
+def _disjoint(boxes: Sequence[Box]) -> bool:
+    """Whether static boxes (no whole-leaf or opaque one) pairwise share no element."""
+    static = [b for b in boxes if isinstance(b, tuple)]
+    if len(static) != len(boxes):
+        return False
+    for i, (s1, l1) in enumerate(static):
+        for s2, l2 in static[i + 1:]:
+            if all(max(a, c) < min(b, d) for a, b, c, d in zip(s1, l1, s2, l2, strict=True)):
+                return False
+    return True
+
+
+def _leaf_verdict(u: list[Site | str]) -> tuple[list[Site], bool, str | None]:
+    """``(sites, blocks, None)`` for a leaf measured by ghost clipping (``blocks``: its uses read
+    disjoint blocks, so its squared norm is the sum of theirs), ``([], False, reason)`` otherwise."""
     if len(u) == 0:
-        return [], None
-    if len(u) > 1:
-        if all(x is not None and x.axis == 0 for x in u):  # tied: every use recognised
-            return [x for x in u if x is not None], None
-        return [], f"used {len(u)} times, not all in a supported way"
-    return ([], "unsupported use") if u[0] is None else ([u[0]], None)
+        return [], False, None
+    bad = [x for x in u if isinstance(x, str)]
+    if bad:
+        return [], False, f"used by {bad[0]!r}, which ghost clipping does not measure"
+    sites = [x for x in u if isinstance(x, Site)]
+    if len(sites) == 1:
+        return sites, False, None
+    if _disjoint([x.box for x in sites]):  # stacked layers: one block per use
+        return sites, True, None
+    if all(x.axis == 0 and x.box is None for x in sites):  # tied: every use reads the whole leaf
+        return sites, False, None
+    return [], False, f"used {len(sites)} times on overlapping parts"
 
 
 def analyse(jaxpr: Any, n_params: int, active: Sequence[int], n_batch: int, bsize: int) -> Plan:
@@ -125,15 +185,18 @@ def analyse(jaxpr: Any, n_params: int, active: Sequence[int], n_batch: int, bsiz
     is the per-example loss.
     """
     walk = _walk(jaxpr, n_params, n_batch, bsize)
-    plan = Plan(walk.row_wise, [], set(), {}, walk.act_elems)
+    plan = Plan(walk.row_wise, [], set(), {}, act_elems=walk.act_elems)
     for leaf in active:
         if not walk.row_wise:
-            plan.reasons[leaf] = "the loss mixes examples or uses an unsupported operation on batched data"
+            plan.reasons[leaf] = (f"the loss mixes examples (first at {walk.mixing!r}: an operation across the "
+                                  "batch axis, or one ghost clipping has no rule for)")
             continue
-        sites, reason = _leaf_verdict(walk.uses[leaf])
+        sites, blocks, reason = _leaf_verdict(walk.uses[leaf])
         if reason is None:
             plan.sites.extend(sites)
             plan.ghost.add(leaf)
+            if blocks:
+                plan.blocks.add(leaf)
         else:
             plan.reasons[leaf] = reason
     return plan
@@ -181,12 +244,50 @@ def use_ghost(plan: Plan, pflat: _norms.FlatTree, bsize: int, method: Method) ->
     return bsize * ghost_size >= AUTO_MIN_ELEMENTS and 2 * ghost_size >= sum(sizes.values())
 
 
+class GhostFallbackWarning(UserWarning):
+    """Ghost clipping forms the per-example gradients of some leaves (the vmap fallback)."""
+
+
+_WARNED: set[str] = set()
+
+
+def warn_fallback(plan: Plan, pflat: _norms.FlatTree, bsize: int, method: Method, fn: str) -> None:
+    """Tells the user once, per distinct message, which leaves fall back to vmap and why.
+
+    Silent for ``method='auto'`` on a model too small for ghost clipping to be
+    worth it (then vmap is the choice, not a fallback).
+    """
+    sizes = {i: math.prod(np.shape(pflat.leaves[i])) for i in pflat.active}
+    if method is Method.AUTO and bsize * sum(sizes.values()) < AUTO_MIN_ELEMENTS:
+        return
+    low = [i for i in pflat.active if np.dtype(pflat.leaves[i].dtype).itemsize < 4]
+    fb = [i for i in pflat.active if i in plan.reasons]
+    if not fb and not (low and plan.ghost):
+        return
+    by_reason: dict[str, list[str]] = {}
+    for i in fb:
+        by_reason.setdefault(plan.reasons[i], []).append(keystr(pflat.paths[i]))
+    parts = [f"{', '.join(paths[:6])}{f' and {len(paths) - 6} more' if len(paths) > 6 else ''} ({why})"
+             for why, paths in by_reason.items()]
+    msg = (f"{fn}: ghost clipping forms the per-example gradients of {len(fb)} of {len(pflat.active)} "
+           f"parameter leaves (vmap fallback): {'; '.join(parts)}" if fb else "")
+    if low and plan.ghost:
+        msg = (msg + "; " if msg else f"{fn}: ") + (
+            "16-bit parameters: every leaf takes the vmap path, which clips in float32")
+    msg += ". ghost_report(loss_fn, params, batch) lists every leaf."
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        warnings.warn(msg, GhostFallbackWarning, stacklevel=5)  # the caller of the clipped-grad function
+
+
 class GhostReport(tuple):
     """Which parameter leaves ghost clipping measures directly.
 
     A pair ``(ghost, fallback)``: ``ghost`` lists ``(path, kind)`` for leaves whose
     per-example norms come from activations (``kind`` is ``'dense'``,
-    ``'elementwise'``, ``'embedding'``, ``'conv'``, ``'tied:...'`` or ``'unused'``);
+    ``'elementwise'``, ``'embedding'``, ``'conv'``, ``'tied:...'`` (one leaf used
+    several times), ``'stacked:...'`` (a stacked-layers leaf, one block per use) or
+    ``'unused'``);
     ``fallback`` lists ``(path, reason)`` for leaves whose per-example gradients
     are materialized.
     """
@@ -223,7 +324,8 @@ def ghost_report(loss_fn: Callable[..., Any], params: Any, batch: Any, *args: An
     by_leaf: dict[int, list[str]] = {}
     for site in plan.sites:
         by_leaf.setdefault(site.leaf, []).append(site.kind)
-    kinds = {i: (k[0] if len(k) == 1 else "tied:" + "+".join(k)) for i, k in by_leaf.items()}
+    kinds = {i: (k[0] if len(k) == 1 else ("stacked:" if i in plan.blocks else "tied:") + "+".join(k))
+             for i, k in by_leaf.items()}
     ghost = [(keystr(pflat.paths[i]), kinds.get(i, "unused")) for i in pflat.active if i in plan.ghost]
     fallback = [(keystr(pflat.paths[i]), plan.reasons[i]) for i in pflat.active if i not in plan.ghost]
     return GhostReport((ghost, fallback))

@@ -1,5 +1,6 @@
 """Jaxpr mechanics of ghost clipping: tracing the loss once, inlining nested
-``jit`` calls, and evaluating the jaxpr with probes on chosen equations."""
+``jit`` and ``checkpoint`` calls and unrolling short scans over parameters, and
+evaluating the jaxpr with probes on chosen equations."""
 
 from __future__ import annotations
 
@@ -7,10 +8,21 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 from jax.extend import core as _jcore
 
 _CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
-_INLINE = frozenset({"pjit", "jit", "closed_call", "core_call"})
+# Inlined: the sub-jaxpr runs once on the operands. ``checkpoint`` (remat) loses
+# its rematerialization on the ghost path: a parameter used inside it must be
+# seen by the analysis, and the activations are held for the norms anyway.
+_INLINE = frozenset({"pjit", "jit", "closed_call", "core_call", "remat2", "checkpoint", "remat"})
+
+MAX_UNROLL = 128
+"""A ``lax.scan`` that reads a parameter (layers stacked with ``nn.scan`` /
+``nnx.scan`` / ``eqx.filter_vmap``-built stacks) and runs at most this many
+steps is unrolled for the analysis, so each step's use of its slice of the
+stacked parameter is a site; longer scans keep their parameters on the vmap path."""
 
 
 def shape(v: Any) -> tuple[int, ...]:
@@ -56,33 +68,75 @@ def _read(env: dict[Any, Any], v: Any) -> Any:
     return v.val if is_literal(v) else env[v]
 
 
-def _inline_eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-    """Evaluates ``jaxpr``, running nested ``jit`` calls inline (so that, traced, the
-    parameters used inside library helpers such as ``jnp.take`` appear at the top level)."""
+def _unroll_scan(eqn: Any, invals: Sequence[Any], deps: Sequence[bool], body_eval: Any) -> list[Any]:
+    """A ``scan`` equation evaluated step by step: ``xs`` sliced with static slices
+    (one block of a stacked parameter per step), ``ys`` stacked again."""
+    p = eqn.params
+    n_consts, n_carry, length = p["num_consts"], p["num_carry"], p["length"]
+    body, body_consts = open_jaxpr(p["jaxpr"])
+    consts, carry = list(invals[:n_consts]), list(invals[n_consts:n_consts + n_carry])
+    xs = invals[n_consts + n_carry:]
+    d_consts, d_xs = list(deps[:n_consts]), list(deps[n_consts + n_carry:])
+    d_carry = list(deps[n_consts:n_consts + n_carry])
+    ys: list[list[Any]] = [[] for _ in range(length)]
+    for i in (reversed(range(length)) if p["reverse"] else range(length)):
+        x_i = [lax.squeeze(lax.slice_in_dim(x, i, i + 1, axis=0), (0,)) for x in xs]
+        outs, out_deps = body_eval(body, body_consts or [], [*consts, *carry, *x_i], [*d_consts, *d_carry, *d_xs])
+        carry = outs[:n_carry]
+        d_carry = [a or b for a, b in zip(d_carry, out_deps[:n_carry], strict=True)]
+        ys[i] = outs[n_carry:]
+    n_ys = len(body.outvars) - n_carry
+    return [*carry, *[jnp.stack([ys[i][j] for i in range(length)]) for j in range(n_ys)]]
+
+
+def _unrolls(eqn: Any, deps: Sequence[bool]) -> bool:
+    return bool(eqn.primitive.name == "scan" and any(deps) and 0 < eqn.params["length"] <= MAX_UNROLL)
+
+
+def _inline_eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
+                 deps: Sequence[bool]) -> tuple[list[Any], list[bool]]:
+    """Evaluates ``jaxpr``, running nested ``jit`` / ``checkpoint`` calls inline and
+    unrolling short scans that read a parameter (``deps[i]``: argument ``i``
+    depends on a parameter), so that, traced, every use of a parameter appears at
+    the top level. Returns the outputs and whether each depends on a parameter."""
     env = _env(jaxpr, consts, args)
+    dep: dict[Any, bool] = dict(zip(jaxpr.invars, deps, strict=True))
+
+    def read_dep(v: Any) -> bool:
+        return False if is_literal(v) else dep.get(v, False)
+
     for eqn in jaxpr.eqns:
         invals = [_read(env, v) for v in eqn.invars]
+        in_deps = [read_dep(v) for v in eqn.invars]
         sub = sub_jaxpr(eqn) if eqn.primitive.name in _INLINE else None
         j, sub_consts = open_jaxpr(sub) if sub is not None else (None, None)
         if j is not None and (sub_consts is not None or not j.constvars):
-            outs = _inline_eval(j, sub_consts or [], invals)
+            outs, out_deps = _inline_eval(j, sub_consts or [], invals, in_deps)
+        elif _unrolls(eqn, in_deps):
+            outs = _unroll_scan(eqn, invals, in_deps, _inline_eval)
+            out_deps = [any(in_deps)] * len(outs)
         else:
             outs = bind(eqn, invals)
+            out_deps = [any(in_deps)] * len(outs)
         env.update(zip(eqn.outvars, outs, strict=True))
-    return [_read(env, v) for v in jaxpr.outvars]
+        dep.update(zip(eqn.outvars, out_deps, strict=True))
+    return [_read(env, v) for v in jaxpr.outvars], [read_dep(v) for v in jaxpr.outvars]
 
 
 def trace(loss: Callable[..., Any], params: Any, batch: Any, args: Sequence[Any]) -> Any:
-    """The closed jaxpr of ``loss(params, batch, args)`` over the flattened inputs, calls inlined.
+    """The closed jaxpr of ``loss(params, batch, args)`` over the flattened inputs, calls
+    inlined and short scans over parameters unrolled.
 
     ``loss`` is called exactly once (the inlining re-traces the jaxpr, not ``loss``).
     """
     closed = jax.make_jaxpr(loss)(params, batch, tuple(args))
-    if not any(e.primitive.name in _INLINE for e in closed.jaxpr.eqns):
+    if not any(e.primitive.name in _INLINE or e.primitive.name == "scan" for e in closed.jaxpr.eqns):
         return closed
+    n_params = len(jax.tree_util.tree_leaves(params))
+    deps = [i < n_params for i in range(len(closed.jaxpr.invars))]
 
     def inlined(p: Any, b: Any, a: Any) -> Any:
-        return _inline_eval(closed.jaxpr, closed.consts, jax.tree_util.tree_leaves((p, b, a)))[0]
+        return _inline_eval(closed.jaxpr, closed.consts, jax.tree_util.tree_leaves((p, b, a)), deps)[0][0]
 
     return jax.make_jaxpr(inlined)(params, batch, tuple(args))
 

@@ -15,7 +15,7 @@ import numpy as np
 from gradclip_jax import norms as _norms
 from gradclip_jax.per_example._batch import Call, match_batch_sharding, one_example_loss
 from gradclip_jax.per_example._config import ClipConfig
-from gradclip_jax.per_example._measure import as_rows, leaf_example_norms
+from gradclip_jax.per_example._measure import as_rows, combine_l2, leaf_example_norms
 from gradclip_jax.per_example.ghost._analysis import Traced
 from gradclip_jax.per_example.ghost._factored import (
     factored_is_cheaper,
@@ -92,7 +92,7 @@ def _factored_norms(traced: Traced, pflat: _norms.FlatTree, fwd: Pass, uses: Cou
     factored: dict[int, list | None] = {}
     for s, ops, g in zip(traced.plan.sites, fwd.operands, fwd.cts, strict=True):
         prev = factored.get(s.leaf, [])
-        if uses[s.leaf] > 1 and prev is not None:
+        if uses[s.leaf] > 1 and s.leaf not in traced.plan.blocks and prev is not None:
             f2 = site_factors(traced.closed, s, ops, g, pflat.leaves[s.leaf], acc)
             factored[s.leaf] = None if f2 is None else [*prev, f2]
     return {i: factored_norm(fl, acc) for i, fl in factored.items()
@@ -100,22 +100,34 @@ def _factored_norms(traced: Traced, pflat: _norms.FlatTree, fwd: Pass, uses: Cou
 
 
 def leaf_norms(config: ClipConfig, call: Call, traced: Traced, batch: Any, fwd: Pass) -> LeafNorms:
-    """The per-example norm of every measured leaf, and the rows of those whose gradients were formed."""
+    """The per-example norm of every measured leaf, and the rows of those whose gradients were formed.
+
+    A leaf used once, or whose uses read disjoint blocks (a stacked layer's
+    parameter read one layer per step), is measured by its sites' rules: the
+    squared norms of disjoint blocks add. A tied leaf is measured from factors,
+    or from the sum of its uses' local per-example gradients.
+    """
     closed, plan = traced
     pflat = call.pflat
     acc = _norms.tree_acc_dtype(pflat.arrays) if pflat.arrays else np.dtype(np.float32)
     uses = Counter(s.leaf for s in plan.sites)
     norms = _factored_norms(traced, pflat, fwd, uses, acc)
-    local: dict[int, jax.Array] = {}  # summed per-example gradients of tied / local leaves
+    site_norms: list[jax.Array | None] = []
     for s, ops, g in zip(plan.sites, fwd.operands, fwd.cts, strict=True):
-        if s.leaf in norms:  # a factored tied leaf
-            continue
-        n = s.rule.norm(s, closed.jaxpr.eqns[s.eqn], ops, g, acc) if uses[s.leaf] == 1 else None
-        if n is not None:
-            norms[s.leaf] = n
-            continue
-        lg = _local_grads(closed, s, pflat.leaves[s.leaf], ops, g).astype(acc)
-        local[s.leaf] = lg if s.leaf not in local else local[s.leaf] + lg
+        alone = s.leaf not in norms and (uses[s.leaf] == 1 or s.leaf in plan.blocks)
+        site_norms.append(s.rule.norm(s, closed.jaxpr.eqns[s.eqn], ops, g, acc) if alone else None)
+    # A leaf with a site no rule measures forms its per-example gradients from all its sites.
+    formed = {s.leaf for s, n in zip(plan.sites, site_norms, strict=True) if n is None and s.leaf not in norms}
+    parts: dict[int, list[jax.Array]] = {}  # per-block norms (one for a leaf used once)
+    local: dict[int, jax.Array] = {}  # summed per-example gradients of the leaves in `formed`
+    for s, n, ops, g in zip(plan.sites, site_norms, fwd.operands, fwd.cts, strict=True):
+        if s.leaf in formed:
+            lg = _local_grads(closed, s, pflat.leaves[s.leaf], ops, g).astype(acc)
+            local[s.leaf] = lg if s.leaf not in local else local[s.leaf] + lg
+        elif n is not None:
+            parts.setdefault(s.leaf, []).append(n.astype(acc))
+    for i, ns in parts.items():
+        norms[i] = ns[0] if len(ns) == 1 else combine_l2(ns)
     rows = {i: as_rows(lg) for i, lg in local.items()}
     fb = [i for i in pflat.active if i not in plan.ghost]
     if fb:

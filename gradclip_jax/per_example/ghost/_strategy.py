@@ -21,7 +21,13 @@ from gradclip_jax.per_example._config import ClipConfig, ClippedGradInfo, GhostS
 from gradclip_jax.per_example._measure import clip_budgets, from_leaf_norms
 from gradclip_jax.per_example._sums import clip_flags, weigh
 from gradclip_jax.per_example._vmap import run_vmap
-from gradclip_jax.per_example.ghost._analysis import Traced, sum_mode, trace_and_plan, use_ghost
+from gradclip_jax.per_example.ghost._analysis import (
+    Traced,
+    sum_mode,
+    trace_and_plan,
+    use_ghost,
+    warn_fallback,
+)
 from gradclip_jax.per_example.ghost._jaxpr import run_probed, shape
 from gradclip_jax.per_example.ghost._measure import Pass, leaf_norms
 from gradclip_jax.per_example.ghost._sums import backward_sums, bookkept_sums, clipped_sums
@@ -103,6 +109,7 @@ def run_ghost(config: ClipConfig, call: Call) -> tuple[Any, ClippedGradInfo]:
     """``(grads, info)`` by ghost clipping, or by the vmap strategy when no leaf can be measured
     without materializing (or ``method='auto'`` finds ghost clipping not worth it)."""
     traced = _trace(config, call, call.batch, check=True)
+    warn_fallback(traced.plan, call.pflat, call.bsize, config.method, config.fn)
     if not use_ghost(traced.plan, call.pflat, call.bsize, config.method):
         return run_vmap(config, call, checked=True)
     clips = clip_budgets(config, call.params, call.pflat)

@@ -13,8 +13,10 @@ from gradclip_jax.per_example.ghost.rules import (
 from gradclip_jax.per_example.ghost.rules._registry import (
     CONST,
     MIXED,
+    OPAQUE,
     ROW,
     RULES,
+    Box,
     Factor,
     Rule,
     Site,
@@ -24,5 +26,5 @@ from gradclip_jax.per_example.ghost.rules._registry import (
     rule_for,
 )
 
-__all__ = ["CONST", "MIXED", "ROW", "RULES", "Factor", "Rule", "Site", "State", "Use", "row_rule", "rule_for",
+__all__ = ["CONST", "MIXED", "OPAQUE", "ROW", "RULES", "Box", "Factor", "Rule", "Site", "State", "Use", "row_rule", "rule_for",
            "calls", "conv", "dense", "elementwise", "gather", "random", "structural"]

@@ -32,6 +32,12 @@ class Tag(enum.Enum):
 State = int | Tag
 ROW, CONST, MIXED = 0, Tag.CONST, Tag.MIXED
 
+# The block of a leaf one use reads: ``None`` (the whole leaf), the box
+# ``(start, limit)`` of a static unit-stride slice in the leaf's coordinates, or
+# ``OPAQUE`` (a slice of a reshaped or broadcast leaf: not compared).
+Box = tuple[tuple[int, ...], tuple[int, ...]] | None | str
+OPAQUE = "opaque"
+
 # A factor of a per-example gradient along one axis of a 2-D leaf: ("dense", X)
 # with X of shape (B, T, n) (one vector per position), or ("onehot", ids) with
 # ids of shape (B, T) (the basis vector e_id per position).
@@ -96,6 +102,7 @@ class Use:
     bcast: bool  # the chain broadcasts the leaf
     in_states: list[State]
     out_states: list[State]
+    box: Box = None  # the block of the leaf the chain selects
 
     def row_operands(self) -> tuple[int, ...] | None:
         """Operand positions with the batch on axis 0, if the output and every batched operand has it there."""
@@ -117,6 +124,7 @@ class Site:
     rows: tuple[int, ...] = ()  # operand positions carrying the batch on axis 0
     axis: int = 0  # dense: the batch axis of the batched operand (the others: 0)
     out_axis: int = 0  # the batch axis of the operation's output
+    box: Box = None  # the block of the leaf this use reads (stacked layers: one layer's block)
 
 
 class Rule:
@@ -133,7 +141,7 @@ class Rule:
         return None
 
     def site(self, use: Use, rows: tuple[int, ...], axis: int = 0, out_axis: int = 0) -> Site:
-        return Site(self.kind, self, use.leaf, use.k, use.pos, use.chain, rows, axis, out_axis)
+        return Site(self.kind, self, use.leaf, use.k, use.pos, use.chain, rows, axis, out_axis, use.box)
 
     def norm(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any) -> jax.Array | None:
         """Per-example norm of a once-used leaf's gradient; ``None``: form that leaf's gradients."""

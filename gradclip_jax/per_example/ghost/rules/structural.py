@@ -79,20 +79,39 @@ class Reshape(Axis0):
         return c.params.get("dimensions") is None
 
 
-class Concatenate(Axis0):
+class Concatenate(Rule):
+    """Joining along any axis but the batch's (a fused qkv's outputs, stacked layer outputs)."""
+
     primitives = ("concatenate",)
 
-    def ok(self, c: RowCtx) -> bool:
-        return bool(c.params["dimension"] != 0)
+    def row(self, c: RowCtx) -> list[State]:
+        k0 = c.k0
+        return c.mixed() if k0 is None or c.params["dimension"] == k0 else c.res_at(k0)
 
 
-class Slice(Axis0):
+class Split(Rule):
+    """``jnp.split`` along any axis but the batch's (a fused qkv projection)."""
+
+    primitives = ("split",)
+
+    def row(self, c: RowCtx) -> list[State]:
+        k0 = c.k0
+        return c.mixed() if k0 is None or c.params["axis"] == k0 else c.res_at(k0)
+
+
+class Slice(Rule):
+    """A static slice that keeps the whole batch axis (any other axis may be cut)."""
+
     primitives = ("slice",)
 
-    def ok(self, c: RowCtx) -> bool:
-        p, strides = c.params, c.params.get("strides")
-        return bool(p["start_indices"][0] == 0 and p["limit_indices"][0] == c.bsize
-                    and (strides is None or strides[0] == 1))
+    def row(self, c: RowCtx) -> list[State]:
+        k0, p = c.k0, c.params
+        if k0 is None:
+            return c.mixed()
+        strides = p.get("strides")
+        whole = (p["start_indices"][k0] == 0 and p["limit_indices"][k0] == c.bsize
+                 and (strides is None or strides[k0] == 1))
+        return c.res_at(k0) if whole else c.mixed()
 
 
 class Pad(Axis0):
@@ -141,5 +160,5 @@ class Iota(Rule):
 
 
 for _rule in (Transpose(), BroadcastInDim(), Reduce(), Squeeze(), Cumulative(), Reshape(), Concatenate(),
-              Slice(), Pad(), DynamicSlice(), ReduceWindow(), Sort(), TopK(), Iota()):
+              Split(), Slice(), Pad(), DynamicSlice(), ReduceWindow(), Sort(), TopK(), Iota()):
     register(_rule)
