@@ -10,7 +10,6 @@ import jax.numpy as jnp
 from gradclip_jax import norms as _norms
 from gradclip_jax.per_example._batch import (
     Call,
-    check_loss_out,
     match_batch_sharding,
     one_example_loss,
 )
@@ -18,6 +17,7 @@ from gradclip_jax.per_example._chunks import run_chunks
 from gradclip_jax.per_example._config import ClipConfig, ClippedGradInfo
 from gradclip_jax.per_example._measure import as_rows, clip_budgets, unrow
 from gradclip_jax.per_example._sums import clip_and_sum, clip_flags
+from gradclip_jax.per_example.ghost._analysis import check_per_example, loss_crossing
 
 
 def per_example_grads(config: ClipConfig, call: Call, batch: Any) -> tuple:
@@ -55,9 +55,9 @@ def _chunk(config: ClipConfig, call: Call, clips: Any, batch: Any, valid: jax.Ar
 def run_vmap(config: ClipConfig, call: Call, *, checked: bool = False) -> tuple[Any, ClippedGradInfo]:
     """``(grads, info)`` by the vmap strategy; ``checked``: the loss's shape is already known to be ``(B,)``."""
     params = call.params
-    if not checked:
-        out = jax.eval_shape(config.loss_fn, call.params, call.batch, *call.args)
-        check_loss_out(out, call.bsize, config.has_aux, config.fn)
+    if not checked:  # one trace of the whole batch: losses of shape (B,), no example combined with another
+        check_per_example(loss_crossing(config.loss_fn, config.has_aux, config.fn, call.params, call.batch,
+                                        call.args, call.bsize), config.fn)
     if config.pre_clipping_transform is not None:  # clip (and sum) what the transform returns
         shapes = jax.eval_shape(config.pre_clipping_transform, call.params)
         template = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)

@@ -163,8 +163,10 @@ def clipped_grad(
     ``has_aux``), each computed from its own example alone: it is called on
     batches of one example, so it must not close over arrays of length ``B`` nor
     use statistics of the whole batch (batch norm in training mode). The call
-    checks it on a one-example batch first and raises ``ValueError`` stating
-    this contract when that fails. The
+    traces the loss once on the whole batch and raises ``ValueError`` stating
+    this contract when the loss certainly combines examples (a reduction,
+    cumulative sum, contraction or scan over the batch axis); when the loss
+    fails on a one-example batch, the error states the contract too. The
     returned ``grad_fn(params, batch, *args, mask=None)`` gives ``(grads, info)``:
 
     .. math:: \\text{grads} = \\sum_{i:\\ \\text{mask}_i} g_i \\cdot f_i, \\qquad
@@ -277,8 +279,9 @@ def clipped_grad(
       ValueError: at construction for a negative / NaN clip norm, a bad
         ``microbatch_size``, ``gamma`` or ``method``; at call time, naming the leaf
         or argument, for batch leaves without a batch axis or with different
-        batch sizes, a loss that is not of shape ``(B,)``, a bad ``mask``, or a
-        per-layer clip-norm tree that does not match ``params``.
+        batch sizes, a loss that is not of shape ``(B,)`` or that combines
+        examples, a bad ``mask``, or a per-layer clip-norm tree that does not
+        match ``params``.
 
     Example:
       >>> import jax, jax.numpy as jnp

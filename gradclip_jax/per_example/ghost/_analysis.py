@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from gradclip_jax import norms as _norms
-from gradclip_jax.per_example._batch import batch_size_of, check_loss_out, keystr
+from gradclip_jax.per_example._batch import LOSS_CONTRACT, batch_size_of, check_loss_out, keystr
 from gradclip_jax.per_example._config import ClipConfig, GhostSum, Method
 from gradclip_jax.per_example.ghost._jaxpr import is_literal, shape, trace
 from gradclip_jax.per_example.ghost.rules import (
@@ -22,6 +22,7 @@ from gradclip_jax.per_example.ghost.rules import (
     OPAQUE,
     ROW,
     Box,
+    RowCtx,
     Site,
     State,
     Use,
@@ -62,6 +63,7 @@ class Plan:
     reasons: dict[int, str] = field(default_factory=dict)  # fallback leaf -> why
     act_elems: int = 0  # elements of the batched intermediates of the loss (a proxy for activations)
     blocks: set[int] = field(default_factory=set)  # ghost leaves whose uses read disjoint blocks
+    crossing: str | None = None  # the first primitive that certainly combines examples
 
     def ct_elems(self, jaxpr: Any) -> int:
         """Elements of the site output cotangents that book-keeping holds at once."""
@@ -80,6 +82,7 @@ class _Walk(NamedTuple):
     row_wise: bool
     act_elems: int
     mixing: str | None  # the first primitive that mixed examples, if any
+    crossing: str | None  # the first primitive that certainly combines examples, if any
 
 
 class _Alias(NamedTuple):
@@ -117,6 +120,7 @@ def _walk(jaxpr: Any, n_params: int, n_batch: int, bsize: int) -> _Walk:
     alias: dict[Any, _Alias] = {invars[i]: _Alias(i, [], False, None, True) for i in range(n_params)}
     uses: dict[int, list[Site | str]] = {i: [] for i in range(n_params)}
     act_elems, mixing = 0, None
+    crossings: list[int] = []  # equations that certainly combine examples
 
     def state(v: Any) -> State:
         return CONST if is_literal(v) else states.get(v, CONST)
@@ -133,8 +137,10 @@ def _walk(jaxpr: Any, n_params: int, n_batch: int, bsize: int) -> _Walk:
             states[eqn.outvars[0]] = CONST
             continue
         out_states = row_rule(eqn, in_states, bsize)
-        if mixing is None and MIXED in out_states and MIXED not in in_states:
-            mixing = name
+        if MIXED in out_states and MIXED not in in_states:
+            mixing = mixing or name
+            if rule_for(name).crosses(RowCtx(eqn, in_states, bsize)):
+                crossings.append(k)
         for v, s in zip(eqn.outvars, out_states, strict=True):
             states[v] = s
             if isinstance(s, int) and name not in _CHAIN:
@@ -145,7 +151,24 @@ def _walk(jaxpr: Any, n_params: int, n_batch: int, bsize: int) -> _Walk:
     for v in jaxpr.outvars:
         if not is_literal(v) and v in alias:
             uses[alias[v].leaf].append("an output of the loss")
-    return _Walk(uses, state(jaxpr.outvars[0]) in (ROW, CONST), act_elems, mixing)
+    needed = _feeds_loss(jaxpr, crossings)
+    crossing = next((jaxpr.eqns[k].primitive.name for k in crossings if k in needed), None)
+    return _Walk(uses, state(jaxpr.outvars[0]) in (ROW, CONST), act_elems, mixing, crossing)
+
+
+def _feeds_loss(jaxpr: Any, candidates: Sequence[int]) -> set[int]:
+    """Which of the equations ``candidates`` the loss (the first output) depends on
+    (an aux output may reduce over the batch: it is evaluated per example)."""
+    if not candidates:
+        return set()
+    live = {jaxpr.outvars[0]} if not is_literal(jaxpr.outvars[0]) else set()
+    needed: set[int] = set()
+    for k in range(len(jaxpr.eqns) - 1, -1, -1):
+        eqn = jaxpr.eqns[k]
+        if any(v in live for v in eqn.outvars):
+            needed.add(k)
+            live.update(v for v in eqn.invars if not is_literal(v))
+    return needed
 
 
 def _disjoint(boxes: Sequence[Box]) -> bool:
@@ -185,7 +208,7 @@ def analyse(jaxpr: Any, n_params: int, active: Sequence[int], n_batch: int, bsiz
     is the per-example loss.
     """
     walk = _walk(jaxpr, n_params, n_batch, bsize)
-    plan = Plan(walk.row_wise, [], set(), {}, act_elems=walk.act_elems)
+    plan = Plan(walk.row_wise, [], set(), {}, act_elems=walk.act_elems, crossing=walk.crossing)
     for leaf in active:
         if not walk.row_wise:
             plan.reasons[leaf] = (f"the loss mixes examples (first at {walk.mixing!r}: an operation across the "
@@ -216,6 +239,30 @@ def trace_and_plan(loss_fn: Callable[..., Any], has_aux: bool, fn: str, params: 
     closed = trace(flat_loss, params, batch, args)
     n_batch = len(jax.tree_util.tree_leaves(batch))
     return Traced(closed, analyse(closed.jaxpr, len(pflat.leaves), pflat.active, n_batch, bsize))
+
+
+def check_per_example(crossing: str | None, fn: str) -> None:
+    """ValueError when the loss certainly combines examples (``crossing`` names where)."""
+    if crossing is not None:
+        raise ValueError(
+            f"{fn}: loss_fn combines examples at {crossing!r} (a reduction, accumulation or "
+            "contraction over the batch axis, e.g. a batch mean, batch-statistics normalization or "
+            f"a loss averaged over the batch); {LOSS_CONTRACT}. Per-example clipping would silently "
+            "compute something else (each example alone), and batch statistics break the privacy "
+            "accounting of DP-SGD."
+        )
+
+
+def loss_crossing(loss_fn: Callable[..., Any], has_aux: bool, fn: str, params: Any, batch: Any,
+                  args: Sequence[Any], bsize: int) -> str | None:
+    """Traces ``loss_fn`` once on the whole batch: checks it returns losses of shape ``(B,)`` and
+    returns the first primitive that certainly combines examples (``None``: none does)."""
+    def flat_loss(p: Any, b: Any, a: Any) -> Any:
+        return check_loss_out(loss_fn(p, b, *a), bsize, has_aux, fn)
+
+    closed = jax.make_jaxpr(flat_loss)(params, batch, tuple(args))
+    n_params, n_batch = len(jax.tree_util.tree_leaves(params)), len(jax.tree_util.tree_leaves(batch))
+    return _walk(closed.jaxpr, n_params, n_batch, bsize).crossing
 
 
 def sum_mode(config: ClipConfig, traced: Traced) -> GhostSum:

@@ -23,6 +23,7 @@ from gradclip_jax.per_example._sums import clip_flags, weigh
 from gradclip_jax.per_example._vmap import run_vmap
 from gradclip_jax.per_example.ghost._analysis import (
     Traced,
+    check_per_example,
     sum_mode,
     trace_and_plan,
     use_ghost,
@@ -109,6 +110,7 @@ def run_ghost(config: ClipConfig, call: Call) -> tuple[Any, ClippedGradInfo]:
     """``(grads, info)`` by ghost clipping, or by the vmap strategy when no leaf can be measured
     without materializing (or ``method='auto'`` finds ghost clipping not worth it)."""
     traced = _trace(config, call, call.batch, check=True)
+    check_per_example(traced.plan.crossing, config.fn)
     warn_fallback(traced.plan, call.pflat, call.bsize, config.method, config.fn)
     if not use_ghost(traced.plan, call.pflat, call.bsize, config.method):
         return run_vmap(config, call, checked=True)

@@ -77,7 +77,7 @@ def tied_setup(seed=5, batch=B):
 
 
 def mixing_setup(seed=6, batch=B):
-    """Batch-statistics normalization: examples interact, so nothing can be ghost-measured."""
+    """Batch-statistics normalization: examples interact (breaks the per-example contract)."""
     loss0, params, data = mlp_setup(seed, batch)
 
     def loss(p, b):
@@ -103,8 +103,19 @@ def embed_seq_setup(seed=7, batch=B):
 MODELS = {
     "mlp": mlp_setup, "seq_gram": seq_setup, "seq_materialized": lambda: seq_setup(seq=8),
     "cnn": cnn_setup, "embed": embed_setup, "embed_seq": embed_seq_setup, "layernorm": layernorm_setup,
-    "tied": tied_setup, "mixing": mixing_setup,
+    "tied": tied_setup, "not_row_wise": lambda: not_row_wise_setup(),
 }
+
+
+def not_row_wise_setup(seed=9, batch=B):
+    """A per-example loss through an operation ghost clipping has no rule for (an FFT):
+    every leaf takes the vmap path, exactly."""
+    loss0, params, data = mlp_setup(seed, batch)
+
+    def loss(p, b):
+        return loss0(p, {**b, "x": jnp.fft.fft(b["x"], axis=-1).real})
+
+    return loss, params, data
 
 # ----------------------------------------------------------------------------
 # Helpers
@@ -167,6 +178,21 @@ def test_report_classifies_leaves():
     assert [p for p, _ in rep.fallback] == ["['freq']"]  # used through sin(): materialized
     rep = ghost_report(*mixing_setup())
     assert rep.ghost == [] and len(rep.fallback) == 4
+
+
+@pytest.mark.parametrize("method", ["vmap", "ghost", "auto"])
+def test_loss_combining_examples_is_an_error(method):
+    """Batch statistics would be computed per example (silently something else): refused."""
+    loss, params, data = mixing_setup()
+    with pytest.raises(ValueError, match=r"combines examples at 'reduce_sum'.*own example alone"):
+        clipped_grad(loss, 1.0, method=method)(params, data)
+
+    def scan_over_batch(p, b):
+        c, _ = lax.scan(lambda c, x: (c + jnp.sum(x), None), 0.0, b["x"])
+        return loss(p, b) * 0 + c * 0 + mlp_setup()[0](p, b)
+
+    with pytest.raises(ValueError, match="combines examples"):
+        jax.jit(clipped_grad(scan_over_batch, 1.0, method=method))(params, data)
 
 
 @pytest.mark.parametrize("ghost_sum", SUMS)

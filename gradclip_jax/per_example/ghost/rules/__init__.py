@@ -18,6 +18,7 @@ from gradclip_jax.per_example.ghost.rules._registry import (
     RULES,
     Box,
     Factor,
+    RowCtx,
     Rule,
     Site,
     State,
@@ -26,5 +27,5 @@ from gradclip_jax.per_example.ghost.rules._registry import (
     rule_for,
 )
 
-__all__ = ["CONST", "MIXED", "OPAQUE", "ROW", "RULES", "Box", "Factor", "Rule", "Site", "State", "Use", "row_rule", "rule_for",
+__all__ = ["CONST", "MIXED", "OPAQUE", "ROW", "RULES", "Box", "Factor", "RowCtx", "Rule", "Site", "State", "Use", "row_rule", "rule_for",
            "calls", "conv", "dense", "elementwise", "gather", "random", "structural"]

@@ -136,6 +136,12 @@ class Rule:
     def row(self, c: RowCtx) -> list[State]:
         return c.mixed()
 
+    def crosses(self, c: RowCtx) -> bool:
+        """Whether the equation certainly combines examples (reduces, accumulates or contracts
+        over the batch axis): the loss then breaks the per-example contract. ``False`` when
+        unsure (an unknown primitive only makes the loss not row-wise)."""
+        return False
+
     def classify(self, use: Use) -> Site | None:
         """A :class:`Site` when this use of a parameter is measured without its per-example gradients."""
         return None

@@ -59,5 +59,9 @@ class Scan(Rule):
                      for a, b in zip(carry, out[:n_carry], strict=True)]
         return c.mixed()
 
+    def crosses(self, c: RowCtx) -> bool:
+        n = c.params["num_consts"] + c.params["num_carry"]
+        return any(s == 0 for s in c.states[n:])
+
 
 register(Scan())

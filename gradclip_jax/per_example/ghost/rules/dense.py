@@ -70,6 +70,11 @@ class DotGeneral(Rule):
             return c.res_at(i) if tuple(rb)[i] == sr else c.mixed()
         return c.mixed()
 
+    def crosses(self, c: RowCtx) -> bool:
+        (lc, rc), _ = c.params["dimension_numbers"]
+        return any(isinstance(s, int) and s in contracted
+                   for s, contracted in zip(c.states[:2], (lc, rc), strict=True))
+
     def classify(self, use: Use) -> Site | None:
         """The batch may be on any free axis of the other operand."""
         (lc, rc), (lb, _) = use.eqn.params["dimension_numbers"]

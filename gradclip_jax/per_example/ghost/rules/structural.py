@@ -46,6 +46,9 @@ class Reduce(Rule):
     def row(self, c: RowCtx) -> list[State]:
         return _removed(c, tuple(c.params["axes"]))
 
+    def crosses(self, c: RowCtx) -> bool:
+        return c.k0 is not None and c.k0 in tuple(c.params["axes"])
+
 
 class Squeeze(Rule):
     primitives = ("squeeze",)
@@ -60,6 +63,9 @@ class Cumulative(Rule):
     def row(self, c: RowCtx) -> list[State]:
         k0 = c.k0
         return c.mixed() if k0 is None or c.params["axis"] == k0 else c.res_at(k0)
+
+    def crosses(self, c: RowCtx) -> bool:
+        return c.k0 is not None and c.params["axis"] == c.k0
 
 
 class Axis0(Rule):
