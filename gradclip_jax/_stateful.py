@@ -88,6 +88,15 @@ def per_leaf(params: Any, fn: str, make: Callable[[Any], Any]) -> Any:
     return flat.rebuild([make(x) for x in flat.arrays], fill=None)
 
 
+def zero_norms(params: Any, fn: str, tensorwise: bool) -> tuple[Any, Any]:
+    """``(norm, clipped)`` slots at zero / False: one per measured leaf (``tensorwise``,
+    in that leaf's accumulation dtype) or one scalar for the whole tree."""
+    if tensorwise:
+        return (per_leaf(params, fn, lambda x: jnp.zeros((), _norms.acc_dtype(x.dtype))),
+                per_leaf(params, fn, lambda x: jnp.zeros((), bool)))
+    return jnp.zeros((), scalar_dtype(params)), jnp.zeros((), bool)
+
+
 def leaves_of(tree: Any, n: int, fn: str, what: str) -> list[Any]:
     """The per-leaf statistics of a state tree, checked against ``n`` measured leaves.
 

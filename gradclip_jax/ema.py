@@ -120,12 +120,7 @@ def _init_norm_by_ema(params: Any, fn: str, tensorwise: bool, init: Any, inner: 
     count = _st.count0()
     fill = resolve(init, count)
     exp_avg = _st.per_leaf(params, fn, lambda x: jnp.full(x.shape, jnp.asarray(fill).real, _st.array_dtype(x)))
-    if tensorwise:
-        zero = _st.per_leaf(params, fn, lambda x: jnp.zeros((), _norms.acc_dtype(x.dtype)))
-        no = _st.per_leaf(params, fn, lambda x: jnp.zeros((), bool))
-    else:
-        zero = jnp.zeros((), _st.scalar_dtype(params))
-        no = jnp.zeros((), bool)
+    zero, no = _st.zero_norms(params, fn, tensorwise)
     return NormByEMAState(
         count=count,
         exp_avg=exp_avg,

@@ -156,12 +156,7 @@ def clip_norm_growth(
     hps = _hyperparams(fn, add, mul, min_value, max_decay)
 
     def init_fn(params: Any) -> ClipNormGrowthState:
-        if tensorwise:
-            zero = _st.per_leaf(params, fn, lambda x: jnp.zeros((), _norms.acc_dtype(x.dtype)))
-            no = _st.per_leaf(params, fn, lambda x: jnp.zeros((), bool))
-        else:
-            zero = jnp.zeros((), _st.scalar_dtype(params))
-            no = jnp.zeros((), bool)
+        zero, no = _st.zero_norms(params, fn, tensorwise)
         return ClipNormGrowthState(count=_st.count0(), prev_norm=zero, norm=zero, clip_norm=zero, clipped=no)
 
     def update_fn(updates: Any, state: ClipNormGrowthState, params: Any = None) -> tuple:

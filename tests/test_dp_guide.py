@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # runs the whole DP guide (about 2 minutes)
+
 pytest.importorskip("dp_accounting")
 
 GUIDE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "guides" / "dp-sgd.md"

@@ -224,6 +224,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_process(tmp_path):
     worker = Path(__file__).with_name("two_process_worker.py")
     port = _free_port()
