@@ -66,7 +66,7 @@ from gradclip_jax.ema import (
     normalize_by_ema,
 )
 from gradclip_jax.functional import clip_grad_norm, clip_grad_value, normalize_grads
-from gradclip_jax.ghost import GhostReport, ghost_report
+from gradclip_jax.ghost import GhostFallbackWarning, GhostReport, ghost_report
 from gradclip_jax.growth import (
     ClipNormGrowthState,
     ClipValueGrowthState,
@@ -104,6 +104,7 @@ __all__ = [
     # per-example and differential privacy
     "clipped_grad", "per_example_global_norm_clip", "per_example_layer_norm_clip",
     "per_example_norms", "ClippedGradFn", "ClippedGradInfo", "ghost", "ghost_report", "GhostReport",
+    "GhostFallbackWarning",
     "dp_aggregate", "dp_noise", "dp_quantile_aggregate", "dpsgd", "noise_multiplier_for_gradient",
     "DPAggregateState", "DPNoiseState", "DPQuantileAggregateState", "dp", "privacy",
     # private training: Poisson batches, the accountant, the one-call private step
