@@ -158,3 +158,21 @@ def test_mixing_reason_names_the_primitive():
 
     reasons = dict(ghost_report(mixing, params, data).fallback)
     assert all("mixes examples" in why and "'cumsum'" in why for why in reasons.values())
+
+
+def test_dot_product_attention_and_custom_jvp_activations():
+    """``jax.nn.dot_product_attention`` and ``jax.nn.relu`` (a custom_jvp) between dense layers."""
+    r = np.random.default_rng(6)
+    params = {"qkv": _w(r, D, 3 * D), "o": _w(r, D, D), "head": _w(r, D, 4)}
+    heads = 2
+
+    def loss(p, b):
+        x = b["x"]
+        q, k, v = (a.reshape(*a.shape[:2], heads, D // heads) for a in jnp.split(x @ p["qkv"], 3, axis=-1))
+        att = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(x.shape)
+        return xent(jnp.mean(jax.nn.relu(att @ p["o"]), axis=1) @ p["head"], b["y"])
+
+    data = _data(seed=6)
+    rep = ghost_report(loss, params, data)
+    assert rep.fallback == [] and dict(rep.ghost) == {"['qkv']": "dense", "['o']": "dense", "['head']": "dense"}
+    _compare(loss, params, data, clip=0.5)
