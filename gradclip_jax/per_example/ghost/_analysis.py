@@ -15,7 +15,7 @@ import numpy as np
 from gradclip_jax import norms as _norms
 from gradclip_jax.per_example._batch import LOSS_CONTRACT, batch_size_of, check_loss_out, keystr
 from gradclip_jax.per_example._config import ClipConfig, GhostSum, Method
-from gradclip_jax.per_example.ghost._jaxpr import is_literal, shape, trace
+from gradclip_jax.per_example.ghost._jaxpr import concrete_operand, is_literal, shape, trace
 from gradclip_jax.per_example.ghost.rules import (
     CONST,
     MIXED,
@@ -26,6 +26,7 @@ from gradclip_jax.per_example.ghost.rules import (
     Site,
     State,
     Use,
+    is_row_lookup,
     row_rule,
     rule_for,
 )
@@ -112,7 +113,14 @@ def _classify(use: Use, n_aliased: int) -> Site | str:
     return name if site is None else site
 
 
-def _walk(jaxpr: Any, n_params: int, n_batch: int, bsize: int) -> _Walk:
+def _const_lookup(eqn: Any, aliased: list, consts: dict[Any, Any]) -> bool:
+    """A row lookup of a parameter table at constant positions (a position embedding):
+    a chain step, since the gradient flows back through it to the table alone."""
+    return (eqn.primitive.name == "gather" and len(aliased) == 1 and aliased[0][0] == 0
+            and concrete_operand(eqn.invars[1], consts) is not None and is_row_lookup(eqn))
+
+
+def _walk(jaxpr: Any, n_params: int, n_batch: int, bsize: int, consts: dict[Any, Any] | None = None) -> _Walk:
     """Row states of every value, and every use of every parameter leaf (through its chain)."""
     invars = jaxpr.invars
     states: dict[Any, State] = {v: ROW if n_params <= i < n_params + n_batch else CONST
@@ -129,9 +137,10 @@ def _walk(jaxpr: Any, n_params: int, n_batch: int, bsize: int) -> _Walk:
         name = eqn.primitive.name
         in_states = [state(v) for v in eqn.invars]
         aliased = [(pos, alias[v]) for pos, v in enumerate(eqn.invars) if not is_literal(v) and v in alias]
-        if (name in _CHAIN or name == "slice") and len(eqn.invars) == 1 and aliased:
+        lookup = _const_lookup(eqn, aliased, consts or {})
+        if ((name in _CHAIN or name == "slice") and len(eqn.invars) == 1 and aliased) or lookup:
             a = aliased[0][1]
-            box = _slice_box(eqn, a) if name == "slice" else a.box
+            box = OPAQUE if lookup else _slice_box(eqn, a) if name == "slice" else a.box
             alias[eqn.outvars[0]] = _Alias(a.leaf, [*a.chain, k], a.bcast or name == "broadcast_in_dim", box,
                                            a.plain and name in _PLAIN)
             states[eqn.outvars[0]] = CONST
@@ -201,13 +210,14 @@ def _leaf_verdict(u: list[Site | str]) -> tuple[list[Site], bool, str | None]:
     return [], False, f"used {len(sites)} times on overlapping parts"
 
 
-def analyse(jaxpr: Any, n_params: int, active: Sequence[int], n_batch: int, bsize: int) -> Plan:
+def analyse(jaxpr: Any, n_params: int, active: Sequence[int], n_batch: int, bsize: int,
+            consts: dict[Any, Any] | None = None) -> Plan:
     """Classifies every active parameter leaf of the top-level ``jaxpr``.
 
     ``jaxpr.invars`` are the flattened ``(params, batch, args)``; the first output
     is the per-example loss.
     """
-    walk = _walk(jaxpr, n_params, n_batch, bsize)
+    walk = _walk(jaxpr, n_params, n_batch, bsize, consts)
     plan = Plan(walk.row_wise, [], set(), {}, act_elems=walk.act_elems, crossing=walk.crossing)
     for leaf in active:
         if not walk.row_wise:
@@ -238,7 +248,8 @@ def trace_and_plan(loss_fn: Callable[..., Any], has_aux: bool, fn: str, params: 
 
     closed = trace(flat_loss, params, batch, args)
     n_batch = len(jax.tree_util.tree_leaves(batch))
-    return Traced(closed, analyse(closed.jaxpr, len(pflat.leaves), pflat.active, n_batch, bsize))
+    consts = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
+    return Traced(closed, analyse(closed.jaxpr, len(pflat.leaves), pflat.active, n_batch, bsize, consts))
 
 
 def check_per_example(crossing: str | None, fn: str) -> None:

@@ -4,6 +4,7 @@ evaluating the jaxpr with probes on chosen equations."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -89,6 +90,36 @@ def _unroll_scan(eqn: Any, invals: Sequence[Any], deps: Sequence[bool], body_eva
     return [*carry, *[jnp.stack([ys[i][j] for i in range(length)]) for j in range(n_ys)]]
 
 
+FOLD_MAX_ELEMENTS = 2**16
+"""Integer and boolean values computed from constants alone (``jnp.arange(T)`` position ids)
+with at most this many elements are computed while tracing, so that a lookup
+of a parameter table at constant positions (a position embedding) shows its
+indices to the analysis."""
+
+
+# Pure index arithmetic only (no collectives, no sharding casts, no calls).
+_FOLDABLE = frozenset({
+    "iota", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "convert_element_type", "concatenate",
+    "slice", "add", "sub", "mul", "neg", "rem", "max", "min", "clamp", "select_n", "lt", "le", "gt", "ge",
+    "eq", "ne", "and", "or", "not",
+})
+
+
+def _folds(eqn: Any, invals: Sequence[Any]) -> bool:
+    if eqn.primitive.name not in _FOLDABLE or any(isinstance(x, jax.core.Tracer) for x in invals):
+        return False
+    outs = [v.aval for v in eqn.outvars]
+    return all((jnp.issubdtype(a.dtype, jnp.integer) or a.dtype == jnp.bool_)
+               and math.prod(a.shape) <= FOLD_MAX_ELEMENTS for a in outs)
+
+
+def concrete_operand(v: Any, consts: dict[Any, Any]) -> Any | None:
+    """The value of a literal or constant operand of a traced jaxpr, else ``None``."""
+    if is_literal(v):
+        return v.val
+    return consts.get(v)
+
+
 def _unrolls(eqn: Any, deps: Sequence[bool]) -> bool:
     return bool(eqn.primitive.name == "scan" and any(deps) and 0 < eqn.params["length"] <= MAX_UNROLL)
 
@@ -115,6 +146,10 @@ def _inline_eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
         elif _unrolls(eqn, in_deps):
             outs = _unroll_scan(eqn, invals, in_deps, _inline_eval)
             out_deps = [any(in_deps)] * len(outs)
+        elif _folds(eqn, invals):
+            with jax.ensure_compile_time_eval():
+                outs = bind(eqn, invals)
+            out_deps = [False] * len(outs)
         else:
             outs = bind(eqn, invals)
             out_deps = [any(in_deps)] * len(outs)
@@ -130,7 +165,7 @@ def trace(loss: Callable[..., Any], params: Any, batch: Any, args: Sequence[Any]
     ``loss`` is called exactly once (the inlining re-traces the jaxpr, not ``loss``).
     """
     closed = jax.make_jaxpr(loss)(params, batch, tuple(args))
-    if not any(e.primitive.name in _INLINE or e.primitive.name == "scan" for e in closed.jaxpr.eqns):
+    if not any(e.primitive.name in _INLINE or e.primitive.name in ("scan", "iota") for e in closed.jaxpr.eqns):
         return closed
     n_params = len(jax.tree_util.tree_leaves(params))
     deps = [i < n_params for i in range(len(closed.jaxpr.invars))]
@@ -164,8 +199,10 @@ def run_probed(closed: Any, inputs: Sequence[Any], at: dict[int, int], probes: S
 def replay(closed: Any, eqn: int, chain: Sequence[int], vals: Sequence[Any], pos: int, param: jax.Array) -> jax.Array:
     """Equation ``eqn`` on ``vals``, with ``param`` passed through the equations ``chain`` as operand ``pos``."""
     x = param
-    for k in chain:
-        x = bind(closed.jaxpr.eqns[k], [x])[0]
+    consts = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
+    for k in chain:  # the parameter is operand 0 of a chain equation; the others are constants
+        e = closed.jaxpr.eqns[k]
+        x = bind(e, [x, *[concrete_operand(v, consts) for v in e.invars[1:]]])[0]
     v = list(vals)
     v[pos] = x
     return bind(closed.jaxpr.eqns[eqn], v)[0]  # type: ignore[no-any-return]

@@ -176,3 +176,49 @@ def test_dot_product_attention_and_custom_jvp_activations():
     rep = ghost_report(loss, params, data)
     assert rep.fallback == [] and dict(rep.ghost) == {"['qkv']": "dense", "['o']": "dense", "['head']": "dense"}
     _compare(loss, params, data, clip=0.5)
+
+
+@pytest.mark.parametrize("ghost_sum", ["backward", "bookkeeping"])
+def test_position_embedding_at_constant_positions(ghost_sum):
+    """A table looked up at ``jnp.arange(T)`` (GPT-2's ``wpe``) and added to every example."""
+    r = np.random.default_rng(7)
+    vocab, t_max = 11, 2 * T
+    params = {"wte": _w(r, vocab, D), "wpe": 0.1 * _w(r, t_max, D), "head": _w(r, D, 4)}
+    ids = jnp.asarray(r.integers(0, vocab, size=(B, T)))
+    data = {"ids": ids, "y": jnp.asarray(r.integers(0, 4, size=B))}
+
+    def loss(p, b):
+        pos = jnp.arange(b["ids"].shape[1])
+        h = jnp.tanh(p["wte"][b["ids"]] + p["wpe"][pos])
+        return xent(jnp.mean(h, axis=1) @ p["head"], b["y"])
+
+    rep = ghost_report(loss, params, data)
+    assert rep.fallback == [] and dict(rep.ghost)["['wpe']"] == "elementwise"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GhostFallbackWarning)
+        _compare(loss, params, data, clip=0.3, ghost_sum=ghost_sum)
+
+
+def test_flax_nnx_position_embedding():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.wte = nnx.Embed(11, D, rngs=rngs)
+            self.wpe = nnx.Embed(2 * T, D, rngs=rngs)
+            self.head = nnx.Linear(D, 4, rngs=rngs)
+
+        def __call__(self, ids):
+            h = self.wte(ids) + self.wpe(jnp.arange(ids.shape[1]))
+            return self.head(jnp.mean(jnp.tanh(h), axis=1))
+
+    graphdef, params = nnx.split(Model(nnx.Rngs(0)), nnx.Param)
+    r = np.random.default_rng(8)
+    data = {"ids": jnp.asarray(r.integers(0, 11, size=(B, T))), "y": jnp.asarray(r.integers(0, 4, size=B))}
+
+    def loss(p, b):
+        return xent(nnx.merge(graphdef, p)(b["ids"]), b["y"])
+
+    rep = ghost_report(loss, params, data)
+    assert rep.fallback == [], rep.fallback
+    _compare(loss, params, data, clip=0.3)

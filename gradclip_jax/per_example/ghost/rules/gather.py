@@ -47,7 +47,7 @@ def _row_ok(c: RowCtx) -> bool:
     )
 
 
-def _is_row_lookup(eqn: Any) -> bool:
+def is_row_lookup(eqn: Any) -> bool:
     """``table[ids]``: whole rows of the table at ids of shape ``(..., 1)``."""
     dn = eqn.params["dimension_numbers"]
     q, out, idx = shape(eqn.invars[0]), shape(eqn.outvars[0]), shape(eqn.invars[1])
@@ -84,7 +84,7 @@ class Gather(Rule):
 
     def classify(self, use: Use) -> Site | None:
         rows = use.row_operands()
-        if rows is None or use.pos != 0 or use.bcast or use.in_states[1] != ROW or not _is_row_lookup(use.eqn):
+        if rows is None or use.pos != 0 or use.bcast or use.in_states[1] != ROW or not is_row_lookup(use.eqn):
             return None
         return self.site(use, rows)
 
