@@ -66,7 +66,9 @@ Nested ``jit`` calls (``jnp.take``, ``jax.nn.log_softmax``, ...) and
 128 steps) unrolled, before the analysis, so models written with flax or
 equinox work unchanged. ``jnp.split``, ``concatenate``, reshapes, transposes
 and slices along any axis but the batch's keep the ghost path (a fused qkv
-projection is one dense site); ``custom_jvp``/``custom_vjp`` functions of
+projection is one dense site). A table looked up at constant positions (a
+position embedding, ``wpe[jnp.arange(T)]``) and added to every example is an
+elementwise use of the table; ``custom_jvp``/``custom_vjp`` functions of
 activations (``jax.nn.relu``, ``jax.nn.dot_product_attention``) are followed
 through their primal. On the ghost path a ``jax.checkpoint`` block is not
 rematerialized (its activations are needed for the norms).
