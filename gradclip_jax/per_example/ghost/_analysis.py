@@ -15,7 +15,13 @@ import numpy as np
 from gradclip_jax import norms as _norms
 from gradclip_jax.per_example._batch import LOSS_CONTRACT, batch_size_of, check_loss_out, keystr
 from gradclip_jax.per_example._config import ClipConfig, GhostSum, Method
-from gradclip_jax.per_example.ghost._jaxpr import concrete_operand, is_literal, shape, trace
+from gradclip_jax.per_example.ghost._jaxpr import (
+    concrete_operand,
+    const_values,
+    is_literal,
+    shape,
+    trace,
+)
 from gradclip_jax.per_example.ghost.rules import (
     CONST,
     MIXED,
@@ -240,16 +246,22 @@ def trace_and_plan(loss_fn: Callable[..., Any], has_aux: bool, fn: str, params: 
     """Traces ``loss_fn`` once (checking, with ``check``, that it returns losses of shape ``(B,)``)
     and analyses the jaxpr once."""
 
+    closed = trace(_flat_loss(loss_fn, has_aux, fn, bsize, check), params, batch, args)
+    n_batch = len(jax.tree_util.tree_leaves(batch))
+    return Traced(closed, analyse(closed.jaxpr, len(pflat.leaves), pflat.active, n_batch, bsize,
+                                  const_values(closed)))
+
+
+def _flat_loss(loss_fn: Callable[..., Any], has_aux: bool, fn: str, bsize: int, check: bool) -> Callable[..., Any]:
+    """``(params, batch, args) -> losses``, checked (with ``check``) to be of shape ``(B,)``."""
+
     def flat_loss(p: Any, b: Any, a: Any) -> Any:
         out = loss_fn(p, b, *a)
         if check:
             return check_loss_out(out, bsize, has_aux, fn)
         return out[0] if has_aux else out
 
-    closed = trace(flat_loss, params, batch, args)
-    n_batch = len(jax.tree_util.tree_leaves(batch))
-    consts = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
-    return Traced(closed, analyse(closed.jaxpr, len(pflat.leaves), pflat.active, n_batch, bsize, consts))
+    return flat_loss
 
 
 def check_per_example(crossing: str | None, fn: str) -> None:
@@ -268,10 +280,7 @@ def loss_crossing(loss_fn: Callable[..., Any], has_aux: bool, fn: str, params: A
                   args: Sequence[Any], bsize: int) -> str | None:
     """Traces ``loss_fn`` once on the whole batch: checks it returns losses of shape ``(B,)`` and
     returns the first primitive that certainly combines examples (``None``: none does)."""
-    def flat_loss(p: Any, b: Any, a: Any) -> Any:
-        return check_loss_out(loss_fn(p, b, *a), bsize, has_aux, fn)
-
-    closed = jax.make_jaxpr(flat_loss)(params, batch, tuple(args))
+    closed = jax.make_jaxpr(_flat_loss(loss_fn, has_aux, fn, bsize, check=True))(params, batch, tuple(args))
     n_params, n_batch = len(jax.tree_util.tree_leaves(params)), len(jax.tree_util.tree_leaves(batch))
     return _walk(closed.jaxpr, n_params, n_batch, bsize).crossing
 

@@ -69,7 +69,7 @@ def _read(env: dict[Any, Any], v: Any) -> Any:
     return v.val if is_literal(v) else env[v]
 
 
-def _unroll_scan(eqn: Any, invals: Sequence[Any], deps: Sequence[bool], body_eval: Any) -> list[Any]:
+def _unroll_scan(eqn: Any, invals: Sequence[Any], deps: Sequence[bool]) -> list[Any]:
     """A ``scan`` equation evaluated step by step: ``xs`` sliced with static slices
     (one block of a stacked parameter per step), ``ys`` stacked again."""
     p = eqn.params
@@ -82,7 +82,8 @@ def _unroll_scan(eqn: Any, invals: Sequence[Any], deps: Sequence[bool], body_eva
     ys: list[list[Any]] = [[] for _ in range(length)]
     for i in (reversed(range(length)) if p["reverse"] else range(length)):
         x_i = [lax.squeeze(lax.slice_in_dim(x, i, i + 1, axis=0), (0,)) for x in xs]
-        outs, out_deps = body_eval(body, body_consts or [], [*consts, *carry, *x_i], [*d_consts, *d_carry, *d_xs])
+        outs, out_deps = _inline_eval(body, body_consts or [], [*consts, *carry, *x_i],
+                                      [*d_consts, *d_carry, *d_xs])
         carry = outs[:n_carry]
         d_carry = [a or b for a, b in zip(d_carry, out_deps[:n_carry], strict=True)]
         ys[i] = outs[n_carry:]
@@ -111,6 +112,11 @@ def _folds(eqn: Any, invals: Sequence[Any]) -> bool:
     outs = [v.aval for v in eqn.outvars]
     return all((jnp.issubdtype(a.dtype, jnp.integer) or a.dtype == jnp.bool_)
                and math.prod(a.shape) <= FOLD_MAX_ELEMENTS for a in outs)
+
+
+def const_values(closed: Any) -> dict[Any, Any]:
+    """The values of a closed jaxpr's constants, by variable."""
+    return dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
 
 
 def concrete_operand(v: Any, consts: dict[Any, Any]) -> Any | None:
@@ -144,7 +150,7 @@ def _inline_eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
         if j is not None and (sub_consts is not None or not j.constvars):
             outs, out_deps = _inline_eval(j, sub_consts or [], invals, in_deps)
         elif _unrolls(eqn, in_deps):
-            outs = _unroll_scan(eqn, invals, in_deps, _inline_eval)
+            outs = _unroll_scan(eqn, invals, in_deps)
             out_deps = [any(in_deps)] * len(outs)
         elif _folds(eqn, invals):
             with jax.ensure_compile_time_eval():
@@ -199,9 +205,9 @@ def run_probed(closed: Any, inputs: Sequence[Any], at: dict[int, int], probes: S
 def replay(closed: Any, eqn: int, chain: Sequence[int], vals: Sequence[Any], pos: int, param: jax.Array) -> jax.Array:
     """Equation ``eqn`` on ``vals``, with ``param`` passed through the equations ``chain`` as operand ``pos``."""
     x = param
-    consts = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
-    for k in chain:  # the parameter is operand 0 of a chain equation; the others are constants
-        e = closed.jaxpr.eqns[k]
+    steps = [closed.jaxpr.eqns[k] for k in chain]
+    consts = const_values(closed) if any(len(e.invars) > 1 for e in steps) else {}
+    for e in steps:  # the parameter is operand 0 of a chain equation; the others are constants
         x = bind(e, [x, *[concrete_operand(v, consts) for v in e.invars[1:]]])[0]
     v = list(vals)
     v[pos] = x
