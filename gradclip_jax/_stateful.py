@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
 
 from gradclip_jax import norms as _norms
 from gradclip_jax._numerics import count0 as count0
@@ -156,12 +157,40 @@ def pack(tensorwise: bool, template: Any, vector: jax.Array) -> Any:
 
 def all_finite(values: Sequence[jax.Array]) -> jax.Array:
     """True when every element of every array in ``values`` is finite (a 0-d bool)."""
-    # max|v| is NaN or inf exactly when some element is: one fused reduction per
-    # array, without materialising an elementwise boolean array.
-    oks = [jnp.isfinite(jnp.max(jnp.abs(v), initial=0)) for v in values]
+    # sum(v - v) is NaN exactly when some element is NaN or infinite (inf - inf is
+    # NaN): one read-only reduction per array. (max|v| made the CPU backend write
+    # |v| to a temporary first, a pass as costly as the clip itself.)
+    oks = [jnp.isfinite(jnp.sum(v - v)) for v in values]
     if not oks:
         return jnp.ones((), bool)
     return jnp.all(jnp.stack(oks))
+
+
+def any_exceeds(w: jax.Array, bound: jax.Array) -> jax.Array:
+    """Whether any ``|w|`` exceeds its (non-negative) ``bound``, a 0-d bool.
+
+    For real ``w`` this is ``max(w - bound) > 0 or min(w + bound) < 0``: two
+    read-only reductions, with no temporary ``|w|`` (see :func:`all_finite`).
+    A NaN in ``w`` or ``bound`` exceeds nothing.
+    """
+    if jnp.iscomplexobj(w):
+        return jnp.max(jnp.abs(w).astype(bound.dtype) - bound, initial=-jnp.inf) > 0
+    w = w.astype(bound.dtype)
+    return (jnp.max(w - bound, initial=-jnp.inf) > 0) | (jnp.min(w + bound, initial=jnp.inf) < 0)
+
+
+def any_changed(new: jax.Array, old: jax.Array) -> jax.Array:
+    """Whether any element of ``new`` differs from ``old`` (same shape and dtype), a 0-d bool.
+
+    Read-only reductions of ``new - old``, which is 0 exactly when the elements are
+    equal (up to a subnormal difference on backends that flush subnormals to zero,
+    as XLA's CPU backend does); NaN differences count as unchanged.
+    """
+    if jnp.iscomplexobj(new):
+        return jnp.max(jnp.abs(new - old), initial=-jnp.inf) > 0
+    # two differences, not one difference reduced twice: a shared one would be
+    # written to a temporary first
+    return (jnp.max(new - old, initial=-jnp.inf) > 0) | (jnp.max(old - new, initial=-jnp.inf) > 0)
 
 
 def any_true(values: Sequence[jax.Array]) -> jax.Array:
@@ -170,6 +199,20 @@ def any_true(values: Sequence[jax.Array]) -> jax.Array:
     if not flags:
         return jnp.zeros((), bool)
     return jnp.any(jnp.stack(flags))
+
+
+def unless_rare(
+    rare: jax.Array, values: list[jax.Array], fix: Callable[[list[jax.Array]], list[jax.Array]]
+) -> list[jax.Array]:
+    """``fix(values)`` when ``rare`` (a 0-d bool) is true, else ``values`` as they are.
+
+    For a pass over parameter-sized state that only some steps need (a growth
+    limit that engages, a skipped non-finite update): inside a ``lax.cond`` the
+    common step stores the buffers it just computed, without reading and writing
+    every element once more (on the CPU that pass cost as much as the clip).
+    Under ``vmap`` with a batched predicate both branches run, as a select.
+    """
+    return lax.cond(rare, fix, lambda v: v, values)  # type: ignore[no-any-return]
 
 
 def safe_div(num: jax.Array, den: jax.Array, use: jax.Array) -> jax.Array:

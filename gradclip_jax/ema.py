@@ -204,10 +204,11 @@ def _norm_by_ema(
         a, e, prev, old_clip = _measure(arrays, ema, state, spec, tensorwise, fn)
         dt = a.dtype
 
+        limited = jnp.zeros((), bool)
         if max_ema_growth is not None:
             c, e = _growth_limit(e, prev, first, v["max_ema_growth"].astype(dt), v["min_norm"].astype(dt))
             cs = _st.unstack(c) if tensorwise else [c[0]] * len(ema)
-            ema = [(x / ck.astype(x.dtype)).astype(x.dtype) for x, ck in zip(ema, cs, strict=True)]
+            limited = jnp.any(c > 1)
 
         # The update's rescaling: d = a / max(e, eps), clamped (torchzero's denominator).
         bound = jnp.maximum(e, 2 * float(np.finfo(dt).tiny))
@@ -219,9 +220,15 @@ def _norm_by_ema(
         out_flat, inner_state = _st.run_inner(inner, updates, flat, state.inner_state, params, fn)
         out = _st.scale_all(out_flat, _st.unstack(f) if tensorwise else f[0])
 
+        def rescale_or_keep(xs: list[jax.Array]) -> list[jax.Array]:
+            if max_ema_growth is None:
+                return [jnp.where(ok, x, o) for x, o in zip(xs, old_ema, strict=True)]
+            return [jnp.where(ok, (x / ck.astype(x.dtype)).astype(x.dtype), o)
+                    for x, ck, o in zip(xs, cs, old_ema, strict=True)]
+
         new_state = NormByEMAState(
             count=jnp.where(ok, increment(count), count),
-            exp_avg=_st.like(state.exp_avg, [jnp.where(ok, x, o) for x, o in zip(ema, old_ema, strict=True)]),
+            exp_avg=_st.like(state.exp_avg, _st.unless_rare(~ok | limited, ema, rescale_or_keep)),
             prev_ema_norm=_st.pack(tensorwise, state.prev_ema_norm, jnp.where(ok, e, prev)),
             norm=_st.pack(tensorwise, state.norm, a),
             clip_norm=_st.pack(tensorwise, state.clip_norm, jnp.where(ok, e, old_clip)),
@@ -443,12 +450,15 @@ def clip_value_by_ema(
         count = state.count
         old = _st.leaves_of(state.exp_avg, n, fn, "exp_avg")
         v, invalid = hps.at(count, _norms.tree_acc_dtype(arrays))
+        ok = (_st.all_finite(arrays) if skip else jnp.ones((), bool)) & counts(invalid)
+        # The kept EMA is computed in one pass and is both the new state and the
+        # bound's source (a skipped step's output ignores the bound), so every
+        # element of the state is read and written once.
         ema = []
         for e, u in zip(old, arrays, strict=True):
             mag = jnp.abs(u).astype(e.dtype)
             start = jnp.where(count == 0, v["init"].astype(e.dtype) * mag, e)
-            ema.append(_lerp(start, mag, v["beta"]))
-        ok = (_st.all_finite(arrays) if skip else jnp.ones((), bool)) & counts(invalid)
+            ema.append(jnp.where(ok, _lerp(start, mag, v["beta"]), e))
 
         bound_tree = _st.like(state.exp_avg, ema)
         tfm_state = state.exp_avg_tfm_state
@@ -463,13 +473,11 @@ def clip_value_by_ema(
         outs, flags = [], []
         for w, b in zip(out_flat.arrays, bounds, strict=True):
             outs.append(poison(jnp.where(ok, _clamp(w, b), w), invalid))
-            # any(|w| > b) as one fused max-reduction
-            excess = jnp.max(jnp.abs(w).astype(b.dtype) - b, initial=-jnp.inf)
-            flags.append(ok & (excess > 0))
+            flags.append(ok & _st.any_exceeds(w, b))
 
         new_state = ClipValueByEMAState(
             count=jnp.where(ok, increment(count), count),
-            exp_avg=_st.like(state.exp_avg, [jnp.where(ok, x, o) for x, o in zip(ema, old, strict=True)]),
+            exp_avg=_st.like(state.exp_avg, ema),
             clipped=_st.like(state.clipped, flags),
             inner_state=inner_state,
             exp_avg_tfm_state=tfm_state,

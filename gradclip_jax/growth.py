@@ -279,8 +279,11 @@ def clip_value_growth(
             clipped=_st.per_leaf(params, fn, lambda x: jnp.zeros((), bool)),
         )
 
-    def one(x: jax.Array, r: jax.Array, v: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def one(x: jax.Array, r: jax.Array, v: dict) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         """(output, new tracked value, any clipped) for one leaf, in the state's dtype.
+
+        "Any clipped" is ``None`` when there is a bound: the caller finds it by
+        comparing the output with the input.
 
         The two bounds compose into one magnitude bound: the additive step caps
         ``|x|`` at ``|r| + add`` and the multiplicative one then caps it at
@@ -303,7 +306,7 @@ def clip_value_growth(
             y, hit = x, jnp.zeros((), bool)
         else:
             y = jnp.where(ax > bound, jnp.sign(x) * bound, x)
-            hit = jnp.max(ax - bound, initial=-jnp.inf) > 0  # any(|x| > bound), one reduction
+            hit = None  # any(|x| > bound): found from the output by the caller
         tracked = y
         if max_decay is not None:
             # rho = max(|x| / m, 1e-8) < 1 / max_decay, without dividing by m (m may be 0)
@@ -327,7 +330,13 @@ def clip_value_growth(
         for u, r in zip(arrays, prevs, strict=True):
             y, t, hit = one(u, r, v)
             keep = first | ~ok
-            outs.append(poison(jnp.where(keep, u, y.astype(u.dtype)), invalid))
+            out = jnp.where(keep, u, y.astype(u.dtype))
+            if hit is None:
+                # an element was clipped exactly when y differs from the input; compared
+                # on the output (no temporary |x| or bound) when casting loses nothing
+                hit = (_st.any_changed(out, u) if u.dtype == r.dtype
+                       else _st.any_changed(y, u.astype(r.dtype)))
+            outs.append(poison(out, invalid))
             new_prev.append(jnp.where(ok, jnp.where(first, u.astype(r.dtype), t), r))
             flags.append(hit & ok & ~first)
         new_state = ClipValueGrowthState(

@@ -373,3 +373,43 @@ def test_integer_leaf_raises_with_path():
     tx = clip_norm_by_ema()
     with pytest.raises(TypeError, match="steps"):
         tx.init({"w": jnp.zeros(2), "steps": jnp.zeros((), jnp.int32)})
+
+
+@pytest.mark.parametrize("tensorwise", [True, False])
+def test_growth_limit_under_vmap_and_jit_matches_one_by_one(tensorwise):
+    # The rescaling pass runs in a lax.cond only when the limit engages or a step is
+    # skipped; under vmap the predicate is batched and both branches run as a select.
+    tx = clip_norm_by_ema(beta=0.5, max_ema_growth=1.5, tensorwise=tensorwise)
+    rng = np.random.default_rng(0)
+    scales = jnp.asarray([1.0, 50.0, np.nan, 0.2])  # limit off, limit on, skipped, shrink
+    first = {"a": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32), "b": jnp.asarray(rng.normal(size=(4, 2, 2)), jnp.float32)}
+    second = jax.tree_util.tree_map(lambda x: x * scales.reshape((4,) + (1,) * (x.ndim - 1)), first)
+
+    def two_steps(g1, g2):
+        s = tx.update(g1, tx.init(g1))[1]
+        return tx.update(g2, s)
+
+    batched = jax.jit(jax.vmap(two_steps))(first, second)
+    for i in range(4):
+        one = two_steps(*jax.tree_util.tree_map(lambda x, i=i: x[i], (first, second)))
+        for got, want in zip(jax.tree_util.tree_leaves(batched), jax.tree_util.tree_leaves(one), strict=True):
+            np.testing.assert_allclose(np.asarray(got)[i], np.asarray(want), rtol=1e-6)
+    assert int(batched[1].count[2]) == 1  # the NaN step was skipped
+    # example 1: the EMA's norm grew 50x and was limited to 1.5x its previous norm
+    prev = np.asarray(jax.vmap(lambda g: tx.update(g, tx.init(g))[1].prev_ema_norm)(first)["a"]
+                      if tensorwise else jax.vmap(lambda g: tx.update(g, tx.init(g))[1].prev_ema_norm)(first))
+    np.testing.assert_allclose(np.asarray(batched[1].prev_ema_norm["a"] if tensorwise else batched[1].prev_ema_norm)[1],
+                               1.5 * prev[1], rtol=1e-5)
+
+
+def test_clip_value_flags_match_elementwise_comparison():
+    tx = clip_value_by_ema(beta=0.5, init=1.0)
+    x1 = {"r": jnp.array([1.0, -2.0, 0.5]), "c": jnp.array([1 + 1j, 2.0], jnp.complex64)}
+    s = tx.update(x1, tx.init(x1))[1]
+    for x2, want in [({"r": jnp.array([1.0, -2.0, 0.5]), "c": jnp.array([1 + 1j, 2.0], jnp.complex64)}, (False, False)),
+                     ({"r": jnp.array([1.0, -2.5, 0.5]), "c": jnp.array([1 + 1j, 2.0], jnp.complex64)}, (True, False)),
+                     ({"r": jnp.array([1.0, 2.0, -0.5]), "c": jnp.array([1 + 3j, 0.0], jnp.complex64)}, (False, True))]:
+        out, s2 = jax.jit(tx.update)(x2, s)
+        assert (bool(s2.clipped["r"]), bool(s2.clipped["c"])) == want
+        for k in x2:
+            assert bool(jnp.any(out[k] != x2[k])) == bool(s2.clipped[k])

@@ -334,3 +334,14 @@ def test_invalid_arguments_raise(kwargs, name):
             make(**kwargs)
     with pytest.raises(ValueError, match="ord"):
         clip_norm_growth(ord="nope")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_clip_value_growth_flag_is_any_element_changed(dtype):
+    tx = clip_value_growth(mul=2.0, max_decay=None)
+    s = tx.update(jnp.array([1.0, -1.0, 0.0], dtype), tx.init(jnp.zeros(3, dtype)))[1]
+    for x, want in [([1.5, -2.0, 1e-4], False), ([2.5, -1.0, 0.0], True), ([1.0, -3.0, 0.0], True)]:
+        x = jnp.array(x, dtype)
+        out, s2 = jax.jit(tx.update)(x, s)
+        assert bool(s2.clipped) == want
+        assert bool(jnp.any(out != x)) == want

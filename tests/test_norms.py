@@ -240,3 +240,20 @@ def test_per_slice_norm_near_float32_max(big):
     assert float(jnp.linalg.norm(out[0])) <= 1.0 + 1e-6
     out, _ = tx.update([jnp.array([big / 10, 0.0], jnp.float32)], tx.init([jnp.zeros(2)]))
     np.testing.assert_allclose(np.asarray(out[0]), [1.0, 0.0], rtol=1e-6)
+
+
+def test_stateful_finiteness_and_change_checks():
+    from gradclip_jax import _stateful as st
+
+    for bad in (jnp.inf, -jnp.inf, jnp.nan):
+        assert not bool(st.all_finite([jnp.array([1.0, bad])]))
+        assert not bool(jax.jit(st.all_finite)([jnp.array([[0.0], [bad]], jnp.bfloat16)]))
+        assert not bool(st.all_finite([jnp.array([1.0, complex(bad, 0)], jnp.complex64)]))
+    assert bool(st.all_finite([jnp.array([3e38, -3e38, 1e-45])]))  # huge and subnormal values are finite
+    assert bool(st.any_exceeds(jnp.array([0.5, -2.0]), jnp.array([1.0, 1.5])))
+    assert not bool(st.any_exceeds(jnp.array([0.5, -1.5]), jnp.array([1.0, 1.5])))
+    assert bool(st.any_exceeds(jnp.array([1j]), jnp.array([0.5])))
+    assert not bool(st.any_exceeds(jnp.array([jnp.nan]), jnp.array([0.5])))
+    assert bool(st.any_changed(jnp.array([1.0, 1e-30]), jnp.array([1.0, 0.0])))
+    assert not bool(st.any_changed(jnp.array([1.0, 2.0]), jnp.array([1.0, 2.0])))
+    assert bool(st.any_changed(jnp.array([1.0, -2.0]), jnp.array([1.0, 2.0])))
