@@ -21,8 +21,9 @@ per dtype, one ``chain(clip, adamw) + apply_updates`` step against optax's.
 
 Rows are printed as soon as they are measured; a deadline (``--budget``, default
 270 s) skips what would not finish. The winner goes into
-``gradclip_jax/norms.py``: ``SUMSQ_STRATEGY["gpu"/"cuda"]`` and
-``GLOBAL_PACK_MAX_SIZE["gpu"/"cuda"]`` (the summary line says which).
+``SUMSQ_STRATEGY["gpu"/"cuda"]`` (``gradclip_jax/norms/_engine.py``) and
+``GLOBAL_PACK_MAX_SIZE["gpu"/"cuda"]`` (``gradclip_jax/norms/_reduce.py``); the summary
+line says which.
 
 Run: ``python -m benchmarks.probe_norm_gpu`` (``--small`` on a CPU).
 """
@@ -200,7 +201,7 @@ def main() -> None:
         if full:
             win = min(full, key=lambda n: max(r["ratio"] for r in by_variant[n]))
             strategy, pack = next((s, p) for n, s, p in VARIANTS if n == win)
-            _print(f"winner (best worst-case runtime ratio): {win} -> in gradclip_jax/norms.py set "
+            _print(f"winner (best worst-case runtime ratio): {win} -> in gradclip_jax/norms/ set "
                    f"SUMSQ_STRATEGY['gpu'] = SUMSQ_STRATEGY['cuda'] = {strategy!r} and "
                    f"GLOBAL_PACK_MAX_SIZE['gpu'] = GLOBAL_PACK_MAX_SIZE['cuda'] = "
                    f"{'PACK_MAX_SIZE' if pack else 0}")

@@ -22,7 +22,7 @@ from jax import lax
 
 from gradclip_jax import norms as _norms
 from gradclip_jax._numerics import count0 as count0
-from gradclip_jax.clipping import scale_leaf
+from gradclip_jax.clipping._factors import scale_leaf
 from gradclip_jax.hyperparams import static_value
 
 

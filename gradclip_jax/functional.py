@@ -13,13 +13,13 @@ import jax
 import jax.numpy as jnp
 
 from gradclip_jax import norms as _norms
-from gradclip_jax.clipping import (
-    _validate_shape_args,
-    clip_value_tree,
+from gradclip_jax.clipping._factors import (
     normalize_factor,
     rescale_tree,
     scale_leaf,
+    validate_shape_args,
 )
+from gradclip_jax.clipping._value import clip_value_tree
 from gradclip_jax.hyperparams import Hyperparams, check_scalar, poison
 from gradclip_jax.norms import DimLike, OrdLike, leaf_norms, tree_norm
 
@@ -127,7 +127,7 @@ def normalize_grads(
     """
     fn = "normalize_grads"
     check_scalar(fn, "norm_value", norm_value)
-    spec, d, inv, ms = _validate_shape_args(fn, ord, dim, inverse_dims, min_size)
+    spec, d, inv, ms = validate_shape_args(fn, ord, dim, inverse_dims, min_size)
     out, _, _ = rescale_tree(
         grads,
         lambda n: normalize_factor(n, jnp.asarray(norm_value, n.dtype)),

@@ -27,7 +27,7 @@ import optax
 from gradclip_jax import _stateful as _st
 from gradclip_jax import norms as _norms
 from gradclip_jax._states import check_state, check_tree
-from gradclip_jax.clipping import clip_factor
+from gradclip_jax.clipping._factors import clip_factor
 from gradclip_jax.hyperparams import Hyperparam, Hyperparams, counts, increment, mark_static, poison
 from gradclip_jax.norms import OrdLike
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from gradclip_jax import norms as _norms
 from gradclip_jax._numerics import bounded_factor, divide_or_zero
-from gradclip_jax.clipping import clip_factor
+from gradclip_jax.clipping._factors import clip_factor
 from gradclip_jax.hyperparams import is_traced
 
 

@@ -1,0 +1,175 @@
+"""Elementwise value clipping (``clip_by_value``, optax's ``clip``) and ``clip_by_block_rms``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from gradclip_jax import norms as _norms
+from gradclip_jax._numerics import count0 as _count0
+from gradclip_jax._states import check_state, check_tree
+from gradclip_jax.clipping._factors import (
+    clip_factor,
+    like_state,
+    norm_template,
+    rescale_tree,
+    tree_dtype,
+)
+from gradclip_jax.clipping._states import ClipByBlockRmsState, ClipByValueState
+from gradclip_jax.hyperparams import (
+    Hyperparam,
+    Hyperparams,
+    increment,
+    poison,
+)
+
+
+def clip_value_tree(tree: Any, bound: Any, fn: str, invalid: Any = None) -> Any:
+    """Clamps every element to ``[-bound, bound]`` (complex: the magnitude).
+
+    Integer leaves are clamped and keep their dtype; bool leaves raise ``TypeError``.
+    NaN stays NaN. A NaN or negative bound (or ``invalid`` true) makes every
+    floating-point element NaN (integer leaves cannot hold NaN and become 0).
+    """
+    bad = jnp.isnan(jnp.asarray(bound)) | (jnp.asarray(bound) < 0)
+    if invalid is not None:
+        bad = bad | invalid
+
+    def one(path: Any, x: Any) -> Any:
+        if getattr(x, "dtype", None) == jax.dtypes.float0:
+            return x
+        y = _clip_one(path, x)
+        if jnp.issubdtype(y.dtype, jnp.inexact):
+            return jnp.where(bad, jnp.full_like(y, jnp.nan), y)
+        return jnp.where(bad, jnp.zeros_like(y), y)
+
+    def _clip_one(path: Any, x: Any) -> Any:
+        if getattr(x, "dtype", None) == jax.dtypes.float0:
+            return x
+        x = jnp.asarray(x)
+        if x.dtype == jnp.bool_:
+            raise TypeError(f"{fn}: leaf {jax.tree_util.keystr(path)} is bool; cannot clip it")
+        if jnp.iscomplexobj(x):
+            acc = _norms.acc_dtype(x.dtype)
+            b = jnp.asarray(bound, acc)
+            mag = jnp.abs(x).astype(acc)
+            factor = jnp.where(mag > b, b / jnp.where(mag > b, mag, 1), 1)
+            return (x * factor).astype(x.dtype)
+        if jnp.issubdtype(x.dtype, jnp.integer):
+            b = jnp.floor(jnp.asarray(bound, jnp.float32))
+            return jnp.clip(x.astype(jnp.float32), -b, b).astype(x.dtype)
+        acc = _norms.acc_dtype(x.dtype)
+        b = jnp.asarray(bound, acc)
+        return jnp.clip(x.astype(acc), -b, b).astype(x.dtype)
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def clip_by_value(max_value: Hyperparam) -> optax.GradientTransformation:
+    """Clips every element of the updates to ``[-max_value, max_value]``.
+
+    Complex elements keep their phase and have their magnitude clipped. Integer
+    leaves are clamped and keep their dtype. NaN elements stay NaN.
+
+    Args:
+      max_value: the bound (>= 0): number, array or schedule.
+
+    Returns:
+      An :class:`optax.GradientTransformation` with state :class:`ClipByValueState`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import gradclip_jax as gcx
+      >>> tx = gcx.clip_by_value(1.0)
+      >>> tx.update(jnp.array([-3.0, 0.5, 2.0]), tx.init(jnp.zeros(3)))[0]
+      Array([-1. ,  0.5,  1. ], dtype=float32)
+    """
+    return _clip_value("clip_by_value", "max_value", max_value)
+
+
+def clip(max_delta: Hyperparam) -> optax.GradientTransformation:
+    """Alias of :func:`clip_by_value` with optax's argument name (``optax.clip``).
+
+    Args:
+      max_delta: the bound (>= 0): number, array or schedule.
+
+    Returns:
+      An :class:`optax.GradientTransformation` with state :class:`ClipByValueState`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import gradclip_jax as gcx
+      >>> tx = gcx.clip(0.5)
+      >>> tx.update(jnp.array([-3.0, 0.25]), tx.init(jnp.zeros(2)))[0]
+      Array([-0.5 ,  0.25], dtype=float32)
+    """
+    return _clip_value("clip", "max_delta", max_delta)
+
+
+def _clip_value(fn: str, name: str, bound: Hyperparam) -> optax.GradientTransformation:
+    hps = Hyperparams(fn)
+    hps.add(name, bound)
+
+    def init_fn(params: Any) -> ClipByValueState:
+        del params
+        return ClipByValueState(count=_count0())
+
+    def update_fn(updates: Any, state: ClipByValueState | None, params: Any = None) -> tuple:
+        del params
+        state = init_fn(updates) if state is None else state
+        check_state(fn, state, ClipByValueState)
+        v, invalid = hps.at(state.count, tree_dtype(updates))
+        return clip_value_tree(updates, v[name], fn, invalid), ClipByValueState(count=increment(state.count))
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def clip_by_block_rms(threshold: Hyperparam) -> optax.GradientTransformation:
+    """Clips each leaf so its root mean square is at most ``threshold``.
+
+    .. math:: u \\leftarrow u / \\max(1, \\mathrm{rms}(u) / \\text{threshold})
+
+    The same result as :func:`optax.clip_by_block_rms`, without its NaN at
+    ``threshold=0`` on zero updates, with float32 accumulation for 16-bit leaves,
+    and with each leaf's RMS recorded in the state.
+
+    Args:
+      threshold: the bound on each leaf's RMS (>= 0): number, array or schedule.
+
+    Returns:
+      An :class:`optax.GradientTransformation` with state :class:`ClipByBlockRmsState`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import gradclip_jax as gcx
+      >>> tx = gcx.clip_by_block_rms(1.0)
+      >>> tx.update({'w': jnp.full(4, 2.0)}, tx.init({'w': jnp.zeros(4)}))[0]
+      {'w': Array([1., 1., 1., 1.], dtype=float32)}
+    """
+    fn = "clip_by_block_rms"
+    hps = Hyperparams(fn)
+    hps.add("threshold", threshold)
+    rms = _norms.parse_ord("rms", fn)
+
+    def init_fn(params: Any) -> ClipByBlockRmsState:
+        return ClipByBlockRmsState(
+            count=_count0(),
+            norm=norm_template(params, fn, None, False, 1),
+            clipped=norm_template(params, fn, None, False, 1, flags=True),
+        )
+
+    def update_fn(updates: Any, state: ClipByBlockRmsState | None, params: Any = None) -> tuple:
+        del params
+        state = init_fn(updates) if state is None else state
+        check_state(fn, state, ClipByBlockRmsState)
+        check_tree(fn, "norm", state.norm, updates)
+        v, invalid = hps.at(state.count, tree_dtype(updates))
+        out, nrm, clipped = rescale_tree(
+            updates, lambda n: poison(clip_factor(n, v["threshold"].astype(n.dtype)), invalid), fn=fn, ord=rms
+        )
+        return out, ClipByBlockRmsState(count=increment(state.count), norm=like_state(nrm, state.norm), clipped=clipped)
+
+    return optax.GradientTransformation(init_fn, update_fn)
