@@ -103,6 +103,23 @@ combined as in the vmap path). The clipped sum, with
   intermediates (a static proxy for the activations; true of transformers,
   whose norms, attention and nonlinearities dominate), else the second pass.
 
+16-bit (bfloat16, float16) parameters or activations take the ghost path
+too. The norms accumulate in float32 (every rule widens the operands and
+cotangents it reads), and the sum is always book-kept in float32: each site's
+operation is evaluated on its 16-bit operands and the reweighted cotangent
+:math:`c_b g_b`, all widened to float32, at full precision, so example ``b``
+adds :math:`c_b a_b^\top g_b` to float32 rounding, the very gradient whose norm
+was measured (per-example gradients that are formed, for biases, scales,
+kernels and fallback leaves, are float32 rows or the 16-bit rows the vmap path
+forms, summed in float32). The operands and cotangents both read are pinned
+behind an optimization barrier, so XLA cannot round them for one consumer and
+keep them in excess precision for the other. The sums are float32, as on the
+vmap path, and each example's contribution stays within :math:`C` with the
+float32 stored-bound margin. ``ghost_sum='backward'`` raises ``ValueError``
+there: a second backward pass would carry :math:`c_b g_b` in 16 bits, and
+each rounding (up to ``2**-9`` relative in bfloat16) could take the
+contribution's norm above :math:`C`.
+
 Soundness: ghost norms are only valid if example ``b``'s loss depends on row
 ``b`` of the batch alone. The analysis propagates a "row-wise" property through
 the jaxpr (elementwise ops, dot_general, reductions and reshapes that keep axis
@@ -115,8 +132,9 @@ to float rounding (the sum is accumulated by autodiff in the parameter dtype,
 then cast to the accumulation dtype); an example whose norm does not fit in the
 dtype (finite elements, norm above ~3.4e38 in float32) is treated as non-finite
 (dropped with ``nan_safe``) instead of being clipped with the vmap path's upper
-bound; 16-bit parameters use the vmap path (both ways of forming the sum would
-round each clipped contribution in 16 bits);
+bound; with 16-bit parameters the ghost path forms each per-example gradient
+from the 16-bit activations and cotangents in float32, the vmap path in the
+model's 16 bits (the norms and sums agree to a few units of 16-bit rounding);
 a loss that reads the batch size as a number (``x.shape[0]``) sees ``B`` here
 and 1 in the vmap path (per-example losses should not do that).
 

@@ -85,14 +85,17 @@ def _counting(loss):
     return counted, calls
 
 
-@pytest.mark.parametrize("method,nan_safe,expected", [("ghost", False, 1), ("ghost", True, 2), ("vmap", True, 2)])
-def test_loss_traced_once_per_call(method, nan_safe, expected):
-    """Ghost: one trace (shape check, analysis and the probed passes all use its jaxpr),
-    plus, with ``nan_safe``, the per-example trace of the branch that runs only when a
-    dropped example is not finite. vmap: the shape check and the per-example trace."""
+@pytest.mark.parametrize("method,nan_safe,ghost_sum,expected", [
+    ("ghost", False, "backward", 1), ("ghost", True, "bookkeeping", 1), ("ghost", True, "backward", 2),
+    ("vmap", True, "auto", 2)])
+def test_loss_traced_once_per_call(method, nan_safe, ghost_sum, expected):
+    """Ghost: one trace (shape check, analysis and the probed passes all use its jaxpr);
+    with ``nan_safe`` and a second backward pass, plus the per-example trace of the branch
+    that runs only when a dropped example is not finite (book-keeping's safe branch reuses
+    the stored values). vmap: the shape check and the per-example trace."""
     loss, params, data = mlp_setup()
     counted, calls = _counting(loss)
-    jax.make_jaxpr(clipped_grad(counted, 1.0, method=method, nan_safe=nan_safe))(params, data)
+    jax.make_jaxpr(clipped_grad(counted, 1.0, method=method, nan_safe=nan_safe, ghost_sum=ghost_sum))(params, data)
     assert len(calls) == expected
 
 

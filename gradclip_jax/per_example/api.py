@@ -216,7 +216,8 @@ def clipped_grad(
         does not recognise fall back to vmap; see :mod:`gradclip_jax.ghost`);
         ``'auto'`` (default): ghost when the ghost-measurable per-example
         gradients would be large (``ghost.AUTO_MIN_ELEMENTS``), else vmap.
-        16-bit parameters always use vmap.
+        16-bit parameters and activations take the ghost path too (norms and
+        sums in float32, see ``ghost_sum``).
       per_layer: ``False`` (default) clips each example's global norm. ``True`` or
         ``'uniform'`` clips each leaf of each example to :math:`C/\\sqrt{K}` (K
         leaves, optax's uniform rule); ``'size'`` to :math:`C\\sqrt{D_l/D}` (by
@@ -240,7 +241,15 @@ def clipped_grad(
         cotangent is held at once). ``'auto'`` (default): book-keeping when
         those cotangents are a small share of the loss's activations
         (``ghost.BOOKKEEPING_MAX_SHARE``; transformers), else the second pass
-        (plain MLPs). Per-layer clipping always uses book-keeping. Ignored by
+        (plain MLPs). Book-kept sums are formed in float32 at full precision
+        (``Precision.HIGHEST``), from the very values whose norms were measured.
+        Per-layer clipping, 16-bit (bf16, fp16) parameters or activations, and
+        backends whose float32 products default to reduced precision (TF32 on
+        NVIDIA GPUs, bfloat16 passes on TPUs, unless
+        ``jax_default_matmul_precision`` is ``'float32'``) always use
+        book-keeping; an explicit ``'backward'`` there raises ``ValueError``
+        (its second pass would round each clipped contribution at that
+        precision, so its norm could exceed the clip norm). Ignored by
         ``method='vmap'``.
       prng_argnum: ``None`` (default) or the position ``k >= 2`` of a PRNG key
         among ``loss_fn``'s arguments (params is 0, the batch 1; as
@@ -280,8 +289,10 @@ def clipped_grad(
         ``microbatch_size``, ``gamma`` or ``method``; at call time, naming the leaf
         or argument, for batch leaves without a batch axis or with different
         batch sizes, a loss that is not of shape ``(B,)`` or that combines
-        examples, a bad ``mask``, or a per-layer clip-norm tree that does not
-        match ``params``.
+        examples, a bad ``mask``, a per-layer clip-norm tree that does not
+        match ``params``, or ``ghost_sum='backward'`` (with ``method='ghost'``
+        or ``'auto'``) for 16-bit parameters or activations or on a backend whose
+        float32 products default to reduced precision.
 
     Example:
       >>> import jax, jax.numpy as jnp

@@ -19,6 +19,8 @@ from gradclip_jax.per_example.ghost._jaxpr import (
     concrete_operand,
     const_values,
     is_literal,
+    narrower,
+    open_jaxpr,
     shape,
     trace,
 )
@@ -71,6 +73,8 @@ class Plan:
     act_elems: int = 0  # elements of the batched intermediates of the loss (a proxy for activations)
     blocks: set[int] = field(default_factory=set)  # ghost leaves whose uses read disjoint blocks
     crossing: str | None = None  # the first primitive that certainly combines examples
+    narrow_leaf: int | None = None  # the first active leaf narrower than the accumulation dtype (16-bit)
+    narrow_op: tuple[str, str] | None = None  # (primitive, dtype): the first narrower value computed from params
 
     def ct_elems(self, jaxpr: Any) -> int:
         """Elements of the site output cotangents that book-keeping holds at once."""
@@ -216,6 +220,39 @@ def _leaf_verdict(u: list[Site | str]) -> tuple[list[Site], bool, str | None]:
     return [], False, f"used {len(sites)} times on overlapping parts"
 
 
+def _sub_jaxprs(eqn: Any) -> list[Any]:
+    """The jaxprs nested in an equation's parameters (calls, scan and loop bodies, cond branches)."""
+    out = []
+    for v in eqn.params.values():
+        for j in v if isinstance(v, (tuple, list)) else (v,):
+            if hasattr(j, "eqns") or (hasattr(j, "jaxpr") and hasattr(j, "consts")):
+                out.append(open_jaxpr(j)[0])
+    return out
+
+
+def _narrow_dtype(eqn: Any, acc: Any) -> Any | None:
+    """A floating dtype narrower than ``acc`` that ``eqn`` (or a jaxpr nested in it) computes, if any."""
+    for v in eqn.outvars:
+        dtype = getattr(v.aval, "dtype", None)
+        if dtype is not None and narrower(dtype, acc):
+            return dtype
+    return next((d for j in _sub_jaxprs(eqn) for e in j.eqns if (d := _narrow_dtype(e, acc)) is not None), None)
+
+
+def _narrow_op(jaxpr: Any, n_params: int, acc: Any) -> tuple[str, str] | None:
+    """``(primitive, dtype)`` of the first equation computing, from the parameters, a floating value
+    narrower than ``acc``: a backward pass through it carries its cotangents in that dtype."""
+    dep = set(jaxpr.invars[:n_params])
+    for eqn in jaxpr.eqns:
+        if not any(not is_literal(v) and v in dep for v in eqn.invars):
+            continue
+        dep.update(eqn.outvars)
+        dtype = _narrow_dtype(eqn, acc)
+        if dtype is not None:
+            return eqn.primitive.name, np.dtype(dtype).name
+    return None
+
+
 def analyse(jaxpr: Any, n_params: int, active: Sequence[int], n_batch: int, bsize: int,
             consts: dict[Any, Any] | None = None) -> Plan:
     """Classifies every active parameter leaf of the top-level ``jaxpr``.
@@ -224,7 +261,10 @@ def analyse(jaxpr: Any, n_params: int, active: Sequence[int], n_batch: int, bsiz
     is the per-example loss.
     """
     walk = _walk(jaxpr, n_params, n_batch, bsize, consts)
-    plan = Plan(walk.row_wise, [], set(), {}, act_elems=walk.act_elems, crossing=walk.crossing)
+    acc = _norms.tree_acc_dtype([jaxpr.invars[i].aval for i in active])
+    narrow_leaf = next((i for i in active if narrower(jaxpr.invars[i].aval.dtype, acc)), None)
+    plan = Plan(walk.row_wise, [], set(), {}, act_elems=walk.act_elems, crossing=walk.crossing,
+                narrow_leaf=narrow_leaf, narrow_op=_narrow_op(jaxpr, n_params, acc))
     for leaf in active:
         if not walk.row_wise:
             plan.reasons[leaf] = (f"the loss mixes examples (first at {walk.mixing!r}: an operation across the "
@@ -285,13 +325,69 @@ def loss_crossing(loss_fn: Callable[..., Any], has_aux: bool, fn: str, params: A
     return _walk(closed.jaxpr, n_params, n_batch, bsize).crossing
 
 
+def narrow_values(plan: Plan, pflat: _norms.FlatTree) -> str | None:
+    """What makes a backward pass round below the accumulation dtype (16-bit parameters or
+    activations), in words; ``None`` when nothing does."""
+    if plan.narrow_leaf is not None:
+        i = plan.narrow_leaf
+        return f"parameter leaf {keystr(pflat.paths[i])} is {np.dtype(pflat.leaves[i].dtype).name}"
+    if plan.narrow_op is not None:
+        return f"the loss computes {plan.narrow_op[1]} values from the parameters, first at {plan.narrow_op[0]!r}"
+    return None
+
+
+def reduced_matmul_precision() -> str | None:
+    """Why float32 products are not computed in full precision by default here (``None``: they are).
+
+    At ``Precision.DEFAULT`` NVIDIA GPUs from Ampere on multiply float32 in TF32
+    (10-bit mantissas) and TPUs in bfloat16 passes, unless
+    ``jax_default_matmul_precision`` asks for float32.
+    """
+    if str(getattr(jax.config, "jax_default_matmul_precision", None)).lower() in ("highest", "float32", "precision.highest"):
+        return None
+    backend = jax.default_backend()
+    if backend == "cpu":
+        return None
+    return (f"on the {backend} backend float32 products default to reduced precision (TF32 or "
+            "bfloat16 passes; jax_default_matmul_precision is not 'float32')")
+
+
+def check_sum_precision(config: ClipConfig, plan: Plan, pflat: _norms.FlatTree) -> None:
+    """ValueError for ``ghost_sum='backward'`` where its second pass would round below float32.
+
+    With 16-bit parameters or activations that pass carries every reweighted
+    cotangent :math:`c_b g_b` in 16 bits (each rounding up to ``2**-9`` relative in
+    bfloat16); on a backend whose float32 products default to TF32 or bfloat16
+    passes, it multiplies at that precision (up to ``2**-11`` relative). Either
+    way an example's clipped contribution could exceed :math:`C` by far more than
+    the stored-bound margin. Book-keeping forms the sum in float32 at full
+    precision, from the values whose norms were measured.
+    """
+    if config.per_layer or config.ghost_sum is not GhostSum.BACKWARD:
+        return
+    narrow = narrow_values(plan, pflat)
+    why = narrow or reduced_matmul_precision()
+    if why is not None:
+        fix = "" if narrow else ", or set jax.config.update('jax_default_matmul_precision', 'float32')"
+        raise ValueError(
+            f"{config.fn}: ghost_sum='backward' cannot be used here: {why}, and a second backward "
+            "pass would round each example's clipped contribution at that precision (its norm could "
+            "exceed the clip norm). Use ghost_sum='bookkeeping' or 'auto' (book-keeping forms the sum "
+            f"in float32 at full precision from the stored activations and cotangents), method='vmap'{fix}."
+        )
+
+
 def sum_mode(config: ClipConfig, traced: Traced) -> GhostSum:
-    """``BACKWARD`` or ``BOOKKEEPING``: how the clipped sum is formed (per-layer clipping: book-keeping)."""
-    if config.per_layer:
+    """``BACKWARD`` or ``BOOKKEEPING``: how the clipped sum is formed (per-layer clipping, 16-bit
+    parameters or activations, or a backend whose default float32 products are not full precision:
+    book-keeping, see :func:`check_sum_precision`)."""
+    closed, plan = traced
+    if config.per_layer or plan.narrow_leaf is not None or plan.narrow_op is not None:
+        return GhostSum.BOOKKEEPING
+    if config.ghost_sum is GhostSum.AUTO and reduced_matmul_precision() is not None:
         return GhostSum.BOOKKEEPING
     if config.ghost_sum is not GhostSum.AUTO:
         return config.ghost_sum
-    closed, plan = traced
     share = plan.ct_elems(closed.jaxpr) <= BOOKKEEPING_MAX_SHARE * plan.act_elems
     return GhostSum.BOOKKEEPING if share else GhostSum.BACKWARD
 
@@ -299,10 +395,6 @@ def sum_mode(config: ClipConfig, traced: Traced) -> GhostSum:
 def use_ghost(plan: Plan, pflat: _norms.FlatTree, bsize: int, method: Method) -> bool:
     """Whether to take the ghost path (else the vmap path computes everything)."""
     if not plan.row_wise or not plan.ghost:
-        return False
-    # 16-bit parameters: the second pass or book-keeping would round each clipped
-    # contribution in 16 bits (norm up to ~0.4% above C); the vmap path clips in float32.
-    if any(np.dtype(pflat.leaves[i].dtype).itemsize < 4 for i in pflat.active):
         return False
     if method is Method.GHOST:
         return True
@@ -327,9 +419,8 @@ def warn_fallback(plan: Plan, pflat: _norms.FlatTree, bsize: int, method: Method
     sizes = {i: math.prod(np.shape(pflat.leaves[i])) for i in pflat.active}
     if method is Method.AUTO and bsize * sum(sizes.values()) < AUTO_MIN_ELEMENTS:
         return
-    low = [i for i in pflat.active if np.dtype(pflat.leaves[i].dtype).itemsize < 4]
     fb = [i for i in pflat.active if i in plan.reasons]
-    if not fb and not (low and plan.ghost):
+    if not fb:
         return
     by_reason: dict[str, list[str]] = {}
     for i in fb:
@@ -337,11 +428,8 @@ def warn_fallback(plan: Plan, pflat: _norms.FlatTree, bsize: int, method: Method
     parts = [f"{', '.join(paths[:6])}{f' and {len(paths) - 6} more' if len(paths) > 6 else ''} ({why})"
              for why, paths in by_reason.items()]
     msg = (f"{fn}: ghost clipping forms the per-example gradients of {len(fb)} of {len(pflat.active)} "
-           f"parameter leaves (vmap fallback): {'; '.join(parts)}" if fb else "")
-    if low and plan.ghost:
-        msg = (msg + "; " if msg else f"{fn}: ") + (
-            "16-bit parameters: every leaf takes the vmap path, which clips in float32")
-    msg += ". ghost_report(loss_fn, params, batch) lists every leaf."
+           f"parameter leaves (vmap fallback): {'; '.join(parts)}. "
+           "ghost_report(loss_fn, params, batch) lists every leaf.")
     if msg not in _WARNED:
         _WARNED.add(msg)
         warnings.warn(msg, GhostFallbackWarning, stacklevel=5)  # the caller of the clipped-grad function

@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.extend import core as _jcore
 
@@ -51,9 +52,36 @@ def open_jaxpr(j: Any) -> tuple[Any, list[Any] | None]:
     return j, None
 
 
-def bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
-    """Applies one equation's primitive to ``invals``."""
-    params = eqn.primitive.get_bind_params(eqn.params)
+def narrower(dtype: Any, acc: Any) -> bool:
+    """Whether ``dtype`` is a floating dtype with fewer bits than ``acc`` (bf16, fp16, fp8 below float32)."""
+    d = np.dtype(dtype)
+    return bool(jnp.issubdtype(d, jnp.floating) and jnp.finfo(d).bits < jnp.finfo(acc).bits)
+
+
+# Products at full precision: no bf16/TF32 passes for the widened operands.
+_FULL = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
+
+
+def _widened(eqn: Any, invals: Sequence[Any], acc: Any) -> tuple[list[Any], dict[str, Any]]:
+    """``invals`` and ``eqn.params`` with every floating operand and result dtype narrower than
+    ``acc`` widened to ``acc``, and products at full precision."""
+    vals = [x.astype(acc) if narrower(getattr(x, "dtype", np.float64), acc) else x for x in invals]
+    params = {k: np.dtype(acc) if isinstance(v, np.dtype) and narrower(v, acc) else v for k, v in eqn.params.items()}
+    if "precision" in params:
+        # float32 too: at the backend's default precision (TF32 on NVIDIA GPUs, bf16 passes
+        # on TPUs) a book-kept contribution would differ from the gradient whose norm
+        # the full-precision norms measured by up to ~1e-3, beyond the stored bound
+        params["precision"] = _FULL
+    return vals, params
+
+
+def bind(eqn: Any, invals: Sequence[Any], acc: Any = None) -> list[Any]:
+    """Applies one equation's primitive to ``invals``; with ``acc``, evaluated in ``acc``
+    (operands and results narrower than ``acc`` widened to it) with products at full precision."""
+    eqn_params = eqn.params
+    if acc is not None:
+        invals, eqn_params = _widened(eqn, invals, acc)
+    params = eqn.primitive.get_bind_params(eqn_params)
     with eqn.ctx.manager:
         ans = eqn.primitive.bind(*invals, **params)
     return list(ans) if eqn.primitive.multiple_results else [ans]
@@ -202,13 +230,15 @@ def run_probed(closed: Any, inputs: Sequence[Any], at: dict[int, int], probes: S
     return [_read(env, v) for v in jaxpr.outvars], operands
 
 
-def replay(closed: Any, eqn: int, chain: Sequence[int], vals: Sequence[Any], pos: int, param: jax.Array) -> jax.Array:
-    """Equation ``eqn`` on ``vals``, with ``param`` passed through the equations ``chain`` as operand ``pos``."""
+def replay(closed: Any, eqn: int, chain: Sequence[int], vals: Sequence[Any], pos: int, param: jax.Array,
+           acc: Any = None) -> jax.Array:
+    """Equation ``eqn`` on ``vals``, with ``param`` passed through the equations ``chain`` as operand ``pos``
+    (with ``acc``: every step evaluated in ``acc``, see :func:`bind`)."""
     x = param
     steps = [closed.jaxpr.eqns[k] for k in chain]
     consts = const_values(closed) if any(len(e.invars) > 1 for e in steps) else {}
     for e in steps:  # the parameter is operand 0 of a chain equation; the others are constants
-        x = bind(e, [x, *[concrete_operand(v, consts) for v in e.invars[1:]]])[0]
+        x = bind(e, [x, *[concrete_operand(v, consts) for v in e.invars[1:]]], acc)[0]
     v = list(vals)
     v[pos] = x
-    return bind(closed.jaxpr.eqns[eqn], v)[0]  # type: ignore[no-any-return]
+    return bind(closed.jaxpr.eqns[eqn], v, acc)[0]  # type: ignore[no-any-return]

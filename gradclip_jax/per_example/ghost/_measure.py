@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from gradclip_jax import norms as _norms
 from gradclip_jax.per_example._batch import Call, match_batch_sharding, one_example_loss
@@ -22,7 +23,7 @@ from gradclip_jax.per_example.ghost._factored import (
     factored_norm,
     site_factors,
 )
-from gradclip_jax.per_example.ghost._jaxpr import replay
+from gradclip_jax.per_example.ghost._jaxpr import narrower, replay
 from gradclip_jax.per_example.ghost.rules import Site
 
 
@@ -42,24 +43,70 @@ class LeafNorms(NamedTuple):
     acc: Any  # the accumulation dtype of the norms
 
 
-def apply_site(closed: Any, site: Site, vals: Sequence[Any], param: jax.Array) -> jax.Array:
-    """The site's one operation on ``vals``, with ``param`` (through its chain) as the parameter operand."""
-    return replay(closed, site.eqn, site.chain, vals, site.pos, param)
+def acc_dtype_of(pflat: _norms.FlatTree) -> np.dtype:
+    """The dtype the ghost norms accumulate in: the active leaves' common accumulation dtype."""
+    return _norms.tree_acc_dtype(pflat.arrays) if pflat.arrays else np.dtype(np.float32)
 
 
-def _local_grads(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any], g: jax.Array) -> jax.Array:
+def _pin(xs: list[Any], acc: Any) -> list[Any]:
+    """``xs`` with the arrays narrower than ``acc`` passed through one optimization barrier.
+
+    XLA may keep a 16-bit value in excess (float32) precision inside one fusion
+    and round it where another consumer reads it (``xla_allow_excess_precision``):
+    the norm and the clipped sum would then see different values, and the
+    contribution could exceed the clip norm. Behind the barrier every consumer
+    reads the same stored 16-bit values.
+    """
+    idx = [k for k, x in enumerate(xs) if isinstance(x, jax.Array) and narrower(x.dtype, acc)]
+    if not idx:
+        return xs
+    pinned = lax.optimization_barrier([xs[k] for k in idx])
+    out = list(xs)
+    for k, x in zip(idx, pinned, strict=True):
+        out[k] = x
+    return out
+
+
+def pin_narrow(fwd: Pass, sites: Sequence[Site], acc: Any) -> Pass:
+    """``fwd`` with every site's batched operands and cotangent narrower than ``acc`` pinned
+    (see :func:`_pin`): what the norms measure is what the sums add."""
+    it = iter(_pin([ops[r] for s, ops in zip(sites, fwd.operands, strict=True) for r in s.rows] + list(fwd.cts), acc))
+    operands = []
+    for s, ops in zip(sites, fwd.operands, strict=True):
+        new = list(ops)
+        for r in s.rows:
+            new[r] = next(it)
+        operands.append(new)
+    return fwd._replace(operands=operands, cts=list(it))
+
+
+def widen(dtype: Any, acc: Any) -> np.dtype:
+    """``acc`` for a floating dtype narrower than ``acc`` (16-bit), else ``dtype``."""
+    return np.dtype(acc) if narrower(dtype, acc) else np.dtype(dtype)
+
+
+def apply_site(closed: Any, site: Site, vals: Sequence[Any], param: jax.Array, acc: Any = None) -> jax.Array:
+    """The site's one operation on ``vals``, with ``param`` (through its chain) as the parameter operand;
+    with ``acc``, evaluated in ``acc`` (16-bit operands widened, products at full precision)."""
+    return replay(closed, site.eqn, site.chain, vals, site.pos, param, acc)
+
+
+def _local_grads(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any], g: jax.Array,
+                 acc: Any) -> jax.Array:
     """Per-example gradients of one parameter leaf through one operation only, ``(B, *leaf)``.
 
     Example ``b``'s gradient is the pull-back of ``g_b`` through that single
     operation evaluated on row ``b`` of its batched operands, and through the
     parameter's chain (cast, reshape, broadcast): the leaf's size per example.
+    The operation is evaluated in ``acc``: with 16-bit operands the gradient is
+    exact to float32 rounding, and its norm is that of what book-keeping adds.
     """
 
     def one(row_vals: list, gb: jax.Array) -> jax.Array:
         vals = list(invals)
         for r, x in zip(site.rows, row_vals, strict=True):
             vals[r] = jnp.expand_dims(x, 0)
-        out, pull = jax.vjp(lambda w: apply_site(closed, site, vals, w), param)
+        out, pull = jax.vjp(lambda w: apply_site(closed, site, vals, w, acc), param.astype(widen(param.dtype, acc)))
         return pull(jnp.expand_dims(gb, 0).astype(out.dtype))[0]  # type: ignore[no-any-return]
 
     ref = invals[site.rows[0]]
@@ -109,7 +156,7 @@ def leaf_norms(config: ClipConfig, call: Call, traced: Traced, batch: Any, fwd: 
     """
     closed, plan = traced
     pflat = call.pflat
-    acc = _norms.tree_acc_dtype(pflat.arrays) if pflat.arrays else np.dtype(np.float32)
+    acc = acc_dtype_of(pflat)
     uses = Counter(s.leaf for s in plan.sites)
     norms = _factored_norms(traced, pflat, fwd, uses, acc)
     site_norms: list[jax.Array | None] = []
@@ -122,7 +169,7 @@ def leaf_norms(config: ClipConfig, call: Call, traced: Traced, batch: Any, fwd: 
     local: dict[int, jax.Array] = {}  # summed per-example gradients of the leaves in `formed`
     for s, n, ops, g in zip(plan.sites, site_norms, fwd.operands, fwd.cts, strict=True):
         if s.leaf in formed:
-            lg = _local_grads(closed, s, pflat.leaves[s.leaf], ops, g).astype(acc)
+            lg = _local_grads(closed, s, pflat.leaves[s.leaf], ops, g, acc).astype(acc)
             local[s.leaf] = lg if s.leaf not in local else local[s.leaf] + lg
         elif n is not None:
             parts.setdefault(s.leaf, []).append(n.astype(acc))
@@ -131,7 +178,7 @@ def leaf_norms(config: ClipConfig, call: Call, traced: Traced, batch: Any, fwd: 
     rows = {i: as_rows(lg) for i, lg in local.items()}
     fb = [i for i in pflat.active if i not in plan.ghost]
     if fb:
-        rows.update(zip(fb, _fallback_rows(config, call, fb, batch), strict=True))
+        rows.update(zip(fb, _pin(_fallback_rows(config, call, fb, batch), acc), strict=True))
     for i, r in rows.items():
         norms[i] = leaf_example_norms([r])[0]
     return LeafNorms(norms, rows, acc)

@@ -24,13 +24,14 @@ from gradclip_jax.per_example._vmap import run_vmap
 from gradclip_jax.per_example.ghost._analysis import (
     Traced,
     check_per_example,
+    check_sum_precision,
     sum_mode,
     trace_and_plan,
     use_ghost,
     warn_fallback,
 )
 from gradclip_jax.per_example.ghost._jaxpr import run_probed, shape
-from gradclip_jax.per_example.ghost._measure import Pass, leaf_norms
+from gradclip_jax.per_example.ghost._measure import Pass, acc_dtype_of, leaf_norms, pin_narrow
 from gradclip_jax.per_example.ghost._sums import backward_sums, bookkept_sums, clipped_sums
 
 
@@ -81,7 +82,7 @@ def _chunk(config: ClipConfig, call: Call, traced: Traced, clips: Any, batch: An
     if m != call.bsize:  # a microbatch: the jaxpr and plan at its size
         traced = _trace(config, call, batch, check=False)
     backward = sum_mode(config, traced) is GhostSum.BACKWARD
-    fwd = _forward(call, traced, batch, backward)
+    fwd = pin_narrow(_forward(call, traced, batch, backward), traced.plan.sites, acc_dtype_of(call.pflat))
     measured = leaf_norms(config, call, traced, batch, fwd)
     ref = first_leaf(batch)
     acc = measured.acc
@@ -96,12 +97,12 @@ def _chunk(config: ClipConfig, call: Call, traced: Traced, clips: Any, batch: An
     if w.keep is not None:  # dropped examples weigh 0 (enough when they are finite)
         ws = [jnp.where(w.keep, x, jnp.zeros_like(x)) for x in ws]
 
-    def fast() -> list[jax.Array]:
+    def fast(keep: jax.Array | None) -> list[jax.Array]:
         if backward:
             return backward_sums(config, fwd, ws)
-        return bookkept_sums(traced, call.pflat, fwd, measured.rows, ws)
+        return bookkept_sums(traced, call.pflat, fwd, measured.rows, ws, keep)
 
-    sums = clipped_sums(fast, config, call, batch, ws, w.keep, w.finite)
+    sums = clipped_sums(fast, config, call, batch, ws, w.keep, w.finite, zeroes_dropped=not backward)
     flags, ns = clip_flags(w, valid, clips is not None)
     return sums, ns, flags, vals, aux
 
@@ -111,6 +112,7 @@ def run_ghost(config: ClipConfig, call: Call) -> tuple[Any, ClippedGradInfo]:
     without materializing (or ``method='auto'`` finds ghost clipping not worth it)."""
     traced = _trace(config, call, call.batch, check=True)
     check_per_example(traced.plan.crossing, config.fn)
+    check_sum_precision(config, traced.plan, call.pflat)
     warn_fallback(traced.plan, call.pflat, call.bsize, config.method, config.fn)
     if not use_ghost(traced.plan, call.pflat, call.bsize, config.method):
         return run_vmap(config, call, checked=True)

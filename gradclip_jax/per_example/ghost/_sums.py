@@ -22,7 +22,7 @@ from gradclip_jax.per_example._config import ClipConfig
 from gradclip_jax.per_example._measure import as_rows, unrow
 from gradclip_jax.per_example._sums import fused_sums, scan_weighted_sum
 from gradclip_jax.per_example.ghost._analysis import Traced
-from gradclip_jax.per_example.ghost._measure import Pass, apply_site
+from gradclip_jax.per_example.ghost._measure import Pass, apply_site, widen
 from gradclip_jax.per_example.ghost.rules import Site
 
 
@@ -32,37 +32,63 @@ def backward_sums(config: ClipConfig, fwd: Pass, ws: Sequence[jax.Array]) -> lis
     return [x.astype(_norms.acc_dtype(x.dtype)) for x in g]
 
 
+def _zero_dropped(x: jax.Array, keep: jax.Array, axis: int) -> jax.Array:
+    """``x`` with the slices of dropped examples (``keep`` False along ``axis``) set to 0."""
+    k = jnp.reshape(keep, (1,) * axis + (-1,) + (1,) * (x.ndim - axis - 1))
+    return jnp.where(k, x, jnp.zeros((), x.dtype))
+
+
 def _site_sum(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any], g: jax.Array,
-              w: jax.Array) -> jax.Array:
-    """``sum_b w_b G_b`` for one use of a leaf: the pull-back of ``w_b g_b`` through its one operation."""
+              w: jax.Array, keep: jax.Array | None = None) -> jax.Array:
+    """``sum_b w_b G_b`` for one use of a leaf: the pull-back of ``w_b g_b`` through its one operation.
+
+    The operation is evaluated in the leaf's accumulation dtype: with 16-bit
+    operands and cotangents, :math:`a^\\top \\mathrm{diag}(w)\\, g` is formed from
+    both widened to float32 at full precision, so each example's contribution is
+    :math:`w_b a_b^\\top g_b` to float32 rounding, as measured (a 16-bit
+    :math:`w_b g_b` would round it up to ``2**-9`` above). With ``keep``, the
+    dropped examples' operand rows and cotangents are zeroed first: their
+    contribution is exactly 0 even when those hold NaN or inf.
+    """
+    acc = _norms.acc_dtype(param.dtype)
+    ct_dtype = widen(g.dtype, acc)
     shape = (1,) * site.out_axis + (-1,) + (1,) * (g.ndim - site.out_axis - 1)
-    ct = g * w.reshape(shape).astype(g.dtype)
-    _, pull = jax.vjp(lambda p: apply_site(closed, site, invals, p), param)
+    ct = g.astype(ct_dtype) * w.astype(ct_dtype).reshape(shape)
+    vals = list(invals)
+    if keep is not None:
+        ct = _zero_dropped(ct, keep, site.out_axis)
+        for r in site.rows:
+            vals[r] = _zero_dropped(vals[r], keep, site.axis)
+    _, pull = jax.vjp(lambda p: apply_site(closed, site, vals, p, acc), param.astype(widen(param.dtype, acc)))
     return pull(ct)[0]  # type: ignore[no-any-return]
 
 
 def bookkept_sums(traced: Traced, pflat: _norms.FlatTree, fwd: Pass, rows: dict[int, jax.Array],
-                  weights: Sequence[jax.Array]) -> list[jax.Array]:
+                  weights: Sequence[jax.Array], keep: jax.Array | None = None) -> list[jax.Array]:
     """The clipped sum of every active leaf, :math:`\\sum_b c_{b,l} G_{b,l}`, by book-keeping.
 
     Nothing is differentiated a second time: a dense or embedding leaf's sum is
     the pull-back of the reweighted cotangent through its one operation at the
     whole batch (for a dense layer, :math:`a^\\top \\mathrm{diag}(c)\\, g`),
     summed over its uses for a tied leaf; a leaf whose per-example gradients were
-    formed anyway (``rows``) is their weighted row sum. ``weights`` holds one
-    ``(B,)`` vector per active leaf, already 0 for dropped examples.
+    formed anyway (``rows``) is their weighted row sum. Everything is formed in
+    the leaves' accumulation dtype (float32 for 16-bit leaves and activations).
+    ``weights`` holds one ``(B,)`` vector per active leaf, already 0 for dropped
+    examples. ``keep`` (the NaN-safe form) marks the kept examples when a dropped
+    one may hold NaN or inf: the dropped examples' operands, cotangents and rows
+    are then zeroed, not only weighted by 0.
     """
     w_of = dict(zip(pflat.active, weights, strict=True))
     row_ids = [i for i in pflat.active if i in rows]
     totals: dict[int, jax.Array] = {}
     if row_ids:
-        totals.update(zip(row_ids, fused_sums([rows[i] for i in row_ids], [w_of[i] for i in row_ids]),
+        totals.update(zip(row_ids, fused_sums([rows[i] for i in row_ids], [w_of[i] for i in row_ids], keep),
                           strict=True))
     for s, o, g in zip(traced.plan.sites, fwd.operands, fwd.cts, strict=True):  # every use of the other leaves
         i = s.leaf
         if i in rows or i not in w_of:
             continue
-        total = _site_sum(traced.closed, s, pflat.leaves[i], o, g, w_of[i])
+        total = _site_sum(traced.closed, s, pflat.leaves[i], o, g, w_of[i], keep)
         total = total.astype(_norms.acc_dtype(pflat.leaves[i].dtype))
         totals[i] = total if i not in totals else totals[i] + total
     out = []
@@ -75,17 +101,20 @@ def bookkept_sums(traced: Traced, pflat: _norms.FlatTree, fwd: Pass, rows: dict[
     return out
 
 
-def clipped_sums(fast: Callable[[], list[jax.Array]], config: ClipConfig, call: Call, batch: Any,
-                 ws: Sequence[jax.Array], keep: jax.Array | None, finite: jax.Array) -> list[jax.Array]:
-    """The clipped sums, ``fast()`` (second backward pass or book-keeping) unless that could leak NaN.
+def clipped_sums(fast: Callable[[jax.Array | None], list[jax.Array]], config: ClipConfig, call: Call, batch: Any,
+                 ws: Sequence[jax.Array], keep: jax.Array | None, finite: jax.Array,
+                 zeroes_dropped: bool) -> list[jax.Array]:
+    """The clipped sums, ``fast(None)`` (second backward pass or book-keeping) unless that could leak NaN.
 
     A weight of 0 removes an example's contribution exactly when its values are
     finite; a dropped example with a non-finite norm could leak NaN through
     ``0 * inf`` in the shared computation, so then (rarely) a ``lax.cond`` takes
-    a path that forms each kept example's gradient in turn.
+    a safe path: ``fast(keep)`` when ``zeroes_dropped`` (book-keeping, which then
+    zeroes the dropped examples' values and adds exactly what was measured),
+    else a path that forms each kept example's gradient in turn.
     """
     if keep is None:
-        return fast()
+        return fast(None)
     pflat = call.pflat
     scalar_loss = one_example_loss(config.loss_fn, config.has_aux)
 
@@ -93,6 +122,8 @@ def clipped_sums(fast: Callable[[], list[jax.Array]], config: ClipConfig, call: 
         return jax.grad(lambda p: scalar_loss(p, example, *call.args)[0])(call.params)
 
     def safe(_: Any) -> list[jax.Array]:
+        if zeroes_dropped:
+            return fast(keep)
         if batch_axis_sharding(first_leaf(batch))[0] is not None:
             # a scan cannot run over a sharded axis: form the per-example gradients
             arrays = _norms.flatten(jax.vmap(grad_of)(batch), config.fn).arrays
@@ -103,4 +134,4 @@ def clipped_sums(fast: Callable[[], list[jax.Array]], config: ClipConfig, call: 
         return scan_weighted_sum(init, keep, ws, batch, lambda ex: _norms.flatten(grad_of(ex), config.fn).arrays)
 
     risky = jnp.any(~keep & ~finite)
-    return lax.cond(risky, safe, lambda _: fast(), None)  # type: ignore[no-any-return]
+    return lax.cond(risky, safe, lambda _: fast(None), None)  # type: ignore[no-any-return]
