@@ -26,12 +26,17 @@ leaf is classified by how the loss uses it:
   .. math:: \\|G_b\\|_F^2 = \\sum_{t,s} [\\mathrm{ids}_{bt} = \\mathrm{ids}_{bs}]
             \\, \\langle g_{bt}, g_{bs} \\rangle .
 
+* **conv** (the kernel of a ``conv_general_dilated`` on a batched input): with
+  :math:`P_b` example ``b``'s input patches ``(T, D)`` and :math:`G_b` its output
+  cotangent ``(T, P)``, per group, either the Gram form
+  :math:`\\langle P_b P_b^\\top, G_b G_b^\\top\\rangle` (small ``T``) or the
+  kernel gradient :math:`P_b^\\top G_b` as batched matmuls (large ``T``), picked
+  per layer by cost; the patches are read one kernel tap at a time, never formed.
 * **elementwise** (biases, LayerNorm/RMSNorm scales and biases, any
-  broadcast parameter added to, subtracted from or multiplied with batched data)
-  and **conv** (the kernel of a ``conv_general_dilated`` on a batched input):
+  broadcast parameter added to, subtracted from or multiplied with batched data):
   only that leaf's per-example gradient is formed, by pulling ``g_b`` back
   through that single operation on example ``b``'s operands (the leaf's size per
-  example: small for biases, scales and kernels).
+  example: small for biases and scales).
 * **tied** leaves (used several times, e.g. an embedding table reused as the
   output projection, ``flax`` ``Embed.attend``, or one matrix applied twice):
   the norm of the *sum* of the uses' gradients, cross terms included. When the

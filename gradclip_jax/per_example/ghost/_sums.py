@@ -108,8 +108,8 @@ def clipped_sums(fast: Callable[[jax.Array | None], list[jax.Array]], config: Cl
 
     A weight of 0 removes an example's contribution exactly when its values are
     finite; a dropped example with a non-finite norm could leak NaN through
-    ``0 * inf`` in the shared computation, so then (rarely) a ``lax.cond`` takes
-    a safe path: ``fast(keep)`` when ``zeroes_dropped`` (book-keeping, which then
+    ``0 * inf`` in the shared computation, so then (rarely) a ``lax.cond``
+    replaces the fast sums by a safe path: ``fast(keep)`` when ``zeroes_dropped`` (book-keeping, which then
     zeroes the dropped examples' values and adds exactly what was measured),
     else a path that forms each kept example's gradient in turn.
     """
@@ -121,7 +121,7 @@ def clipped_sums(fast: Callable[[jax.Array | None], list[jax.Array]], config: Cl
     def grad_of(example: Any) -> Any:
         return jax.grad(lambda p: scalar_loss(p, example, *call.args)[0])(call.params)
 
-    def safe(_: Any) -> list[jax.Array]:
+    def safe(_: Any) -> list[jax.Array]:  # the fast sums may hold NaN: not used
         if zeroes_dropped:
             return fast(keep)
         if batch_axis_sharding(first_leaf(batch))[0] is not None:
@@ -134,4 +134,8 @@ def clipped_sums(fast: Callable[[jax.Array | None], list[jax.Array]], config: Cl
         return scan_weighted_sum(init, keep, ws, batch, lambda ex: _norms.flatten(grad_of(ex), config.fn).arrays)
 
     risky = jnp.any(~keep & ~finite)
-    return lax.cond(risky, safe, lambda _: fast(None), None)  # type: ignore[no-any-return]
+    # The fast sums are computed outside the conditional, which only picks between
+    # results: XLA's CPU backend runs convolutions inside a branch without its fast
+    # kernels (a conv kernel's book-kept or second-pass sum took 15x longer there).
+    sums = fast(None)
+    return lax.cond(risky, safe, lambda s: s, sums)  # type: ignore[no-any-return]

@@ -1,9 +1,39 @@
-"""``conv_general_dilated``: a kernel applied to a batched input is a ``conv`` site
-(its per-example gradients are formed by pulling the cotangent back through the
-one convolution)."""
+"""``conv_general_dilated``: a kernel applied to a batched input is a ``conv`` site.
+
+A convolution is a matmul of the input's patches with the kernel. With ``P_b``
+the patches of example ``b`` as ``(T, D)`` (``T`` output positions, ``D`` one
+group's input channels times the ``K`` kernel taps), and its output cotangent
+``G_b`` as ``(T, P)`` (one group's output channels), the group's kernel gradient
+is :math:`P_b^\\top G_b` and
+
+.. math:: \\|P_b^\\top G_b\\|_F^2 = \\langle P_b P_b^\\top, G_b G_b^\\top\\rangle,
+          \\qquad P_b P_b^\\top = \\sum_k X_{bk} X_{bk}^\\top,
+
+with ``X_bk`` (``(T, Cin/groups)``) the input seen by tap ``k``: one strided window
+of the padded (and, for ``lhs_dilation``, dilated) input. The groups' squared
+norms add. Per group and example, the Gram form costs ``T^2 (D + P)``
+multiply-adds and two ``(T, T)`` matrices; forming the gradient
+:math:`\\sum_k X_{bk}^\\top G_b` (one batched matmul per tap) costs ``T D P``
+and ``D P`` values: the multiply-adds and memory of the fallback (the
+per-example gradient by a vmapped one-example convolution VJP), but as matmuls.
+The taps are read one at a time (a scan), so the ``K`` times larger patches are
+never formed: neither form is costlier than the fallback, whatever the input size.
+"""
 
 from __future__ import annotations
 
+import itertools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from gradclip_jax._numerics import hi_einsum, sqrt_nonneg
+from gradclip_jax.per_example._measure import leaf_example_norms
+from gradclip_jax.per_example.ghost._jaxpr import shape
 from gradclip_jax.per_example.ghost.rules._registry import (
     CONST,
     ROW,
@@ -15,6 +45,88 @@ from gradclip_jax.per_example.ghost.rules._registry import (
     axis0_only,
     register,
 )
+
+# The Gram form when its multiply-adds per group and example, T^2 (D + P), are
+# below GRAM_RATIO times those of forming the gradient, T D P (tests set 0 or inf).
+# At 1 this also bounds its memory: T < DP / (D + P) gives 2 T^2 <= DP / 2.
+GRAM_RATIO = 1.0
+
+
+class ConvViews:
+    """A conv site's operands per kernel tap, in the accumulation dtype.
+
+    Args:
+      eqn: the ``conv_general_dilated`` equation (batch on axis 0 of the input and output).
+      x: its input at the whole batch.
+      g: its output cotangent at the whole batch.
+      acc: the accumulation dtype (float32 for 16-bit operands).
+
+    Attributes:
+      xp: the input as ``(B, Cin, *spatial)``, padded (and dilated) as the convolution reads it.
+      offsets: ``(K, n)`` int32, each tap's start in ``xp`` (``n`` spatial axes), row-major over
+        the kernel's spatial axes as ``lax.conv_general_dilated_patches`` orders them.
+      g: the output cotangent as ``(B, groups, T, P)``.
+    """
+
+    def __init__(self, eqn: Any, x: jax.Array, g: jax.Array, acc: Any) -> None:
+        p = eqn.params
+        lhs_spec, rhs_spec, out_spec = p["dimension_numbers"]
+        self.groups = int(p["feature_group_count"])
+        self.strides = tuple(p["window_strides"])
+        out = [g.shape[d] for d in out_spec[2:]]
+        self.bsz, self.t = g.shape[out_spec[0]], math.prod(out)
+        xc = jnp.transpose(x, lhs_spec).astype(acc)  # (B, C, *spatial): the input, not the patches, is moved
+        pads = [(0, 0, 0), (0, 0, 0)]
+        pads += [(lo, hi, d - 1) for (lo, hi), d in zip(p["padding"], p["lhs_dilation"], strict=True)]
+        self.xp = lax.pad(xc, jnp.zeros((), xc.dtype), pads)  # the input as the convolution reads it
+        self.extent = (self.bsz, self.xp.shape[1], *((n - 1) * s + 1 for n, s in zip(out, self.strides, strict=True)))
+        kshape = shape(eqn.invars[1])
+        taps = itertools.product(*(range(kshape[d]) for d in rhs_spec[2:]))
+        self.offsets = jnp.asarray([[o * r for o, r in zip(tap, p["rhs_dilation"], strict=True)] for tap in taps],
+                                   jnp.int32)
+        gt = jnp.reshape(jnp.transpose(g, (out_spec[0], *out_spec[2:], out_spec[1])), (self.bsz, self.t, -1))
+        # a group's output channels, like its input channels, are contiguous (merging and
+        # splitting axes in one reshape has no sharding rule: two reshapes)
+        gt = jnp.reshape(gt.astype(acc), (self.bsz, self.t, self.groups, -1))
+        self.g = jnp.transpose(gt, (0, 2, 1, 3))
+
+    @property
+    def dims(self) -> tuple[int, int, int, int, int]:
+        """``(T, K, Cin/groups, P, groups)``: the patches are ``(T, D)`` with ``D = K Cin/groups``."""
+        k, c = self.offsets.shape[0], self.xp.shape[1] // self.groups
+        return self.t, k, c, self.g.shape[-1], self.groups
+
+    def tap(self, offset: jax.Array) -> jax.Array:
+        """The input tap ``offset`` reads, ``X_bk``, as ``(B, groups, Cin/groups, T)``."""
+        start = (jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32), *offset)
+        window = lax.dynamic_slice(self.xp, start, self.extent)
+        x = lax.slice(window, (0,) * window.ndim, window.shape, (1, 1, *self.strides))
+        return jnp.reshape(jnp.reshape(x, (self.bsz, -1, self.t)), (self.bsz, self.groups, -1, self.t))
+
+
+def gram_norms(views: ConvViews) -> jax.Array:
+    """:math:`\\sqrt{\\sum_g \\langle \\sum_k X_{bgk} X_{bgk}^\\top, G_{bg} G_{bg}^\\top\\rangle}`, ``(B,)``."""
+
+    def gram(x: jax.Array) -> jax.Array:
+        return hi_einsum("bgct,bgcs->bgts", x, x)
+
+    # one window at a time; the carry starts from the first tap's Gram, so it has the
+    # type (and, inside shard_map, the varying axes) of the others
+    first = gram(views.tap(views.offsets[0]))
+    pp, _ = lax.scan(lambda acc, off: (acc + gram(views.tap(off)), None), first, views.offsets[1:])
+    gg = hi_einsum("bgtp,bgsp->bgts", views.g, views.g)
+    return sqrt_nonneg(jnp.sum(pp * gg, axis=(1, 2, 3)))
+
+
+def formed_norms(views: ConvViews) -> jax.Array:
+    """The norm of each example's gradient, :math:`(X_{bgk}^\\top G_{bg})_{k,g}`, ``(B,)``:
+    one batched matmul per tap (not a vmapped convolution), one window at a time."""
+
+    def grad(_: None, off: jax.Array) -> tuple[None, jax.Array]:
+        return None, hi_einsum("bgct,bgtp->bgcp", views.tap(off), views.g)
+
+    _, per_tap = lax.scan(grad, None, views.offsets)  # (K, B, groups, C, P)
+    return leaf_example_norms([jnp.moveaxis(per_tap, 0, 1)])[0]
 
 
 class Conv(Rule):
@@ -35,6 +147,18 @@ class Conv(Rule):
         if rows != (0,) or use.pos != 1 or use.bcast:
             return None
         return self.site(use, rows)
+
+    def norm(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any) -> jax.Array | None:
+        """Per-example ``||P_b^T G_b||_F`` (over groups): the Gram form when it does fewer
+        multiply-adds, else each example's gradient by batched matmuls."""
+        if eqn.params["batch_group_count"] != 1 or g.size == 0:
+            return None
+        views = ConvViews(eqn, ops[0], g, acc)
+        t, k, c, q, _ = views.dims
+        d = k * c
+        if t * t * (d + q) < GRAM_RATIO * t * d * q:
+            return gram_norms(views)
+        return formed_norms(views)
 
 
 register(Conv())

@@ -1,0 +1,342 @@
+"""Ghost norms of convolution kernels (rules/conv.py) against method='vmap' and a per-example reference."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from jax import lax
+
+from gradclip_jax.ghost import ghost_report
+from gradclip_jax.per_example import clipped_grad
+from gradclip_jax.per_example.ghost.rules import conv
+from tests.per_example.models import B, cnn_setup, xent
+
+# ----------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------
+
+FORMS = {"gram": math.inf, "formed": 0.0}
+
+
+@pytest.fixture
+def forms(monkeypatch):
+    """Records which formulation each measured conv site took."""
+    taken: list[str] = []
+    gram, formed = conv.gram_norms, conv.formed_norms
+
+    def spy_gram(views):
+        taken.append("gram")
+        return gram(views)
+
+    def spy_formed(views):
+        taken.append("formed")
+        return formed(views)
+
+    monkeypatch.setattr(conv, "gram_norms", spy_gram)
+    monkeypatch.setattr(conv, "formed_norms", spy_formed)
+    return taken
+
+
+def _close(a, b, rtol, atol):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def _reference(loss, params, data, **kw):
+    """A clip norm between the middle per-example norms (some examples clipped) and vmap's result there."""
+    _, info = jax.jit(clipped_grad(loss, 1.0, method="vmap"))(params, data)
+    n = np.sort(np.asarray(info.norms))
+    clip = float(np.sqrt(n[len(n) // 2 - 1] * n[len(n) // 2]))
+    return clip, jax.jit(clipped_grad(loss, clip, method="vmap", **kw))(params, data)
+
+
+def _compare(loss, params, data, rtol, atol, ref=None, **kw):
+    """Ghost against vmap (``ref``: :func:`_reference` with the same keywords)."""
+    clip, (ref_g, ref_i) = ref or _reference(loss, params, data, **kw)
+    g, i = jax.jit(clipped_grad(loss, clip, method="ghost", **kw))(params, data)
+    assert kw.get("per_layer") or 0 < int(i.num_clipped) < len(i.norms)
+    _close(g, ref_g, rtol, atol)
+    _close(i.norms, ref_i.norms, rtol, atol)
+    _close(i.num_clipped, ref_i.num_clipped, 0, 0)
+
+
+def _conv_eqn(x, w, **kw):
+    """The ``conv_general_dilated`` equation of ``lax.conv_general_dilated(x, w, **kw)``."""
+    closed = jax.make_jaxpr(lambda a, b: lax.conv_general_dilated(a, b, **kw))(x, w)
+    (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "conv_general_dilated"]
+    return eqn
+
+
+def _reference_norms(x, w, g, **kw):
+    """Per-example kernel-gradient norms: one-example convolution VJPs, in float64 numpy."""
+
+    def one(xb, gb):
+        _, pull = jax.vjp(lambda k: lax.conv_general_dilated(xb[None], k, **kw), w)
+        return pull(gb[None])[0]
+
+    grads = np.asarray(jax.vmap(one)(x, g), np.float64)
+    return np.sqrt(np.sum(grads.reshape(len(grads), -1) ** 2, axis=1))
+
+
+# ----------------------------------------------------------------------------
+# One convolution: layouts, dimensionality, strides, padding, dilation, groups
+# ----------------------------------------------------------------------------
+
+# name: (input shape without the batch, kernel shape, dimension numbers, conv keywords)
+GEOMETRIES = {
+    "nhwc_hwio_same": ((8, 8, 3), (3, 3, 3, 4), ("NHWC", "HWIO", "NHWC"),
+                       dict(window_strides=(1, 1), padding="SAME")),
+    "nchw_oihw_stride2_explicit": ((3, 9, 8), (4, 3, 3, 2), ("NCHW", "OIHW", "NCHW"),
+                                   dict(window_strides=(2, 2), padding=((1, 2), (0, 1)))),
+    "nwc_1d_stride2_valid": ((11, 3), (3, 3, 5), ("NWC", "WIO", "NWC"),
+                             dict(window_strides=(2,), padding="VALID")),
+    "ncw_1d_dilation2": ((3, 12), (4, 3, 3), ("NCW", "OIW", "NCW"),
+                         dict(window_strides=(1,), padding="SAME", rhs_dilation=(2,))),
+    "nhwc_dilation2_stride2": ((9, 9, 2), (3, 2, 2, 3), ("NHWC", "HWIO", "NHWC"),
+                               dict(window_strides=(2, 2), padding="SAME", rhs_dilation=(2, 2))),
+    "ndhwc_3d": ((5, 5, 5, 2), (2, 3, 2, 2, 3), ("NDHWC", "DHWIO", "NDHWC"),
+                 dict(window_strides=(1, 2, 1), padding="SAME")),
+    "depthwise": ((8, 8, 4), (3, 3, 1, 8), ("NHWC", "HWIO", "NHWC"),
+                  dict(window_strides=(1, 1), padding="SAME", feature_group_count=4)),
+    "grouped": ((6, 7, 7), (6, 2, 3, 3), ("NCHW", "OIHW", "NCHW"),
+                dict(window_strides=(2, 1), padding="VALID", feature_group_count=3)),
+    "transposed": ((5, 5, 3), (3, 3, 3, 4), ("NHWC", "HWIO", "NHWC"),
+                   dict(window_strides=(1, 1), padding=((2, 1), (1, 2)), lhs_dilation=(2, 2))),
+    "negative_padding": ((8, 8, 2), (3, 3, 2, 3), ("NHWC", "HWIO", "NHWC"),
+                         dict(window_strides=(1, 2), padding=((-1, 1), (0, -1)))),
+    "mixed_layouts": ((3, 8, 7), (3, 2, 4, 3), ("NCHW", "HWOI", "NHWC"),
+                      dict(window_strides=(1, 1), padding="SAME")),
+}
+
+
+def conv_setup(name, seed=0, batch=B, dtype=jnp.float32):
+    """One convolution (the named geometry), tanh, a mean over positions and a dense head."""
+    in_shape, k_shape, dn, kw = GEOMETRIES[name]
+    r = np.random.default_rng(seed)
+    cout = k_shape[dn[1].index("O")]
+    params = {"k": jnp.asarray(r.normal(size=k_shape) / 2, dtype),
+              "head": jnp.asarray(r.normal(size=(cout, 3)), dtype)}
+    scale = r.uniform(0.2, 3.0, size=(batch,) + (1,) * len(in_shape))
+    data = {"x": jnp.asarray(r.normal(size=(batch, *in_shape)) * scale, dtype),
+            "y": jnp.asarray(r.integers(0, 3, size=batch))}
+
+    def loss(p, b):
+        h = jnp.tanh(lax.conv_general_dilated(b["x"], p["k"], dimension_numbers=dn, **kw))
+        spatial = tuple(i for i, c in enumerate(dn[2]) if c not in "NC")
+        return xent(jnp.mean(h, axis=spatial) @ p["head"], b["y"])
+
+    return loss, params, data
+
+
+@pytest.mark.parametrize("name", sorted(GEOMETRIES))
+def test_conv_matches_vmap_float64(name, forms, monkeypatch):
+    with jax.enable_x64(True):
+        loss, params, data = conv_setup(name, dtype=jnp.float64)
+        assert dict(ghost_report(loss, params, data).ghost) == {"['k']": "conv", "['head']": "dense"}
+        ref = _reference(loss, params, data)
+        for form, ratio in FORMS.items():  # both formulations, forced
+            monkeypatch.setattr(conv, "GRAM_RATIO", ratio)
+            _compare(loss, params, data, rtol=1e-10, atol=1e-12, ref=ref)
+            assert forms.pop() == form and not forms  # measured by the rule, in that form
+
+
+@pytest.mark.parametrize("name", ["nchw_oihw_stride2_explicit", "depthwise", "grouped"])
+def test_conv_matches_vmap_float32(name, forms):
+    loss, params, data = conv_setup(name)
+    _compare(loss, params, data, rtol=1e-4, atol=1e-6)
+    assert forms
+
+
+def test_cost_choice(forms):
+    """Few output positions and many channels: the Gram form; many positions: the gradient."""
+    r = np.random.default_rng(1)
+    params = {"a": jnp.asarray(r.normal(size=(3, 3, 8, 32)) / 8, jnp.float32),  # T = 256: formed
+              "b": jnp.asarray(r.normal(size=(3, 3, 32, 32)) / 16, jnp.float32)}  # T = 4 < 9*32*32/(9*32+32)
+    data = jnp.asarray(r.normal(size=(B, 16, 16, 8)), jnp.float32)
+
+    def loss(p, x):
+        dn = ("NHWC", "HWIO", "NHWC")
+        h = jnp.tanh(lax.conv_general_dilated(x, p["a"], (1, 1), "SAME", dimension_numbers=dn))
+        h = lax.conv_general_dilated(h, p["b"], (8, 8), "VALID", dimension_numbers=dn)
+        return jnp.sum(jnp.tanh(h) ** 2, axis=(1, 2, 3))
+
+    _compare(loss, params, data, rtol=1e-4, atol=1e-6)
+    assert sorted(forms) == ["formed", "gram"]
+
+
+def test_batch_groups_are_not_measured():
+    """``batch_group_count > 1`` (the rule never marks it row-wise either): no norm, the fallback."""
+    x, w = jnp.ones((4, 3, 6)), jnp.ones((2, 3, 3))
+    kw = dict(window_strides=(1,), padding="VALID", batch_group_count=2, dimension_numbers=("NCW", "OIW", "NCW"))
+    eqn = _conv_eqn(x, w, **kw)
+    g = jnp.ones(lax.conv_general_dilated(x, w, **kw).shape)
+    assert conv.Conv().norm(None, eqn, [x, w], g, jnp.float32) is None
+
+
+def test_16bit_operands_accumulate_in_float32():
+    r = np.random.default_rng(2)
+    kw = dict(window_strides=(2, 1), padding="SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    x = jnp.asarray(r.normal(size=(3, 9, 9, 4)), jnp.bfloat16)
+    w = jnp.asarray(r.normal(size=(3, 3, 4, 5)), jnp.bfloat16)
+    g = jnp.asarray(r.normal(size=lax.conv_general_dilated(x, w, **kw).shape), jnp.bfloat16)
+    ref = _reference_norms(x.astype(jnp.float32), w.astype(jnp.float32), g.astype(jnp.float32), **kw)
+    eqn = _conv_eqn(x, w, **kw)
+    for form in (conv.gram_norms, conv.formed_norms):
+        n = form(conv.ConvViews(eqn, x, g, jnp.float32))
+        assert n.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(n), ref, rtol=1e-5)
+
+
+@settings(max_examples=15)
+@given(
+    nd=st.integers(1, 2), cin=st.integers(1, 3), groups=st.integers(1, 2), cout_per=st.integers(1, 2),
+    size=st.integers(4, 7), ksize=st.integers(1, 3), stride=st.integers(1, 3), rdil=st.integers(1, 2),
+    ldil=st.integers(1, 2), lo=st.integers(-1, 2), hi=st.integers(-1, 2), layout=st.booleans(),
+)
+def test_views_equal_patches(nd, cin, groups, cout_per, size, ksize, stride, rdil, ldil, lo, hi, layout):
+    """The taps are ``lax.conv_general_dilated_patches`` (channel-major), and both forms give
+    the norms of the per-example kernel gradients."""
+    sp = "HW"[:nd] if nd == 2 else "W"
+    dn = ("NC" + sp, "OI" + sp, "NC" + sp) if layout else ("N" + sp + "C", sp + "IO", "N" + sp + "C")
+    c, cout = cin * groups, cout_per * groups
+    x_shape = (2, c, *(size,) * nd) if layout else (2, *(size,) * nd, c)
+    k_shape = (cout, cin, *(ksize,) * nd) if layout else (*(ksize,) * nd, cin, cout)
+    kw = dict(window_strides=(stride,) * nd, padding=((lo, hi),) * nd, lhs_dilation=(ldil,) * nd,
+              rhs_dilation=(rdil,) * nd, dimension_numbers=dn, feature_group_count=groups)
+    extent = (size - 1) * ldil + 1 + lo + hi - (ksize - 1) * rdil
+    assume(extent >= 1)  # some output position
+    r = np.random.default_rng(size * 7 + ksize)
+    x = jnp.asarray(r.normal(size=x_shape), jnp.float32)
+    w = jnp.asarray(r.normal(size=k_shape), jnp.float32)
+    out = lax.conv_general_dilated(x, w, **kw)
+    g = jnp.asarray(r.normal(size=out.shape), jnp.float32)
+    views = conv.ConvViews(_conv_eqn(x, w, **kw), x, g, jnp.float32)
+    taps = jnp.stack([views.tap(o) for o in views.offsets], axis=3)  # (B, groups, C/groups, K, T)
+    patches = lax.conv_general_dilated_patches(
+        x, (ksize,) * nd, kw["window_strides"], kw["padding"], kw["lhs_dilation"], kw["rhs_dilation"], dn,
+        precision=lax.Precision.HIGHEST)
+    out_spec = lax.conv_dimension_numbers(x.shape, w.shape, dn).out_spec
+    patches = np.asarray(jnp.transpose(patches, out_spec))  # (B, C K, *out): channel-major features
+    rows = (*patches.shape[:2], -1)
+    np.testing.assert_array_equal(np.asarray(taps).reshape(rows), patches.reshape(rows))
+    ref = _reference_norms(x, w, g, **kw)
+    for form in (conv.gram_norms, conv.formed_norms):
+        np.testing.assert_allclose(np.asarray(form(views)), ref, rtol=2e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------
+# Models: a flax linen CNN with GroupNorm, a wide-ResNet block
+# ----------------------------------------------------------------------------
+
+
+def test_flax_linen_cnn_groupnorm(forms):
+    nn = pytest.importorskip("flax.linen")
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.relu(nn.GroupNorm(num_groups=4)(nn.Conv(8, (3, 3))(x)))
+            h = nn.Conv(8, (3, 3), strides=2, feature_group_count=2)(h)
+            h = nn.relu(nn.GroupNorm(num_groups=2)(h))
+            h = nn.Conv(8, (3, 3), feature_group_count=8, use_bias=False)(h)  # depthwise
+            return nn.Dense(3)(jnp.mean(h, axis=(1, 2)))
+
+    net = Net()
+    r = np.random.default_rng(3)
+    data = {"x": jnp.asarray(r.normal(size=(B, 8, 8, 3)) * r.uniform(0.2, 3.0, (B, 1, 1, 1)), jnp.float32),
+            "y": jnp.asarray(r.integers(0, 3, B))}
+    params = net.init(jax.random.key(0), data["x"])
+
+    def loss(p, b):
+        return xent(net.apply(p, b["x"]), b["y"])
+
+    rep = ghost_report(loss, params, data)
+    kinds = dict(rep.ghost)
+    assert rep.fallback == []
+    assert [kinds[f"['params']['Conv_{i}']['kernel']"] for i in range(3)] == ["conv"] * 3
+    _compare(loss, params, data, rtol=1e-4, atol=1e-6)
+    assert len(forms) == 3
+
+
+def wrn_setup(seed=4, batch=B):
+    """A pre-activation wide-ResNet stage: a stride-1 block, then a stride-2 block with a 1x1 shortcut."""
+    r = np.random.default_rng(seed)
+
+    def he(*s):
+        return jnp.asarray(r.normal(size=s) * np.sqrt(2.0 / np.prod(s[:-1])), jnp.float32)
+
+    params = {
+        "c1": he(3, 3, 4, 4), "c2": he(3, 3, 4, 4), "c3": he(3, 3, 4, 8), "c4": he(3, 3, 8, 8),
+        "short": he(1, 1, 4, 8), "head": he(8, 5),
+        "n1": {"scale": jnp.ones(4), "bias": jnp.zeros(4)}, "n2": {"scale": jnp.ones(4), "bias": jnp.zeros(4)},
+        "n3": {"scale": jnp.ones(4), "bias": jnp.zeros(4)}, "n4": {"scale": jnp.ones(8), "bias": jnp.zeros(8)},
+    }
+    data = {"x": jnp.asarray(r.normal(size=(batch, 8, 8, 4)) * r.uniform(0.2, 3.0, (batch, 1, 1, 1)), jnp.float32),
+            "y": jnp.asarray(r.integers(0, 5, batch))}
+
+    def conv2d(x, w, stride):
+        return lax.conv_general_dilated(x, w, (stride, stride), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    def act(x, n, groups=2):  # GroupNorm (per example) and relu
+        y = x.reshape(*x.shape[:-1], groups, -1)
+        y = (y - jnp.mean(y, axis=(1, 2, 4), keepdims=True)) * lax.rsqrt(jnp.var(y, axis=(1, 2, 4), keepdims=True) + 1e-5)
+        return jax.nn.relu(y.reshape(x.shape) * n["scale"] + n["bias"])
+
+    def loss(p, b):
+        x = b["x"]
+        x = x + conv2d(act(conv2d(act(x, p["n1"]), p["c1"], 1), p["n2"]), p["c2"], 1)
+        a = act(x, p["n3"])
+        x = conv2d(a, p["short"], 2) + conv2d(act(conv2d(a, p["c3"], 2), p["n4"]), p["c4"], 1)
+        return xent(jnp.mean(x, axis=(1, 2)) @ p["head"], b["y"])
+
+    return loss, params, data
+
+
+@pytest.mark.parametrize("ghost_sum", ["backward", "bookkeeping"])
+def test_wide_resnet_block(ghost_sum, forms):
+    loss, params, data = wrn_setup()
+    rep = ghost_report(loss, params, data)
+    assert rep.fallback == []
+    assert {k: v for k, v in rep.ghost if v == "conv"} == {
+        f"['{n}']": "conv" for n in ("c1", "c2", "c3", "c4", "short")}
+    _compare(loss, params, data, rtol=1e-4, atol=1e-6, ghost_sum=ghost_sum)
+    assert len(forms) == 5
+
+
+def test_cnn_setup_microbatched_per_layer(forms):
+    loss, params, data = cnn_setup()
+    _compare(loss, params, data, rtol=1e-5, atol=1e-6, microbatch_size=3, per_layer=True)
+    assert forms
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+def test_sharded_batch():
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    loss, params, data = wrn_setup(batch=16)
+    ref, ref_i = clipped_grad(loss, 0.5, method="vmap")(params, data)
+    grad_fn = clipped_grad(loss, 0.5, method="ghost")
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,))
+    with jax.set_mesh(mesh):  # explicit sharding of the batch axis
+        p_rep = jax.tree.map(lambda x: jax.sharding.reshard(x, P()), params)
+        d_sh = jax.tree.map(lambda x: jax.sharding.reshard(x, P("x")), data)
+        g, i = jax.jit(grad_fn)(p_rep, d_sh)
+    _close(g, ref, 1e-4, 1e-6)
+    _close(i.norms, ref_i.norms, 1e-4, 1e-6)
+
+    def local(p, d):  # shard_map: each device clips its own examples
+        g, info = grad_fn(p, d)
+        return jax.lax.psum(g, "x"), info.norms
+
+    mesh = jax.make_mesh((8,), ("x",))
+    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("x")), out_specs=(P(), P("x"))))
+    g, norms = f(jax.device_put(params, NamedSharding(mesh, P())), jax.device_put(data, NamedSharding(mesh, P("x"))))
+    _close(g, ref, 1e-4, 1e-6)
+    _close(norms, ref_i.norms, 1e-4, 1e-6)
