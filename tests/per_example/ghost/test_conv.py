@@ -235,6 +235,7 @@ def test_views_equal_patches(nd, cin, groups, cout_per, size, ksize, stride, rdi
 # ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a whole model (or 8 devices): long to compile on 2 cores
 def test_flax_linen_cnn_groupnorm(forms):
     nn = pytest.importorskip("flax.linen")
 
@@ -298,6 +299,7 @@ def wrn_setup(seed=4, batch=B):
     return loss, params, data
 
 
+@pytest.mark.slow  # a whole model (or 8 devices): long to compile on 2 cores
 @pytest.mark.parametrize("ghost_sum", ["backward", "bookkeeping"])
 def test_wide_resnet_block(ghost_sum, forms):
     loss, params, data = wrn_setup()
@@ -316,6 +318,7 @@ def test_cnn_setup_microbatched_per_layer(forms):
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+@pytest.mark.slow  # a whole model (or 8 devices): long to compile on 2 cores
 def test_sharded_batch():
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P

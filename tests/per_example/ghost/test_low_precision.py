@@ -255,6 +255,7 @@ def test_nan_example_microbatches_per_layer():
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+@pytest.mark.slow  # a whole model (or 8 devices): long to compile on 2 cores
 def test_nan_example_sharded_batch():
     """The zeroing of dropped examples' rows under an explicitly sharded batch axis."""
     from jax.sharding import AxisType
