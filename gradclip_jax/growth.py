@@ -279,11 +279,10 @@ def clip_value_growth(
             clipped=_st.per_leaf(params, fn, lambda x: jnp.zeros((), bool)),
         )
 
-    def one(x: jax.Array, r: jax.Array, v: dict) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-        """(output, new tracked value, any clipped) for one leaf, in the state's dtype.
+    bounded = add is not None or mul is not None  # else the identity: nothing is ever clipped
 
-        "Any clipped" is ``None`` when there is a bound: the caller finds it by
-        comparing the output with the input.
+    def one(x: jax.Array, r: jax.Array, v: dict) -> tuple[jax.Array, jax.Array]:
+        """(output, new tracked value) for one leaf, in the state's dtype.
 
         The two bounds compose into one magnitude bound: the additive step caps
         ``|x|`` at ``|r| + add`` and the multiplicative one then caps it at
@@ -302,18 +301,14 @@ def clip_value_growth(
         if mul is not None:
             by_mul = v["mul"].astype(dt) * m
             bound = by_mul if bound is None else jnp.minimum(bound, by_mul)
-        if bound is None:
-            y, hit = x, jnp.zeros((), bool)
-        else:
-            y = jnp.where(ax > bound, jnp.sign(x) * bound, x)
-            hit = None  # any(|x| > bound): found from the output by the caller
+        y = x if bound is None else jnp.where(ax > bound, jnp.sign(x) * bound, x)
         tracked = y
         if max_decay is not None:
             # rho = max(|x| / m, 1e-8) < 1 / max_decay, without dividing by m (m may be 0)
             md = v["max_decay"].astype(dt)
             shrink = (after_add < m / md) & (md * 1e-8 < 1)
             tracked = jnp.where(shrink, r / md, y)
-        return y, tracked, hit
+        return y, tracked
 
     def update_fn(updates: Any, state: ClipValueGrowthState, params: Any = None) -> tuple:
         del params
@@ -328,14 +323,14 @@ def clip_value_growth(
         ok = (_st.all_finite(arrays) if skip else jnp.ones((), bool)) & counts(invalid)
         outs, new_prev, flags = [], [], []
         for u, r in zip(arrays, prevs, strict=True):
-            y, t, hit = one(u, r, v)
+            y, t = one(u, r, v)
             keep = first | ~ok
             out = jnp.where(keep, u, y.astype(u.dtype))
-            if hit is None:
-                # an element was clipped exactly when y differs from the input; compared
-                # on the output (no temporary |x| or bound) when casting loses nothing
-                hit = (_st.any_changed(out, u) if u.dtype == r.dtype
-                       else _st.any_changed(y, u.astype(r.dtype)))
+            # an element was clipped exactly when y differs from the input; compared on
+            # the output (no temporary |x| or bound) when casting loses nothing
+            hit = jnp.zeros((), bool)
+            if bounded:
+                hit = _st.any_changed(out, u) if u.dtype == r.dtype else _st.any_changed(y, u.astype(r.dtype))
             outs.append(poison(out, invalid))
             new_prev.append(jnp.where(ok, jnp.where(first, u.astype(r.dtype), t), r))
             flags.append(hit & ok & ~first)
