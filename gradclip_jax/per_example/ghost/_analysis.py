@@ -20,8 +20,8 @@ from gradclip_jax.per_example.ghost._jaxpr import (
     const_values,
     is_literal,
     narrower,
-    open_jaxpr,
     shape,
+    sub_jaxprs,
     trace,
 )
 from gradclip_jax.per_example.ghost.rules import (
@@ -220,23 +220,13 @@ def _leaf_verdict(u: list[Site | str]) -> tuple[list[Site], bool, str | None]:
     return [], False, f"used {len(sites)} times on overlapping parts"
 
 
-def _sub_jaxprs(eqn: Any) -> list[Any]:
-    """The jaxprs nested in an equation's parameters (calls, scan and loop bodies, cond branches)."""
-    out = []
-    for v in eqn.params.values():
-        for j in v if isinstance(v, (tuple, list)) else (v,):
-            if hasattr(j, "eqns") or (hasattr(j, "jaxpr") and hasattr(j, "consts")):
-                out.append(open_jaxpr(j)[0])
-    return out
-
-
 def _narrow_dtype(eqn: Any, acc: Any) -> Any | None:
     """A floating dtype narrower than ``acc`` that ``eqn`` (or a jaxpr nested in it) computes, if any."""
     for v in eqn.outvars:
         dtype = getattr(v.aval, "dtype", None)
         if dtype is not None and narrower(dtype, acc):
             return dtype
-    return next((d for j in _sub_jaxprs(eqn) for e in j.eqns if (d := _narrow_dtype(e, acc)) is not None), None)
+    return next((d for j in sub_jaxprs(eqn) for e in j.eqns if (d := _narrow_dtype(e, acc)) is not None), None)
 
 
 def _narrow_op(jaxpr: Any, n_params: int, acc: Any) -> tuple[str, str] | None:

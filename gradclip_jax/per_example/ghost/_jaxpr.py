@@ -58,7 +58,22 @@ def narrower(dtype: Any, acc: Any) -> bool:
     return bool(jnp.issubdtype(d, jnp.floating) and jnp.finfo(d).bits < jnp.finfo(acc).bits)
 
 
-# Products at full precision: no bf16/TF32 passes for the widened operands.
+def widen(dtype: Any, acc: Any) -> np.dtype:
+    """``acc`` for a floating dtype narrower than ``acc`` (16-bit), else ``dtype``."""
+    return np.dtype(acc) if narrower(dtype, acc) else np.dtype(dtype)
+
+
+def sub_jaxprs(eqn: Any) -> list[Any]:
+    """Every (open) jaxpr nested in an equation's parameters: calls, scan and loop bodies, cond branches."""
+    out = []
+    for v in eqn.params.values():
+        for j in v if isinstance(v, (tuple, list)) else (v,):
+            if hasattr(j, "eqns") or (hasattr(j, "jaxpr") and hasattr(j, "consts")):
+                out.append(open_jaxpr(j)[0])
+    return out
+
+
+# Products at full precision: no bf16/TF32 passes.
 _FULL = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
 
 
@@ -66,7 +81,7 @@ def _widened(eqn: Any, invals: Sequence[Any], acc: Any) -> tuple[list[Any], dict
     """``invals`` and ``eqn.params`` with every floating operand and result dtype narrower than
     ``acc`` widened to ``acc``, and products at full precision."""
     vals = [x.astype(acc) if narrower(getattr(x, "dtype", np.float64), acc) else x for x in invals]
-    params = {k: np.dtype(acc) if isinstance(v, np.dtype) and narrower(v, acc) else v for k, v in eqn.params.items()}
+    params = {k: widen(v, acc) if isinstance(v, np.dtype) else v for k, v in eqn.params.items()}
     if "precision" in params:
         # float32 too: at the backend's default precision (TF32 on NVIDIA GPUs, bf16 passes
         # on TPUs) a book-kept contribution would differ from the gradient whose norm

@@ -23,7 +23,7 @@ from gradclip_jax.per_example.ghost._factored import (
     factored_norm,
     site_factors,
 )
-from gradclip_jax.per_example.ghost._jaxpr import narrower, replay
+from gradclip_jax.per_example.ghost._jaxpr import narrower, replay, widen
 from gradclip_jax.per_example.ghost.rules import Site
 
 
@@ -78,11 +78,6 @@ def pin_narrow(fwd: Pass, sites: Sequence[Site], acc: Any) -> Pass:
             new[r] = next(it)
         operands.append(new)
     return fwd._replace(operands=operands, cts=list(it))
-
-
-def widen(dtype: Any, acc: Any) -> np.dtype:
-    """``acc`` for a floating dtype narrower than ``acc`` (16-bit), else ``dtype``."""
-    return np.dtype(acc) if narrower(dtype, acc) else np.dtype(dtype)
 
 
 def apply_site(closed: Any, site: Site, vals: Sequence[Any], param: jax.Array, acc: Any = None) -> jax.Array:

@@ -22,7 +22,8 @@ from gradclip_jax.per_example._config import ClipConfig
 from gradclip_jax.per_example._measure import as_rows, unrow
 from gradclip_jax.per_example._sums import fused_sums, scan_weighted_sum
 from gradclip_jax.per_example.ghost._analysis import Traced
-from gradclip_jax.per_example.ghost._measure import Pass, apply_site, widen
+from gradclip_jax.per_example.ghost._jaxpr import widen
+from gradclip_jax.per_example.ghost._measure import Pass, apply_site
 from gradclip_jax.per_example.ghost.rules import Site
 
 

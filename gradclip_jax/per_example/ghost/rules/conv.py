@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from gradclip_jax._numerics import hi_einsum, sqrt_nonneg
-from gradclip_jax.per_example._measure import leaf_example_norms
+from gradclip_jax.per_example._measure import combine_l2, leaf_example_norms
 from gradclip_jax.per_example.ghost._jaxpr import shape
 from gradclip_jax.per_example.ghost.rules._registry import (
     CONST,
@@ -120,13 +120,18 @@ def gram_norms(views: ConvViews) -> jax.Array:
 
 def formed_norms(views: ConvViews) -> jax.Array:
     """The norm of each example's gradient, :math:`(X_{bgk}^\\top G_{bg})_{k,g}`, ``(B,)``:
-    one batched matmul per tap (not a vmapped convolution), one window at a time."""
+    one batched matmul per tap (not a vmapped convolution), one window at a time.
 
-    def grad(_: None, off: jax.Array) -> tuple[None, jax.Array]:
-        return None, hi_einsum("bgct,bgtp->bgcp", views.tap(off), views.g)
+    The taps' blocks of the gradient are disjoint, so their squared norms add: each
+    block is measured as it is formed and only one tap's block is held at a time.
+    """
 
-    _, per_tap = lax.scan(grad, None, views.offsets)  # (K, B, groups, C, P)
-    return leaf_example_norms([jnp.moveaxis(per_tap, 0, 1)])[0]
+    def tap_norms(_: None, off: jax.Array) -> tuple[None, jax.Array]:
+        block = hi_einsum("bgct,bgtp->bgcp", views.tap(off), views.g)
+        return None, leaf_example_norms([block])[0]
+
+    _, per_tap = lax.scan(tap_norms, None, views.offsets)  # (K, B)
+    return combine_l2(list(per_tap))
 
 
 class Conv(Rule):
