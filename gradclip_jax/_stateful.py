@@ -89,13 +89,18 @@ def per_leaf(params: Any, fn: str, make: Callable[[Any], Any]) -> Any:
     return flat.rebuild([make(x) for x in flat.arrays], fill=None)
 
 
-def zero_norms(params: Any, fn: str, tensorwise: bool) -> tuple[Any, Any]:
-    """``(norm, clipped)`` slots at zero / False: one per measured leaf (``tensorwise``,
-    in that leaf's accumulation dtype) or one scalar for the whole tree."""
+def zero_norms(params: Any, fn: str, tensorwise: bool, slots: int = 1) -> tuple[Any, ...]:
+    """``slots`` norm slots at zero and one ``clipped`` slot at False: one entry per measured
+    leaf (``tensorwise``, in that leaf's accumulation dtype) or one scalar for the whole tree.
+
+    Every slot is a distinct array: a state whose leaves share a buffer cannot be donated to a
+    jitted step (``donate_argnums`` rejects a buffer passed twice).
+    """
     if tensorwise:
-        return (per_leaf(params, fn, lambda x: jnp.zeros((), _norms.acc_dtype(x.dtype))),
-                per_leaf(params, fn, lambda x: jnp.zeros((), bool)))
-    return jnp.zeros((), scalar_dtype(params)), jnp.zeros((), bool)
+        norms = [per_leaf(params, fn, lambda x: jnp.zeros((), _norms.acc_dtype(x.dtype))) for _ in range(slots)]
+        return (*norms, per_leaf(params, fn, lambda x: jnp.zeros((), bool)))
+    dt = scalar_dtype(params)
+    return (*(jnp.zeros((), dt) for _ in range(slots)), jnp.zeros((), bool))
 
 
 def leaves_of(tree: Any, n: int, fn: str, what: str) -> list[Any]:
@@ -169,28 +174,39 @@ def all_finite(values: Sequence[jax.Array]) -> jax.Array:
 def any_exceeds(w: jax.Array, bound: jax.Array) -> jax.Array:
     """Whether any ``|w|`` exceeds its (non-negative) ``bound``, a 0-d bool.
 
-    For real ``w`` this is ``max(w - bound) > 0 or min(w + bound) < 0``: two
-    read-only reductions, with no temporary ``|w|`` (see :func:`all_finite`).
-    A NaN in ``w`` or ``bound`` exceeds nothing.
+    For real ``w`` this is ``max(w - bound) > 0 or min(w + bound) < 0``, both
+    taken in one read-only pass (a variadic reduction), with no temporary ``|w|``
+    (see :func:`all_finite`). A NaN in ``w`` or ``bound`` exceeds nothing.
     """
     if jnp.iscomplexobj(w):
         return jnp.max(jnp.abs(w).astype(bound.dtype) - bound, initial=-jnp.inf) > 0
     w = w.astype(bound.dtype)
-    return (jnp.max(w - bound, initial=-jnp.inf) > 0) | (jnp.min(w + bound, initial=jnp.inf) < 0)
+    hi, lo = _max_min(w - bound, w + bound)
+    return (hi > 0) | (lo < 0)
+
+
+def _max_min(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(max(a), min(b))`` over every element, in one pass over both (-inf / inf when empty)."""
+    inf = jnp.asarray(jnp.inf, a.dtype)
+
+    def step(x: tuple, y: tuple) -> tuple:
+        return jnp.maximum(x[0], y[0]), jnp.minimum(x[1], y[1])
+
+    return lax.reduce((a, b), (-inf, inf), step, tuple(range(a.ndim)))  # type: ignore[no-any-return]
 
 
 def any_changed(new: jax.Array, old: jax.Array) -> jax.Array:
     """Whether any element of ``new`` differs from ``old`` (same shape and dtype), a 0-d bool.
 
-    Read-only reductions of ``new - old``, which is 0 exactly when the elements are
-    equal (up to a subnormal difference on backends that flush subnormals to zero,
-    as XLA's CPU backend does); NaN differences count as unchanged.
+    One read-only pass for ``max(new - old) > 0 or min(new - old) < 0``: the
+    difference is 0 exactly when the elements are equal (up to a subnormal
+    difference on backends that flush subnormals to zero, as XLA's CPU backend
+    does); NaN differences count as unchanged.
     """
     if jnp.iscomplexobj(new):
         return jnp.max(jnp.abs(new - old), initial=-jnp.inf) > 0
-    # two differences, not one difference reduced twice: a shared one would be
-    # written to a temporary first
-    return (jnp.max(new - old, initial=-jnp.inf) > 0) | (jnp.max(old - new, initial=-jnp.inf) > 0)
+    hi, lo = _max_min(new - old, new - old)
+    return (hi > 0) | (lo < 0)
 
 
 def any_true(values: Sequence[jax.Array]) -> jax.Array:

@@ -120,39 +120,36 @@ def _init_norm_by_ema(params: Any, fn: str, tensorwise: bool, init: Any, inner: 
     count = _st.count0()
     fill = resolve(init, count)
     exp_avg = _st.per_leaf(params, fn, lambda x: jnp.full(x.shape, jnp.asarray(fill).real, _st.array_dtype(x)))
-    zero, no = _st.zero_norms(params, fn, tensorwise)
+    prev, norm, cap, no = _st.zero_norms(params, fn, tensorwise, slots=3)
     return NormByEMAState(
         count=count,
         exp_avg=exp_avg,
-        prev_ema_norm=zero,
-        norm=zero,
-        clip_norm=zero,
+        prev_ema_norm=prev,
+        norm=norm,
+        clip_norm=cap,
         clipped=no,
         inner_state=_st.init_inner(inner, params),
     )
 
 
 def _measure(
-    arrays: list[jax.Array], ema: list[jax.Array], state: NormByEMAState, spec: _norms.NormSpec,
-    tensorwise: bool, fn: str,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """``(a, e, prev, old_clip)``: the norms of the update and of the EMA, stacked.
+    ema: list[jax.Array], state: NormByEMAState, spec: _norms.NormSpec, tensorwise: bool, fn: str,
+    dt: Any,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(e, prev, old_clip)``: the EMA's norms and the stored ones, stacked.
 
     One entry per leaf (``tensorwise``) or a single global entry, so the per-leaf
     arithmetic that follows is one fused op for all leaves.
     """
-    n = len(arrays)
+    n = len(ema)
     if tensorwise:
-        both = _st.whole_leaf_norms(arrays + ema, spec)
-        a_list, e_list = both[:n], both[n:]
+        e_list = _st.whole_leaf_norms(ema, spec)
         prev_list = _st.leaves_of(state.prev_ema_norm, n, fn, "prev_ema_norm")
         old_list = _st.leaves_of(state.clip_norm, n, fn, "clip_norm")
     else:
-        a_list = [_norms.global_norm(arrays, spec, dtype=state.norm.dtype)]
         e_list = [_norms.global_norm(ema, spec, dtype=state.norm.dtype)]
         prev_list, old_list = [state.prev_ema_norm], [state.clip_norm]
-    dt = _norms.tree_acc_dtype(a_list)
-    return _st.stack(a_list, dt), _st.stack(e_list, dt), _st.stack(prev_list, dt), _st.stack(old_list, dt)
+    return _st.stack(e_list, dt), _st.stack(prev_list, dt), _st.stack(old_list, dt)
 
 
 def _growth_limit(
@@ -200,35 +197,40 @@ def _norm_by_ema(
         first = count == 0
         old_ema = _st.leaves_of(state.exp_avg, len(arrays), fn, "exp_avg")
         v, invalid = hps.at(count, _norms.tree_acc_dtype(arrays))
-        ema = [_lerp(e, u, v["beta"]) for e, u in zip(old_ema, arrays, strict=True)]
-        a, e, prev, old_clip = _measure(arrays, ema, state, spec, tensorwise, fn)
-        dt = a.dtype
+        a_list = (_st.whole_leaf_norms(arrays, spec) if tensorwise
+                  else [_norms.global_norm(arrays, spec, dtype=state.norm.dtype)])
+        dt = _norms.tree_acc_dtype(a_list)
+        a = _st.stack(a_list, dt)
+        # Whether the step counts is known before the EMA is formed, so the kept EMA is written
+        # in the same elementwise pass as the new one. The stored EMA is then read by that pass
+        # only, and a donated state is updated in place (no copy kept for a skipped step).
+        ok = (_st.all_finite([a]) if skip else jnp.ones((), bool)) & counts(invalid)
+        ema = [jnp.where(ok, _lerp(o, u, v["beta"]), o) for o, u in zip(old_ema, arrays, strict=True)]
+        e, prev, old_clip = _measure(ema, state, spec, tensorwise, fn, dt)
 
         limited = jnp.zeros((), bool)
         if max_ema_growth is not None:
             c, e = _growth_limit(e, prev, first, v["max_ema_growth"].astype(dt), v["min_norm"].astype(dt))
             cs = _st.unstack(c) if tensorwise else [c[0]] * len(ema)
-            limited = jnp.any(c > 1)
+            limited = jnp.any(c > 1) & ok
 
         # The update's rescaling: d = a / max(e, eps), clamped (torchzero's denominator).
         bound = jnp.maximum(e, 2 * float(np.finfo(dt).tiny))
         f = normalize_factor(a, bound) if normalize else clip_factor(a, bound)
         flags = (f != 1) if normalize else (f < 1)
-
-        ok = (_st.all_finite([a]) if skip else jnp.ones((), bool)) & counts(invalid)
         f = poison(jnp.where(ok, f, jnp.ones_like(f)), invalid)
         out_flat, inner_state = _st.run_inner(inner, updates, flat, state.inner_state, params, fn)
         out = _st.scale_all(out_flat, _st.unstack(f) if tensorwise else f[0])
 
-        def rescale_or_keep(xs: list[jax.Array]) -> list[jax.Array]:
-            if max_ema_growth is None:
-                return [jnp.where(ok, x, o) for x, o in zip(xs, old_ema, strict=True)]
-            return [jnp.where(ok, (x / ck.astype(x.dtype)).astype(x.dtype), o)
-                    for x, ck, o in zip(xs, cs, old_ema, strict=True)]
+        def rescale(xs: list[jax.Array]) -> list[jax.Array]:
+            return [(x / ck.astype(x.dtype)).astype(x.dtype) for x, ck in zip(xs, cs, strict=True)]
+
+        if max_ema_growth is not None:
+            ema = _st.unless_rare(limited, ema, rescale)
 
         new_state = NormByEMAState(
             count=jnp.where(ok, increment(count), count),
-            exp_avg=_st.like(state.exp_avg, _st.unless_rare(~ok | limited, ema, rescale_or_keep)),
+            exp_avg=_st.like(state.exp_avg, ema),
             prev_ema_norm=_st.pack(tensorwise, state.prev_ema_norm, jnp.where(ok, e, prev)),
             norm=_st.pack(tensorwise, state.norm, a),
             clip_norm=_st.pack(tensorwise, state.clip_norm, jnp.where(ok, e, old_clip)),

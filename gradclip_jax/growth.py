@@ -156,8 +156,8 @@ def clip_norm_growth(
     hps = _hyperparams(fn, add, mul, min_value, max_decay)
 
     def init_fn(params: Any) -> ClipNormGrowthState:
-        zero, no = _st.zero_norms(params, fn, tensorwise)
-        return ClipNormGrowthState(count=_st.count0(), prev_norm=zero, norm=zero, clip_norm=zero, clipped=no)
+        prev, norm, cap, no = _st.zero_norms(params, fn, tensorwise, slots=3)
+        return ClipNormGrowthState(count=_st.count0(), prev_norm=prev, norm=norm, clip_norm=cap, clipped=no)
 
     def update_fn(updates: Any, state: ClipNormGrowthState, params: Any = None) -> tuple:
         del params

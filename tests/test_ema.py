@@ -413,3 +413,21 @@ def test_clip_value_flags_match_elementwise_comparison():
         assert (bool(s2.clipped["r"]), bool(s2.clipped["c"])) == want
         for k in x2:
             assert bool(jnp.any(out[k] != x2[k])) == bool(s2.clipped[k])
+
+
+@pytest.mark.parametrize("make", [clip_norm_by_ema, normalize_by_ema, clip_value_by_ema,
+                                  lambda: clip_norm_by_ema(tensorwise=False)])
+def test_a_donated_state_is_updated_in_place(make):
+    # A training step donates the optimizer state: the stored EMA is read by the one pass
+    # that writes the new EMA, so XLA overwrites it in place instead of copying it first.
+    tx = make()
+    g = {"w": jnp.ones((256, 128)), "b": jnp.ones((128,))}
+    state = tx.init(g)
+    compiled = jax.jit(tx.update, donate_argnums=1).lower(g, state).compile()
+    leaf_bytes = 256 * 128 * 4
+    assert compiled.memory_analysis().temp_size_in_bytes < leaf_bytes
+    hlo = compiled.as_text()
+    assert "f32[256,128]{1,0} copy(" not in hlo
+    out, new = compiled(g, state)
+    assert bool(jnp.all(jnp.isfinite(out["w"])))
+    assert int(new.count) == 1

@@ -106,7 +106,8 @@ def quantile_clip(
         count = _st.count0()
         c0 = jnp.asarray(resolve(initial_norm, count), dt).reshape(())
         return QuantileClipState(
-            count=count, estimate=c0, norm=jnp.zeros((), dt), clip_norm=c0, clipped=jnp.zeros((), bool)
+            count=count, estimate=c0, norm=jnp.zeros((), dt), clip_norm=jnp.array(c0),  # a copy: donatable
+            clipped=jnp.zeros((), bool),
         )
 
     def update_fn(updates: Any, state: QuantileClipState, params: Any = None) -> tuple:

@@ -158,11 +158,10 @@ def zclip(
     hps.add("rel_std_floor", rel_std_floor, low=0.0, allow_inf=False)
 
     def init_fn(params: Any) -> ZClipState:
-        zero = jnp.zeros((), _st.scalar_dtype(params))
-        no = jnp.zeros((), bool)
-        return ZClipState(
-            count=_st.count0(), mean=zero, var=zero, norm=zero, clip_norm=zero, clipped=no, spike=no
-        )
+        dt = _st.scalar_dtype(params)
+        mean, var, norm, cap = (jnp.zeros((), dt) for _ in range(4))  # distinct buffers: donatable
+        return ZClipState(count=_st.count0(), mean=mean, var=var, norm=norm, clip_norm=cap,
+                          clipped=jnp.zeros((), bool), spike=jnp.zeros((), bool))
 
     def update_fn(updates: Any, state: ZClipState, params: Any = None) -> tuple:
         del params
