@@ -309,8 +309,11 @@ def check_per_example(crossing: str | None, fn: str) -> None:
 def loss_crossing(loss_fn: Callable[..., Any], has_aux: bool, fn: str, params: Any, batch: Any,
                   args: Sequence[Any], bsize: int) -> str | None:
     """Traces ``loss_fn`` once on the whole batch: checks it returns losses of shape ``(B,)`` and
-    returns the first primitive that certainly combines examples (``None``: none does)."""
-    closed = jax.make_jaxpr(_flat_loss(loss_fn, has_aux, fn, bsize, check=True))(params, batch, tuple(args))
+    returns the first primitive that certainly combines examples (``None``: none does).
+
+    Nested ``jit`` and ``checkpoint`` calls are inlined first (as for the ghost
+    analysis), so a batch statistic inside a wrapped layer is found too."""
+    closed = trace(_flat_loss(loss_fn, has_aux, fn, bsize, check=True), params, batch, args)
     n_params, n_batch = len(jax.tree_util.tree_leaves(params)), len(jax.tree_util.tree_leaves(batch))
     return _walk(closed.jaxpr, n_params, n_batch, bsize).crossing
 

@@ -194,6 +194,18 @@ def test_loss_combining_examples_is_an_error(method):
     with pytest.raises(ValueError, match="combines examples"):
         jax.jit(clipped_grad(scan_over_batch, 1.0, method=method))(params, data)
 
+    # a batch mean inside a nested jit or a remat'd block (flax/equinox wrap layers in both)
+    @jax.jit
+    def centred(x):
+        return x - jnp.mean(x, axis=0)
+
+    def nested(p, b):
+        return mlp_setup()[0](p, {**b, "x": centred(b["x"])})
+
+    for wrapped in (nested, jax.checkpoint(nested)):
+        with pytest.raises(ValueError, match="combines examples at 'reduce_sum'"):
+            clipped_grad(wrapped, 1.0, method=method)(params, data)
+
 
 @pytest.mark.parametrize("ghost_sum", SUMS)
 @pytest.mark.parametrize("model", ["mlp", "cnn"])
