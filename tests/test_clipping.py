@@ -379,7 +379,8 @@ def test_jit_equals_eager_and_scan_and_vmap_over_states(name):
     assert jax.tree_util.tree_structure(final) == jax.tree_util.tree_structure(state)
 
     states = jax.tree_util.tree_map(lambda x: jnp.stack([x] * 3), state)
-    vout, _ = jax.vmap(lambda g, s: tx.update(g, s, params))(stacked, states)
+    # jitted: eager vmap dispatches (and compiles) every batched op on its own
+    vout, _ = jax.jit(jax.vmap(lambda g, s: tx.update(g, s, params)))(stacked, states)
     for i, e in enumerate(eager):
         assert_trees_close(jax.tree_util.tree_map(lambda x: x[i], vout), e, rtol=1e-6)
 
