@@ -16,7 +16,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import hypothesis  # noqa: E402
 
 hypothesis.settings.register_profile(
-    "default", max_examples=40, deadline=None, derandomize=True, print_blob=True
+    "default", max_examples=25, deadline=None, derandomize=True, print_blob=True
 )
 hypothesis.settings.register_profile("thorough", max_examples=400, deadline=None)
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))

@@ -193,6 +193,7 @@ def test_plot_leaves_pyplot_alone(results, tmp_path):
     assert matplotlib.get_backend() == before
 
 
+@pytest.mark.slow  # a full (short) ghost run of the demo
 def test_bad_method_is_a_clean_error(tmp_path, capsys):
     # 'ghost' either works (then the run succeeds) or fails with a clear message
     rc = demo.main(["--steps", "5", "--batch-size", "16", "--method", "ghost",

@@ -257,3 +257,35 @@ def test_stateful_finiteness_and_change_checks():
     assert bool(st.any_changed(jnp.array([1.0, 1e-30]), jnp.array([1.0, 0.0])))
     assert not bool(st.any_changed(jnp.array([1.0, 2.0]), jnp.array([1.0, 2.0])))
     assert bool(st.any_changed(jnp.array([1.0, -2.0]), jnp.array([1.0, 2.0])))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+def test_guard_power_of_two_from_exponent_bits(dtype):
+    # 2**e with m = f * 2**e, f in [0.5, 1) (frexp), clamped so 1/p is normal; 0, inf, NaN pass
+    from gradclip_jax.norms._reduce import _power_of_two
+
+    info = jnp.finfo(dtype)
+    r = np.random.default_rng(0)
+    vals = np.concatenate([
+        [0.0, np.inf, np.nan, float(info.tiny), float(info.smallest_subnormal), float(info.max), 1.0, 2.0, 3.0, 0.75],
+        np.abs(r.standard_normal(500)) * 10.0 ** r.integers(-45, 45, 500),
+    ])
+    with np.errstate(over="ignore"):
+        m = jnp.asarray(vals.astype(np.float64).clip(0, float(info.max)), dtype)
+
+    def frexp_form(m):
+        _, e = jnp.frexp(m)
+        e = jnp.clip(e, int(info.minexp) + 1, int(info.maxexp) - 2)
+        return jnp.where(jnp.isfinite(m) & (m > 0), jnp.ldexp(jnp.ones_like(m), e), m)
+
+    got, want = _power_of_two(m), frexp_form(m)
+    assert got.dtype == m.dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float64), np.asarray(want, np.float64))
+    # jitted (where XLA:CPU flushes subnormals, and frexp of one is not defined by it): the
+    # same on every normal or special value, and a subnormal gives the smallest power of two
+    # allowed (or passes through as zero)
+    got, want = np.asarray(jax.jit(_power_of_two)(m), np.float64), np.asarray(jax.jit(frexp_form)(m), np.float64)
+    mf = np.asarray(m, np.float64)
+    sub = (mf > 0) & (mf < float(info.tiny))
+    np.testing.assert_array_equal(got[~sub], want[~sub])
+    assert np.all((got[sub] == 2.0 ** (int(info.minexp) + 1)) | (got[sub] == 0)) and sub.any()

@@ -45,7 +45,7 @@ def test_the_reported_case():
     assert _norm64(out) > 1.0 - 2**-7  # and nothing much was lost
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(mixed_trees())
 def test_clip_by_global_norm(case):
     tree, clip = case
@@ -57,7 +57,7 @@ def test_clip_by_global_norm(case):
         assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(out, tree, strict=True))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(mixed_trees())
 def test_clip_by_norm_each_leaf(case):
     tree, clip = case
@@ -67,7 +67,7 @@ def test_clip_by_norm_each_leaf(case):
         assert _norm64(x) <= clip
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(mixed_trees(batch=3))
 def test_per_example_clippers_single_example(case):
     tree, clip = case
