@@ -3,7 +3,8 @@
 ``gcx.privacy.epsilon``, ``gcx.privacy.calibrate_noise_multiplier``,
 ``gcx.privacy.dp_sgd_event`` and the step-by-step
 ``gcx.privacy.PrivacyAccountant`` are backed by ``dp-accounting`` (extra ``dp``);
-``gcx.privacy.add_gaussian_noise`` adds the DP-SGD noise to a clipped sum.
+``gcx.privacy.add_gaussian_noise`` adds the DP-SGD noise to a clipped sum
+(``NOISE_STRATEGY`` picks, per backend, one draw per leaf or one blocked draw).
 """
 
 from gradclip_jax.dp.accounting import (
@@ -13,9 +14,11 @@ from gradclip_jax.dp.accounting import (
     dp_sgd_event,
     epsilon,
 )
-from gradclip_jax.dp.noise import add_gaussian_noise
+from gradclip_jax.dp.noise import NOISE_BLOCK_SIZE, NOISE_STRATEGY, add_gaussian_noise
 
 __all__ = [
+    "NOISE_BLOCK_SIZE",
+    "NOISE_STRATEGY",
     "PrivacyAccountant",
     "PrivacyPhase",
     "add_gaussian_noise",

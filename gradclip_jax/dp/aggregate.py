@@ -351,7 +351,7 @@ def dp_noise(
             acc = _norms.tree_acc_dtype(arrays)
             std = as_scalar(resolve(stddev, state.count), acc)
             div = as_scalar(resolve(normalize_by, state.count), acc)
-            sums = [x.astype(jnp.result_type(_norms.acc_dtype(x.dtype), acc)) for x in arrays]
+            sums = [x.astype(jnp.result_type(_norms.sum_dtype(x.dtype), acc)) for x in arrays]
             out = noised_leaves(sums, keys, std, div)
             updates = flat.rebuild([o.astype(x.dtype) for o, x in zip(out, arrays, strict=True)])
         return updates, DPAggregateState(rng_key=new_key, count=increment(state.count))

@@ -7,10 +7,41 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 from gradclip_jax import norms as _norms
+from gradclip_jax.per_example._batch import explicit_spec
 
-__all__ = ["add_gaussian_noise", "noised_leaves"]
+__all__ = ["NOISE_BLOCK_SIZE", "NOISE_STRATEGY", "add_gaussian_noise", "noised_leaves"]
+
+# Per backend, how :func:`add_gaussian_noise` draws the noise of a tree:
+#
+# * ``"leaves"``: one ``jax.random.normal`` per leaf. On GPU and TPU JAX lowers
+#   threefry unrolled, so XLA fuses each leaf's draw and addition into one kernel
+#   that writes the output and nothing else.
+# * ``"blocks"``: one loop over fixed-size blocks of one flat draw for all leaves
+#   (of one dtype), each block from its own key. JAX lowers threefry on CPU as a
+#   rolled loop whose state is as large as the draw: per-leaf draws compile one
+#   such loop per leaf and hold two uint32 copies of every leaf (GPT-2 small,
+#   148 leaves: 9.1 s of compile and 1.24 GiB of temporaries for the noise alone;
+#   in blocks 1.6 s and 0.48 GiB, the flat draw itself, at the same speed).
+#
+# Leaves whose type carries an explicit sharding are drawn one per leaf on every
+# backend, so each device draws only its own shard. Backends not listed draw per
+# leaf. ``benchmarks/bench_dp.py`` compares both with optax's per-leaf draw.
+NOISE_STRATEGY = {"cpu": "blocks"}
+_NOISE_STRATEGIES = ("leaves", "blocks")
+# Elements per block of the blocked draw (4 bytes each in float32).
+NOISE_BLOCK_SIZE = 1 << 18
+
+
+def _noise_strategy() -> str:
+    name = NOISE_STRATEGY.get(jax.default_backend(), "leaves")
+    if name not in _NOISE_STRATEGIES:
+        raise ValueError(f"gradclip_jax.privacy.NOISE_STRATEGY: unknown strategy {name!r}; "
+                         f"expected one of {_NOISE_STRATEGIES}")
+    return name
 
 
 def add_gaussian_noise(tree: Any, stddev: Any, key: jax.Array) -> Any:
@@ -18,7 +49,21 @@ def add_gaussian_noise(tree: Any, stddev: Any, key: jax.Array) -> Any:
 
     Noise is drawn and added in float32 at least (the accumulation dtype of each
     leaf), and the result keeps that dtype: round it yourself after dividing by
-    the batch size. One key per leaf is split from ``key``.
+    the batch size. A complex leaf gets :math:`\\sigma (z_1 + i z_2)`: its real
+    and imaginary parts are both coordinates the clip norm bounds, so each gets
+    the full variance.
+
+    The draw: ``k0, k1, ..., kn = jax.random.split(key, n + 1)`` for the ``n``
+    leaves. Per backend (:data:`NOISE_STRATEGY`, read when the function is
+    traced), leaf ``i`` gets ``jax.random.normal(k{i+1}, ...)`` (GPU, TPU: drawn
+    inside the addition), or the leaves of one real dtype ``b``-th in order of
+    first appearance are laid end to end and drawn in blocks of
+    :data:`NOISE_BLOCK_SIZE` elements, block ``j`` from
+    ``jax.random.fold_in(jax.random.fold_in(k0, b), j)`` (CPU: one compiled loop
+    for any number of leaves, and no temporaries beyond the noise itself). Either
+    way every element gets its own standard normal draw, and the same key gives
+    the same noise on the same backend. An explicitly sharded leaf is always
+    drawn on its own, so each device draws only its shard.
 
     Args:
       tree: a pytree of floating-point arrays (e.g. the sum from ``clipped_grad``).
@@ -36,11 +81,68 @@ def add_gaussian_noise(tree: Any, stddev: Any, key: jax.Array) -> Any:
       (3,)
     """
     flat = _norms.flatten(tree, "add_gaussian_noise")
-    arrays = flat.arrays
+    arrays = [x.astype(_norms.sum_dtype(x.dtype)) for x in flat.arrays]
     if not arrays:
         return tree
-    keys = jax.random.split(key, len(arrays))
-    return flat.rebuild(noised_leaves([x.astype(_norms.acc_dtype(x.dtype)) for x in arrays], list(keys), stddev))
+    block_key, *keys = jax.random.split(key, len(arrays) + 1)
+    blocked = _noise_strategy() == "blocks"
+    out: list[Any] = [None] * len(arrays)
+    by_dtype: dict[np.dtype, list[int]] = {}
+    for i, x in enumerate(arrays):
+        if blocked and explicit_spec(x) is None:
+            by_dtype.setdefault(_real(x.dtype), []).append(i)
+        else:
+            out[i] = noised_leaves([x], [keys[i]], stddev)[0]
+    for b, (dtype, idx) in enumerate(by_dtype.items()):
+        # one flat draw per real dtype, its blocks keyed by fold_in(fold_in(k0, b), j)
+        group = [arrays[i] for i in idx]
+        for i, y in zip(idx, _blocked_noise(group, jax.random.fold_in(block_key, b), stddev, dtype), strict=True):
+            out[i] = y
+    return flat.rebuild(out)
+
+
+def _real(dtype: Any) -> np.dtype:
+    dtype = np.dtype(dtype)
+    return np.dtype(np.finfo(dtype).dtype) if np.issubdtype(dtype, np.complexfloating) else dtype
+
+
+def _per_element(x: jax.Array) -> int:
+    """Real draws per element: 2 for complex leaves (real and imaginary part each get the full variance)."""
+    return 2 if jnp.iscomplexobj(x) else 1
+
+
+def _shaped(z: jax.Array, x: jax.Array) -> jax.Array:
+    """``x.size * _per_element(x)`` standard normal draws as an array like ``x``."""
+    if jnp.iscomplexobj(x):
+        z = jnp.reshape(z, (2, *x.shape))
+        return lax.complex(z[0], z[1])
+    return jnp.reshape(z, x.shape)
+
+
+def _blocked_noise(arrays: Sequence[jax.Array], key: jax.Array, stddev: Any, dtype: np.dtype) -> list[jax.Array]:
+    """``x + stddev * N(0, 1)`` for ``arrays`` (all of ``dtype``) laid end to end and drawn in blocks.
+
+    One ``lax.map`` over the blocks: its state is one block, not the whole draw,
+    and it compiles once however many leaves there are. Each leaf then reads its
+    span of the flat draw (XLA fuses the slice into the addition).
+    """
+    total = sum(int(x.size) * _per_element(x) for x in arrays)
+    if total == 0:
+        return list(arrays)
+    size = min(NOISE_BLOCK_SIZE, total)
+    count = -(-total // size)
+
+    def block(j: jax.Array) -> jax.Array:
+        return jax.random.normal(jax.random.fold_in(key, j), (size,), dtype)
+
+    z = jnp.reshape(lax.map(block, jnp.arange(count, dtype=jnp.uint32)), (-1,))
+    std = jnp.asarray(stddev, dtype)
+    out, start = [], 0
+    for x in arrays:
+        n = int(x.size) * _per_element(x)
+        out.append(x + std * _shaped(lax.slice(z, (start,), (start + n,)), x))
+        start += n
+    return out
 
 
 def noised_leaves(
@@ -48,11 +150,20 @@ def noised_leaves(
 ) -> list[jax.Array]:
     """``(x + stddev * N(0, 1)) / divisor`` per leaf, one key per leaf, drawn and added in ``x``'s dtype.
 
-    The one place noise is drawn: callers cast each leaf to the dtype the noise
-    should have (the accumulation dtype) first. ``divisor=None`` keeps the sum.
+    The per-leaf draw (optax's: ``dp_aggregate`` uses it to give the same noise
+    as ``optax.contrib.differentially_private_aggregate`` for the same seed):
+    callers cast each leaf to the dtype the noise should have (the accumulation
+    dtype) first. ``divisor=None`` keeps the sum. A complex leaf gets
+    :math:`\\sigma (z_1 + i z_2)` with independent standard normals: both parts of
+    the gradient are coordinates the clip norm bounds, so each needs the full
+    variance (``jax.random.normal`` of a complex dtype gives each half).
     """
     out = []
     for x, k in zip(arrays, keys, strict=True):
-        noised = x + jnp.asarray(stddev, x.dtype) * jax.random.normal(k, x.shape, x.dtype)
+        if jnp.iscomplexobj(x):  # not jax's complex normal: that gives each part half the variance
+            z = _shaped(jax.random.normal(k, (2 * x.size,), _real(x.dtype)), x)
+        else:
+            z = jax.random.normal(k, x.shape, x.dtype)
+        noised = x + jnp.asarray(stddev, _real(x.dtype)).astype(x.dtype) * z
         out.append(noised if divisor is None else noised / jnp.asarray(divisor, x.dtype))
     return out

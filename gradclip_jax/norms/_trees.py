@@ -21,6 +21,15 @@ def acc_dtype(dtype: Any) -> np.dtype:
     return dtype
 
 
+def sum_dtype(dtype: Any) -> np.dtype:
+    """The dtype sums of leaves of ``dtype`` are formed and returned in (clipped sums, noise).
+
+    The accumulation dtype, complex kept: float32 for 16-bit leaves, a complex
+    dtype for complex leaves (whose norms accumulate in the real dtype).
+    """
+    return np.dtype(jnp.promote_types(dtype, acc_dtype(dtype)))
+
+
 def _is_float0(x: Any) -> bool:
     return getattr(x, "dtype", None) == jax.dtypes.float0
 

@@ -83,7 +83,7 @@ def scan_chunks(chunk: Chunk, init: list[jax.Array], batch: Any, valid: Any, bsi
 
 def carry_dtype(config: ClipConfig, leaf_dtype: Any) -> np.dtype:
     """The dtype of a leaf's running sum: its accumulation dtype, widened to ``dtype`` when that is wider."""
-    acc = _norms.acc_dtype(leaf_dtype)
+    acc = _norms.sum_dtype(leaf_dtype)
     return acc if config.dtype is None else np.dtype(jnp.promote_types(acc, config.dtype))
 
 

@@ -115,7 +115,7 @@ class ClipConfig:
         """The dtype a leaf's clipped sum is accumulated across chunks and returned in."""
         if self.dtype is not None:
             return np.dtype(self.dtype)
-        return _norms.acc_dtype(leaf_dtype)
+        return _norms.sum_dtype(leaf_dtype)
 
     def sensitivity(self) -> Any:
         """The add/remove sensitivity of the returned sum: 1 with ``rescale_to_unit_norm``, else

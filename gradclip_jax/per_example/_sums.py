@@ -88,7 +88,7 @@ def fused_sums(
     Returns:
       The sums, each of shape ``row.shape[1:]``.
     """
-    accs = [_norms.acc_dtype(r.dtype) for r in rows]
+    accs = [_norms.sum_dtype(r.dtype) for r in rows]
     if keep is None:
         return [_row_dot(f, r, a) for r, f, a in zip(rows, factors, accs, strict=True)]
     keep = match_batch_sharding(keep, rows[0])

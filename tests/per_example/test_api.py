@@ -432,3 +432,37 @@ def test_microbatching_reduces_compiled_memory():
     sizes = [temp(mb) for mb in (None, 16, 4)]
     assert sizes[0] > sizes[1] > sizes[2], sizes
     assert sizes[0] >= 64 * 64 * 64 * 4  # the full batch materializes B x P floats
+
+
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+def test_complex_parameters_get_complex_clipped_sums(method):
+    """A complex leaf's clipped sum keeps its imaginary part; ghost clipping leaves complex
+    operations to the per-example fallback (its rules measure real values)."""
+    import warnings
+
+    from gradclip_jax import clipped_grad, ghost_report
+
+    def loss(p, b):
+        y = jnp.sum(p["w"] * b, -1)
+        return jnp.real(y * jnp.conj(y)) + jnp.sum(jnp.real(b) @ p["v"], -1)
+
+    r = np.random.default_rng(1)
+    b = jnp.asarray(r.standard_normal((5, 2)) + 1j * r.standard_normal((5, 2)), jnp.complex64)
+    p = {"w": jnp.asarray([1 + 0.5j, -0.3j], jnp.complex64), "v": jnp.ones((2, 3))}
+    clip = 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got, _ = clipped_grad(loss, clip, method=method)(p, b)
+    want = jax.tree.map(jnp.zeros_like, p)
+    for i in range(5):
+        gi = jax.grad(lambda q, i=i: loss(q, b[i:i + 1])[0])(p)
+        norm = np.sqrt(sum(float(jnp.sum(jnp.abs(x) ** 2)) for x in jax.tree.leaves(gi)))
+        scale = min(1.0, clip / norm)
+        want = jax.tree.map(lambda w, x, s=scale: w + s * x, want, gi)
+    assert got["w"].dtype == jnp.complex64
+    for k in p:
+        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-5, atol=1e-6)
+    if method == "ghost":
+        rep = ghost_report(loss, p, b)
+        assert [k for k, _ in rep.ghost] == ["['v']"]
+        assert "complex" in dict(rep.fallback)["['w']"]

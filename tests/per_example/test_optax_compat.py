@@ -139,3 +139,24 @@ def test_integer_and_16_bit_gradients_return_what_optax_returns(dtypes):
         tol = max(3 * float(jnp.finfo(want[0].dtype).eps), 16 * float(jnp.finfo(jnp.float32).eps))
         for a, b in zip(got, want, strict=True):
             np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol)
+
+
+def _complex_grads():
+    r = np.random.default_rng(0)
+    z = r.standard_normal((6, 5)) + 1j * r.standard_normal((6, 5))
+    return [jnp.asarray(z, jnp.complex64), jnp.asarray(r.standard_normal((6, 2)), jnp.float32)]
+
+
+@pytest.mark.parametrize("clip", [0.5, 100.0])
+def test_complex_per_example_gradients_keep_their_imaginary_part(clip):
+    """Clipped sums of complex per-example gradients are complex and equal optax's (norms use |x|)."""
+    g = _complex_grads()
+    ours, n = per_example_global_norm_clip(g, clip)
+    ref, n_ref = optax.per_example_global_norm_clip(g, clip)
+    assert ours[0].dtype == jnp.complex64 and int(n) == int(n_ref)
+    for a, b in zip(ours, ref, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=1e-6)
+    ours_l, _ = per_example_layer_norm_clip(g, clip)
+    ref_l, _ = optax.per_example_layer_norm_clip(g, clip)
+    for a, b in zip(ours_l, ref_l, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=1e-6)

@@ -115,10 +115,18 @@ def _slice_box(eqn: Any, a: _Alias) -> Box:
     return (tuple(int(x) for x in p["start_indices"]), tuple(int(x) for x in p["limit_indices"]))
 
 
+def _complex_values(eqn: Any) -> bool:
+    """The equation reads or writes complex values (the rules measure real ones only)."""
+    return any(np.issubdtype(np.dtype(getattr(v.aval, "dtype", np.float32)), np.complexfloating)
+               for v in (*eqn.invars, *eqn.outvars) if hasattr(getattr(v, "aval", None), "dtype"))
+
+
 def _classify(use: Use, n_aliased: int) -> Site | str:
     name = use.eqn.primitive.name
     if n_aliased != 1 or not isinstance(use.out_states[0], int):
         return name
+    if _complex_values(use.eqn):
+        return f"{name} on complex values"
     site = rule_for(name).classify(use)
     return name if site is None else site
 

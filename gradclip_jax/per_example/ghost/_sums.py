@@ -30,7 +30,7 @@ from gradclip_jax.per_example.ghost.rules import Site
 def backward_sums(config: ClipConfig, fwd: Pass, ws: Sequence[jax.Array]) -> list[jax.Array]:
     """:math:`\\nabla_\\theta \\sum_b c_b \\ell_b`: the pull-back of the weights through the loss."""
     g = _norms.flatten(fwd.pull(ws[0].astype(fwd.losses.dtype))[0], config.fn).arrays
-    return [x.astype(_norms.acc_dtype(x.dtype)) for x in g]
+    return [x.astype(_norms.sum_dtype(x.dtype)) for x in g]
 
 
 def _zero_dropped(x: jax.Array, keep: jax.Array, axis: int) -> jax.Array:
@@ -90,12 +90,12 @@ def bookkept_sums(traced: Traced, pflat: _norms.FlatTree, fwd: Pass, rows: dict[
         if i in rows or i not in w_of:
             continue
         total = _site_sum(traced.closed, s, pflat.leaves[i], o, g, w_of[i], keep)
-        total = total.astype(_norms.acc_dtype(pflat.leaves[i].dtype))
+        total = total.astype(_norms.sum_dtype(pflat.leaves[i].dtype))
         totals[i] = total if i not in totals else totals[i] + total
     out = []
     for i in pflat.active:
         leaf = pflat.leaves[i]
-        acc = _norms.acc_dtype(leaf.dtype)
+        acc = _norms.sum_dtype(leaf.dtype)
         t = totals.get(i)
         total = jnp.zeros(leaf.shape, acc) if t is None else t  # None: an unused leaf
         out.append(jnp.reshape(total, leaf.shape).astype(acc))
@@ -131,7 +131,7 @@ def clipped_sums(fast: Callable[[jax.Array | None], list[jax.Array]], config: Cl
             sums = fused_sums([as_rows(x) for x in arrays], list(ws), keep, jnp.zeros_like(keep))
             return unrow(sums, arrays)
         ref = first_leaf(batch)
-        init = [vary_like(jnp.zeros(x.shape, _norms.acc_dtype(x.dtype)), ref) for x in pflat.arrays]
+        init = [vary_like(jnp.zeros(x.shape, _norms.sum_dtype(x.dtype)), ref) for x in pflat.arrays]
         return scan_weighted_sum(init, keep, ws, batch, lambda ex: _norms.flatten(grad_of(ex), config.fn).arrays)
 
     risky = jnp.any(~keep & ~finite)

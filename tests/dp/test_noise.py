@@ -1,0 +1,167 @@
+"""add_gaussian_noise: the documented draw under both strategies, its statistics, and
+what the blocked draw saves on the CPU (one loop, temporaries the size of the noise)."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from gradclip_jax import privacy
+from gradclip_jax.dp import noise as noise_mod
+
+BACKEND = jax.default_backend()
+
+
+def _jitted():
+    # a fresh function per call: the strategy is read when tracing, and jax.jit caches traces
+    return jax.jit(lambda tree, std, key: privacy.add_gaussian_noise(tree, std, key))
+
+
+@pytest.fixture(params=["leaves", "blocks"])
+def strategy(request, monkeypatch):
+    monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, request.param)
+    return request.param
+
+
+def _tree():
+    return {"a": jnp.zeros((300, 70)), "b": jnp.zeros(5), "c": jnp.zeros((), jnp.float32),
+            "d": jnp.zeros((64, 33), jnp.bfloat16), "e": jnp.zeros(1000)}
+
+
+def test_leaves_draw_is_documented(monkeypatch):
+    monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, "leaves")
+    tree = {"a": jnp.ones((4, 3)), "b": jnp.ones(5)}
+    key = jax.random.key(3)
+    out = privacy.add_gaussian_noise(tree, 2.0, key)
+    _, ka, kb = jax.random.split(key, 3)
+    np.testing.assert_array_equal(out["a"], 1.0 + 2.0 * jax.random.normal(ka, (4, 3)))
+    np.testing.assert_array_equal(out["b"], 1.0 + 2.0 * jax.random.normal(kb, (5,)))
+
+
+def test_blocks_draw_is_documented(monkeypatch):
+    monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, "blocks")
+    monkeypatch.setattr(noise_mod, "NOISE_BLOCK_SIZE", 8)
+    tree = {"a": jnp.ones((4, 3)), "b": jnp.ones(5), "h": jnp.ones(6, jnp.bfloat16)}
+    key = jax.random.key(3)
+    out = privacy.add_gaussian_noise(tree, 2.0, key)
+    k0 = jax.random.split(key, 4)[0]
+    group = jax.random.fold_in(k0, 0)  # all three leaves accumulate in float32: one group
+    flat = jnp.concatenate([jax.random.normal(jax.random.fold_in(group, j), (8,)) for j in range(3)])
+    np.testing.assert_array_equal(out["a"], 1.0 + 2.0 * flat[:12].reshape(4, 3))
+    np.testing.assert_array_equal(out["b"], 1.0 + 2.0 * flat[12:17])
+    np.testing.assert_array_equal(out["h"], 1.0 + 2.0 * flat[17:23])
+    assert out["h"].dtype == jnp.float32
+
+
+def test_statistics_and_dtypes(strategy, monkeypatch):
+    monkeypatch.setattr(noise_mod, "NOISE_BLOCK_SIZE", 4096)  # many blocks, leaves straddling them
+    tree = _tree()
+    out = _jitted()(tree, 3.0, jax.random.key(0))
+    assert {k: v.dtype for k, v in out.items()} == {k: jnp.float32 for k in tree}
+    assert {k: v.shape for k, v in out.items()} == {k: v.shape for k, v in tree.items()}
+    z = np.concatenate([np.asarray(v).ravel() for v in out.values()]) / 3.0
+    n = z.size
+    assert abs(z.mean()) < 5 / np.sqrt(n)
+    assert z.var() == pytest.approx(1.0, abs=6 * np.sqrt(2 / n))
+    assert np.mean(z**4) == pytest.approx(3.0, abs=0.15)  # Gaussian kurtosis
+    # no two leaves or blocks share a draw: a reused key would repeat thousands of values;
+    # float32 normals take about 2**23 values, so ~n**2 / 2**24 (here ~35) repeat by chance
+    assert n - np.unique(z).size < 4 * n * n / 2**24 + 20
+    # neighbours (across leaf and block boundaries) are uncorrelated
+    assert abs(np.corrcoef(z[:-1], z[1:])[0, 1]) < 5 / np.sqrt(n)
+
+
+def test_same_key_same_noise_other_key_other_noise(strategy):
+    tree = _tree()
+    a = privacy.add_gaussian_noise(tree, 1.0, jax.random.key(1))
+    b = _jitted()(tree, 1.0, jax.random.key(1))
+    c = privacy.add_gaussian_noise(tree, 1.0, jax.random.key(2))
+    for k in tree:
+        np.testing.assert_array_equal(a[k], b[k])
+        if tree[k].size > 1:
+            assert not np.allclose(a[k], c[k])
+
+
+def test_traced_stddev_and_zero_stddev(strategy):
+    tree = _tree()
+    out = _jitted()(tree, jnp.asarray(0.0), jax.random.key(0))
+    for k in tree:
+        np.testing.assert_array_equal(out[k], np.zeros(tree[k].shape, np.float32))
+
+
+def test_complex_leaf_gets_full_variance_in_both_parts(strategy):
+    tree = {"r": jnp.zeros(7), "z": jnp.zeros((100, 200), jnp.complex64) + 1j}
+    out = privacy.add_gaussian_noise(tree, 2.0, jax.random.key(0))["z"]
+    assert out.dtype == jnp.complex64  # the imaginary part is kept
+    re, im = np.real(np.asarray(out)).ravel(), np.imag(np.asarray(out)).ravel() - 1.0
+    assert float(np.var(re)) == pytest.approx(4.0, rel=0.05)
+    assert float(np.var(im)) == pytest.approx(4.0, rel=0.05)
+    assert abs(np.corrcoef(re, im)[0, 1]) < 0.03
+
+
+def test_dp_aggregate_complex_gradients_get_full_variance():
+    from gradclip_jax import dp_aggregate
+
+    grads = {"z": jnp.zeros((4, 100, 100), jnp.complex64)}
+    tx = dp_aggregate(1.0, 2.0, 0, batch_size=1)
+    out, _ = tx.update(grads, tx.init(grads))
+    z = np.asarray(out["z"])
+    assert z.dtype == np.complex64
+    assert float(np.var(np.real(z))) == pytest.approx(4.0, rel=0.05)
+    assert float(np.var(np.imag(z))) == pytest.approx(4.0, rel=0.05)
+
+
+def test_empty_tree_and_none_leaves(strategy):
+    assert privacy.add_gaussian_noise({}, 1.0, jax.random.key(0)) == {}
+    out = privacy.add_gaussian_noise({"a": None, "b": jnp.zeros(3)}, 1.0, jax.random.key(0))
+    assert out["a"] is None and out["b"].shape == (3,)
+
+
+def test_vmap_over_keys(strategy):
+    keys = jax.random.split(jax.random.key(0), 3)
+    out = jax.vmap(lambda k: privacy.add_gaussian_noise({"a": jnp.zeros(50)}, 1.0, k))(keys)
+    one = privacy.add_gaussian_noise({"a": jnp.zeros(50)}, 1.0, keys[1])
+    np.testing.assert_allclose(out["a"][1], one["a"], rtol=1e-6)
+
+
+def _noise_program(n_leaves: int):
+    tree = {f"w{i}": jnp.zeros((128, 96 + i)) for i in range(n_leaves)}
+    compiled = _jitted().lower(tree, 1.0, jax.random.key(0)).compile()
+    nbytes = sum(x.size * 4 for x in tree.values())
+    return compiled, nbytes
+
+
+@pytest.mark.skipif(BACKEND != "cpu", reason="the CPU lowering of threefry is what the blocked draw avoids")
+def test_blocked_draw_compiles_one_loop_and_holds_only_the_noise(monkeypatch):
+    monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, "blocks")
+    monkeypatch.setattr(noise_mod, "NOISE_BLOCK_SIZE", 1 << 12)
+    loops = []
+    for n in (4, 24):
+        compiled, nbytes = _noise_program(n)
+        loops.append(len(re.findall(r" while\(", compiled.as_text())))
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        assert temp <= 1.25 * nbytes + (1 << 20)  # the flat draw plus one block, not uint32 copies per leaf
+    assert loops[0] == loops[1]  # the loop count does not grow with the leaves
+
+
+def test_explicitly_sharded_leaf_is_drawn_on_its_own(monkeypatch):
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 (simulated) devices")
+    monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, "blocks")
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,))
+    key = jax.random.key(5)
+    with jax.set_mesh(mesh):
+        tree = {"s": jax.device_put(jnp.zeros((16, 4)), NamedSharding(mesh, P("x", None))),
+                "r": jax.device_put(jnp.zeros(10), NamedSharding(mesh, P()))}
+        out = _jitted()(tree, 1.0, key)
+        assert out["s"].sharding.spec == P("x", None)
+        _, _, ks = jax.random.split(key, 3)  # leaves in key order: 'r', 's'
+        expect = jax.random.normal(ks, (16, 4))
+    np.testing.assert_allclose(np.asarray(out["s"]), np.asarray(expect), rtol=1e-6)
+    assert not np.allclose(np.asarray(out["r"]), np.asarray(expect).ravel()[:10])
