@@ -1,6 +1,6 @@
 """Runs every benchmark in one process and prints/saves the ratio table.
 
-Usage: ``python -m benchmarks [--quick] [--only core,stateful,dp,ghost,sampling,core-gpu] [--out DIR]``.
+Usage: ``python -m benchmarks [--quick] [--only core,stateful,dp,noise,ghost,sampling,core-gpu] [--out DIR]``.
 Writes ``DIR/results.json`` and ``DIR/RESULTS.md`` (default ``benchmarks/results``);
 the GPU suites (``core-gpu``, not run by default) write ``DIR/results_<suite>.json``
 and ``DIR/RESULTS_<suite>.md`` of their own, so a GPU run does not replace the
@@ -26,7 +26,7 @@ import time
 
 import jax
 
-SUITES = ("core", "stateful", "dp", "ghost", "sampling")
+SUITES = ("core", "stateful", "dp", "noise", "ghost", "sampling")
 GPU_SUITES = ("core-gpu",)  # rows go to results_<suite>.json / RESULTS_<suite>.md
 EXTRA_SUITES = ("ghost-gpu", *GPU_SUITES)  # run only when named in --only
 

@@ -174,6 +174,6 @@ def leaf_norms(config: ClipConfig, call: Call, traced: Traced, batch: Any, fwd: 
     fb = [i for i in pflat.active if i not in plan.ghost]
     if fb:
         rows.update(zip(fb, _pin(_fallback_rows(config, call, fb, batch), acc), strict=True))
-    for i, r in rows.items():
-        norms[i] = leaf_example_norms([r])[0]
+    # one call for every formed leaf: one overflow conditional, not one per leaf
+    norms.update(zip(rows, leaf_example_norms(list(rows.values())), strict=True))
     return LeafNorms(norms, rows, acc)
