@@ -289,3 +289,25 @@ def test_guard_power_of_two_from_exponent_bits(dtype):
     sub = (mf > 0) & (mf < float(info.tiny))
     np.testing.assert_array_equal(got[~sub], want[~sub])
     assert np.all((got[sub] == 2.0 ** (int(info.minexp) + 1)) | (got[sub] == 0)) and sub.any()
+
+
+def test_slice_norms_of_stacked_equal_arrays_match_separate_ones():
+    """Small arrays of one shape reduced over the same axes are measured as one stacked job
+    (one reduction, one overflow check); each result is what measuring it alone gives."""
+    from gradclip_jax.norms import NormSpec, slice_norms
+
+    r = np.random.default_rng(0)
+    arrays = [jnp.asarray(r.standard_normal((4, 6)) * s, jnp.float32) for s in (1.0, 1e30, 1e-30, 0.0)]
+    arrays += [jnp.asarray(r.standard_normal((4, 6)), jnp.bfloat16), jnp.asarray(r.standard_normal((5, 6)))]
+    axes = [(1,), (-1,), (1,), (1,), (1,), (1,)]
+    jaxpr = jax.make_jaxpr(lambda *xs: slice_norms(list(xs), axes, NormSpec("pow", p=2.0)))(*arrays)
+    conds = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "cond"]
+    assert len(conds) == 1  # one overflow check for all of them
+    for spec in (NormSpec("pow", p=2.0), NormSpec("max"), NormSpec("std")):
+        together = slice_norms(arrays, axes, spec)
+        for x, ax, got in zip(arrays, axes, together, strict=True):
+            alone = slice_norms([x], [ax], spec)[0]
+            assert got.shape == alone.shape == (x.shape[0], 1)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(alone), rtol=1e-6)
+    n = slice_norms(arrays[1:2], [(1,)], NormSpec("pow", p=2.0))[0]
+    assert np.all(np.isfinite(np.asarray(n)))  # the overflow fallback still applies per stacked job

@@ -283,12 +283,18 @@ def slice_norms(
     norms = [r * m for r, m in zip(rs, ms)]
     derived = [then(n) for n in norms] if then is not None else norms
     out = []
-    for x, (j, row) in zip(arrays, where):
+    for i, (x, (j, row)) in enumerate(zip(arrays, where)):
         n, d = norms[j], derived[j]
-        if row is not None:
-            n, d = n[row].reshape((1,) * x.ndim), d[row].reshape((1,) * x.ndim)
+        if row is not None:  # a stacked job: row `row` holds this array's keepdims result
+            n, d = n[row].reshape(_keep_shape(x, axes[i])), d[row].reshape(_keep_shape(x, axes[i]))
         out.append(n if then is None else (n, d))
     return out
+
+
+def _keep_shape(x: jax.Array, axes: Any) -> tuple[int, ...]:
+    """``x``'s shape with its reduction ``axes`` (``None``: all) kept as size 1."""
+    red = range(x.ndim) if axes is None else [a % x.ndim for a in axes]
+    return tuple(1 if d in red else n for d, n in enumerate(x.shape))
 
 
 def check_complex(flat: FlatTree, spec: NormSpec, fn: str) -> None:

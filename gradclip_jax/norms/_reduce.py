@@ -135,28 +135,48 @@ def _replicated_type(x: jax.Array) -> bool:
     return all(s is None for s in spec)
 
 
+# Arrays at most this large that are reduced over the same axes as others of their
+# shape and dtype (per-example rows of bias and scale leaves, per-slice norms of
+# equal leaves) are stacked and reduced as one (see _plan).
+SLICE_PACK_MAX_SIZE = 1 << 18
+
+
 def _plan(arrays: Sequence[jax.Array], axes: Sequence[Axes], keepdims: bool) -> tuple[list[_Job], list[Any]]:
     """Builds the reductions for ``arrays``; returns (jobs, where each result lives).
 
     XLA's compile time grows faster than linearly with the number of separate
     reductions (1000 small bf16 leaves took minutes), so whole-leaf reductions of
     small leaves with the same size and dtype are stacked into one ``(k, n)`` array
-    and reduced over axis 1; copying small leaves costs next to nothing.
-    ``where[i]`` is ``(job, None)`` for a leaf reduced on its own and ``(job, row)``
+    and reduced over axis 1, and small arrays of one shape and dtype reduced over
+    the same axes are stacked into one ``(k, *shape)`` array reduced over those
+    axes shifted by one; copying small arrays costs next to nothing.
+    ``where[i]`` is ``(job, None)`` for an array reduced on its own and ``(job, row)``
     for a stacked one.
     """
     jobs: list[_Job] = []
     where: list[Any] = [None] * len(arrays)
     groups: dict[Any, list[int]] = {}
+    slices: dict[Any, list[int]] = {}
     limit = PACK_MAX_SIZE if keepdims else _global_pack_limit()
     for i, (x, ax) in enumerate(zip(arrays, axes)):
         whole = ax is None or tuple(ax) == tuple(range(x.ndim))
         if whole and 0 < x.size <= limit and _replicated_type(x):
             # one norm per leaf: group equal sizes; one norm for all: any sizes
             groups.setdefault((np.dtype(x.dtype), x.size if keepdims else 0), []).append(i)
+        elif keepdims and not whole and 0 < x.size <= SLICE_PACK_MAX_SIZE and _replicated_type(x):
+            key_axes = tuple(sorted(a % x.ndim for a in ax))  # type: ignore[union-attr]
+            slices.setdefault((np.dtype(x.dtype), tuple(x.shape), key_axes), []).append(i)
         else:
             where[i] = (len(jobs), None)
             jobs.append(_Job(x, None if ax is None else tuple(ax), keepdims))
+    for (_, _, ax), idx in slices.items():
+        if len(idx) == 1:
+            where[idx[0]] = (len(jobs), None)
+            jobs.append(_Job(arrays[idx[0]], ax, keepdims))
+            continue
+        for row, i in enumerate(idx):
+            where[i] = (len(jobs), row)
+        jobs.append(_Job(jnp.stack([arrays[i] for i in idx]), tuple(a + 1 for a in ax), keepdims))
     for (_, size), idx in groups.items():
         if len(idx) == 1:
             i = idx[0]
