@@ -134,7 +134,8 @@ def _is_sumsq(spec: NormSpec) -> bool:
 
 
 def _compute(
-    jobs: Sequence[_Job], spec: NormSpec, combine: bool, axis_name: Any, dtype: np.dtype | None = None
+    jobs: Sequence[_Job], spec: NormSpec, combine: bool, axis_name: Any, dtype: np.dtype | None = None,
+    branch_free: bool = False,
 ) -> tuple[Any, Any]:
     """Norms of ``jobs`` as ``(r, m)`` with norm ``= r * m``.
 
@@ -164,7 +165,7 @@ def _compute(
         parts = [_stat(j, spec, None, None) for j in jobs]
         out = comb.sum(parts) if combine else parts
         return out, _ones_like(out)
-    strategy = _sumsq_strategy() if _is_sumsq(spec) else "cond"
+    strategy = ("blue" if branch_free else _sumsq_strategy()) if _is_sumsq(spec) else "cond"
     if strategy != "cond" and jobs:
         norms = _blue_norms(jobs, comb, combine, variadic=strategy == "blue")
         if not combine:
@@ -261,6 +262,7 @@ def slice_norms(
     axes: Sequence[tuple[int, ...]],
     spec: NormSpec,
     then: Callable[[jax.Array], jax.Array] | None = None,
+    branch_free: bool = False,
 ) -> Any:
     """Per-slice norms of each array over its ``axes``, with ``keepdims=True``.
 
@@ -274,12 +276,16 @@ def slice_norms(
       then: optional elementwise function of the norms (for example a clip factor).
         It is applied to the packed norms of small leaves in one vectorized call,
         which keeps compile time flat for trees of thousands of small leaves.
+      branch_free: 2-norms and ``'rms'`` by Blue's algorithm whatever the
+        backend's :data:`SUMSQ_STRATEGY`: no conditional, for norms taken inside
+        a loop body (a conditional there costs a host round trip per iteration
+        on GPUs).
 
     Returns:
       The list of norms, or, with ``then``, a list of ``(norm, then(norm))`` pairs.
     """
     jobs, where = _plan(arrays, axes, keepdims=True)
-    rs, ms = _compute(jobs, spec, combine=False, axis_name=None)
+    rs, ms = _compute(jobs, spec, combine=False, axis_name=None, branch_free=branch_free)
     norms = [r * m for r, m in zip(rs, ms)]
     derived = [then(n) for n in norms] if then is not None else norms
     out = []

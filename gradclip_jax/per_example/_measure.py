@@ -65,17 +65,21 @@ def combine_l2(leaf_norms: Sequence[jax.Array]) -> jax.Array:
     return jnp.where(fast, direct, scaled)
 
 
-def _per_example(arrays: Sequence[jax.Array], spec: _norms.NormSpec) -> list[jax.Array]:
+def _per_example(arrays: Sequence[jax.Array], spec: _norms.NormSpec, branch_free: bool = False) -> list[jax.Array]:
     """Per-example norm ``spec`` of each leaf: a list of ``(B,)`` arrays (accumulation dtype)."""
     if not arrays:
         return []
-    measured = _norms.slice_norms(arrays, [tuple(range(1, x.ndim)) for x in arrays], spec)
+    measured = _norms.slice_norms(arrays, [tuple(range(1, x.ndim)) for x in arrays], spec, branch_free=branch_free)
     return [jnp.reshape(nrm, (x.shape[0],)) for nrm, x in zip(measured, arrays, strict=True)]
 
 
-def leaf_example_norms(arrays: Sequence[jax.Array]) -> list[jax.Array]:
-    """Per-example L2 norm of each leaf: a list of ``(B,)`` arrays (accumulation dtype)."""
-    return _per_example(arrays, _L2)
+def leaf_example_norms(arrays: Sequence[jax.Array], branch_free: bool = False) -> list[jax.Array]:
+    """Per-example L2 norm of each leaf: a list of ``(B,)`` arrays (accumulation dtype).
+
+    ``branch_free``: without the engine's overflow conditional (Blue's algorithm),
+    for norms taken inside a loop body.
+    """
+    return _per_example(arrays, _L2, branch_free)
 
 
 class Measured(NamedTuple):

@@ -128,7 +128,8 @@ def formed_norms(views: ConvViews) -> jax.Array:
 
     def tap_norms(_: None, off: jax.Array) -> tuple[None, jax.Array]:
         block = hi_einsum("bgct,bgtp->bgcp", views.tap(off), views.g)
-        return None, leaf_example_norms([block])[0]
+        # branch-free: a conditional in the loop body would cost a host round trip per tap on GPUs
+        return None, leaf_example_norms([block], branch_free=True)[0]
 
     _, per_tap = lax.scan(tap_norms, None, views.offsets)  # (K, B)
     return combine_l2(list(per_tap))
