@@ -238,7 +238,7 @@ def _aggregate(
         clip = as_scalar(resolve(l2_norm_clip, state.count), acc)
         z = as_scalar(resolve(noise_multiplier, state.count), acc)
         sums, _, _ = _clip_sum(arrays, clip, nan_safe, mask, fn, batch, store=_lowest(arrays))
-        out = noised_leaves(sums, keys, clip * z, _divisor(batch_size, batch, acc))
+        out = noised_leaves(sums, keys, clip * z, _divisor(batch_size, batch, acc), fn=fn)
         out = [o.astype(x.dtype) for o, x in zip(out, arrays, strict=True)]
         return flat.rebuild(out), DPAggregateState(rng_key=new_key, count=increment(state.count))
 
@@ -352,7 +352,7 @@ def dp_noise(
             std = as_scalar(resolve(stddev, state.count), acc)
             div = as_scalar(resolve(normalize_by, state.count), acc)
             sums = [x.astype(jnp.result_type(_norms.sum_dtype(x.dtype), acc)) for x in arrays]
-            out = noised_leaves(sums, keys, std, div)
+            out = noised_leaves(sums, keys, std, div, fn=fn)
             updates = flat.rebuild([o.astype(x.dtype) for o, x in zip(out, arrays, strict=True)])
         return updates, DPAggregateState(rng_key=new_key, count=increment(state.count))
 
@@ -529,7 +529,7 @@ def dp_quantile_aggregate(
         clip = state.clip_norm.astype(acc)
         sums, n, keep = _clip_sum(arrays, clip, nan_safe, mask, fn, batch, store=_lowest(arrays))
         m = _divisor(expected_batch_size, batch, acc)
-        out = noised_leaves(sums, keys, clip * jnp.asarray(z_grad, acc), m)
+        out = noised_leaves(sums, keys, clip * jnp.asarray(z_grad, acc), m, fn=fn)
         out = [o.astype(x.dtype) for o, x in zip(out, arrays, strict=True)]
 
         # Noised, recentred fraction of unclipped examples (TF-Privacy form).

@@ -84,6 +84,7 @@ def add_gaussian_noise(tree: Any, stddev: Any, key: jax.Array) -> Any:
     arrays = [x.astype(_norms.sum_dtype(x.dtype)) for x in flat.arrays]
     if not arrays:
         return tree
+    check_key_varies(arrays, key, "add_gaussian_noise", [jax.tree_util.keystr(flat.paths[i]) for i in flat.active])
     block_key, *keys = jax.random.split(key, len(arrays) + 1)
     blocked = _noise_strategy() == "blocks"
     out: list[Any] = [None] * len(arrays)
@@ -99,6 +100,37 @@ def add_gaussian_noise(tree: Any, stddev: Any, key: jax.Array) -> Any:
         for i, y in zip(idx, _blocked_noise(group, jax.random.fold_in(block_key, b), stddev, dtype), strict=True):
             out[i] = y
     return flat.rebuild(out)
+
+
+def _varying(x: Any) -> frozenset:
+    """The manual mesh axes (inside ``shard_map``) ``x`` varies over."""
+    t = jax.typeof(x)
+    mat = getattr(t, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(getattr(mat, "varying", ()))
+    return frozenset(getattr(t, "vma", ()))  # older jax
+
+
+def check_key_varies(arrays: Sequence[Any], key: Any, fn: str, paths: Sequence[str] | None = None) -> None:
+    """Raises when a leaf is a per-device shard (inside ``shard_map``) and the key is the same on every device.
+
+    Every device would then draw the same noise for its own shard: the shards'
+    noise would be one draw repeated, and the difference of two shards would
+    carry none, so the Gaussian mechanism's guarantee would not hold.
+    """
+    keyed = _varying(key)
+    for i, x in enumerate(arrays):
+        extra = _varying(x) - keyed
+        if extra:
+            axes = tuple(sorted(extra))
+            where = f"leaf {paths[i]}" if paths is not None else f"leaf {i}"
+            raise ValueError(
+                f"{fn}: {where} differs across the manual mesh axes {axes} (a shard inside shard_map) but "
+                "the noise key does not, so every device would add the same noise to its shard and the "
+                "differences between shards would carry no noise. Give each device its own key, e.g. "
+                f"key = jax.random.fold_in(key, jax.lax.axis_index({axes[0]!r})), or add the noise "
+                "outside shard_map (under jax.jit on the global array)"
+            )
 
 
 def _real(dtype: Any) -> np.dtype:
@@ -146,18 +178,22 @@ def _blocked_noise(arrays: Sequence[jax.Array], key: jax.Array, stddev: Any, dty
 
 
 def noised_leaves(
-    arrays: Sequence[jax.Array], keys: Sequence[jax.Array], stddev: Any, divisor: Any = None
+    arrays: Sequence[jax.Array], keys: Sequence[jax.Array], stddev: Any, divisor: Any = None,
+    fn: str = "add_gaussian_noise",
 ) -> list[jax.Array]:
     """``(x + stddev * N(0, 1)) / divisor`` per leaf, one key per leaf, drawn and added in ``x``'s dtype.
 
     The per-leaf draw (optax's: ``dp_aggregate`` uses it to give the same noise
     as ``optax.contrib.differentially_private_aggregate`` for the same seed):
     callers cast each leaf to the dtype the noise should have (the accumulation
-    dtype) first. ``divisor=None`` keeps the sum. A complex leaf gets
+    dtype) first. ``divisor=None`` keeps the sum; ``fn`` names the caller in
+    errors (see :func:`check_key_varies`). A complex leaf gets
     :math:`\\sigma (z_1 + i z_2)` with independent standard normals: both parts of
     the gradient are coordinates the clip norm bounds, so each needs the full
     variance (``jax.random.normal`` of a complex dtype gives each half).
     """
+    if keys:
+        check_key_varies(arrays, keys[0], fn)  # keys split from one key vary alike
     out = []
     for x, k in zip(arrays, keys, strict=True):
         if jnp.iscomplexobj(x):  # not jax's complex normal: that gives each part half the variance

@@ -165,3 +165,56 @@ def test_explicitly_sharded_leaf_is_drawn_on_its_own(monkeypatch):
         expect = jax.random.normal(ks, (16, 4))
     np.testing.assert_allclose(np.asarray(out["s"]), np.asarray(expect), rtol=1e-6)
     assert not np.allclose(np.asarray(out["r"]), np.asarray(expect).ravel()[:10])
+
+
+def _shard_mapped(f, n):
+    mesh = jax.make_mesh((n,), ("x",))
+    g = jax.device_put(jnp.zeros(4 * n), NamedSharding(mesh, P("x")))
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x"))), g
+
+
+@pytest.mark.parametrize("strategy_name", ["leaves", "blocks"])
+def test_shards_inside_shard_map_need_their_own_keys(strategy_name, monkeypatch):
+    """The same key on every device would give every shard the same noise (their differences
+    noise-free): a ValueError naming the leaf and the axis, until the key varies too."""
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 (simulated) devices")
+    monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, strategy_name)
+    key = jax.random.key(0)
+
+    same, g = _shard_mapped(lambda x, k: privacy.add_gaussian_noise({"g": x}, 1.0, k)["g"], 4)
+    with pytest.raises(ValueError, match=r"add_gaussian_noise: leaf \['g'\] differs across the manual mesh axes "
+                                         r"\('x',\).*fold_in\(key, jax.lax.axis_index\('x'\)\)"):
+        same(g, key)
+
+    def own_key(x, k):
+        return privacy.add_gaussian_noise({"g": x}, 1.0, jax.random.fold_in(k, jax.lax.axis_index("x")))["g"]
+
+    fixed, g = _shard_mapped(own_key, 4)
+    shards = np.asarray(fixed(g, key)).reshape(4, 4)
+    assert len({tuple(r) for r in shards.tolist()}) == 4  # every shard its own draw
+
+    def summed(x, k):  # a psum'd (replicated) sum with the replicated key is fine
+        total = jax.lax.psum(jnp.sum(x), "x")
+        return x + privacy.add_gaussian_noise({"t": total}, 1.0, k)["t"]
+
+    ok, g = _shard_mapped(summed, 4)
+    assert np.all(np.isfinite(np.asarray(ok(g, key))))
+
+
+def test_dp_aggregate_inside_shard_map_on_shards_is_an_error():
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 (simulated) devices")
+    from gradclip_jax import dp_aggregate
+
+    tx = dp_aggregate(1.0, 1.0, 0)
+    state = tx.init(None)
+    mesh = jax.make_mesh((4,), ("x",))
+    grads = jax.device_put(jnp.ones((2, 8)), NamedSharding(mesh, P(None, "x")))
+
+    def f(x):
+        return tx.update({"w": x}, state)[0]["w"]
+
+    fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(None, "x"), out_specs=P("x")))
+    with pytest.raises(ValueError, match=r"dp_aggregate: leaf 0 differs across the manual mesh axes \('x',\)"):
+        fn(grads)
