@@ -317,6 +317,16 @@ def _fresh_state(params: Any, seed: int) -> Any:
     return p, optax.adamw(LEARNING_RATE).init(p), jax.random.key(seed)
 
 
+def control_flow(compiled: Any) -> dict[str, int]:
+    """How many conditionals and loops the optimized program holds: on a GPU each conditional
+    copies its predicate to the host (a round trip per step, per iteration inside a loop)."""
+    try:
+        text = compiled.as_text()
+    except Exception:  # some backends cannot print a compiled program
+        return {}
+    return {"conditionals": text.count(" conditional("), "loops": text.count(" while(")}
+
+
 def _report(losses: Callable, params: Any, data: Any) -> dict[str, Any]:
     rep = gcx.ghost_report(losses, params, data)
     return {"leaves": len(rep.ghost) + len(rep.fallback), "ghost": len(rep.ghost),
@@ -385,6 +395,7 @@ def measure(cfg: Config, *, tiny: bool, reps: int, max_s: float, deadline: float
             rec["compile_s"] = rec["lower_s"] + xla_s
             clock["max_compile_s"] = max(clock.get("max_compile_s", 0.0), rec["compile_s"])
             rec["temp_mb"], rec["peak_mb"] = memory_mb(compiled)
+            rec.update(control_flow(compiled))
             runners[name] = _Runner(compiled, state, data)
             same = f" (same program as {rec['same_program_as']})" if "same_program_as" in rec else ""
             log(f"{name}: traced+lowered {rec['lower_s']:.1f} s, compiled {xla_s:.1f} s{same}, "
@@ -492,6 +503,8 @@ def markdown(meta: dict[str, Any], configs: Sequence[dict[str, Any]]) -> str:
                 extra.append(rec.get("error") or rec["skipped"])
             if "peak_mb" in rec:
                 extra.append(f"peak {rec['peak_mb']:.0f} MiB")
+            if "conditionals" in rec:
+                extra.append(f"{rec['conditionals']} conditionals, {rec['loops']} loops in the compiled program")
             if "lower_s" in rec:
                 extra.append(f"trace+lower {rec['lower_s']:.1f} s, XLA {rec['xla_compile_s']:.1f} s")
             if "rounds" in rec:

@@ -78,3 +78,14 @@ def test_tiny_cpu_run_writes_and_merges_results(tmp_path: pathlib.Path, monkeypa
         assert report["ghost"] + report["fallback"] == report["leaves"] > 0
     md = (tmp_path / bg.RESULTS_MD).read_text()
     assert "| gpt2-qkv-b8 |" in md and "| wrn-b256 |" in md and "ghost_report:" in md
+
+
+def test_control_flow_counts_conditionals_and_loops():
+    import jax.numpy as jnp
+
+    def f(x):
+        y = jax.lax.cond(x[0] > 0, lambda v: v * 2, lambda v: v - 1, x)
+        return jax.lax.fori_loop(0, x.shape[0], lambda i, v: v + i, y)
+
+    compiled = jax.jit(f).lower(jnp.arange(3.0)).compile()
+    assert bg.control_flow(compiled) == {"conditionals": 1, "loops": 1}
