@@ -150,7 +150,12 @@ class Rule:
         return Site(self.kind, self, use.leaf, use.k, use.pos, use.chain, rows, axis, out_axis, use.box)
 
     def norm(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any) -> jax.Array | None:
-        """Per-example norm of a once-used leaf's gradient; ``None``: form that leaf's gradients."""
+        """Per-example norm of a once-used leaf's gradient; ``None``: form that leaf's gradients.
+
+        Norms taken here are branch-free (``leaf_example_norms(..., branch_free=True)``):
+        one site's overflow conditional would cost a host round trip per step on GPUs
+        (per loop iteration inside a scan); the engine's guarantees are the same.
+        """
         return None
 
     def factors(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any,

@@ -92,14 +92,15 @@ class DotGeneral(Rule):
         bsz, t, dsz = a3.shape
         psz = g3.shape[-1]
         if t == 1:  # 2-D views (a bitcast for the usual (B, D) operand, no copy of the activations)
-            na, ng = leaf_example_norms([jnp.reshape(a3, (bsz, dsz)), jnp.reshape(g3, (bsz, psz))])
+            na, ng = leaf_example_norms([jnp.reshape(a3, (bsz, dsz)), jnp.reshape(g3, (bsz, psz))],
+                                        branch_free=True)
             return (na * ng).astype(acc)
         if 2 * t * t < psz * dsz:
             aa = hi_einsum("btd,bsd->bts", a3, a3)
             gg = hi_einsum("btp,bsp->bts", g3, g3)
             return sqrt_nonneg(jnp.sum(aa * gg, axis=(1, 2)))
         per_example = hi_einsum("btd,btp->bdp", a3, g3)  # this layer's per-example gradients only
-        return leaf_example_norms([per_example])[0]
+        return leaf_example_norms([per_example], branch_free=True)[0]
 
     def factors(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any,
                 perm: list[int]) -> tuple[Factor, Factor] | None:

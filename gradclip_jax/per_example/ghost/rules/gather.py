@@ -91,7 +91,7 @@ class Gather(Rule):
     def norm(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any) -> jax.Array | None:
         ids, g3 = embedding_views(eqn, ops[1], g, acc)
         if ids.shape[1] == 1:
-            return leaf_example_norms([g3])[0]
+            return leaf_example_norms([g3], branch_free=True)[0]
         same = (ids[:, :, None] == ids[:, None, :]).astype(acc)
         gg = hi_einsum("btp,bsp->bts", g3, g3)
         return sqrt_nonneg(jnp.sum(same * gg, axis=(1, 2)))
