@@ -24,7 +24,7 @@ from gradclip_jax.per_example.ghost._factored import (
     site_factors,
 )
 from gradclip_jax.per_example.ghost._jaxpr import narrower, replay, widen
-from gradclip_jax.per_example.ghost.rules import Site
+from gradclip_jax.per_example.ghost.rules import RowNorms, Site
 
 
 class Pass(NamedTuple):
@@ -154,26 +154,31 @@ def leaf_norms(config: ClipConfig, call: Call, traced: Traced, batch: Any, fwd: 
     acc = acc_dtype_of(pflat)
     uses = Counter(s.leaf for s in plan.sites)
     norms = _factored_norms(traced, pflat, fwd, uses, acc)
-    site_norms: list[jax.Array | None] = []
+    site_norms: list[jax.Array | RowNorms | None] = []
     for s, ops, g in zip(plan.sites, fwd.operands, fwd.cts, strict=True):
         alone = s.leaf not in norms and (uses[s.leaf] == 1 or s.leaf in plan.blocks)
         site_norms.append(s.rule.norm(s, closed.jaxpr.eqns[s.eqn], ops, g, acc) if alone else None)
     # A leaf with a site no rule measures forms its per-example gradients from all its sites.
     formed = {s.leaf for s, n in zip(plan.sites, site_norms, strict=True) if n is None and s.leaf not in norms}
-    parts: dict[int, list[jax.Array]] = {}  # per-block norms (one for a leaf used once)
     local: dict[int, jax.Array] = {}  # summed per-example gradients of the leaves in `formed`
-    for s, n, ops, g in zip(plan.sites, site_norms, fwd.operands, fwd.cts, strict=True):
+    for s, ops, g in zip(plan.sites, fwd.operands, fwd.cts, strict=True):
         if s.leaf in formed:
             lg = _local_grads(closed, s, pflat.leaves[s.leaf], ops, g, acc).astype(acc)
             local[s.leaf] = lg if s.leaf not in local else local[s.leaf] + lg
-        elif n is not None:
-            parts.setdefault(s.leaf, []).append(n.astype(acc))
-    for i, ns in parts.items():
-        norms[i] = ns[0] if len(ns) == 1 else combine_l2(ns)
     rows = {i: as_rows(lg) for i, lg in local.items()}
     fb = [i for i in pflat.active if i not in plan.ghost]
     if fb:
         rows.update(zip(fb, _pin(_fallback_rows(config, call, fb, batch), acc), strict=True))
-    # one call for every formed leaf: one overflow conditional, not one per leaf
-    norms.update(zip(rows, leaf_example_norms(list(rows.values())), strict=True))
+    # The formed rows and every RowNorms request in one call: one overflow conditional per step.
+    requests = [n for n in site_norms if isinstance(n, RowNorms)]
+    measured = iter(leaf_example_norms([*rows.values(), *[a for r in requests for a in r.arrays]]))
+    norms.update((i, next(measured)) for i in rows)
+    resolved = {id(r): r.combine([next(measured) for _ in r.arrays]) for r in requests}
+    parts: dict[int, list[jax.Array]] = {}  # per-block norms (one for a leaf used once)
+    for s, n in zip(plan.sites, site_norms, strict=True):
+        if s.leaf not in formed and n is not None:
+            value = resolved[id(n)] if isinstance(n, RowNorms) else n
+            parts.setdefault(s.leaf, []).append(value.astype(acc))
+    for i, ns in parts.items():
+        norms[i] = ns[0] if len(ns) == 1 else combine_l2(ns)
     return LeafNorms(norms, rows, acc)

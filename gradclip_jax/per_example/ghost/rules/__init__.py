@@ -19,6 +19,7 @@ from gradclip_jax.per_example.ghost.rules._registry import (
     Box,
     Factor,
     RowCtx,
+    RowNorms,
     Rule,
     Site,
     State,
@@ -28,5 +29,5 @@ from gradclip_jax.per_example.ghost.rules._registry import (
 )
 from gradclip_jax.per_example.ghost.rules.gather import is_row_lookup
 
-__all__ = ["CONST", "MIXED", "OPAQUE", "ROW", "RULES", "Box", "Factor", "RowCtx", "Rule", "Site", "State", "Use", "row_rule", "rule_for", "is_row_lookup",
+__all__ = ["CONST", "MIXED", "OPAQUE", "ROW", "RULES", "Box", "Factor", "RowCtx", "RowNorms", "Rule", "Site", "State", "Use", "row_rule", "rule_for", "is_row_lookup",
            "calls", "conv", "dense", "elementwise", "gather", "random", "structural"]

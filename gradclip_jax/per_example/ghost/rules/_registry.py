@@ -11,7 +11,7 @@ in the file of its family.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,6 +111,17 @@ class Use:
         return tuple(i for i, s in enumerate(self.in_states) if s == ROW)
 
 
+@dataclass(frozen=True, eq=False)
+class RowNorms:
+    """A site's per-example norm as ``combine`` of the per-example L2 norms of ``arrays``
+    (each ``(B, ...)``), which the caller measures together with every other site's and
+    the formed leaves' rows: one call of the norm engine, one overflow conditional
+    per step (each a host round trip on GPUs), where one per site would add up."""
+
+    arrays: tuple[jax.Array, ...]
+    combine: Callable[[list[jax.Array]], jax.Array]
+
+
 @dataclass(frozen=True)
 class Site:
     """A recognised use of one parameter leaf (by the top-level equation ``eqn``)."""
@@ -149,12 +160,13 @@ class Rule:
     def site(self, use: Use, rows: tuple[int, ...], axis: int = 0, out_axis: int = 0) -> Site:
         return Site(self.kind, self, use.leaf, use.k, use.pos, use.chain, rows, axis, out_axis, use.box)
 
-    def norm(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any) -> jax.Array | None:
-        """Per-example norm of a once-used leaf's gradient; ``None``: form that leaf's gradients.
+    def norm(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any) -> jax.Array | RowNorms | None:
+        """Per-example norm of a once-used leaf's gradient, ``(B,)``, or :class:`RowNorms` to have
+        it measured with the others; ``None``: form that leaf's gradients.
 
-        Norms taken here are branch-free (``leaf_example_norms(..., branch_free=True)``):
-        one site's overflow conditional would cost a host round trip per step on GPUs
-        (per loop iteration inside a scan); the engine's guarantees are the same.
+        A norm taken inside a loop body here is branch-free
+        (``leaf_example_norms(..., branch_free=True)``): an overflow conditional there
+        would cost a host round trip per iteration on GPUs.
         """
         return None
 

@@ -15,12 +15,12 @@ import jax
 import jax.numpy as jnp
 
 from gradclip_jax._numerics import hi_einsum, sqrt_nonneg
-from gradclip_jax.per_example._measure import leaf_example_norms
 from gradclip_jax.per_example.ghost._jaxpr import shape
 from gradclip_jax.per_example.ghost.rules._registry import (
     CONST,
     Factor,
     RowCtx,
+    RowNorms,
     Rule,
     Site,
     State,
@@ -85,22 +85,21 @@ class DotGeneral(Rule):
             return self.site(use, (other,), k, int(use.out_states[0]))  # type: ignore[arg-type]
         return None
 
-    def norm(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any) -> jax.Array | None:
+    def norm(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any) -> jax.Array | RowNorms | None:
         """Per-example ``||a_b^T g_b||_F``: ``a``'s free axes other than the batch are ``T``,
         its contracted axes ``D``, the parameter's free axes the ``P`` axes of the output."""
         a3, g3 = dense_views(site, eqn, ops[1 - site.pos], g, acc)
         bsz, t, dsz = a3.shape
         psz = g3.shape[-1]
         if t == 1:  # 2-D views (a bitcast for the usual (B, D) operand, no copy of the activations)
-            na, ng = leaf_example_norms([jnp.reshape(a3, (bsz, dsz)), jnp.reshape(g3, (bsz, psz))],
-                                        branch_free=True)
-            return (na * ng).astype(acc)
+            return RowNorms((jnp.reshape(a3, (bsz, dsz)), jnp.reshape(g3, (bsz, psz))),
+                            lambda n: (n[0] * n[1]).astype(acc))
         if 2 * t * t < psz * dsz:
             aa = hi_einsum("btd,bsd->bts", a3, a3)
             gg = hi_einsum("btp,bsp->bts", g3, g3)
             return sqrt_nonneg(jnp.sum(aa * gg, axis=(1, 2)))
         per_example = hi_einsum("btd,btp->bdp", a3, g3)  # this layer's per-example gradients only
-        return leaf_example_norms([per_example], branch_free=True)[0]
+        return RowNorms((per_example,), lambda n: n[0])
 
     def factors(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any,
                 perm: list[int]) -> tuple[Factor, Factor] | None:

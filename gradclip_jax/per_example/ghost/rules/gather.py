@@ -15,12 +15,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from gradclip_jax._numerics import hi_einsum, sqrt_nonneg
-from gradclip_jax.per_example._measure import leaf_example_norms
 from gradclip_jax.per_example.ghost._jaxpr import shape
 from gradclip_jax.per_example.ghost.rules._registry import (
     ROW,
     Factor,
     RowCtx,
+    RowNorms,
     Rule,
     Site,
     State,
@@ -88,10 +88,10 @@ class Gather(Rule):
             return None
         return self.site(use, rows)
 
-    def norm(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any) -> jax.Array | None:
+    def norm(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any) -> jax.Array | RowNorms | None:
         ids, g3 = embedding_views(eqn, ops[1], g, acc)
         if ids.shape[1] == 1:
-            return leaf_example_norms([g3], branch_free=True)[0]
+            return RowNorms((g3,), lambda n: n[0])
         same = (ids[:, :, None] == ids[:, None, :]).astype(acc)
         gg = hi_einsum("btp,bsp->bts", g3, g3)
         return sqrt_nonneg(jnp.sum(same * gg, axis=(1, 2)))
