@@ -11,6 +11,7 @@ import numpy as np
 from jax import lax
 
 from gradclip_jax import norms as _norms
+from gradclip_jax._backend import per_backend
 from gradclip_jax.per_example._batch import explicit_spec
 
 __all__ = ["NOISE_BLOCK_SIZE", "NOISE_STRATEGY", "add_gaussian_noise", "noised_leaves"]
@@ -37,11 +38,7 @@ NOISE_BLOCK_SIZE = 1 << 18
 
 
 def _noise_strategy() -> str:
-    name = NOISE_STRATEGY.get(jax.default_backend(), "leaves")
-    if name not in _NOISE_STRATEGIES:
-        raise ValueError(f"gradclip_jax.privacy.NOISE_STRATEGY: unknown strategy {name!r}; "
-                         f"expected one of {_NOISE_STRATEGIES}")
-    return name
+    return per_backend(NOISE_STRATEGY, "gradclip_jax.privacy.NOISE_STRATEGY", "leaves", _NOISE_STRATEGIES)
 
 
 def add_gaussian_noise(tree: Any, stddev: Any, key: jax.Array) -> Any:

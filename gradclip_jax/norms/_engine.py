@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from gradclip_jax._backend import per_backend
 from gradclip_jax.norms._blue import _blue_norms
 from gradclip_jax.norms._reduce import (
     _abs,
@@ -122,11 +123,7 @@ _SUMSQ_STRATEGIES = ("cond", "blue", "blue-sums")
 
 
 def _sumsq_strategy() -> str:
-    name = SUMSQ_STRATEGY.get(jax.default_backend(), "cond")
-    if name not in _SUMSQ_STRATEGIES:
-        raise ValueError(f"gradclip_jax.norms.SUMSQ_STRATEGY: unknown strategy {name!r}; "
-                         f"expected one of {_SUMSQ_STRATEGIES}")
-    return name
+    return per_backend(SUMSQ_STRATEGY, "gradclip_jax.norms.SUMSQ_STRATEGY", "cond", _SUMSQ_STRATEGIES)
 
 
 def _is_sumsq(spec: NormSpec) -> bool:

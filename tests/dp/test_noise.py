@@ -218,3 +218,9 @@ def test_dp_aggregate_inside_shard_map_on_shards_is_an_error():
     fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(None, "x"), out_specs=P("x")))
     with pytest.raises(ValueError, match=r"dp_aggregate: leaf 0 differs across the manual mesh axes \('x',\)"):
         fn(grads)
+
+
+def test_unknown_strategy_is_a_value_error_naming_the_setting(monkeypatch):
+    monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, "fast")
+    with pytest.raises(ValueError, match=r"NOISE_STRATEGY: unknown strategy 'fast'"):
+        privacy.add_gaussian_noise({"a": jnp.zeros(3)}, 1.0, jax.random.key(0))
