@@ -114,7 +114,10 @@ class ClipConfig:
     def acc_dtype(self, leaf_dtype: Any) -> np.dtype:
         """The dtype a leaf's clipped sum is accumulated across chunks and returned in."""
         if self.dtype is not None:
-            return np.dtype(self.dtype)
+            out = np.dtype(self.dtype)
+            if np.issubdtype(leaf_dtype, np.complexfloating) and not np.issubdtype(out, np.complexfloating):
+                out = np.dtype(jnp.promote_types(out, np.complex64))  # a complex sum keeps its imaginary part
+            return out
         return _norms.sum_dtype(leaf_dtype)
 
     def sensitivity(self) -> Any:

@@ -462,6 +462,11 @@ def test_complex_parameters_get_complex_clipped_sums(method):
     assert got["w"].dtype == jnp.complex64
     for k in p:
         np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-5, atol=1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        as_f32, _ = clipped_grad(loss, clip, method=method, dtype=jnp.float32)(p, b)
+    assert as_f32["w"].dtype == jnp.complex64 and as_f32["v"].dtype == jnp.float32  # a real dtype= keeps complex
+    np.testing.assert_allclose(np.asarray(as_f32["w"]), np.asarray(want["w"]), rtol=1e-5, atol=1e-6)
     if method == "ghost":
         rep = ghost_report(loss, p, b)
         assert [k for k, _ in rep.ghost] == ["['v']"]
