@@ -24,7 +24,12 @@ Every step is a full optimizer step, jitted with the training state donated:
   division by the batch size, then adamw;
 * ``vmap``: the same with ``method='vmap'``;
 * ``jax_privacy``: ``jax_privacy.clipped_grad`` (when importable) with the same
-  noise and adamw.
+  noise and adamw;
+* ``nonprivate_highest`` (``gpt2-b8``, ``wrn-b256``): the non-private step with
+  every matmul at ``Precision.HIGHEST``. Ghost clipping forms its norms and
+  book-kept sums at full precision (the DP bound needs them exact to float32
+  rounding), so this row says what full precision alone costs on the device
+  (on an H100, float32 matmuls otherwise run as TF32).
 
 For each config it reports, all in the same process: the median step time over
 >= 20 interleaved rounds (one step of every variant per round, compile
@@ -32,7 +37,9 @@ excluded) and its ratio to the non-private step; the compiled temporaries
 (``memory_analysis().temp_size_in_bytes``) and their ratio; the time to trace,
 lower and compile each step and its ratio; and, from ``gcx.ghost_report``, how
 many parameter leaves the ghost path measures directly and which fall back to
-per-example gradients, with the reasons given. Each step is compiled once;
+per-example gradients, with the reasons given; and the conditionals and loops
+of each compiled program (on a GPU a conditional copies its predicate to the
+host). Each step is compiled once;
 variants whose lowered programs are identical (``ghost_sum='auto'`` is one of
 the other two; a model that falls back entirely makes ghost = vmap) share one
 executable and say so.
@@ -91,9 +98,10 @@ DEFAULT_BUDGET_S = 540.0
 RESULTS_JSON = "ghost_gpu.json"
 RESULTS_MD = "GHOST_GPU.md"
 
-STEPS = ("nonprivate", "ghost", "backward", "bookkeeping", "vmap", "jax_privacy")
+STEPS = ("nonprivate", "ghost", "backward", "bookkeeping", "vmap", "jax_privacy", "nonprivate_highest")
 STEP_TITLES = {"nonprivate": "non-private", "ghost": "ghost (auto)", "backward": "ghost backward",
-               "bookkeeping": "ghost bookkeeping", "vmap": "vmap", "jax_privacy": "jax-privacy"}
+               "bookkeeping": "ghost bookkeeping", "vmap": "vmap", "jax_privacy": "jax-privacy",
+               "nonprivate_highest": "non-private at HIGHEST"}
 GHOST_SUM = {"ghost": "auto", "backward": "backward", "bookkeeping": "bookkeeping"}
 
 
@@ -111,7 +119,7 @@ CONFIGS = (  # in priority order: a run cut short by the time budget has measure
     Config("gpt2-b8", "gpt2", 8, STEPS),
     Config("gpt2-qkv-b8", "gpt2-qkv", 8, STEPS[:5]),
     Config("wrn-b256", "wrn", 256, STEPS),
-    Config("gpt2-b32", "gpt2", 32, STEPS),
+    Config("gpt2-b32", "gpt2", 32, STEPS[:6]),
     Config("gpt2-qkv-b32", "gpt2-qkv", 32, STEPS[:5]),
     Config("gpt2-bf16-b8", "gpt2-bf16", 8, STEPS[:5]),
 )
@@ -269,6 +277,17 @@ def _nonprivate_step(losses: Callable, opt: optax.GradientTransformation) -> Cal
     return step
 
 
+def _highest(step: Callable) -> Callable:
+    """``step`` traced with every matmul at ``Precision.HIGHEST`` (no TF32 or bf16 passes): what
+    the full-precision products of the book-kept sums and ghost norms cost on this device."""
+
+    def run(state: Any, batch: Any) -> Any:
+        with jax.default_matmul_precision("highest"):
+            return step(state, batch)
+
+    return run
+
+
 def _dp_step(summed_grad: Callable, stddev: float, batch_size: int, opt: optax.GradientTransformation) -> Callable:
     """Clipped sum, Gaussian noise, division by the batch size, adamw."""
 
@@ -291,6 +310,8 @@ def _steps(cfg: Config, losses: Callable, batch_size: int, wanted: Sequence[str]
     for name in cfg.steps[1:]:
         if name not in wanted:
             out[name] = "skipped: not selected (GHOST_GPU_STEPS)"
+        elif name == "nonprivate_highest":
+            out[name] = _highest(out["nonprivate"])  # type: ignore[arg-type]
         elif name == "jax_privacy":
             jp = _jax_privacy(losses)
             out[name] = "skipped: jax_privacy is not importable" if jp is None else _dp_step(jp, stddev, batch_size, opt)
@@ -552,7 +573,8 @@ def rows_of(res: dict[str, Any]) -> list[dict]:
                 f"compile {_fmt(rec.get('compile_x'), '.2f')}x ({rec['compile_s']:.1f} s)")
         if "same_program_as" in rec:
             note += f"; same program as {rec['same_program_as']}"
-        out.append(row("ghost-gpu", f"{res['config']} {STEP_TITLES[name]} DP step vs non-private step, "
+        kind = "step" if name.startswith("nonprivate") else "DP step"
+        out.append(row("ghost-gpu", f"{res['config']} {STEP_TITLES[name]} {kind} vs non-private step, "
                        f"B={res['batch']}", rec["ms"], base["ms"], note, temp_mb=rec["temp_mb"],
                        baseline_temp_mb=base.get("temp_mb"), compile_s=rec["compile_s"],
                        baseline_compile_s=base.get("compile_s")))
