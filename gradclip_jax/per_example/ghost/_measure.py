@@ -173,11 +173,11 @@ def leaf_norms(config: ClipConfig, call: Call, traced: Traced, batch: Any, fwd: 
     requests = [n for n in site_norms if isinstance(n, RowNorms)]
     measured = iter(leaf_example_norms([*rows.values(), *[a for r in requests for a in r.arrays]]))
     norms.update((i, next(measured)) for i in rows)
-    resolved = {id(r): r.combine([next(measured) for _ in r.arrays]) for r in requests}
+    resolved = {r: r.combine([next(measured) for _ in r.arrays]) for r in requests}  # keyed by identity
     parts: dict[int, list[jax.Array]] = {}  # per-block norms (one for a leaf used once)
     for s, n in zip(plan.sites, site_norms, strict=True):
         if s.leaf not in formed and n is not None:
-            value = resolved[id(n)] if isinstance(n, RowNorms) else n
+            value = resolved[n] if isinstance(n, RowNorms) else n
             parts.setdefault(s.leaf, []).append(value.astype(acc))
     for i, ns in parts.items():
         norms[i] = ns[0] if len(ns) == 1 else combine_l2(ns)
