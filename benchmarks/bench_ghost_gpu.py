@@ -30,6 +30,13 @@ Every step is a full optimizer step, jitted with the training state donated:
   book-kept sums at full precision (the DP bound needs them exact to float32
   rounding), so this row says what full precision alone costs on the device
   (on an H100, float32 matmuls otherwise run as TF32).
+* ``ghost_tf32x3`` / ``ghost_bf16x6`` (``gpt2-b8``, ``gpt2-b32``, ``wrn-b256``):
+  the ghost step with the per-example products (Gram norms, formed and
+  book-kept sums) at ``DotAlgorithmPreset.TF32_TF32_F32_X3`` (GPU only) or
+  ``BF16_BF16_F32_X6`` instead of ``HIGHEST``
+  (``gcx.per_example.PRODUCT_PRECISION``); for these the suite also records
+  how far the per-example norms and the clipped sum move from the ``HIGHEST``
+  ones on the same batch (``product_accuracy``).
 
 For each config it reports, all in the same process: the median step time over
 >= 20 interleaved rounds (one step of every variant per round, compile
@@ -70,6 +77,7 @@ or ``python -m benchmarks.bench_ghost_gpu`` with the same flags.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import hashlib
 import json
@@ -79,7 +87,7 @@ import platform
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,11 +106,16 @@ DEFAULT_BUDGET_S = 540.0
 RESULTS_JSON = "ghost_gpu.json"
 RESULTS_MD = "GHOST_GPU.md"
 
-STEPS = ("nonprivate", "ghost", "backward", "bookkeeping", "vmap", "jax_privacy", "nonprivate_highest")
+STEPS = ("nonprivate", "ghost", "backward", "bookkeeping", "vmap", "jax_privacy", "nonprivate_highest",
+         "ghost_tf32x3", "ghost_bf16x6")
 STEP_TITLES = {"nonprivate": "non-private", "ghost": "ghost (auto)", "backward": "ghost backward",
                "bookkeeping": "ghost bookkeeping", "vmap": "vmap", "jax_privacy": "jax-privacy",
-               "nonprivate_highest": "non-private at HIGHEST"}
+               "nonprivate_highest": "non-private at HIGHEST", "ghost_tf32x3": "ghost, products 3xTF32",
+               "ghost_bf16x6": "ghost, products 6xBF16"}
 GHOST_SUM = {"ghost": "auto", "backward": "backward", "bookkeeping": "bookkeeping"}
+# Ghost (auto) with the per-example products at a reduced-pass algorithm
+# (gcx.per_example.PRODUCT_PRECISION) instead of Precision.HIGHEST.
+PRODUCT_STEPS = {"ghost_tf32x3": "tf32x3", "ghost_bf16x6": "bf16x6"}
 
 
 @dataclass(frozen=True)
@@ -119,7 +132,7 @@ CONFIGS = (  # in priority order: a run cut short by the time budget has measure
     Config("gpt2-b8", "gpt2", 8, STEPS),
     Config("gpt2-qkv-b8", "gpt2-qkv", 8, STEPS[:5]),
     Config("wrn-b256", "wrn", 256, STEPS),
-    Config("gpt2-b32", "gpt2", 32, STEPS[:6]),
+    Config("gpt2-b32", "gpt2", 32, (*STEPS[:6], *PRODUCT_STEPS)),
     Config("gpt2-qkv-b32", "gpt2-qkv", 32, STEPS[:5]),
     Config("gpt2-bf16-b8", "gpt2-bf16", 8, STEPS[:5]),
 )
@@ -288,6 +301,58 @@ def _highest(step: Callable) -> Callable:
     return run
 
 
+def _with_products(step: Callable, setting: str) -> Callable:
+    """``step`` traced with this backend's ``PRODUCT_PRECISION`` set to ``setting``."""
+
+    def run(state: Any, batch: Any) -> Any:
+        with _products(setting):
+            return step(state, batch)
+
+    return run
+
+
+@contextlib.contextmanager
+def _products(setting: str) -> Iterator[None]:
+    table = gcx.per_example.PRODUCT_PRECISION
+    backend = jax.default_backend()
+    old = table.get(backend)
+    table[backend] = setting
+    try:
+        yield
+    finally:
+        if old is None:
+            table.pop(backend, None)
+        else:
+            table[backend] = old
+
+
+def product_accuracy(losses: Callable, params: Any, data: Any, settings: Sequence[str]) -> dict[str, Any]:
+    """How far the clipped sum and the per-example norms at each reduced-pass ``setting`` are
+    from those at ``Precision.HIGHEST`` (ghost path, same batch): max relative error of the
+    norms, and the sum's L2 error relative to its norm."""
+
+    def run(setting: str) -> tuple[Any, Any]:
+        with _products(setting):
+            grads, info = jax.jit(gcx.clipped_grad(losses, CLIP, method="ghost"))(params, data)
+        return jax.device_get((grads, info.norms))
+
+    ref_g, ref_n = run("highest")
+    ref_n = np.asarray(ref_n, np.float64)
+    ref_leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(ref_g)]
+    ref_norm = float(np.sqrt(sum(np.sum(x * x) for x in ref_leaves)))
+    out: dict[str, Any] = {}
+    for setting in settings:
+        try:
+            g, n = run(setting)
+        except Exception as err:  # recorded; the other settings go on
+            out[setting] = {"error": _error(err)}
+            continue
+        diff = sum(np.sum((np.asarray(a, np.float64) - b) ** 2) for a, b in zip(jax.tree.leaves(g), ref_leaves))
+        out[setting] = {"norm_rel_err": float(np.max(np.abs(np.asarray(n, np.float64) / ref_n - 1))),
+                        "sum_rel_err": float(np.sqrt(diff)) / ref_norm}
+    return out
+
+
 def _dp_step(summed_grad: Callable, stddev: float, batch_size: int, opt: optax.GradientTransformation) -> Callable:
     """Clipped sum, Gaussian noise, division by the batch size, adamw."""
 
@@ -312,6 +377,12 @@ def _steps(cfg: Config, losses: Callable, batch_size: int, wanted: Sequence[str]
             out[name] = "skipped: not selected (GHOST_GPU_STEPS)"
         elif name == "nonprivate_highest":
             out[name] = _highest(out["nonprivate"])  # type: ignore[arg-type]
+        elif name == "ghost_tf32x3" and not _has_gpu():
+            out[name] = "skipped: TF32 products need an NVIDIA GPU (Ampere or later)"
+        elif name in PRODUCT_STEPS:
+            grad_fn = gcx.clipped_grad(losses, CLIP, method="ghost")
+            out[name] = _with_products(_dp_step(lambda p, b, f=grad_fn: f(p, b)[0], stddev, batch_size, opt),
+                                       PRODUCT_STEPS[name])
         elif name == "jax_privacy":
             jp = _jax_privacy(losses)
             out[name] = "skipped: jax_privacy is not importable" if jp is None else _dp_step(jp, stddev, batch_size, opt)
@@ -441,6 +512,15 @@ def measure(cfg: Config, *, tiny: bool, reps: int, max_s: float, deadline: float
             res["timing_error"] = _error(err)
             log(res["timing_error"])
             traceback.print_exc()
+    settings = [PRODUCT_STEPS[n] for n in runners if n in PRODUCT_STEPS]
+    if settings and time.perf_counter() + 2 * clock.get("max_compile_s", 0.0) < deadline:
+        log(f"product accuracy against HIGHEST: {', '.join(settings)}")
+        try:
+            res["product_accuracy"] = product_accuracy(losses, params, data, settings)
+            log(str(res["product_accuracy"]))
+        except Exception as err:
+            res["product_accuracy"] = {"error": _error(err)}
+            log(res["product_accuracy"]["error"])
     _add_ratios(res)
     del runners, compiled_by_text
     gc.collect()
@@ -533,6 +613,14 @@ def markdown(meta: dict[str, Any], configs: Sequence[dict[str, Any]]) -> str:
             lines.append(f"  - {STEP_TITLES[s]}: " + "; ".join(extra))
         if "timing_error" in c:
             lines.append(f"  - timing failed: {c['timing_error']}")
+        for setting, acc in c.get("product_accuracy", {}).items():
+            if not isinstance(acc, dict):
+                lines.append(f"  - product accuracy: {acc}")
+            elif "error" in acc:
+                lines.append(f"  - products at {setting}: accuracy check failed: {acc['error']}")
+            else:
+                lines.append(f"  - products at {setting} against HIGHEST: per-example norms within "
+                             f"{acc['norm_rel_err']:.1e} relative, clipped sum within {acc['sum_rel_err']:.1e}")
     return "\n".join(lines) + "\n"
 
 

@@ -16,7 +16,6 @@ __all__ = [
     "bounded_factor",
     "count0",
     "divide_or_zero",
-    "hi_einsum",
     "rounding_margin",
     "sqrt_nonneg",
     "sqrt_safe",
@@ -43,11 +42,6 @@ def divide_or_zero(num: Any, den: jax.Array) -> jax.Array:
     """``num / den`` where ``den > 0``, else 0, with finite derivatives everywhere."""
     ok = den > 0
     return jnp.where(ok, num / jnp.where(ok, den, jnp.ones_like(den)), jnp.zeros_like(den))
-
-
-def hi_einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-    """``jnp.einsum`` at ``Precision.HIGHEST`` (no bf16/TF32 passes: products exact to rounding)."""
-    return jnp.einsum(spec, a, b, precision=jax.lax.Precision.HIGHEST)
 
 
 # Units of rounding of the accumulation dtype the margin leaves for the factor

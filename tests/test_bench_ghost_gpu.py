@@ -89,3 +89,27 @@ def test_control_flow_counts_conditionals_and_loops():
 
     compiled = jax.jit(f).lower(jnp.arange(3.0)).compile()
     assert bg.control_flow(compiled) == {"conditionals": 1, "loops": 1}
+
+
+def test_product_accuracy_measures_reduced_pass_products_and_restores_the_table():
+    from gradclip_jax.per_example import PRODUCT_PRECISION
+    from tests.per_example.models import mlp_setup
+
+    before = dict(PRODUCT_PRECISION)
+    loss, params, data = mlp_setup()
+    acc = bg.product_accuracy(loss, params, data, ["bf16x6", "fp8"])
+    assert dict(PRODUCT_PRECISION) == before
+    # on the CPU six bfloat16 passes give float32 products: the norms agree and the sum moves
+    # by the clip-norm margin the reduced passes cost (8 units of float32 roundoff)
+    assert acc["bf16x6"]["norm_rel_err"] < 1e-6
+    assert 0 < acc["bf16x6"]["sum_rel_err"] < 2e-6
+    assert "unknown strategy 'fp8'" in acc["fp8"]["error"]
+
+
+def test_product_steps_trace_with_their_setting_and_tf32_needs_a_gpu():
+    cfg = bg.Config("x", "gpt2", 2, ("nonprivate", "ghost_tf32x3", "ghost_bf16x6"))
+    steps = bg._steps(cfg, lambda p, b: b, 2, bg.STEPS)
+    if not on_gpu:
+        assert steps["ghost_tf32x3"] == "skipped: TF32 products need an NVIDIA GPU (Ampere or later)"
+    assert callable(steps["ghost_bf16x6"])
+    assert {c.name for c in bg.CONFIGS if "ghost_tf32x3" in c.steps} == {"gpt2-b8", "gpt2-b32", "wrn-b256"}

@@ -38,9 +38,11 @@ from gradclip_jax.per_example._optax_compat import (
     per_example_layer_norm_clip,
     per_example_norms,
 )
+from gradclip_jax.per_example._products import PRODUCT_PRECISION
 from gradclip_jax.per_example.api import clipped_grad
 
 __all__ = [
+    "PRODUCT_PRECISION",
     "ClippedGradInfo",
     "ClippedGradFn",
     "per_example_global_norm_clip",

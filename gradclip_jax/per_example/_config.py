@@ -18,6 +18,7 @@ from gradclip_jax import norms as _norms
 from gradclip_jax._numerics import bounded_factor, divide_or_zero
 from gradclip_jax.clipping._factors import clip_factor
 from gradclip_jax.hyperparams import is_traced
+from gradclip_jax.per_example._products import product_margin
 
 
 class Method(enum.Enum):
@@ -51,10 +52,19 @@ def clip_factors(n: jax.Array, c: Any, store: Any = None) -> jax.Array:
     A factor below 1 is lowered by the rounding margin of ``store`` (default: the
     norms' dtype, the accumulation dtype), so each example's clipped
     contribution, formed in the accumulation dtype and stored in ``store``, has
-    norm at most ``c``, rounding included.
+    norm at most ``c``, rounding included. With reduced-pass products
+    (``PRODUCT_PRECISION``) ``c`` is first lowered by their error bound.
     """
-    f = clip_factor(n, jnp.asarray(c, n.dtype).reshape(()))
+    f = clip_factor(n, _margined(c, n.dtype))
     return bounded_factor(f, n.dtype if store is None else store)
+
+
+def _margined(c: Any, dtype: Any) -> jax.Array:
+    """``c`` as a scalar of ``dtype``, lowered by the margin of reduced-pass products
+    (:func:`~gradclip_jax.per_example._products.product_margin`; 1 by default)."""
+    c = jnp.asarray(c, dtype).reshape(())
+    m = product_margin(dtype)
+    return c if m == 1.0 else c * jnp.asarray(m, dtype)
 
 
 def renamed_kwarg(fn: str, old: str, new: str, old_value: Any, new_value: Any, default: Any = None) -> Any:
@@ -108,8 +118,7 @@ class ClipConfig:
         store = n.dtype if self.dtype is None else self.dtype
         if not self.normalize:
             return clip_factors(n, c, store)
-        c = jnp.asarray(c, n.dtype).reshape(())
-        return bounded_factor(divide_or_zero(c, n + jnp.asarray(self.gamma, n.dtype)), store)
+        return bounded_factor(divide_or_zero(_margined(c, n.dtype), n + jnp.asarray(self.gamma, n.dtype)), store)
 
     def acc_dtype(self, leaf_dtype: Any) -> np.dtype:
         """The dtype a leaf's clipped sum is accumulated across chunks and returned in."""

@@ -20,6 +20,7 @@ from gradclip_jax.per_example._batch import (
 )
 from gradclip_jax.per_example._config import clip_factors
 from gradclip_jax.per_example._measure import Measured, guarded_factor, measure
+from gradclip_jax.per_example._products import product_precision
 
 FactorFn = Callable[[jax.Array, Any], jax.Array]
 
@@ -27,10 +28,10 @@ FactorFn = Callable[[jax.Array, Any], jax.Array]
 def _row_dot(w: jax.Array, r: jax.Array, acc: np.dtype) -> jax.Array:
     """``sum_i w_i r_i`` over axis 0 as one ``dot_general`` with full-precision accumulation.
 
-    ``Precision.HIGHEST`` keeps float32 products exact-to-rounding on every
-    backend (no bf16/TF32 passes), so the clipping bound holds as computed. When
-    the batch axis is explicitly sharded the output sharding is given, which is
-    where ``tensordot`` raises ``ShardingTypeError``.
+    The products run at :func:`product_precision` (``Precision.HIGHEST`` unless
+    ``PRODUCT_PRECISION`` says otherwise: no bf16/TF32 passes), so the clipping
+    bound holds as computed. When the batch axis is explicitly sharded the output
+    sharding is given, which is where ``tensordot`` raises ``ShardingTypeError``.
     """
     spec = explicit_spec(r)
     out_sharding = None if spec is None else jax.sharding.PartitionSpec(*spec[1:])
@@ -38,7 +39,7 @@ def _row_dot(w: jax.Array, r: jax.Array, acc: np.dtype) -> jax.Array:
         w.astype(acc),
         r.astype(acc),
         (((0,), (0,)), ((), ())),
-        precision=lax.Precision.HIGHEST,
+        precision=product_precision(acc, acc),
         preferred_element_type=acc,
         out_sharding=out_sharding,
     )

@@ -13,7 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gradclip_jax._numerics import hi_einsum, sqrt_nonneg
+from gradclip_jax._numerics import sqrt_nonneg
+from gradclip_jax.per_example._products import product_einsum
 from gradclip_jax.per_example.ghost.rules import Factor, Site
 
 # Chain operations a factored use may go through (anything else: no factors).
@@ -47,7 +48,7 @@ def _factor_inner(f: Factor, h: Factor) -> jax.Array:
     """``<x_bt, x'_bs>`` for all positions: ``(B, T, S)``."""
     (kf, xf), (kh, xh) = f, h
     if kf == "dense" and kh == "dense":
-        return hi_einsum("btn,bsn->bts", xf, xh)
+        return product_einsum("btn,bsn->bts", xf, xh)
     if kf == "onehot" and kh == "onehot":
         return (xf[:, :, None] == xh[:, None, :]).astype(jnp.float32)
     if kf == "dense":  # x_bt[ids_bs]

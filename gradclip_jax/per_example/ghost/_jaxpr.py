@@ -14,6 +14,8 @@ import numpy as np
 from jax import lax
 from jax.extend import core as _jcore
 
+from gradclip_jax.per_example._products import product_precision
+
 _CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 # Inlined: the sub-jaxpr runs once on the operands. ``checkpoint`` (remat) loses
 # its rematerialization on the ghost path: a parameter used inside it must be
@@ -73,20 +75,26 @@ def sub_jaxprs(eqn: Any) -> list[Any]:
     return out
 
 
-# Products at full precision: no bf16/TF32 passes.
 _FULL = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
 
 
 def _widened(eqn: Any, invals: Sequence[Any], acc: Any) -> tuple[list[Any], dict[str, Any]]:
     """``invals`` and ``eqn.params`` with every floating operand and result dtype narrower than
-    ``acc`` widened to ``acc``, and products at full precision."""
+    ``acc`` widened to ``acc``, and products at full precision (dots: :func:`product_precision`)."""
     vals = [x.astype(acc) if narrower(getattr(x, "dtype", np.float64), acc) else x for x in invals]
     params = {k: widen(v, acc) if isinstance(v, np.dtype) else v for k, v in eqn.params.items()}
     if "precision" in params:
         # float32 too: at the backend's default precision (TF32 on NVIDIA GPUs, bf16 passes
         # on TPUs) a book-kept contribution would differ from the gradient whose norm
-        # the full-precision norms measured by up to ~1e-3, beyond the stored bound
-        params["precision"] = _FULL
+        # the full-precision norms measured by up to ~1e-3, beyond the stored bound.
+        # A dot takes the per-example products' precision (PRODUCT_PRECISION); others HIGHEST.
+        prec = _FULL
+        if eqn.primitive is lax.dot_general_p:
+            p = product_precision(*(getattr(x, "dtype", np.float64) for x in vals[:2]))
+            if not isinstance(p, lax.Precision):
+                prec = p
+                params["preferred_element_type"] = np.dtype(np.float32)
+        params["precision"] = prec
     return vals, params
 
 

@@ -31,8 +31,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gradclip_jax._numerics import hi_einsum, sqrt_nonneg
+from gradclip_jax._numerics import sqrt_nonneg
 from gradclip_jax.per_example._measure import combine_l2, leaf_example_norms
+from gradclip_jax.per_example._products import product_einsum
 from gradclip_jax.per_example.ghost._jaxpr import shape
 from gradclip_jax.per_example.ghost.rules._registry import (
     CONST,
@@ -108,13 +109,13 @@ def gram_norms(views: ConvViews) -> jax.Array:
     """:math:`\\sqrt{\\sum_g \\langle \\sum_k X_{bgk} X_{bgk}^\\top, G_{bg} G_{bg}^\\top\\rangle}`, ``(B,)``."""
 
     def gram(x: jax.Array) -> jax.Array:
-        return hi_einsum("bgct,bgcs->bgts", x, x)
+        return product_einsum("bgct,bgcs->bgts", x, x)
 
     # one window at a time; the carry starts from the first tap's Gram, so it has the
     # type (and, inside shard_map, the varying axes) of the others
     first = gram(views.tap(views.offsets[0]))
     pp, _ = lax.scan(lambda acc, off: (acc + gram(views.tap(off)), None), first, views.offsets[1:])
-    gg = hi_einsum("bgtp,bgsp->bgts", views.g, views.g)
+    gg = product_einsum("bgtp,bgsp->bgts", views.g, views.g)
     return sqrt_nonneg(jnp.sum(pp * gg, axis=(1, 2, 3)))
 
 
@@ -127,7 +128,7 @@ def formed_norms(views: ConvViews) -> jax.Array:
     """
 
     def tap_norms(_: None, off: jax.Array) -> tuple[None, jax.Array]:
-        block = hi_einsum("bgct,bgtp->bgcp", views.tap(off), views.g)
+        block = product_einsum("bgct,bgtp->bgcp", views.tap(off), views.g)
         # branch-free: a conditional in the loop body would cost a host round trip per tap on GPUs
         return None, leaf_example_norms([block], branch_free=True)[0]
 

@@ -14,7 +14,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gradclip_jax._numerics import hi_einsum, sqrt_nonneg
+from gradclip_jax._numerics import sqrt_nonneg
+from gradclip_jax.per_example._products import product_einsum
 from gradclip_jax.per_example.ghost._jaxpr import shape
 from gradclip_jax.per_example.ghost.rules._registry import (
     CONST,
@@ -95,10 +96,10 @@ class DotGeneral(Rule):
             return RowNorms((jnp.reshape(a3, (bsz, dsz)), jnp.reshape(g3, (bsz, psz))),
                             lambda n: (n[0] * n[1]).astype(acc))
         if 2 * t * t < psz * dsz:
-            aa = hi_einsum("btd,bsd->bts", a3, a3)
-            gg = hi_einsum("btp,bsp->bts", g3, g3)
+            aa = product_einsum("btd,bsd->bts", a3, a3)
+            gg = product_einsum("btp,bsp->bts", g3, g3)
             return sqrt_nonneg(jnp.sum(aa * gg, axis=(1, 2)))
-        per_example = hi_einsum("btd,btp->bdp", a3, g3)  # this layer's per-example gradients only
+        per_example = product_einsum("btd,btp->bdp", a3, g3)  # this layer's per-example gradients only
         return RowNorms((per_example,), lambda n: n[0])
 
     def factors(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any,

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gradclip_jax._numerics import hi_einsum, sqrt_nonneg
+from gradclip_jax._numerics import sqrt_nonneg
+from gradclip_jax.per_example._products import product_einsum
 from gradclip_jax.per_example.ghost._jaxpr import shape
 from gradclip_jax.per_example.ghost.rules._registry import (
     ROW,
@@ -93,7 +94,7 @@ class Gather(Rule):
         if ids.shape[1] == 1:
             return RowNorms((g3,), lambda n: n[0])
         same = (ids[:, :, None] == ids[:, None, :]).astype(acc)
-        gg = hi_einsum("btp,bsp->bts", g3, g3)
+        gg = product_einsum("btp,bsp->bts", g3, g3)
         return sqrt_nonneg(jnp.sum(same * gg, axis=(1, 2)))
 
     def factors(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any,

@@ -1,0 +1,87 @@
+"""How the per-example path multiplies: the precision of its products, per backend.
+
+Three kinds of products decide what each example contributes to a clipped sum:
+the Gram matrices of ghost norms, the per-example gradients a ghost rule forms,
+and the weighted sums (book-kept or over formed rows). They run at
+:data:`PRODUCT_PRECISION` for the backend (read when the function is traced):
+
+* ``"highest"`` (the default everywhere): ``Precision.HIGHEST``, float32 products
+  exact to rounding.
+* ``"bf16x6"``: ``DotAlgorithmPreset.BF16_BF16_F32_X6``, six bfloat16 passes
+  with float32 accumulation (about float32 accuracy, on bfloat16 tensor cores).
+* ``"tf32x3"``: ``DotAlgorithmPreset.TF32_TF32_F32_X3``, three TF32 passes
+  (NVIDIA GPUs from Ampere on; XLA's CPU backend rejects it).
+
+Only products of two float32 operands use a reduced-pass algorithm; float64 and
+complex products stay at ``HIGHEST``. A reduced-pass product is within
+``PRODUCT_UNITS[name]`` units of float32 roundoff of the exact one (relative
+to ``|a| |b|``), and the clip norm is lowered by that much (:func:`product_margin`),
+so each example's contribution, formed at that precision, still has norm at
+most :math:`C`. At ``"tf32x3"`` that lowers :math:`C` by ``2**-17`` (about 8e-6).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from gradclip_jax._backend import per_backend
+
+__all__ = ["PRODUCT_PRECISION", "PRODUCT_UNITS", "product_einsum", "product_margin", "product_precision"]
+
+# Backend name -> one of _ALGORITHMS' keys; a backend not listed uses "highest".
+PRODUCT_PRECISION: dict[str, str] = {}
+
+_ALGORITHMS: dict[str, Any] = {
+    "highest": lax.Precision.HIGHEST,
+    "bf16x6": lax.DotAlgorithmPreset.BF16_BF16_F32_X6,
+    "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+}
+
+# Worst-case error of one product, in units of float32 roundoff (2**-24) relative to |a||b|,
+# beyond what a float32 product makes. x6: operands split into three bfloat16 parts
+# (round to nearest), the dropped cross terms and the split's residual are each <= 2**-24.
+# x3: operands split into two TF32 parts; with truncating conversions the dropped
+# low x low term and the two residuals are each <= 2**-20.
+PRODUCT_UNITS: dict[str, int] = {"highest": 0, "bf16x6": 8, "tf32x3": 128}
+
+
+def _setting() -> str:
+    return per_backend(PRODUCT_PRECISION, "gradclip_jax.per_example.PRODUCT_PRECISION", "highest",
+                       tuple(_ALGORITHMS))
+
+
+def product_precision(*dtypes: Any) -> Any:
+    """The ``precision`` argument for a product of operands of ``dtypes``.
+
+    ``Precision.HIGHEST`` unless every operand is float32 and the backend's
+    :data:`PRODUCT_PRECISION` names a reduced-pass algorithm.
+    """
+    name = _setting()
+    if name == "highest" or any(np.dtype(d) != np.float32 for d in dtypes):
+        return lax.Precision.HIGHEST
+    return _ALGORITHMS[name]
+
+
+def product_einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """``jnp.einsum`` of two operands at :func:`product_precision` (float32 result for float32)."""
+    prec = product_precision(a.dtype, b.dtype)
+    if isinstance(prec, lax.Precision):
+        return jnp.einsum(spec, a, b, precision=prec)
+    return jnp.einsum(spec, a, b, precision=prec, preferred_element_type=jnp.float32)
+
+
+def product_margin(dtype: Any) -> float:
+    """What the clip norm is multiplied by for products at this backend's precision.
+
+    1.0 at ``"highest"`` and for norms that are not float32; else
+    ``1 - PRODUCT_UNITS * 2**-24``.
+    """
+    name = _setting()
+    if name == "highest" or np.dtype(dtype) != np.float32:
+        return 1.0
+    return 1.0 - PRODUCT_UNITS[name] * float(jnp.finfo(jnp.float32).eps) / 2.0

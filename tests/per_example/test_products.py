@@ -1,0 +1,103 @@
+"""PRODUCT_PRECISION: the precision of the per-example path's products, and the margin it costs."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from gradclip_jax.per_example import PRODUCT_PRECISION, clipped_grad, per_example_global_norm_clip
+from gradclip_jax.per_example._products import (
+    PRODUCT_UNITS,
+    product_einsum,
+    product_margin,
+    product_precision,
+)
+from tests.per_example.models import assert_tree_close, cnn_setup, loop_reference, mlp_setup
+
+X6 = "BF16_BF16_F32_X6"  # the reduced-pass algorithm XLA's CPU backend accepts
+
+
+@pytest.fixture
+def x6(monkeypatch):
+    """This backend's products at six bfloat16 passes (restored afterwards)."""
+    monkeypatch.setitem(PRODUCT_PRECISION, jax.default_backend(), "bf16x6")
+
+
+def _algorithms(fn, *args) -> list[str]:
+    """The precision of every dot_general in ``fn``'s jaxpr (nested jaxprs included), as text."""
+    found: list[str] = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive is lax.dot_general_p:
+                found.append(str(eqn.params["precision"]))
+            for v in eqn.params.values():
+                for j in v if isinstance(v, (tuple, list)) else (v,):
+                    if hasattr(j, "jaxpr") and hasattr(j, "consts"):
+                        walk(j.jaxpr)
+                    elif hasattr(j, "eqns"):
+                        walk(j)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+def test_default_is_highest_everywhere():
+    assert product_precision(np.float32, np.float32) is lax.Precision.HIGHEST
+    assert product_margin(np.float32) == 1.0
+    loss, params, data = mlp_setup()
+    precs = _algorithms(clipped_grad(loss, 1.0, method="ghost"), params, data)
+    assert sum("HIGHEST" in p for p in precs) >= 4
+    assert not any(X6 in p for p in precs)
+
+
+def test_reduced_passes_reach_every_per_example_product(x6):
+    loss, params, data = mlp_setup()
+    precs = _algorithms(clipped_grad(loss, 1.0, method="ghost", ghost_sum="bookkeeping"), params, data)
+    # the Gram/formed norms and the book-kept sums all take the algorithm
+    assert sum(X6 in p for p in precs) >= 4
+    precs = _algorithms(clipped_grad(loss, 1.0, method="vmap"), params, data)
+    assert any(X6 in p for p in precs)  # the weighted sum over formed rows
+
+
+def test_only_float32_products_take_the_algorithm(x6):
+    assert product_precision(np.float32, np.float32) == lax.DotAlgorithmPreset.BF16_BF16_F32_X6
+    assert product_precision(np.float64, np.float64) is lax.Precision.HIGHEST
+    assert product_precision(np.float32, np.complex64) is lax.Precision.HIGHEST
+    assert product_margin(np.float64) == 1.0
+    a = jnp.arange(6.0, dtype=jnp.float32).reshape(2, 3)
+    out = product_einsum("ij,kj->ik", a, a)
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(out, np.asarray(a) @ np.asarray(a).T, rtol=1e-6)
+
+
+def test_margin_lowers_the_clip_norm_by_the_product_error(monkeypatch):
+    g = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(3, 40)) * 10, jnp.float32)}
+    hi, _ = per_example_global_norm_clip(g, 1.0)
+    monkeypatch.setitem(PRODUCT_PRECISION, jax.default_backend(), "bf16x6")
+    assert product_margin(np.float32) == 1.0 - PRODUCT_UNITS["bf16x6"] * 2.0**-24
+    lo, _ = per_example_global_norm_clip(g, 1.0)
+    # every example is above the bound: the sum shrinks by the margin (8 units), to rounding
+    ratio = np.linalg.norm(np.asarray(lo["w"], np.float64)) / np.linalg.norm(np.asarray(hi["w"], np.float64))
+    assert 1.0 - 12 * 2.0**-24 < ratio < 1.0 - 4 * 2.0**-24
+
+
+@pytest.mark.parametrize("setup", [mlp_setup, cnn_setup], ids=["mlp", "cnn"])
+def test_ghost_at_reduced_passes_matches_the_loop(x6, setup):
+    loss, params, data = setup()
+    clip = 0.5
+    want, norms, clipped = loop_reference(loss, params, data, clip)
+    got, info = jax.jit(clipped_grad(loss, clip, method="ghost"))(params, data)
+    assert_tree_close(got, want)
+    np.testing.assert_allclose(info.norms, norms, rtol=2e-5)
+    assert int(info.num_clipped) == clipped
+
+
+def test_unknown_setting_names_the_table(monkeypatch):
+    monkeypatch.setitem(PRODUCT_PRECISION, jax.default_backend(), "fp8")
+    loss, params, data = mlp_setup()
+    with pytest.raises(ValueError, match="PRODUCT_PRECISION: unknown strategy 'fp8'"):
+        clipped_grad(loss, 1.0, method="ghost")(params, data)
