@@ -4,7 +4,9 @@ Usage: ``python -m benchmarks [--quick] [--only core,stateful,dp,noise,ghost,sam
 Writes ``DIR/results.json`` and ``DIR/RESULTS.md`` (default ``benchmarks/results``);
 the GPU suites (``core-gpu``, not run by default) write ``DIR/results_<suite>.json``
 and ``DIR/RESULTS_<suite>.md`` of their own, so a GPU run does not replace the
-CPU table.
+CPU table. A run with ``--only`` merges into the existing files (same ``--quick``
+and backend): it replaces the rows of the groups it ran and keeps the others,
+each row stamped with the date it was measured.
 Ratios are ours / baseline measured in this process, so < 1 means faster.
 
 Suites in ``EXTRA_SUITES`` run only when named in ``--only``: ``ghost-gpu``
@@ -31,12 +33,32 @@ GPU_SUITES = ("core-gpu",)  # rows go to results_<suite>.json / RESULTS_<suite>.
 EXTRA_SUITES = ("ghost-gpu", *GPU_SUITES)  # run only when named in --only
 
 
+def merge_rows(old: list[dict], new: list[dict], ran: set[str], date: str) -> list[dict]:
+    """``new`` (stamped with ``date``) in place of the rows of the groups that ran (``ran``);
+    the other groups' rows from ``old`` are kept, so ``--only`` replaces only what it measured.
+    Rows keep the order of their groups' first appearance (old groups first)."""
+    stamped = [{**r, "date": r.get("date", date)} for r in new]
+    kept = [r for r in old if r["group"] not in ran | {r2["group"] for r2 in new}]
+    order: list[str] = []
+    for r in old + stamped:
+        if r["group"] not in order:
+            order.append(r["group"])
+    merged = kept + stamped
+    return sorted(merged, key=lambda r: order.index(r["group"]))  # stable: rows keep their order
+
+
 def _markdown(rows: list[dict], meta: dict) -> str:
+    dates: dict[str, set[str]] = {}
+    for r in rows:
+        dates.setdefault(r["group"], set()).add(r.get("date", meta["date"]))
+    when = "; ".join(f"{g} {', '.join(sorted(d))}" for g, d in dates.items())
     lines = [
         "# Benchmark results",
         "",
         f"jax {meta['jax']}, backend {meta['backend']} ({meta['device']}), {meta['machine']}, "
         f"quick={meta['quick']}, {meta['date']}. Ratio = ours / baseline (< 1 is better).",
+        "",
+        f"Measured (per group): {when}. `--only` reruns replace their groups' rows and keep the others.",
         "",
         "| group | benchmark | ours (ms) | baseline (ms) | ratio | note |",
         "|---|---|---:|---:|---:|---|",
@@ -84,7 +106,15 @@ def main() -> None:
     if gpu_only and not rows:
         print("no rows (no GPU); nothing written")
         return
-    (out / f"results{suffix}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    path = out / f"results{suffix}.json"
+    old_rows: list[dict] = []
+    if path.exists():
+        previous = json.loads(path.read_text())
+        old_meta = previous.get("meta", {})
+        if old_meta.get("quick") == args.quick and old_meta.get("backend") == meta["backend"]:
+            old_rows = [{**r, "date": r.get("date", old_meta.get("date", "?"))} for r in previous.get("rows", [])]
+    rows = merge_rows(old_rows, rows, set(names), meta["date"])
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     (out / f"RESULTS{suffix}.md").write_text(_markdown(rows, meta))
     print(f"wrote {out / f'results{suffix}.json'} and {out / f'RESULTS{suffix}.md'}")
 
