@@ -36,7 +36,7 @@ import numpy as np
 import optax
 
 import gradclip_jax as gcx
-from benchmarks.common import interleaved_ms, num_params, row
+from benchmarks.common import interleaved_ms, num_params, row, train_step_fn
 from gradclip_jax import norms as _norms
 
 GROUP = "core-gpu"
@@ -77,14 +77,6 @@ def _make_tree(dtype: Any) -> dict[str, Any]:
 
 def _clip_fn(tx: optax.GradientTransformation) -> Any:
     return jax.jit(lambda g, s: tx.update(g, s))
-
-
-def _step_fn(tx: optax.GradientTransformation) -> Any:
-    def step(p: Any, g: Any, s: Any) -> Any:
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s
-
-    return jax.jit(step)
 
 
 def _compile_s(make_tx: Any, tree: Any) -> float:
@@ -141,7 +133,7 @@ def _rows_for(dtype: Any, label: str, reps: int) -> list[dict]:
     params = jax.tree_util.tree_map(lambda x: x * 10, tree)
     ours_c = optax.chain(gcx.clip_by_global_norm(1.0), optax.adamw(1e-4))
     ref_c = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-4))
-    ours_step, ref_step = _step_fn(ours_c), _step_fn(ref_c)
+    ours_step, ref_step = train_step_fn(ours_c), train_step_fn(ref_c)
     ours_cs, ref_cs = ours_c.init(params), ref_c.init(params)
     t = interleaved_ms({"ours": lambda: ours_step(params, tree, ours_cs),
                         "optax": lambda: ref_step(params, tree, ref_cs)}, reps=reps)

@@ -89,3 +89,15 @@ def memory_mb(compiled: Any) -> tuple[float, float]:
 def compiled_mb(f: Callable[..., Any], *args: Any) -> tuple[float, float]:
     """``(temporaries, peak)`` of ``jax.jit(f)`` compiled for ``args``, in MiB (see :func:`memory_mb`)."""
     return memory_mb(jax.jit(f).lower(*args).compile())
+
+
+def train_step_fn(tx: Any) -> Callable[[Any, Any, Any], Any]:
+    """``jit``'d ``(params, grads, state) -> (new params, new state)``: ``tx.update`` then
+    ``optax.apply_updates``, one training step of an optimizer chain."""
+    import optax
+
+    def step(p: Any, g: Any, s: Any) -> Any:
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    return jax.jit(step)
