@@ -12,7 +12,12 @@ warm-up calls), and the medians are reported.
 Every clipper is timed twice: with its state passed as a plain argument, and with
 the state donated (``jax.jit(update, donate_argnums=1)``), as a training step that
 donates its optimizer state runs it; there XLA may overwrite the state in place.
-optax's state is empty, so its timing is the same either way.
+The donated step returns the new state before the updates: JAX gives a donated
+buffer to the first output of its shape and dtype, so this way each state
+buffer goes to the new state, as in a training step (where the updates are
+consumed, not returned); returned after the updates, the state's buffers would
+go to the updates instead. optax's state is empty, so its timing is the same
+either way.
 
 Run alone with ``python -m benchmarks.bench_stateful [--quick]``.
 """
@@ -56,12 +61,15 @@ CLIPPERS: list[tuple[str, Callable[[], optax.GradientTransformation], str]] = [
 
 def _timer(tx: optax.GradientTransformation, updates: Any, donate: bool = False) -> Callable[[], float]:
     """A closure that runs one jitted step (feeding the state back) and returns seconds."""
-    step = jax.jit(tx.update, donate_argnums=1 if donate else ())
+    if donate:
+        step = jax.jit(lambda u, s: tx.update(u, s)[::-1], donate_argnums=1)  # (state, updates)
+    else:
+        step = jax.jit(lambda u, s: tx.update(u, s)[::-1])
     state = [tx.init(updates)]
 
     def run() -> float:
         t0 = time.perf_counter()
-        out, new = step(updates, state[0])
+        new, out = step(updates, state[0])
         jax.block_until_ready((out, new))
         t1 = time.perf_counter()
         state[0] = new

@@ -281,8 +281,9 @@ def clip_value_growth(
 
     bounded = add is not None or mul is not None  # else the identity: nothing is ever clipped
 
-    def one(x: jax.Array, r: jax.Array, v: dict) -> tuple[jax.Array, jax.Array]:
-        """(output, new tracked value) for one leaf, in the state's dtype.
+    def one(x: jax.Array, r: jax.Array, v: dict) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+        """``(y, shrink, decayed)`` for one leaf, in the state's dtype: the clipped value, where
+        the tracked value decays instead of following ``y`` (``None``: nowhere), and ``r / max_decay``.
 
         The two bounds compose into one magnitude bound: the additive step caps
         ``|x|`` at ``|r| + add`` and the multiplicative one then caps it at
@@ -302,13 +303,11 @@ def clip_value_growth(
             by_mul = v["mul"].astype(dt) * m
             bound = by_mul if bound is None else jnp.minimum(bound, by_mul)
         y = x if bound is None else jnp.where(ax > bound, jnp.sign(x) * bound, x)
-        tracked = y
-        if max_decay is not None:
-            # rho = max(|x| / m, 1e-8) < 1 / max_decay, without dividing by m (m may be 0)
-            md = v["max_decay"].astype(dt)
-            shrink = (after_add < m / md) & (md * 1e-8 < 1)
-            tracked = jnp.where(shrink, r / md, y)
-        return y, tracked
+        if max_decay is None:
+            return y, None, None
+        # rho = max(|x| / m, 1e-8) < 1 / max_decay, without dividing by m (m may be 0)
+        md = v["max_decay"].astype(dt)
+        return y, (after_add < m / md) & (md * 1e-8 < 1), r / md
 
     def update_fn(updates: Any, state: ClipValueGrowthState, params: Any = None) -> tuple:
         del params
@@ -323,16 +322,23 @@ def clip_value_growth(
         ok = (_st.all_finite(arrays) if skip else jnp.ones((), bool)) & counts(invalid)
         outs, new_prev, flags = [], [], []
         for u, r in zip(arrays, prevs, strict=True):
-            y, t = one(u, r, v)
+            y, shrink, decayed = one(u, r, v)
             keep = first | ~ok
             out = jnp.where(keep, u, y.astype(u.dtype))
+            same = u.dtype == r.dtype
             # an element was clipped exactly when y differs from the input; compared on
             # the output (no temporary |x| or bound) when casting loses nothing
             hit = jnp.zeros((), bool)
             if bounded:
-                hit = _st.any_changed(out, u) if u.dtype == r.dtype else _st.any_changed(y, u.astype(r.dtype))
+                hit = _st.any_changed(out, u) if same else _st.any_changed(y, u.astype(r.dtype))
             outs.append(poison(out, invalid))
-            new_prev.append(jnp.where(ok, jnp.where(first, u.astype(r.dtype), t), r))
+            # On a counted step the tracked value is the output (u on the first step, y after)
+            # unless it decays. Read from `out` when that holds it exactly: the new state then
+            # depends on the output, so XLA computes the output first and can write the state
+            # over a donated `r` in place (else it copies `r`, two extra passes).
+            follow = out if same else jnp.where(first, u.astype(r.dtype), y)
+            tracked = follow if shrink is None else jnp.where(shrink & ~first, decayed, follow)
+            new_prev.append(jnp.where(ok, tracked, r))
             flags.append(hit & ok & ~first)
         new_state = ClipValueGrowthState(
             count=jnp.where(ok, increment(count), count),
