@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import optax
 
 import gradclip_jax as gcx
-from benchmarks.common import interleaved_ms, num_params, row, train_step_fn, transformer_tree
+from benchmarks.common import chain_step_ms, interleaved_ms, num_params, row, transformer_tree
 
 GROUP = "core"
 
@@ -59,13 +59,7 @@ def _runtime_rows(tree: Any, label: str, reps: int) -> list[dict]:
 
 
 def _chain_row(tree: Any, label: str, reps: int) -> dict:
-    params = jax.tree_util.tree_map(lambda x: x * 10, tree)
-    ours_c = optax.chain(gcx.clip_by_global_norm(1.0), optax.adamw(1e-4))
-    ref_c = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-4))
-    ours_step, ref_step = train_step_fn(ours_c), train_step_fn(ref_c)
-    ours_s, ref_s = ours_c.init(params), ref_c.init(params)
-    t = interleaved_ms({"ours": lambda: ours_step(params, tree, ours_s),
-                        "optax": lambda: ref_step(params, tree, ref_s)}, reps=reps)
+    t = chain_step_ms(tree, reps)
     return row(GROUP, f"chain(clip, adamw) + apply_updates vs optax, {label} ({num_params(tree) / 1e6:.1f}M params)",
                t["ours"], t["optax"], "bar <= 1.0")
 

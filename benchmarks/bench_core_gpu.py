@@ -36,7 +36,7 @@ import numpy as np
 import optax
 
 import gradclip_jax as gcx
-from benchmarks.common import interleaved_ms, num_params, row, train_step_fn
+from benchmarks.common import chain_step_ms, interleaved_ms, num_params, row
 from gradclip_jax import norms as _norms
 
 GROUP = "core-gpu"
@@ -130,13 +130,7 @@ def _rows_for(dtype: Any, label: str, reps: int) -> list[dict]:
                     f"default on {backend}: {saved.get(backend, _norms.PACK_MAX_SIZE)}; "
                     f"packed temporaries {packed_tmp:.2f} MiB"))
 
-    params = jax.tree_util.tree_map(lambda x: x * 10, tree)
-    ours_c = optax.chain(gcx.clip_by_global_norm(1.0), optax.adamw(1e-4))
-    ref_c = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-4))
-    ours_step, ref_step = train_step_fn(ours_c), train_step_fn(ref_c)
-    ours_cs, ref_cs = ours_c.init(params), ref_c.init(params)
-    t = interleaved_ms({"ours": lambda: ours_step(params, tree, ours_cs),
-                        "optax": lambda: ref_step(params, tree, ref_cs)}, reps=reps)
+    t = chain_step_ms(tree, reps)
     rows.append(row(GROUP, f"chain(clip, adamw) + apply_updates vs optax, {label}", t["ours"], t["optax"],
                     "goal <= 1.0"))
 
