@@ -281,9 +281,10 @@ def clip_value_growth(
 
     bounded = add is not None or mul is not None  # else the identity: nothing is ever clipped
 
-    def one(x: jax.Array, r: jax.Array, v: dict) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
-        """``(y, shrink, decayed)`` for one leaf, in the state's dtype: the clipped value, where
-        the tracked value decays instead of following ``y`` (``None``: nowhere), and ``r / max_decay``.
+    def one(x: jax.Array, r: jax.Array, v: dict) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """``(y, decay)`` for one leaf, in the state's dtype: the clipped value, and
+        ``(shrink, r / max_decay)``: where the tracked value decays instead of following ``y``
+        and to what (``None`` without ``max_decay``).
 
         The two bounds compose into one magnitude bound: the additive step caps
         ``|x|`` at ``|r| + add`` and the multiplicative one then caps it at
@@ -304,10 +305,10 @@ def clip_value_growth(
             bound = by_mul if bound is None else jnp.minimum(bound, by_mul)
         y = x if bound is None else jnp.where(ax > bound, jnp.sign(x) * bound, x)
         if max_decay is None:
-            return y, None, None
+            return y, None
         # rho = max(|x| / m, 1e-8) < 1 / max_decay, without dividing by m (m may be 0)
         md = v["max_decay"].astype(dt)
-        return y, (after_add < m / md) & (md * 1e-8 < 1), r / md
+        return y, ((after_add < m / md) & (md * 1e-8 < 1), r / md)
 
     def update_fn(updates: Any, state: ClipValueGrowthState, params: Any = None) -> tuple:
         del params
@@ -322,7 +323,7 @@ def clip_value_growth(
         ok = (_st.all_finite(arrays) if skip else jnp.ones((), bool)) & counts(invalid)
         outs, new_prev, flags = [], [], []
         for u, r in zip(arrays, prevs, strict=True):
-            y, shrink, decayed = one(u, r, v)
+            y, decay = one(u, r, v)
             keep = first | ~ok
             out = jnp.where(keep, u, y.astype(u.dtype))
             same = u.dtype == r.dtype
@@ -337,7 +338,7 @@ def clip_value_growth(
             # depends on the output, so XLA computes the output first and can write the state
             # over a donated `r` in place (else it copies `r`, two extra passes).
             follow = out if same else jnp.where(first, u.astype(r.dtype), y)
-            tracked = follow if shrink is None else jnp.where(shrink & ~first, decayed, follow)
+            tracked = follow if decay is None else jnp.where(decay[0] & ~first, decay[1], follow)
             new_prev.append(jnp.where(ok, tracked, r))
             flags.append(hit & ok & ~first)
         new_state = ClipValueGrowthState(
