@@ -54,8 +54,10 @@ executable and say so.
 Results go to ``OUT/GHOST_GPU.md`` and ``OUT/ghost_gpu.json`` (``OUT`` is
 ``--out``, by default ``benchmarks/results``), rewritten after every config and
 merged with the configs already in that JSON, so a run split over several calls
-with the same ``--out`` adds up. Runs made into different folders are combined
-with ``python -m benchmarks.bench_ghost_gpu --merge A/ghost_gpu.json B/ghost_gpu.json --out DIR``.
+with the same ``--out`` adds up; within a config, steps a later run did not
+measure (``GHOST_GPU_STEPS``) are kept from the earlier one, marked so. Runs
+made into different folders are combined with
+``python -m benchmarks.bench_ghost_gpu --merge A/ghost_gpu.json B/ghost_gpu.json --out DIR``.
 
 Without a GPU the suite prints why and returns no rows (exit status 0), unless
 forced (``--force-cpu`` or ``GHOST_GPU_FORCE=1``): then it runs tiny versions
@@ -600,6 +602,8 @@ def markdown(meta: dict[str, Any], configs: Sequence[dict[str, Any]]) -> str:
             extra = []
             if "same_program_as" in rec:
                 extra.append(f"same compiled program as {STEP_TITLES[rec['same_program_as']]}")
+            if rec.get("earlier_run"):
+                extra.append("measured in an earlier run (ratios to that run's non-private step)")
             if "skipped" in rec or "error" in rec:
                 extra.append(rec.get("error") or rec["skipped"])
             if "peak_mb" in rec:
@@ -633,8 +637,31 @@ def _meta(tiny: bool) -> dict[str, Any]:
             "date": time.strftime("%Y-%m-%d %H:%M")}
 
 
+def _measured(rec: dict[str, Any]) -> bool:
+    return "skipped" not in rec
+
+
+def merge_config(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``new`` with the steps (and product accuracies) it did not measure taken from ``old``.
+
+    So one config's steps can be measured in several runs (``GHOST_GPU_STEPS``),
+    each within one device call. A step kept from ``old`` says so
+    (``earlier_run``): its ratios are to the non-private step of its own run.
+    """
+    steps = dict(new["steps"])
+    for name, rec in old.get("steps", {}).items():
+        if _measured(rec) and not _measured(steps.get(name, {"skipped": ""})):
+            steps[name] = {**rec, "earlier_run": True}
+    merged = {**new, "steps": steps}
+    acc = {**old.get("product_accuracy", {}), **new.get("product_accuracy", {})}
+    if acc:
+        merged["product_accuracy"] = acc
+    return merged
+
+
 def write_results(out: pathlib.Path, meta: dict[str, Any], configs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Merges ``configs`` into ``out/ghost_gpu.json`` (by config name) and rewrites both files."""
+    """Merges ``configs`` into ``out/ghost_gpu.json`` (by config name, then by step: see
+    :func:`merge_config`) and rewrites both files."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / RESULTS_JSON
     known: dict[str, dict[str, Any]] = {}
@@ -642,7 +669,8 @@ def write_results(out: pathlib.Path, meta: dict[str, Any], configs: Sequence[dic
         old = json.loads(path.read_text())
         if old.get("meta", {}).get("sizes") == meta["sizes"]:
             known = {c["config"]: c for c in old.get("configs", [])}
-    known.update({c["config"]: c for c in configs})
+    for c in configs:
+        known[c["config"]] = merge_config(known[c["config"]], c) if c["config"] in known else c
     order = [c.name for c in CONFIGS]
     merged = sorted(known.values(), key=lambda c: order.index(c["config"]) if c["config"] in order else len(order))
     path.write_text(json.dumps({"meta": meta, "configs": merged}, indent=1))

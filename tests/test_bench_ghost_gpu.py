@@ -113,3 +113,31 @@ def test_product_steps_trace_with_their_setting_and_tf32_needs_a_gpu():
         assert steps["ghost_tf32x3"] == "skipped: TF32 products need an NVIDIA GPU (Ampere or later)"
     assert callable(steps["ghost_bf16x6"])
     assert {c.name for c in bg.CONFIGS if "ghost_tf32x3" in c.steps} == {"gpt2-b8", "gpt2-b32", "wrn-b256"}
+
+
+def test_runs_of_different_steps_merge_into_one_config(tmp_path: pathlib.Path) -> None:
+    meta = {"jax": "0", "flax": "0", "optax": "0", "backend": "gpu", "device": "H100", "machine": "m",
+            "sizes": "full", "date": "d"}
+
+    def config(steps: dict, acc: dict | None = None) -> dict:
+        c = {"config": "gpt2-b32", "label": "GPT-2", "batch": 32, "params": 1e8, "steps": steps}
+        if acc:
+            c["product_accuracy"] = acc
+        return c
+
+    first = config({"nonprivate": {"ms": 50.0}, "ghost": {"ms": 80.0, "time_x": 1.6},
+                    "vmap": {"skipped": "skipped: not selected (GHOST_GPU_STEPS)"}},
+                   {"tf32x3": {"norm_rel_err": 1e-6, "sum_rel_err": 1e-6}})
+    second = config({"nonprivate": {"ms": 52.0}, "ghost": {"skipped": "skipped: not selected (GHOST_GPU_STEPS)"},
+                     "vmap": {"ms": 70.0, "time_x": 1.35}})
+    bg.write_results(tmp_path, meta, [first])
+    merged = bg.write_results(tmp_path, meta, [second])
+    steps = merged[0]["steps"]
+    assert steps["nonprivate"] == {"ms": 52.0}  # the latest run's baseline
+    assert steps["vmap"] == {"ms": 70.0, "time_x": 1.35}
+    assert steps["ghost"] == {"ms": 80.0, "time_x": 1.6, "earlier_run": True}  # kept, and marked
+    assert merged[0]["product_accuracy"]["tf32x3"]["norm_rel_err"] == 1e-6
+    assert "measured in an earlier run" in (tmp_path / bg.RESULTS_MD).read_text()
+    # the --merge path folds files the same way
+    again = bg.write_results(tmp_path / "m", meta, [first, second])
+    assert again[0]["steps"] == steps
