@@ -32,7 +32,12 @@ from gradclip_jax.per_example.ghost._analysis import (
 )
 from gradclip_jax.per_example.ghost._jaxpr import run_probed, shape
 from gradclip_jax.per_example.ghost._measure import Pass, acc_dtype_of, leaf_norms, pin_narrow
-from gradclip_jax.per_example.ghost._sums import backward_sums, bookkept_sums, clipped_sums
+from gradclip_jax.per_example.ghost._sums import (
+    COSTLY_TO_ZERO,
+    backward_sums,
+    bookkept_sums,
+    clipped_sums,
+)
 
 
 def _trace(config: ClipConfig, call: Call, batch: Any, check: bool) -> Traced:
@@ -97,12 +102,14 @@ def _chunk(config: ClipConfig, call: Call, traced: Traced, clips: Any, batch: An
     if w.keep is not None:  # dropped examples weigh 0 (enough when they are finite)
         ws = [jnp.where(w.keep, x, jnp.zeros_like(x)) for x in ws]
 
-    def fast(keep: jax.Array | None) -> list[jax.Array]:
+    def fast(keep: jax.Array | None, zero_costly: bool = True) -> list[jax.Array]:
         if backward:
             return backward_sums(config, fwd, ws)
-        return bookkept_sums(traced, call.pflat, fwd, measured.rows, ws, keep)
+        return bookkept_sums(traced, call.pflat, fwd, measured.rows, ws, keep, zero_costly)
 
-    sums = clipped_sums(fast, config, call, batch, ws, w.keep, w.finite, zeroes_dropped=not backward)
+    costly = any(s.kind in COSTLY_TO_ZERO for s in traced.plan.sites)
+    sums = clipped_sums(fast, config, call, batch, ws, w.keep, w.finite, zeroes_dropped=not backward,
+                        costly=costly)
     flags, ns = clip_flags(w, valid, clips is not None)
     return sums, ns, flags, vals, aux
 

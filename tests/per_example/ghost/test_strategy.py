@@ -227,13 +227,17 @@ def test_all_padding_gives_zero(ghost_sum):
 
 
 @pytest.mark.parametrize("ghost_sum", SUMS)
-@pytest.mark.parametrize("model", ["mlp", "embed_seq"])
+@pytest.mark.parametrize("model", ["mlp", "embed_seq", "cnn"])
 def test_nan_example_is_dropped(model, ghost_sum):
     # A NaN input: the example's activations are NaN but (through relu's mask)
     # its cotangents may be finite, so only zeroing its operands keeps it out.
+    # (Book-keeping zeroes them always for dense and embedding sites, and in a
+    # conditional for convolutions.)
     loss, params, data = MODELS[model]()
     if model == "mlp":
         data = {**data, "x": data["x"].at[2, 0].set(jnp.nan)}
+    elif model == "cnn":
+        data = {**data, "img": data["img"].at[2, 3, 3, 0].set(jnp.nan)}
     else:
         params = {**params, "emb": params["emb"].at[0, 0].set(jnp.inf)}  # token 0 poisons its examples
     g, i = jax.jit(clipped_grad(loss, 1.0, method="ghost", ghost_sum=ghost_sum))(params, data)
@@ -242,6 +246,16 @@ def test_nan_example_is_dropped(model, ghost_sum):
     ref, _ = clipped_grad(loss, 1.0, method="vmap")(params, data, mask=jnp.asarray(~bad))
     _close(g, ref, 1e-5, 1e-6)
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(g))
+
+
+@pytest.mark.parametrize("model, conditionals", [("mlp", 1), ("seq_gram", 1), ("embed_seq", 1), ("cnn", 2)])
+def test_bookkeeping_holds_a_conditional_only_for_convolutions(model, conditionals):
+    # NaN-safe book-keeping zeroes the dropped examples' values in the one sum where that is
+    # cheap: the step keeps only the norm engine's overflow conditional. Zeroing a
+    # convolution's input is a pass of its own, so there the zeroed sums stay in a branch.
+    loss, params, data = MODELS[model]()
+    f = jax.jit(clipped_grad(loss, 1.0, method="ghost", ghost_sum="bookkeeping"))
+    assert f.lower(params, data).compile().as_text().count(" conditional(") == conditionals
 
 
 def test_has_aux_and_per_layer():
