@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import hashlib
 import json
@@ -292,22 +293,13 @@ def _nonprivate_step(losses: Callable, opt: optax.GradientTransformation) -> Cal
     return step
 
 
-def _highest(step: Callable) -> Callable:
-    """``step`` traced with every matmul at ``Precision.HIGHEST`` (no TF32 or bf16 passes): what
-    the full-precision products of the book-kept sums and ghost norms cost on this device."""
+def _traced_within(step: Callable, context: Callable[[], contextlib.AbstractContextManager]) -> Callable:
+    """``step`` traced inside ``context()``: every matmul at ``Precision.HIGHEST`` (what the
+    full-precision products of the book-kept sums and ghost norms cost on this device), or
+    another ``PRODUCT_PRECISION`` (:func:`_products`)."""
 
     def run(state: Any, batch: Any) -> Any:
-        with jax.default_matmul_precision("highest"):
-            return step(state, batch)
-
-    return run
-
-
-def _with_products(step: Callable, setting: str) -> Callable:
-    """``step`` traced with this backend's ``PRODUCT_PRECISION`` set to ``setting``."""
-
-    def run(state: Any, batch: Any) -> Any:
-        with _products(setting):
+        with context():
             return step(state, batch)
 
     return run
@@ -378,13 +370,13 @@ def _steps(cfg: Config, losses: Callable, batch_size: int, wanted: Sequence[str]
         if name not in wanted:
             out[name] = "skipped: not selected (GHOST_GPU_STEPS)"
         elif name == "nonprivate_highest":
-            out[name] = _highest(out["nonprivate"])  # type: ignore[arg-type]
+            out[name] = _traced_within(out["nonprivate"], lambda: jax.default_matmul_precision("highest"))  # type: ignore[arg-type]
         elif name == "ghost_tf32x3" and not _has_gpu():
             out[name] = "skipped: TF32 products need an NVIDIA GPU (Ampere or later)"
         elif name in PRODUCT_STEPS:
             grad_fn = gcx.clipped_grad(losses, CLIP, method="ghost")
-            out[name] = _with_products(_dp_step(lambda p, b, f=grad_fn: f(p, b)[0], stddev, batch_size, opt),
-                                       PRODUCT_STEPS[name])
+            out[name] = _traced_within(_dp_step(lambda p, b, f=grad_fn: f(p, b)[0], stddev, batch_size, opt),
+                                       functools.partial(_products, PRODUCT_STEPS[name]))
         elif name == "jax_privacy":
             jp = _jax_privacy(losses)
             out[name] = "skipped: jax_privacy is not importable" if jp is None else _dp_step(jp, stddev, batch_size, opt)

@@ -61,10 +61,7 @@ CLIPPERS: list[tuple[str, Callable[[], optax.GradientTransformation], str]] = [
 
 def _timer(tx: optax.GradientTransformation, updates: Any, donate: bool = False) -> Callable[[], float]:
     """A closure that runs one jitted step (feeding the state back) and returns seconds."""
-    if donate:
-        step = jax.jit(lambda u, s: tx.update(u, s)[::-1], donate_argnums=1)  # (state, updates)
-    else:
-        step = jax.jit(lambda u, s: tx.update(u, s)[::-1])
+    step = jax.jit(lambda u, s: tx.update(u, s)[::-1], donate_argnums=1 if donate else ())  # (state, updates)
     state = [tx.init(updates)]
 
     def run() -> float:

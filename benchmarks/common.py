@@ -91,18 +91,6 @@ def compiled_mb(f: Callable[..., Any], *args: Any) -> tuple[float, float]:
     return memory_mb(jax.jit(f).lower(*args).compile())
 
 
-def train_step_fn(tx: Any) -> Callable[[Any, Any, Any], Any]:
-    """``jit``'d ``(params, grads, state) -> (new params, new state)``: ``tx.update`` then
-    ``optax.apply_updates``, one training step of an optimizer chain."""
-    import optax
-
-    def step(p: Any, g: Any, s: Any) -> Any:
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s
-
-    return jax.jit(step)
-
-
 def chain_step_ms(grads: Any, reps: int) -> dict[str, float]:
     """Median ms of one training step, ``chain(clip_by_global_norm(1.0), adamw(1e-4))`` then
     ``apply_updates``, with ours (``"ours"``) and optax's (``"optax"``) clip, interleaved."""
@@ -110,9 +98,16 @@ def chain_step_ms(grads: Any, reps: int) -> dict[str, float]:
 
     import gradclip_jax as gcx
 
+    def step_fn(tx: Any) -> Callable[[Any, Any, Any], Any]:
+        def step(p: Any, g: Any, s: Any) -> Any:
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        return jax.jit(step)
+
     params = jax.tree_util.tree_map(lambda x: x * 10, grads)
     steps, states = {}, {}
     for name, clip in (("ours", gcx.clip_by_global_norm(1.0)), ("optax", optax.clip_by_global_norm(1.0))):
         tx = optax.chain(clip, optax.adamw(1e-4))
-        steps[name], states[name] = train_step_fn(tx), tx.init(params)
+        steps[name], states[name] = step_fn(tx), tx.init(params)
     return interleaved_ms({k: (lambda k=k: steps[k](params, grads, states[k])) for k in steps}, reps=reps)

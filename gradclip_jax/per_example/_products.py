@@ -54,9 +54,14 @@ _ALGORITHMS: dict[str, Any] = {
 PRODUCT_UNITS: dict[str, int] = {"highest": 0, "bf16x6": 8, "tf32x3": 128}
 
 
-def _setting() -> str:
-    return per_backend(PRODUCT_PRECISION, "gradclip_jax.per_example.PRODUCT_PRECISION", "highest",
+def _reduced(*dtypes: Any) -> str | None:
+    """The backend's reduced-pass setting when it applies to operands of ``dtypes`` (all
+    float32), else ``None``: the one rule both the products and their margin follow."""
+    name = per_backend(PRODUCT_PRECISION, "gradclip_jax.per_example.PRODUCT_PRECISION", "highest",
                        tuple(_ALGORITHMS))
+    if name == "highest" or any(np.dtype(d) != np.float32 for d in dtypes):
+        return None
+    return name
 
 
 def product_precision(*dtypes: Any) -> Any:
@@ -65,10 +70,8 @@ def product_precision(*dtypes: Any) -> Any:
     ``Precision.HIGHEST`` unless every operand is float32 and the backend's
     :data:`PRODUCT_PRECISION` names a reduced-pass algorithm.
     """
-    name = _setting()
-    if name == "highest" or any(np.dtype(d) != np.float32 for d in dtypes):
-        return lax.Precision.HIGHEST
-    return _ALGORITHMS[name]
+    name = _reduced(*dtypes)
+    return lax.Precision.HIGHEST if name is None else _ALGORITHMS[name]
 
 
 def product_einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -85,7 +88,7 @@ def product_margin(dtype: Any) -> float:
     1.0 at ``"highest"`` and for norms that are not float32; else
     ``1 - PRODUCT_UNITS * 2**-24``.
     """
-    name = _setting()
-    if name == "highest" or np.dtype(dtype) != np.float32:
+    name = _reduced(dtype)
+    if name is None:
         return 1.0
     return 1.0 - PRODUCT_UNITS[name] * float(jnp.finfo(jnp.float32).eps) / 2.0

@@ -15,6 +15,7 @@ from gradclip_jax.per_example._products import (
     product_margin,
     product_precision,
 )
+from gradclip_jax.per_example.ghost._jaxpr import sub_jaxprs
 from tests.per_example.models import assert_tree_close, cnn_setup, loop_reference, mlp_setup
 
 X6 = "BF16_BF16_F32_X6"  # the reduced-pass algorithm XLA's CPU backend accepts
@@ -34,12 +35,8 @@ def _algorithms(fn, *args) -> list[str]:
         for eqn in jaxpr.eqns:
             if eqn.primitive is lax.dot_general_p:
                 found.append(str(eqn.params["precision"]))
-            for v in eqn.params.values():
-                for j in v if isinstance(v, (tuple, list)) else (v,):
-                    if hasattr(j, "jaxpr") and hasattr(j, "consts"):
-                        walk(j.jaxpr)
-                    elif hasattr(j, "eqns"):
-                        walk(j)
+            for sub in sub_jaxprs(eqn):
+                walk(sub)
 
     walk(jax.make_jaxpr(fn)(*args).jaxpr)
     return found

@@ -102,10 +102,10 @@ def _chunk(config: ClipConfig, call: Call, traced: Traced, clips: Any, batch: An
     if w.keep is not None:  # dropped examples weigh 0 (enough when they are finite)
         ws = [jnp.where(w.keep, x, jnp.zeros_like(x)) for x in ws]
 
-    def fast(keep: jax.Array | None, zero_costly: bool = True) -> list[jax.Array]:
+    def fast(keep: jax.Array | None) -> list[jax.Array]:
         if backward:
             return backward_sums(config, fwd, ws)
-        return bookkept_sums(traced, call.pflat, fwd, measured.rows, ws, keep, zero_costly)
+        return bookkept_sums(traced, call.pflat, fwd, measured.rows, ws, keep)
 
     costly = any(s.kind in COSTLY_TO_ZERO for s in traced.plan.sites)
     sums = clipped_sums(fast, config, call, batch, ws, w.keep, w.finite, zeroes_dropped=not backward,

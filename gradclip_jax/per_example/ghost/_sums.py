@@ -64,14 +64,14 @@ def _site_sum(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any], 
     return pull(ct)[0]  # type: ignore[no-any-return]
 
 
-# Sites whose dropped-example zeroing costs a pass over large activations the sum
-# cannot fuse (a convolution's input): zeroed only on the rare NaN-safe path.
+# Site kinds whose dropped-example zeroing costs a pass over large activations the
+# sum cannot fuse (a convolution's input): a model with one keeps the NaN-safe
+# book-kept sums in a conditional, for the rare step that needs them.
 COSTLY_TO_ZERO = frozenset({"conv"})
 
 
 def bookkept_sums(traced: Traced, pflat: _norms.FlatTree, fwd: Pass, rows: dict[int, jax.Array],
-                  weights: Sequence[jax.Array], keep: jax.Array | None = None,
-                  zero_costly: bool = True) -> list[jax.Array]:
+                  weights: Sequence[jax.Array], keep: jax.Array | None = None) -> list[jax.Array]:
     """The clipped sum of every active leaf, :math:`\\sum_b c_{b,l} G_{b,l}`, by book-keeping.
 
     Nothing is differentiated a second time: a dense or embedding leaf's sum is
@@ -83,8 +83,7 @@ def bookkept_sums(traced: Traced, pflat: _norms.FlatTree, fwd: Pass, rows: dict[
     ``weights`` holds one ``(B,)`` vector per active leaf, already 0 for dropped
     examples. ``keep`` (the NaN-safe form) marks the kept examples when a dropped
     one may hold NaN or inf: the dropped examples' operands, cotangents and rows
-    are then zeroed, not only weighted by 0; with ``zero_costly=False`` the sites
-    of :data:`COSTLY_TO_ZERO` kinds are left as they are.
+    are then zeroed, not only weighted by 0.
     """
     w_of = dict(zip(pflat.active, weights, strict=True))
     row_ids = [i for i in pflat.active if i in rows]
@@ -96,8 +95,7 @@ def bookkept_sums(traced: Traced, pflat: _norms.FlatTree, fwd: Pass, rows: dict[
         i = s.leaf
         if i in rows or i not in w_of:
             continue
-        site_keep = keep if zero_costly or s.kind not in COSTLY_TO_ZERO else None
-        total = _site_sum(traced.closed, s, pflat.leaves[i], o, g, w_of[i], site_keep)
+        total = _site_sum(traced.closed, s, pflat.leaves[i], o, g, w_of[i], keep)
         total = total.astype(_norms.sum_dtype(pflat.leaves[i].dtype))
         totals[i] = total if i not in totals else totals[i] + total
     out = []
@@ -110,7 +108,7 @@ def bookkept_sums(traced: Traced, pflat: _norms.FlatTree, fwd: Pass, rows: dict[
     return out
 
 
-def clipped_sums(fast: Callable[..., list[jax.Array]], config: ClipConfig, call: Call, batch: Any,
+def clipped_sums(fast: Callable[[jax.Array | None], list[jax.Array]], config: ClipConfig, call: Call, batch: Any,
                  ws: Sequence[jax.Array], keep: jax.Array | None, finite: jax.Array,
                  zeroes_dropped: bool, costly: bool = True) -> list[jax.Array]:
     """The clipped sums: ``fast(None)`` (second backward pass or book-keeping), made NaN-safe.
@@ -120,8 +118,8 @@ def clipped_sums(fast: Callable[..., list[jax.Array]], config: ClipConfig, call:
     ``0 * inf`` in the shared computation.
 
     * Book-keeping (``zeroes_dropped``) zeroes the dropped examples' values
-      (``fast(keep, zero_costly)``) and adds exactly what was measured. Where no
-      site is costly to zero (``costly`` False: no convolution) it always does,
+      (``fast(keep)``) and adds exactly what was measured. Where no site is
+      costly to zero (``costly`` False: no :data:`COSTLY_TO_ZERO` kind) it always does,
       with no conditional (which also spares the program a second copy of the
       sums, and a GPU a round trip to the host); else the fast sums zero
       nothing and, in a ``lax.cond``, the rare step that needs it forms them all
@@ -132,7 +130,7 @@ def clipped_sums(fast: Callable[..., list[jax.Array]], config: ClipConfig, call:
     if keep is None:
         return fast(None)
     if zeroes_dropped and not costly:
-        return fast(keep, False)
+        return fast(keep)
     pflat = call.pflat
     scalar_loss = one_example_loss(config.loss_fn, config.has_aux)
 
@@ -141,7 +139,7 @@ def clipped_sums(fast: Callable[..., list[jax.Array]], config: ClipConfig, call:
 
     def safe(_: Any) -> list[jax.Array]:  # the fast sums may hold NaN: not used
         if zeroes_dropped:
-            return fast(keep, True)
+            return fast(keep)
         if batch_axis_sharding(first_leaf(batch))[0] is not None:
             # a scan cannot run over a sharded axis: form the per-example gradients
             arrays = _norms.flatten(jax.vmap(grad_of)(batch), config.fn).arrays
