@@ -171,6 +171,31 @@ def all_finite(values: Sequence[jax.Array]) -> jax.Array:
     return jnp.all(jnp.stack(oks))
 
 
+def screen(
+    hits: Callable[..., jax.Array], x: jax.Array, *state: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """``(every element of x finite, any element of hits(x, *state) true)``, two 0-d bools.
+
+    For an elementwise clipper that decides from one leaf ``x`` and its
+    parameter-shaped ``state`` whether the step counts (no non-finite element)
+    and whether it clips anything. Both come from one read-only pass (a variadic
+    reduction of ``x - x``, NaN exactly at a non-finite element, and of the hit
+    flags), before the state is written. The inputs go through an optimization
+    barrier so the reduction recomputes ``hits`` from them: otherwise XLA shares
+    the subexpressions ``hits`` has in common with the elementwise pass that
+    writes the new state, and writes them to a parameter-sized temporary first
+    (on the CPU a pass as costly as the clip).
+    """
+    x, *state = lax.optimization_barrier((x, *state))
+    hit = hits(x, *state)
+    def step(a: tuple, b: tuple) -> tuple:
+        return a[0] | b[0], a[1] | b[1]
+
+    no = jnp.zeros((), bool)
+    bad, any_hit = lax.reduce((~jnp.isfinite(x), hit), (no, no), step, tuple(range(x.ndim)))
+    return ~bad, any_hit
+
+
 def any_exceeds(w: jax.Array, bound: jax.Array) -> jax.Array:
     """Whether any ``|w|`` exceeds its (non-negative) ``bound``, a 0-d bool.
 

@@ -366,6 +366,14 @@ def normalize_by_ema(
     )
 
 
+def _exceeds(w: jax.Array, bound: jax.Array) -> jax.Array:
+    """Where :func:`_clamp` changes ``w``: ``|w| > bound`` elementwise (NaN: nowhere)."""
+    if jnp.iscomplexobj(w):
+        return jnp.abs(w).astype(bound.dtype) > bound
+    w = w.astype(bound.dtype)
+    return (w > bound) | (w < -bound)
+
+
 def _clamp(w: jax.Array, bound: jax.Array) -> jax.Array:
     """``w`` clamped elementwise to ``[-bound, bound]`` (complex: the magnitude)."""
     if jnp.iscomplexobj(w):
@@ -452,15 +460,30 @@ def clip_value_by_ema(
         count = state.count
         old = _st.leaves_of(state.exp_avg, n, fn, "exp_avg")
         v, invalid = hps.at(count, _norms.tree_acc_dtype(arrays))
-        ok = (_st.all_finite(arrays) if skip else jnp.ones((), bool)) & counts(invalid)
+
+        def ema_of(u: jax.Array, e: jax.Array) -> jax.Array:
+            mag = jnp.abs(u).astype(e.dtype)
+            start = jnp.where(count == 0, v["init"].astype(e.dtype) * mag, e)
+            return _lerp(start, mag, v["beta"])
+
+        hits: list[jax.Array] | None = None
+        if inner is None and exp_avg_tfm is None:
+            # The bound is the new EMA: one read-only pass per leaf finds both whether
+            # the update is finite and whether it clips anything, so the step then
+            # makes two more passes (new EMA, output), not three.
+            screens = [
+                _st.screen(lambda x, e: _exceeds(x, ema_of(x, e)), u, e)
+                for u, e in zip(arrays, old, strict=True)
+            ]
+            finite = jnp.all(jnp.stack([f for f, _ in screens]))
+            hits = [h for _, h in screens]
+        else:
+            finite = _st.all_finite(arrays)
+        ok = (finite if skip else jnp.ones((), bool)) & counts(invalid)
         # The kept EMA is computed in one pass and is both the new state and the
         # bound's source (a skipped step's output ignores the bound), so every
         # element of the state is read and written once.
-        ema = []
-        for e, u in zip(old, arrays, strict=True):
-            mag = jnp.abs(u).astype(e.dtype)
-            start = jnp.where(count == 0, v["init"].astype(e.dtype) * mag, e)
-            ema.append(jnp.where(ok, _lerp(start, mag, v["beta"]), e))
+        ema = [jnp.where(ok, ema_of(u, e), e) for e, u in zip(old, arrays, strict=True)]
 
         bound_tree = _st.like(state.exp_avg, ema)
         tfm_state = state.exp_avg_tfm_state
@@ -473,9 +496,9 @@ def clip_value_by_ema(
 
         out_flat, inner_state = _st.run_inner(inner, updates, flat, state.inner_state, params, fn)
         outs, flags = [], []
-        for w, b in zip(out_flat.arrays, bounds, strict=True):
+        for i, (w, b) in enumerate(zip(out_flat.arrays, bounds, strict=True)):
             outs.append(poison(jnp.where(ok, _clamp(w, b), w), invalid))
-            flags.append(ok & _st.any_exceeds(w, b))
+            flags.append(ok & (_st.any_exceeds(w, b) if hits is None else hits[i]))
 
         new_state = ClipValueByEMAState(
             count=jnp.where(ok, increment(count), count),

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from gradclip_jax import _stateful as _st
@@ -77,6 +78,17 @@ class ClipValueGrowthState(NamedTuple):
     count: jax.Array  # type: ignore[assignment]  # NamedTuple field named like tuple.count, as in optax
     prev: Any
     clipped: Any
+
+
+def _fixed_product(*values: Any) -> float:
+    """The product of hyperparameters given as plain numbers; NaN when any is not one
+    (a schedule, an array or a traced value)."""
+    out = 1.0
+    for x in values:
+        if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
+            return float("nan")
+        out *= float(x)
+    return out
 
 
 def _hyperparams(fn: str, add: Any, mul: Any, min_value: Any, max_decay: Any) -> Hyperparams:
@@ -279,12 +291,18 @@ def clip_value_growth(
             clipped=_st.per_leaf(params, fn, lambda x: jnp.zeros((), bool)),
         )
 
-    bounded = add is not None or mul is not None  # else the identity: nothing is ever clipped
+    # Where the multiplicative cap is at least the decay threshold (mul * max_decay >= 1, or
+    # no multiplicative step), |output| equals |x| after the additive step wherever the
+    # decay test can pass, so the test reads the output instead of the input: the pass
+    # that writes the new state then reads two parameter-sized arrays, not three. Known
+    # only for fixed numbers; schedules and injected values take the general test.
+    decay_from_output = max_decay is not None and (
+        mul is None or _fixed_product(mul, max_decay) >= 1
+    )
 
-    def one(x: jax.Array, r: jax.Array, v: dict) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-        """``(y, decay)`` for one leaf, in the state's dtype: the clipped value, and
-        ``(shrink, r / max_decay)``: where the tracked value decays instead of following ``y``
-        and to what (``None`` without ``max_decay``).
+    def limits(r: jax.Array, v: dict) -> tuple[jax.Array, jax.Array | None]:
+        """``(m, bound)`` for one leaf, in the state's dtype: the tracked magnitude with its
+        floor, and the magnitude bound on the update (``None`` when nothing bounds it).
 
         The two bounds compose into one magnitude bound: the additive step caps
         ``|x|`` at ``|r| + add`` and the multiplicative one then caps it at
@@ -292,23 +310,41 @@ def clip_value_growth(
         smaller of the two. A NaN bound (a NaN in ``r``) clips nothing.
         """
         dt = _norms.acc_dtype(r.dtype)
-        x = x.astype(r.dtype)
-        ax, ar = jnp.abs(x), jnp.abs(r)
+        ar = jnp.abs(r)
         m = ar if min_value is None else jnp.maximum(ar, v["min_value"].astype(dt))
         bound = None
-        after_add = ax  # |x| after the additive step (the decay test uses it)
         if add is not None:
             bound = ar + v["add"].astype(dt)
-            after_add = jnp.minimum(ax, bound)
         if mul is not None:
             by_mul = v["mul"].astype(dt) * m
             bound = by_mul if bound is None else jnp.minimum(bound, by_mul)
-        y = x if bound is None else jnp.where(ax > bound, jnp.sign(x) * bound, x)
-        if max_decay is None:
-            return y, None
-        # rho = max(|x| / m, 1e-8) < 1 / max_decay, without dividing by m (m may be 0)
+        return m, bound
+
+    def clip(x: jax.Array, r: jax.Array, v: dict) -> jax.Array:
+        """The clipped value of one leaf, in the state's dtype."""
+        x = x.astype(r.dtype)
+        bound = limits(r, v)[1]
+        return x if bound is None else jnp.where(jnp.abs(x) > bound, jnp.sign(x) * bound, x)
+
+    def hits(x: jax.Array, r: jax.Array, v: dict) -> jax.Array:
+        """Where :func:`clip` changes ``x``: ``|x| > bound`` elementwise."""
+        bound = limits(r, v)[1]
+        if bound is None:
+            return jnp.zeros(x.shape, bool)
+        return jnp.abs(x.astype(r.dtype)) > bound
+
+    def decays(a: jax.Array, r: jax.Array, v: dict) -> jax.Array:
+        """Where the tracked value decays to ``r / max_decay`` instead of following the
+        output, from ``a = |x|`` after the additive step: ``max(a / m, 1e-8) < 1 / max_decay``,
+        without dividing by ``m`` (it may be 0)."""
+        dt = _norms.acc_dtype(r.dtype)
         md = v["max_decay"].astype(dt)
-        return y, ((after_add < m / md) & (md * 1e-8 < 1), r / md)
+        return (a < limits(r, v)[0] / md) & (md * 1e-8 < 1)
+
+    def after_add(x: jax.Array, r: jax.Array, v: dict) -> jax.Array:
+        """``|x|`` after the additive step, in the state's dtype."""
+        ax = jnp.abs(x.astype(r.dtype))
+        return ax if add is None else jnp.minimum(ax, jnp.abs(r) + v["add"].astype(ax.dtype))
 
     def update_fn(updates: Any, state: ClipValueGrowthState, params: Any = None) -> tuple:
         del params
@@ -320,25 +356,25 @@ def clip_value_growth(
         first = count == 0
         prevs = _st.leaves_of(state.prev, len(arrays), fn, "prev")
         v, invalid = hps.at(count, _norms.tree_acc_dtype(arrays))
-        ok = (_st.all_finite(arrays) if skip else jnp.ones((), bool)) & counts(invalid)
+        # One read-only pass per leaf finds whether the update is finite and whether it
+        # clips anything, before the output and the new state are written.
+        screens = [_st.screen(lambda x, r: hits(x, r, v), u, r) for u, r in zip(arrays, prevs, strict=True)]
+        finite = jnp.all(jnp.stack([f for f, _ in screens]))
+        ok = (finite if skip else jnp.ones((), bool)) & counts(invalid)
         outs, new_prev, flags = [], [], []
-        for u, r in zip(arrays, prevs, strict=True):
-            y, decay = one(u, r, v)
-            keep = first | ~ok
-            out = jnp.where(keep, u, y.astype(u.dtype))
+        for u, r, (_, hit) in zip(arrays, prevs, screens, strict=True):
+            y = clip(u, r, v)
+            out = jnp.where(first | ~ok, u, y.astype(u.dtype))
             same = u.dtype == r.dtype
-            # an element was clipped exactly when y differs from the input; compared on
-            # the output (no temporary |x| or bound) when casting loses nothing
-            hit = jnp.zeros((), bool)
-            if bounded:
-                hit = _st.any_changed(out, u) if same else _st.any_changed(y, u.astype(r.dtype))
             outs.append(poison(out, invalid))
             # On a counted step the tracked value is the output (u on the first step, y after)
             # unless it decays. Read from `out` when that holds it exactly: the new state then
             # depends on the output, so XLA computes the output first and can write the state
             # over a donated `r` in place (else it copies `r`, two extra passes).
-            follow = out if same else jnp.where(first, u.astype(r.dtype), y)
-            tracked = follow if decay is None else jnp.where(decay[0] & ~first, decay[1], follow)
+            tracked = out if same else jnp.where(first, u.astype(r.dtype), y)
+            if max_decay is not None:
+                a = jnp.abs(out) if same and decay_from_output else after_add(u, r, v)
+                tracked = jnp.where(decays(a, r, v) & ~first, r / v["max_decay"].astype(r.dtype), tracked)
             new_prev.append(jnp.where(ok, tracked, r))
             flags.append(hit & ok & ~first)
         new_state = ClipValueGrowthState(

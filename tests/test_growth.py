@@ -12,12 +12,14 @@ own rule really gives something else there.
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gradclip_jax.ema import clip_value_by_ema
 from gradclip_jax.growth import (
     ClipNormGrowthState,
     ClipValueGrowthState,
@@ -369,3 +371,84 @@ def test_clip_value_growth_writes_a_donated_state_in_place(dtype):
     np.testing.assert_array_equal(np.asarray(got_out["w"], np.float32), np.asarray(want_out["w"], np.float32))
     np.testing.assert_array_equal(got_state.prev["w"], want_state.prev["w"])
     assert bool(got_state.clipped["w"])
+
+
+def _value_growth_reference(xs, add, mul, min_value, max_decay):
+    """clip_value_growth's docstring math, step by step in float64 numpy."""
+    r, outs = None, []
+    for x in xs:
+        x = np.asarray(x, np.float64)
+        if r is None:
+            r = x.copy()
+            outs.append(x)
+            continue
+        ar = np.abs(r)
+        y = x.copy()
+        if add is not None:
+            cap = ar + add
+            y = np.where(np.abs(y) > cap, np.sign(y) * cap, y)
+        after_add = np.abs(y)
+        m = ar if min_value is None else np.maximum(ar, min_value)
+        if mul is not None:
+            cap = mul * m
+            y = np.where(np.abs(y) > cap, np.sign(y) * cap, y)
+        if max_decay is None:
+            r = y
+        else:
+            rho = np.maximum(after_add / np.where(m > 0, m, 1.0), 1e-8)
+            rho = np.where(m > 0, rho, np.inf)
+            r = np.where(rho < 1 / max_decay, r / max_decay, y)
+        outs.append(y)
+    return outs, r
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(add=None, mul=1.5, min_value=1e-4, max_decay=2.0),   # the defaults: decay read off the output
+    dict(add=0.5, mul=1.5, min_value=None, max_decay=2.0),
+    dict(add=0.5, mul=None, min_value=1e-4, max_decay=3.0),
+    dict(add=None, mul=0.3, min_value=1e-4, max_decay=2.0),   # mul * max_decay < 1: decay read off the input
+    dict(add=0.2, mul=0.4, min_value=1e-4, max_decay=1.5),
+])
+def test_clip_value_growth_decay_test_from_output_or_input_agree(cfg):
+    # With fixed numbers where mul * max_decay >= 1 the decay test reads |output|; with the
+    # same values injected as arrays (or mul * max_decay < 1) it reads the input. Both must
+    # give the documented math, bit for bit the same as each other.
+    rng = np.random.default_rng(0)
+    scales = [1.0, 4.0, 0.05, 1.0, 0.3, 10.0, 0.01, 1.0]
+    xs = [(rng.standard_normal(512) * s).astype(np.float32) for s in scales]
+    xs[3][:8] = 0.0  # zero tracked values
+    fixed = clip_value_growth(**cfg)
+    injected = clip_value_growth(**{k: (None if v is None else jnp.asarray(v)) for k, v in cfg.items()})
+    sf, si = fixed.init(jnp.zeros(512)), injected.init(jnp.zeros(512))
+    got = []
+    for x in xs:
+        of, sf = jax.jit(fixed.update)(jnp.asarray(x), sf)
+        oi, si = jax.jit(injected.update)(jnp.asarray(x), si)
+        np.testing.assert_array_equal(np.asarray(of), np.asarray(oi))
+        np.testing.assert_array_equal(np.asarray(sf.prev), np.asarray(si.prev))
+        assert bool(sf.clipped) == bool(si.clipped) == bool(jnp.any(of != x))
+        got.append(np.asarray(of))
+    want, want_r = _value_growth_reference(xs, **cfg)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-30)
+    np.testing.assert_allclose(np.asarray(sf.prev), want_r, rtol=1e-6, atol=1e-30)
+
+
+def _entry_reads(compiled, name: str) -> int:
+    """How many top-level instructions of the compiled step read the parameter ``name``."""
+    entry = compiled.as_text().split("ENTRY", 1)[1]
+    param = re.search(rf"(%\S*{name}\S*) = \S+ parameter", entry).group(1)
+    return sum(1 for line in entry.splitlines()[1:] if f"{param})" in line or f"{param}," in line)
+
+
+@pytest.mark.parametrize("make, reads", [(clip_value_growth, 2), (clip_value_by_ema, 3)])
+def test_elementwise_clippers_read_the_update_once_per_pass(make, reads):
+    # One read-only pass finds both whether the update is finite and whether it clips (no
+    # separate finiteness pass); clip_value_growth's new state reads the output, not the
+    # update. A regression here costs a parameter-sized pass per step.
+    tx = make()
+    g = {"w": jnp.ones((256, 128))}
+    step = jax.jit(lambda upd, s: tx.update(upd, s)[::-1], donate_argnums=1)
+    compiled = step.lower(g, tx.init(g)).compile()
+    assert _entry_reads(compiled, "upd") == reads
+    assert compiled.memory_analysis().temp_size_in_bytes < 256 * 128 * 4
