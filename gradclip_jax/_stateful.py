@@ -234,6 +234,13 @@ def any_changed(new: jax.Array, old: jax.Array) -> jax.Array:
     return (hi > 0) | (lo < 0)
 
 
+def every(flags: Sequence[jax.Array]) -> jax.Array:
+    """True when every 0-d bool in ``flags`` is true (also when there are none)."""
+    if not flags:
+        return jnp.ones((), bool)
+    return jnp.all(jnp.stack(flags))
+
+
 def any_true(values: Sequence[jax.Array]) -> jax.Array:
     """True when any element of any array in ``values`` is true (a 0-d bool)."""
     flags = [jnp.any(v) for v in values]

@@ -475,7 +475,7 @@ def clip_value_by_ema(
                 _st.screen(lambda x, e: _exceeds(x, ema_of(x, e)), u, e)
                 for u, e in zip(arrays, old, strict=True)
             ]
-            finite = jnp.all(jnp.stack([f for f, _ in screens]))
+            finite = _st.every([f for f, _ in screens])
             hits = [h for _, h in screens]
         else:
             finite = _st.all_finite(arrays)

@@ -359,7 +359,7 @@ def clip_value_growth(
         # One read-only pass per leaf finds whether the update is finite and whether it
         # clips anything, before the output and the new state are written.
         screens = [_st.screen(lambda x, r: hits(x, r, v), u, r) for u, r in zip(arrays, prevs, strict=True)]
-        finite = jnp.all(jnp.stack([f for f, _ in screens]))
+        finite = _st.every([f for f, _ in screens])
         ok = (finite if skip else jnp.ones((), bool)) & counts(invalid)
         outs, new_prev, flags = [], [], []
         for u, r, (_, hit) in zip(arrays, prevs, screens, strict=True):

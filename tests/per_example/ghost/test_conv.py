@@ -193,6 +193,9 @@ def test_16bit_operands_accumulate_in_float32():
         np.testing.assert_allclose(np.asarray(n), ref, rtol=1e-5)
 
 
+# about 25 s: runs with the slow tests (CI runs them); in the default suite the fixed convolutions
+# above check both forms against vmap
+@pytest.mark.slow
 @settings(max_examples=15)
 @given(
     nd=st.integers(1, 2), cin=st.integers(1, 3), groups=st.integers(1, 2), cout_per=st.integers(1, 2),
