@@ -34,7 +34,8 @@ Every step is a full optimizer step, jitted with the training state donated:
   the ghost step with the per-example products (Gram norms, formed and
   book-kept sums) at ``DotAlgorithmPreset.TF32_TF32_F32_X3`` (GPU only) or
   ``BF16_BF16_F32_X6`` instead of ``HIGHEST``
-  (``gcx.per_example.PRODUCT_PRECISION``); for these the suite also records
+  (``gcx.per_example.PRODUCT_PRECISION``; at TF32x3 the WRN's book-kept
+  convolution sums run as three written-out TF32 passes); for these the suite also records
   how far the per-example norms and the clipped sum move from the ``HIGHEST``
   ones on the same batch (``product_accuracy``).
 

@@ -13,7 +13,12 @@ and the weighted sums (book-kept or over formed rows). They run at
   (NVIDIA GPUs from Ampere on; XLA's CPU backend rejects it).
 
 Only products of two float32 operands use a reduced-pass algorithm; float64 and
-complex products stay at ``HIGHEST``. A reduced-pass product is within
+complex products stay at ``HIGHEST``. Convolutions take no dot algorithm: at
+``"tf32x3"`` a convolution whose result is a clipped sum runs as the same three
+passes written out (:func:`tf32_passes`: both operands split into a TF32 head
+and a float32 tail, the tail x tail pass dropped, each pass at
+``Precision.DEFAULT``, which NVIDIA GPUs run in TF32); at ``"bf16x6"`` it stays
+at ``HIGHEST``. A reduced-pass product is within
 ``PRODUCT_UNITS[name]`` units of float32 roundoff of the float32 product
 (relative to ``|a| |b|``), and the clip norm is lowered by that much
 (:func:`product_margin`), so a contribution formed at that precision keeps the
@@ -35,7 +40,14 @@ from jax import lax
 
 from gradclip_jax._backend import per_backend
 
-__all__ = ["PRODUCT_PRECISION", "PRODUCT_UNITS", "product_einsum", "product_margin", "product_precision"]
+__all__ = [
+    "PRODUCT_PRECISION",
+    "PRODUCT_UNITS",
+    "product_einsum",
+    "product_margin",
+    "product_precision",
+    "tf32_passes",
+]
 
 # Backend name -> one of _ALGORITHMS' keys; a backend not listed uses "highest".
 PRODUCT_PRECISION: dict[str, str] = {}
@@ -80,6 +92,35 @@ def product_einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     if isinstance(prec, lax.Precision):
         return jnp.einsum(spec, a, b, precision=prec)
     return jnp.einsum(spec, a, b, precision=prec, preferred_element_type=jnp.float32)
+
+
+def _tf32_split(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(head, tail)`` with ``head + tail == x`` exactly: ``head`` keeps the sign, exponent and
+    10 leading mantissa bits (a TF32 value), ``tail`` the rest (``|tail| < 2**-10 |x|``)."""
+    bits = lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFFE000)
+    head = lax.bitcast_convert_type(bits, jnp.float32)
+    return head, x - head
+
+
+def tf32_passes(a: jax.Array, b: jax.Array) -> list[tuple[jax.Array, jax.Array]] | None:
+    """The operand pairs of a bilinear product of ``a`` and ``b`` run as three TF32 passes,
+    tails first: ``[(a_head, b_tail), (a_tail, b_head), (a_head, b_head)]``, whose
+    products, each at ``Precision.DEFAULT``, add up to the product of ``a`` and ``b``.
+    ``None`` unless the backend's :data:`PRODUCT_PRECISION` is ``"tf32x3"`` and both
+    operands are float32.
+
+    For a product that takes no dot algorithm (a convolution). With TF32 passes
+    (inputs rounded or truncated to 10 mantissa bits, float32 accumulation) the
+    head x head pass is exact, each tail pass is within ``2**-20 |a||b|`` and the
+    dropped tail x tail term is below ``2**-20 |a||b|``: inside the
+    ``PRODUCT_UNITS["tf32x3"]`` margin. (At full float32 passes, as on a CPU, only
+    the dropped term remains.)
+    """
+    if _reduced(a.dtype, b.dtype) != "tf32x3":
+        return None
+    ah, at = _tf32_split(a)
+    bh, bt = _tf32_split(b)
+    return [(ah, bt), (at, bh), (ah, bh)]
 
 
 def product_margin(dtype: Any) -> float:

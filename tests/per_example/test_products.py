@@ -8,12 +8,18 @@ import numpy as np
 import pytest
 from jax import lax
 
-from gradclip_jax.per_example import PRODUCT_PRECISION, clipped_grad, per_example_global_norm_clip
+from gradclip_jax.per_example import (
+    PRODUCT_PRECISION,
+    _products,
+    clipped_grad,
+    per_example_global_norm_clip,
+)
 from gradclip_jax.per_example._products import (
     PRODUCT_UNITS,
     product_einsum,
     product_margin,
     product_precision,
+    tf32_passes,
 )
 from gradclip_jax.per_example.ghost._jaxpr import sub_jaxprs
 from tests.per_example.models import assert_tree_close, cnn_setup, loop_reference, mlp_setup
@@ -98,3 +104,63 @@ def test_unknown_setting_names_the_table(monkeypatch):
     loss, params, data = mlp_setup()
     with pytest.raises(ValueError, match="PRODUCT_PRECISION: unknown strategy 'fp8'"):
         clipped_grad(loss, 1.0, method="ghost")(params, data)
+
+
+@pytest.fixture
+def tf32x3_on_cpu(monkeypatch):
+    """``"tf32x3"`` on this backend, its dots at HIGHEST (XLA's CPU backend rejects the TF32
+    algorithm): what stays specific to the setting is how convolutions are written out."""
+    monkeypatch.setitem(_products._ALGORITHMS, "tf32x3", lax.Precision.HIGHEST)
+    monkeypatch.setitem(PRODUCT_PRECISION, jax.default_backend(), "tf32x3")
+
+
+def test_tf32_split_is_exact_and_its_head_has_ten_mantissa_bits():
+    x = jnp.asarray(np.random.default_rng(0).normal(size=1000) * 10.0 ** np.arange(-5, 5).repeat(100), jnp.float32)
+    head, tail = _products._tf32_split(x)
+    np.testing.assert_array_equal(np.asarray(head + tail), np.asarray(x))
+    assert not np.any(np.asarray(head).view(np.uint32) & 0x1FFF)  # low 13 of 23 mantissa bits clear
+    assert np.all(np.abs(np.asarray(tail)) < 2.0**-10 * np.abs(np.asarray(x)))
+    assert tf32_passes(x, x) is None  # only at "tf32x3"
+
+
+def test_tf32x3_writes_convolution_sums_out_as_three_passes(tf32x3_on_cpu, monkeypatch):
+    loss, params, data = cnn_setup()
+    f = clipped_grad(loss, 0.5, method="ghost", ghost_sum="bookkeeping")
+    convs = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive is lax.conv_general_dilated_p:
+                convs.append(eqn.params["precision"])
+            for sub in sub_jaxprs(eqn):
+                walk(sub)
+
+    walk(jax.make_jaxpr(f)(params, data).jaxpr)
+    assert convs and not any(p == (lax.Precision.HIGHEST,) * 2 for p in convs)
+    # each of the CNN's two kernels' sums is one convolution at "highest" and three at "tf32x3"
+    lowered = jax.jit(f).trace(params, data).lower().as_text().count("stablehlo.convolution")
+    monkeypatch.setitem(PRODUCT_PRECISION, jax.default_backend(), "highest")
+    at_highest = jax.jit(clipped_grad(loss, 0.5, method="ghost", ghost_sum="bookkeeping")).trace(
+        params, data).lower().as_text().count("stablehlo.convolution")
+    assert lowered == at_highest + 2 * 2
+    monkeypatch.setitem(PRODUCT_PRECISION, jax.default_backend(), "tf32x3")
+    # and the result is the clipped sum: on a CPU each pass is a float32 product, so only the
+    # dropped tail x tail term (< 2**-20 relative) and the margin (2**-17) move it
+    clip = 0.5
+    want, norms, clipped = loop_reference(loss, params, data, clip)
+    got, info = jax.jit(f)(params, data)
+    assert_tree_close(got, want)
+    np.testing.assert_allclose(info.norms, norms, rtol=2e-5)
+    assert int(info.num_clipped) == clipped
+
+
+def test_tf32x3_lowers_for_cuda_with_no_product_at_highest(monkeypatch):
+    # The GPU setting cannot run here, but it lowers for CUDA on any machine: every product of a
+    # book-kept CNN step then takes TF32 passes (dots by the algorithm, convolutions written out).
+    monkeypatch.setitem(PRODUCT_PRECISION, jax.default_backend(), "tf32x3")
+    loss, params, data = cnn_setup()
+    for ghost_sum in ("backward", "bookkeeping"):
+        f = jax.jit(clipped_grad(loss, 0.5, method="ghost", ghost_sum=ghost_sum))
+        text = f.trace(params, data).lower(lowering_platforms=("cuda",)).as_text()
+        assert "HIGHEST" not in text
+        assert "lhs_precision_type = tf32" in text

@@ -78,9 +78,10 @@ def sub_jaxprs(eqn: Any) -> list[Any]:
 _FULL = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
 
 
-def _widened(eqn: Any, invals: Sequence[Any], acc: Any) -> tuple[list[Any], dict[str, Any]]:
+def _widened(eqn: Any, invals: Sequence[Any], acc: Any, precision: Any = None) -> tuple[list[Any], dict[str, Any]]:
     """``invals`` and ``eqn.params`` with every floating operand and result dtype narrower than
-    ``acc`` widened to ``acc``, and products at full precision (dots: :func:`product_precision`)."""
+    ``acc`` widened to ``acc``, and products at full precision (dots: :func:`product_precision`),
+    or at ``precision`` when given (one pass of a product written out as several)."""
     vals = [x.astype(acc) if narrower(getattr(x, "dtype", np.float64), acc) else x for x in invals]
     params = {k: widen(v, acc) if isinstance(v, np.dtype) else v for k, v in eqn.params.items()}
     if "precision" in params:
@@ -94,16 +95,19 @@ def _widened(eqn: Any, invals: Sequence[Any], acc: Any) -> tuple[list[Any], dict
             if not isinstance(p, lax.Precision):
                 prec = p
                 params["preferred_element_type"] = np.dtype(np.float32)
+        if precision is not None:
+            prec = (precision, precision)
         params["precision"] = prec
     return vals, params
 
 
-def bind(eqn: Any, invals: Sequence[Any], acc: Any = None) -> list[Any]:
+def bind(eqn: Any, invals: Sequence[Any], acc: Any = None, precision: Any = None) -> list[Any]:
     """Applies one equation's primitive to ``invals``; with ``acc``, evaluated in ``acc``
-    (operands and results narrower than ``acc`` widened to it) with products at full precision."""
+    (operands and results narrower than ``acc`` widened to it) with products at full precision
+    (or at ``precision``, when given)."""
     eqn_params = eqn.params
     if acc is not None:
-        invals, eqn_params = _widened(eqn, invals, acc)
+        invals, eqn_params = _widened(eqn, invals, acc, precision)
     params = eqn.primitive.get_bind_params(eqn_params)
     with eqn.ctx.manager:
         ans = eqn.primitive.bind(*invals, **params)
@@ -254,9 +258,10 @@ def run_probed(closed: Any, inputs: Sequence[Any], at: dict[int, int], probes: S
 
 
 def replay(closed: Any, eqn: int, chain: Sequence[int], vals: Sequence[Any], pos: int, param: jax.Array,
-           acc: Any = None) -> jax.Array:
+           acc: Any = None, precision: Any = None) -> jax.Array:
     """Equation ``eqn`` on ``vals``, with ``param`` passed through the equations ``chain`` as operand ``pos``
-    (with ``acc``: every step evaluated in ``acc``, see :func:`bind`)."""
+    (with ``acc``: every step evaluated in ``acc``, see :func:`bind`; ``precision``: that of
+    equation ``eqn``'s product)."""
     x = param
     steps = [closed.jaxpr.eqns[k] for k in chain]
     consts = const_values(closed) if any(len(e.invars) > 1 for e in steps) else {}
@@ -264,4 +269,4 @@ def replay(closed: Any, eqn: int, chain: Sequence[int], vals: Sequence[Any], pos
         x = bind(e, [x, *[concrete_operand(v, consts) for v in e.invars[1:]]], acc)[0]
     v = list(vals)
     v[pos] = x
-    return bind(closed.jaxpr.eqns[eqn], v, acc)[0]  # type: ignore[no-any-return]
+    return bind(closed.jaxpr.eqns[eqn], v, acc, precision)[0]  # type: ignore[no-any-return]

@@ -80,10 +80,12 @@ def pin_narrow(fwd: Pass, sites: Sequence[Site], acc: Any) -> Pass:
     return fwd._replace(operands=operands, cts=list(it))
 
 
-def apply_site(closed: Any, site: Site, vals: Sequence[Any], param: jax.Array, acc: Any = None) -> jax.Array:
+def apply_site(closed: Any, site: Site, vals: Sequence[Any], param: jax.Array, acc: Any = None,
+               precision: Any = None) -> jax.Array:
     """The site's one operation on ``vals``, with ``param`` (through its chain) as the parameter operand;
-    with ``acc``, evaluated in ``acc`` (16-bit operands widened, products at full precision)."""
-    return replay(closed, site.eqn, site.chain, vals, site.pos, param, acc)
+    with ``acc``, evaluated in ``acc`` (16-bit operands widened, products at full precision, or at
+    ``precision`` when given)."""
+    return replay(closed, site.eqn, site.chain, vals, site.pos, param, acc, precision)
 
 
 def _local_grads(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any], g: jax.Array,

@@ -20,6 +20,7 @@ from gradclip_jax.per_example._batch import (
 )
 from gradclip_jax.per_example._config import ClipConfig
 from gradclip_jax.per_example._measure import as_rows, unrow
+from gradclip_jax.per_example._products import tf32_passes
 from gradclip_jax.per_example._sums import fused_sums, scan_weighted_sum
 from gradclip_jax.per_example.ghost._analysis import Traced
 from gradclip_jax.per_example.ghost._jaxpr import widen
@@ -49,7 +50,9 @@ def _site_sum(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any], 
     :math:`w_b a_b^\\top g_b` to float32 rounding, as measured (a 16-bit
     :math:`w_b g_b` would round it up to ``2**-9`` above). With ``keep``, the
     dropped examples' operand rows and cotangents are zeroed first: their
-    contribution is exactly 0 even when those hold NaN or inf.
+    contribution is exactly 0 even when those hold NaN or inf. A convolution at
+    ``PRODUCT_PRECISION`` ``"tf32x3"`` runs as three TF32 passes
+    (:func:`~gradclip_jax.per_example._products.tf32_passes`).
     """
     acc = _norms.acc_dtype(param.dtype)
     ct_dtype = widen(g.dtype, acc)
@@ -60,8 +63,19 @@ def _site_sum(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any], 
         ct = _zero_dropped(ct, keep, site.out_axis)
         for r in site.rows:
             vals[r] = _zero_dropped(vals[r], keep, site.axis)
-    _, pull = jax.vjp(lambda p: apply_site(closed, site, vals, p, acc), param.astype(widen(param.dtype, acc)))
-    return pull(ct)[0]  # type: ignore[no-any-return]
+    p0 = param.astype(widen(param.dtype, acc))
+    passes = tf32_passes(vals[site.rows[0]], ct) if site.kind == "conv" and len(site.rows) == 1 else None
+    if passes is None:
+        _, pull = jax.vjp(lambda p: apply_site(closed, site, vals, p, acc), p0)
+        return pull(ct)[0]  # type: ignore[no-any-return]
+    # A convolution takes no dot algorithm: at "tf32x3" its three passes are written out.
+    total = None
+    for x, c in passes:
+        vals[site.rows[0]] = x
+        _, pull = jax.vjp(lambda p, v=list(vals): apply_site(closed, site, v, p, acc, lax.Precision.DEFAULT), p0)
+        part = pull(c)[0]
+        total = part if total is None else total + part
+    return total  # type: ignore[return-value]
 
 
 # Site kinds whose dropped-example zeroing costs a pass over large activations the
