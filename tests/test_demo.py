@@ -121,6 +121,7 @@ def test_global_clipping_acts(results):
     assert max(diff) > 0.05
 
 
+@pytest.mark.slow  # about 19 s (a whole demo run); CI runs the slow tests and the demo itself
 def test_main_cli_default_out_is_a_temp_folder(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     rc = demo.main(["--steps", "5", "--batch-size", "32", "--no-progress"])
