@@ -33,19 +33,33 @@ def x6(monkeypatch):
     monkeypatch.setitem(PRODUCT_PRECISION, jax.default_backend(), "bf16x6")
 
 
-def _algorithms(fn, *args) -> list[str]:
-    """The precision of every dot_general in ``fn``'s jaxpr (nested jaxprs included), as text."""
-    found: list[str] = []
+def _precisions(fn, *args, primitive=lax.dot_general_p) -> list:
+    """The ``precision`` of every ``primitive`` equation in ``fn``'s jaxpr (nested jaxprs included)."""
+    found: list = []
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
-            if eqn.primitive is lax.dot_general_p:
-                found.append(str(eqn.params["precision"]))
+            if eqn.primitive is primitive:
+                found.append(eqn.params["precision"])
             for sub in sub_jaxprs(eqn):
                 walk(sub)
 
     walk(jax.make_jaxpr(fn)(*args).jaxpr)
     return found
+
+
+def _algorithms(fn, *args) -> list[str]:
+    """The precision of every dot_general in ``fn``'s jaxpr, as text."""
+    return [str(p) for p in _precisions(fn, *args)]
+
+
+def _assert_matches_loop(fn, loss, params, data, clip):
+    """``fn`` (a clipped_grad at ``clip``) gives the float64 per-example loop's sum, norms and count."""
+    want, norms, clipped = loop_reference(loss, params, data, clip)
+    got, info = jax.jit(fn)(params, data)
+    assert_tree_close(got, want)
+    np.testing.assert_allclose(info.norms, norms, rtol=2e-5)
+    assert int(info.num_clipped) == clipped
 
 
 def test_default_is_highest_everywhere():
@@ -91,12 +105,7 @@ def test_margin_lowers_the_clip_norm_by_the_product_error(monkeypatch):
 @pytest.mark.parametrize("setup", [mlp_setup, cnn_setup], ids=["mlp", "cnn"])
 def test_ghost_at_reduced_passes_matches_the_loop(x6, setup):
     loss, params, data = setup()
-    clip = 0.5
-    want, norms, clipped = loop_reference(loss, params, data, clip)
-    got, info = jax.jit(clipped_grad(loss, clip, method="ghost"))(params, data)
-    assert_tree_close(got, want)
-    np.testing.assert_allclose(info.norms, norms, rtol=2e-5)
-    assert int(info.num_clipped) == clipped
+    _assert_matches_loop(clipped_grad(loss, 0.5, method="ghost"), loss, params, data, 0.5)
 
 
 def test_unknown_setting_names_the_table(monkeypatch):
@@ -126,16 +135,7 @@ def test_tf32_split_is_exact_and_its_head_has_ten_mantissa_bits():
 def test_tf32x3_writes_convolution_sums_out_as_three_passes(tf32x3_on_cpu, monkeypatch):
     loss, params, data = cnn_setup()
     f = clipped_grad(loss, 0.5, method="ghost", ghost_sum="bookkeeping")
-    convs = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive is lax.conv_general_dilated_p:
-                convs.append(eqn.params["precision"])
-            for sub in sub_jaxprs(eqn):
-                walk(sub)
-
-    walk(jax.make_jaxpr(f)(params, data).jaxpr)
+    convs = _precisions(f, params, data, primitive=lax.conv_general_dilated_p)
     assert convs and not any(p == (lax.Precision.HIGHEST,) * 2 for p in convs)
     # each of the CNN's two kernels' sums is one convolution at "highest" and three at "tf32x3"
     lowered = jax.jit(f).trace(params, data).lower().as_text().count("stablehlo.convolution")
@@ -146,12 +146,7 @@ def test_tf32x3_writes_convolution_sums_out_as_three_passes(tf32x3_on_cpu, monke
     monkeypatch.setitem(PRODUCT_PRECISION, jax.default_backend(), "tf32x3")
     # and the result is the clipped sum: on a CPU each pass is a float32 product, so only the
     # dropped tail x tail term (< 2**-20 relative) and the margin (2**-17) move it
-    clip = 0.5
-    want, norms, clipped = loop_reference(loss, params, data, clip)
-    got, info = jax.jit(f)(params, data)
-    assert_tree_close(got, want)
-    np.testing.assert_allclose(info.norms, norms, rtol=2e-5)
-    assert int(info.num_clipped) == clipped
+    _assert_matches_loop(f, loss, params, data, 0.5)
 
 
 def test_tf32x3_lowers_for_cuda_with_no_product_at_highest(monkeypatch):
