@@ -165,10 +165,7 @@ def all_finite(values: Sequence[jax.Array]) -> jax.Array:
     # sum(v - v) is NaN exactly when some element is NaN or infinite (inf - inf is
     # NaN): one read-only reduction per array. (max|v| made the CPU backend write
     # |v| to a temporary first, a pass as costly as the clip itself.)
-    oks = [jnp.isfinite(jnp.sum(v - v)) for v in values]
-    if not oks:
-        return jnp.ones((), bool)
-    return jnp.all(jnp.stack(oks))
+    return every([jnp.isfinite(jnp.sum(v - v)) for v in values])
 
 
 def screen(
@@ -188,6 +185,7 @@ def screen(
     """
     x, *state = lax.optimization_barrier((x, *state))
     hit = hits(x, *state)
+
     def step(a: tuple, b: tuple) -> tuple:
         return a[0] | b[0], a[1] | b[1]
 

@@ -467,6 +467,7 @@ def clip_value_by_ema(
             return _lerp(start, mag, v["beta"])
 
         hits: list[jax.Array] | None = None
+        ok = counts(invalid)
         if inner is None and exp_avg_tfm is None:
             # The bound is the new EMA: one read-only pass per leaf finds both whether
             # the update is finite and whether it clips anything, so the step then
@@ -475,11 +476,11 @@ def clip_value_by_ema(
                 _st.screen(lambda x, e: _exceeds(x, ema_of(x, e)), u, e)
                 for u, e in zip(arrays, old, strict=True)
             ]
-            finite = _st.every([f for f, _ in screens])
             hits = [h for _, h in screens]
-        else:
-            finite = _st.all_finite(arrays)
-        ok = (finite if skip else jnp.ones((), bool)) & counts(invalid)
+            if skip:
+                ok = _st.every([f for f, _ in screens]) & ok
+        elif skip:
+            ok = _st.all_finite(arrays) & ok
         # The kept EMA is computed in one pass and is both the new state and the
         # bound's source (a skipped step's output ignores the bound), so every
         # element of the state is read and written once.

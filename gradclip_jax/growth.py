@@ -300,6 +300,10 @@ def clip_value_growth(
         mul is None or _fixed_product(mul, max_decay) >= 1
     )
 
+    def by_add(r: jax.Array, v: dict) -> jax.Array:
+        """The additive step's cap on ``|x|``, ``|r| + add``, in the state's dtype."""
+        return jnp.abs(r) + v["add"].astype(_norms.acc_dtype(r.dtype))
+
     def limits(r: jax.Array, v: dict) -> tuple[jax.Array, jax.Array | None]:
         """``(m, bound)`` for one leaf, in the state's dtype: the tracked magnitude with its
         floor, and the magnitude bound on the update (``None`` when nothing bounds it).
@@ -314,7 +318,7 @@ def clip_value_growth(
         m = ar if min_value is None else jnp.maximum(ar, v["min_value"].astype(dt))
         bound = None
         if add is not None:
-            bound = ar + v["add"].astype(dt)
+            bound = by_add(r, v)
         if mul is not None:
             by_mul = v["mul"].astype(dt) * m
             bound = by_mul if bound is None else jnp.minimum(bound, by_mul)
@@ -344,7 +348,7 @@ def clip_value_growth(
     def after_add(x: jax.Array, r: jax.Array, v: dict) -> jax.Array:
         """``|x|`` after the additive step, in the state's dtype."""
         ax = jnp.abs(x.astype(r.dtype))
-        return ax if add is None else jnp.minimum(ax, jnp.abs(r) + v["add"].astype(ax.dtype))
+        return ax if add is None else jnp.minimum(ax, by_add(r, v))
 
     def update_fn(updates: Any, state: ClipValueGrowthState, params: Any = None) -> tuple:
         del params

@@ -69,10 +69,11 @@ def _site_sum(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any], 
         _, pull = jax.vjp(lambda p: apply_site(closed, site, vals, p, acc), p0)
         return pull(ct)[0]  # type: ignore[no-any-return]
     # A convolution takes no dot algorithm: at "tf32x3" its three passes are written out.
+    row = site.rows[0]
     total = None
     for x, c in passes:
-        vals[site.rows[0]] = x
-        _, pull = jax.vjp(lambda p, v=list(vals): apply_site(closed, site, v, p, acc, lax.Precision.DEFAULT), p0)
+        v = [*vals[:row], x, *vals[row + 1:]]
+        _, pull = jax.vjp(lambda p, v=v: apply_site(closed, site, v, p, acc, lax.Precision.DEFAULT), p0)
         part = pull(c)[0]
         total = part if total is None else total + part
     return total  # type: ignore[return-value]
