@@ -546,3 +546,24 @@ def test_per_layer(model):
     _compare(loss, params, data, clip, per_layer="size", microbatch_size=3)
     tree_clip = jax.tree.map(lambda x: clip * (1.0 + 0.1 * x.ndim), params)
     _compare(loss, params, data, tree_clip, normalize=True)
+
+
+def test_gram_norms_exact_to_rounding_with_a_common_component():
+    """A dense layer's Gram-form norms, with inputs that share a component 5x what varies over
+    the positions (as a layer norm's bias adds), are within the clip factor's 8 units of float32
+    roundoff of the exact norms of the stored operands (float64)."""
+    r = np.random.default_rng(0)
+    batch, seq, d, p = 4, 32, 64, 64  # 2 T^2 < D P: the Gram form
+    x = (r.normal(size=(batch, seq, d)) + 5 * r.normal(size=(1, 1, d))).astype(np.float32)
+    c = r.normal(size=(batch, seq, p)).astype(np.float32)  # the layer's output cotangent, exactly
+    params = {"w": jnp.asarray(r.normal(size=(d, p)) / 8, jnp.float32)}
+
+    def loss(prm, b):
+        return jnp.sum(jnp.einsum("btd,dp->btp", b["x"], prm["w"]) * b["c"], axis=(1, 2))
+
+    ghost, fallback = ghost_report(loss, params, {"x": x[:1], "c": c[:1]})
+    assert (ghost, fallback) == ([("['w']", "dense")], [])
+    _, info = jax.jit(clipped_grad(loss, 1.0, method="ghost"))(params, {"x": jnp.asarray(x), "c": jnp.asarray(c)})
+    exact = np.sqrt((np.einsum("btd,btp->bdp", x.astype(np.float64), c.astype(np.float64)) ** 2).sum(axis=(1, 2)))
+    rel = np.abs(np.asarray(info.norms, np.float64) / exact - 1)
+    assert rel.max() <= 8 * 2.0**-24, rel
