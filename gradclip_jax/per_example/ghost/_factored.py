@@ -13,8 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gradclip_jax._numerics import sqrt_nonneg
-from gradclip_jax.per_example._products import product_einsum
+from gradclip_jax.per_example._products import product_einsum, product_error
+from gradclip_jax.per_example.ghost._gram import GramTerm, gram_norm, position_norms
 from gradclip_jax.per_example.ghost.rules import Factor, Site
 
 # Chain operations a factored use may go through (anything else: no factors).
@@ -57,21 +57,34 @@ def _factor_inner(f: Factor, h: Factor) -> jax.Array:
     return jnp.take_along_axis(cols, xf[:, :, None], axis=1)
 
 
+def _factor_rows(f: Factor, acc: Any) -> jax.Array:
+    """Each position's vector norm, ``(B, T)`` (a one-hot row's is 1)."""
+    kind, x = f
+    return position_norms(x.astype(acc)) if kind == "dense" else jnp.ones(x.shape, acc)
+
+
+def _inner_error(f: Factor, h: Factor, acc: Any) -> float:
+    """The rounding error allowed :func:`_factor_inner` (0 where it only reads or compares values)."""
+    return product_error(f[1].shape[-1], acc) if f[0] == "dense" and h[0] == "dense" else 0.0
+
+
 def factored_norm(factors: Sequence[tuple[Factor, Factor]], acc: Any) -> jax.Array:
-    """Per-example Frobenius norm of ``sum_i G_i`` from the factors of every use ``i``.
+    """Per-example Frobenius norm of ``sum_i G_i`` from the factors of every use ``i``, raised by
+    what rounding may have taken off (:func:`~gradclip_jax.per_example.ghost._gram.gram_norm`).
 
     Each pair of uses once (doubled), in ``O(T_i T_j (n_0 + n_1))`` per example
     and pair: nothing of the leaf's size is formed.
     """
-    total = None
+    rows = [(_factor_rows(x, acc), _factor_rows(y, acc)) for x, y in factors]
+    terms = []
     for i, (xi, yi) in enumerate(factors):
         for j in range(i, len(factors)):
             xj, yj = factors[j]
-            term = jnp.sum(_factor_inner(xi, xj).astype(acc) * _factor_inner(yi, yj).astype(acc), axis=(1, 2))
-            term = term if i == j else 2 * term
-            total = term if total is None else total + term
-    assert total is not None
-    return sqrt_nonneg(total)
+            terms.append(GramTerm(
+                _factor_inner(xi, xj).astype(acc), _factor_inner(yi, yj).astype(acc),
+                _inner_error(xi, xj, acc), _inner_error(yi, yj, acc),
+                (rows[i][0], rows[j][0]), (rows[i][1], rows[j][1]), 1.0 if i == j else 2.0))
+    return gram_norm(terms)
 
 
 def factored_is_cheaper(factors: Sequence[tuple[Factor, Factor]], shape: tuple[int, ...]) -> bool:

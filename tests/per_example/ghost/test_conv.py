@@ -166,7 +166,8 @@ def test_cost_choice(forms):
         h = lax.conv_general_dilated(h, p["b"], (8, 8), "VALID", dimension_numbers=dn)
         return jnp.sum(jnp.tanh(h) ** 2, axis=(1, 2, 3))
 
-    _compare(loss, params, data, rtol=1e-4, atol=1e-6)
+    # the Gram form's norm is raised by its rounding bound (about 2e-6 relative here)
+    _compare(loss, params, data, rtol=1e-4, atol=1e-5)
     assert sorted(forms) == ["formed", "gram"]
 
 

@@ -31,9 +31,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gradclip_jax._numerics import sqrt_nonneg
 from gradclip_jax.per_example._measure import combine_l2, leaf_example_norms
-from gradclip_jax.per_example._products import product_einsum
+from gradclip_jax.per_example._products import product_einsum, product_error
+from gradclip_jax.per_example.ghost._gram import GramTerm, gram_norm, self_gram_rows
 from gradclip_jax.per_example.ghost._jaxpr import shape
 from gradclip_jax.per_example.ghost.rules._registry import (
     CONST,
@@ -106,7 +106,9 @@ class ConvViews:
 
 
 def gram_norms(views: ConvViews) -> jax.Array:
-    """:math:`\\sqrt{\\sum_g \\langle \\sum_k X_{bgk} X_{bgk}^\\top, G_{bg} G_{bg}^\\top\\rangle}`, ``(B,)``."""
+    """:math:`\\sqrt{\\sum_g \\langle \\sum_k X_{bgk} X_{bgk}^\\top, G_{bg} G_{bg}^\\top\\rangle}`, ``(B,)``,
+    raised by what rounding of its products may have taken off
+    (:func:`~gradclip_jax.per_example.ghost._gram.gram_norm`)."""
 
     def gram(x: jax.Array) -> jax.Array:
         return product_einsum("bgct,bgcs->bgts", x, x)
@@ -116,7 +118,11 @@ def gram_norms(views: ConvViews) -> jax.Array:
     first = gram(views.tap(views.offsets[0]))
     pp, _ = lax.scan(lambda acc, off: (acc + gram(views.tap(off)), None), first, views.offsets[1:])
     gg = product_einsum("bgtp,bgsp->bgts", views.g, views.g)
-    return sqrt_nonneg(jnp.sum(pp * gg, axis=(1, 2, 3)))
+    _, k, c, q, _ = views.dims
+    # pp adds the K taps' Grams (its diagonal is read, not formed again): K c terms per entry
+    rp, rg = self_gram_rows(None, pp), self_gram_rows(views.g, gg)
+    return gram_norm([GramTerm(pp, gg, product_error(k * c, pp.dtype), product_error(q, gg.dtype), (rp, rp),
+                               (rg, rg))])
 
 
 def formed_norms(views: ConvViews) -> jax.Array:

@@ -2,7 +2,9 @@
 
 With the batched operand ``a_b`` as ``(T, D)`` and the output cotangent ``g_b``
 as ``(T, P)``, the per-example gradient is :math:`a_b^\\top g_b` and its norm is
-:math:`\\|a_b\\|\\|g_b\\|` (``T = 1``) or :math:`\\sqrt{\\langle a_b a_b^\\top, g_b g_b^\\top\\rangle}`.
+:math:`\\|a_b\\|\\|g_b\\|` (``T = 1``), that of the formed gradient, or
+:math:`\\sqrt{\\langle a_b a_b^\\top, g_b g_b^\\top\\rangle}` raised by what rounding of its
+Gram products may have taken off (:mod:`~gradclip_jax.per_example.ghost._gram`).
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gradclip_jax._numerics import sqrt_nonneg
-from gradclip_jax.per_example._products import product_einsum
+from gradclip_jax.per_example._products import product_einsum, product_error
+from gradclip_jax.per_example.ghost._gram import GramTerm, gram_norm, self_gram_rows
 from gradclip_jax.per_example.ghost._jaxpr import shape
 from gradclip_jax.per_example.ghost.rules._registry import (
     CONST,
@@ -98,7 +100,8 @@ class DotGeneral(Rule):
         if 2 * t * t < psz * dsz:
             aa = product_einsum("btd,bsd->bts", a3, a3)
             gg = product_einsum("btp,bsp->bts", g3, g3)
-            return sqrt_nonneg(jnp.sum(aa * gg, axis=(1, 2)))
+            ra, rg = self_gram_rows(a3, aa), self_gram_rows(g3, gg)
+            return gram_norm([GramTerm(aa, gg, product_error(dsz, acc), product_error(psz, acc), (ra, ra), (rg, rg))])
         per_example = product_einsum("btd,btp->bdp", a3, g3)  # this layer's per-example gradients only
         return RowNorms((per_example,), lambda n: n[0])
 

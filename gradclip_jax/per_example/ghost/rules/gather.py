@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gradclip_jax._numerics import sqrt_nonneg
-from gradclip_jax.per_example._products import product_einsum
+from gradclip_jax.per_example._products import product_einsum, product_error
+from gradclip_jax.per_example.ghost._gram import GramTerm, gram_norm, self_gram_rows
 from gradclip_jax.per_example.ghost._jaxpr import shape
 from gradclip_jax.per_example.ghost.rules._registry import (
     ROW,
@@ -93,9 +93,10 @@ class Gather(Rule):
         ids, g3 = embedding_views(eqn, ops[1], g, acc)
         if ids.shape[1] == 1:
             return RowNorms((g3,), lambda n: n[0])
-        same = (ids[:, :, None] == ids[:, None, :]).astype(acc)
+        same = (ids[:, :, None] == ids[:, None, :]).astype(acc)  # exact
         gg = product_einsum("btp,bsp->bts", g3, g3)
-        return sqrt_nonneg(jnp.sum(same * gg, axis=(1, 2)))
+        ones, rg = jnp.ones(ids.shape, acc), self_gram_rows(g3, gg)  # a one-hot row's norm is 1
+        return gram_norm([GramTerm(same, gg, 0.0, product_error(g3.shape[-1], acc), (ones, ones), (rg, rg))])
 
     def factors(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any,
                 perm: list[int]) -> tuple[Factor, Factor] | None:

@@ -1,0 +1,130 @@
+"""Ghost norms in Gram form, raised by what rounding of their products may have taken off.
+
+A ghost rule that measures a layer in Gram form computes
+:math:`\\|G_b\\|^2 = \\sum_{t,s} \\langle x_t, x'_s\\rangle \\langle y_t, y'_s\\rangle` from
+rounded inner products. Their errors are relative to the entries, not to the
+norm: with a component common to every row ``x_t`` (transformer activations have
+large ones) and rows ``y_t`` that sum to almost nothing over the positions (a
+normalization over the positions makes cotangents do that), the entries are
+large and their weighted sum is small. Measured against float64 on one layer
+(``T = 256``, ``D = P = 768``), the float32 norm then came out ``8e-7``,
+``8e-5`` and ``1e-2`` below the exact one for a common component 5, 50 and 500
+times what varies, against a clip-factor rounding margin of ``4.8e-7``: a
+clipped contribution, ``C`` times exact over measured, would exceed the clip
+norm. :func:`gram_norm` adds a bound on that error, computed from the row norms
+and one more reduction of the products it sums anyway; the norm is then at least
+the exact one
+(in the rounding model of
+:func:`~gradclip_jax.per_example._products.product_error`), rises by about
+``2e-5`` relative where nothing cancels (``T = 256``, ``D = P = 768``), and by
+more only where rounding could have hidden more (6% for the 50 times shared
+component above, 3 times for the 500 times one). The entries' bound includes the
+reduced-pass products of ``PRODUCT_PRECISION`` (``"tf32x3"``: 128 more units of
+roundoff per entry), which make such errors larger still.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from gradclip_jax import norms as _norms
+from gradclip_jax._backend import per_backend
+from gradclip_jax._numerics import sqrt_nonneg
+from gradclip_jax.per_example._products import ROUNDING_SIGMAS, product_einsum
+
+__all__ = ["DIAGONAL_FROM", "GramTerm", "gram_norm", "position_norms", "self_gram_rows"]
+
+_L2 = _norms.NormSpec(kind="pow", p=2.0, label="2")
+
+# Backend name -> where the row norms of a self-Gram come from: "gram" (its diagonal; free
+# where the Gram is stored anyway, as GPU matmuls store it) or "rows" (the same products
+# formed from the rows: XLA's CPU backend fuses the Gram products into the sum that reads
+# them, and reading the diagonal would make it store both, 2x the time of that sum).
+DIAGONAL_FROM: dict[str, str] = {"cpu": "rows"}
+
+
+class GramTerm(NamedTuple):
+    """One term :math:`w \\langle X, Y\\rangle` of a squared per-example norm.
+
+    Attributes:
+      x: computed inner products :math:`X_{ts} = \\langle x_t, x'_s\\rangle`, ``(B, ..., T, S)``.
+      y: computed inner products :math:`Y_{ts} = \\langle y_t, y'_s\\rangle`, same shape.
+      x_err: the relative error allowed each entry of ``x``,
+        :math:`|\\hat X_{ts} - X_{ts}| \\le \\varepsilon_x \\|x_t\\| \\|x'_s\\|` (0: exact).
+      y_err: the same for ``y``.
+      x_rows: :math:`(\\|x_t\\|)_t`, ``(B, ..., T)``, and :math:`(\\|x'_s\\|)_s`, ``(B, ..., S)``.
+      y_rows: the same for ``y``.
+      weight: ``w`` (2 for a cross term counted once).
+    """
+
+    x: jax.Array
+    y: jax.Array
+    x_err: float
+    y_err: float
+    x_rows: tuple[jax.Array, jax.Array]
+    y_rows: tuple[jax.Array, jax.Array]
+    weight: float = 1.0
+
+
+def self_gram_rows(rows: jax.Array | None, gram: jax.Array) -> jax.Array:
+    """The norms of ``rows`` ``(..., T, N)`` whose Gram is ``gram`` ``(..., T, T)``, ``(..., T)``:
+    the square roots of the Gram's diagonal, read from it or formed again from ``rows``
+    (see :data:`DIAGONAL_FROM`; always read when ``rows`` is ``None``)."""
+    where = per_backend(DIAGONAL_FROM, "gradclip_jax.per_example.ghost._gram.DIAGONAL_FROM", "gram", ("gram", "rows"))
+    if rows is not None and where == "rows":
+        diag = product_einsum("...tn,...tn->...t", rows, rows)
+    else:
+        diag = jnp.diagonal(gram, axis1=-2, axis2=-1)
+    return sqrt_nonneg(diag)
+
+
+def position_norms(x: jax.Array) -> jax.Array:
+    """L2 norms of ``x`` ``(..., N)`` over its last axis, by the norm engine (branch-free), ``(...)``."""
+    (n,) = _norms.slice_norms([x], [(x.ndim - 1,)], _L2, branch_free=True)
+    return n[..., 0]
+
+
+def gram_norm(terms: Sequence[GramTerm]) -> jax.Array:
+    """:math:`\\sqrt{\\sum_i w_i \\langle \\hat X_i, \\hat Y_i\\rangle + E}`, ``(B,)``: not below the exact
+    norm :math:`\\sqrt{\\sum_i w_i \\langle X_i, Y_i\\rangle}` in the rounding model of
+    :func:`~gradclip_jax.per_example._products.product_error`.
+
+    ``E`` adds, over the terms, ``w`` times
+
+    .. math:: (\\varepsilon_x + \\varepsilon_y) \\Big(\\sum_t \\|x_t\\|^2\\|y_t\\|^2
+              \\sum_s \\|x'_s\\|^2\\|y'_s\\|^2\\Big)^{1/2}
+              + \\lambda u (\\sqrt{S} + \\sqrt{R}) \\sum_{t,s} |\\hat X_{ts} \\hat Y_{ts}|.
+
+    The first part carries the entries' errors, independent from entry to entry,
+    through the weighted sum: their standard deviation is at most
+    :math:`\\varepsilon_x (\\sum_{t,s} \\|x_t\\|^2 \\|x'_s\\|^2 Y_{ts}^2)^{1/2}/\\lambda`, and
+    :math:`|Y_{ts}| \\le \\|y_t\\| \\|y'_s\\|` bounds that by the row norms alone. The
+    second is the sum's own rounding, as ``R`` sums of ``S`` terms (``R``: ``T``
+    times the leading axes) added up, in whatever order, with partial sums bounded
+    by the sum of the magnitudes (as when the terms come sorted); it is summed in
+    the same reduction as the norm. The product of two entries' errors is
+    :math:`\\varepsilon_y` times the first part's and is left out. ``u`` is the unit
+    roundoff, :math:`\\lambda` = :data:`~gradclip_jax.per_example._products.ROUNDING_SIGMAS`.
+    """
+    total = None
+    for term in terms:
+        x, y = term.x, term.y
+        (xt, xs), (yt, ys) = term.x_rows, term.y_rows
+        grid = tuple(range(1, x.ndim))
+        rows = math.prod(x.shape[1:-1])
+        kappa = ROUNDING_SIGMAS * float(jnp.finfo(x.dtype).eps) / 2.0 * (math.sqrt(x.shape[-1]) + math.sqrt(rows))
+        xy = x * y
+        t = jnp.sum(xy + kappa * jnp.abs(xy), axis=grid)  # one reduction, fused with the products'
+        if term.x_err or term.y_err:
+            lead = grid[:-1]
+            spread = jnp.sqrt(jnp.sum(jnp.square(xt * yt), axis=lead) * jnp.sum(jnp.square(xs * ys), axis=lead))
+            t = t + (term.x_err + term.y_err) * spread
+        t = jnp.asarray(term.weight, t.dtype) * t
+        total = t if total is None else total + t
+    assert total is not None
+    return sqrt_nonneg(total)
