@@ -230,8 +230,10 @@ def test_views_equal_patches(nd, cin, groups, cout_per, size, ksize, stride, rdi
     rows = (*patches.shape[:2], -1)
     np.testing.assert_array_equal(np.asarray(taps).reshape(rows), patches.reshape(rows))
     ref = _reference_norms(x, w, g, **kw)
-    for form in (conv.gram_norms, conv.formed_norms):
-        np.testing.assert_allclose(np.asarray(form(views)), ref, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(conv.formed_norms(views)), ref, rtol=2e-5, atol=1e-6)
+    # the Gram form is raised by its rounding bound (up to 4e-5 relative seen here), never lowered
+    gram = np.asarray(conv.gram_norms(views))
+    assert np.all(gram >= ref * (1 - 1e-6) - 1e-6) and np.all(gram <= ref * (1 + 1e-3) + 1e-6), gram / ref - 1
 
 
 # ----------------------------------------------------------------------------
