@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from gradclip_jax.per_example._products import product_einsum, product_error
-from gradclip_jax.per_example.ghost._gram import GramTerm, gram_norm, position_norms
+from gradclip_jax.per_example.ghost._gram import GramTerm, gram_norm, self_gram_rows
 from gradclip_jax.per_example.ghost.rules import Factor, Site
 
 # Chain operations a factored use may go through (anything else: no factors).
@@ -57,10 +57,10 @@ def _factor_inner(f: Factor, h: Factor) -> jax.Array:
     return jnp.take_along_axis(cols, xf[:, :, None], axis=1)
 
 
-def _factor_rows(f: Factor, acc: Any) -> jax.Array:
-    """Each position's vector norm, ``(B, T)`` (a one-hot row's is 1)."""
+def _factor_rows(f: Factor, self_inner: jax.Array, acc: Any) -> jax.Array:
+    """Each position's vector norm, ``(B, T)``: from ``f``'s inner products with itself (a one-hot row's is 1)."""
     kind, x = f
-    return position_norms(x.astype(acc)) if kind == "dense" else jnp.ones(x.shape, acc)
+    return self_gram_rows(x.astype(acc), self_inner) if kind == "dense" else jnp.ones(x.shape, acc)
 
 
 def _inner_error(f: Factor, h: Factor, acc: Any) -> float:
@@ -75,16 +75,14 @@ def factored_norm(factors: Sequence[tuple[Factor, Factor]], acc: Any) -> jax.Arr
     Each pair of uses once (doubled), in ``O(T_i T_j (n_0 + n_1))`` per example
     and pair: nothing of the leaf's size is formed.
     """
-    rows = [(_factor_rows(x, acc), _factor_rows(y, acc)) for x, y in factors]
-    terms = []
-    for i, (xi, yi) in enumerate(factors):
-        for j in range(i, len(factors)):
-            xj, yj = factors[j]
-            terms.append(GramTerm(
-                _factor_inner(xi, xj).astype(acc), _factor_inner(yi, yj).astype(acc),
-                _inner_error(xi, xj, acc), _inner_error(yi, yj, acc),
-                (rows[i][0], rows[j][0]), (rows[i][1], rows[j][1]), 1.0 if i == j else 2.0))
-    return gram_norm(terms)
+    pairs = [(i, j) for i in range(len(factors)) for j in range(i, len(factors))]
+    inner = {(i, j): (_factor_inner(factors[i][0], factors[j][0]).astype(acc),
+                      _factor_inner(factors[i][1], factors[j][1]).astype(acc)) for i, j in pairs}
+    rows = [_factor_rows(x, inner[i, i][0], acc) * _factor_rows(y, inner[i, i][1], acc)
+            for i, (x, y) in enumerate(factors)]
+    return gram_norm([GramTerm(*inner[i, j], _inner_error(factors[i][0], factors[j][0], acc)
+                               + _inner_error(factors[i][1], factors[j][1], acc),
+                               (rows[i], rows[j]), 1.0 if i == j else 2.0) for i, j in pairs])
 
 
 def factored_is_cheaper(factors: Sequence[tuple[Factor, Factor]], shape: tuple[int, ...]) -> bool:

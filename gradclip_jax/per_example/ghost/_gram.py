@@ -31,14 +31,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from gradclip_jax import norms as _norms
 from gradclip_jax._backend import per_backend
 from gradclip_jax._numerics import sqrt_nonneg
 from gradclip_jax.per_example._products import ROUNDING_SIGMAS, product_einsum
 
-__all__ = ["DIAGONAL_FROM", "GramTerm", "gram_norm", "position_norms", "self_gram_rows"]
-
-_L2 = _norms.NormSpec(kind="pow", p=2.0, label="2")
+__all__ = ["DIAGONAL_FROM", "GramTerm", "gram_norm", "self_gram_rows"]
 
 # Backend name -> where the row norms of a self-Gram come from: "gram" (its diagonal; free
 # where the Gram is stored anyway, as GPU matmuls store it) or "rows" (the same products
@@ -53,20 +50,18 @@ class GramTerm(NamedTuple):
     Attributes:
       x: computed inner products :math:`X_{ts} = \\langle x_t, x'_s\\rangle`, ``(B, ..., T, S)``.
       y: computed inner products :math:`Y_{ts} = \\langle y_t, y'_s\\rangle`, same shape.
-      x_err: the relative error allowed each entry of ``x``,
-        :math:`|\\hat X_{ts} - X_{ts}| \\le \\varepsilon_x \\|x_t\\| \\|x'_s\\|` (0: exact).
-      y_err: the same for ``y``.
-      x_rows: :math:`(\\|x_t\\|)_t`, ``(B, ..., T)``, and :math:`(\\|x'_s\\|)_s`, ``(B, ..., S)``.
-      y_rows: the same for ``y``.
+      err: :math:`\\varepsilon_x + \\varepsilon_y`, the relative errors allowed the entries,
+        :math:`|\\hat X_{ts} - X_{ts}| \\le \\varepsilon_x \\|x_t\\| \\|x'_s\\|` and the same for
+        ``y`` (0 for an exact entry).
+      rows: :math:`(\\|x_t\\| \\|y_t\\|)_t`, ``(B, ..., T)``, and
+        :math:`(\\|x'_s\\| \\|y'_s\\|)_s`, ``(B, ..., S)``.
       weight: ``w`` (2 for a cross term counted once).
     """
 
     x: jax.Array
     y: jax.Array
-    x_err: float
-    y_err: float
-    x_rows: tuple[jax.Array, jax.Array]
-    y_rows: tuple[jax.Array, jax.Array]
+    err: float
+    rows: tuple[jax.Array, jax.Array]
     weight: float = 1.0
 
 
@@ -80,12 +75,6 @@ def self_gram_rows(rows: jax.Array | None, gram: jax.Array) -> jax.Array:
     else:
         diag = jnp.diagonal(gram, axis1=-2, axis2=-1)
     return sqrt_nonneg(diag)
-
-
-def position_norms(x: jax.Array) -> jax.Array:
-    """L2 norms of ``x`` ``(..., N)`` over its last axis, by the norm engine (branch-free), ``(...)``."""
-    (n,) = _norms.slice_norms([x], [(x.ndim - 1,)], _L2, branch_free=True)
-    return n[..., 0]
 
 
 def gram_norm(terms: Sequence[GramTerm]) -> jax.Array:
@@ -113,16 +102,15 @@ def gram_norm(terms: Sequence[GramTerm]) -> jax.Array:
     total = None
     for term in terms:
         x, y = term.x, term.y
-        (xt, xs), (yt, ys) = term.x_rows, term.y_rows
         grid = tuple(range(1, x.ndim))
         rows = math.prod(x.shape[1:-1])
         kappa = ROUNDING_SIGMAS * float(jnp.finfo(x.dtype).eps) / 2.0 * (math.sqrt(x.shape[-1]) + math.sqrt(rows))
         xy = x * y
         t = jnp.sum(xy + kappa * jnp.abs(xy), axis=grid)  # one reduction, fused with the products'
-        if term.x_err or term.y_err:
+        if term.err:
             lead = grid[:-1]
-            spread = jnp.sqrt(jnp.sum(jnp.square(xt * yt), axis=lead) * jnp.sum(jnp.square(xs * ys), axis=lead))
-            t = t + (term.x_err + term.y_err) * spread
+            rt, rs = term.rows
+            t = t + term.err * jnp.sqrt(jnp.sum(jnp.square(rt), axis=lead) * jnp.sum(jnp.square(rs), axis=lead))
         t = jnp.asarray(term.weight, t.dtype) * t
         total = t if total is None else total + t
     assert total is not None

@@ -120,9 +120,8 @@ def gram_norms(views: ConvViews) -> jax.Array:
     gg = product_einsum("bgtp,bgsp->bgts", views.g, views.g)
     _, k, c, q, _ = views.dims
     # pp adds the K taps' Grams (its diagonal is read, not formed again): K c terms per entry
-    rp, rg = self_gram_rows(None, pp), self_gram_rows(views.g, gg)
-    return gram_norm([GramTerm(pp, gg, product_error(k * c, pp.dtype), product_error(q, gg.dtype), (rp, rp),
-                               (rg, rg))])
+    r = self_gram_rows(None, pp) * self_gram_rows(views.g, gg)
+    return gram_norm([GramTerm(pp, gg, product_error(k * c, pp.dtype) + product_error(q, gg.dtype), (r, r))])
 
 
 def formed_norms(views: ConvViews) -> jax.Array:

@@ -100,8 +100,8 @@ class DotGeneral(Rule):
         if 2 * t * t < psz * dsz:
             aa = product_einsum("btd,bsd->bts", a3, a3)
             gg = product_einsum("btp,bsp->bts", g3, g3)
-            ra, rg = self_gram_rows(a3, aa), self_gram_rows(g3, gg)
-            return gram_norm([GramTerm(aa, gg, product_error(dsz, acc), product_error(psz, acc), (ra, ra), (rg, rg))])
+            r = self_gram_rows(a3, aa) * self_gram_rows(g3, gg)
+            return gram_norm([GramTerm(aa, gg, product_error(dsz, acc) + product_error(psz, acc), (r, r))])
         per_example = product_einsum("btd,btp->bdp", a3, g3)  # this layer's per-example gradients only
         return RowNorms((per_example,), lambda n: n[0])
 

@@ -95,8 +95,8 @@ class Gather(Rule):
             return RowNorms((g3,), lambda n: n[0])
         same = (ids[:, :, None] == ids[:, None, :]).astype(acc)  # exact
         gg = product_einsum("btp,bsp->bts", g3, g3)
-        ones, rg = jnp.ones(ids.shape, acc), self_gram_rows(g3, gg)  # a one-hot row's norm is 1
-        return gram_norm([GramTerm(same, gg, 0.0, product_error(g3.shape[-1], acc), (ones, ones), (rg, rg))])
+        r = self_gram_rows(g3, gg)  # times a one-hot row's norm, 1
+        return gram_norm([GramTerm(same, gg, product_error(g3.shape[-1], acc), (r, r))])
 
     def factors(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any,
                 perm: list[int]) -> tuple[Factor, Factor] | None:
