@@ -7,7 +7,7 @@ import enum
 import math
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import jax
@@ -83,6 +83,11 @@ def renamed_kwarg(fn: str, old: str, new: str, old_value: Any, new_value: Any, d
     return old_value
 
 
+class Origin:
+    """The identity of one :func:`clipped_grad` function, kept by every copy of its
+    configuration (a per-call copy too): what it has told its user once is not repeated."""
+
+
 @dataclass(frozen=True, eq=False)
 class ClipConfig:
     """Everything :func:`clipped_grad` validated, in one immutable object."""
@@ -103,6 +108,7 @@ class ClipConfig:
     pre_clipping_transform: Callable[[Any], Any] | None = None
     rescale_to_unit_norm: bool = False
     dtype: Any = None  # accumulation/output dtype of the sums (None: each leaf's accumulation dtype)
+    origin: Origin = field(default_factory=Origin)
 
     @property
     def per_layer(self) -> bool:

@@ -4,7 +4,10 @@ call and its jaxpr analysed once; the resulting :class:`Plan` is passed down."""
 from __future__ import annotations
 
 import math
+import os
+import sys
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -16,6 +19,7 @@ from gradclip_jax import norms as _norms
 from gradclip_jax.per_example._batch import LOSS_CONTRACT, batch_size_of, check_loss_out, keystr
 from gradclip_jax.per_example._config import ClipConfig, GhostSum, Method
 from gradclip_jax.per_example.ghost._jaxpr import (
+    MAX_UNROLL,
     concrete_operand,
     const_values,
     is_literal,
@@ -29,6 +33,7 @@ from gradclip_jax.per_example.ghost.rules import (
     MIXED,
     OPAQUE,
     ROW,
+    RULES,
     Box,
     RowCtx,
     Site,
@@ -151,7 +156,10 @@ def _walk(jaxpr: Any, n_params: int, n_batch: int, bsize: int, consts: dict[Any,
     def state(v: Any) -> State:
         return CONST if is_literal(v) else states.get(v, CONST)
 
+    live = _needed(jaxpr, jaxpr.outvars)
     for k, eqn in enumerate(jaxpr.eqns):
+        if k not in live:  # dead code (a leftover product): no use, and it mixes nothing
+            continue
         name = eqn.primitive.name
         in_states = [state(v) for v in eqn.invars]
         aliased = [(pos, alias[v]) for pos, v in enumerate(eqn.invars) if not is_literal(v) and v in alias]
@@ -178,17 +186,15 @@ def _walk(jaxpr: Any, n_params: int, n_batch: int, bsize: int, consts: dict[Any,
     for v in jaxpr.outvars:
         if not is_literal(v) and v in alias:
             uses[alias[v].leaf].append("an output of the loss")
-    needed = _feeds_loss(jaxpr, crossings)
+    needed = _needed(jaxpr, jaxpr.outvars[:1]) if crossings else set()
     crossing = next((jaxpr.eqns[k].primitive.name for k in crossings if k in needed), None)
     return _Walk(uses, state(jaxpr.outvars[0]) in (ROW, CONST), act_elems, mixing, crossing)
 
 
-def _feeds_loss(jaxpr: Any, candidates: Sequence[int]) -> set[int]:
-    """Which of the equations ``candidates`` the loss (the first output) depends on
-    (an aux output may reduce over the batch: it is evaluated per example)."""
-    if not candidates:
-        return set()
-    live = {jaxpr.outvars[0]} if not is_literal(jaxpr.outvars[0]) else set()
+def _needed(jaxpr: Any, outvars: Sequence[Any]) -> set[int]:
+    """The equations that ``outvars`` depend on (the loss alone: an aux output may reduce
+    over the batch, as it is evaluated per example)."""
+    live = {v for v in outvars if not is_literal(v)}
     needed: set[int] = set()
     for k in range(len(jaxpr.eqns) - 1, -1, -1):
         eqn = jaxpr.eqns[k]
@@ -210,6 +216,18 @@ def _disjoint(boxes: Sequence[Box]) -> bool:
     return True
 
 
+# Why some uses of a parameter are not measured, where the primitive's name alone does not say.
+_WHY = {
+    "scan": f" (a scan over stacked layers is unrolled for the analysis when it runs at most "
+            f"MAX_UNROLL={MAX_UNROLL} steps)",
+    "while": " (a loop of unknown length)",
+    "custom_vjp_call": " (a parameter inside a function with a custom derivative: its gradient is the "
+                       "custom rule's, which ghost clipping cannot see; custom functions of activations are measured)",
+    "custom_jvp_call": " (a parameter inside a function with a custom derivative: its gradient is the "
+                       "custom rule's, which ghost clipping cannot see; custom functions of activations are measured)",
+}
+
+
 def _leaf_verdict(u: list[Site | str]) -> tuple[list[Site], bool, str | None]:
     """``(sites, blocks, None)`` for a leaf measured by ghost clipping (``blocks``: its uses read
     disjoint blocks, so its squared norm is the sum of theirs), ``([], False, reason)`` otherwise."""
@@ -217,7 +235,7 @@ def _leaf_verdict(u: list[Site | str]) -> tuple[list[Site], bool, str | None]:
         return [], False, None
     bad = [x for x in u if isinstance(x, str)]
     if bad:
-        return [], False, f"used by {bad[0]!r}, which ghost clipping does not measure"
+        return [], False, f"used by {bad[0]!r}, which ghost clipping does not measure{_WHY.get(bad[0], '')}"
     sites = [x for x in u if isinstance(x, Site)]
     if len(sites) == 1:
         return sites, False, None
@@ -251,6 +269,15 @@ def _narrow_op(jaxpr: Any, n_params: int, acc: Any) -> tuple[str, str] | None:
     return None
 
 
+def _not_row_wise(mixing: str | None) -> str:
+    """Why no leaf is measured when the loss is not row-wise, naming the first primitive that made it so."""
+    if mixing is not None and mixing not in RULES:
+        return (f"ghost clipping has no rule for {mixing!r}, which the loss applies to batched values, so it "
+                "cannot tell that each example's loss depends on that example alone")
+    return (f"the loss mixes examples (first at {mixing!r}: an operation across the batch axis, or one "
+            "that changes its length)")
+
+
 def analyse(jaxpr: Any, n_params: int, active: Sequence[int], n_batch: int, bsize: int,
             consts: dict[Any, Any] | None = None) -> Plan:
     """Classifies every active parameter leaf of the top-level ``jaxpr``.
@@ -265,8 +292,7 @@ def analyse(jaxpr: Any, n_params: int, active: Sequence[int], n_batch: int, bsiz
                 narrow_leaf=narrow_leaf, narrow_op=_narrow_op(jaxpr, n_params, acc))
     for leaf in active:
         if not walk.row_wise:
-            plan.reasons[leaf] = (f"the loss mixes examples (first at {walk.mixing!r}: an operation across the "
-                                  "batch axis, or one ghost clipping has no rule for)")
+            plan.reasons[leaf] = _not_row_wise(walk.mixing)
             continue
         sites, blocks, reason = _leaf_verdict(walk.uses[leaf])
         if reason is None:
@@ -408,11 +434,30 @@ class GhostFallbackWarning(UserWarning):
     """Ghost clipping forms the per-example gradients of some leaves (the vmap fallback)."""
 
 
-_WARNED: set[str] = set()
+# Messages already given, per clipped-grad function (keyed by the id of its
+# configuration's origin, dropped with it): each function tells its user once, also when another model's
+# function gave the same message before.
+_WARNED: dict[int, set[str]] = {}
 
 
-def warn_fallback(plan: Plan, pflat: _norms.FlatTree, bsize: int, method: Method, fn: str) -> None:
-    """Tells the user once, per distinct message, which leaves fall back to vmap and why.
+# gradclip_jax's folder (three up from this file's) and jax's
+_LIBRARY_DIRS = (os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep,
+                 os.path.dirname(os.path.abspath(jax.__file__)) + os.sep)
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside gradclip_jax and jax: the user's line that
+    called the clipped-grad function (directly, or through ``jax.jit`` tracing it)."""
+    level, frame = 2, sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        level, frame = level + 1, frame.f_back  # type: ignore[assignment]
+    return level if frame is not None else 2
+
+
+def warn_fallback(plan: Plan, pflat: _norms.FlatTree, bsize: int, method: Method, fn: str,
+                  owner: object = None) -> None:
+    """Tells the user once per clipped-grad function (``owner``: its configuration's origin) and distinct
+    message which leaves fall back to vmap and why.
 
     Silent for ``method='auto'`` on a model too small for ghost clipping to be
     worth it (then vmap is the choice, not a fallback).
@@ -431,9 +476,14 @@ def warn_fallback(plan: Plan, pflat: _norms.FlatTree, bsize: int, method: Method
     msg = (f"{fn}: ghost clipping forms the per-example gradients of {len(fb)} of {len(pflat.active)} "
            f"parameter leaves (vmap fallback): {'; '.join(parts)}. "
            "ghost_report(loss_fn, params, batch) lists every leaf.")
-    if msg not in _WARNED:
-        _WARNED.add(msg)
-        warnings.warn(msg, GhostFallbackWarning, stacklevel=5)  # the caller of the clipped-grad function
+    key = id(owner)
+    if key not in _WARNED:
+        _WARNED[key] = set()
+        if owner is not None:
+            weakref.finalize(owner, _WARNED.pop, key, None)
+    if msg not in _WARNED[key]:
+        _WARNED[key].add(msg)
+        warnings.warn(msg, GhostFallbackWarning, stacklevel=_user_stacklevel())
 
 
 class GhostReport(tuple):

@@ -146,6 +146,41 @@ def _unroll_scan(eqn: Any, invals: Sequence[Any], deps: Sequence[bool]) -> list[
     return [*carry, *[jnp.stack([ys[i][j] for i in range(length)]) for j in range(n_ys)]]
 
 
+def _concrete_index(x: Any) -> int | None:
+    """A scalar integer index known while tracing (a literal, a constant, a folded value), else ``None``."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    try:
+        a = np.asarray(x)
+    except Exception:  # an abstract value
+        return None
+    return int(a) if a.shape == () and np.issubdtype(a.dtype, np.integer) else None
+
+
+def _as_static_slices(eqn: Any, invals: Sequence[Any]) -> list[Any] | None:
+    """``split``, and ``dynamic_slice`` at indices known while tracing, written as static slices
+    (``None`` for any other equation), so the analysis sees which block of a parameter
+    each piece reads (a fused q/k/v weight split in three is three blocks, as with
+    ``W[:, :d]``)."""
+    name = eqn.primitive.name
+    if name == "split":
+        axis, x = int(eqn.params["axis"]), invals[0]
+        outs, start = [], 0
+        for size in eqn.params["sizes"]:
+            outs.append(lax.slice_in_dim(x, start, start + int(size), axis=axis))
+            start += int(size)
+        return outs
+    if name == "dynamic_slice":
+        x, sizes = invals[0], tuple(int(n) for n in eqn.params["slice_sizes"])
+        starts = [_concrete_index(i) for i in invals[1:]]
+        if len(starts) != len(sizes) or any(i is None for i in starts):
+            return None
+        # dynamic_slice clamps its start so that the slice fits in the operand
+        lo = [min(max(int(i), 0), d - n) for i, d, n in zip(starts, np.shape(x), sizes, strict=True)]  # type: ignore[arg-type]
+        return [lax.slice(x, lo, [a + n for a, n in zip(lo, sizes, strict=True)])]
+    return None
+
+
 FOLD_MAX_ELEMENTS = 2**16
 """Integer and boolean values computed from constants alone (``jnp.arange(T)`` position ids)
 with at most this many elements are computed while tracing, so that a lookup
@@ -207,6 +242,9 @@ def _inline_eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
         elif _unrolls(eqn, in_deps):
             outs = _unroll_scan(eqn, invals, in_deps)
             out_deps = [any(in_deps)] * len(outs)
+        elif (sliced := _as_static_slices(eqn, invals)) is not None:
+            outs = sliced
+            out_deps = [any(in_deps)] * len(outs)
         elif _folds(eqn, invals):
             with jax.ensure_compile_time_eval():
                 outs = bind(eqn, invals)
@@ -219,14 +257,20 @@ def _inline_eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
     return [_read(env, v) for v in jaxpr.outvars], [read_dep(v) for v in jaxpr.outvars]
 
 
+# Top-level primitives that the re-trace rewrites: unrolled scans, folded index
+# arithmetic (``iota``), splits and dynamic slices at known indices as static slices.
+_RETRACED = frozenset({"scan", "iota", "split", "dynamic_slice"})
+
+
 def trace(loss: Callable[..., Any], params: Any, batch: Any, args: Sequence[Any]) -> Any:
     """The closed jaxpr of ``loss(params, batch, args)`` over the flattened inputs, calls
-    inlined and short scans over parameters unrolled.
+    inlined, short scans over parameters unrolled, and splits and dynamic slices at
+    indices known while tracing written as static slices.
 
     ``loss`` is called exactly once (the inlining re-traces the jaxpr, not ``loss``).
     """
     closed = jax.make_jaxpr(loss)(params, batch, tuple(args))
-    if not any(e.primitive.name in _INLINE or e.primitive.name in ("scan", "iota") for e in closed.jaxpr.eqns):
+    if not any(e.primitive.name in _INLINE or e.primitive.name in _RETRACED for e in closed.jaxpr.eqns):
         return closed
     n_params = len(jax.tree_util.tree_leaves(params))
     deps = [i < n_params for i in range(len(closed.jaxpr.invars))]

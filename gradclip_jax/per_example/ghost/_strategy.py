@@ -120,7 +120,7 @@ def run_ghost(config: ClipConfig, call: Call) -> tuple[Any, ClippedGradInfo]:
     traced = _trace(config, call, call.batch, check=True)
     check_per_example(traced.plan.crossing, config.fn)
     check_sum_precision(config, traced.plan, call.pflat)
-    warn_fallback(traced.plan, call.pflat, call.bsize, config.method, config.fn)
+    warn_fallback(traced.plan, call.pflat, call.bsize, config.method, config.fn, config.origin)
     if not use_ghost(traced.plan, call.pflat, call.bsize, config.method):
         return run_vmap(config, call, checked=True)
     clips = clip_budgets(config, call.params, call.pflat)

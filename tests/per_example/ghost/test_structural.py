@@ -222,3 +222,126 @@ def test_flax_nnx_position_embedding():
     rep = ghost_report(loss, params, data)
     assert rep.fallback == [], rep.fallback
     _compare(loss, params, data, clip=0.3)
+
+
+def _fused_weight_setup(seed=7):
+    r = np.random.default_rng(seed)
+    return {"qkv": _w(r, D, 3 * D), "head": _w(r, D, 4)}
+
+
+@pytest.mark.parametrize("how", ["split", "dynamic_slice", "dynamic_slice_clamped"])
+def test_a_split_or_sliced_fused_weight_keeps_the_ghost_path(how):
+    """A fused q/k/v *weight* cut in three (jnp.split, or lax.dynamic_slice at offsets known
+    while tracing, which clamps as XLA does) is three blocks of one leaf, as ``W[:, :d]`` is."""
+
+    def loss(p, b):
+        w = p["qkv"]
+        if how == "split":
+            wq, wk, wv = jnp.split(w, 3, axis=-1)
+        else:
+            last = 2 * D + (5 if how == "dynamic_slice_clamped" else 0)  # clamped back to 2D
+            wq, wk, wv = (jax.lax.dynamic_slice(w, (0, s), (D, D)) for s in (0, D, last))
+        x = b["x"]
+        att = jax.nn.softmax(jnp.einsum("btd,bsd->bts", x @ wq, x @ wk), axis=-1)
+        return xent(jnp.mean(jnp.einsum("bts,bsd->btd", att, x @ wv), axis=1) @ p["head"], b["y"])
+
+    params, data = _fused_weight_setup(), _data(3)
+    rep = ghost_report(loss, params, data)
+    assert rep.fallback == []
+    assert dict(rep.ghost)["['qkv']"] == "stacked:dense+dense+dense"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GhostFallbackWarning)
+        _compare(loss, params, data, clip=0.5)
+
+
+def test_dead_code_does_not_send_a_leaf_to_the_fallback():
+    """A leftover product whose result is never used is not a use of the leaf."""
+    params, data = _fused_weight_setup(), _data(4)
+
+    def loss(p, b):
+        _unused = b["x"] @ p["qkv"]  # overlaps every slice below, but feeds nothing
+        w = p["qkv"]
+        h = jnp.tanh(b["x"] @ w[:, :D]) * (b["x"] @ w[:, D:2 * D]) + b["x"] @ w[:, 2 * D:]
+        return xent(jnp.mean(h, axis=1) @ p["head"], b["y"])
+
+    assert ghost_report(loss, params, data).fallback == []
+    _compare(loss, params, data, clip=0.5)
+
+
+def test_equinox_embedding_lookup_under_vmap():
+    """``eqx.nn.Embedding`` indexes ``W[i]`` per token under vmap: a gather whose index
+    vectors hold ``(i, 0)`` and which keeps a size-1 row axis, still a row lookup (also tied)."""
+    eqx = pytest.importorskip("equinox")
+    vocab = 11
+    emb = eqx.nn.Embedding(vocab, D, key=jax.random.key(0))
+    ids = jnp.asarray(np.random.default_rng(5).integers(0, vocab, size=(B, T)), jnp.int32)
+
+    def plain(p, i):
+        return jax.vmap(lambda r: jnp.sum(jnp.tanh(jax.vmap(p)(r)) ** 2))(i)
+
+    def tied(p, i):
+        h = jax.vmap(jax.vmap(p))(i)
+        return jnp.sum(jax.nn.log_softmax(h @ p.weight.T), axis=(1, 2))
+
+    for loss, kind in ((plain, "embedding"), (tied, "tied:embedding+dense")):
+        assert ghost_report(loss, emb, ids).ghost == [(".weight", kind)]
+        _compare(loss, emb, ids, clip=0.3)
+
+
+def test_fft_and_flip_of_features_keep_the_ghost_path_and_flipping_the_batch_raises():
+    params, data = _fused_weight_setup(), _data(6)
+
+    def features(p, b):
+        h = jnp.abs(jnp.fft.rfft(b["x"] @ p["qkv"][:, :D], axis=-1)) + jnp.flip(b["x"], axis=-1)[..., :5]
+        return jnp.sum(h ** 2, axis=(1, 2)) + xent(jnp.mean(b["x"], axis=1) @ p["head"], b["y"])
+
+    assert ghost_report(features, params, data).fallback == []
+    _compare(features, params, data, clip=0.5)
+
+    def pairs(p, b):  # example i meets example B-1-i: not a per-example loss
+        h = b["x"] @ p["qkv"][:, :D]
+        return jnp.sum(h * h[::-1], axis=(1, 2))
+
+    for method in ("ghost", "vmap"):
+        with pytest.raises(ValueError, match="combines examples at 'rev'"):
+            clipped_grad(pairs, 1.0, method=method)(params, data)
+
+
+def test_each_clipped_grad_function_warns_once_from_the_users_line():
+    """Not repeated by one function (eagerly, jitted, per call with a key argument), but given
+    again by a second function whose message is the same; attributed to the caller's line."""
+    params, data = _fused_weight_setup(), _data(8)
+
+    def loss(p, b, key=None):
+        return xent(jnp.mean(b["x"] @ jnp.sin(p["qkv"][:, :D]), axis=1) @ p["head"], b["y"])
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        f = clipped_grad(loss, 1.0, method="ghost")
+        f(params, data)
+        jax.jit(f)(params, data)
+        clipped_grad(loss, 1.0, method="ghost")(params, data)
+        k = clipped_grad(loss, 1.0, method="ghost", prng_argnum=2)
+        k(params, data, jax.random.key(0))
+        k(params, data, jax.random.key(1))
+    ours = [w for w in seen if issubclass(w.category, GhostFallbackWarning)]
+    assert len(ours) == 3
+    assert all(w.filename == __file__ for w in ours)
+    assert all("['qkv'] (used by 'sin'" in str(w.message) for w in ours)
+
+
+def test_fallback_reasons_say_why_for_long_scans_and_custom_derivatives():
+    def scanned(p, b):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), b["x"], p["stack"])
+        return jnp.sum(h, axis=(1, 2))
+
+    rep = ghost_report(scanned, {"stack": jnp.zeros((130, D, D))}, _data())
+    assert "MAX_UNROLL=128" in rep.fallback[0][1]
+
+    @jax.custom_vjp
+    def dense(x, w):
+        return x @ w
+
+    dense.defvjp(lambda x, w: (x @ w, (x, w)), lambda r, g: (g @ r[1].T, jnp.einsum("...i,...j->ij", r[0], g)))
+    rep = ghost_report(lambda p, b: jnp.sum(dense(b["x"], p["w"]), axis=(1, 2)), {"w": jnp.zeros((D, D))}, _data())
+    assert "custom derivative" in rep.fallback[0][1]

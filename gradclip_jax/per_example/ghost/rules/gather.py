@@ -48,16 +48,35 @@ def _row_ok(c: RowCtx) -> bool:
     )
 
 
-def is_row_lookup(eqn: Any) -> bool:
-    """``table[ids]``: whole rows of the table at ids of shape ``(..., 1)``."""
+def _row_index(eqn: Any) -> int | None:
+    """Which component of the index vectors picks the table row, when ``eqn`` is a row lookup.
+
+    A row lookup reads whole rows of the table: slice size 1 along axis 0 and the
+    full size along every other axis, with nothing batched inside the gather. Its
+    index vectors (the last axis of the indices) hold the row, and possibly a start
+    for other axes (``W[i]`` on a scalar ``i`` under ``vmap`` indexes ``(i, 0)``):
+    a full-size slice's start is clamped to 0 unless out-of-range slices are
+    dropped (``FILL_OR_DROP``), so only a lookup that clamps may carry them. The
+    row axis is kept as a size-1 axis or collapsed; the slice's axes come last in
+    the output.
+    """
     dn = eqn.params["dimension_numbers"]
     q, out, idx = shape(eqn.invars[0]), shape(eqn.outvars[0]), shape(eqn.invars[1])
-    return bool(
-        len(q) >= 1 and tuple(dn.collapsed_slice_dims) == (0,) and tuple(dn.start_index_map) == (0,)
-        and not tuple(dn.operand_batching_dims) and idx[-1] == 1
-        and tuple(eqn.params["slice_sizes"]) == (1, *q[1:])
-        and tuple(dn.offset_dims) == tuple(range(len(out) - len(q) + 1, len(out)))
-    )
+    smap, collapsed = tuple(dn.start_index_map), tuple(dn.collapsed_slice_dims)
+    if (len(q) < 1 or 0 not in smap or collapsed not in ((0,), ()) or tuple(dn.operand_batching_dims)
+            or len(idx) < 1 or idx[-1] != len(smap) or tuple(eqn.params["slice_sizes"]) != (1, *q[1:])):
+        return None
+    if len(smap) > 1 and eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
+        return None
+    n_off = len(q) - len(collapsed)
+    if tuple(dn.offset_dims) != tuple(range(len(out) - n_off, len(out))):
+        return None
+    return smap.index(0)
+
+
+def is_row_lookup(eqn: Any) -> bool:
+    """``table[ids]``: whole rows of the table (see :func:`_row_index`)."""
+    return _row_index(eqn) is not None
 
 
 def embedding_views(eqn: Any, idx: jax.Array, g: jax.Array, acc: Any) -> tuple[jax.Array, jax.Array]:
@@ -67,7 +86,7 @@ def embedding_views(eqn: Any, idx: jax.Array, g: jax.Array, acc: Any) -> tuple[j
     ``FILL_OR_DROP``; otherwise they are clipped, as the lookup did.
     """
     bsz = idx.shape[0]
-    ids = jnp.reshape(idx, (bsz, -1))
+    ids = jnp.reshape(idx[..., _row_index(eqn)], (bsz, -1))
     g3 = jnp.reshape(g, (bsz, ids.shape[1], -1)).astype(acc)
     rows = shape(eqn.invars[0])[0]
     if eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:

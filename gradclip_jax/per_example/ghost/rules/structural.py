@@ -1,5 +1,5 @@
 """Structural primitives (transpose, broadcast, reductions, reshapes, slices,
-windows, sorting): how each moves or keeps the batch axis. None is a site."""
+windows, sorting, reversal, FFTs): how each moves or keeps the batch axis. None is a site."""
 
 from __future__ import annotations
 
@@ -19,6 +19,12 @@ def _removed(c: RowCtx, dims: tuple[int, ...]) -> list[State]:
     if k0 is None or k0 in dims:
         return c.mixed()
     return c.res_at(k0 - sum(a < k0 for a in dims))
+
+
+def _removed_or_kept(c: RowCtx, axes: tuple[int, ...]) -> list[State]:
+    """The batch axis where it was, unless the operation works along it (then mixed)."""
+    k0 = c.k0
+    return c.mixed() if k0 is None or k0 in axes else c.res_at(k0)
 
 
 class Transpose(Rule):
@@ -158,6 +164,35 @@ class TopK(Axis0):
         return len(c.ins[0]) >= 2
 
 
+class Rev(Rule):
+    """Reversing axes other than the batch's (``jnp.flip`` of features); reversing the batch
+    axis pairs example ``i`` with example ``B - 1 - i``."""
+
+    primitives = ("rev",)
+
+    def row(self, c: RowCtx) -> list[State]:
+        return _removed_or_kept(c, tuple(c.params["dimensions"]))
+
+    def crosses(self, c: RowCtx) -> bool:
+        return c.k0 is not None and c.k0 in tuple(c.params["dimensions"])
+
+
+class FFT(Rule):
+    """``jnp.fft``: a transform over the trailing ``len(fft_lengths)`` axes of each example."""
+
+    primitives = ("fft",)
+
+    def _axes(self, c: RowCtx) -> tuple[int, ...]:
+        n = len(c.ins[0])
+        return tuple(range(n - len(c.params["fft_lengths"]), n))
+
+    def row(self, c: RowCtx) -> list[State]:
+        return _removed_or_kept(c, self._axes(c))
+
+    def crosses(self, c: RowCtx) -> bool:
+        return c.k0 is not None and c.k0 in self._axes(c)
+
+
 class Iota(Rule):
     primitives = ("iota",)
 
@@ -166,5 +201,5 @@ class Iota(Rule):
 
 
 for _rule in (Transpose(), BroadcastInDim(), Reduce(), Squeeze(), Cumulative(), Reshape(), Concatenate(),
-              Split(), Slice(), Pad(), DynamicSlice(), ReduceWindow(), Sort(), TopK(), Iota()):
+              Split(), Slice(), Pad(), DynamicSlice(), ReduceWindow(), Sort(), TopK(), Rev(), FFT(), Iota()):
     register(_rule)
