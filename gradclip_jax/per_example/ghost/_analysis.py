@@ -35,6 +35,7 @@ from gradclip_jax.per_example.ghost.rules import (
     ROW,
     RULES,
     Box,
+    Merged,
     RowCtx,
     Site,
     State,
@@ -178,7 +179,7 @@ def _walk(jaxpr: Any, n_params: int, n_batch: int, bsize: int, consts: dict[Any,
                 crossings.append(k)
         for v, s in zip(eqn.outvars, out_states, strict=True):
             states[v] = s
-            if isinstance(s, int) and name not in _CHAIN:
+            if isinstance(s, (int, Merged)) and name not in _CHAIN:
                 act_elems += math.prod(shape(v))
         for pos, a in aliased:
             use = Use(eqn, k, pos, a.leaf, a.chain, a.bcast, in_states, out_states, a.box)

@@ -345,3 +345,37 @@ def test_fallback_reasons_say_why_for_long_scans_and_custom_derivatives():
     dense.defvjp(lambda x, w: (x @ w, (x, w)), lambda r, g: (g @ r[1].T, jnp.einsum("...i,...j->ij", r[0], g)))
     rep = ghost_report(lambda p, b: jnp.sum(dense(b["x"], p["w"]), axis=(1, 2)), {"w": jnp.zeros((D, D))}, _data())
     assert "custom derivative" in rep.fallback[0][1]
+
+
+def test_flattened_cross_entropy_keeps_the_ghost_path():
+    """``logits.reshape(-1, V)`` merges each example's positions into one axis (its rows stay
+    one contiguous run per example): followed, and regrouped to ``(B, T)`` it is per-example
+    again. Regrouping the rows any other way mixes examples and is not followed."""
+    optax = pytest.importorskip("optax")
+    r = np.random.default_rng(9)
+    params = {"w": _w(r, D, D), "o": _w(r, D, 4)}
+    data = _data(9)
+
+    def flat_xent(logits, y):
+        return optax.softmax_cross_entropy_with_integer_labels(logits.reshape(-1, 4), y.reshape(-1))
+
+    def loss(p, b):
+        logits = jnp.tanh(b["x"] @ p["w"]) @ p["o"]
+        return flat_xent(logits, jnp.broadcast_to(b["y"][:, None], b["x"].shape[:2])).reshape(-1, T).mean(-1)
+
+    assert ghost_report(loss, params, data).fallback == []
+    _compare(loss, params, data, clip=0.3)
+
+    def regrouped(p, b):  # (B*T,) -> (T, B) -> mean over T rows: row b no longer one example
+        logits = jnp.tanh(b["x"] @ p["w"]) @ p["o"]
+        ys = jnp.broadcast_to(b["y"][:, None], b["x"].shape[:2])
+        return flat_xent(logits, ys).reshape(T, -1).mean(0)
+
+    assert ghost_report(regrouped, params, data).ghost == []
+
+    def merged_twice(p, b):  # (B, T, D) -> (B*T*D,) -> (B*T, D) -> (B, T*D): per example throughout
+        h = jnp.tanh(b["x"] @ p["w"]).reshape(-1).reshape(-1, D)
+        return jnp.sum(jnp.sin(h).reshape(b["x"].shape[0], -1), axis=1)
+
+    assert ghost_report(merged_twice, params, data).fallback == []
+    _compare(merged_twice, {"w": params["w"]}, data, clip=0.3)

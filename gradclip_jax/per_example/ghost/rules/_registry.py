@@ -27,9 +27,19 @@ class Tag(enum.Enum):
     MIXED = "mixed"
 
 
+@dataclass(frozen=True)
+class Merged:
+    """The batch merged into axis 0 with the positions of each example: ``B * per_example``
+    rows, those of example ``b`` contiguous and computed from it alone (a ``(B, T, V)``
+    value reshaped to ``(B * T, V)``, as a flattened cross-entropy does)."""
+
+    per_example: int
+
+
 # A value's state: an int ``k`` (it carries the batch on axis ``k``, one example
-# per slice, computed from that example alone) or a Tag. ROW is the batch on axis 0.
-State = int | Tag
+# per slice, computed from that example alone), a Merged batch, or a Tag. ROW is
+# the batch on axis 0.
+State = int | Tag | Merged
 ROW, CONST, MIXED = 0, Tag.CONST, Tag.MIXED
 
 # The block of a leaf one use reads: ``None`` (the whole leaf), the box
@@ -203,7 +213,36 @@ def row_rule(eqn: Any, states: list[State], bsize: int) -> list[State]:
         return [CONST] * n_out
     if any(s == MIXED for s in states):
         return [MIXED] * n_out
+    if any(isinstance(s, Merged) for s in states):
+        return _merged_rule(eqn, states, bsize)
     return rule_for(eqn.primitive.name).row(RowCtx(eqn, states, bsize))
+
+
+def leading_batch(out_rows: int, bsize: int) -> State:
+    """The state of a reshape's output whose ``out_rows`` leading rows come from a value with
+    the batch leading (in row-major order each example's elements stay one contiguous run)."""
+    if out_rows == bsize:
+        return ROW
+    if out_rows > bsize and out_rows % bsize == 0:
+        return Merged(out_rows // bsize)
+    return MIXED
+
+
+def _merged_rule(eqn: Any, states: list[State], bsize: int) -> list[State]:
+    """Propagation through values with a merged batch: a reshape keeping the batch leading
+    (to ``(B, ...)`` again, or another merge); any other equation whose batched operands share one
+    merge is followed by the rules for a batch of ``B * per_example`` rows: rows computed from
+    their own rows alone are computed from their own example alone."""
+    n_out = len(eqn.outvars)
+    merged = {s for s in states if isinstance(s, Merged)}
+    if len(merged) != 1 or any(isinstance(s, int) for s in states):
+        return [MIXED] * n_out
+    n = next(iter(merged)).per_example
+    if eqn.primitive.name == "reshape" and eqn.params.get("dimensions") is None:
+        out = shape(eqn.outvars[0])
+        return [leading_batch(out[0], bsize) if out else MIXED]
+    inner = row_rule(eqn, [ROW if isinstance(s, Merged) else s for s in states], bsize * n)
+    return [Merged(n) if s == ROW else s if s == CONST else MIXED for s in inner]
 
 
 def row_states(jaxpr: Any, in_states: Sequence[State], bsize: int) -> list[State]:

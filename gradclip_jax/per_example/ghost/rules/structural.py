@@ -9,6 +9,7 @@ from gradclip_jax.per_example.ghost.rules._registry import (
     Rule,
     State,
     axis0_only,
+    leading_batch,
     register,
 )
 
@@ -84,11 +85,16 @@ class Axis0(Rule):
         return c.res(self.ok(c)) if axis0_only(c) else c.mixed()
 
 
-class Reshape(Axis0):
+class Reshape(Rule):
+    """A reshape keeping the batch leading: to ``(B, ...)``, or merged with each example's
+    positions (``(B, T, V)`` to ``(B * T, V)``)."""
+
     primitives = ("reshape",)
 
-    def ok(self, c: RowCtx) -> bool:
-        return c.params.get("dimensions") is None
+    def row(self, c: RowCtx) -> list[State]:
+        if not axis0_only(c) or c.params.get("dimensions") is not None or not c.outs[0]:
+            return c.mixed()
+        return [leading_batch(c.outs[0][0], c.bsize)]
 
 
 class Concatenate(Rule):
