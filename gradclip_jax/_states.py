@@ -11,6 +11,7 @@ differs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -36,7 +37,15 @@ def _is_none(x: Any) -> bool:
     return x is None
 
 
-def check_tree(fn: str, what: str, template: Any, updates: Any, *, shapes: bool = False) -> None:
+def check_tree(
+    fn: str,
+    what: str,
+    template: Any,
+    updates: Any,
+    *,
+    shapes: bool = False,
+    shape_of: Callable[[Any], tuple[int, ...] | None] | None = None,
+) -> None:
     """``ValueError`` unless ``updates`` has the leaves (and shapes) ``template`` was built for.
 
     Args:
@@ -47,6 +56,9 @@ def check_tree(fn: str, what: str, template: Any, updates: Any, *, shapes: bool 
       updates: the updates given to ``update``.
       shapes: also compare the shape of every array in ``template`` with the
         update at the same path (for parameter-shaped statistics).
+      shape_of: for statistics shaped otherwise (per-slice norms): the shape
+        the field has for an update leaf, or ``None`` where the leaf is not
+        measured; every entry of ``template`` must have it (implies ``shapes``).
     """
     t_pairs, _ = jax.tree_util.tree_flatten_with_path(template, is_leaf=_is_none)
     u_pairs, _ = jax.tree_util.tree_flatten_with_path(updates, is_leaf=_is_none)
@@ -66,6 +78,9 @@ def check_tree(fn: str, what: str, template: Any, updates: Any, *, shapes: bool 
             f"{fn}: the state's `{what}` was initialised on another tree than these updates "
             f"({detail}); call init with parameters shaped like the updates"
         )
+    if shape_of is not None:
+        _check_derived_shapes(fn, what, t_keys, t_pairs, u_pairs, shape_of)
+        return
     if not shapes:
         return
     for key, (_, t), (_, u) in zip(t_keys, t_pairs, u_pairs, strict=True):
@@ -77,4 +92,25 @@ def check_tree(fn: str, what: str, template: Any, updates: Any, *, shapes: bool 
                 f"{fn}: leaf {key or '<root>'} has shape {tuple(u_shape)} but the state's "
                 f"`{what}` was initialised for shape {tuple(t_shape)}; call init with "
                 "parameters shaped like the updates"
+            )
+
+
+def _check_derived_shapes(
+    fn: str, what: str, keys: list[str], t_pairs: list, u_pairs: list,
+    shape_of: Callable[[Any], tuple[int, ...] | None],
+) -> None:
+    """The ``shape_of`` half of :func:`check_tree`: a state whose shapes would change raises."""
+    for key, (_, t), (_, u) in zip(keys, t_pairs, u_pairs, strict=True):
+        want = shape_of(u) if u is not None else None
+        have = None if t is None else tuple(getattr(t, "shape", ()))
+        if want is not None:
+            want = tuple(want)
+        if want != have:
+            u_shape = tuple(getattr(u, "shape", ()))
+            given = "no entry" if want is None else f"shape {want}"
+            held = "no entry" if have is None else f"shape {have}"
+            raise ValueError(
+                f"{fn}: leaf {key or '<root>'} has shape {u_shape}, which gives `{what}` {given}, but "
+                f"the state's `{what}` was initialised with {held} for it; call init with parameters "
+                "shaped like the updates"
             )

@@ -79,7 +79,11 @@ def clip_grad_value(grads: Any, clip_value: float | jax.Array) -> Any:
     """Clamps every element to ``[-clip_value, clip_value]``.
 
     ``torch.nn.utils.clip_grad_value_`` as a pure function. Complex elements
-    have their magnitude clipped; integer leaves keep their dtype.
+    have their magnitude clipped. Integer leaves follow JAX's type promotion
+    with the bound (as :func:`gradclip_jax.clip_by_value`): an integer
+    ``clip_value`` keeps their dtype, a fractional one gives a float result, so
+    the bound is never truncated. An invalid traced ``clip_value`` (negative,
+    NaN) makes every floating-point element NaN.
 
     Args:
       grads: a pytree of arrays.
@@ -94,8 +98,11 @@ def clip_grad_value(grads: Any, clip_value: float | jax.Array) -> Any:
       >>> gcx.clip_grad_value({'a': jnp.array([-2.0, 0.5])}, 1.0)
       {'a': Array([-1. ,  0.5], dtype=float32)}
     """
-    check_scalar("clip_grad_value", "clip_value", clip_value)
-    return clip_value_tree(grads, jnp.asarray(clip_value), "clip_grad_value")
+    fn = "clip_grad_value"
+    hps = Hyperparams(fn)
+    hps.add("clip_value", clip_value)
+    v, invalid = hps.at(jnp.zeros((), jnp.int32), _norms.tree_acc_dtype(jax.tree_util.tree_leaves(grads)))
+    return clip_value_tree(grads, v["clip_value"], fn, invalid, raw_bound=clip_value)
 
 
 def normalize_grads(

@@ -69,6 +69,11 @@ def check_scalar(
         return
     if isinstance(value, bool):
         raise TypeError(f"{fn}: `{name}` must be a number, got bool {value!r}")
+    if isinstance(value, complex):
+        raise TypeError(f"{fn}: `{name}` must be a real number, got complex {value!r}")
+    if not isinstance(value, (int, float, np.generic, np.ndarray, jax.Array)):
+        # lists, tuples, strings, objects: np.asarray would turn [1.0] into a valid-looking array
+        raise TypeError(f"{fn}: `{name}` must be a number, got {type(value).__name__} {value!r}")
     try:
         arr = np.asarray(value)
     except Exception as err:  # pragma: no cover - exotic array types
@@ -77,6 +82,8 @@ def check_scalar(
         np.issubdtype(arr.dtype, np.number) or arr.dtype == jnp.bfloat16
     ):
         raise TypeError(f"{fn}: `{name}` must be a number, got {type(value).__name__} {value!r}")
+    if np.issubdtype(arr.dtype, np.complexfloating):
+        raise TypeError(f"{fn}: `{name}` must be a real number, got complex {value!r}")
     if arr.size != 1:
         raise ValueError(
             f"{fn}: `{name}` must be a scalar, got an array of shape {arr.shape}"
@@ -327,6 +334,7 @@ class Hyperparams:
         self.fn = fn
         self.values: dict[str, Any] = {}
         self.rules: dict[str, Rule] = {}
+        self.orders: list[tuple[str, str]] = []
 
     def add(self, name: str, value: Any, **rule: Any) -> None:
         r = Rule(**rule)
@@ -334,8 +342,20 @@ class Hyperparams:
         self.values[name] = value
         self.rules[name] = r
 
+    def order(self, lo: str, hi: str) -> None:
+        """Requires ``lo <= hi`` for two hyperparameters already added (``None`` bounds nothing).
+
+        Two constants are compared now (``ValueError``); a traced or scheduled
+        pair is compared at update time, where ``lo > hi`` makes ``invalid`` true.
+        """
+        a, b = self.values[lo], self.values[hi]
+        if _is_constant(a) and _is_constant(b) and float(np.asarray(a)) > float(np.asarray(b)):
+            raise ValueError(f"{self.fn}: `{lo}` ({a}) must not exceed `{hi}` ({b})")
+        self.orders.append((lo, hi))
+
     def at(self, count: jax.Array, dtype: Any) -> tuple[dict[str, Any], jax.Array | None]:
         out: dict[str, Any] = {}
+        runtime: set[str] = set()
         invalid = None
         for name, value in self.values.items():
             if value is None:
@@ -344,9 +364,20 @@ class Hyperparams:
             v = as_scalar(resolve(value, count), dtype)
             out[name] = v
             if callable(value) or is_traced(value) or is_traced(v):
+                runtime.add(name)
                 bad = ~self.rules[name].holds(v)
                 invalid = bad if invalid is None else invalid | bad
+        for lo, hi in self.orders:
+            if out[lo] is None or out[hi] is None or not {lo, hi} & runtime:
+                continue
+            bad = out[lo] > out[hi]
+            invalid = bad if invalid is None else invalid | bad
         return out, invalid
+
+
+def _is_constant(value: Any) -> bool:
+    """A value known at construction (neither ``None``, a schedule nor traced)."""
+    return value is not None and not callable(value) and not is_traced(value)
 
 
 def counts(invalid: jax.Array | None) -> jax.Array:

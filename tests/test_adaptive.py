@@ -320,6 +320,25 @@ def test_autoclip_nonfinite():
     assert [int(s.count) for s in states] == [1, 2, 3] and int(states[-1].filled) == 2  # never recorded
 
 
+@pytest.mark.parametrize("hp,bad", [("percentile", 101.0), ("percentile", -1.0), ("percentile", math.nan),
+                                    ("min_clip_norm", -1.0), ("min_clip_norm", math.nan)])
+def test_autoclip_invalid_traced_hyperparameter_leaves_the_history_untouched(hp, bad):
+    # as zclip, adagc, quantile_clip and the EMA clippers: NaN update, statistics as they were
+    tx = gcx.inject_hyperparams(autoclip)(percentile=50.0, history_size=4)
+    g = jnp.array([3.0, 4.0])
+    step = jax.jit(tx.update)
+    state = tx.init(g)
+    _, state = step(g, state)
+    before = state.inner_state
+    state.hyperparams[hp] = jnp.asarray(bad, state.hyperparams[hp].dtype)
+    out, state = step(2.0 * g, state)
+    assert bool(jnp.all(jnp.isnan(out)))
+    after = state.inner_state
+    for field in ("history", "head", "filled", "count", "clip_norm"):
+        np.testing.assert_array_equal(getattr(after, field), getattr(before, field), err_msg=field)
+    assert not bool(after.clipped)
+
+
 def test_autoclip_invalid_arguments():
     for kwargs, name in (({"percentile": 101.0}, "percentile"), ({"percentile": -1.0}, "percentile"),
                          ({"history_size": 0}, "history_size"), ({"min_clip_norm": -1.0}, "min_clip_norm")):

@@ -90,6 +90,24 @@ def test_adaptive_grad_clip_with_axis_matches_optax():
     assert_trees_close(ours.update(g, ours.init(p), p)[0], ref.update(g, ref.init(p), p)[0], rtol=2e-6)
 
 
+INT_LEAVES = {"i32": jnp.array([[3, 4], [1, -2]], jnp.int32), "i8": jnp.array([1, 2], jnp.int8),
+              "b": jnp.array([True, False]), "f": jnp.array([0.5, -3.0])}
+
+
+@pytest.mark.parametrize("make", [lambda m: m.clip_by_block_rms(1.5), lambda m: m.clip_by_block_rms(0.0),
+                                  lambda m: m.clip_by_block_rms(100.0), lambda m: m.adaptive_grad_clip(0.1)])
+def test_block_rms_and_agc_match_optax_on_integer_and_bool_leaves(make):
+    # optax computes integer and bool leaves in the default float dtype; we raised TypeError
+    ours, ref = make(gcx), make(optax)
+    for params in (INT_LEAVES, jax.tree.map(lambda x: jnp.ones(x.shape), INT_LEAVES)):
+        want, _ = ref.update(INT_LEAVES, ref.init(params), params)
+        got, state = jax.jit(ours.update)(INT_LEAVES, ours.init(params), params)
+        for key in INT_LEAVES:
+            assert got[key].dtype == want[key].dtype, key
+            np.testing.assert_allclose(got[key], want[key], rtol=2e-6, atol=1e-7)
+        assert state.norm["i32"].dtype == jnp.float32
+
+
 def test_adaptive_grad_clip_errors():
     tx = gcx.adaptive_grad_clip(0.1)
     g = {"w": jnp.ones((2, 2))}
@@ -140,6 +158,34 @@ def test_clip_by_norm_min_norm_scales_small_slices_up():
     np.testing.assert_allclose(tx.update([jnp.array([0.3, 0.4])], tx.init([jnp.zeros(2)]))[0][0], [0.6, 0.8], rtol=1e-6)
 
 
+@pytest.mark.parametrize("how", ["traced", "schedule"])
+def test_clip_by_norm_min_norm_above_max_norm_at_run_time_gives_nan(how):
+    # Python rejects min_norm > max_norm at construction; a traced pair used to scale small slices
+    # up to min_norm = 2 > max_norm = 1, a finite update that breaks the bound
+    g = {"w": jnp.array([[0.3, 0.4], [3.0, 4.0]]), "b": jnp.array([0.1, 0.0])}
+    if how == "traced":
+        tx = gcx.inject_hyperparams(gcx.clip_by_norm)(max_norm=1.0, min_norm=0.5, dim=1)
+        state = tx.init(g)
+        step = jax.jit(tx.update)
+        out, state = step(g, state)
+        assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(out))
+        state.hyperparams["min_norm"] = jnp.asarray(2.0)
+    else:
+        tx = gcx.clip_by_norm(1.0, dim=1, min_norm=lambda t: jnp.where(t >= 1, 2.0, 0.5))
+        step = jax.jit(tx.update)
+        out, state = step(g, tx.init(g))
+        assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(out))
+    out, _ = step(g, state)
+    for leaf in jax.tree.leaves(out):
+        assert bool(jnp.all(jnp.isnan(leaf)))
+    # equal bounds are fine (every non-zero slice gets that norm)
+    tx = gcx.inject_hyperparams(gcx.clip_by_norm)(max_norm=1.0, min_norm=1.0, dim=1)
+    out, _ = jax.jit(tx.update)(g, tx.init(g))
+    np.testing.assert_allclose(jnp.linalg.norm(out["w"], axis=1), [1.0, 1.0], rtol=1e-6)
+    with pytest.raises(ValueError, match=r"clip_by_norm.*min_norm.*must not exceed.*max_norm"):
+        gcx.clip_by_norm(1.0, min_norm=2.0)
+
+
 def test_clip_by_norm_global_equals_clip_by_global_norm():
     g = random_tree(3)
     a = gcx.clip_by_norm(0.5, dim="global", ord=3)
@@ -185,13 +231,49 @@ def test_complex_leaves():
     np.testing.assert_allclose(np.angle(out), np.angle(z), rtol=1e-6)
 
 
-def test_clip_by_value_integers_keep_dtype_and_nan_stays():
+def test_clip_by_value_integers_never_truncate_the_bound_and_nan_stays():
+    # an integer bound keeps an int leaf's dtype; a fractional one promotes (as optax.clip), never floor(2.5)
     out = gcx.clip_grad_value({"i": jnp.array([-5, 2, 7], jnp.int32), "f": jnp.array([jnp.nan, 3.0])}, 2.5)
+    assert out["i"].dtype == jnp.float32
+    np.testing.assert_array_equal(out["i"], [-2.5, 2.0, 2.5])
+    assert math.isnan(float(out["f"][0])) and float(out["f"][1]) == 2.5
+    out = gcx.clip_grad_value({"i": jnp.array([-5, 2, 7], jnp.int32)}, 2)
     assert out["i"].dtype == jnp.int32
     np.testing.assert_array_equal(out["i"], [-2, 2, 2])
-    assert math.isnan(float(out["f"][0])) and float(out["f"][1]) == 2.5
+    tx = gcx.clip_by_value(1.5)
+    out, _ = tx.update({"a": jnp.array([[3, 4], [1, -2]])}, None)
+    assert out["a"].dtype == jnp.float32
+    np.testing.assert_array_equal(out["a"], [[1.5, 1.5], [1.0, -1.5]])
     with pytest.raises(TypeError, match=r"\['b'\]"):
         gcx.clip_grad_value({"b": jnp.array([True])}, 1.0)
+    with pytest.raises(TypeError, match=r"clip_by_value.*\['b'\]"):
+        tx.update({"b": jnp.array([True])}, None)
+    # an invalid traced bound: NaN, as for every transform
+    out = jax.jit(lambda c: gcx.clip_grad_value({"f": jnp.array([1.0, -3.0])}, c))(-1.0)
+    assert bool(jnp.all(jnp.isnan(out["f"])))
+
+
+@pytest.mark.parametrize("bound", [1.5, 2, 0.5, jnp.float32(1.5), jnp.int32(2), np.float32(1.5)])
+@pytest.mark.parametrize("key", sorted(INT_LEAVES))
+def test_clip_matches_optax_exactly_on_integer_and_bool_leaves(bound, key):
+    # optax.clip is jnp.clip with the bound as given: its promotion decides the dtype (clip(1.5) of an
+    # int32 leaf is float32 1.5, not a truncated int32 1)
+    leaf = {key: INT_LEAVES[key]}
+    want, _ = optax.clip(bound).update(leaf, None)
+    for run in (lambda u: gcx.clip(bound).update(u, None), jax.jit(lambda u: gcx.clip(bound).update(u, None))):
+        got, _ = run(leaf)
+        assert got[key].dtype == want[key].dtype
+        assert got[key].weak_type == want[key].weak_type
+        np.testing.assert_array_equal(got[key], want[key])
+    if key == "b":
+        return  # optax.inject_hyperparams would store the bound as a bool: no bound at all
+    # and under optax.inject_hyperparams, which stores the bound in the leaves' dtype
+    ours = optax.inject_hyperparams(gcx.clip)(max_delta=1.5)
+    ref = optax.inject_hyperparams(optax.clip)(max_delta=1.5)
+    got, _ = jax.jit(ours.update)(leaf, ours.init(leaf))
+    want, _ = ref.update(leaf, ref.init(leaf))
+    assert got[key].dtype == want[key].dtype
+    np.testing.assert_array_equal(got[key], want[key])
 
 
 def test_pass_through_leaves():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import warnings
 
 import jax
@@ -207,6 +208,31 @@ def test_state_of_other_shapes_names_the_leaf(name):
         _update(tx, g, state)
 
 
+SLICED = {
+    "clip_by_norm(dim=0, inverse_dims=True)": lambda: gcx.clip_by_norm(1.0, dim=0, inverse_dims=True),
+    "normalize(dim=1)": lambda: gcx.normalize(dim=1),
+    "clip_by_norm(dim=-1, min_norm)": lambda: gcx.clip_by_norm(1.0, dim=-1, min_norm=0.1),
+    "adaptive_grad_clip": lambda: gcx.adaptive_grad_clip(0.1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SLICED))
+def test_state_of_other_slice_shapes_names_the_leaf(name):
+    # per-slice norms: updates of another shape used to give a state of another shape (breaks lax.scan)
+    tx = SLICED[name]()
+    fn = name.split("(")[0]
+    state = tx.init({"w": jnp.ones((2, 3))})
+    # one norm per row (4 rows instead of 2), or for AGC per output unit (5 columns instead of 3)
+    other = {"w": jnp.ones((2, 5))} if name.startswith("adaptive") else {"w": jnp.ones((4, 3))}
+    with pytest.raises(ValueError, match=rf"^{fn}: leaf \['w'\] has shape {re.escape(str(other['w'].shape))}.*"
+                                         r"initialised with shape \((2|3),\)"):
+        _update(tx, other, state, other)
+    # the same shapes: fine, and the state keeps its shapes
+    g = {"w": jnp.full((2, 3), 2.0)}
+    _, new = _update(tx, g, state, g)
+    assert jax.tree.map(jnp.shape, new) == jax.tree.map(jnp.shape, state)
+
+
 NONE_MEANS_OFF = {("clip_by_norm", "max_norm"), ("clip_by_norm", "min_norm"), ("zclip", "max_grad_norm"),
                   ("clip_norm_by_ema", "max_ema_growth"), ("normalize_by_ema", "max_ema_growth"),
                   ("adagc", "warmup_max_norm")} | {
@@ -226,6 +252,26 @@ def test_wrong_types_are_type_errors_and_wrong_values_value_errors(name):
             factory(**{**kwargs, hp: math.nan})
 
 
+@pytest.mark.parametrize("name", sorted(n for n in TRANSFORMS if TRANSFORMS[n][2]))
+def test_complex_and_sequence_hyperparameters_are_type_errors_naming_the_argument(name):
+    # complex used to raise a bare "float() argument must be ..." and [1.0] was accepted
+    factory, kwargs, hps = TRANSFORMS[name]
+    for hp in hps:
+        for bad in (1 + 2j, np.complex64(1.0), jnp.asarray(1 + 0j), [1.0], (1.0,)):
+            with pytest.raises(TypeError, match=rf"^{name}: `{hp}` must be a"):
+                factory(**{**kwargs, hp: bad})
+
+
+@pytest.mark.parametrize("factory,hp", [(gcx.dp_aggregate, "l2_norm_clip"), (gcx.dp_noise, "stddev"),
+                                        (gcx.per_example_global_norm_clip, "l2_norm_clip")])
+def test_complex_and_list_hyperparameters_outside_the_transform_table(factory, hp):
+    kwargs = {"l2_norm_clip": 1.0, "noise_multiplier": 1.0, "seed": 0} if factory is gcx.dp_aggregate else (
+        {"stddev": 1.0, "seed": 0} if factory is gcx.dp_noise else {"grads": [jnp.ones((2, 3))]})
+    for bad in (1 + 2j, [1.0]):
+        with pytest.raises(TypeError, match=rf"`{hp}` must be a"):
+            factory(**{**kwargs, hp: bad})
+
+
 @pytest.mark.parametrize("make", [lambda d: gcx.clip_by_norm(1.0, dim=d), lambda d: gcx.normalize(dim=d),
                                   lambda d: gcx.centralize(dim=d)])
 def test_dim_that_no_leaf_has_raises(make):
@@ -236,6 +282,23 @@ def test_dim_that_no_leaf_has_raises(make):
     tx = make((1, 5))  # some leaves have axis 1: fine, the vector is left alone
     out, _ = tx.update(g, tx.init(g))
     np.testing.assert_array_equal(out["b"], g["b"])
+
+
+@pytest.mark.parametrize("make", [lambda d, i: gcx.clip_by_norm(0.1, dim=d, inverse_dims=i),
+                                  lambda d, i: gcx.normalize(3.0, dim=d, inverse_dims=i),
+                                  lambda d, i: gcx.centralize(dim=d, inverse_dims=i)])
+def test_leaves_lacking_the_dim_axes_are_unchanged(make):
+    # as the docstrings say: a leaf without any of the axes (or, with inverse_dims, with no axis left)
+    # is left unchanged; the others are transformed; dim=5 (no leaf has it) raises, inverse or not
+    g = _tree()
+    for dim, inv in ((1, False), ((1, 7), False), (0, True)):
+        tx = make(dim, inv)
+        out, _ = tx.update(g, tx.init(g))
+        np.testing.assert_array_equal(out["b"], g["b"])
+        assert not np.array_equal(out["w"], g["w"])
+    with pytest.raises(ValueError, match=r"no leaf has any of the axes dim=\(5,\)"):
+        tx = make(5, True)
+        tx.update(g, tx.init(g))
 
 
 def test_leaf_norms_dim_that_no_leaf_has_raises():
@@ -306,6 +369,36 @@ def test_norms_from_state_under_flax_nnx():
     assert isinstance(norms["0/norm"], jax.Array)
     expected = gcx.tree_norm(jax.tree_util.tree_leaves(nnx.state(grads)))
     np.testing.assert_allclose(norms["0/norm"], expected, rtol=1e-6)
+
+
+def test_norms_from_state_finds_norms_in_nnx_state_objects():
+    # nnx.State turns each NamedTuple into a mapping of its fields: norms_from_state returned {} there
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(2, 3, rngs=rngs)
+            self.norm = nnx.LayerNorm(3, rngs=rngs)  # adam's mu has a key 'norm' too: not a clipper's state
+
+        def __call__(self, x):
+            return self.norm(self.lin(x))
+
+    model = Model(nnx.Rngs(0))
+    tx = optax.chain(gcx.clip_by_global_norm(1.0), gcx.skip_on_spike(gcx.zclip()),
+                     gcx.inject_hyperparams(gcx.clip_by_norm)(10.0), optax.adam(1e-3))
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    grads = nnx.grad(lambda m: jnp.sum(m(jnp.ones((1, 2))) ** 2))(model)
+    opt.update(model, grads)
+    want = gcx.norms_from_state(opt.opt_state)
+    assert want["0/norm"].shape == () and "2/inner_state/norm/lin/kernel" in want and len(want) == 6
+    for field in ("norm", "clipped"):
+        want = gcx.norms_from_state(opt.opt_state, field)
+        for state in (nnx.state(opt), nnx.split(opt)[1], nnx.state(opt, nnx.OptState)):
+            got = gcx.norms_from_state(state, field)
+            assert list(got) == [f"opt_state/{k}" for k in want]
+            for k, v in want.items():
+                assert isinstance(got[f"opt_state/{k}"], jax.Array)
+                np.testing.assert_array_equal(got[f"opt_state/{k}"], v)
 
 
 def test_renamed_kwarg_warns_and_rejects_both():

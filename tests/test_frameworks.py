@@ -81,6 +81,12 @@ def test_flax_nnx():
     expected = gcx.tree_norm(nnx.grad(ns["loss_fn"])(model, x, y))
     _, logged = ns["train_step"](model, ns["optimizer"], x, y)
     np.testing.assert_allclose(logged, expected, rtol=1e-5)
+    # norms_from_state reads both forms of the optimizer's state, as the guide shows
+    from_opt, from_nnx = ns["from_opt_state"], ns["from_nnx_state"]
+    assert list(from_opt) == ["0/norm"] and list(from_nnx) == ["opt_state/0/norm"]
+    assert float(from_nnx["opt_state/0/norm"]) == float(from_opt["0/norm"]) > 0
+    now = gcx.norms_from_state(nnx.state(ns["optimizer"]))
+    np.testing.assert_allclose(now["opt_state/0/norm"], logged, rtol=1e-6)
 
     dp_model, batch = ns["dp_model"], ns["batch"]
     per_example = [

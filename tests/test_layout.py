@@ -100,8 +100,14 @@ def test_loss_traced_once_per_call(method, nan_safe, ghost_sum, expected):
 
 
 def test_ghost_falling_back_traces_twice():
-    """A loss ghost clipping cannot follow (an FFT): the one analysis trace, then the vmap strategy's trace."""
+    """A loss ghost clipping cannot follow (a Cholesky factorization, which has no rule): the one
+    analysis trace, then the vmap strategy's trace."""
     loss, params, data = mlp_setup()
-    counted, calls = _counting(lambda p, b: loss(p, {**b, "x": jnp.fft.fft(b["x"], axis=-1).real}))
+
+    def factored(x):  # per example, but through a primitive the analysis does not know
+        spd = jnp.eye(x.shape[-1]) + x[:, :, None] * x[:, None, :]
+        return jnp.diagonal(jnp.linalg.cholesky(spd), axis1=-2, axis2=-1)
+
+    counted, calls = _counting(lambda p, b: loss(p, {**b, "x": factored(b["x"])}))
     jax.make_jaxpr(clipped_grad(counted, 1.0, method="ghost", nan_safe=False))(params, data)
     assert len(calls) == 2

@@ -16,6 +16,7 @@ from gradclip_jax.clipping._factors import clip_factor as _clip_factor
 from gradclip_jax.hyperparams import (
     Hyperparam,
     Hyperparams,
+    counts,
     mark_static,
 )
 from gradclip_jax.norms import OrdLike
@@ -146,8 +147,8 @@ def autoclip(
         dt = state.norm.dtype
         v, invalid = hps.at(state.count, dt)
         n = _norms.global_norm(flat.arrays, spec, axis_name, dtype=dt)
-        finite = jnp.isfinite(n)
-        record = finite & (n > 0)
+        # an invalid traced hyperparameter leaves the statistics as they were (house rule)
+        record = jnp.isfinite(n) & (n > 0) & counts(invalid)
         history = state.history.at[state.head].set(
             jnp.where(record, n, state.history[state.head])
         )

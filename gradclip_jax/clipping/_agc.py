@@ -60,7 +60,9 @@ def adaptive_grad_clip(
 
     The same result as :func:`optax.adaptive_grad_clip` (same unit axes), without
     its 1e-6 guard, working with explicitly sharded parameters, and recording the
-    per-unit gradient norms. Place it first in the chain; use ``optax.masked`` to
+    per-unit gradient norms. Integer and bool updates or parameters are accepted,
+    as optax accepts them, and computed in the default float dtype (float32;
+    float64 under x64). Place it first in the chain; use ``optax.masked`` to
     leave the classifier head out, as the NFNets reference does.
 
     Args:
@@ -92,17 +94,23 @@ def adaptive_grad_clip(
     axis = static_value(fn, "axis", axis)
     l2 = _norms.parse_ord(2, fn)
 
+    def norm_shape(x: Any) -> tuple[int, ...] | None:
+        """The shape of leaf ``x``'s per-unit norms (``None``: not measured)."""
+        x = jnp.asarray(x) if not hasattr(x, "shape") else x
+        if not is_float(x):
+            return None  # float0 (the update raises for other non-float leaves)
+        ax = unit_axes(x.shape, axis)
+        return tuple(s for i, s in enumerate(x.shape) if i not in ax)
+
     def init_fn(params: Any) -> AdaptiveGradClipState:
+        params = _norms.promote_ints(params, bools=True)  # optax accepts integer and bool leaves
+
         def one(x: Any) -> Any:
-            x = jnp.asarray(x) if not hasattr(x, "shape") else x
-            if not is_float(x):
-                return None  # not measured (update raises for it)
-            ax = unit_axes(x.shape, axis)
-            shape = tuple(s for i, s in enumerate(x.shape) if i not in ax)
-            return jnp.zeros(shape, _norms.acc_dtype(x.dtype))
+            shape = norm_shape(x)
+            return None if shape is None else jnp.zeros(shape, _norms.acc_dtype(jnp.result_type(x)))
 
         def flag(x: Any) -> Any:
-            return jnp.zeros((), bool) if is_float(jnp.asarray(x) if not hasattr(x, "dtype") else x) else None
+            return None if norm_shape(x) is None else jnp.zeros((), bool)
 
         return AdaptiveGradClipState(
             count=_count0(),
@@ -115,7 +123,11 @@ def adaptive_grad_clip(
             raise ValueError(f"{fn}: update needs params (call tx.update(updates, state, params))")
         state = init_fn(params) if state is None else state
         check_state(fn, state, AdaptiveGradClipState)
-        check_tree(fn, "norm", state.norm, updates)
+        # optax parity: integer and bool leaves are computed in the default float dtype
+        updates = _norms.promote_ints(updates, bools=True)
+        params = _norms.promote_ints(params, bools=True)
+        # per-unit norms: a leaf of another shape would change the state's shapes
+        check_tree(fn, "norm", state.norm, updates, shape_of=norm_shape)
         v, invalid = hps.at(state.count, tree_dtype(updates))
         lam, floor = v["clipping"], v["eps"]
         gflat = _norms.flatten(updates, fn)

@@ -33,14 +33,21 @@ def centralize(
 
     Args:
       dim: ``None``, an int / tuple of axes, or ``'global'`` (see :func:`clip_by_norm`).
+        A leaf that lacks some of the axes is centred over those it has; a leaf
+        that lacks all of them (and a 0-d leaf) is left unchanged.
       inverse_dims: reduce over every axis not in ``dim`` (``dim=-1,
         inverse_dims=True`` centres each output unit of a dense kernel, as in Yong et
-        al. 2020).
+        al. 2020); a leaf left with no axis to reduce is unchanged.
       min_size: slices with fewer elements are left alone (default 2: a single
         number is never centred to 0).
 
     Returns:
       An :class:`optax.GradientTransformation` (state :class:`CentralizeState`).
+
+    Raises:
+      ValueError: at ``update``, when no leaf has any of the axes in ``dim``
+        (``dim=5`` on matrices: nothing would be centred); at construction, for
+        an invalid ``dim`` or ``min_size``.
 
     Example:
       >>> import jax.numpy as jnp

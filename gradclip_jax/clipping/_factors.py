@@ -152,18 +152,26 @@ def norm_template(
         return jnp.zeros((), bool) if flags else jnp.zeros((), dtype)
 
     def one(x: Any) -> Any:
-        if getattr(x, "dtype", None) == jax.dtypes.float0:
-            return None
-        x = jnp.asarray(x)
-        ax = _norms.reduction_axes(x.shape, dim, inverse_dims, min_size)
-        if ax is None:
+        shape = norm_shape(x, dim, inverse_dims, min_size)
+        if shape is None:
             return None
         if flags:
             return jnp.zeros((), bool)
-        shape = tuple(s for i, s in enumerate(x.shape) if i not in ax)
+        x = jnp.asarray(x)
         return jnp.zeros(shape, _norms.acc_dtype(x.dtype) if is_float(x) else dtype)
 
     return jax.tree_util.tree_map(one, params)
+
+
+def norm_shape(x: Any, dim: DimLike, inverse_dims: bool, min_size: int) -> tuple[int, ...] | None:
+    """The shape of the per-slice norms :func:`rescale_tree` reports for leaf ``x`` (``None``: not measured)."""
+    if getattr(x, "dtype", None) == jax.dtypes.float0:
+        return None
+    shape = tuple(np.shape(x))
+    ax = _norms.reduction_axes(shape, dim, inverse_dims, min_size)
+    if ax is None:
+        return None
+    return tuple(s for i, s in enumerate(shape) if i not in ax)
 
 
 def is_float(x: Any) -> bool:

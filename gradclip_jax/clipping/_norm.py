@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from gradclip_jax import norms as _norms
@@ -15,6 +13,7 @@ from gradclip_jax._states import check_state, check_tree
 from gradclip_jax.clipping._factors import (
     clip_factor,
     like_state,
+    norm_shape,
     norm_template,
     normalize_factor,
     rescale_tree,
@@ -127,14 +126,26 @@ def clip_by_norm(
       ord: which norm (default 2).
       dim: ``None`` (each whole leaf), an int or tuple of axes to reduce over, or
         ``'global'`` (one norm over all leaves, as :func:`clip_by_global_norm`).
+        Negative axes count from each leaf's own last axis. A leaf that lacks
+        some of the axes is measured over those it has; a leaf that lacks all
+        of them has no axis to reduce and is left unchanged (its entries in the
+        state are ``None``).
       inverse_dims: reduce over every axis not in ``dim`` (``dim=0`` with
-        ``inverse_dims=True`` clips each row of a matrix).
+        ``inverse_dims=True`` clips each row of a matrix); a leaf left with no
+        axis to reduce (a vector with ``dim=0``) is unchanged.
       min_size: slices with fewer elements are left unchanged.
       min_norm: optional lower bound: non-zero slices with a smaller norm are
         scaled *up* to it.
 
     Returns:
       An :class:`optax.GradientTransformation` with state :class:`ClipByNormState`.
+
+    Raises:
+      ValueError: at construction, for a negative or NaN bound, ``min_norm >
+        max_norm`` or an unknown ``ord``; at ``update``, when no leaf has any of
+        the axes in ``dim`` (``dim=5`` on matrices: nothing would be measured),
+        or when the updates are another tree, or would give per-slice norms of
+        other shapes, than the parameters ``init`` was given.
 
     Example:
       >>> import jax.numpy as jnp
@@ -155,7 +166,7 @@ def clip_by_norm(
     hps = Hyperparams(fn)
     hps.add("max_norm", max_norm, allow_none=True)
     hps.add("min_norm", min_norm, allow_none=True)
-    _check_order(fn, min_norm, max_norm)
+    hps.order("min_norm", "max_norm")  # a traced pair out of order gives NaN, as any invalid value
 
     def factor_of(v: dict, invalid: Any) -> Any:
         hi, lo = v["max_norm"], v["min_norm"]
@@ -194,7 +205,8 @@ def _slice_transform(
         state = init_fn(updates) if state is None else state
         check_state(fn, state, state_cls)
         if dim != "global":
-            check_tree(fn, "norm", state.norm, updates)
+            # per-slice norms: a leaf of another shape would change the state's shapes
+            check_tree(fn, "norm", state.norm, updates, shape_of=lambda x: norm_shape(x, dim, inv, ms))
         v, invalid = hps.at(state.count, tree_dtype(updates))
         out, nrm, clipped = rescale_tree(
             updates,
@@ -206,20 +218,12 @@ def _slice_transform(
             min_size=ms,
             norm_dtype=state_dtype(state.norm),
         )
+        # the factors are NaN already; leaves left unchanged (no axis to reduce, min_size) must be too
+        out = poison(out, invalid)
         extra = {"clipped": clipped} if flags else {}
         return out, state_cls(count=increment(state.count), norm=like_state(nrm, state.norm), **extra)
 
     return optax.GradientTransformation(init_fn, update_fn)
-
-
-def _check_order(fn: str, lo: Any, hi: Any) -> None:
-    known = all(v is not None and not callable(v) and not isinstance(v, jax.core.Tracer) for v in (lo, hi))
-    if known and float(np.asarray(lo)) > float(np.asarray(hi)):
-        raise ValueError(f"{fn}: min_norm ({lo}) must not exceed max_norm ({hi})")
-
-
-
-
 
 
 @mark_static("ord", "dim", "inverse_dims", "min_size")
@@ -239,10 +243,18 @@ def normalize(
 
     Args:
       norm_value: the target norm (>= 0), number, array or schedule.
-      ord, dim, inverse_dims, min_size: as in :func:`clip_by_norm`.
+      ord, dim, inverse_dims, min_size: as in :func:`clip_by_norm`: a leaf that
+        lacks every axis in ``dim`` (or, with ``inverse_dims``, is left with no
+        axis to reduce) is left unchanged.
 
     Returns:
       An :class:`optax.GradientTransformation` with state :class:`NormalizeState`.
+
+    Raises:
+      ValueError: at construction, for a negative or NaN ``norm_value`` or an
+        unknown ``ord``; at ``update``, when no leaf has any of the axes in
+        ``dim``, or when the updates are another tree, or would give per-slice
+        norms of other shapes, than the parameters ``init`` was given.
 
     Example:
       >>> import jax.numpy as jnp

@@ -24,33 +24,41 @@ from gradclip_jax.hyperparams import (
     Hyperparams,
     increment,
     poison,
+    resolve,
 )
 
 
-def clip_value_tree(tree: Any, bound: Any, fn: str, invalid: Any = None) -> Any:
+def clip_value_tree(
+    tree: Any, bound: Any, fn: str, invalid: Any = None, *, raw_bound: Any = None, bools: bool = False
+) -> Any:
     """Clamps every element to ``[-bound, bound]`` (complex: the magnitude).
 
-    Integer leaves are clamped and keep their dtype; bool leaves raise ``TypeError``.
-    NaN stays NaN. A NaN or negative bound (or ``invalid`` true) makes every
-    floating-point element NaN (integer leaves cannot hold NaN and become 0).
+    Floating-point leaves keep their dtype (``bound`` is a 0-d array, applied in
+    each leaf's accumulation dtype). Integer leaves, and bool leaves with
+    ``bools`` (optax's ``clip`` accepts them; otherwise they raise
+    ``TypeError``), are clipped as ``jnp.clip(x, -raw_bound, raw_bound)``, the
+    computation of :func:`optax.clip`: JAX's type promotion with the bound as
+    given (``raw_bound``, default ``bound``) decides the result's dtype, so an
+    integer bound keeps an int leaf's dtype and a fractional bound gives a float
+    result; the bound is never truncated. NaN stays NaN. Where ``invalid`` is
+    true (a hyperparameter found invalid at run time) every floating-point
+    element is NaN and every integer one 0.
     """
-    bad = jnp.isnan(jnp.asarray(bound)) | (jnp.asarray(bound) < 0)
-    if invalid is not None:
-        bad = bad | invalid
+    raw = bound if raw_bound is None else raw_bound
+    if getattr(raw, "ndim", 0):  # shape (1,) is accepted as a scalar; keep leaves' shapes
+        raw = jnp.reshape(raw, ())
 
     def one(path: Any, x: Any) -> Any:
         if getattr(x, "dtype", None) == jax.dtypes.float0:
             return x
-        y = _clip_one(path, x)
-        if jnp.issubdtype(y.dtype, jnp.inexact):
-            return jnp.where(bad, jnp.full_like(y, jnp.nan), y)
-        return jnp.where(bad, jnp.zeros_like(y), y)
+        y = _clip_one(path, jnp.asarray(x))
+        if invalid is None:
+            return y
+        fill = jnp.nan if jnp.issubdtype(y.dtype, jnp.inexact) else 0
+        return jnp.where(invalid, jnp.full_like(y, fill), y)
 
-    def _clip_one(path: Any, x: Any) -> Any:
-        if getattr(x, "dtype", None) == jax.dtypes.float0:
-            return x
-        x = jnp.asarray(x)
-        if x.dtype == jnp.bool_:
+    def _clip_one(path: Any, x: jax.Array) -> jax.Array:
+        if x.dtype == jnp.bool_ and not bools:
             raise TypeError(f"{fn}: leaf {jax.tree_util.keystr(path)} is bool; cannot clip it")
         if jnp.iscomplexobj(x):
             acc = _norms.acc_dtype(x.dtype)
@@ -58,9 +66,8 @@ def clip_value_tree(tree: Any, bound: Any, fn: str, invalid: Any = None) -> Any:
             mag = jnp.abs(x).astype(acc)
             factor = jnp.where(mag > b, b / jnp.where(mag > b, mag, 1), 1)
             return (x * factor).astype(x.dtype)
-        if jnp.issubdtype(x.dtype, jnp.integer):
-            b = jnp.floor(jnp.asarray(bound, jnp.float32))
-            return jnp.clip(x.astype(jnp.float32), -b, b).astype(x.dtype)
+        if not jnp.issubdtype(x.dtype, jnp.inexact):  # integer or bool: optax's promotion
+            return jnp.clip(x, -raw, raw)
         acc = _norms.acc_dtype(x.dtype)
         b = jnp.asarray(bound, acc)
         return jnp.clip(x.astype(acc), -b, b).astype(x.dtype)
@@ -71,8 +78,12 @@ def clip_value_tree(tree: Any, bound: Any, fn: str, invalid: Any = None) -> Any:
 def clip_by_value(max_value: Hyperparam) -> optax.GradientTransformation:
     """Clips every element of the updates to ``[-max_value, max_value]``.
 
-    Complex elements keep their phase and have their magnitude clipped. Integer
-    leaves are clamped and keep their dtype. NaN elements stay NaN.
+    Complex elements keep their phase and have their magnitude clipped. NaN
+    elements stay NaN. Floating-point leaves keep their dtype. Integer leaves
+    follow JAX's type promotion with the bound, as :func:`optax.clip` does: an
+    integer ``max_value`` keeps their dtype, a fractional one gives a float
+    result (``clip_by_value(1.5)`` maps the int32 ``3`` to the float32 ``1.5``),
+    so the bound is never truncated. Bool leaves raise ``TypeError``.
 
     Args:
       max_value: the bound (>= 0): number, array or schedule.
@@ -87,11 +98,16 @@ def clip_by_value(max_value: Hyperparam) -> optax.GradientTransformation:
       >>> tx.update(jnp.array([-3.0, 0.5, 2.0]), tx.init(jnp.zeros(3)))[0]
       Array([-1. ,  0.5,  1. ], dtype=float32)
     """
-    return _clip_value("clip_by_value", "max_value", max_value)
+    return _clip_value("clip_by_value", "max_value", max_value, bools=False)
 
 
 def clip(max_delta: Hyperparam) -> optax.GradientTransformation:
-    """Alias of :func:`clip_by_value` with optax's argument name (``optax.clip``).
+    """:func:`optax.clip`: :func:`clip_by_value` with optax's argument name.
+
+    Accepts what :func:`optax.clip` accepts and returns what it returns on
+    integer and bool leaves too (``jnp.clip`` with the bound as given, so
+    ``clip(1.5)`` turns an int32 leaf into float32 and ``clip(2)`` keeps it
+    int32).
 
     Args:
       max_delta: the bound (>= 0): number, array or schedule.
@@ -106,10 +122,10 @@ def clip(max_delta: Hyperparam) -> optax.GradientTransformation:
       >>> tx.update(jnp.array([-3.0, 0.25]), tx.init(jnp.zeros(2)))[0]
       Array([-0.5 ,  0.25], dtype=float32)
     """
-    return _clip_value("clip", "max_delta", max_delta)
+    return _clip_value("clip", "max_delta", max_delta, bools=True)
 
 
-def _clip_value(fn: str, name: str, bound: Hyperparam) -> optax.GradientTransformation:
+def _clip_value(fn: str, name: str, bound: Hyperparam, bools: bool) -> optax.GradientTransformation:
     hps = Hyperparams(fn)
     hps.add(name, bound)
 
@@ -122,7 +138,8 @@ def _clip_value(fn: str, name: str, bound: Hyperparam) -> optax.GradientTransfor
         state = init_fn(updates) if state is None else state
         check_state(fn, state, ClipByValueState)
         v, invalid = hps.at(state.count, tree_dtype(updates))
-        return clip_value_tree(updates, v[name], fn, invalid), ClipByValueState(count=increment(state.count))
+        out = clip_value_tree(updates, v[name], fn, invalid, raw_bound=resolve(bound, state.count), bools=bools)
+        return out, ClipByValueState(count=increment(state.count))
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -134,7 +151,9 @@ def clip_by_block_rms(threshold: Hyperparam) -> optax.GradientTransformation:
 
     The same result as :func:`optax.clip_by_block_rms`, without its NaN at
     ``threshold=0`` on zero updates, with float32 accumulation for 16-bit leaves,
-    and with each leaf's RMS recorded in the state.
+    and with each leaf's RMS recorded in the state. Integer and bool leaves are
+    accepted, as optax accepts them, and come out in the default float dtype
+    (float32; float64 under x64).
 
     Args:
       threshold: the bound on each leaf's RMS (>= 0): number, array or schedule.
@@ -155,6 +174,7 @@ def clip_by_block_rms(threshold: Hyperparam) -> optax.GradientTransformation:
     rms = _norms.parse_ord("rms", fn)
 
     def init_fn(params: Any) -> ClipByBlockRmsState:
+        params = _norms.promote_ints(params, bools=True)
         return ClipByBlockRmsState(
             count=_count0(),
             norm=norm_template(params, fn, None, False, 1),
@@ -166,6 +186,7 @@ def clip_by_block_rms(threshold: Hyperparam) -> optax.GradientTransformation:
         state = init_fn(updates) if state is None else state
         check_state(fn, state, ClipByBlockRmsState)
         check_tree(fn, "norm", state.norm, updates)
+        updates = _norms.promote_ints(updates, bools=True)  # optax parity: computed in the default float dtype
         v, invalid = hps.at(state.count, tree_dtype(updates))
         out, nrm, clipped = rescale_tree(
             updates, lambda n: poison(clip_factor(n, v["threshold"].astype(n.dtype)), invalid), fn=fn, ord=rms

@@ -39,11 +39,12 @@ from gradclip_jax.dp._guards import refuse_update_averaging
 from gradclip_jax.dp.noise import noised_leaves
 from gradclip_jax.hyperparams import (
     Hyperparam,
+    Hyperparams,
     as_scalar,
     check_scalar,
     increment,
     is_traced,
-    resolve,
+    poison,
     static_value,
 )
 from gradclip_jax.per_example._batch import batch_flatten, check_mask, match_batch_sharding
@@ -106,14 +107,8 @@ def _key(seed: Any, fn: str) -> jax.Array:
 
 
 
-def _check_batch_size(fn: str, batch_size: Any) -> None:
-    if batch_size is None:
-        return
-    check_scalar(fn, "batch_size", batch_size, low=0.0, low_inclusive=False, allow_inf=False)
-
-
 def _divisor(batch_size: Any, actual: int, dtype: Any) -> jax.Array:
-    """The public constant the noised sum is divided by."""
+    """The public constant the noised sum is divided by (``batch_size``: resolved, or ``None``)."""
     if batch_size is None:
         return jnp.asarray(max(actual, 1), dtype)
     return as_scalar(batch_size, dtype)
@@ -168,7 +163,10 @@ def dp_aggregate(
     Args:
       l2_norm_clip: :math:`C \\ge 0`: number, array or schedule.
       noise_multiplier: :math:`z \\ge 0`: number, array or schedule. The noise
-        standard deviation is :math:`zC`.
+        standard deviation is :math:`zC`. A traced or scheduled ``l2_norm_clip``,
+        ``noise_multiplier`` or ``batch_size`` that is invalid at run time
+        (negative, NaN) makes the update NaN, so :func:`optax.apply_if_finite`
+        skips the step.
       seed: an int seed or a ``jax.random`` key. The privacy guarantee assumes
         the noise is secret: in production draw the seed from a secure source
         (e.g. ``secrets.randbits(63)``) and do not log it.
@@ -214,9 +212,10 @@ def _aggregate(
 ) -> optax.GradientTransformationExtraArgs:
     """:func:`dp_aggregate`, its errors naming ``fn`` (the function the user called)."""
     _required(fn, l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier, seed=seed)
-    check_scalar(fn, "l2_norm_clip", l2_norm_clip)
-    check_scalar(fn, "noise_multiplier", noise_multiplier)
-    _check_batch_size(fn, batch_size)
+    hps = Hyperparams(fn)
+    hps.add("l2_norm_clip", l2_norm_clip)
+    hps.add("noise_multiplier", noise_multiplier)
+    hps.add("batch_size", batch_size, low=0.0, low_inclusive=False, allow_inf=False, allow_none=True)
     nan_safe = bool(static_value(fn, "nan_safe", nan_safe))
     key0 = _key(seed, fn)
 
@@ -235,11 +234,12 @@ def _aggregate(
         if not arrays or batch is None:
             return updates, DPAggregateState(rng_key=new_key, count=increment(state.count))
         acc = _norms.tree_acc_dtype(arrays)
-        clip = as_scalar(resolve(l2_norm_clip, state.count), acc)
-        z = as_scalar(resolve(noise_multiplier, state.count), acc)
+        v, invalid = hps.at(state.count, acc)
+        clip, z = v["l2_norm_clip"], v["noise_multiplier"]
         sums, _, _ = _clip_sum(arrays, clip, nan_safe, mask, fn, batch, store=_lowest(arrays))
-        out = noised_leaves(sums, keys, clip * z, _divisor(batch_size, batch, acc), fn=fn)
-        out = [o.astype(x.dtype) for o, x in zip(out, arrays, strict=True)]
+        out = noised_leaves(sums, keys, clip * z, _divisor(v["batch_size"], batch, acc), fn=fn)
+        # an invalid traced value (a negative z negates the noise) gives NaN, never a finite update
+        out = [poison(o, invalid).astype(x.dtype) for o, x in zip(out, arrays, strict=True)]
         return flat.rebuild(out), DPAggregateState(rng_key=new_key, count=increment(state.count))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -265,11 +265,11 @@ def dpsgd(
     momentum :math:`\\mu` (``optax.trace``).
 
     Args:
-      learning_rate: :math:`\\eta`, a number or a schedule.
+      learning_rate: :math:`\\eta \\ge 0`, a number or a schedule.
       l2_norm_clip: :math:`C`.
       noise_multiplier: :math:`z`.
       seed: an int seed or a ``jax.random`` key.
-      momentum: :math:`\\mu`, or ``None`` for none (default).
+      momentum: :math:`\\mu \\in [0, 1)`, or ``None`` for none (default).
       nesterov: use Nesterov momentum.
       batch_size, nan_safe: as in :func:`dp_aggregate`.
       l2_clip_norm: the other spelling of ``l2_norm_clip``, accepted with a
@@ -277,7 +277,15 @@ def dpsgd(
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs` taking per-example
-      gradients.
+      gradients; its state is that of the ``optax.chain`` of
+      :func:`dp_aggregate`, ``optax.trace`` (or ``optax.identity``) and
+      ``optax.scale_by_learning_rate``, as in optax.
+
+    Raises:
+      ValueError: for a negative or NaN ``learning_rate`` or a ``momentum``
+        outside [0, 1) (and the errors of :func:`dp_aggregate`). A traced or
+        scheduled value that is invalid only at run time makes the update NaN,
+        so :func:`optax.apply_if_finite` skips the step: never gradient ascent.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -288,13 +296,27 @@ def dpsgd(
       >>> updates, state = tx.update({'w': jnp.ones((8, 2))}, state, params)
       >>> params = optax.apply_updates(params, updates)
     """
-    clip = renamed_kwarg("dpsgd", "l2_clip_norm", "l2_norm_clip", l2_clip_norm, l2_norm_clip)
-    _required("dpsgd", learning_rate=learning_rate)
-    return optax.chain(
-        _aggregate("dpsgd", clip, noise_multiplier, seed, batch_size, nan_safe),
+    fn = "dpsgd"
+    clip = renamed_kwarg(fn, "l2_clip_norm", "l2_norm_clip", l2_clip_norm, l2_norm_clip)
+    _required(fn, learning_rate=learning_rate)
+    # A negative learning rate would turn the step into gradient ascent: checked like every
+    # hyperparameter (ValueError now; NaN updates for a traced or scheduled invalid value).
+    hps = Hyperparams(fn)
+    hps.add("learning_rate", learning_rate)
+    hps.add("momentum", momentum, high=1.0, high_inclusive=False, allow_none=True)
+    inner = optax.chain(
+        _aggregate(fn, clip, noise_multiplier, seed, batch_size, nan_safe),
         optax.trace(decay=momentum, nesterov=nesterov) if momentum is not None else optax.identity(),
         optax.scale_by_learning_rate(learning_rate),
     )
+
+    def update_fn(updates: Any, state: Any, params: Any = None, **extra: Any) -> tuple:
+        out, new_state = inner.update(updates, state, params, **extra)
+        # state[0] is dp_aggregate's: its count is the step the learning-rate schedule was evaluated at
+        _, invalid = hps.at(state[0].count, _norms.tree_acc_dtype(jax.tree_util.tree_leaves(out)))
+        return poison(out, invalid), new_state
+
+    return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 
 
 def dp_noise(
@@ -311,7 +333,8 @@ def dp_noise(
     each leaf's dtype afterwards.
 
     Args:
-      stddev: :math:`\\sigma \\ge 0`: number, array or schedule.
+      stddev: :math:`\\sigma \\ge 0`: number, array or schedule; a traced or
+        scheduled value that is negative or NaN makes the update NaN.
       seed: an int seed or a ``jax.random`` key.
       normalize_by: :math:`N > 0`, a public constant (default 1: keep the sum).
 
@@ -333,8 +356,9 @@ def dp_noise(
       {'w': Array([0.5], dtype=float32)}
     """
     fn = "dp_noise"
-    check_scalar(fn, "stddev", stddev)
-    check_scalar(fn, "normalize_by", normalize_by, low=0.0, low_inclusive=False, allow_inf=False)
+    hps = Hyperparams(fn)
+    hps.add("stddev", stddev)
+    hps.add("normalize_by", normalize_by, low=0.0, low_inclusive=False, allow_inf=False)
     key0 = _key(seed, fn)
 
     def init_fn(params: Any) -> DPAggregateState:
@@ -349,11 +373,11 @@ def dp_noise(
         new_key, *keys = jax.random.split(state.rng_key, len(arrays) + 1)
         if arrays:
             acc = _norms.tree_acc_dtype(arrays)
-            std = as_scalar(resolve(stddev, state.count), acc)
-            div = as_scalar(resolve(normalize_by, state.count), acc)
+            v, invalid = hps.at(state.count, acc)
             sums = [x.astype(jnp.result_type(_norms.sum_dtype(x.dtype), acc)) for x in arrays]
-            out = noised_leaves(sums, keys, std, div, fn=fn)
-            updates = flat.rebuild([o.astype(x.dtype) for o, x in zip(out, arrays, strict=True)])
+            out = noised_leaves(sums, keys, v["stddev"], v["normalize_by"], fn=fn)
+            # an invalid traced value (a negative stddev negates the noise) gives NaN
+            updates = flat.rebuild([poison(o, invalid).astype(x.dtype) for o, x in zip(out, arrays, strict=True)])
         return updates, DPAggregateState(rng_key=new_key, count=increment(state.count))
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -64,6 +64,7 @@ from gradclip_jax.dp.accounting import PrivacyAccountant, PrivacyPhase, calibrat
 from gradclip_jax.dp.noise import add_gaussian_noise
 from gradclip_jax.dp.sampling import PoissonSampler, _check_int, _rate
 from gradclip_jax.per_example import ClippedGradFn, ClippedGradInfo, clipped_grad
+from gradclip_jax.per_example._config import renamed_kwarg
 
 __all__ = ["PrivateStepMetrics", "PrivateTraining", "make_private"]
 
@@ -186,7 +187,7 @@ def make_private(
     dataset_size: int,
     target_epsilon: float,
     delta: float,
-    l2_clip_norm: float,
+    l2_clip_norm: float | None = None,
     expected_batch_size: float | None = None,
     sample_rate: float | None = None,
     steps: int | None = None,
@@ -199,6 +200,7 @@ def make_private(
     method: str = "auto",
     process_index: int | None = None,
     process_count: int | None = None,
+    l2_norm_clip: float | None = None,
 ) -> PrivateTraining:
     """Calibrates and builds a private training run (see the module docstring).
 
@@ -226,6 +228,8 @@ def make_private(
         the returned accountant.
       method: ``clipped_grad``'s method (default ``'auto'``).
       process_index, process_count: passed to the sampler (defaults from jax).
+      l2_norm_clip: the optax spelling of ``l2_clip_norm``, accepted with a
+        ``DeprecationWarning`` (as :func:`gradclip_jax.clipped_grad` does).
 
     Returns:
       A :class:`PrivateTraining`.
@@ -255,6 +259,9 @@ def make_private(
       (50, True)
     """
     fn = "make_private"
+    l2_clip_norm = renamed_kwarg(fn, "l2_norm_clip", "l2_clip_norm", l2_norm_clip, l2_clip_norm)
+    if l2_clip_norm is None:
+        raise TypeError(f"{fn}: missing the clip norm `l2_clip_norm`")
     if not callable(loss_fn):
         raise TypeError(f"{fn}: `loss_fn` must be callable, got {loss_fn!r}")
     if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):

@@ -47,6 +47,7 @@ from gradclip_jax.norms._trees import acc_dtype as acc_dtype
 from gradclip_jax.norms._trees import check_float_leaf as check_float_leaf
 from gradclip_jax.norms._trees import flatten as flatten
 from gradclip_jax.norms._trees import is_numeric_leaf as is_numeric_leaf
+from gradclip_jax.norms._trees import promote_ints as promote_ints
 from gradclip_jax.norms._trees import sum_dtype as sum_dtype
 from gradclip_jax.norms._trees import tree_acc_dtype as tree_acc_dtype
 

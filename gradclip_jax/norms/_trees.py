@@ -68,6 +68,24 @@ def check_float_leaf(path: Any, x: Any, fn: str) -> jax.Array:
     return x
 
 
+def promote_ints(tree: Any, *, bools: bool = False) -> Any:
+    """Integer (and, with ``bools``, bool) leaves as the default float dtype, as optax computes them.
+
+    For the functions that carry an optax name, which accept what optax accepts:
+    optax's arithmetic promotes such leaves to float32 (float64 under x64).
+    """
+
+    def one(x: Any) -> Any:
+        dtype = getattr(x, "dtype", None)
+        if dtype is None or dtype == jax.dtypes.float0:
+            return x
+        if jax.dtypes.issubdtype(dtype, np.integer) or (bools and dtype == np.bool_):
+            return jnp.asarray(x, float)
+        return x
+
+    return jax.tree_util.tree_map(one, tree)
+
+
 @dataclasses.dataclass
 class FlatTree:
     """A flattened pytree split into measured leaves and pass-through leaves.

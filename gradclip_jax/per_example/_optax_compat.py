@@ -11,23 +11,13 @@ import numpy as np
 
 from gradclip_jax._numerics import count0
 from gradclip_jax.hyperparams import check_scalar, static_value
+from gradclip_jax.norms import promote_ints
 from gradclip_jax.per_example._batch import batch_flatten
 from gradclip_jax.per_example._config import clip_factors
 from gradclip_jax.per_example._measure import as_rows, example_norms, layer_budgets, unrow
 from gradclip_jax.per_example._sums import clip_and_sum
 
 __all__ = ["per_example_global_norm_clip", "per_example_layer_norm_clip", "per_example_norms"]
-
-
-def _promote_ints(grads: Any) -> Any:
-    """Integer leaves as the default float dtype (float32; float64 with x64), as optax computes them."""
-    def one(x: Any) -> Any:
-        dtype = getattr(x, "dtype", None)
-        if dtype is not None and jax.dtypes.issubdtype(dtype, np.integer):
-            return jnp.asarray(x, float)
-        return x
-
-    return jax.tree_util.tree_map(one, grads)
 
 
 def per_example_global_norm_clip(grads: Any, l2_norm_clip: Any) -> tuple[Any, jax.Array]:
@@ -77,7 +67,7 @@ def per_example_global_norm_clip(grads: Any, l2_norm_clip: Any) -> tuple[Any, ja
     """
     fn = "per_example_global_norm_clip"
     check_scalar(fn, "l2_norm_clip", l2_norm_clip)
-    flat, _ = batch_flatten(_promote_ints(grads), fn)
+    flat, _ = batch_flatten(promote_ints(grads), fn)
     arrays = flat.arrays
     if not arrays:
         return grads, count0()
@@ -130,7 +120,7 @@ def per_example_layer_norm_clip(
     fn = "per_example_layer_norm_clip"
     check_scalar(fn, "global_l2_norm_clip", global_l2_norm_clip)
     uniform = bool(static_value(fn, "uniform", uniform))
-    flat, _ = batch_flatten(_promote_ints(grads), fn)
+    flat, _ = batch_flatten(promote_ints(grads), fn)
     arrays = flat.arrays
     if not arrays:
         return grads, grads

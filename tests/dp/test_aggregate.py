@@ -382,3 +382,59 @@ def test_errors_name_the_called_function_and_spellings():
     sgd.update(g, sgd.init({"w": jnp.zeros(2)}), {"w": jnp.zeros(2)})
     with pytest.raises(TypeError, match="both"):
         dp_aggregate(1.0, 0.0, seed=0, l2_clip_norm=1.0)
+
+
+# ----------------------------------------------------------------------------
+# Invalid hyperparameters known only at run time (optax.inject_hyperparams)
+# ----------------------------------------------------------------------------
+
+_INJECTED = {
+    "dp_aggregate": (dp_aggregate, {"l2_norm_clip": 1.0, "noise_multiplier": 1.0, "seed": 0, "batch_size": 8.0}),
+    "dpsgd": (dpsgd, {"learning_rate": 0.1, "l2_norm_clip": 1.0, "noise_multiplier": 1.0, "seed": 0,
+                      "momentum": 0.9}),
+    "dp_noise": (dp_noise, {"stddev": 1.0, "seed": 0, "normalize_by": 4.0}),
+}
+_BAD = {"l2_norm_clip": (-1.0, math.nan), "noise_multiplier": (-1.0, math.nan), "stddev": (-1.0, math.nan),
+        "batch_size": (-8.0, 0.0, math.nan), "normalize_by": (-4.0, 0.0, math.nan),
+        "learning_rate": (-0.1, math.nan), "momentum": (-1.0, 1.0, math.nan)}
+
+
+@pytest.mark.parametrize("name", sorted(_INJECTED))
+def test_invalid_traced_noise_clip_and_learning_rate_give_nan(name):
+    # A traced noise_multiplier = -1 used to negate the noise and a learning rate of -0.1 to
+    # ascend, both with finite updates that apply_if_finite could not catch.
+    factory, kwargs = _INJECTED[name]
+    tx = optax.inject_hyperparams(factory, static_args=("seed",))(**kwargs)
+    params = _params()
+    g = _grads(2) if name != "dp_noise" else params
+    step = jax.jit(tx.update)
+    state = tx.init(params)
+    out, _ = step(g, state, params)
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(out))
+    tried = 0
+    for hp in state.hyperparams:
+        for bad in _BAD[hp]:
+            state = tx.init(params)
+            state.hyperparams[hp] = jnp.asarray(bad, state.hyperparams[hp].dtype)
+            out, _ = step(g, state, params)
+            for leaf in jax.tree.leaves(out):
+                assert bool(jnp.all(jnp.isnan(leaf))), (hp, bad)
+            tried += 1
+    assert tried >= 5
+
+
+def test_dpsgd_rejects_ascent_and_bad_momentum():
+    for kwargs, match in (({"learning_rate": -0.1}, "learning_rate"), ({"learning_rate": math.nan}, "learning_rate"),
+                          ({"learning_rate": 0.1, "momentum": -1.0}, "momentum"),
+                          ({"learning_rate": 0.1, "momentum": 1.0}, "momentum"),
+                          ({"learning_rate": 0.1, "momentum": math.nan}, "momentum")):
+        with pytest.raises(ValueError, match=rf"^dpsgd: .*{match}"):
+            dpsgd(l2_norm_clip=1.0, noise_multiplier=1.0, seed=0, **kwargs)
+    # a schedule that turns negative gives a NaN update at the step it does (never ascent)
+    tx = dpsgd(lambda t: jnp.where(t >= 1, -0.1, 0.1), 1.0, 0.0, seed=0)
+    params = _params()
+    step = jax.jit(tx.update)
+    upd, state = step(_grads(0), tx.init(params), params)
+    assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(upd))
+    upd, state = step(_grads(1), state, params)
+    assert all(bool(jnp.all(jnp.isnan(u))) for u in jax.tree.leaves(upd))

@@ -182,6 +182,25 @@ def test_errors_name_the_argument():
         priv.step(w, priv.init(w), batch, mask.astype(np.float32), jax.random.key(0))
 
 
+def test_l2_norm_clip_spelling_is_accepted_with_a_warning():
+    # the optax spelling, as clipped_grad accepts it: a DeprecationWarning, the same run
+    args = dict(dataset_size=400, expected_batch_size=40, steps=30, target_epsilon=3.0, delta=1e-4, seed=0,
+                process_index=0, process_count=1, accountant="rdp")
+    with pytest.warns(DeprecationWarning, match=r"make_private.*l2_norm_clip.*l2_clip_norm"):
+        priv = make_private(_lin_loss, optax.sgd(0.1), l2_norm_clip=1.0, **args)
+    ref = _priv()
+    assert priv.noise_multiplier == ref.noise_multiplier and priv.l2_clip_norm == 1.0
+    batch, mask = next(ref.batches(_lin_data()))
+    w = jnp.array([0.3, -0.1, 0.2, 0.0])
+    got = priv.step(w, priv.init(w), batch, mask, jax.random.key(1))[0]
+    want = ref.step(w, ref.init(w), batch, mask, jax.random.key(1))[0]
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(TypeError, match="both"):
+        make_private(_lin_loss, optax.sgd(0.1), l2_norm_clip=1.0, l2_clip_norm=1.0, **args)
+    with pytest.raises(TypeError, match=r"make_private: missing.*l2_clip_norm"):
+        make_private(_lin_loss, optax.sgd(0.1), **args)
+
+
 def test_digits_mlp_reaches_90_percent_at_epsilon_3():
     x_tr, y_tr, x_te, y_te = load_digits_split(0)
     priv = make_private(per_example_loss, optax.adam(1e-2), dataset_size=len(x_tr),

@@ -23,6 +23,7 @@ _UNARY_OR_MIXED = (
     "and", "or", "not", "xor", "stop_gradient", "nextafter", "reduce_precision", "copy", "copy_p",
     "real", "imag", "conj", "shift_left", "shift_right_logical", "shift_right_arithmetic",
     "population_count", "bessel_i0e", "bessel_i1e", "random_gamma_grad", "add_any",
+    "polygamma", "zeta", "igammac", "igamma_grad_a", "regularized_incomplete_beta",
 )
 
 
