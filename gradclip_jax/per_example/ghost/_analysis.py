@@ -3,6 +3,7 @@ call and its jaxpr analysed once; the resulting :class:`Plan` is passed down."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -127,8 +128,28 @@ def _complex_values(eqn: Any) -> bool:
                for v in (*eqn.invars, *eqn.outvars) if hasattr(getattr(v, "aval", None), "dtype"))
 
 
+# Site kinds measured on a merged batch too (their views regroup each example's rows).
+_MERGED_KINDS = frozenset({"dense", "elementwise"})
+
+
+def _classify_merged(use: Use, merged: Merged) -> Site | str:
+    """A use on values whose batch is merged with each example's positions (``x.reshape(-1, d) @ w``):
+    classified as at a batch of ``B * per_example`` rows, kept if its rule regroups the rows by example."""
+    name = use.eqn.primitive.name
+    if any(isinstance(s, int) or (isinstance(s, Merged) and s != merged) for s in use.in_states):
+        return name
+    rows: list[State] = [ROW if isinstance(s, Merged) else s for s in use.in_states]
+    outs: list[State] = [ROW] * len(use.out_states)
+    site = rule_for(name).classify(dataclasses.replace(use, in_states=rows, out_states=outs))
+    if site is None or site.kind not in _MERGED_KINDS or site.axis != 0 or site.out_axis != 0:
+        return f"{name} on rows merged across positions"
+    return dataclasses.replace(site, merged=merged.per_example)
+
+
 def _classify(use: Use, n_aliased: int) -> Site | str:
     name = use.eqn.primitive.name
+    if n_aliased == 1 and isinstance(use.out_states[0], Merged) and not _complex_values(use.eqn):
+        return _classify_merged(use, use.out_states[0])
     if n_aliased != 1 or not isinstance(use.out_states[0], int):
         return name
     if _complex_values(use.eqn):

@@ -108,7 +108,11 @@ def _local_grads(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any
 
     ref = invals[site.rows[0]]
     row_vals = [match_batch_sharding(invals[r], ref) for r in site.rows]  # vmap needs one batch sharding
-    return jax.vmap(one)(row_vals, match_batch_sharding(g, ref))  # type: ignore[no-any-return]
+    per_row = jax.vmap(one)(row_vals, match_batch_sharding(g, ref))
+    if site.merged == 1:
+        return per_row  # type: ignore[no-any-return]
+    # a merged batch: an example's gradient is the sum over its rows
+    return jnp.sum(jnp.reshape(per_row, (-1, site.merged, *per_row.shape[1:])), axis=1)
 
 
 def _fallback_rows(config: ClipConfig, call: Call, fb: Sequence[int], batch: Any) -> list[jax.Array]:

@@ -56,6 +56,9 @@ def _site_sum(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any], 
     """
     acc = _norms.acc_dtype(param.dtype)
     ct_dtype = widen(g.dtype, acc)
+    if site.merged > 1:  # a merged batch: each example's weight on each of its rows
+        w = jnp.repeat(w, site.merged)
+        keep = None if keep is None else jnp.repeat(keep, site.merged)
     shape = (1,) * site.out_axis + (-1,) + (1,) * (g.ndim - site.out_axis - 1)
     ct = g.astype(ct_dtype) * w.astype(ct_dtype).reshape(shape)
     vals = list(invals)

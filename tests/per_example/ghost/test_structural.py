@@ -379,3 +379,28 @@ def test_flattened_cross_entropy_keeps_the_ghost_path():
 
     assert ghost_report(merged_twice, params, data).fallback == []
     _compare(merged_twice, {"w": params["w"]}, data, clip=0.3)
+
+
+@pytest.mark.parametrize("ghost_sum", ["backward", "bookkeeping"])
+def test_layers_on_flattened_tokens_keep_the_ghost_path(ghost_sum):
+    """``x.reshape(-1, d) @ w + b`` on every token of the batch at once: dense and bias sites on a
+    merged batch (each example's rows regrouped as positions), tied too; a dropped example that
+    holds NaN contributes nothing."""
+    r = np.random.default_rng(10)
+    params = {"w": _w(r, D, D), "b": 0.1 * _w(r, D), "s": jnp.asarray(1.3, jnp.float32), "head": _w(r, D, 4)}
+    data = _data(10)
+
+    def loss(p, b):
+        h = jnp.tanh(b["x"].reshape(-1, D) @ p["w"] + p["b"]) * p["s"]
+        back = (h @ p["w"].T).reshape(-1, T, D)  # the same weight again: tied
+        return xent(jnp.mean(back, axis=1) @ p["head"], b["y"])
+
+    kinds = dict(ghost_report(loss, params, data).ghost)
+    assert kinds == {"['w']": "tied:dense+dense", "['b']": "elementwise", "['s']": "elementwise",
+                     "['head']": "dense"}
+    _compare(loss, params, data, clip=0.5, ghost_sum=ghost_sum)
+    mask = jnp.arange(B) != 2
+    bad = {**data, "x": data["x"].at[2].set(jnp.nan)}
+    ref, _ = clipped_grad(loss, 0.5, method="vmap")(params, bad, mask=mask)
+    got, _ = clipped_grad(loss, 0.5, method="ghost", ghost_sum=ghost_sum)(params, bad, mask=mask)
+    _close(got, ref)

@@ -146,6 +146,7 @@ class Site:
     axis: int = 0  # dense: the batch axis of the batched operand (the others: 0)
     out_axis: int = 0  # the batch axis of the operation's output
     box: Box = None  # the block of the leaf this use reads (stacked layers: one layer's block)
+    merged: int = 1  # rows per example on the batch axis (a Merged batch: its per_example), else 1
 
 
 class Rule:

@@ -37,7 +37,8 @@ def _free(dims: int, contracted: Sequence[int], batch: Sequence[int]) -> list[in
 
 
 def dense_views(site: Site, eqn: Any, a: jax.Array, g: jax.Array, acc: Any) -> tuple[jax.Array, jax.Array]:
-    """``(a3, g3)``: a dense site's operand as ``(B, T, D)`` and cotangent as ``(B, T, P)``."""
+    """``(a3, g3)``: a dense site's operand as ``(B, T, D)`` and cotangent as ``(B, T, P)`` (with a
+    merged batch of ``B * m`` rows, ``T`` counts the ``m`` rows of each example too)."""
     (lc, rc), _ = eqn.params["dimension_numbers"]
     a_pos, k = 1 - site.pos, site.axis
     ca = tuple(lc if a_pos == 0 else rc)
@@ -51,8 +52,10 @@ def dense_views(site: Site, eqn: Any, a: jax.Array, g: jax.Array, acc: Any) -> t
     bsz = a.shape[k]
     t = math.prod(a.shape[d] for d in seq)
     dsz = math.prod(a.shape[d] for d in ca)
-    a3 = jnp.reshape(jnp.transpose(a, (k, *seq, *ca)), (bsz, t, dsz)).astype(acc)
-    g3 = jnp.reshape(jnp.transpose(g, g_perm), (bsz, t, -1)).astype(acc)
+    # a merged batch: each example's rows are contiguous, so they regroup as more positions
+    m = site.merged
+    a3 = jnp.reshape(jnp.transpose(a, (k, *seq, *ca)), (bsz // m, m * t, dsz)).astype(acc)
+    g3 = jnp.reshape(jnp.transpose(g, g_perm), (bsz // m, m * t, -1)).astype(acc)
     return a3, g3
 
 
