@@ -170,33 +170,38 @@ class TopK(Axis0):
         return len(c.ins[0]) >= 2
 
 
-class Rev(Rule):
+class AlongAxes(Rule):
+    """Operations working along some axes of each operand and keeping its shape's rank: row-wise
+    when the batch axis is not one of them, certainly combining examples when it is."""
+
+    def axes(self, c: RowCtx) -> tuple[int, ...]:
+        return ()
+
+    def row(self, c: RowCtx) -> list[State]:
+        return _removed_or_kept(c, self.axes(c))
+
+    def crosses(self, c: RowCtx) -> bool:
+        return c.k0 is not None and c.k0 in self.axes(c)
+
+
+class Rev(AlongAxes):
     """Reversing axes other than the batch's (``jnp.flip`` of features); reversing the batch
     axis pairs example ``i`` with example ``B - 1 - i``."""
 
     primitives = ("rev",)
 
-    def row(self, c: RowCtx) -> list[State]:
-        return _removed_or_kept(c, tuple(c.params["dimensions"]))
-
-    def crosses(self, c: RowCtx) -> bool:
-        return c.k0 is not None and c.k0 in tuple(c.params["dimensions"])
+    def axes(self, c: RowCtx) -> tuple[int, ...]:
+        return tuple(c.params["dimensions"])
 
 
-class FFT(Rule):
+class FFT(AlongAxes):
     """``jnp.fft``: a transform over the trailing ``len(fft_lengths)`` axes of each example."""
 
     primitives = ("fft",)
 
-    def _axes(self, c: RowCtx) -> tuple[int, ...]:
+    def axes(self, c: RowCtx) -> tuple[int, ...]:
         n = len(c.ins[0])
         return tuple(range(n - len(c.params["fft_lengths"]), n))
-
-    def row(self, c: RowCtx) -> list[State]:
-        return _removed_or_kept(c, self._axes(c))
-
-    def crosses(self, c: RowCtx) -> bool:
-        return c.k0 is not None and c.k0 in self._axes(c)
 
 
 class Iota(Rule):
