@@ -165,6 +165,16 @@ def _const_lookup(eqn: Any, aliased: list, consts: dict[Any, Any]) -> bool:
             and concrete_operand(eqn.invars[1], consts) is not None and is_row_lookup(eqn))
 
 
+def _as_rows(eqn: Any, states: list[State], bsize: int) -> RowCtx:
+    """The equation's context, a merged batch seen as a batch of ``B * per_example`` rows (so that a
+    reduction over all of a flattened batch's rows is found to combine examples)."""
+    merged = {s for s in states if isinstance(s, Merged)}
+    if len(merged) != 1 or any(isinstance(s, int) for s in states):
+        return RowCtx(eqn, states, bsize)
+    n = next(iter(merged)).per_example
+    return RowCtx(eqn, [ROW if isinstance(s, Merged) else s for s in states], bsize * n)
+
+
 def _walk(jaxpr: Any, n_params: int, n_batch: int, bsize: int, consts: dict[Any, Any] | None = None) -> _Walk:
     """Row states of every value, and every use of every parameter leaf (through its chain)."""
     invars = jaxpr.invars
@@ -196,7 +206,7 @@ def _walk(jaxpr: Any, n_params: int, n_batch: int, bsize: int, consts: dict[Any,
         out_states = row_rule(eqn, in_states, bsize)
         if MIXED in out_states and MIXED not in in_states:
             mixing = mixing or name
-            if rule_for(name).crosses(RowCtx(eqn, in_states, bsize)):
+            if rule_for(name).crosses(_as_rows(eqn, in_states, bsize)):
                 crossings.append(k)
         for v, s in zip(eqn.outvars, out_states, strict=True):
             states[v] = s

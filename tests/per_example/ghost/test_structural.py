@@ -373,6 +373,15 @@ def test_flattened_cross_entropy_keeps_the_ghost_path():
 
     assert ghost_report(regrouped, params, data).ghost == []
 
+    def batch_mean(p, b):  # every token of every example in one mean: not a per-example loss
+        logits = jnp.tanh(b["x"] @ p["w"]) @ p["o"]
+        ys = jnp.broadcast_to(b["y"][:, None], b["x"].shape[:2])
+        return jnp.zeros(b["x"].shape[0]) + flat_xent(logits, ys).mean()
+
+    for method in ("ghost", "vmap"):
+        with pytest.raises(ValueError, match="combines examples at 'reduce_sum'"):
+            clipped_grad(batch_mean, 1.0, method=method)(params, data)
+
     def merged_twice(p, b):  # (B, T, D) -> (B*T*D,) -> (B*T, D) -> (B, T*D): per example throughout
         h = jnp.tanh(b["x"] @ p["w"]).reshape(-1).reshape(-1, D)
         return jnp.sum(jnp.sin(h).reshape(b["x"].shape[0], -1), axis=1)
