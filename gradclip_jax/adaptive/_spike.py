@@ -60,7 +60,14 @@ def skip_on_spike(
         :func:`clip_by_block_rms` and :func:`adaptive_grad_clip` as well as the
         stateful and adaptive ones. :func:`clip_by_value` / :func:`clip`,
         :func:`normalize` and :func:`centralize` record no flag and cannot be
-        wrapped this way.
+        wrapped this way. The EMA clippers (:func:`clip_norm_by_ema`,
+        :func:`normalize_by_ema`, :func:`clip_value_by_ema`) flag ``'clipped'``
+        whenever the update exceeds its running average: on every step while
+        they warm up from ``init=0``, and on many steps after, so skipping on
+        them skips most steps. To skip spikes, wrap :func:`zclip` (``'spike'``,
+        nothing flagged during its warm-up) or a growth clipper
+        (:func:`clip_norm_growth`, :func:`clip_value_growth`: flagged only when
+        the update grows more than ``mul`` times).
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs` with state
