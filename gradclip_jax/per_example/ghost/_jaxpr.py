@@ -159,6 +159,7 @@ def _concrete_index(x: Any) -> int | None:
 
 def _as_static_slices(eqn: Any, invals: Sequence[Any]) -> list[Any] | None:
     """``split``, and ``dynamic_slice`` at indices known while tracing, written as static slices
+    (and ``tile`` along size-1 axes as a broadcast)
     (``None`` for any other equation), so the analysis sees which block of a parameter
     each piece reads (a fused q/k/v weight split in three is three blocks, as with
     ``W[:, :d]``)."""
@@ -170,6 +171,12 @@ def _as_static_slices(eqn: Any, invals: Sequence[Any]) -> list[Any] | None:
             outs.append(lax.slice_in_dim(x, start, start + int(size), axis=axis))
             start += int(size)
         return outs
+    if name == "tile":  # copies along size-1 axes (a class token over the batch): a broadcast
+        x, reps = invals[0], tuple(int(r) for r in eqn.params["reps"])
+        if all(r == 1 or d == 1 for r, d in zip(reps, np.shape(x), strict=True)):
+            out = tuple(d * r for d, r in zip(np.shape(x), reps, strict=True))
+            return [lax.broadcast_in_dim(x, out, tuple(range(len(out))))]
+        return None
     if name == "dynamic_slice":
         x, sizes = invals[0], tuple(int(n) for n in eqn.params["slice_sizes"])
         starts = [_concrete_index(i) for i in invals[1:]]
@@ -258,8 +265,9 @@ def _inline_eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
 
 
 # Top-level primitives that the re-trace rewrites: unrolled scans, folded index
-# arithmetic (``iota``), splits and dynamic slices at known indices as static slices.
-_RETRACED = frozenset({"scan", "iota", "split", "dynamic_slice"})
+# arithmetic (``iota``), splits and dynamic slices at known indices as static slices,
+# tiles along size-1 axes as broadcasts.
+_RETRACED = frozenset({"scan", "iota", "split", "dynamic_slice", "tile"})
 
 
 def trace(loss: Callable[..., Any], params: Any, batch: Any, args: Sequence[Any]) -> Any:
@@ -301,13 +309,27 @@ def run_probed(closed: Any, inputs: Sequence[Any], at: dict[int, int], probes: S
     return [_read(env, v) for v in jaxpr.outvars], operands
 
 
+def _for_one_example(e: Any, bsize: int) -> Any:
+    """A chain's broadcast of the parameter over the batch (a class token copied to every example,
+    ``(1, 1, d)`` to ``(B, 1, d)``) made for one example; any other equation as it is."""
+    if e.primitive.name != "broadcast_in_dim":
+        return e
+    out, dims = tuple(e.params["shape"]), tuple(e.params["broadcast_dimensions"])
+    if not out or out[0] != bsize or (0 in dims and shape(e.invars[0])[dims.index(0)] != 1):
+        return e
+    return e.replace(params={**e.params, "shape": (1, *out[1:])})
+
+
 def replay(closed: Any, eqn: int, chain: Sequence[int], vals: Sequence[Any], pos: int, param: jax.Array,
-           acc: Any = None, precision: Any = None) -> jax.Array:
+           acc: Any = None, precision: Any = None, example_of: int | None = None) -> jax.Array:
     """Equation ``eqn`` on ``vals``, with ``param`` passed through the equations ``chain`` as operand ``pos``
     (with ``acc``: every step evaluated in ``acc``, see :func:`bind`; ``precision``: that of
-    equation ``eqn``'s product)."""
+    equation ``eqn``'s product; ``example_of``: the batch size, when ``vals`` hold one example
+    and the chain's broadcasts over the batch must make one copy)."""
     x = param
     steps = [closed.jaxpr.eqns[k] for k in chain]
+    if example_of is not None:
+        steps = [_for_one_example(e, example_of) for e in steps]
     consts = const_values(closed) if any(len(e.invars) > 1 for e in steps) else {}
     for e in steps:  # the parameter is operand 0 of a chain equation; the others are constants
         x = bind(e, [x, *[concrete_operand(v, consts) for v in e.invars[1:]]], acc)[0]

@@ -81,11 +81,11 @@ def pin_narrow(fwd: Pass, sites: Sequence[Site], acc: Any) -> Pass:
 
 
 def apply_site(closed: Any, site: Site, vals: Sequence[Any], param: jax.Array, acc: Any = None,
-               precision: Any = None) -> jax.Array:
+               precision: Any = None, example_of: int | None = None) -> jax.Array:
     """The site's one operation on ``vals``, with ``param`` (through its chain) as the parameter operand;
     with ``acc``, evaluated in ``acc`` (16-bit operands widened, products at full precision, or at
     ``precision`` when given)."""
-    return replay(closed, site.eqn, site.chain, vals, site.pos, param, acc, precision)
+    return replay(closed, site.eqn, site.chain, vals, site.pos, param, acc, precision, example_of)
 
 
 def _local_grads(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any], g: jax.Array,
@@ -99,11 +99,14 @@ def _local_grads(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any
     exact to float32 rounding, and its norm is that of what book-keeping adds.
     """
 
+    bsize = invals[site.rows[0]].shape[0]
+
     def one(row_vals: list, gb: jax.Array) -> jax.Array:
         vals = list(invals)
         for r, x in zip(site.rows, row_vals, strict=True):
             vals[r] = jnp.expand_dims(x, 0)
-        out, pull = jax.vjp(lambda w: apply_site(closed, site, vals, w, acc), param.astype(widen(param.dtype, acc)))
+        out, pull = jax.vjp(lambda w: apply_site(closed, site, vals, w, acc, example_of=bsize),
+                            param.astype(widen(param.dtype, acc)))
         return pull(jnp.expand_dims(gb, 0).astype(out.dtype))[0]  # type: ignore[no-any-return]
 
     ref = invals[site.rows[0]]

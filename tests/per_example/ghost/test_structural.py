@@ -413,3 +413,30 @@ def test_layers_on_flattened_tokens_keep_the_ghost_path(ghost_sum):
     ref, _ = clipped_grad(loss, 0.5, method="vmap")(params, bad, mask=mask)
     got, _ = clipped_grad(loss, 0.5, method="ghost", ghost_sum=ghost_sum)(params, bad, mask=mask)
     _close(got, ref)
+
+
+@pytest.mark.parametrize("how", ["tile", "broadcast_to"])
+def test_class_token_joined_to_the_patches_keeps_the_ghost_path(how):
+    """A ViT's class token, copied to every example (``jnp.tile`` as in the reference ViT, or
+    ``broadcast_to``) and concatenated before the tokens: a ``concatenate`` site whose per-example
+    gradient is that example's slice of the cotangent (no per-example forward/backward pass)."""
+    r = np.random.default_rng(11)
+    params = {"cls": _w(r, 1, 1, D), "w": _w(r, D, D), "head": _w(r, D, 4)}
+    data = _data(11)
+
+    def loss(p, b):
+        x = b["x"]
+        n = x.shape[0]
+        cls = jnp.tile(p["cls"], (n, 1, 1)) if how == "tile" else jnp.broadcast_to(p["cls"], (n, 1, D))
+        h = jnp.tanh(jnp.concatenate([cls, x], axis=1) @ p["w"])
+        return xent(h[:, 0] @ p["head"], b["y"])
+
+    assert dict(ghost_report(loss, params, data).ghost)["['cls']"] == "concatenate"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GhostFallbackWarning)
+        _compare(loss, params, data, clip=0.5)
+    mask = jnp.arange(B) != 1
+    bad = {**data, "x": data["x"].at[1].set(jnp.inf)}
+    ref, _ = clipped_grad(loss, 0.5, method="vmap")(params, bad, mask=mask)
+    got, _ = clipped_grad(loss, 0.5, method="ghost")(params, bad, mask=mask)
+    _close(got, ref)

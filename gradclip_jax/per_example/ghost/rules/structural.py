@@ -1,13 +1,17 @@
 """Structural primitives (transpose, broadcast, reductions, reshapes, slices,
-windows, sorting, reversal, FFTs): how each moves or keeps the batch axis. None is a site."""
+windows, sorting, reversal, FFTs): how each moves or keeps the batch axis. Only a parameter
+joined to batched values (a class token) is a site."""
 
 from __future__ import annotations
 
+from gradclip_jax.per_example.ghost._jaxpr import shape
 from gradclip_jax.per_example.ghost.rules._registry import (
     CONST,
     RowCtx,
     Rule,
+    Site,
     State,
+    Use,
     axis0_only,
     leading_batch,
     register,
@@ -98,13 +102,27 @@ class Reshape(Rule):
 
 
 class Concatenate(Rule):
-    """Joining along any axis but the batch's (a fused qkv's outputs, stacked layer outputs)."""
+    """Joining along any axis but the batch's (a fused qkv's outputs, stacked layer outputs).
+
+    A parameter broadcast over the batch and joined to batched values (a ViT's class
+    token put before the patches) is a ``concatenate`` site: each example's gradient
+    is its slice of the output cotangent, formed for that (small) leaf alone.
+    """
 
     primitives = ("concatenate",)
+    kind = "concatenate"
 
     def row(self, c: RowCtx) -> list[State]:
         k0 = c.k0
         return c.mixed() if k0 is None or c.params["dimension"] == k0 else c.res_at(k0)
+
+    def classify(self, use: Use) -> Site | None:
+        rows = use.row_operands()
+        out = shape(use.eqn.outvars[0])
+        if (not rows or not use.bcast or use.eqn.params["dimension"] == 0
+                or shape(use.eqn.invars[use.pos])[:1] != out[:1]):
+            return None
+        return self.site(use, rows)
 
 
 class Split(Rule):
