@@ -44,6 +44,7 @@ from gradclip_jax.per_example.ghost.rules import (
     is_row_lookup,
     row_rule,
     rule_for,
+    unmerged,
 )
 
 # Operations applied to a parameter that keep the gradient's norm: the gradient
@@ -136,11 +137,11 @@ def _classify_merged(use: Use, merged: Merged) -> Site | str:
     """A use on values whose batch is merged with each example's positions (``x.reshape(-1, d) @ w``):
     classified as at a batch of ``B * per_example`` rows, kept if its rule regroups the rows by example."""
     name = use.eqn.primitive.name
-    if any(isinstance(s, int) or (isinstance(s, Merged) and s != merged) for s in use.in_states):
+    rows = unmerged(use.in_states, 1)
+    if rows is None:
         return name
-    rows: list[State] = [ROW if isinstance(s, Merged) else s for s in use.in_states]
     outs: list[State] = [ROW] * len(use.out_states)
-    site = rule_for(name).classify(dataclasses.replace(use, in_states=rows, out_states=outs))
+    site = rule_for(name).classify(dataclasses.replace(use, in_states=rows[0], out_states=outs))
     if site is None or site.kind not in _MERGED_KINDS or site.axis != 0 or site.out_axis != 0:
         return f"{name} on rows merged across positions"
     return dataclasses.replace(site, merged=merged.per_example)
@@ -168,11 +169,8 @@ def _const_lookup(eqn: Any, aliased: list, consts: dict[Any, Any]) -> bool:
 def _as_rows(eqn: Any, states: list[State], bsize: int) -> RowCtx:
     """The equation's context, a merged batch seen as a batch of ``B * per_example`` rows (so that a
     reduction over all of a flattened batch's rows is found to combine examples)."""
-    merged = {s for s in states if isinstance(s, Merged)}
-    if len(merged) != 1 or any(isinstance(s, int) for s in states):
-        return RowCtx(eqn, states, bsize)
-    n = next(iter(merged)).per_example
-    return RowCtx(eqn, [ROW if isinstance(s, Merged) else s for s in states], bsize * n)
+    rows = unmerged(states, bsize)
+    return RowCtx(eqn, states, bsize) if rows is None else RowCtx(eqn, rows[0], rows[1])
 
 
 def _walk(jaxpr: Any, n_params: int, n_batch: int, bsize: int, consts: dict[Any, Any] | None = None) -> _Walk:
@@ -249,14 +247,14 @@ def _disjoint(boxes: Sequence[Box]) -> bool:
 
 
 # Why some uses of a parameter are not measured, where the primitive's name alone does not say.
+_CUSTOM = (" (a parameter inside a function with a custom derivative: its gradient is the custom rule's, "
+           "which ghost clipping cannot see; custom functions of activations are measured)")
 _WHY = {
     "scan": f" (a scan over stacked layers is unrolled for the analysis when it runs at most "
             f"MAX_UNROLL={MAX_UNROLL} steps)",
     "while": " (a loop of unknown length)",
-    "custom_vjp_call": " (a parameter inside a function with a custom derivative: its gradient is the "
-                       "custom rule's, which ghost clipping cannot see; custom functions of activations are measured)",
-    "custom_jvp_call": " (a parameter inside a function with a custom derivative: its gradient is the "
-                       "custom rule's, which ghost clipping cannot see; custom functions of activations are measured)",
+    "custom_vjp_call": _CUSTOM,
+    "custom_jvp_call": _CUSTOM,
 }
 
 

@@ -157,12 +157,11 @@ def _concrete_index(x: Any) -> int | None:
     return int(a) if a.shape == () and np.issubdtype(a.dtype, np.integer) else None
 
 
-def _as_static_slices(eqn: Any, invals: Sequence[Any]) -> list[Any] | None:
-    """``split``, and ``dynamic_slice`` at indices known while tracing, written as static slices
-    (and ``tile`` along size-1 axes as a broadcast)
-    (``None`` for any other equation), so the analysis sees which block of a parameter
-    each piece reads (a fused q/k/v weight split in three is three blocks, as with
-    ``W[:, :d]``)."""
+def _rewritten(eqn: Any, invals: Sequence[Any]) -> list[Any] | None:
+    """``split``, and ``dynamic_slice`` at indices known while tracing, as static slices, so the
+    analysis sees which block of a parameter each piece reads (a fused q/k/v weight split in
+    three is three blocks, as with ``W[:, :d]``); ``tile`` along size-1 axes as a broadcast,
+    which a parameter's chain passes through. ``None`` for any other equation."""
     name = eqn.primitive.name
     if name == "split":
         axis, x = int(eqn.params["axis"]), invals[0]
@@ -249,8 +248,8 @@ def _inline_eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
         elif _unrolls(eqn, in_deps):
             outs = _unroll_scan(eqn, invals, in_deps)
             out_deps = [any(in_deps)] * len(outs)
-        elif (sliced := _as_static_slices(eqn, invals)) is not None:
-            outs = sliced
+        elif (rewritten := _rewritten(eqn, invals)) is not None:
+            outs = rewritten
             out_deps = [any(in_deps)] * len(outs)
         elif _folds(eqn, invals):
             with jax.ensure_compile_time_eval():
@@ -272,8 +271,8 @@ _RETRACED = frozenset({"scan", "iota", "split", "dynamic_slice", "tile"})
 
 def trace(loss: Callable[..., Any], params: Any, batch: Any, args: Sequence[Any]) -> Any:
     """The closed jaxpr of ``loss(params, batch, args)`` over the flattened inputs, calls
-    inlined, short scans over parameters unrolled, and splits and dynamic slices at
-    indices known while tracing written as static slices.
+    inlined, short scans over parameters unrolled, splits and dynamic slices at indices
+    known while tracing written as static slices, and tiles along size-1 axes as broadcasts.
 
     ``loss`` is called exactly once (the inlining re-traces the jaxpr, not ``loss``).
     """

@@ -27,8 +27,9 @@ from gradclip_jax.per_example.ghost.rules._registry import (
     Use,
     row_rule,
     rule_for,
+    unmerged,
 )
 from gradclip_jax.per_example.ghost.rules.gather import is_row_lookup
 
-__all__ = ["CONST", "MIXED", "OPAQUE", "ROW", "RULES", "Box", "Factor", "Merged", "RowCtx", "RowNorms", "Rule", "Site", "State", "Use", "row_rule", "rule_for", "is_row_lookup",
+__all__ = ["CONST", "MIXED", "OPAQUE", "ROW", "RULES", "Box", "Factor", "Merged", "RowCtx", "RowNorms", "Rule", "Site", "State", "Use", "row_rule", "rule_for", "unmerged", "is_row_lookup",
            "calls", "conv", "dense", "elementwise", "gather", "random", "structural"]

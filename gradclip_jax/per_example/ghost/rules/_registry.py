@@ -229,20 +229,30 @@ def leading_batch(out_rows: int, bsize: int) -> State:
     return MIXED
 
 
+def unmerged(states: Sequence[State], bsize: int) -> tuple[list[State], int, int] | None:
+    """Operand states with one merged batch shared by every batched operand seen as a batch of
+    ``B * per_example`` rows: ``(states, B * per_example, per_example)``; ``None`` when the batched
+    operands do not share one merge (another merge, or a batch not merged)."""
+    merged = {s for s in states if isinstance(s, Merged)}
+    if len(merged) != 1 or any(isinstance(s, int) for s in states):
+        return None
+    n = next(iter(merged)).per_example
+    return [ROW if isinstance(s, Merged) else s for s in states], bsize * n, n
+
+
 def _merged_rule(eqn: Any, states: list[State], bsize: int) -> list[State]:
     """Propagation through values with a merged batch: a reshape keeping the batch leading
     (to ``(B, ...)`` again, or another merge); any other equation whose batched operands share one
     merge is followed by the rules for a batch of ``B * per_example`` rows: rows computed from
     their own rows alone are computed from their own example alone."""
-    n_out = len(eqn.outvars)
-    merged = {s for s in states if isinstance(s, Merged)}
-    if len(merged) != 1 or any(isinstance(s, int) for s in states):
-        return [MIXED] * n_out
-    n = next(iter(merged)).per_example
+    rows = unmerged(states, bsize)
+    if rows is None:
+        return [MIXED] * len(eqn.outvars)
+    as_rows, n_rows, n = rows
     if eqn.primitive.name == "reshape" and eqn.params.get("dimensions") is None:
         out = shape(eqn.outvars[0])
         return [leading_batch(out[0], bsize) if out else MIXED]
-    inner = row_rule(eqn, [ROW if isinstance(s, Merged) else s for s in states], bsize * n)
+    inner = row_rule(eqn, as_rows, n_rows)
     return [Merged(n) if s == ROW else s if s == CONST else MIXED for s in inner]
 
 
