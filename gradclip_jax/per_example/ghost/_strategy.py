@@ -91,13 +91,17 @@ def _chunk(config: ClipConfig, call: Call, traced: Traced, clips: Any, batch: An
     measured = leaf_norms(config, call, traced, batch, fwd)
     ref = first_leaf(batch)
     acc = measured.acc
-    acc_norms = [match_batch_sharding(measured.norms.get(i, jnp.zeros((m,), acc)).astype(acc), ref)
-                 for i in call.pflat.active]
+    if clips is None:  # global clipping: the leaves' norms combined (an unused leaf adds nothing)
+        parts = [measured.norms[i] for i in call.pflat.active if i in measured.norms] + list(measured.joint)
+        acc_norms = [match_batch_sharding(n.astype(acc), ref) for n in parts] or [jnp.zeros((m,), acc)]
+    else:
+        acc_norms = [match_batch_sharding(measured.norms.get(i, jnp.zeros((m,), acc)).astype(acc), ref)
+                     for i in call.pflat.active]
     if valid is not None:
         valid = match_batch_sharding(valid, ref)
     vals, aux = _values_and_aux(config, call, batch, fwd.losses)
     w = weigh(from_leaf_norms(acc_norms, clips is not None), config.l2_clip_norm if clips is None else clips,
-              len(acc_norms), factor_fn=config.factors, valid=valid, nan_safe=config.nan_safe)
+              len(call.pflat.active), factor_fn=config.factors, valid=valid, nan_safe=config.nan_safe)
     ws = [lax.stop_gradient(f) for f in w.factors]
     if w.keep is not None:  # dropped examples weigh 0 (enough when they are finite)
         ws = [jnp.where(w.keep, x, jnp.zeros_like(x)) for x in ws]

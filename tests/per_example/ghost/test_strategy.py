@@ -588,3 +588,36 @@ def test_gram_norms_raised_little_without_cancellation(ratio):
     exact norm."""
     ghost, exact = _shared_component_layer(ratio, zero_sum=False)
     assert np.all(ghost >= exact) and np.all(ghost <= exact * (1 + 3e-5)), ghost / exact - 1
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e20])  # 1e20: squares past float32's range, the engine's fallback
+def test_global_clipping_measures_small_formed_rows_together(scale, monkeypatch):
+    """Global clipping needs only each example's norm over all leaves: the small per-example
+    gradients ghost forms (a LayerNorm's scale and bias) are laid side by side and measured as
+    one row, one norm standing for both (read out of a stacked result one by one, each leaf's
+    norm is a slice XLA compiles as a kernel of its own). Per-layer clipping measures them
+    one by one. Either way the result is vmap's, also past float32's range of a sum of squares."""
+    from gradclip_jax.per_example.ghost import _strategy
+
+    seen = []
+    orig = _strategy.leaf_norms
+
+    def spy(config, *args):
+        out = orig(config, *args)
+        seen.append((config.per_layer, len(out.joint), len(out.norms)))
+        return out
+
+    monkeypatch.setattr(_strategy, "leaf_norms", spy)
+    loss0, params, data = layernorm_setup()
+
+    def loss(p, b):
+        return scale * loss0(p, b)
+
+    _, info = clipped_grad(loss, 1.0, method="vmap")(params, data)
+    n = np.sort(np.asarray(info.norms, np.float64))
+    assert np.all(np.isfinite(n)) and n[0] > (1e19 if scale > 1 else 0)
+    clip = float(np.sqrt(n[B // 2 - 1] * n[B // 2]))  # between two norms: some examples clipped
+    _compare(loss, params, data, clip, rtol=2e-5)
+    assert seen[-1] == (False, 1, 2)  # scale and bias together; w and head on their own
+    _compare(loss, params, data, clip, rtol=2e-5, per_layer=True)
+    assert seen[-1] == (True, 0, 4)
