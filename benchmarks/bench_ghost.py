@@ -155,10 +155,8 @@ def compile_rows(env: str, batch: int = 8, tiny: bool = False) -> list[dict]:
     """Compile-time rows (see the module docstring); ``tiny``: the 2-layer smoke size."""
     import optax
 
-    import gradclip_jax as gcx
-
     try:
-        from benchmarks.bench_ghost_gpu import _gpt2
+        from benchmarks.bench_ghost_gpu import _dp_step, _gpt2, _nonprivate_step
 
         losses, params, data, _ = _gpt2(batch, fused=True, dtype=jnp.float32, tiny=tiny)
     except ImportError as err:  # flax missing
@@ -167,29 +165,21 @@ def compile_rows(env: str, batch: int = 8, tiny: bool = False) -> list[dict]:
     opt = optax.adamw(1e-4)
     state = (params, opt.init(params), jax.random.key(0))
 
-    def step_of(grad_fn: Callable[..., Any], noise: bool) -> Callable[..., Any]:
-        def step(st: Any, b: Any) -> Any:
-            p, o, key = st
-            key, nk = jax.random.split(key)
-            g = grad_fn(p, b)
-            if noise:
-                g = jax.tree.map(lambda x: x / batch, gcx.privacy.add_gaussian_noise(g, CLIP, nk))
-            u, o = opt.update(g, o, p)
-            return optax.apply_updates(p, u), o, key
-        return step
+    def dp_step(summed_grad: Callable[..., Any]) -> Callable[..., Any]:  # the GPU suite's: noise, /B, adamw
+        return _dp_step(summed_grad, CLIP, batch, opt)
 
     def grad_only(grad_fn: Callable[..., Any]) -> Callable[..., Any]:
         return lambda st, b: grad_fn(st[0], b)
 
-    plain = jax.grad(lambda p, b: jnp.mean(losses(p, b)))
+    summed = jax.grad(lambda p, b: jnp.sum(losses(p, b)))
     ghost = clipped_grad(losses, CLIP, method="ghost")
     vmap = clipped_grad(losses, CLIP, method="vmap")
     s = {
-        "nonprivate": _compile_s(step_of(plain, False), state, data),
-        "nonprivate+noise": _compile_s(step_of(plain, True), state, data),
-        "ghost": _compile_s(step_of(lambda p, b: ghost(p, b)[0], True), state, data),
-        "vmap": _compile_s(step_of(lambda p, b: vmap(p, b)[0], True), state, data),
-        "grad": _compile_s(grad_only(plain), state, data),
+        "nonprivate": _compile_s(_nonprivate_step(losses, opt), state, data),
+        "nonprivate+noise": _compile_s(dp_step(summed), state, data),
+        "ghost": _compile_s(dp_step(lambda p, b: ghost(p, b)[0]), state, data),
+        "vmap": _compile_s(dp_step(lambda p, b: vmap(p, b)[0]), state, data),
+        "grad": _compile_s(grad_only(summed), state, data),
         "ghost grad": _compile_s(grad_only(lambda p, b: ghost(p, b)[0]), state, data),
     }
     label = f"GPT-2 {'tiny' if tiny else 'small'} nnx, B={batch}"

@@ -14,6 +14,7 @@ import numpy as np
 from jax import lax
 
 from gradclip_jax import norms as _norms
+from gradclip_jax.norms._reduce import SLICE_PACK_MAX_SIZE
 from gradclip_jax.per_example._batch import (
     Call,
     explicit_spec,
@@ -158,16 +159,13 @@ def _factored_norms(traced: Traced, pflat: _norms.FlatTree, fwd: Pass, uses: Cou
             if fl is not None and factored_is_cheaper(fl, pflat.leaves[i].shape)}
 
 
-# Global clipping measures the formed rows of at most this many elements together.
-JOINT_MAX_SIZE = 1 << 18
-
-
 def _joint_groups(rows: dict[int, jax.Array]) -> list[list[int]]:
-    """The formed rows that global clipping measures together: small 2-D rows without an
-    explicit sharding, grouped by dtype (groups of two or more)."""
+    """The formed rows that global clipping measures together: 2-D rows without an explicit
+    sharding, small enough that the norm engine would stack them (``SLICE_PACK_MAX_SIZE``),
+    grouped by dtype (groups of two or more)."""
     groups: dict[Any, list[int]] = {}
     for i, r in rows.items():
-        if r.ndim == 2 and r.size <= JOINT_MAX_SIZE and explicit_spec(r) is None:
+        if r.ndim == 2 and r.size <= SLICE_PACK_MAX_SIZE and explicit_spec(r) is None:
             groups.setdefault(np.dtype(r.dtype), []).append(i)
     return [g for g in groups.values() if len(g) > 1]
 
