@@ -185,7 +185,25 @@ def compile_rows(env: str, batch: int = 8, tiny: bool = False) -> list[dict]:
     label = f"GPT-2 {'tiny' if tiny else 'small'} nnx, B={batch}"
     note = (f"seconds in the ms columns: trace+lower+compile, median of 3; {label}, {env}; "
             + ", ".join(f"{k} {v:.2f} s" for k, v in s.items()))
+    # the same model with its blocks stacked and run by lax.scan: the ghost path keeps the loop
+    losses, params, data, _ = _gpt2(batch, fused=True, dtype=jnp.float32, tiny=tiny, scan=True)
+    state = (params, opt.init(params), jax.random.key(0))
+    summed = jax.grad(lambda p, b: jnp.sum(losses(p, b)))
+    ghost = clipped_grad(losses, CLIP, method="ghost")
+    sc = {
+        "nonprivate": _compile_s(_nonprivate_step(losses, opt), state, data),
+        "ghost": _compile_s(dp_step(lambda p, b: ghost(p, b)[0]), state, data),
+        "grad": _compile_s(grad_only(summed), state, data),
+        "ghost grad": _compile_s(grad_only(lambda p, b: ghost(p, b)[0]), state, data),
+    }
+    scan_label = f"GPT-2 {'tiny' if tiny else 'small'} nnx, blocks stacked and run by lax.scan, B={batch}"
+    scan_note = (f"seconds in the ms columns: trace+lower+compile, median of 3; {scan_label}, {env}; "
+                 + ", ".join(f"{k} {v:.2f} s" for k, v in sc.items()))
     return [
+        row("ghost", f"compile: DP step, ghost vs non-private step ({scan_label})", sc["ghost"], sc["nonprivate"],
+            scan_note + "; bar <= 2x (issue 11, on a GPU)"),
+        row("ghost", f"compile: ghost clipped_grad vs jax.grad alone ({scan_label})", sc["ghost grad"], sc["grad"],
+            scan_note),
         row("ghost", f"compile: DP step, ghost vs non-private step ({label})", s["ghost"], s["nonprivate"],
             note + "; bar <= 2x (issue 11, on a GPU)"),
         row("ghost", f"compile: DP step, vmap vs non-private step ({label})", s["vmap"], s["nonprivate"], note),

@@ -10,7 +10,9 @@ Models, written as a user would write them:
   split with ``jnp.split`` (as GPT-2 and nanoGPT do; configs ``gpt2-b8``,
   ``gpt2-b32``), **separate** q/k/v projections (``gpt2-qkv-*``), and the fused
   model with **bfloat16** parameters and activations (``gpt2-bf16-b8``; the
-  loss is taken in float32).
+  loss is taken in float32), and the fused model with its 12 blocks **stacked**
+  (``nnx.vmap``) and run by ``lax.scan`` (``gpt2-scan-*``), as large JAX
+  models are written.
 * **WRN-16-4** in flax linen: a pre-activation wide ResNet (depth 16, width
   factor 4, 2.75M parameters) with GroupNorm (16 groups) instead of BatchNorm,
   on 32x32x3 inputs, 10 classes, batch 256 (``wrn-b256``).
@@ -127,7 +129,7 @@ class Config:
     """One measured setting: a model variant, a batch size and the steps timed."""
 
     name: str
-    model: str  # 'gpt2' (fused qkv), 'gpt2-qkv' (separate q/k/v), 'gpt2-bf16', 'wrn'
+    model: str  # 'gpt2' (fused qkv), 'gpt2-qkv' (separate q/k/v), 'gpt2-bf16', 'gpt2-scan', 'wrn'
     batch: int
     steps: tuple[str, ...]
 
@@ -139,6 +141,8 @@ CONFIGS = (  # in priority order: a run cut short by the time budget has measure
     Config("gpt2-b32", "gpt2", 32, (*STEPS[:6], *PRODUCT_STEPS)),
     Config("gpt2-qkv-b32", "gpt2-qkv", 32, STEPS[:5]),
     Config("gpt2-bf16-b8", "gpt2-bf16", 8, STEPS[:5]),
+    Config("gpt2-scan-b8", "gpt2-scan", 8, STEPS[:5]),
+    Config("gpt2-scan-b32", "gpt2-scan", 32, STEPS[:5]),
 )
 TINY_BATCH = 4
 
@@ -160,8 +164,10 @@ def select(models: str | Sequence[str] | None) -> list[Config]:
 # --------------------------------------------------------------------------- models
 
 
-def _gpt2(batch: int, *, fused: bool, dtype: Any, tiny: bool, seed: int = 0) -> tuple[Callable, Any, Any, str]:
-    """GPT-2 small (or the tiny smoke size) in flax nnx; returns ``(losses, params, data, label)``."""
+def _gpt2(batch: int, *, fused: bool, dtype: Any, tiny: bool, seed: int = 0,
+          scan: bool = False) -> tuple[Callable, Any, Any, str]:
+    """GPT-2 small (or the tiny smoke size) in flax nnx; returns ``(losses, params, data, label)``.
+    ``scan``: the blocks stacked on axis 0 (``nnx.vmap``) and run by ``lax.scan``."""
     from flax import nnx
 
     vocab, n_pos, d, layers, heads, seq = (512, 16, 64, 2, 4, 16) if tiny else (50257, 1024, 768, 12, 12, 256)
@@ -203,13 +209,25 @@ def _gpt2(batch: int, *, fused: bool, dtype: Any, tiny: bool, seed: int = 0) -> 
         def __init__(self, rngs: nnx.Rngs):
             self.wte = nnx.Embed(vocab, d, dtype=dtype, param_dtype=dtype, embedding_init=init, rngs=rngs)
             self.wpe = nnx.Embed(n_pos, d, dtype=dtype, param_dtype=dtype, embedding_init=init, rngs=rngs)
-            self.h = lists([Block(rngs) for _ in range(layers)])
+            if scan:
+                @nnx.split_rngs(splits=layers)
+                @nnx.vmap(in_axes=0, out_axes=0)
+                def stacked(r: nnx.Rngs) -> Block:
+                    return Block(r)
+
+                self.h = stacked(rngs)
+            else:
+                self.h = lists([Block(rngs) for _ in range(layers)])
             self.ln_f = nnx.LayerNorm(d, epsilon=1e-5, dtype=dtype, param_dtype=dtype, rngs=rngs)
 
         def __call__(self, tokens: jax.Array) -> jax.Array:
             x = self.wte(tokens) + self.wpe(jnp.arange(tokens.shape[1]))
-            for block in self.h:
-                x = block(x)
+            if scan:
+                blocks, stack = nnx.split(self.h)
+                x, _ = jax.lax.scan(lambda x, s: (nnx.merge(blocks, s)(x), None), x, stack)
+            else:
+                for block in self.h:
+                    x = block(x)
             return self.wte.attend(self.ln_f(x))  # tied output head
 
     graphdef, params = nnx.split(GPT2(nnx.Rngs(seed)))
@@ -222,7 +240,8 @@ def _gpt2(batch: int, *, fused: bool, dtype: Any, tiny: bool, seed: int = 0) -> 
 
     qkv = "fused qkv + jnp.split" if fused else "separate q/k/v"
     size = f"{layers}x{d}, {heads} heads, vocab {vocab}, T={seq}"
-    label = f"GPT-2{' (tiny)' if tiny else ' small'} nnx, {size}, tied embedding, {qkv}, {jnp.dtype(dtype).name}"
+    label = (f"GPT-2{' (tiny)' if tiny else ' small'} nnx, {size}, tied embedding, {qkv}, "
+             f"{'blocks stacked, lax.scan, ' if scan else ''}{jnp.dtype(dtype).name}")
     return losses, params, data, label
 
 
@@ -277,7 +296,8 @@ def build(cfg: Config, tiny: bool) -> tuple[Callable, Any, Any, str, int]:
     if cfg.model == "wrn":
         return (*_wrn(batch, tiny=tiny), batch)
     dtype = jnp.bfloat16 if cfg.model == "gpt2-bf16" else jnp.float32
-    return (*_gpt2(batch, fused=cfg.model != "gpt2-qkv", dtype=dtype, tiny=tiny), batch)
+    return (*_gpt2(batch, fused=cfg.model != "gpt2-qkv", dtype=dtype, tiny=tiny, scan=cfg.model == "gpt2-scan"),
+            batch)
 
 
 # --------------------------------------------------------------------------- steps

@@ -51,7 +51,12 @@ def combine_l2(leaf_norms: Sequence[jax.Array]) -> jax.Array:
     accurate; a norm too large for the dtype is ``inf``; NaN and inf propagate.
     """
     dtype = np.dtype(jnp.result_type(*[n.dtype for n in leaf_norms]))
-    n = jnp.stack([x.astype(dtype) for x in leaf_norms])  # (K, B)
+    return combine_l2_stacked(jnp.stack([x.astype(dtype) for x in leaf_norms]))
+
+
+def combine_l2_stacked(n: jax.Array) -> jax.Array:
+    """:func:`combine_l2` of the ``K`` rows of ``n``, ``(K, B)`` (norms already stacked)."""
+    dtype = np.dtype(n.dtype)
     direct = sqrt_safe(jnp.sum(n * n, axis=0))
     m = jnp.max(n, axis=0)
     ok = jnp.isfinite(m) & (m > 0)

@@ -25,7 +25,9 @@ from gradclip_jax.per_example.ghost._jaxpr import (
     const_values,
     is_literal,
     narrower,
+    open_jaxpr,
     shape,
+    site_eqn,
     sub_jaxprs,
     trace,
 )
@@ -46,6 +48,7 @@ from gradclip_jax.per_example.ghost.rules import (
     rule_for,
     unmerged,
 )
+from gradclip_jax.per_example.ghost.rules.calls import scan_body_states
 
 # Operations applied to a parameter that keep the gradient's norm: the gradient
 # with respect to the parameter is a permutation/reshape/cast of the gradient with
@@ -86,7 +89,7 @@ class Plan:
 
     def ct_elems(self, jaxpr: Any) -> int:
         """Elements of the site output cotangents that book-keeping holds at once."""
-        return sum(math.prod(shape(jaxpr.eqns[s.eqn].outvars[0])) for s in self.sites)
+        return sum(s.length * math.prod(shape(site_eqn(jaxpr, s).outvars[0])) for s in self.sites)
 
 
 class Traced(NamedTuple):
@@ -179,9 +182,18 @@ def _walk(jaxpr: Any, n_params: int, n_batch: int, bsize: int, consts: dict[Any,
     states: dict[Any, State] = {v: ROW if n_params <= i < n_params + n_batch else CONST
                                 for i, v in enumerate(invars)}
     alias: dict[Any, _Alias] = {invars[i]: _Alias(i, [], False, None, True) for i in range(n_params)}
-    uses: dict[int, list[Site | str]] = {i: [] for i in range(n_params)}
+    walk = _walk_from(jaxpr, states, alias, bsize, consts or {}, jaxpr.outvars[:1])
+    return walk._replace(uses={i: walk.uses.get(i, []) for i in range(n_params)})
+
+
+def _walk_from(jaxpr: Any, states: dict[Any, State], alias: dict[Any, _Alias], bsize: int,
+               consts: dict[Any, Any], loss_outs: Sequence[Any], scan_length: int | None = None) -> _Walk:
+    """:func:`_walk` from given row states and parameter aliases of the invars. ``loss_outs``:
+    the outputs whose computation must not combine examples. ``scan_length``: ``jaxpr`` is the
+    body of a scan over stacked layers of that length (its uses are measured inside the loop)."""
+    uses: dict[int, list[Site | str]] = {a.leaf: [] for a in alias.values()}
     act_elems, mixing = 0, None
-    crossings: list[int] = []  # equations that certainly combine examples
+    crossings: list[tuple[int, str]] = []  # equations that certainly combine examples, and where
 
     def state(v: Any) -> State:
         return CONST if is_literal(v) else states.get(v, CONST)
@@ -193,7 +205,7 @@ def _walk(jaxpr: Any, n_params: int, n_batch: int, bsize: int, consts: dict[Any,
         name = eqn.primitive.name
         in_states = [state(v) for v in eqn.invars]
         aliased = [(pos, alias[v]) for pos, v in enumerate(eqn.invars) if not is_literal(v) and v in alias]
-        lookup = _const_lookup(eqn, aliased, consts or {})
+        lookup = _const_lookup(eqn, aliased, consts)
         if ((name in _CHAIN or name == "slice") and len(eqn.invars) == 1 and aliased) or lookup:
             a = aliased[0][1]
             box = OPAQUE if lookup else _slice_box(eqn, a) if name == "slice" else a.box
@@ -205,20 +217,63 @@ def _walk(jaxpr: Any, n_params: int, n_batch: int, bsize: int, consts: dict[Any,
         if MIXED in out_states and MIXED not in in_states:
             mixing = mixing or name
             if rule_for(name).crosses(_as_rows(eqn, in_states, bsize)):
-                crossings.append(k)
+                crossings.append((k, name))
         for v, s in zip(eqn.outvars, out_states, strict=True):
             states[v] = s
             if isinstance(s, (int, Merged)) and name not in _CHAIN:
                 act_elems += math.prod(shape(v))
+        body = _stacked_scan(eqn, k, in_states, aliased, bsize) if scan_length is None else None
+        if body is not None:  # the stacked leaves' uses, inside the loop
+            for leaf, u in body.uses.items():
+                uses.setdefault(leaf, []).extend(u)
+            act_elems += body.act_elems
+            if body.crossing is not None:
+                crossings.append((k, body.crossing))
+            continue
         for pos, a in aliased:
             use = Use(eqn, k, pos, a.leaf, a.chain, a.bcast, in_states, out_states, a.box)
-            uses[a.leaf].append(_classify(use, len(aliased)))
+            site = _classify(use, len(aliased))
+            if scan_length is not None and isinstance(site, Site):
+                site = _in_loop(site, eqn, scan_length)
+            uses.setdefault(a.leaf, []).append(site)
+    where = "an output of the loss" if scan_length is None else "an output of a scan's body"
     for v in jaxpr.outvars:
         if not is_literal(v) and v in alias:
-            uses[alias[v].leaf].append("an output of the loss")
-    needed = _needed(jaxpr, jaxpr.outvars[:1]) if crossings else set()
-    crossing = next((jaxpr.eqns[k].primitive.name for k in crossings if k in needed), None)
+            uses.setdefault(alias[v].leaf, []).append(where)
+    needed = _needed(jaxpr, loss_outs) if crossings else set()
+    crossing = next((n for k, n in crossings if k in needed), None)
     return _Walk(uses, state(jaxpr.outvars[0]) in (ROW, CONST), act_elems, mixing, crossing)
+
+
+def _stacked_scan(eqn: Any, k: int, in_states: list[State], aliased: list[tuple[int, _Alias]],
+                  bsize: int) -> _Walk | None:
+    """The walk of the body of a scan over stacked layers (parameter leaves as ``xs``, read one
+    layer per step; no other operand a parameter), its sites tagged with the scan; ``None``
+    for any other equation."""
+    if eqn.primitive.name != "scan" or not aliased:
+        return None
+    p = eqn.params
+    n = p["num_consts"] + p["num_carry"]
+    if any(pos < n or a.chain or a.box is not None for pos, a in aliased):
+        return None
+    res = scan_body_states(p, in_states, bsize)
+    if res is None:
+        return None
+    body = open_jaxpr(p["jaxpr"])[0]
+    states = dict(zip(body.invars, res[0], strict=True))
+    alias = {body.invars[pos]: _Alias(a.leaf, [], False, None, True) for pos, a in aliased}
+    walk = _walk_from(body, states, alias, bsize, {}, body.outvars, scan_length=p["length"])
+    uses = {leaf: [dataclasses.replace(u, scan=k) if isinstance(u, Site) else u for u in us]
+            for leaf, us in walk.uses.items()}
+    return walk._replace(uses=uses, act_elems=walk.act_elems * p["length"])
+
+
+def _in_loop(site: Site, eqn: Any, length: int) -> Site | str:
+    """A site in the body of a scan over stacked layers, measured on its operands stacked over
+    the steps: every operand but the parameter must carry the batch."""
+    if any(r != site.pos and r not in site.rows for r in range(len(eqn.invars))):
+        return f"{eqn.primitive.name} in a scan's body with an operand that is neither batched nor the parameter"
+    return dataclasses.replace(site, length=length)
 
 
 def _needed(jaxpr: Any, outvars: Sequence[Any]) -> set[int]:
@@ -250,8 +305,9 @@ def _disjoint(boxes: Sequence[Box]) -> bool:
 _CUSTOM = (" (a parameter inside a function with a custom derivative: its gradient is the custom rule's, "
            "which ghost clipping cannot see; custom functions of activations are measured)")
 _WHY = {
-    "scan": f" (a scan over stacked layers is unrolled for the analysis when it runs at most "
-            f"MAX_UNROLL={MAX_UNROLL} steps)",
+    "scan": f" (a scan is measured inside the loop when its only parameters are leaves stacked on "
+            f"axis 0, read one layer per step; one that reads a parameter otherwise is unrolled for "
+            f"the analysis when it runs at most MAX_UNROLL={MAX_UNROLL} steps)",
     "while": " (a loop of unknown length)",
     "custom_vjp_call": _CUSTOM,
     "custom_jvp_call": _CUSTOM,
@@ -269,6 +325,9 @@ def _leaf_verdict(u: list[Site | str]) -> tuple[list[Site], bool, str | None]:
     sites = [x for x in u if isinstance(x, Site)]
     if len(sites) == 1:
         return sites, False, None
+    if any(x.scan is not None for x in sites):
+        return [], False, (f"used {len(sites)} times, in a scan over stacked layers (one use of a layer's "
+                           "block per step is measured inside the loop)")
     if _disjoint([x.box for x in sites]):  # stacked layers: one block per use
         return sites, True, None
     if all(x.axis == 0 and x.box is None for x in sites):  # tied: every use reads the whole leaf
@@ -522,8 +581,9 @@ class GhostReport(tuple):
     A pair ``(ghost, fallback)``: ``ghost`` lists ``(path, kind)`` for leaves whose
     per-example norms come from activations (``kind`` is ``'dense'``,
     ``'elementwise'``, ``'embedding'``, ``'conv'``, ``'tied:...'`` (one leaf used
-    several times), ``'stacked:...'`` (a stacked-layers leaf, one block per use) or
-    ``'unused'``);
+    several times), ``'stacked:...'`` (a stacked-layers leaf, one block per use),
+    ``'scan:...'`` (a stacked-layers leaf read one layer per step of a ``lax.scan``,
+    measured inside the loop) or ``'unused'``);
     ``fallback`` lists ``(path, reason)`` for leaves whose per-example gradients
     are materialized.
     """
@@ -559,7 +619,7 @@ def ghost_report(loss_fn: Callable[..., Any], params: Any, batch: Any, *args: An
     plan = trace_and_plan(loss_fn, has_aux, fn, params, pflat, batch, args, bsize, check=False).plan
     by_leaf: dict[int, list[str]] = {}
     for site in plan.sites:
-        by_leaf.setdefault(site.leaf, []).append(site.kind)
+        by_leaf.setdefault(site.leaf, []).append(site.kind if site.scan is None else f"scan:{site.kind}")
     kinds = {i: (k[0] if len(k) == 1 else ("stacked:" if i in plan.blocks else "tied:") + "+".join(k))
              for i, k in by_leaf.items()}
     ghost = [(keystr(pflat.paths[i]), kinds.get(i, "unused")) for i in pflat.active if i in plan.ghost]

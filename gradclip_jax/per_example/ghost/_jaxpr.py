@@ -1,6 +1,7 @@
 """Jaxpr mechanics of ghost clipping: tracing the loss once, inlining nested
-``jit`` and ``checkpoint`` calls and unrolling short scans over parameters, and
-evaluating the jaxpr with probes on chosen equations."""
+``jit`` and ``checkpoint`` calls (also inside scans over stacked layers) and
+unrolling other short scans over parameters, and evaluating the jaxpr with
+probes on chosen equations, also inside a scan's body."""
 
 from __future__ import annotations
 
@@ -23,10 +24,18 @@ _CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 _INLINE = frozenset({"pjit", "jit", "closed_call", "core_call", "remat2", "checkpoint", "remat"})
 
 MAX_UNROLL = 128
-"""A ``lax.scan`` that reads a parameter (layers stacked with ``nn.scan`` /
-``nnx.scan`` / ``eqx.filter_vmap``-built stacks) and runs at most this many
-steps is unrolled for the analysis, so each step's use of its slice of the
-stacked parameter is a site; longer scans keep their parameters on the vmap path."""
+"""A ``lax.scan`` that reads a parameter otherwise than as a stacked leaf sliced
+one layer per step (a weight shared by every step, or a stacked leaf cast or
+reshaped first) and runs at most this many steps is unrolled for the analysis,
+so each step's use of the parameter is a site; longer ones keep such
+parameters on the vmap path. A scan over stacked layers (``nn.scan``,
+``nnx.scan``, a ``lax.scan`` over ``eqx.filter_vmap``-built stacks) whose
+parameters are only those stacked leaves stays a loop, measured inside."""
+
+# One-operand operations through which a value stays a view of a parameter (the
+# analysis's chains): a scan reading such a value as a constant or carry is unrolled.
+_VIEWS = frozenset({"convert_element_type", "transpose", "reshape", "squeeze", "copy", "copy_p",
+                    "broadcast_in_dim", "slice"})
 
 
 def shape(v: Any) -> tuple[int, ...]:
@@ -226,14 +235,51 @@ def _unrolls(eqn: Any, deps: Sequence[bool]) -> bool:
     return bool(eqn.primitive.name == "scan" and any(deps) and 0 < eqn.params["length"] <= MAX_UNROLL)
 
 
+def _rolls(eqn: Any, direct: Sequence[bool], views: Sequence[bool]) -> bool:
+    """A scan over stacked layers kept as a loop: some ``xs`` operand is a parameter leaf itself
+    (``direct``), and no other operand is a view of one (``views``: a weight every step reads,
+    or a stacked leaf cast or reshaped before the loop)."""
+    if eqn.primitive.name != "scan" or eqn.params["length"] < 1:
+        return False
+    n = eqn.params["num_consts"] + eqn.params["num_carry"]
+    if any(views[:n]):
+        return False
+    xs = list(zip(direct[n:], views[n:], strict=True))
+    return any(d for d, _ in xs) and all(d or not v for d, v in xs)
+
+
+def _roll_scan(eqn: Any, invals: Sequence[Any], deps: Sequence[bool]) -> list[Any]:
+    """A scan over stacked layers evaluated as a scan again, its body inlined (nested ``jit`` and
+    ``checkpoint`` calls run inline, splits as slices, shorter nested scans over parameters
+    unrolled): each use of a layer's parameters appears at the top level of the body."""
+    p = eqn.params
+    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    body, body_consts = open_jaxpr(p["jaxpr"])
+    consts, carry = list(invals[:n_consts]), list(invals[n_consts:n_consts + n_carry])
+    # a carry depends on the parameters after one step when any operand does
+    body_deps = [*deps[:n_consts], *([any(deps)] * n_carry), *deps[n_consts + n_carry:]]
+
+    def step(c: list, x: list) -> tuple[list, list]:
+        outs, _ = _inline_eval(body, body_consts or [], [*consts, *c, *x], body_deps)
+        return outs[:n_carry], outs[n_carry:]
+
+    out_carry, ys = lax.scan(step, carry, list(invals[n_consts + n_carry:]), length=p["length"],
+                             reverse=p["reverse"], unroll=p["unroll"])
+    return [*out_carry, *ys]
+
+
 def _inline_eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
-                 deps: Sequence[bool]) -> tuple[list[Any], list[bool]]:
+                 deps: Sequence[bool], leaves: Sequence[bool] | None = None) -> tuple[list[Any], list[bool]]:
     """Evaluates ``jaxpr``, running nested ``jit`` / ``checkpoint`` calls inline and
     unrolling short scans that read a parameter (``deps[i]``: argument ``i``
     depends on a parameter), so that, traced, every use of a parameter appears at
-    the top level. Returns the outputs and whether each depends on a parameter."""
+    the top level, or at the top level of the body of a scan over stacked layers
+    (``leaves[i]``: argument ``i`` is a parameter leaf; see :func:`_rolls`).
+    Returns the outputs and whether each depends on a parameter."""
     env = _env(jaxpr, consts, args)
     dep: dict[Any, bool] = dict(zip(jaxpr.invars, deps, strict=True))
+    direct = {v for v, d in zip(jaxpr.invars, leaves or [False] * len(args), strict=True) if d}
+    views = set(direct)  # the parameter leaves and values that are views of them
 
     def read_dep(v: Any) -> bool:
         return False if is_literal(v) else dep.get(v, False)
@@ -241,10 +287,15 @@ def _inline_eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
     for eqn in jaxpr.eqns:
         invals = [_read(env, v) for v in eqn.invars]
         in_deps = [read_dep(v) for v in eqn.invars]
+        in_direct = [not is_literal(v) and v in direct for v in eqn.invars]
+        in_views = [not is_literal(v) and v in views for v in eqn.invars]
         sub = sub_jaxpr(eqn) if eqn.primitive.name in _INLINE else None
         j, sub_consts = open_jaxpr(sub) if sub is not None else (None, None)
         if j is not None and (sub_consts is not None or not j.constvars):
-            outs, out_deps = _inline_eval(j, sub_consts or [], invals, in_deps)
+            outs, out_deps = _inline_eval(j, sub_consts or [], invals, in_deps, in_direct)
+        elif leaves is not None and _rolls(eqn, in_direct, in_views):
+            outs = _roll_scan(eqn, invals, in_deps)
+            out_deps = [any(in_deps)] * len(outs)
         elif _unrolls(eqn, in_deps):
             outs = _unroll_scan(eqn, invals, in_deps)
             out_deps = [any(in_deps)] * len(outs)
@@ -260,6 +311,8 @@ def _inline_eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
             out_deps = [any(in_deps)] * len(outs)
         env.update(zip(eqn.outvars, outs, strict=True))
         dep.update(zip(eqn.outvars, out_deps, strict=True))
+        if eqn.primitive.name in _VIEWS and len(eqn.invars) == 1 and in_views[0]:
+            views.update(eqn.outvars)
     return [_read(env, v) for v in jaxpr.outvars], [read_dep(v) for v in jaxpr.outvars]
 
 
@@ -271,7 +324,8 @@ _RETRACED = frozenset({"scan", "iota", "split", "dynamic_slice", "tile"})
 
 def trace(loss: Callable[..., Any], params: Any, batch: Any, args: Sequence[Any]) -> Any:
     """The closed jaxpr of ``loss(params, batch, args)`` over the flattened inputs, calls
-    inlined, short scans over parameters unrolled, splits and dynamic slices at indices
+    inlined, scans over stacked layers kept as loops with their bodies inlined, other
+    short scans over parameters unrolled, splits and dynamic slices at indices
     known while tracing written as static slices, and tiles along size-1 axes as broadcasts.
 
     ``loss`` is called exactly once (the inlining re-traces the jaxpr, not ``loss``).
@@ -283,14 +337,18 @@ def trace(loss: Callable[..., Any], params: Any, batch: Any, args: Sequence[Any]
     deps = [i < n_params for i in range(len(closed.jaxpr.invars))]
 
     def inlined(p: Any, b: Any, a: Any) -> Any:
-        return _inline_eval(closed.jaxpr, closed.consts, jax.tree_util.tree_leaves((p, b, a)), deps)[0][0]
+        return _inline_eval(closed.jaxpr, closed.consts, jax.tree_util.tree_leaves((p, b, a)), deps, deps)[0][0]
 
     return jax.make_jaxpr(inlined)(params, batch, tuple(args))
 
 
-def run_probed(closed: Any, inputs: Sequence[Any], at: dict[int, int], probes: Sequence[Any]) -> tuple[list, list]:
+def run_probed(closed: Any, inputs: Sequence[Any], at: dict[int, int], probes: Sequence[Any],
+               inner: dict[int, dict[int, int]] | None = None,
+               kept: dict[int, tuple[int, ...]] | None = None) -> tuple[list, list]:
     """Evaluates ``closed`` on ``inputs``, adding ``probes[j]`` to the output of equation ``k``
-    for every ``at[k] = j``.
+    for every ``at[k] = j``, and inside the body of the scan equation ``s`` for every
+    ``inner[s][k] = j`` (then ``probes[j]`` is stacked over the steps, and so are the operands
+    returned: only those at the positions ``kept[j]``, the others ``None``).
 
     Returns ``(outputs, operand values of each probed equation, by j)``.
     """
@@ -299,13 +357,55 @@ def run_probed(closed: Any, inputs: Sequence[Any], at: dict[int, int], probes: S
     operands: list[Any] = [None] * len(probes)
     for k, eqn in enumerate(jaxpr.eqns):
         invals = [_read(env, v) for v in eqn.invars]
-        outs = bind(eqn, invals)
+        if inner and k in inner:
+            outs = _probed_scan(eqn, invals, inner[k], probes, kept or {}, operands)
+        else:
+            outs = bind(eqn, invals)
         j = at.get(k)
         if j is not None:
             operands[j] = invals
             outs = [outs[0] + probes[j].astype(outs[0].dtype)]
         env.update(zip(eqn.outvars, outs, strict=True))
     return [_read(env, v) for v in jaxpr.outvars], operands
+
+
+def _probed_scan(eqn: Any, invals: Sequence[Any], at: dict[int, int], probes: Sequence[Any],
+                 kept: dict[int, tuple[int, ...]], operands: list[Any]) -> list[Any]:
+    """A scan equation run with ``probes[j]`` (stacked over the steps) added to the output of
+    equation ``k`` of its body for every ``at[k] = j``; the operands at ``kept[j]`` of each probed
+    equation come out of the loop stacked over the steps, into ``operands[j]``."""
+    p = eqn.params
+    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    order = sorted(at.items())
+    local = {k: i for i, (k, _) in enumerate(order)}
+    consts = list(invals[:n_consts])
+
+    def step(c: list, x: tuple) -> tuple[list, list]:
+        xs, prs = x
+        res, ops = run_probed(p["jaxpr"], [*consts, *c, *xs], local, prs)
+        out = [[o if r in kept.get(j, ()) else None for r, o in enumerate(op)]
+               for op, (_, j) in zip(ops, order, strict=True)]
+        return res[:n_carry], [res[n_carry:], out]
+
+    xs = (list(invals[n_consts + n_carry:]), [probes[j] for _, j in order])
+    carry, (ys, ops) = lax.scan(step, list(invals[n_consts:n_consts + n_carry]), xs, length=p["length"],
+                                reverse=p["reverse"], unroll=p["unroll"])
+    for (_, j), op in zip(order, ops, strict=True):
+        operands[j] = op
+    return [*carry, *ys]
+
+
+def site_eqn(jaxpr: Any, site: Any) -> Any:
+    """The equation of ``site`` of the top-level (open) ``jaxpr``, in a scan's body when the site is."""
+    if site.scan is None:
+        return jaxpr.eqns[site.eqn]
+    return open_jaxpr(jaxpr.eqns[site.scan].params["jaxpr"])[0].eqns[site.eqn]
+
+
+def site_jaxpr(closed: Any, site: Any) -> Any:
+    """The closed jaxpr whose equations ``site.eqn`` and ``site.chain`` index: ``closed``, or the
+    body of the scan the site is in."""
+    return closed if site.scan is None else closed.jaxpr.eqns[site.scan].params["jaxpr"]
 
 
 def _for_one_example(e: Any, bsize: int) -> Any:

@@ -4,6 +4,7 @@ per-example gradients alone (local pull-backs, or vmap for fallback leaves)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -22,14 +23,19 @@ from gradclip_jax.per_example._batch import (
     one_example_loss,
 )
 from gradclip_jax.per_example._config import ClipConfig
-from gradclip_jax.per_example._measure import as_rows, combine_l2, leaf_example_norms
+from gradclip_jax.per_example._measure import (
+    as_rows,
+    combine_l2,
+    combine_l2_stacked,
+    leaf_example_norms,
+)
 from gradclip_jax.per_example.ghost._analysis import Traced
 from gradclip_jax.per_example.ghost._factored import (
     factored_is_cheaper,
     factored_norm,
     site_factors,
 )
-from gradclip_jax.per_example.ghost._jaxpr import narrower, replay, widen
+from gradclip_jax.per_example.ghost._jaxpr import narrower, replay, site_eqn, site_jaxpr, widen
 from gradclip_jax.per_example.ghost.rules import RowNorms, Site
 
 
@@ -97,6 +103,48 @@ def apply_site(closed: Any, site: Site, vals: Sequence[Any], param: jax.Array, a
     return replay(closed, site.eqn, site.chain, vals, site.pos, param, acc, precision, example_of)
 
 
+def steps_as_batch(x: jax.Array, axis: int, merged: int = 1) -> jax.Array:
+    """A value stacked over the ``L`` steps of a scan, ``(L, ...)`` with the batch on ``axis`` of
+    each step's value, as one batch of ``B * L`` rows on that axis, example-major (example ``b``'s
+    rows first, each step's ``merged`` rows together), so that a batch sharded over devices
+    stays sharded the same way."""
+    steps, shape = x.shape[0], x.shape[1:]
+    y = jnp.reshape(x, (steps, *shape[:axis], shape[axis] // merged, merged, *shape[axis + 1:]))
+    y = jnp.moveaxis(y, 0, axis + 1)  # (..., B, L, merged, ...)
+    return jnp.reshape(y, (*shape[:axis], -1, *shape[axis + 1:]))
+
+
+def in_one_step(site: Site) -> Site:
+    """A scan's site as a site of its body, for one step's operands."""
+    return dataclasses.replace(site, scan=None, length=1)
+
+
+def site_norm(closed: Any, site: Site, ops: Sequence[Any], g: jax.Array, acc: Any) -> jax.Array | RowNorms | None:
+    """The site's rule's per-example norm (see :meth:`Rule.norm`). A site in a scan's body is
+    measured once on the steps' operands taken as one batch of ``B * L`` rows; the blocks of
+    the ``L`` layers are disjoint, so an example's squared norm is the sum over the steps."""
+    eqn = site_eqn(closed.jaxpr, site)
+    if site.scan is None:
+        return site.rule.norm(site, eqn, ops, g, acc)
+    one = in_one_step(site)
+    flat = [steps_as_batch(o, one.axis, one.merged) if r in one.rows else o for r, o in enumerate(ops)]
+    n = site.rule.norm(one, eqn, flat, steps_as_batch(g, one.out_axis, one.merged), acc)
+    if n is None:
+        return None
+
+    def over_steps(x: jax.Array) -> jax.Array:
+        return combine_l2_stacked(jnp.transpose(jnp.reshape(x, (-1, site.length))))
+
+    if isinstance(n, RowNorms):
+        combine = n.combine
+
+        def combined(ns: list[jax.Array]) -> jax.Array:
+            return over_steps(combine(ns))
+
+        return RowNorms(n.arrays, combined)
+    return over_steps(n)
+
+
 def _local_grads(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any], g: jax.Array,
                  acc: Any) -> jax.Array:
     """Per-example gradients of one parameter leaf through one operation only, ``(B, *leaf)``.
@@ -106,7 +154,12 @@ def _local_grads(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any
     parameter's chain (cast, reshape, broadcast): the leaf's size per example.
     The operation is evaluated in ``acc``: with 16-bit operands the gradient is
     exact to float32 rounding, and its norm is that of what book-keeping adds.
+    A site in a scan's body gives each step's block of the stacked leaf.
     """
+    if site.scan is not None:
+        body, step_site = site_jaxpr(closed, site), in_one_step(site)
+        steps = jax.vmap(lambda p, v, gl: _local_grads(body, step_site, p, v, gl, acc))(param, list(invals), g)
+        return jnp.moveaxis(steps, 0, 1)  # type: ignore[no-any-return]
 
     bsize = invals[site.rows[0]].shape[0]
 
@@ -193,7 +246,7 @@ def leaf_norms(config: ClipConfig, call: Call, traced: Traced, batch: Any, fwd: 
     site_norms: list[jax.Array | RowNorms | None] = []
     for s, ops, g in zip(plan.sites, fwd.operands, fwd.cts, strict=True):
         alone = s.leaf not in norms and (uses[s.leaf] == 1 or s.leaf in plan.blocks)
-        site_norms.append(s.rule.norm(s, closed.jaxpr.eqns[s.eqn], ops, g, acc) if alone else None)
+        site_norms.append(site_norm(closed, s, ops, g, acc) if alone else None)
     # A leaf with a site no rule measures forms its per-example gradients from all its sites.
     formed = {s.leaf for s, n in zip(plan.sites, site_norms, strict=True) if n is None and s.leaf not in norms}
     local: dict[int, jax.Array] = {}  # summed per-example gradients of the leaves in `formed`

@@ -30,7 +30,7 @@ from gradclip_jax.per_example.ghost._analysis import (
     use_ghost,
     warn_fallback,
 )
-from gradclip_jax.per_example.ghost._jaxpr import run_probed, shape
+from gradclip_jax.per_example.ghost._jaxpr import run_probed, shape, site_eqn
 from gradclip_jax.per_example.ghost._measure import Pass, acc_dtype_of, leaf_norms, pin_narrow
 from gradclip_jax.per_example.ghost._sums import (
     COSTLY_TO_ZERO,
@@ -54,12 +54,19 @@ def _forward(call: Call, traced: Traced, batch: Any, backward: bool) -> Pass:
     """
     closed, plan = traced
     ref = first_leaf(call.batch)
-    outs = [closed.jaxpr.eqns[s.eqn].outvars[0] for s in plan.sites]
-    probes = [vary_like(jnp.zeros(shape(v), v.aval.dtype), ref) for v in outs]
-    at = {s.eqn: j for j, s in enumerate(plan.sites)}
+    outs = [site_eqn(closed.jaxpr, s).outvars[0] for s in plan.sites]
+    # a site in a scan's body: its probe (and so its cotangent) stacked over the steps
+    probes = [vary_like(jnp.zeros((s.length, *shape(v)) if s.scan is not None else shape(v), v.aval.dtype), ref)
+              for s, v in zip(plan.sites, outs, strict=True)]
+    at = {s.eqn: j for j, s in enumerate(plan.sites) if s.scan is None}
+    inner: dict[int, dict[int, int]] = {}
+    for j, s in enumerate(plan.sites):
+        if s.scan is not None:
+            inner.setdefault(s.scan, {})[s.eqn] = j
+    kept = {j: s.rows for j, s in enumerate(plan.sites)}  # the batched operands leave the loop
 
     def probed(p: Any, pr: list) -> tuple:
-        res, operands = run_probed(closed, jax.tree_util.tree_leaves((p, batch, call.args)), at, pr)
+        res, operands = run_probed(closed, jax.tree_util.tree_leaves((p, batch, call.args)), at, pr, inner, kept)
         return res[0], operands
 
     losses: jax.Array

@@ -23,8 +23,8 @@ from gradclip_jax.per_example._measure import as_rows, unrow
 from gradclip_jax.per_example._products import tf32_passes
 from gradclip_jax.per_example._sums import fused_sums, scan_weighted_sum
 from gradclip_jax.per_example.ghost._analysis import Traced
-from gradclip_jax.per_example.ghost._jaxpr import widen
-from gradclip_jax.per_example.ghost._measure import Pass, apply_site
+from gradclip_jax.per_example.ghost._jaxpr import site_jaxpr, widen
+from gradclip_jax.per_example.ghost._measure import Pass, apply_site, in_one_step
 from gradclip_jax.per_example.ghost.rules import Site
 
 
@@ -40,6 +40,12 @@ def _zero_dropped(x: jax.Array, keep: jax.Array, axis: int) -> jax.Array:
     return jnp.where(k, x, jnp.zeros((), x.dtype))
 
 
+def _per_row(x: jax.Array, rows: int) -> jax.Array:
+    """Each example's value repeated for each of its ``rows`` rows (a broadcast then a merge of
+    the example-major axes: unlike ``jnp.repeat``, this keeps a sharded batch axis sharded)."""
+    return jnp.reshape(jnp.broadcast_to(x[:, None], (x.shape[0], rows)), (-1,))
+
+
 def _site_sum(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any], g: jax.Array,
               w: jax.Array, keep: jax.Array | None = None) -> jax.Array:
     """``sum_b w_b G_b`` for one use of a leaf: the pull-back of ``w_b g_b`` through its one operation.
@@ -52,13 +58,18 @@ def _site_sum(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any], 
     dropped examples' operand rows and cotangents are zeroed first: their
     contribution is exactly 0 even when those hold NaN or inf. A convolution at
     ``PRODUCT_PRECISION`` ``"tf32x3"`` runs as three TF32 passes
-    (:func:`~gradclip_jax.per_example._products.tf32_passes`).
+    (:func:`~gradclip_jax.per_example._products.tf32_passes`). A site in a
+    scan's body gives each step's block of the stacked leaf.
     """
+    if site.scan is not None:
+        body, one = site_jaxpr(closed, site), in_one_step(site)
+        return jax.vmap(lambda p, v, gl: _site_sum(body, one, p, v, gl, w, keep))(  # type: ignore[no-any-return]
+            param, list(invals), g)
     acc = _norms.acc_dtype(param.dtype)
     ct_dtype = widen(g.dtype, acc)
     if site.merged > 1:  # a merged batch: each example's weight on each of its rows
-        w = jnp.repeat(w, site.merged)
-        keep = None if keep is None else jnp.repeat(keep, site.merged)
+        w = _per_row(w, site.merged)
+        keep = None if keep is None else _per_row(keep, site.merged)
     shape = (1,) * site.out_axis + (-1,) + (1,) * (g.ndim - site.out_axis - 1)
     ct = g.astype(ct_dtype) * w.astype(ct_dtype).reshape(shape)
     vals = list(invals)

@@ -76,8 +76,9 @@ def test_split_concat_scan_checkpoint_keep_the_ghost_path(ghost_sum):
     assert rep.fallback == []
     kinds = dict(rep.ghost)
     assert kinds["['qkv']"] == "dense" and kinds["['o']"] == "dense"
-    assert kinds["['stack_w']"] == "stacked:" + "+".join(["dense"] * L)
-    assert kinds["['stack_b']"] == "stacked:" + "+".join(["elementwise"] * L)
+    # the scan over stacked layers stays a loop: each stacked leaf is one site inside it
+    assert kinds["['stack_w']"] == "scan:dense"
+    assert kinds["['stack_b']"] == "scan:elementwise"
     with warnings.catch_warnings():
         warnings.simplefilter("error", GhostFallbackWarning)  # nothing falls back
         info = _compare(loss, params, data, clip=float(np.median(np.asarray(
@@ -113,24 +114,50 @@ def test_flax_linen_scanned_layers():
 
     rep = ghost_report(loss, params, data)
     assert rep.fallback == []
-    assert any(kind.startswith("stacked:dense") for _, kind in rep.ghost)
+    assert any(kind == "scan:dense" for _, kind in rep.ghost)
     _compare(loss, params, data, clip=0.5)
 
 
-@pytest.mark.slow  # 129 layers, compiled on both paths
-def test_long_scan_falls_back_with_a_warning_naming_the_leaf():
-    # one layer more than the documented limit of 128 unrolled steps; small weights keep 129 residual layers finite
+def test_long_scan_over_stacked_layers_keeps_the_ghost_path():
+    # more layers than MAX_UNROLL: the loop is measured inside, not unrolled; small weights keep
+    # 129 residual layers finite
     loss, params, data = block_setup(seed=3, layers=129, layer_scale=0.05)
     rep = ghost_report(loss, params, data)
-    reasons = dict(rep.fallback)
-    assert set(reasons) == {"['stack_w']", "['stack_b']"} and "'scan'" in reasons["['stack_w']"]
-    fn = clipped_grad(loss, 1.0, method="ghost")
-    with pytest.warns(GhostFallbackWarning, match=r"2 of 5 parameter leaves.*\['stack_b'\].*'scan'"):
-        fn(params, data)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", GhostFallbackWarning)
-        fn(params, data)  # told once
-    _compare(loss, params, data, clip=0.7)  # the fallback is still exact
+    assert rep.fallback == [] and dict(rep.ghost)["['stack_w']"] == "scan:dense"
+    _compare(loss, params, data, clip=0.7)
+
+
+def _shared_weight_rnn(steps):
+    """A recurrent layer: one weight read by every step of a scan over time (a constant of the loop)."""
+    r = np.random.default_rng(4)
+    params = {"w": 0.5 * _w(r, D, D), "head": _w(r, D, 4)}
+
+    def loss(p, b):
+        h, _ = jax.lax.scan(lambda h, x: (jnp.tanh(h @ p["w"] + x), None), b["x"][:, 0],
+                            jnp.swapaxes(b["x"], 0, 1)[:steps])
+        return xent(h @ p["head"], b["y"])
+
+    return loss, params, _data(4)
+
+
+@pytest.mark.parametrize("steps", [T, 129])
+def test_shared_weight_scan_is_unrolled_when_short_and_falls_back_with_a_warning_when_long(steps):
+    loss, params, data = _shared_weight_rnn(steps)
+    if steps > 128:  # repeat the time axis past MAX_UNROLL
+        data = {**data, "x": jnp.tile(data["x"], (1, -(-steps // T), 1))[:, :steps]}
+    rep = ghost_report(loss, params, data)
+    if steps <= 128:
+        assert rep.fallback == [] and dict(rep.ghost)["['w']"].startswith("tied:")
+    else:
+        reasons = dict(rep.fallback)
+        assert set(reasons) == {"['w']"} and "MAX_UNROLL=128" in reasons["['w']"]
+        fn = clipped_grad(loss, 1.0, method="ghost")
+        with pytest.warns(GhostFallbackWarning, match=r"1 of 2 parameter leaves.*\['w'\].*'scan'"):
+            fn(params, data)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", GhostFallbackWarning)
+            fn(params, data)  # told once
+    _compare(loss, params, data, clip=0.7)  # the fallback is exact too
 
 
 def test_overlapping_slices_and_unsupported_uses_fall_back_exactly():
@@ -331,11 +358,11 @@ def test_each_clipped_grad_function_warns_once_from_the_users_line():
 
 
 def test_fallback_reasons_say_why_for_long_scans_and_custom_derivatives():
-    def scanned(p, b):
-        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), b["x"], p["stack"])
+    def scanned(p, b):  # a stacked leaf reshaped before the loop: not one layer per step of the leaf itself
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), b["x"], p["stack"].reshape(130, D, D))
         return jnp.sum(h, axis=(1, 2))
 
-    rep = ghost_report(scanned, {"stack": jnp.zeros((130, D, D))}, _data())
+    rep = ghost_report(scanned, {"stack": jnp.zeros((130 * D, D))}, _data())
     assert "MAX_UNROLL=128" in rep.fallback[0][1]
 
     @jax.custom_vjp

@@ -134,7 +134,8 @@ class RowNorms:
 
 @dataclass(frozen=True)
 class Site:
-    """A recognised use of one parameter leaf (by the top-level equation ``eqn``)."""
+    """A recognised use of one parameter leaf (by the top-level equation ``eqn``, or by equation
+    ``eqn`` of the body of the scan ``scan``)."""
 
     kind: str  # the rule's kind: 'dense' | 'elementwise' | 'embedding' | 'conv'
     rule: Rule
@@ -147,6 +148,11 @@ class Site:
     out_axis: int = 0  # the batch axis of the operation's output
     box: Box = None  # the block of the leaf this use reads (stacked layers: one layer's block)
     merged: int = 1  # rows per example on the batch axis (a Merged batch: its per_example), else 1
+    # A use inside the body of the top-level ``scan`` equation ``scan`` (layers stacked on axis 0 of
+    # the leaf, one read per step): ``eqn`` and ``chain`` index that body, and the site's operands and
+    # output cotangent are stacked over the ``length`` steps on a new leading axis.
+    scan: int | None = None
+    length: int = 1
 
 
 class Rule:

@@ -3,6 +3,9 @@ loops or conditionals: a scan over a batched axis would run over examples)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from gradclip_jax.per_example.ghost._jaxpr import open_jaxpr, sub_jaxpr
 from gradclip_jax.per_example.ghost.rules._registry import (
     CONST,
@@ -32,32 +35,41 @@ class Call(Rule):
 register(Call())
 
 
+def scan_body_states(params: Any, states: Sequence[State], bsize: int) -> tuple[list[State], list[State]] | None:
+    """``(body input states, scan output states)`` of a ``scan`` over a non-batch axis whose
+    carry keeps its state from step to step, else ``None`` (it runs over the batch axis, or
+    the carry's batch axis moves)."""
+    n_consts, n_carry = params["num_consts"], params["num_carry"]
+    jaxpr, _ = open_jaxpr(params["jaxpr"])
+    xs = states[n_consts + n_carry:]
+    if any(s == 0 for s in xs):  # scanning over the batch axis: one example feeds the next
+        return None
+    x_states = [s - 1 if isinstance(s, int) else s for s in xs]
+    carry = list(states[n_consts:n_consts + n_carry])
+    for _ in range(2):  # the carry's state after one step must be its state before
+        body_in = [*states[:n_consts], *carry, *x_states]
+        out = row_states(jaxpr, body_in, bsize)
+        if out[:n_carry] == carry:
+            ys = [s + 1 if isinstance(s, int) else s for s in out[n_carry:]]
+            return body_in, [*carry, *ys]
+        carry = [MIXED if a != b and CONST not in (a, b) else (b if a == CONST else a)
+                 for a, b in zip(carry, out[:n_carry], strict=True)]
+    return None
+
+
 class Scan(Rule):
     """A ``lax.scan`` over a non-batch axis (stacked layers, time steps) is row-wise
     when its body is, with the carry keeping its batch axis from step to step. A
-    scan that reads a parameter is unrolled before the analysis when it is short
-    (``_jaxpr.MAX_UNROLL``); a longer one is followed here, and a parameter it
-    reads falls back."""
+    parameter stacked on axis 0 and read one layer per step is measured inside
+    the loop (``Site.scan``); a scan that reads a parameter otherwise is unrolled
+    before the analysis when it is short (``_jaxpr.MAX_UNROLL``); a longer one is
+    followed here, and such a parameter falls back."""
 
     primitives = ("scan",)
 
     def row(self, c: RowCtx) -> list[State]:
-        p = c.params
-        n_consts, n_carry = p["num_consts"], p["num_carry"]
-        jaxpr, _ = open_jaxpr(p["jaxpr"])
-        xs = c.states[n_consts + n_carry:]
-        if any(s == 0 for s in xs):  # scanning over the batch axis: one example feeds the next
-            return c.mixed()
-        x_states = [s - 1 if isinstance(s, int) else s for s in xs]
-        carry = list(c.states[n_consts:n_consts + n_carry])
-        for _ in range(2):  # the carry's state after one step must be its state before
-            out = row_states(jaxpr, [*c.states[:n_consts], *carry, *x_states], c.bsize)
-            if out[:n_carry] == carry:
-                ys = [s + 1 if isinstance(s, int) else s for s in out[n_carry:]]
-                return [*carry, *ys]
-            carry = [MIXED if a != b and CONST not in (a, b) else (b if a == CONST else a)
-                     for a, b in zip(carry, out[:n_carry], strict=True)]
-        return c.mixed()
+        res = scan_body_states(c.params, c.states, c.bsize)
+        return c.mixed() if res is None else res[1]
 
     def crosses(self, c: RowCtx) -> bool:
         n = c.params["num_consts"] + c.params["num_carry"]
