@@ -46,7 +46,7 @@ import json
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -151,19 +151,19 @@ def _compile_s(step: Callable[..., Any], *args: Any, reps: int = 3) -> float:
     return statistics.median(times)
 
 
-def compile_rows(env: str, batch: int = 8, tiny: bool = False) -> list[dict]:
-    """Compile-time rows (see the module docstring); ``tiny``: the 2-layer smoke size."""
+def _compile_times(batch: int, tiny: bool, scan: bool, env: str, which: Sequence[str]) -> tuple[dict, str, str]:
+    """Compile seconds of the steps ``which`` of GPT-2 (``scan``: blocks stacked and run by
+    ``lax.scan``), with the row label and note."""
     import optax
 
-    try:
-        from benchmarks.bench_ghost_gpu import _dp_step, _gpt2, _nonprivate_step
+    from benchmarks.bench_ghost_gpu import _dp_step, _gpt2, _nonprivate_step
 
-        losses, params, data, _ = _gpt2(batch, fused=True, dtype=jnp.float32, tiny=tiny)
-    except ImportError as err:  # flax missing
-        print(f"compile rows skipped: {err}")
-        return []
+    losses, params, data, _ = _gpt2(batch, fused=True, dtype=jnp.float32, tiny=tiny, scan=scan)
     opt = optax.adamw(1e-4)
     state = (params, opt.init(params), jax.random.key(0))
+    summed = jax.grad(lambda p, b: jnp.sum(losses(p, b)))
+    ghost = clipped_grad(losses, CLIP, method="ghost")
+    vmap = clipped_grad(losses, CLIP, method="vmap")
 
     def dp_step(summed_grad: Callable[..., Any]) -> Callable[..., Any]:  # the GPU suite's: noise, /B, adamw
         return _dp_step(summed_grad, CLIP, batch, opt)
@@ -171,41 +171,38 @@ def compile_rows(env: str, batch: int = 8, tiny: bool = False) -> list[dict]:
     def grad_only(grad_fn: Callable[..., Any]) -> Callable[..., Any]:
         return lambda st, b: grad_fn(st[0], b)
 
-    summed = jax.grad(lambda p, b: jnp.sum(losses(p, b)))
-    ghost = clipped_grad(losses, CLIP, method="ghost")
-    vmap = clipped_grad(losses, CLIP, method="vmap")
-    s = {
-        "nonprivate": _compile_s(_nonprivate_step(losses, opt), state, data),
-        "nonprivate+noise": _compile_s(dp_step(summed), state, data),
-        "ghost": _compile_s(dp_step(lambda p, b: ghost(p, b)[0]), state, data),
-        "vmap": _compile_s(dp_step(lambda p, b: vmap(p, b)[0]), state, data),
-        "grad": _compile_s(grad_only(summed), state, data),
-        "ghost grad": _compile_s(grad_only(lambda p, b: ghost(p, b)[0]), state, data),
+    steps = {
+        "nonprivate": lambda: _nonprivate_step(losses, opt),
+        "nonprivate+noise": lambda: dp_step(summed),
+        "ghost": lambda: dp_step(lambda p, b: ghost(p, b)[0]),
+        "vmap": lambda: dp_step(lambda p, b: vmap(p, b)[0]),
+        "grad": lambda: grad_only(summed),
+        "ghost grad": lambda: grad_only(lambda p, b: ghost(p, b)[0]),
     }
-    label = f"GPT-2 {'tiny' if tiny else 'small'} nnx, B={batch}"
+    s = {k: _compile_s(steps[k](), state, data) for k in which}
+    label = f"GPT-2 {'tiny' if tiny else 'small'} nnx, {'blocks stacked and run by lax.scan, ' if scan else ''}B={batch}"
     note = (f"seconds in the ms columns: trace+lower+compile, median of 3; {label}, {env}; "
             + ", ".join(f"{k} {v:.2f} s" for k, v in s.items()))
+    return s, label, note
+
+
+def compile_rows(env: str, batch: int = 8, tiny: bool = False) -> list[dict]:
+    """Compile-time rows (see the module docstring); ``tiny``: the 2-layer smoke size."""
+    try:
+        s, label, note = _compile_times(batch, tiny, False, env, ("nonprivate", "nonprivate+noise", "ghost", "vmap",
+                                                                   "grad", "ghost grad"))
+    except ImportError as err:  # flax missing
+        print(f"compile rows skipped: {err}")
+        return []
     # the same model with its blocks stacked and run by lax.scan: the ghost path keeps the loop
-    losses, params, data, _ = _gpt2(batch, fused=True, dtype=jnp.float32, tiny=tiny, scan=True)
-    state = (params, opt.init(params), jax.random.key(0))
-    summed = jax.grad(lambda p, b: jnp.sum(losses(p, b)))
-    ghost = clipped_grad(losses, CLIP, method="ghost")
-    sc = {
-        "nonprivate": _compile_s(_nonprivate_step(losses, opt), state, data),
-        "ghost": _compile_s(dp_step(lambda p, b: ghost(p, b)[0]), state, data),
-        "grad": _compile_s(grad_only(summed), state, data),
-        "ghost grad": _compile_s(grad_only(lambda p, b: ghost(p, b)[0]), state, data),
-    }
-    scan_label = f"GPT-2 {'tiny' if tiny else 'small'} nnx, blocks stacked and run by lax.scan, B={batch}"
-    scan_note = (f"seconds in the ms columns: trace+lower+compile, median of 3; {scan_label}, {env}; "
-                 + ", ".join(f"{k} {v:.2f} s" for k, v in sc.items()))
+    sc, scan_label, scan_note = _compile_times(batch, tiny, True, env, ("nonprivate", "ghost", "grad", "ghost grad"))
+    bar = "; bar <= 2x (issue 11, on a GPU)"
     return [
         row("ghost", f"compile: DP step, ghost vs non-private step ({scan_label})", sc["ghost"], sc["nonprivate"],
-            scan_note + "; bar <= 2x (issue 11, on a GPU)"),
+            scan_note + bar),
         row("ghost", f"compile: ghost clipped_grad vs jax.grad alone ({scan_label})", sc["ghost grad"], sc["grad"],
             scan_note),
-        row("ghost", f"compile: DP step, ghost vs non-private step ({label})", s["ghost"], s["nonprivate"],
-            note + "; bar <= 2x (issue 11, on a GPU)"),
+        row("ghost", f"compile: DP step, ghost vs non-private step ({label})", s["ghost"], s["nonprivate"], note + bar),
         row("ghost", f"compile: DP step, vmap vs non-private step ({label})", s["vmap"], s["nonprivate"], note),
         row("ghost", f"compile: non-private step with DP noise vs without ({label})", s["nonprivate+noise"],
             s["nonprivate"], note),

@@ -13,6 +13,7 @@ import jax
 import pytest
 
 pytest.importorskip("flax")
+import gradclip_jax as gcx
 from benchmarks import bench_ghost_gpu as bg
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -41,11 +42,11 @@ def test_select_by_prefix_and_unknown_name() -> None:
 
 def test_full_gpt2_is_gpt2_small() -> None:
     # shapes only (jax.eval_shape): 124.4M parameters with the output head tied to the embedding
-    def n_params(fused: bool) -> int:
+    def n_params(fused: bool, scan: bool = False) -> int:
         box: dict = {}
 
         def make() -> object:
-            _, params, _, label = bg._gpt2(1, fused=fused, dtype=jax.numpy.float32, tiny=False)
+            _, params, _, label = bg._gpt2(1, fused=fused, dtype=jax.numpy.float32, tiny=False, scan=scan)
             box["label"] = label
             return params
 
@@ -53,7 +54,16 @@ def test_full_gpt2_is_gpt2_small() -> None:
         assert "tied embedding" in box["label"]
         return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
 
-    assert n_params(True) == n_params(False) == 124_439_808
+    assert n_params(True) == n_params(False) == n_params(True, scan=True) == 124_439_808
+
+
+def test_scanned_gpt2_keeps_its_blocks_in_one_loop_on_the_ghost_path() -> None:
+    # what the gpt2-scan configs measure: every block leaf a site inside the scan, nothing falls back
+    losses, params, data, label = bg._gpt2(2, fused=True, dtype=jax.numpy.float32, tiny=True, scan=True)
+    rep = gcx.ghost_report(losses, params, data)
+    assert "lax.scan" in label and rep.fallback == []
+    blocks = [kind for path, kind in rep.ghost if path.startswith("['h']")]
+    assert len(blocks) == 12 and all(kind.startswith("scan:") for kind in blocks)
 
 
 @pytest.mark.slow
