@@ -20,6 +20,7 @@ from gradclip_jax import norms as _norms
 from gradclip_jax.per_example._batch import LOSS_CONTRACT, batch_size_of, check_loss_out, keystr
 from gradclip_jax.per_example._config import ClipConfig, GhostSum, Method
 from gradclip_jax.per_example.ghost._jaxpr import (
+    CHAIN_OPS,
     MAX_UNROLL,
     concrete_operand,
     const_values,
@@ -50,12 +51,6 @@ from gradclip_jax.per_example.ghost.rules import (
 )
 from gradclip_jax.per_example.ghost.rules.calls import scan_body_states
 
-# Operations applied to a parameter that keep the gradient's norm: the gradient
-# with respect to the parameter is a permutation/reshape/cast of the gradient with
-# respect to the result.
-_NORM_KEEPING = frozenset({"convert_element_type", "transpose", "reshape", "squeeze", "copy", "copy_p"})
-# Operations allowed between a parameter and an elementwise use (bias broadcasting).
-_CHAIN = _NORM_KEEPING | {"broadcast_in_dim"}
 # Operations that keep a value in the leaf's own coordinates (a later slice's box is the leaf's).
 _PLAIN = frozenset({"convert_element_type", "copy", "copy_p"})
 
@@ -182,8 +177,7 @@ def _walk(jaxpr: Any, n_params: int, n_batch: int, bsize: int, consts: dict[Any,
     states: dict[Any, State] = {v: ROW if n_params <= i < n_params + n_batch else CONST
                                 for i, v in enumerate(invars)}
     alias: dict[Any, _Alias] = {invars[i]: _Alias(i, [], False, None, True) for i in range(n_params)}
-    walk = _walk_from(jaxpr, states, alias, bsize, consts or {}, jaxpr.outvars[:1])
-    return walk._replace(uses={i: walk.uses.get(i, []) for i in range(n_params)})
+    return _walk_from(jaxpr, states, alias, bsize, consts or {}, jaxpr.outvars[:1])
 
 
 def _walk_from(jaxpr: Any, states: dict[Any, State], alias: dict[Any, _Alias], bsize: int,
@@ -206,7 +200,7 @@ def _walk_from(jaxpr: Any, states: dict[Any, State], alias: dict[Any, _Alias], b
         in_states = [state(v) for v in eqn.invars]
         aliased = [(pos, alias[v]) for pos, v in enumerate(eqn.invars) if not is_literal(v) and v in alias]
         lookup = _const_lookup(eqn, aliased, consts)
-        if ((name in _CHAIN or name == "slice") and len(eqn.invars) == 1 and aliased) or lookup:
+        if ((name in CHAIN_OPS or name == "slice") and len(eqn.invars) == 1 and aliased) or lookup:
             a = aliased[0][1]
             box = OPAQUE if lookup else _slice_box(eqn, a) if name == "slice" else a.box
             alias[eqn.outvars[0]] = _Alias(a.leaf, [*a.chain, k], a.bcast or name == "broadcast_in_dim", box,
@@ -220,12 +214,12 @@ def _walk_from(jaxpr: Any, states: dict[Any, State], alias: dict[Any, _Alias], b
                 crossings.append((k, name))
         for v, s in zip(eqn.outvars, out_states, strict=True):
             states[v] = s
-            if isinstance(s, (int, Merged)) and name not in _CHAIN:
+            if isinstance(s, (int, Merged)) and name not in CHAIN_OPS:
                 act_elems += math.prod(shape(v))
         body = _stacked_scan(eqn, k, in_states, aliased, bsize) if scan_length is None else None
         if body is not None:  # the stacked leaves' uses, inside the loop
             for leaf, u in body.uses.items():
-                uses.setdefault(leaf, []).extend(u)
+                uses[leaf].extend(u)
             act_elems += body.act_elems
             if body.crossing is not None:
                 crossings.append((k, body.crossing))
@@ -235,11 +229,11 @@ def _walk_from(jaxpr: Any, states: dict[Any, State], alias: dict[Any, _Alias], b
             site = _classify(use, len(aliased))
             if scan_length is not None and isinstance(site, Site):
                 site = _in_loop(site, eqn, scan_length)
-            uses.setdefault(a.leaf, []).append(site)
+            uses[a.leaf].append(site)
     where = "an output of the loss" if scan_length is None else "an output of a scan's body"
     for v in jaxpr.outvars:
         if not is_literal(v) and v in alias:
-            uses.setdefault(alias[v].leaf, []).append(where)
+            uses[alias[v].leaf].append(where)
     needed = _needed(jaxpr, loss_outs) if crossings else set()
     crossing = next((n for k, n in crossings if k in needed), None)
     return _Walk(uses, state(jaxpr.outvars[0]) in (ROW, CONST), act_elems, mixing, crossing)

@@ -32,10 +32,15 @@ parameters on the vmap path. A scan over stacked layers (``nn.scan``,
 ``nnx.scan``, a ``lax.scan`` over ``eqx.filter_vmap``-built stacks) whose
 parameters are only those stacked leaves stays a loop, measured inside."""
 
-# One-operand operations through which a value stays a view of a parameter (the
-# analysis's chains): a scan reading such a value as a constant or carry is unrolled.
-_VIEWS = frozenset({"convert_element_type", "transpose", "reshape", "squeeze", "copy", "copy_p",
-                    "broadcast_in_dim", "slice"})
+# One-operand operations allowed between a parameter and its use (the analysis's chains):
+# casts, copies, transposes and reshapes keep the gradient's norm (the gradient with respect
+# to the parameter is a permutation, reshape or cast of that with respect to the result); a
+# broadcast is a bias broadcast over the batch or positions.
+CHAIN_OPS = frozenset({"convert_element_type", "transpose", "reshape", "squeeze", "copy", "copy_p",
+                       "broadcast_in_dim"})
+# Through these and static slices a value stays a view of a parameter: a scan reading
+# such a value as a constant or carry is unrolled, not kept as a loop.
+_VIEWS = CHAIN_OPS | {"slice"}
 
 
 def shape(v: Any) -> tuple[int, ...]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -114,9 +114,12 @@ def steps_as_batch(x: jax.Array, axis: int, merged: int = 1) -> jax.Array:
     return jnp.reshape(y, (*shape[:axis], -1, *shape[axis + 1:]))
 
 
-def in_one_step(site: Site) -> Site:
-    """A scan's site as a site of its body, for one step's operands."""
-    return dataclasses.replace(site, scan=None, length=1)
+def each_step(f: Callable[..., jax.Array], closed: Any, site: Site, param: jax.Array, invals: Sequence[Any],
+              g: jax.Array) -> jax.Array:
+    """``f(body, step_site, block, operands, cotangent)`` of a site in a scan's body for every step
+    (its block of the stacked ``param``, its stacked operands and cotangent), stacked on axis 0."""
+    body, step_site = site_jaxpr(closed, site), dataclasses.replace(site, scan=None, length=1)
+    return jax.vmap(lambda p, v, gl: f(body, step_site, p, v, gl))(param, list(invals), g)  # type: ignore[no-any-return]
 
 
 def site_norm(closed: Any, site: Site, ops: Sequence[Any], g: jax.Array, acc: Any) -> jax.Array | RowNorms | None:
@@ -126,7 +129,7 @@ def site_norm(closed: Any, site: Site, ops: Sequence[Any], g: jax.Array, acc: An
     eqn = site_eqn(closed.jaxpr, site)
     if site.scan is None:
         return site.rule.norm(site, eqn, ops, g, acc)
-    one = in_one_step(site)
+    one = dataclasses.replace(site, scan=None, length=1)  # the site in the body, at a batch of B * L rows
     flat = [steps_as_batch(o, one.axis, one.merged) if r in one.rows else o for r, o in enumerate(ops)]
     n = site.rule.norm(one, eqn, flat, steps_as_batch(g, one.out_axis, one.merged), acc)
     if n is None:
@@ -156,10 +159,9 @@ def _local_grads(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any
     exact to float32 rounding, and its norm is that of what book-keeping adds.
     A site in a scan's body gives each step's block of the stacked leaf.
     """
-    if site.scan is not None:
-        body, step_site = site_jaxpr(closed, site), in_one_step(site)
-        steps = jax.vmap(lambda p, v, gl: _local_grads(body, step_site, p, v, gl, acc))(param, list(invals), g)
-        return jnp.moveaxis(steps, 0, 1)  # type: ignore[no-any-return]
+    if site.scan is not None:  # (L, B, *block) -> (B, L, *block)
+        steps = each_step(lambda c, s, p, v, gl: _local_grads(c, s, p, v, gl, acc), closed, site, param, invals, g)
+        return jnp.moveaxis(steps, 0, 1)
 
     bsize = invals[site.rows[0]].shape[0]
 

@@ -23,8 +23,8 @@ from gradclip_jax.per_example._measure import as_rows, unrow
 from gradclip_jax.per_example._products import tf32_passes
 from gradclip_jax.per_example._sums import fused_sums, scan_weighted_sum
 from gradclip_jax.per_example.ghost._analysis import Traced
-from gradclip_jax.per_example.ghost._jaxpr import site_jaxpr, widen
-from gradclip_jax.per_example.ghost._measure import Pass, apply_site, in_one_step
+from gradclip_jax.per_example.ghost._jaxpr import widen
+from gradclip_jax.per_example.ghost._measure import Pass, apply_site, each_step
 from gradclip_jax.per_example.ghost.rules import Site
 
 
@@ -62,9 +62,7 @@ def _site_sum(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any], 
     scan's body gives each step's block of the stacked leaf.
     """
     if site.scan is not None:
-        body, one = site_jaxpr(closed, site), in_one_step(site)
-        return jax.vmap(lambda p, v, gl: _site_sum(body, one, p, v, gl, w, keep))(  # type: ignore[no-any-return]
-            param, list(invals), g)
+        return each_step(lambda c, s, p, v, gl: _site_sum(c, s, p, v, gl, w, keep), closed, site, param, invals, g)
     acc = _norms.acc_dtype(param.dtype)
     ct_dtype = widen(g.dtype, acc)
     if site.merged > 1:  # a merged batch: each example's weight on each of its rows
