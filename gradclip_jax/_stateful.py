@@ -21,6 +21,7 @@ import optax
 from jax import lax
 
 from gradclip_jax import norms as _norms
+from gradclip_jax._control import cond
 from gradclip_jax._numerics import count0 as count0
 from gradclip_jax.clipping._factors import scale_leaf
 from gradclip_jax.hyperparams import static_value
@@ -168,6 +169,17 @@ def all_finite(values: Sequence[jax.Array]) -> jax.Array:
     return every([jnp.isfinite(jnp.sum(v - v)) for v in values])
 
 
+# Reducers of the variadic reductions below, defined once: ``lax.reduce`` caches
+# its traced reducer by function, so a closure made per call would be traced and
+# compiled again on every eager call.
+def _or_or(a: tuple, b: tuple) -> tuple:
+    return a[0] | b[0], a[1] | b[1]
+
+
+def _max_and_min(x: tuple, y: tuple) -> tuple:
+    return jnp.maximum(x[0], y[0]), jnp.minimum(x[1], y[1])
+
+
 def screen(
     hits: Callable[..., jax.Array], x: jax.Array, *state: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
@@ -185,12 +197,8 @@ def screen(
     """
     x, *state = lax.optimization_barrier((x, *state))
     hit = hits(x, *state)
-
-    def step(a: tuple, b: tuple) -> tuple:
-        return a[0] | b[0], a[1] | b[1]
-
     no = jnp.zeros((), bool)
-    bad, any_hit = lax.reduce((~jnp.isfinite(x), hit), (no, no), step, tuple(range(x.ndim)))
+    bad, any_hit = lax.reduce((~jnp.isfinite(x), hit), (no, no), _or_or, tuple(range(x.ndim)))
     return ~bad, any_hit
 
 
@@ -211,11 +219,7 @@ def any_exceeds(w: jax.Array, bound: jax.Array) -> jax.Array:
 def _max_min(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(max(a), min(b))`` over every element, in one pass over both (-inf / inf when empty)."""
     inf = jnp.asarray(jnp.inf, a.dtype)
-
-    def step(x: tuple, y: tuple) -> tuple:
-        return jnp.maximum(x[0], y[0]), jnp.minimum(x[1], y[1])
-
-    return lax.reduce((a, b), (-inf, inf), step, tuple(range(a.ndim)))  # type: ignore[no-any-return]
+    return lax.reduce((a, b), (-inf, inf), _max_and_min, tuple(range(a.ndim)))  # type: ignore[no-any-return]
 
 
 def any_changed(new: jax.Array, old: jax.Array) -> jax.Array:
@@ -258,7 +262,7 @@ def unless_rare(
     every element once more (on the CPU that pass cost as much as the clip).
     Under ``vmap`` with a batched predicate both branches run, as a select.
     """
-    return lax.cond(rare, fix, lambda v: v, values)  # type: ignore[no-any-return]
+    return cond(rare, fix, lambda v: v, values)  # type: ignore[no-any-return]
 
 
 def safe_div(num: jax.Array, den: jax.Array, use: jax.Array) -> jax.Array:

@@ -7,10 +7,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from gradclip_jax import _stateful as _st
 from gradclip_jax import norms as _norms
+from gradclip_jax._control import cond
 from gradclip_jax._states import check_state, check_tree
 from gradclip_jax.clipping._factors import clip_factor as _clip_factor
 from gradclip_jax.hyperparams import (
@@ -153,7 +153,7 @@ def adagc(
 
         # Warm-up: global clipping (the global norm is only computed during warm-up).
         if warmup_max_norm is not None and warm > 0:
-            total = lax.cond(
+            total = cond(
                 in_warmup,
                 lambda: _norms.global_norm(arrays, spec, dtype=sdt),
                 lambda: jnp.zeros((), sdt),

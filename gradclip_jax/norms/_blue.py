@@ -48,13 +48,16 @@ def _blue_parts(job: _Job, variadic: bool) -> tuple[jax.Array, jax.Array, jax.Ar
     if not variadic:
         return job.sum(qb), job.sum(qm), job.sum(qs)
     dims = tuple(range(a.ndim)) if job.axes is None else job.axes
-    out = lax.reduce(
-        (qb, qm, qs), (zero, zero, zero),
-        lambda p, q: (p[0] + q[0], p[1] + q[1], p[2] + q[2]), dims,
-    )
+    out = lax.reduce((qb, qm, qs), (zero, zero, zero), _add3, dims)
     if job.keepdims:
         out = tuple(jnp.expand_dims(o, dims) for o in out)
     return out
+
+
+def _add3(p: tuple, q: tuple) -> tuple:
+    # module-level: lax.reduce caches its traced reducer by function (a lambda made
+    # per call is traced and compiled again on every eager call)
+    return p[0] + q[0], p[1] + q[1], p[2] + q[2]
 
 
 def _blue_finish(b: jax.Array, m: jax.Array, s: jax.Array) -> jax.Array:

@@ -12,6 +12,7 @@ import numpy as np
 from jax import lax
 
 from gradclip_jax._backend import per_backend
+from gradclip_jax._control import cond
 from gradclip_jax.norms._blue import _blue_norms
 from gradclip_jax.norms._reduce import (
     _abs,
@@ -233,7 +234,7 @@ def _compute(
     if _is_sumsq(spec) and not any(_needs_guard(j) for j in jobs):
         r, m = main, _ones_like(main)  # float16 squares in float32 cannot over/underflow
     else:
-        r, m = lax.cond(bad, fallback, lambda mn: (mn, _ones_like(mn)), main)
+        r, m = cond(bad, fallback, lambda mn: (mn, _ones_like(mn)), main)
     if combine:
         # an empty tree has norm 0 for every ord (for p < 0 the empty sum would give inf)
         n_tot = comb.count(sum(j.n for j in jobs))

@@ -12,6 +12,7 @@ import numpy as np
 from jax import lax
 
 from gradclip_jax import norms as _norms
+from gradclip_jax._control import cond
 from gradclip_jax.per_example._batch import (
     batch_axis_sharding,
     explicit_spec,
@@ -108,7 +109,7 @@ def fused_sums(
     if finite is None:
         return safe(rows)
     ok = jnp.all(keep | finite)
-    return lax.cond(ok, fast, safe, list(rows))  # type: ignore[no-any-return]
+    return cond(ok, fast, safe, list(rows))  # type: ignore[no-any-return]
 
 
 class Weights(NamedTuple):

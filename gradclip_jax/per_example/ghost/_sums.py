@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from gradclip_jax import norms as _norms
+from gradclip_jax._control import cond
 from gradclip_jax.per_example._batch import (
     Call,
     batch_axis_sharding,
@@ -181,4 +182,4 @@ def clipped_sums(fast: Callable[[jax.Array | None], list[jax.Array]], config: Cl
     # results: XLA's CPU backend runs convolutions inside a branch without its fast
     # kernels (a conv kernel's book-kept or second-pass sum took 15x longer there).
     sums = fast(None)
-    return lax.cond(risky, safe, lambda s: s, sums)  # type: ignore[no-any-return]
+    return cond(risky, safe, lambda s: s, sums)  # type: ignore[no-any-return]
