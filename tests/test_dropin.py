@@ -473,3 +473,47 @@ def test_eager_norm_fallback_equals_jit(scale):
         for a, b in zip(jax.tree_util.tree_leaves(eager), jax.tree_util.tree_leaves(jitted)):
             np.testing.assert_allclose(a, b, rtol=1e-6)
             assert np.all(np.isfinite(a))
+
+
+def _eager_tree(seed, scale):
+    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+    return {"w": scale * jax.random.normal(k1, (6, 5)), "b": scale * jax.random.normal(k2, (5,))}
+
+
+def _per_example(seed, scale):  # 4 examples, one of them all zeros
+    return jax.tree_util.tree_map(lambda x: jnp.stack([x, 2 * x, 0 * x, x + 1]), _eager_tree(seed, scale))
+
+
+def _aggregate(tx):
+    state = [tx.init(_eager_tree(0, 1.0))]
+
+    def step(g):
+        out, state[0] = tx.update(g, state[0])
+        return out, state[0]
+
+    return step
+
+
+EAGER_FUNCTIONS = {
+    "clip_grad_norm": (lambda: lambda g: gcx.clip_grad_norm(g, 1.0), _eager_tree),
+    "normalize_grads": (lambda: lambda g: gcx.normalize_grads(g, 1.0), _eager_tree),
+    "leaf_norms": (lambda: gcx.leaf_norms, _eager_tree),
+    "tree_norm(ord=4)": (lambda: lambda g: gcx.tree_norm(g, 4), _eager_tree),
+    "per_example_global_norm_clip": (lambda: lambda g: gcx.per_example_global_norm_clip(g, 1.0), _per_example),
+    "per_example_layer_norm_clip": (lambda: lambda g: gcx.per_example_layer_norm_clip(g, 1.0), _per_example),
+    "dp_aggregate": (lambda: _aggregate(gcx.dp_aggregate(1.0, 1.0, 0, batch_size=4)), _per_example),
+    "dp_quantile_aggregate": (lambda: _aggregate(gcx.dp_quantile_aggregate(
+        1.0, 0, expected_batch_size=4, count_noise_std=5.0)), _per_example),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EAGER_FUNCTIONS))
+def test_eager_functions_compile_nothing_after_the_first(name):
+    make, data = EAGER_FUNCTIONS[name]
+    fn = make()
+    for seed, scale in ((1, 1.0), (2, 1e25)):
+        jax.block_until_ready(fn(data(seed, scale)))
+    with _Compiles() as later:
+        for seed, scale in ((3, 1.0), (4, 1e25), (5, 2.0)):
+            jax.block_until_ready(fn(data(seed, scale)))
+    assert later.count == 0
