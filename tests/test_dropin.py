@@ -436,6 +436,18 @@ class _Compiles:
         jax.monitoring.unregister_event_duration_listener(self._listen)
 
 
+def _eager_tree(seed, scale):
+    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+    return {"w": scale * jax.random.normal(k1, (6, 5)), "b": scale * jax.random.normal(k2, (5,))}
+
+
+def test_compile_counter_sees_a_compilation():
+    # the eager tests below assert a count of zero: this one makes sure the counter counts
+    with _Compiles() as fresh:
+        jax.jit(lambda x: x * 3 + 1)(jnp.ones(7)).block_until_ready()
+    assert fresh.count >= 1
+
+
 @pytest.mark.parametrize("name", sorted(EAGER))
 def test_eager_steps_compile_nothing_after_the_first(name):
     # Notebook users call tx.update eagerly, as optax allows. A lax.cond (or a reducer
@@ -444,21 +456,13 @@ def test_eager_steps_compile_nothing_after_the_first(name):
     # values and one on a tree whose sum of squares overflows float32 (the norm's
     # fallback), further steps on new values of the same shapes compile nothing.
     tx = EAGER[name]()
-
-    def tree(seed, scale):
-        k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-        return {"w": scale * jax.random.normal(k1, (6, 5)), "b": scale * jax.random.normal(k2, (5,))}
-
-    params = tree(0, 1.0)
+    params = _eager_tree(0, 1.0)
     state = tx.init(params)
     for seed, scale in ((1, 1.0), (2, 1e25)):
-        _, state = _update(tx, tree(seed, scale), state, params)
-    with _Compiles() as fresh:  # the listener sees a compilation (else this test could not fail)
-        jax.jit(lambda x: x * 3 + 1)(jnp.ones(7)).block_until_ready()
-    assert fresh.count >= 1
+        _, state = _update(tx, _eager_tree(seed, scale), state, params)
     with _Compiles() as later:
         for seed, scale in ((3, 1.0), (4, 1e25), (5, 2.0)):
-            out, state = _update(tx, tree(seed, scale), state, params)
+            out, state = _update(tx, _eager_tree(seed, scale), state, params)
             jax.block_until_ready((out, state))
     assert later.count == 0
 
@@ -473,11 +477,6 @@ def test_eager_norm_fallback_equals_jit(scale):
         for a, b in zip(jax.tree_util.tree_leaves(eager), jax.tree_util.tree_leaves(jitted)):
             np.testing.assert_allclose(a, b, rtol=1e-6)
             assert np.all(np.isfinite(a))
-
-
-def _eager_tree(seed, scale):
-    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-    return {"w": scale * jax.random.normal(k1, (6, 5)), "b": scale * jax.random.normal(k2, (5,))}
 
 
 def _per_example(seed, scale):  # 4 examples, one of them all zeros
