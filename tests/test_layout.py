@@ -111,3 +111,47 @@ def test_ghost_falling_back_traces_twice():
     counted, calls = _counting(lambda p, b: loss(p, {**b, "x": factored(b["x"])}))
     jax.make_jaxpr(clipped_grad(counted, 1.0, method="ghost", nan_safe=False))(params, data)
     assert len(calls) == 2
+
+
+def _internal_reads(tree: ast.AST) -> list[str]:
+    """Reads of JAX's internals in a module's code: an equation's parameters (``x.params[...]``,
+    ``x.params.get(...)``, ``eqn.params``), binding machinery and private JAX modules."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            if node.attr == "params" and isinstance(node.value, ast.Name) and node.value.id in ("eqn", "e", "c"):
+                found.append(f"{node.value.id}.params")
+            if node.attr in ("get_bind_params", "manager", "num_consts", "num_carry", "ft_in"):
+                found.append(node.attr)
+            if isinstance(node.value, ast.Attribute) and node.value.attr == "params" and node.attr in (
+                    "get", "items", "keys", "values"):
+                found.append(f"params.{node.attr}")
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "params":
+            found.append("params[...]")
+        if isinstance(node, ast.Constant) and node.value in ("num_consts", "num_carry", "ft_in", "ft_out"):
+            found.append(repr(node.value))
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            found += [n for n in names if n.startswith(("jax._src", "jax.extend", "jax.interpreters"))]
+    return found
+
+
+def test_jax_internals_are_read_in_one_place():
+    """Every read of a jaxpr equation's parameters, JAX's binding machinery and its private
+    modules goes through ``_core/jaxcompat.py``, which handles each supported JAX version's layout."""
+    home = ROOT / "_core" / "jaxcompat.py"
+    offenders = {str(p.relative_to(ROOT)): reads for p in ROOT.rglob("*.py") if p != home
+                 and (reads := _internal_reads(ast.parse(p.read_text())))}
+    assert offenders == {}
+
+
+def test_internal_reads_are_found():
+    """The check above finds each kind of read it looks for."""
+    src = ("from jax.extend import core\nimport jax._src.core\n"
+           "a = eqn.params['axis']\nb = e.params\nc = x.params.get('k')\nd = p['num_consts']\n"
+           "eqn.primitive.get_bind_params(q)\nwith eqn.ctx.manager: pass\n")
+    reads = _internal_reads(ast.parse(src))
+    for r in ("jax.extend", "jax._src.core", "params[...]", "eqn.params", "e.params", "params.get",
+              "'num_consts'", "get_bind_params", "manager"):
+        assert r in reads, r
+    assert _internal_reads(ast.parse("loss(call.params, batch)\nf(params['w'])")) == []

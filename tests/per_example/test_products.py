@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from jax import lax
 
+from gradclip_jax._core.jaxcompat import sub_jaxprs
 from gradclip_jax.per_example import (
     PRODUCT_PRECISION,
     _products,
@@ -21,7 +22,6 @@ from gradclip_jax.per_example._products import (
     product_precision,
     tf32_passes,
 )
-from gradclip_jax.per_example.ghost._jaxpr import sub_jaxprs
 from tests.per_example.models import assert_tree_close, cnn_setup, loop_reference, mlp_setup
 
 X6 = "BF16_BF16_F32_X6"  # the reduced-pass algorithm XLA's CPU backend accepts

@@ -17,6 +17,8 @@ import jax
 import numpy as np
 
 from gradclip_jax import norms as _norms
+from gradclip_jax._core import jaxcompat as jc
+from gradclip_jax._core.jaxcompat import is_literal, open_jaxpr, shape, sub_jaxprs
 from gradclip_jax.per_example._batch import LOSS_CONTRACT, batch_size_of, check_loss_out, keystr
 from gradclip_jax.per_example._config import ClipConfig, GhostSum, Method
 from gradclip_jax.per_example.ghost._jaxpr import (
@@ -24,12 +26,8 @@ from gradclip_jax.per_example.ghost._jaxpr import (
     MAX_UNROLL,
     concrete_operand,
     const_values,
-    is_literal,
     narrower,
-    open_jaxpr,
-    shape,
     site_eqn,
-    sub_jaxprs,
     trace,
 )
 from gradclip_jax.per_example.ghost.rules import (
@@ -50,6 +48,7 @@ from gradclip_jax.per_example.ghost.rules import (
     unmerged,
 )
 from gradclip_jax.per_example.ghost.rules.calls import scan_body_states
+from gradclip_jax.per_example.ghost.rules.unsupported import REASONS
 
 # Operations that keep a value in the leaf's own coordinates (a later slice's box is the leaf's).
 _PLAIN = frozenset({"convert_element_type", "copy", "copy_p"})
@@ -100,6 +99,7 @@ class _Walk(NamedTuple):
     act_elems: int
     mixing: str | None  # the first primitive that mixed examples, if any
     crossing: str | None  # the first primitive that certainly combines examples, if any
+    unreadable: str | None = None  # why the first equation whose parameters JAX laid out unknowingly was not read
 
 
 class _Alias(NamedTuple):
@@ -114,7 +114,7 @@ class _Alias(NamedTuple):
 
 def _slice_box(eqn: Any, a: _Alias) -> Box:
     """The block a static slice selects, in leaf coordinates when it applies to the leaf itself."""
-    p = eqn.params
+    p = jc.params(eqn)
     strides = p.get("strides")
     if a.box is not None or not a.plain or (strides is not None and any(x != 1 for x in strides)):
         return OPAQUE
@@ -186,7 +186,7 @@ def _walk_from(jaxpr: Any, states: dict[Any, State], alias: dict[Any, _Alias], b
     the outputs whose computation must not combine examples. ``scan_length``: ``jaxpr`` is the
     body of a scan over stacked layers of that length (its uses are measured inside the loop)."""
     uses: dict[int, list[Site | str]] = {a.leaf: [] for a in alias.values()}
-    act_elems, mixing = 0, None
+    act_elems, mixing, unreadable = 0, None, None
     crossings: list[tuple[int, str]] = []  # equations that certainly combine examples, and where
 
     def state(v: Any) -> State:
@@ -207,7 +207,10 @@ def _walk_from(jaxpr: Any, states: dict[Any, State], alias: dict[Any, _Alias], b
                                            a.plain and name in _PLAIN)
             states[eqn.outvars[0]] = CONST
             continue
-        out_states = row_rule(eqn, in_states, bsize)
+        try:
+            out_states = row_rule(eqn, in_states, bsize)
+        except jc.LayoutError as err:  # a JAX release changed this primitive's parameters
+            out_states, unreadable = [MIXED] * len(eqn.outvars), unreadable or str(err)
         if MIXED in out_states and MIXED not in in_states:
             mixing = mixing or name
             if rule_for(name).crosses(_as_rows(eqn, in_states, bsize)):
@@ -236,7 +239,7 @@ def _walk_from(jaxpr: Any, states: dict[Any, State], alias: dict[Any, _Alias], b
             uses[alias[v].leaf].append(where)
     needed = _needed(jaxpr, loss_outs) if crossings else set()
     crossing = next((n for k, n in crossings if k in needed), None)
-    return _Walk(uses, state(jaxpr.outvars[0]) in (ROW, CONST), act_elems, mixing, crossing)
+    return _Walk(uses, state(jaxpr.outvars[0]) in (ROW, CONST), act_elems, mixing, crossing, unreadable)
 
 
 def _stacked_scan(eqn: Any, k: int, in_states: list[State], aliased: list[tuple[int, _Alias]],
@@ -244,22 +247,21 @@ def _stacked_scan(eqn: Any, k: int, in_states: list[State], aliased: list[tuple[
     """The walk of the body of a scan over stacked layers (parameter leaves as ``xs``, read one
     layer per step; no other operand a parameter), its sites tagged with the scan; ``None``
     for any other equation."""
-    if eqn.primitive.name != "scan" or not aliased:
+    info = jc.scan_or_none(eqn)
+    if info is None or not aliased:
         return None
-    p = eqn.params
-    n = p["num_consts"] + p["num_carry"]
-    if any(pos < n or a.chain or a.box is not None for pos, a in aliased):
+    if any(pos < info.n_fixed or a.chain or a.box is not None for pos, a in aliased):
         return None
-    res = scan_body_states(p, in_states, bsize)
+    res = scan_body_states(eqn, in_states, bsize)
     if res is None:
         return None
-    body = open_jaxpr(p["jaxpr"])[0]
+    body = open_jaxpr(info.body)[0]
     states = dict(zip(body.invars, res[0], strict=True))
     alias = {body.invars[pos]: _Alias(a.leaf, [], False, None, True) for pos, a in aliased}
-    walk = _walk_from(body, states, alias, bsize, {}, body.outvars, scan_length=p["length"])
+    walk = _walk_from(body, states, alias, bsize, {}, body.outvars, scan_length=info.length)
     uses = {leaf: [dataclasses.replace(u, scan=k) if isinstance(u, Site) else u for u in us]
             for leaf, us in walk.uses.items()}
-    return walk._replace(uses=uses, act_elems=walk.act_elems * p["length"])
+    return walk._replace(uses=uses, act_elems=walk.act_elems * info.length)
 
 
 def _in_loop(site: Site, eqn: Any, length: int) -> Site | str:
@@ -299,10 +301,10 @@ def _disjoint(boxes: Sequence[Box]) -> bool:
 _CUSTOM = (" (a parameter inside a function with a custom derivative: its gradient is the custom rule's, "
            "which ghost clipping cannot see; custom functions of activations are measured)")
 _WHY = {
+    **REASONS,
     "scan": f" (a scan is measured inside the loop when its only parameters are leaves stacked on "
             f"axis 0, read one layer per step; one that reads a parameter otherwise is unrolled for "
             f"the analysis when it runs at most MAX_UNROLL={MAX_UNROLL} steps)",
-    "while": " (a loop of unknown length)",
     "custom_vjp_call": _CUSTOM,
     "custom_jvp_call": _CUSTOM,
 }
@@ -352,11 +354,13 @@ def _narrow_op(jaxpr: Any, n_params: int, acc: Any) -> tuple[str, str] | None:
     return None
 
 
-def _not_row_wise(mixing: str | None) -> str:
+def _not_row_wise(mixing: str | None, unreadable: str | None = None) -> str:
     """Why no leaf is measured when the loss is not row-wise, naming the first primitive that made it so."""
+    if unreadable is not None:
+        return f"the loss could not be analysed: {unreadable}"
     if mixing is not None and mixing not in RULES:
-        return (f"ghost clipping has no rule for {mixing!r}, which the loss applies to batched values, so it "
-                "cannot tell that each example's loss depends on that example alone")
+        return (f"ghost clipping has no rule for {mixing!r}{REASONS.get(mixing, '')}, which the loss applies to "
+                "batched values, so it cannot tell that each example's loss depends on that example alone")
     return (f"the loss mixes examples (first at {mixing!r}: an operation across the batch axis, or one "
             "that changes its length)")
 
@@ -375,7 +379,7 @@ def analyse(jaxpr: Any, n_params: int, active: Sequence[int], n_batch: int, bsiz
                 narrow_leaf=narrow_leaf, narrow_op=_narrow_op(jaxpr, n_params, acc))
     for leaf in active:
         if not walk.row_wise:
-            plan.reasons[leaf] = _not_row_wise(walk.mixing)
+            plan.reasons[leaf] = _not_row_wise(walk.mixing, walk.unreadable)
             continue
         sites, blocks, reason = _leaf_verdict(walk.uses[leaf])
         if reason is None:

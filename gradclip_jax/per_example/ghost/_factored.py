@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from gradclip_jax._core import jaxcompat as jc
 from gradclip_jax.per_example._products import product_einsum, product_error
 from gradclip_jax.per_example.ghost._gram import GramTerm, gram_norm, self_gram_rows
 from gradclip_jax.per_example.ghost.rules import Factor, Site
@@ -27,7 +28,7 @@ def _chain_perm(closed: Any, chain: Sequence[int]) -> list[int] | None:
     for k in chain:
         e = closed.jaxpr.eqns[k]
         if e.primitive.name == "transpose":
-            perm = [perm[p] for p in e.params["permutation"]]
+            perm = [perm[p] for p in jc.param(e, "permutation")]
         elif e.primitive.name not in _CAST:
             return None
     return perm

@@ -13,15 +13,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend import core as _jcore
 
+from gradclip_jax._core import jaxcompat as jc
+from gradclip_jax._core.jaxcompat import is_literal, open_jaxpr, shape, sub_jaxpr
 from gradclip_jax.per_example._products import product_precision
 
-_CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 # Inlined: the sub-jaxpr runs once on the operands. ``checkpoint`` (remat) loses
 # its rematerialization on the ghost path: a parameter used inside it must be
 # seen by the analysis, and the activations are held for the norms anyway.
-_INLINE = frozenset({"pjit", "jit", "closed_call", "core_call", "remat2", "checkpoint", "remat"})
+# ``xla_metadata_call`` (jax 0.11) only attaches XLA metadata to the calls it wraps.
+_INLINE = frozenset({"pjit", "jit", "closed_call", "core_call", "remat2", "checkpoint", "remat",
+                     "xla_metadata_call"})
 
 MAX_UNROLL = 128
 """A ``lax.scan`` that reads a parameter otherwise than as a stacked leaf sliced
@@ -43,31 +45,6 @@ CHAIN_OPS = frozenset({"convert_element_type", "transpose", "reshape", "squeeze"
 _VIEWS = CHAIN_OPS | {"slice"}
 
 
-def shape(v: Any) -> tuple[int, ...]:
-    """The shape of a jaxpr variable."""
-    return tuple(getattr(v.aval, "shape", ()))
-
-
-def is_literal(v: Any) -> bool:
-    return isinstance(v, _jcore.Literal)
-
-
-def sub_jaxpr(eqn: Any) -> Any | None:
-    """The (closed or open) jaxpr a call-like equation runs on its operands, if any."""
-    for name in _CALL_PARAMS:
-        j = eqn.params.get(name)
-        if j is not None and (hasattr(j, "eqns") or hasattr(j, "jaxpr")):
-            return j
-    return None
-
-
-def open_jaxpr(j: Any) -> tuple[Any, list[Any] | None]:
-    """``(jaxpr, consts)`` of a ClosedJaxpr, or ``(jaxpr, None)`` of an open one."""
-    if hasattr(j, "jaxpr") and hasattr(j, "consts"):
-        return j.jaxpr, list(j.consts)
-    return j, None
-
-
 def narrower(dtype: Any, acc: Any) -> bool:
     """Whether ``dtype`` is a floating dtype with fewer bits than ``acc`` (bf16, fp16, fp8 below float32)."""
     d = np.dtype(dtype)
@@ -79,16 +56,6 @@ def widen(dtype: Any, acc: Any) -> np.dtype:
     return np.dtype(acc) if narrower(dtype, acc) else np.dtype(dtype)
 
 
-def sub_jaxprs(eqn: Any) -> list[Any]:
-    """Every (open) jaxpr nested in an equation's parameters: calls, scan and loop bodies, cond branches."""
-    out = []
-    for v in eqn.params.values():
-        for j in v if isinstance(v, (tuple, list)) else (v,):
-            if hasattr(j, "eqns") or (hasattr(j, "jaxpr") and hasattr(j, "consts")):
-                out.append(open_jaxpr(j)[0])
-    return out
-
-
 _FULL = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
 
 
@@ -97,7 +64,7 @@ def _widened(eqn: Any, invals: Sequence[Any], acc: Any, precision: Any = None) -
     ``acc`` widened to ``acc``, and products at full precision (dots: :func:`product_precision`),
     or at ``precision`` when given (one pass of a product written out as several)."""
     vals = [x.astype(acc) if narrower(getattr(x, "dtype", np.float64), acc) else x for x in invals]
-    params = {k: widen(v, acc) if isinstance(v, np.dtype) else v for k, v in eqn.params.items()}
+    params = {k: widen(v, acc) if isinstance(v, np.dtype) else v for k, v in jc.params(eqn).items()}
     if "precision" in params:
         # float32 too: at the backend's default precision (TF32 on NVIDIA GPUs, bf16 passes
         # on TPUs) a book-kept contribution would differ from the gradient whose norm
@@ -119,13 +86,10 @@ def bind(eqn: Any, invals: Sequence[Any], acc: Any = None, precision: Any = None
     """Applies one equation's primitive to ``invals``; with ``acc``, evaluated in ``acc``
     (operands and results narrower than ``acc`` widened to it) with products at full precision
     (or at ``precision``, when given)."""
-    eqn_params = eqn.params
-    if acc is not None:
-        invals, eqn_params = _widened(eqn, invals, acc, precision)
-    params = eqn.primitive.get_bind_params(eqn_params)
-    with eqn.ctx.manager:
-        ans = eqn.primitive.bind(*invals, **params)
-    return list(ans) if eqn.primitive.multiple_results else [ans]
+    if acc is None:
+        return jc.bind(eqn, invals)
+    invals, eqn_params = _widened(eqn, invals, acc, precision)
+    return jc.bind(eqn, invals, eqn_params)
 
 
 def _env(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> dict[Any, Any]:
@@ -141,15 +105,15 @@ def _read(env: dict[Any, Any], v: Any) -> Any:
 def _unroll_scan(eqn: Any, invals: Sequence[Any], deps: Sequence[bool]) -> list[Any]:
     """A ``scan`` equation evaluated step by step: ``xs`` sliced with static slices
     (one block of a stacked parameter per step), ``ys`` stacked again."""
-    p = eqn.params
-    n_consts, n_carry, length = p["num_consts"], p["num_carry"], p["length"]
-    body, body_consts = open_jaxpr(p["jaxpr"])
+    info = jc.scan_info(eqn)
+    n_consts, n_carry, length = info.n_consts, info.n_carry, info.length
+    body, body_consts = open_jaxpr(info.body)
     consts, carry = list(invals[:n_consts]), list(invals[n_consts:n_consts + n_carry])
     xs = invals[n_consts + n_carry:]
     d_consts, d_xs = list(deps[:n_consts]), list(deps[n_consts + n_carry:])
     d_carry = list(deps[n_consts:n_consts + n_carry])
     ys: list[list[Any]] = [[] for _ in range(length)]
-    for i in (reversed(range(length)) if p["reverse"] else range(length)):
+    for i in (reversed(range(length)) if info.reverse else range(length)):
         x_i = [lax.squeeze(lax.slice_in_dim(x, i, i + 1, axis=0), (0,)) for x in xs]
         outs, out_deps = _inline_eval(body, body_consts or [], [*consts, *carry, *x_i],
                                       [*d_consts, *d_carry, *d_xs])
@@ -162,7 +126,7 @@ def _unroll_scan(eqn: Any, invals: Sequence[Any], deps: Sequence[bool]) -> list[
 
 def _concrete_index(x: Any) -> int | None:
     """A scalar integer index known while tracing (a literal, a constant, a folded value), else ``None``."""
-    if isinstance(x, jax.core.Tracer):
+    if jc.is_tracer(x):
         return None
     try:
         a = np.asarray(x)
@@ -178,20 +142,20 @@ def _rewritten(eqn: Any, invals: Sequence[Any]) -> list[Any] | None:
     which a parameter's chain passes through. ``None`` for any other equation."""
     name = eqn.primitive.name
     if name == "split":
-        axis, x = int(eqn.params["axis"]), invals[0]
+        axis, x = int(jc.param(eqn, "axis")), invals[0]
         outs, start = [], 0
-        for size in eqn.params["sizes"]:
+        for size in jc.param(eqn, "sizes"):
             outs.append(lax.slice_in_dim(x, start, start + int(size), axis=axis))
             start += int(size)
         return outs
     if name == "tile":  # copies along size-1 axes (a class token over the batch): a broadcast
-        x, reps = invals[0], tuple(int(r) for r in eqn.params["reps"])
+        x, reps = invals[0], tuple(int(r) for r in jc.param(eqn, "reps"))
         if all(r == 1 or d == 1 for r, d in zip(reps, np.shape(x), strict=True)):
             out = tuple(d * r for d, r in zip(np.shape(x), reps, strict=True))
             return [lax.broadcast_in_dim(x, out, tuple(range(len(out))))]
         return None
     if name == "dynamic_slice":
-        x, sizes = invals[0], tuple(int(n) for n in eqn.params["slice_sizes"])
+        x, sizes = invals[0], tuple(int(n) for n in jc.param(eqn, "slice_sizes"))
         starts = [_concrete_index(i) for i in invals[1:]]
         if len(starts) != len(sizes) or any(i is None for i in starts):
             return None
@@ -217,7 +181,7 @@ _FOLDABLE = frozenset({
 
 
 def _folds(eqn: Any, invals: Sequence[Any]) -> bool:
-    if eqn.primitive.name not in _FOLDABLE or any(isinstance(x, jax.core.Tracer) for x in invals):
+    if eqn.primitive.name not in _FOLDABLE or any(jc.is_tracer(x) for x in invals):
         return False
     outs = [v.aval for v in eqn.outvars]
     return all((jnp.issubdtype(a.dtype, jnp.integer) or a.dtype == jnp.bool_)
@@ -237,16 +201,18 @@ def concrete_operand(v: Any, consts: dict[Any, Any]) -> Any | None:
 
 
 def _unrolls(eqn: Any, deps: Sequence[bool]) -> bool:
-    return bool(eqn.primitive.name == "scan" and any(deps) and 0 < eqn.params["length"] <= MAX_UNROLL)
+    info = jc.scan_or_none(eqn)
+    return bool(info is not None and any(deps) and 0 < info.length <= MAX_UNROLL)
 
 
 def _rolls(eqn: Any, direct: Sequence[bool], views: Sequence[bool]) -> bool:
     """A scan over stacked layers kept as a loop: some ``xs`` operand is a parameter leaf itself
     (``direct``), and no other operand is a view of one (``views``: a weight every step reads,
     or a stacked leaf cast or reshaped before the loop)."""
-    if eqn.primitive.name != "scan" or eqn.params["length"] < 1:
+    info = jc.scan_or_none(eqn)
+    if info is None or info.length < 1:
         return False
-    n = eqn.params["num_consts"] + eqn.params["num_carry"]
+    n = info.n_fixed
     if any(views[:n]):
         return False
     xs = list(zip(direct[n:], views[n:], strict=True))
@@ -257,9 +223,9 @@ def _roll_scan(eqn: Any, invals: Sequence[Any], deps: Sequence[bool]) -> list[An
     """A scan over stacked layers evaluated as a scan again, its body inlined (nested ``jit`` and
     ``checkpoint`` calls run inline, splits as slices, shorter nested scans over parameters
     unrolled): each use of a layer's parameters appears at the top level of the body."""
-    p = eqn.params
-    n_consts, n_carry = p["num_consts"], p["num_carry"]
-    body, body_consts = open_jaxpr(p["jaxpr"])
+    info = jc.scan_info(eqn)
+    n_consts, n_carry = info.n_consts, info.n_carry
+    body, body_consts = open_jaxpr(info.body)
     consts, carry = list(invals[:n_consts]), list(invals[n_consts:n_consts + n_carry])
     # a carry depends on the parameters after one step when any operand does
     body_deps = [*deps[:n_consts], *([any(deps)] * n_carry), *deps[n_consts + n_carry:]]
@@ -268,8 +234,8 @@ def _roll_scan(eqn: Any, invals: Sequence[Any], deps: Sequence[bool]) -> list[An
         outs, _ = _inline_eval(body, body_consts or [], [*consts, *c, *x], body_deps)
         return outs[:n_carry], outs[n_carry:]
 
-    out_carry, ys = lax.scan(step, carry, list(invals[n_consts + n_carry:]), length=p["length"],
-                             reverse=p["reverse"], unroll=p["unroll"])
+    out_carry, ys = lax.scan(step, carry, list(invals[n_consts + n_carry:]), length=info.length,
+                             reverse=info.reverse, unroll=info.unroll)
     return [*out_carry, *ys]
 
 
@@ -379,22 +345,22 @@ def _probed_scan(eqn: Any, invals: Sequence[Any], at: dict[int, int], probes: Se
     """A scan equation run with ``probes[j]`` (stacked over the steps) added to the output of
     equation ``k`` of its body for every ``at[k] = j``; the operands at ``kept[j]`` of each probed
     equation come out of the loop stacked over the steps, into ``operands[j]``."""
-    p = eqn.params
-    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    info = jc.scan_info(eqn)
+    n_consts, n_carry = info.n_consts, info.n_carry
     order = sorted(at.items())
     local = {k: i for i, (k, _) in enumerate(order)}
     consts = list(invals[:n_consts])
 
     def step(c: list, x: tuple) -> tuple[list, list]:
         xs, prs = x
-        res, ops = run_probed(p["jaxpr"], [*consts, *c, *xs], local, prs)
+        res, ops = run_probed(info.body, [*consts, *c, *xs], local, prs)
         out = [[o if r in kept.get(j, ()) else None for r, o in enumerate(op)]
                for op, (_, j) in zip(ops, order, strict=True)]
         return res[:n_carry], [res[n_carry:], out]
 
     xs = (list(invals[n_consts + n_carry:]), [probes[j] for _, j in order])
-    carry, (ys, ops) = lax.scan(step, list(invals[n_consts:n_consts + n_carry]), xs, length=p["length"],
-                                reverse=p["reverse"], unroll=p["unroll"])
+    carry, (ys, ops) = lax.scan(step, list(invals[n_consts:n_consts + n_carry]), xs, length=info.length,
+                                reverse=info.reverse, unroll=info.unroll)
     for (_, j), op in zip(order, ops, strict=True):
         operands[j] = op
     return [*carry, *ys]
@@ -404,13 +370,13 @@ def site_eqn(jaxpr: Any, site: Any) -> Any:
     """The equation of ``site`` of the top-level (open) ``jaxpr``, in a scan's body when the site is."""
     if site.scan is None:
         return jaxpr.eqns[site.eqn]
-    return open_jaxpr(jaxpr.eqns[site.scan].params["jaxpr"])[0].eqns[site.eqn]
+    return open_jaxpr(jc.scan_info(jaxpr.eqns[site.scan]).body)[0].eqns[site.eqn]
 
 
 def site_jaxpr(closed: Any, site: Any) -> Any:
     """The closed jaxpr whose equations ``site.eqn`` and ``site.chain`` index: ``closed``, or the
     body of the scan the site is in."""
-    return closed if site.scan is None else closed.jaxpr.eqns[site.scan].params["jaxpr"]
+    return closed if site.scan is None else jc.scan_info(closed.jaxpr.eqns[site.scan]).body
 
 
 def _for_one_example(e: Any, bsize: int) -> Any:
@@ -418,10 +384,10 @@ def _for_one_example(e: Any, bsize: int) -> Any:
     ``(1, 1, d)`` to ``(B, 1, d)``) made for one example; any other equation as it is."""
     if e.primitive.name != "broadcast_in_dim":
         return e
-    out, dims = tuple(e.params["shape"]), tuple(e.params["broadcast_dimensions"])
+    out, dims = tuple(jc.param(e, "shape")), tuple(jc.param(e, "broadcast_dimensions"))
     if not out or out[0] != bsize or (0 in dims and shape(e.invars[0])[dims.index(0)] != 1):
         return e
-    return e.replace(params={**e.params, "shape": (1, *out[1:])})
+    return jc.with_params(e, shape=(1, *out[1:]))
 
 
 def replay(closed: Any, eqn: int, chain: Sequence[int], vals: Sequence[Any], pos: int, param: jax.Array,

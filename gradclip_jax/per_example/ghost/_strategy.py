@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gradclip_jax._core.jaxcompat import shape
 from gradclip_jax.per_example._batch import (
     Call,
     first_leaf,
@@ -30,7 +31,7 @@ from gradclip_jax.per_example.ghost._analysis import (
     use_ghost,
     warn_fallback,
 )
-from gradclip_jax.per_example.ghost._jaxpr import run_probed, shape, site_eqn
+from gradclip_jax.per_example.ghost._jaxpr import run_probed, site_eqn
 from gradclip_jax.per_example.ghost._measure import Pass, acc_dtype_of, leaf_norms, pin_narrow
 from gradclip_jax.per_example.ghost._sums import (
     COSTLY_TO_ZERO,

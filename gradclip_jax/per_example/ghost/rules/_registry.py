@@ -17,7 +17,8 @@ from typing import Any
 
 import jax
 
-from gradclip_jax.per_example.ghost._jaxpr import is_literal, shape
+from gradclip_jax._core import jaxcompat as jc
+from gradclip_jax._core.jaxcompat import is_literal, shape
 
 
 class Tag(enum.Enum):
@@ -62,9 +63,9 @@ class RowCtx:
     states: list[State]
     bsize: int
 
-    @property
-    def params(self) -> Any:
-        return self.eqn.params
+    def param(self, name: str, *default: Any) -> Any:
+        """The equation's parameter ``name`` (see :func:`jaxcompat.param`)."""
+        return jc.param(self.eqn, name, *default)
 
     @property
     def ins(self) -> list[tuple[int, ...]]:
@@ -255,7 +256,7 @@ def _merged_rule(eqn: Any, states: list[State], bsize: int) -> list[State]:
     if rows is None:
         return [MIXED] * len(eqn.outvars)
     as_rows, n_rows, n = rows
-    if eqn.primitive.name == "reshape" and eqn.params.get("dimensions") is None:
+    if eqn.primitive.name == "reshape" and jc.param(eqn, "dimensions", None) is None:
         out = shape(eqn.outvars[0])
         return [leading_batch(out[0], bsize) if out else MIXED]
     inner = row_rule(eqn, as_rows, n_rows)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gradclip_jax.per_example.ghost._jaxpr import open_jaxpr, sub_jaxpr
+from gradclip_jax._core import jaxcompat as jc
+from gradclip_jax._core.jaxcompat import open_jaxpr, sub_jaxpr
 from gradclip_jax.per_example.ghost.rules._registry import (
     CONST,
     MIXED,
@@ -20,7 +21,7 @@ from gradclip_jax.per_example.ghost.rules._registry import (
 
 class Call(Rule):
     primitives = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-                  "custom_vjp_call_jaxpr", "remat", "checkpoint", "remat2")
+                  "custom_vjp_call_jaxpr", "remat", "checkpoint", "remat2", "xla_metadata_call", "compute_on")
 
     def row(self, c: RowCtx) -> list[State]:
         sub = sub_jaxpr(c.eqn)
@@ -35,12 +36,13 @@ class Call(Rule):
 register(Call())
 
 
-def scan_body_states(params: Any, states: Sequence[State], bsize: int) -> tuple[list[State], list[State]] | None:
+def scan_body_states(eqn: Any, states: Sequence[State], bsize: int) -> tuple[list[State], list[State]] | None:
     """``(body input states, scan output states)`` of a ``scan`` over a non-batch axis whose
     carry keeps its state from step to step, else ``None`` (it runs over the batch axis, or
     the carry's batch axis moves)."""
-    n_consts, n_carry = params["num_consts"], params["num_carry"]
-    jaxpr, _ = open_jaxpr(params["jaxpr"])
+    info = jc.scan_info(eqn)
+    n_consts, n_carry = info.n_consts, info.n_carry
+    jaxpr, _ = open_jaxpr(info.body)
     xs = states[n_consts + n_carry:]
     if any(s == 0 for s in xs):  # scanning over the batch axis: one example feeds the next
         return None
@@ -68,12 +70,12 @@ class Scan(Rule):
     primitives = ("scan",)
 
     def row(self, c: RowCtx) -> list[State]:
-        res = scan_body_states(c.params, c.states, c.bsize)
+        res = scan_body_states(c.eqn, c.states, c.bsize)
         return c.mixed() if res is None else res[1]
 
     def crosses(self, c: RowCtx) -> bool:
-        n = c.params["num_consts"] + c.params["num_carry"]
-        return any(s == 0 for s in c.states[n:])
+        info = jc.scan_or_none(c.eqn)
+        return info is not None and any(s == 0 for s in c.states[info.n_fixed:])
 
 
 register(Scan())

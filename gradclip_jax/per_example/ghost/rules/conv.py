@@ -31,10 +31,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gradclip_jax._core import jaxcompat as jc
+from gradclip_jax._core.jaxcompat import shape
 from gradclip_jax.per_example._measure import combine_l2, leaf_example_norms
 from gradclip_jax.per_example._products import product_einsum, product_error
 from gradclip_jax.per_example.ghost._gram import GramTerm, gram_norm, self_gram_rows
-from gradclip_jax.per_example.ghost._jaxpr import shape
 from gradclip_jax.per_example.ghost.rules._registry import (
     CONST,
     ROW,
@@ -70,7 +71,7 @@ class ConvViews:
     """
 
     def __init__(self, eqn: Any, x: jax.Array, g: jax.Array, acc: Any) -> None:
-        p = eqn.params
+        p = jc.params(eqn)
         lhs_spec, rhs_spec, out_spec = p["dimension_numbers"]
         self.groups = int(p["feature_group_count"])
         self.strides = tuple(p["window_strides"])
@@ -148,10 +149,10 @@ class Conv(Rule):
     def row(self, c: RowCtx) -> list[State]:
         if not axis0_only(c):
             return c.mixed()
-        dn = c.params["dimension_numbers"]
+        dn = c.param("dimension_numbers")
         return c.res(
             c.states[0] == ROW and c.states[1] == CONST and dn.lhs_spec[0] == 0 and dn.out_spec[0] == 0
-            and c.params["batch_group_count"] == 1
+            and c.param("batch_group_count") == 1
         )
 
     def classify(self, use: Use) -> Site | None:
@@ -163,7 +164,7 @@ class Conv(Rule):
     def norm(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any) -> jax.Array | None:
         """Per-example ``||P_b^T G_b||_F`` (over groups): the Gram form when it does fewer
         multiply-adds, else each example's gradient by batched matmuls."""
-        if eqn.params["batch_group_count"] != 1 or g.size == 0:
+        if jc.param(eqn, "batch_group_count") != 1 or g.size == 0:
             return None
         views = ConvViews(eqn, ops[0], g, acc)
         t, k, c, q, _ = views.dims

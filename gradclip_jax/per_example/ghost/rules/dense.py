@@ -16,9 +16,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from gradclip_jax._core import jaxcompat as jc
+from gradclip_jax._core.jaxcompat import shape
 from gradclip_jax.per_example._products import product_einsum, product_error
 from gradclip_jax.per_example.ghost._gram import GramTerm, gram_norm, self_gram_rows
-from gradclip_jax.per_example.ghost._jaxpr import shape
 from gradclip_jax.per_example.ghost.rules._registry import (
     CONST,
     Factor,
@@ -39,7 +40,7 @@ def _free(dims: int, contracted: Sequence[int], batch: Sequence[int]) -> list[in
 def dense_views(site: Site, eqn: Any, a: jax.Array, g: jax.Array, acc: Any) -> tuple[jax.Array, jax.Array]:
     """``(a3, g3)``: a dense site's operand as ``(B, T, D)`` and cotangent as ``(B, T, P)`` (with a
     merged batch of ``B * m`` rows, ``T`` counts the ``m`` rows of each example too)."""
-    (lc, rc), _ = eqn.params["dimension_numbers"]
+    (lc, rc), _ = jc.param(eqn, "dimension_numbers")
     a_pos, k = 1 - site.pos, site.axis
     ca = tuple(lc if a_pos == 0 else rc)
     n_lhs_free = len(shape(eqn.invars[0])) - len(lc)
@@ -64,7 +65,7 @@ class DotGeneral(Rule):
     kind = "dense"
 
     def row(self, c: RowCtx) -> list[State]:
-        (lc, rc), (lb, rb) = c.params["dimension_numbers"]
+        (lc, rc), (lb, rb) = c.param("dimension_numbers")
         lfree, rfree = _free(len(c.ins[0]), lc, lb), _free(len(c.ins[1]), rc, rb)
         sl, sr = c.states[0], c.states[1]
         if isinstance(sl, int) and sr == CONST and sl in lfree:
@@ -77,13 +78,13 @@ class DotGeneral(Rule):
         return c.mixed()
 
     def crosses(self, c: RowCtx) -> bool:
-        (lc, rc), _ = c.params["dimension_numbers"]
+        (lc, rc), _ = c.param("dimension_numbers")
         return any(isinstance(s, int) and s in contracted
                    for s, contracted in zip(c.states[:2], (lc, rc), strict=True))
 
     def classify(self, use: Use) -> Site | None:
         """The batch may be on any free axis of the other operand."""
-        (lc, rc), (lb, _) = use.eqn.params["dimension_numbers"]
+        (lc, rc), (lb, _) = jc.param(use.eqn, "dimension_numbers")
         other = 1 - use.pos
         k = use.in_states[other]
         contracted = lc if other == 0 else rc
@@ -111,7 +112,7 @@ class DotGeneral(Rule):
     def factors(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any,
                 perm: list[int]) -> tuple[Factor, Factor] | None:
         """The rows of ``a`` along the contracted axis and those of ``g`` along the free one."""
-        (lc, rc), _ = eqn.params["dimension_numbers"]
+        (lc, rc), _ = jc.param(eqn, "dimension_numbers")
         cw = tuple(lc if site.pos == 0 else rc)
         if len(cw) != 1:
             return None

@@ -3,7 +3,7 @@ added to, subtracted from or multiplied with batched data is an ``elementwise`` 
 
 from __future__ import annotations
 
-from gradclip_jax.per_example.ghost._jaxpr import shape
+from gradclip_jax._core.jaxcompat import shape
 from gradclip_jax.per_example.ghost.rules._registry import (
     ROW,
     RowCtx,
@@ -24,6 +24,8 @@ _UNARY_OR_MIXED = (
     "real", "imag", "conj", "shift_left", "shift_right_logical", "shift_right_arithmetic",
     "population_count", "bessel_i0e", "bessel_i1e", "random_gamma_grad", "add_any",
     "polygamma", "zeta", "igammac", "igamma_grad_a", "regularized_incomplete_beta",
+    # added since jax 0.5: integer high product, staging, comparisons to a total order
+    "mulhi", "clz", "complex", "stage", "eq_to", "le_to", "lt_to", "sharding_constraint",
 )
 
 

@@ -14,9 +14,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gradclip_jax._core import jaxcompat as jc
+from gradclip_jax._core.jaxcompat import shape
 from gradclip_jax.per_example._products import product_einsum, product_error
 from gradclip_jax.per_example.ghost._gram import GramTerm, gram_norm, self_gram_rows
-from gradclip_jax.per_example.ghost._jaxpr import shape
 from gradclip_jax.per_example.ghost.rules._registry import (
     ROW,
     Factor,
@@ -32,7 +33,7 @@ from gradclip_jax.per_example.ghost.rules._registry import (
 
 
 def _row_ok(c: RowCtx) -> bool:
-    dn, p, states = c.params["dimension_numbers"], c.params, c.states
+    dn, p, states = c.param("dimension_numbers"), jc.params(c.eqn), c.states
     if states[1] == ROW:  # batched indices
         if 0 in tuple(dn.offset_dims) or len(c.ins[1]) < 2:
             return False
@@ -60,13 +61,13 @@ def _row_index(eqn: Any) -> int | None:
     row axis is kept as a size-1 axis or collapsed; the slice's axes come last in
     the output.
     """
-    dn = eqn.params["dimension_numbers"]
+    dn = jc.param(eqn, "dimension_numbers")
     q, out, idx = shape(eqn.invars[0]), shape(eqn.outvars[0]), shape(eqn.invars[1])
     smap, collapsed = tuple(dn.start_index_map), tuple(dn.collapsed_slice_dims)
     if (len(q) < 1 or 0 not in smap or collapsed not in ((0,), ()) or tuple(dn.operand_batching_dims)
-            or len(idx) < 1 or idx[-1] != len(smap) or tuple(eqn.params["slice_sizes"]) != (1, *q[1:])):
+            or len(idx) < 1 or idx[-1] != len(smap) or tuple(jc.param(eqn, "slice_sizes")) != (1, *q[1:])):
         return None
-    if len(smap) > 1 and eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
+    if len(smap) > 1 and jc.param(eqn, "mode") == lax.GatherScatterMode.FILL_OR_DROP:
         return None
     n_off = len(q) - len(collapsed)
     if tuple(dn.offset_dims) != tuple(range(len(out) - n_off, len(out))):
@@ -89,7 +90,7 @@ def embedding_views(eqn: Any, idx: jax.Array, g: jax.Array, acc: Any) -> tuple[j
     ids = jnp.reshape(idx[..., _row_index(eqn)], (bsz, -1))
     g3 = jnp.reshape(g, (bsz, ids.shape[1], -1)).astype(acc)
     rows = shape(eqn.invars[0])[0]
-    if eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
+    if jc.param(eqn, "mode") == lax.GatherScatterMode.FILL_OR_DROP:
         ok = (ids >= 0) & (ids < rows)
         g3 = jnp.where(ok[:, :, None], g3, jnp.zeros((), acc))
     return jnp.clip(ids, 0, rows - 1), g3

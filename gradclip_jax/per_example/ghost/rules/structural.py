@@ -1,10 +1,11 @@
-"""Structural primitives (transpose, broadcast, reductions, reshapes, slices,
-windows, sorting, reversal, FFTs): how each moves or keeps the batch axis. Only a parameter
+"""Structural primitives (transpose, broadcast, reductions, reshapes, slices, stacking and
+tiling, windows, sorting, reversal, FFTs, updates, identities): how each moves or keeps the batch axis. Only a parameter
 joined to batched values (a class token) is a site."""
 
 from __future__ import annotations
 
-from gradclip_jax.per_example.ghost._jaxpr import shape
+from gradclip_jax._core import jaxcompat as jc
+from gradclip_jax._core.jaxcompat import shape
 from gradclip_jax.per_example.ghost.rules._registry import (
     CONST,
     RowCtx,
@@ -37,7 +38,7 @@ class Transpose(Rule):
 
     def row(self, c: RowCtx) -> list[State]:
         k0 = c.k0
-        return c.mixed() if k0 is None else c.res_at(tuple(c.params["permutation"]).index(k0))
+        return c.mixed() if k0 is None else c.res_at(tuple(c.param("permutation")).index(k0))
 
 
 class BroadcastInDim(Rule):
@@ -47,7 +48,7 @@ class BroadcastInDim(Rule):
         k0 = c.k0
         if k0 is None or c.states[0] != k0:
             return c.mixed()
-        return c.res_at(tuple(c.params["broadcast_dimensions"])[k0])
+        return c.res_at(tuple(c.param("broadcast_dimensions"))[k0])
 
 
 class Reduce(Rule):
@@ -55,17 +56,17 @@ class Reduce(Rule):
                   "reduce_xor", "argmax", "argmin")
 
     def row(self, c: RowCtx) -> list[State]:
-        return _removed(c, tuple(c.params["axes"]))
+        return _removed(c, tuple(c.param("axes")))
 
     def crosses(self, c: RowCtx) -> bool:
-        return c.k0 is not None and c.k0 in tuple(c.params["axes"])
+        return c.k0 is not None and c.k0 in tuple(c.param("axes"))
 
 
 class Squeeze(Rule):
     primitives = ("squeeze",)
 
     def row(self, c: RowCtx) -> list[State]:
-        return _removed(c, tuple(c.params["dimensions"]))
+        return _removed(c, tuple(c.param("dimensions")))
 
 
 class Cumulative(Rule):
@@ -73,10 +74,10 @@ class Cumulative(Rule):
 
     def row(self, c: RowCtx) -> list[State]:
         k0 = c.k0
-        return c.mixed() if k0 is None or c.params["axis"] == k0 else c.res_at(k0)
+        return c.mixed() if k0 is None or c.param("axis") == k0 else c.res_at(k0)
 
     def crosses(self, c: RowCtx) -> bool:
-        return c.k0 is not None and c.params["axis"] == c.k0
+        return c.k0 is not None and c.param("axis") == c.k0
 
 
 class Axis0(Rule):
@@ -96,7 +97,7 @@ class Reshape(Rule):
     primitives = ("reshape",)
 
     def row(self, c: RowCtx) -> list[State]:
-        if not axis0_only(c) or c.params.get("dimensions") is not None or not c.outs[0]:
+        if not axis0_only(c) or c.param("dimensions", None) is not None or not c.outs[0]:
             return c.mixed()
         return [leading_batch(c.outs[0][0], c.bsize)]
 
@@ -114,12 +115,12 @@ class Concatenate(Rule):
 
     def row(self, c: RowCtx) -> list[State]:
         k0 = c.k0
-        return c.mixed() if k0 is None or c.params["dimension"] == k0 else c.res_at(k0)
+        return c.mixed() if k0 is None or c.param("dimension") == k0 else c.res_at(k0)
 
     def classify(self, use: Use) -> Site | None:
         rows = use.row_operands()
         out = shape(use.eqn.outvars[0])
-        if (not rows or not use.bcast or use.eqn.params["dimension"] == 0
+        if (not rows or not use.bcast or jc.param(use.eqn, "dimension") == 0
                 or shape(use.eqn.invars[use.pos])[:1] != out[:1]):
             return None
         return self.site(use, rows)
@@ -132,7 +133,7 @@ class Split(Rule):
 
     def row(self, c: RowCtx) -> list[State]:
         k0 = c.k0
-        return c.mixed() if k0 is None or c.params["axis"] == k0 else c.res_at(k0)
+        return c.mixed() if k0 is None or c.param("axis") == k0 else c.res_at(k0)
 
 
 class Slice(Rule):
@@ -141,11 +142,11 @@ class Slice(Rule):
     primitives = ("slice",)
 
     def row(self, c: RowCtx) -> list[State]:
-        k0, p = c.k0, c.params
+        k0 = c.k0
         if k0 is None:
             return c.mixed()
-        strides = p.get("strides")
-        whole = (p["start_indices"][k0] == 0 and p["limit_indices"][k0] == c.bsize
+        strides = c.param("strides", None)
+        whole = (c.param("start_indices")[k0] == 0 and c.param("limit_indices")[k0] == c.bsize
                  and (strides is None or strides[k0] == 1))
         return c.res_at(k0) if whole else c.mixed()
 
@@ -154,7 +155,7 @@ class Pad(Axis0):
     primitives = ("pad",)
 
     def ok(self, c: RowCtx) -> bool:
-        return c.states[0] == 0 and tuple(c.params["padding_config"][0]) == (0, 0, 0)
+        return c.states[0] == 0 and tuple(c.param("padding_config")[0]) == (0, 0, 0)
 
 
 class DynamicSlice(Axis0):
@@ -162,23 +163,22 @@ class DynamicSlice(Axis0):
 
     def ok(self, c: RowCtx) -> bool:
         return bool(c.states[0] == 0 and all(s == CONST for s in c.states[1:])
-                    and c.params["slice_sizes"][0] == c.bsize)
+                    and c.param("slice_sizes")[0] == c.bsize)
 
 
 class ReduceWindow(Axis0):
     primitives = ("reduce_window", "reduce_window_sum", "reduce_window_max", "reduce_window_min")
 
     def ok(self, c: RowCtx) -> bool:
-        p = c.params
-        return bool(p["window_dimensions"][0] == 1 and p["window_strides"][0] == 1
-                    and tuple(p["padding"][0]) == (0, 0))
+        return bool(c.param("window_dimensions")[0] == 1 and c.param("window_strides")[0] == 1
+                    and tuple(c.param("padding")[0]) == (0, 0))
 
 
 class Sort(Axis0):
     primitives = ("sort",)
 
     def ok(self, c: RowCtx) -> bool:
-        return bool(c.params["dimension"] != 0)
+        return bool(c.param("dimension") != 0)
 
 
 class TopK(Axis0):
@@ -209,7 +209,7 @@ class Rev(AlongAxes):
     primitives = ("rev",)
 
     def axes(self, c: RowCtx) -> tuple[int, ...]:
-        return tuple(c.params["dimensions"])
+        return tuple(c.param("dimensions"))
 
 
 class FFT(AlongAxes):
@@ -219,7 +219,97 @@ class FFT(AlongAxes):
 
     def axes(self, c: RowCtx) -> tuple[int, ...]:
         n = len(c.ins[0])
-        return tuple(range(n - len(c.params["fft_lengths"]), n))
+        return tuple(range(n - len(c.param("fft_lengths")), n))
+
+
+class ApproxTopK(AlongAxes):
+    """``lax.approx_max_k`` / ``approx_min_k``: the top values along one axis of each example."""
+
+    primitives = ("approx_top_k",)
+
+    def axes(self, c: RowCtx) -> tuple[int, ...]:
+        return (int(c.param("reduction_dimension")) % len(c.ins[0]),)
+
+
+class VariadicReduce(Rule):
+    """``lax.reduce`` with a computation of its own (several operands reduced together, e.g. an
+    argmax written by hand): the batch axis is removed, or reduced over."""
+
+    primitives = ("reduce",)
+
+    def row(self, c: RowCtx) -> list[State]:
+        return _removed(c, tuple(c.param("dimensions")))
+
+    def crosses(self, c: RowCtx) -> bool:
+        return c.k0 is not None and c.k0 in tuple(c.param("dimensions"))
+
+
+class Stack(Rule):
+    """``jnp.stack`` (a primitive since jax 0.10): operands of one shape joined along a new axis
+    (rotary embeddings' rotated halves, an LSTM's gates). The batch axis ``k`` of the operands is
+    axis ``k`` of the output, or ``k + 1`` when the new axis comes before it."""
+
+    primitives = ("stack",)
+
+    def row(self, c: RowCtx) -> list[State]:
+        k0 = c.k0
+        if k0 is None:
+            return c.mixed()
+        axis = int(c.param("axis")) % len(c.outs[0])
+        return c.res_at(k0 + 1 if axis <= k0 else k0)
+
+
+class Unstack(Rule):
+    """``jnp.unstack`` (a primitive since jax 0.10): one operand cut into its slices along one axis.
+    Along any axis but the batch's, each slice keeps the batch (one fewer axis before it when the
+    cut axis comes first); along the batch axis, each output is one example."""
+
+    primitives = ("unstack",)
+
+    def row(self, c: RowCtx) -> list[State]:
+        k0 = c.k0
+        axis = int(c.param("axis")) % len(c.ins[0])
+        if k0 is None or axis == k0:
+            return c.mixed()
+        return c.res_at(k0 - 1 if axis < k0 else k0)
+
+
+class Tile(Rule):
+    """``jnp.tile`` (a primitive since jax 0.10): copies along axes, the batch axis left as it is.
+    (Tiles along size-1 axes were rewritten as broadcasts before the analysis.)"""
+
+    primitives = ("tile",)
+
+    def row(self, c: RowCtx) -> list[State]:
+        k0 = c.k0
+        if k0 is None or int(c.param("reps")[k0]) != 1:
+            return c.mixed()
+        return c.res_at(k0)
+
+
+class DynamicUpdateSlice(Axis0):
+    """An update written into a value at offsets known only at run time (a KV cache): row-wise
+    when the offsets are the same for every example and a batched update spans the batch (its
+    offset on axis 0 is then clamped to 0, so each example's row receives its own update)."""
+
+    primitives = ("dynamic_update_slice",)
+
+    def ok(self, c: RowCtx) -> bool:
+        update = c.states[1]
+        return bool(all(s == CONST for s in c.states[2:])
+                    and (update == CONST or c.ins[1][0] == c.bsize))
+
+
+class Identity(Rule):
+    """Operations returning their operands unchanged, one output per operand (an optimization
+    barrier, a transfer to a device)."""
+
+    primitives = ("optimization_barrier", "device_put")
+
+    def row(self, c: RowCtx) -> list[State]:
+        if len(c.states) != len(c.eqn.outvars):
+            return c.mixed()
+        return list(c.states)
 
 
 class Iota(Rule):
@@ -230,5 +320,6 @@ class Iota(Rule):
 
 
 for _rule in (Transpose(), BroadcastInDim(), Reduce(), Squeeze(), Cumulative(), Reshape(), Concatenate(),
-              Split(), Slice(), Pad(), DynamicSlice(), ReduceWindow(), Sort(), TopK(), Rev(), FFT(), Iota()):
+              Split(), Slice(), Pad(), DynamicSlice(), ReduceWindow(), Sort(), TopK(), Rev(), FFT(), Iota(),
+              ApproxTopK(), VariadicReduce(), Stack(), Unstack(), Tile(), DynamicUpdateSlice(), Identity()):
     register(_rule)

@@ -1,0 +1,1 @@
+"""Foundations every package may use, importing no feature package."""

@@ -1,0 +1,198 @@
+"""Every read of JAX's internals, in one place, for every JAX version we support.
+
+Ghost clipping reads traced programs (jaxprs): equations, their primitives and
+parameters, nested jaxprs. These are JAX internals whose layout changes between
+releases; this module is the only code of the package that touches them, so a
+JAX release that changes a layout is handled here once:
+
+- **scan** (jax 0.11, "Use FlatTree to structure scan arguments instead of
+  num_carry, num_consts"): the parameters ``num_consts``, ``num_carry`` and
+  ``linear`` were replaced by ``ft_in`` and ``ft_out``, ``FlatTree``\\ s whose
+  ``unpack()`` gives the groups ``(consts, carry, xs)`` and ``(carry, ys)``;
+  ``len(group)`` is the number of flat operands of a group. :func:`scan_info`
+  reads either layout.
+- **Jaxpr / ClosedJaxpr** (jax 0.11, "Merge Jaxpr and ClosedJaxpr"): one class;
+  a jaxpr is closed when it carries a value for each of its ``constvars``
+  (``is_closed``), and ``.jaxpr`` of a closed jaxpr is the jaxpr itself.
+  :func:`open_jaxpr` reads either.
+
+A parameter that a future release renames or removes is a :class:`LayoutError`
+naming the primitive, the parameter and the JAX version, which the ghost
+analysis turns into a per-leaf fallback with that reason, never a crash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.extend import core as _jcore
+
+__all__ = [
+    "LayoutError", "Params", "ScanInfo", "bind", "is_literal", "is_tracer", "jax_version", "open_jaxpr", "param",
+    "params", "scan_info", "scan_or_none", "shape", "sub_jaxpr", "sub_jaxprs", "with_params",
+]
+
+_MISSING = object()
+
+# The parameter naming the jaxpr a call-like equation runs (pjit/jit: ``jaxpr``; closed_call,
+# core_call, custom_jvp_call, custom_vjp_call: ``call_jaxpr``; custom_vjp_call_jaxpr before
+# jax 0.6: ``fun_jaxpr``; checkpoint/remat2: ``jaxpr``).
+_CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+
+class LayoutError(KeyError):
+    """An equation lacks a parameter in the layout this module knows (a JAX release changed it)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else super().__str__()
+
+
+def jax_version() -> str:
+    return str(jax.__version__)
+
+
+class Params(dict):
+    """An equation's parameters (a copy): reading one it lacks is a :class:`LayoutError`."""
+
+    def __init__(self, eqn: Any) -> None:
+        super().__init__(eqn.params)
+        self.primitive = eqn.primitive.name
+
+    def __missing__(self, name: str) -> Any:
+        raise LayoutError(
+            f"the {self.primitive!r} equations of jax {jax_version()} have no parameter {name!r} "
+            f"(they have {sorted(self)}): gradclip_jax does not know this layout")
+
+
+def params(eqn: Any) -> Params:
+    """Every parameter of ``eqn``, as a :class:`Params` copy (to read, or to rebind it changed)."""
+    return Params(eqn)
+
+
+def param(eqn: Any, name: str, default: Any = _MISSING) -> Any:
+    """Parameter ``name`` of equation ``eqn``; ``default`` when given and absent, else :class:`LayoutError`."""
+    p = eqn.params
+    if name in p:
+        return p[name]
+    if default is not _MISSING:
+        return default
+    return Params(eqn)[name]
+
+
+def with_params(eqn: Any, **updates: Any) -> Any:
+    """``eqn`` with some parameters replaced."""
+    return eqn.replace(params={**eqn.params, **updates})
+
+
+@dataclass(frozen=True)
+class ScanInfo:
+    """A ``scan`` equation's structure, whatever the JAX version's parameter layout.
+
+    Attributes:
+      body: the body, a closed jaxpr over ``(*consts, *carry, *xs)`` giving ``(*carry, *ys)``.
+      n_consts, n_carry: how many operands are constants and carries (the rest are ``xs``).
+      length, reverse, unroll: as ``lax.scan``'s arguments.
+    """
+
+    body: Any
+    n_consts: int
+    n_carry: int
+    length: int
+    reverse: bool
+    unroll: Any
+
+    @property
+    def n_fixed(self) -> int:
+        """Operands before the ``xs``: constants and carries."""
+        return self.n_consts + self.n_carry
+
+
+def _scan_groups(eqn: Any) -> tuple[int, int]:
+    p = eqn.params
+    if "num_consts" in p and "num_carry" in p:  # jax <= 0.10
+        return int(p["num_consts"]), int(p["num_carry"])
+    ft_in = p.get("ft_in")
+    if ft_in is not None and hasattr(ft_in, "unpack"):  # jax >= 0.11: FlatTree of (consts, carry, xs)
+        groups = ft_in.unpack()
+        if len(groups) == 3:
+            return len(groups[0]), len(groups[1])
+    return param(eqn, "num_consts"), param(eqn, "num_carry")  # a LayoutError naming both layouts' miss
+
+
+def scan_info(eqn: Any) -> ScanInfo:
+    """The structure of a ``scan`` equation in jax <= 0.10's layout (``num_consts``,
+    ``num_carry``) or jax >= 0.11's (``ft_in``, ``ft_out``)."""
+    n_consts, n_carry = _scan_groups(eqn)
+    return ScanInfo(param(eqn, "jaxpr"), n_consts, n_carry, int(param(eqn, "length")),
+                    bool(param(eqn, "reverse", False)), param(eqn, "unroll", 1))
+
+
+def scan_or_none(eqn: Any) -> ScanInfo | None:
+    """:func:`scan_info` of a ``scan`` equation whose layout is known; ``None`` for any other
+    equation, or a scan laid out as no supported JAX version does (it is then left as it is)."""
+    if eqn.primitive.name != "scan":
+        return None
+    try:
+        return scan_info(eqn)
+    except LayoutError:
+        return None
+
+
+def shape(v: Any) -> tuple[int, ...]:
+    """The shape of a jaxpr variable (or literal)."""
+    return tuple(getattr(v.aval, "shape", ()))
+
+
+def is_literal(v: Any) -> bool:
+    """Whether a jaxpr atom is a literal (its value is ``v.val``), not a variable."""
+    return isinstance(v, _jcore.Literal)
+
+
+def is_tracer(x: Any) -> bool:
+    """Whether ``x`` is a traced value (not known while tracing)."""
+    return isinstance(x, jax.core.Tracer)
+
+
+def open_jaxpr(j: Any) -> tuple[Any, list[Any] | None]:
+    """``(jaxpr, consts)`` of a closed jaxpr, or ``(jaxpr, None)`` of an open one (its
+    ``constvars``, if any, are bound by the caller)."""
+    if hasattr(j, "jaxpr") and hasattr(j, "consts"):
+        if getattr(j, "is_closed", True):  # jax >= 0.11: one class, closed when it holds its consts
+            return j.jaxpr, list(j.consts)
+        return j.jaxpr, None
+    return j, None
+
+
+def _is_jaxpr(j: Any) -> bool:
+    return hasattr(j, "eqns") or (hasattr(j, "jaxpr") and hasattr(j, "consts"))
+
+
+def sub_jaxpr(eqn: Any) -> Any | None:
+    """The (closed or open) jaxpr a call-like equation runs once on its operands, if any."""
+    for name in _CALL_PARAMS:
+        j = eqn.params.get(name)
+        if j is not None and _is_jaxpr(j):
+            return j
+    return None
+
+
+def sub_jaxprs(eqn: Any) -> list[Any]:
+    """Every (open) jaxpr nested in an equation's parameters: calls, scan and loop bodies, cond branches."""
+    out = []
+    for v in eqn.params.values():
+        for j in v if isinstance(v, (tuple, list)) else (v,):
+            if _is_jaxpr(j):
+                out.append(open_jaxpr(j)[0])
+    return out
+
+
+def bind(eqn: Any, invals: Sequence[Any], eqn_params: Mapping[str, Any] | None = None) -> list[Any]:
+    """Applies one equation's primitive to ``invals`` (with ``eqn_params`` instead of its own when
+    given), in the equation's context (its compute type, mesh and metadata), as a list of outputs."""
+    bound = eqn.primitive.get_bind_params(dict(eqn.params if eqn_params is None else eqn_params))
+    with eqn.ctx.manager:
+        ans = eqn.primitive.bind(*invals, **bound)
+    return list(ans) if eqn.primitive.multiple_results else [ans]
