@@ -32,6 +32,9 @@ Every step is a full optimizer step, jitted with the training state donated:
   book-kept sums at full precision (the DP bound needs them exact to float32
   rounding), so this row says what full precision alone costs on the device
   (on an H100, float32 matmuls otherwise run as TF32).
+* ``ghost`` runs the per-example products at the backend's default
+  ``PRODUCT_PRECISION`` (``"tf32"`` on GPUs: operands rounded once to TF32, exact
+  products on tensor cores); ``ghost_highest`` the same step at ``"highest"``.
 * ``ghost_tf32x3`` / ``ghost_bf16x6`` (``gpt2-b8``, ``gpt2-b32``, ``wrn-b256``):
   the ghost step with the per-example products (Gram norms, formed and
   book-kept sums) at ``DotAlgorithmPreset.TF32_TF32_F32_X3`` (GPU only) or
@@ -113,15 +116,16 @@ RESULTS_JSON = "ghost_gpu.json"
 RESULTS_MD = "GHOST_GPU.md"
 
 STEPS = ("nonprivate", "ghost", "backward", "bookkeeping", "vmap", "jax_privacy", "nonprivate_highest",
-         "ghost_tf32x3", "ghost_bf16x6")
+         "ghost_highest", "ghost_tf32x3", "ghost_bf16x6")
 STEP_TITLES = {"nonprivate": "non-private", "ghost": "ghost (auto)", "backward": "ghost backward",
                "bookkeeping": "ghost bookkeeping", "vmap": "vmap", "jax_privacy": "jax-privacy",
-               "nonprivate_highest": "non-private at HIGHEST", "ghost_tf32x3": "ghost, products 3xTF32",
+               "nonprivate_highest": "non-private at HIGHEST", "ghost_highest": "ghost, products HIGHEST",
+               "ghost_tf32x3": "ghost, products 3xTF32",
                "ghost_bf16x6": "ghost, products 6xBF16"}
 GHOST_SUM = {"ghost": "auto", "backward": "backward", "bookkeeping": "bookkeeping"}
-# Ghost (auto) with the per-example products at a reduced-pass algorithm
-# (gcx.per_example.PRODUCT_PRECISION) instead of Precision.HIGHEST.
-PRODUCT_STEPS = {"ghost_tf32x3": "tf32x3", "ghost_bf16x6": "bf16x6"}
+# Ghost (auto) with the per-example products at another gcx.per_example.PRODUCT_PRECISION
+# setting than the backend's default ("tf32" on GPUs): HIGHEST, or a reduced-pass algorithm.
+PRODUCT_STEPS = {"ghost_highest": "highest", "ghost_tf32x3": "tf32x3", "ghost_bf16x6": "bf16x6"}
 
 
 @dataclass(frozen=True)
@@ -527,7 +531,10 @@ def measure(cfg: Config, *, tiny: bool, reps: int, max_s: float, deadline: float
             res["timing_error"] = _error(err)
             log(res["timing_error"])
             traceback.print_exc()
-    settings = [PRODUCT_STEPS[n] for n in runners if n in PRODUCT_STEPS]
+    settings = [PRODUCT_STEPS[n] for n in runners if n in PRODUCT_STEPS and PRODUCT_STEPS[n] != "highest"]
+    default = gcx.per_example.PRODUCT_PRECISION.get(jax.default_backend(), "highest")
+    if settings and default != "highest":
+        settings.insert(0, default)  # the default ("tf32" on GPUs) against HIGHEST too
     if settings and time.perf_counter() + 2 * clock.get("max_compile_s", 0.0) < deadline:
         log(f"product accuracy against HIGHEST: {', '.join(settings)}")
         try:

@@ -5,8 +5,22 @@ the Gram matrices of ghost norms, the per-example gradients a ghost rule forms,
 and the weighted sums (book-kept or over formed rows). They run at
 :data:`PRODUCT_PRECISION` for the backend (read when the function is traced):
 
-* ``"highest"`` (the default everywhere): ``Precision.HIGHEST``, float32 products
-  exact to rounding.
+* ``"highest"`` (the default except on NVIDIA GPUs): ``Precision.HIGHEST``, float32
+  products exact to rounding.
+* ``"tf32"`` (the default on GPUs, ``"gpu"`` / ``"cuda"``): each float32 operand of a Gram
+  norm, a formed per-example gradient or a book-kept sum is rounded once to TF32 (10
+  mantissa bits, :func:`tf32_round`) and the products run at ``Precision.DEFAULT``,
+  which NVIDIA GPUs run on TF32 tensor cores. A product of two TF32 values is exact in
+  float32 (11 x 11 significant bits), so these products carry only float32
+  accumulation error, as at ``"highest"``: the norms measure the per-example
+  gradients of the rounded operands, and the sums add exactly those. The clip weight
+  is rounded toward zero to TF32 and applied to the rounded cotangent (an exact
+  float32 product of 22 significant bits), which is then split into two TF32 parts
+  (:func:`tf32_weighted`): two exact passes. No margin on the clip norm. The
+  gradient added differs from the float32 one by the operands' rounding (about
+  ``2**-11`` relative, as a non-private step at TF32 does); weighted sums of formed
+  rows stay at ``HIGHEST``. On a CPU ``DEFAULT`` is float32, so the same values come
+  out there.
 * ``"bf16x6"``: ``DotAlgorithmPreset.BF16_BF16_F32_X6``, six bfloat16 passes
   with float32 accumulation (about float32 accuracy, on bfloat16 tensor cores).
 * ``"tf32x3"``: ``DotAlgorithmPreset.TF32_TF32_F32_X3``, three TF32 passes
@@ -45,18 +59,25 @@ __all__ = [
     "PRODUCT_PRECISION",
     "PRODUCT_UNITS",
     "ROUNDING_SIGMAS",
+    "as_measured",
     "product_einsum",
     "product_error",
     "product_margin",
     "product_precision",
+    "rounds_to_tf32",
     "tf32_passes",
+    "tf32_round",
+    "tf32_weighted",
 ]
 
 # Backend name -> one of _ALGORITHMS' keys; a backend not listed uses "highest".
-PRODUCT_PRECISION: dict[str, str] = {}
+PRODUCT_PRECISION: dict[str, str] = {"gpu": "tf32", "cuda": "tf32"}
 
 _ALGORITHMS: dict[str, Any] = {
     "highest": lax.Precision.HIGHEST,
+    # products of arbitrary float32 values (weighted sums of formed rows) stay exact to
+    # rounding; the operands of Gram norms, formed and book-kept products are rounded first
+    "tf32": lax.Precision.HIGHEST,
     "bf16x6": lax.DotAlgorithmPreset.BF16_BF16_F32_X6,
     "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
 }
@@ -66,7 +87,8 @@ _ALGORITHMS: dict[str, Any] = {
 # (round to nearest), the dropped cross terms and the split's residual are each <= 2**-24.
 # x3: operands split into two TF32 parts; with truncating conversions the dropped
 # low x low term and the two residuals are each <= 2**-20.
-PRODUCT_UNITS: dict[str, int] = {"highest": 0, "bf16x6": 8, "tf32x3": 128}
+# tf32: the products are exact and the weighting is exact (see the module's docstring): 0.
+PRODUCT_UNITS: dict[str, int] = {"highest": 0, "tf32": 0, "bf16x6": 8, "tf32x3": 128}
 
 
 def _reduced(*dtypes: Any) -> str | None:
@@ -89,8 +111,55 @@ def product_precision(*dtypes: Any) -> Any:
     return lax.Precision.HIGHEST if name is None else _ALGORITHMS[name]
 
 
+def rounds_to_tf32(*dtypes: Any) -> bool:
+    """Whether products of operands of ``dtypes`` (all float32) run on TF32-rounded operands
+    (:data:`PRODUCT_PRECISION` ``"tf32"`` for the backend)."""
+    return _reduced(*dtypes) == "tf32"
+
+
+def tf32_round(x: jax.Array) -> jax.Array:
+    """``x`` (float32) rounded to nearest (ties to even) to TF32's 10 mantissa bits, kept as float32."""
+    return lax.reduce_precision(x, exponent_bits=8, mantissa_bits=10)
+
+
+def as_measured(x: jax.Array) -> jax.Array:
+    """The values the per-example products measure and add: ``x`` rounded to TF32 (:func:`tf32_round`)
+    when :data:`PRODUCT_PRECISION` is ``"tf32"`` and ``x`` is float32, else ``x`` itself. Every site
+    view a ghost norm is taken of goes through this, so a book-kept sum adds what was measured."""
+    return tf32_round(x) if rounds_to_tf32(x.dtype) else x
+
+
+def _tf32_trunc(x: jax.Array) -> jax.Array:
+    """``x`` (float32) truncated toward zero to TF32's 10 mantissa bits (``|result| <= |x|``)."""
+    bits = lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFFE000)
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def tf32_weighted(g: jax.Array, w: jax.Array) -> list[jax.Array] | None:
+    """A cotangent ``g`` weighted by clip weights ``w`` (broadcast against it) as TF32 parts whose sum
+    is ``trunc(w) * round(g)`` exactly, when :data:`PRODUCT_PRECISION` is ``"tf32"`` and ``g`` is
+    float32; else ``None``.
+
+    ``round(g)`` is :func:`tf32_round` (the cotangent the norms measured) and ``trunc(w)`` the weight
+    truncated toward zero to TF32 (so ``|trunc(w)| <= |w|``). Their product has at most 22
+    significant bits, exact in float32; split into a head of 11 and a tail of at most 11, each
+    is a TF32 value, so a product with a TF32 operand at ``Precision.DEFAULT`` (tensor cores) is
+    exact in each of the two passes. An example's contribution is then ``trunc(w_b)`` times the
+    gradient whose norm was measured, to float32 accumulation: its norm is at most the clip norm.
+    """
+    if not rounds_to_tf32(g.dtype):
+        return None
+    ct = _tf32_trunc(w.astype(jnp.float32)) * tf32_round(g)
+    head = _tf32_trunc(ct)
+    return [head, ct - head]
+
+
 def product_einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-    """``jnp.einsum`` of two operands at :func:`product_precision` (float32 result for float32)."""
+    """``jnp.einsum`` of two operands at :func:`product_precision` (float32 result for float32);
+    at ``"tf32"``, of both rounded to TF32 at ``Precision.DEFAULT`` (exact products)."""
+    if rounds_to_tf32(a.dtype, b.dtype):
+        return jnp.einsum(spec, tf32_round(a), tf32_round(b), precision=lax.Precision.DEFAULT,
+                          preferred_element_type=jnp.float32)
     prec = product_precision(a.dtype, b.dtype)
     if isinstance(prec, lax.Precision):
         return jnp.einsum(spec, a, b, precision=prec)
@@ -100,8 +169,7 @@ def product_einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
 def _tf32_split(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(head, tail)`` with ``head + tail == x`` exactly: ``head`` keeps the sign, exponent and
     10 leading mantissa bits (a TF32 value), ``tail`` the rest (``|tail| < 2**-10 |x|``)."""
-    bits = lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFFE000)
-    head = lax.bitcast_convert_type(bits, jnp.float32)
+    head = _tf32_trunc(x)
     return head, x - head
 
 

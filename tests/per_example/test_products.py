@@ -21,8 +21,16 @@ from gradclip_jax.per_example._products import (
     product_margin,
     product_precision,
     tf32_passes,
+    tf32_round,
+    tf32_weighted,
 )
-from tests.per_example.models import assert_tree_close, cnn_setup, loop_reference, mlp_setup
+from tests.per_example.models import (
+    assert_tree_close,
+    cnn_setup,
+    embed_setup,
+    loop_reference,
+    mlp_setup,
+)
 
 X6 = "BF16_BF16_F32_X6"  # the reduced-pass algorithm XLA's CPU backend accepts
 
@@ -62,7 +70,11 @@ def _assert_matches_loop(fn, loss, params, data, clip):
     assert int(info.num_clipped) == clipped
 
 
-def test_default_is_highest_everywhere():
+def test_default_is_highest_on_the_cpu_and_tf32_on_gpus():
+    assert PRODUCT_PRECISION.get("cpu", "highest") == "highest"
+    assert PRODUCT_PRECISION["gpu"] == PRODUCT_PRECISION["cuda"] == "tf32"
+    if jax.default_backend() != "cpu":
+        return
     assert product_precision(np.float32, np.float32) is lax.Precision.HIGHEST
     assert product_margin(np.float32) == 1.0
     loss, params, data = mlp_setup()
@@ -159,3 +171,91 @@ def test_tf32x3_lowers_for_cuda_with_no_product_at_highest(monkeypatch):
         text = f.trace(params, data).lower(lowering_platforms=("cuda",)).as_text()
         assert "HIGHEST" not in text
         assert "lhs_precision_type = tf32" in text
+
+
+@pytest.fixture
+def tf32(monkeypatch):
+    """This backend's products at ``"tf32"`` (on a CPU, DEFAULT is float32: the same values as a GPU)."""
+    monkeypatch.setitem(PRODUCT_PRECISION, jax.default_backend(), "tf32")
+
+
+def _tf32_exact(x) -> bool:
+    """Every value of ``x`` has at most 11 significant bits (a TF32 value)."""
+    m, _ = np.frexp(np.asarray(x, np.float64))
+    return bool(np.all(m * 2.0**11 == np.round(m * 2.0**11)))
+
+
+def test_tf32_round_keeps_ten_mantissa_bits_and_makes_products_exact():
+    r = np.random.default_rng(0)
+    x = jnp.asarray(r.normal(size=4000) * 10.0 ** r.integers(-15, 15, 4000), jnp.float32)
+    y = tf32_round(x)
+    assert y.dtype == jnp.float32 and _tf32_exact(y)
+    rel = np.abs(np.asarray(y, np.float64) / np.asarray(x, np.float64) - 1.0)
+    assert rel.max() <= 2.0**-11  # round to nearest
+    a, b = np.asarray(y[:2000], np.float64), np.asarray(y[2000:], np.float64)
+    assert np.array_equal(np.asarray(y[:2000] * y[2000:], np.float64), a * b)  # exact in float32
+    assert tf32_weighted(x, x) is None  # only at "tf32"
+
+
+def test_tf32_weighted_parts_sum_to_the_truncated_weight_times_the_rounded_cotangent(tf32):
+    r = np.random.default_rng(1)
+    g = jnp.asarray(r.normal(size=(6, 50)) * 10.0 ** r.integers(-5, 5, (6, 1)), jnp.float32)
+    w = jnp.asarray(r.uniform(0, 1, size=(6, 1)), jnp.float32)
+    head, tail = tf32_weighted(g, w)
+    assert _tf32_exact(head) and _tf32_exact(tail)
+    wt = np.asarray(w, np.float64)
+    trunc = np.asarray(head + tail, np.float64) / np.asarray(tf32_round(g), np.float64)
+    assert np.all(trunc <= wt) and np.all(trunc > wt * (1 - 2.0**-10))
+    exact = np.asarray(head, np.float64) + np.asarray(tail, np.float64)
+    np.testing.assert_array_equal(exact, trunc[:, :1] * np.asarray(tf32_round(g), np.float64))
+    assert tf32_weighted(g.astype(jnp.float64 if jax.config.jax_enable_x64 else jnp.bfloat16), w) is None
+
+
+def test_tf32_products_are_default_precision_on_rounded_operands(tf32):
+    assert product_precision(np.float32, np.float32) is lax.Precision.HIGHEST  # weighted sums of rows
+    assert product_margin(np.float32) == 1.0 and PRODUCT_UNITS["tf32"] == 0
+    loss, params, data = mlp_setup()
+    f = clipped_grad(loss, 1.0, method="ghost", ghost_sum="bookkeeping")
+    precs = _algorithms(f, params, data)
+    assert sum("DEFAULT" in p for p in precs) >= 4  # the Gram norms and the two passes of each sum
+    text = jax.jit(f).trace(params, data).lower(lowering_platforms=("cuda",)).as_text()
+    assert "reduce_precision" in text
+
+
+@pytest.mark.parametrize("setup", [mlp_setup, cnn_setup, embed_setup], ids=["mlp", "cnn", "embed"])
+@pytest.mark.parametrize("ghost_sum", ["bookkeeping", "auto"])
+def test_ghost_at_tf32_matches_the_loop_to_tf32_rounding(tf32, setup, ghost_sum):
+    loss, params, data = setup()
+    want, norms, _ = loop_reference(loss, params, data, 0.5)
+    got, info = jax.jit(clipped_grad(loss, 0.5, method="ghost", ghost_sum=ghost_sum))(params, data)
+    assert_tree_close(got, want, rtol=4e-3, atol=4e-4)
+    np.testing.assert_allclose(info.norms, norms, rtol=2e-3)
+
+
+@pytest.mark.parametrize("setup", [mlp_setup, cnn_setup, embed_setup], ids=["mlp", "cnn", "embed"])
+@pytest.mark.parametrize("seed", range(3))
+def test_tf32_contribution_stays_within_the_clip_norm(tf32, setup, seed):
+    """One example far above the bound: what is added (float64 norm) is at most C, with no margin."""
+    loss, params, data = setup(seed=seed, batch=1)
+    _, info = clipped_grad(loss, 1.0, method="ghost")(params, data)
+    checked = 0
+    for clip in float(info.norms[0]) * np.array([1e-4, 0.37, 0.9, 2.0]):
+        for ghost_sum in ("bookkeeping", "auto"):
+            got, info = jax.jit(clipped_grad(loss, clip, method="ghost", ghost_sum=ghost_sum))(params, data)
+            if float(info.norms[0]) <= clip:  # not clipped: nothing to bound
+                continue
+            norm = np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree.leaves(got)))
+            assert norm <= clip
+            assert norm > clip * (1 - 2.0**-9)  # the weight's truncation costs at most 2**-10
+            checked += 1
+    assert checked >= 2
+
+
+def test_tf32_refuses_a_second_backward_pass_and_auto_books_keeps(tf32):
+    """The norms measure the gradients of rounded operands, which only book-keeping adds."""
+    loss, params, data = cnn_setup()
+    with pytest.raises(ValueError, match=r"ghost_sum='backward' cannot be used here: .*PRODUCT_PRECISION is 'tf32'"):
+        clipped_grad(loss, 0.5, method="ghost", ghost_sum="backward")(params, data)
+    got, _ = jax.jit(clipped_grad(loss, 0.5, method="ghost", ghost_sum="auto"))(params, data)
+    want, _ = jax.jit(clipped_grad(loss, 0.5, method="ghost", ghost_sum="bookkeeping"))(params, data)
+    assert_tree_close(got, want, rtol=0, atol=0)

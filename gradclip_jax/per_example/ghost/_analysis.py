@@ -21,6 +21,7 @@ from gradclip_jax._core import jaxcompat as jc
 from gradclip_jax._core.jaxcompat import is_literal, open_jaxpr, shape, sub_jaxprs
 from gradclip_jax.per_example._batch import LOSS_CONTRACT, batch_size_of, check_loss_out, keystr
 from gradclip_jax.per_example._config import ClipConfig, GhostSum, Method
+from gradclip_jax.per_example._products import rounds_to_tf32
 from gradclip_jax.per_example.ghost._jaxpr import (
     CHAIN_OPS,
     MAX_UNROLL,
@@ -466,6 +467,16 @@ def reduced_matmul_precision() -> str | None:
             "bfloat16 passes; jax_default_matmul_precision is not 'float32')")
 
 
+def tf32_products() -> str | None:
+    """Why a second backward pass cannot add what the norms measured at ``PRODUCT_PRECISION``
+    ``"tf32"`` (``None`` at any other setting): they measure the per-example gradients of the
+    TF32-rounded activations and cotangents, which only book-keeping adds."""
+    if not rounds_to_tf32(np.float32):
+        return None
+    return ("gradclip_jax.per_example.PRODUCT_PRECISION is 'tf32' for this backend (the norms measure "
+            "the per-example gradients of TF32-rounded activations and cotangents)")
+
+
 def check_sum_precision(config: ClipConfig, plan: Plan, pflat: _norms.FlatTree) -> None:
     """ValueError for ``ghost_sum='backward'`` where its second pass would round below float32.
 
@@ -479,10 +490,11 @@ def check_sum_precision(config: ClipConfig, plan: Plan, pflat: _norms.FlatTree) 
     """
     if config.per_layer or config.ghost_sum is not GhostSum.BACKWARD:
         return
-    narrow = narrow_values(plan, pflat)
-    why = narrow or reduced_matmul_precision()
+    narrow, tf32 = narrow_values(plan, pflat), tf32_products()
+    why = narrow or tf32 or reduced_matmul_precision()
     if why is not None:
-        fix = "" if narrow else ", or set jax.config.update('jax_default_matmul_precision', 'float32')"
+        fix = ("" if narrow else ", or set PRODUCT_PRECISION[jax.default_backend()] = 'highest'" if tf32
+               else ", or set jax.config.update('jax_default_matmul_precision', 'float32')")
         raise ValueError(
             f"{config.fn}: ghost_sum='backward' cannot be used here: {why}, and a second backward "
             "pass would round each example's clipped contribution at that precision (its norm could "
@@ -498,7 +510,7 @@ def sum_mode(config: ClipConfig, traced: Traced) -> GhostSum:
     closed, plan = traced
     if config.per_layer or plan.narrow_leaf is not None or plan.narrow_op is not None:
         return GhostSum.BOOKKEEPING
-    if config.ghost_sum is GhostSum.AUTO and reduced_matmul_precision() is not None:
+    if config.ghost_sum is GhostSum.AUTO and (reduced_matmul_precision() or tf32_products()) is not None:
         return GhostSum.BOOKKEEPING
     if config.ghost_sum is not GhostSum.AUTO:
         return config.ghost_sum

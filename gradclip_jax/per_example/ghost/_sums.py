@@ -21,7 +21,7 @@ from gradclip_jax.per_example._batch import (
 )
 from gradclip_jax.per_example._config import ClipConfig
 from gradclip_jax.per_example._measure import as_rows, unrow
-from gradclip_jax.per_example._products import tf32_passes
+from gradclip_jax.per_example._products import as_measured, tf32_passes, tf32_weighted
 from gradclip_jax.per_example._sums import fused_sums, scan_weighted_sum
 from gradclip_jax.per_example.ghost._analysis import Traced
 from gradclip_jax.per_example.ghost._jaxpr import widen
@@ -57,8 +57,10 @@ def _site_sum(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any], 
     :math:`w_b a_b^\\top g_b` to float32 rounding, as measured (a 16-bit
     :math:`w_b g_b` would round it up to ``2**-9`` above). With ``keep``, the
     dropped examples' operand rows and cotangents are zeroed first: their
-    contribution is exactly 0 even when those hold NaN or inf. A convolution at
-    ``PRODUCT_PRECISION`` ``"tf32x3"`` runs as three TF32 passes
+    contribution is exactly 0 even when those hold NaN or inf. At ``PRODUCT_PRECISION``
+    ``"tf32"`` the operands and the weighted cotangent are the TF32 values the norms measured,
+    in two exact passes (:func:`~gradclip_jax.per_example._products.tf32_weighted`); a
+    convolution at ``"tf32x3"`` runs as three TF32 passes
     (:func:`~gradclip_jax.per_example._products.tf32_passes`). A site in a
     scan's body gives each step's block of the stacked leaf.
     """
@@ -77,6 +79,13 @@ def _site_sum(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any], 
         for r in site.rows:
             vals[r] = _zero_dropped(vals[r], keep, site.axis)
     p0 = param.astype(widen(param.dtype, acc))
+    parts = tf32_weighted(g.astype(ct_dtype), w.astype(ct_dtype).reshape(shape))
+    if parts is not None:  # "tf32": exact passes on the operands the norms measured
+        if keep is not None:
+            parts = [_zero_dropped(x, keep, site.out_axis) for x in parts]
+        for r in site.rows:
+            vals[r] = as_measured(vals[r])
+        return _pulled(closed, site, vals, p0, acc, parts)
     passes = tf32_passes(vals[site.rows[0]], ct) if site.kind == "conv" and len(site.rows) == 1 else None
     if passes is None:
         _, pull = jax.vjp(lambda p: apply_site(closed, site, vals, p, acc), p0)
@@ -86,10 +95,20 @@ def _site_sum(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any], 
     total = None
     for x, c in passes:
         v = [*vals[:row], x, *vals[row + 1:]]
-        _, pull = jax.vjp(lambda p, v=v: apply_site(closed, site, v, p, acc, lax.Precision.DEFAULT), p0)
-        part = pull(c)[0]
+        part = _pulled(closed, site, v, p0, acc, [c])
         total = part if total is None else total + part
     return total  # type: ignore[return-value]
+
+
+def _pulled(closed: Any, site: Site, vals: Sequence[Any], p0: jax.Array, acc: Any,
+            cts: Sequence[jax.Array]) -> jax.Array:
+    """The sum of the pull-backs of ``cts`` through the site's operation on ``vals``, its products
+    at ``Precision.DEFAULT`` (each pass exact on TF32 operands; TF32 tensor cores on NVIDIA GPUs)."""
+    _, pull = jax.vjp(lambda p: apply_site(closed, site, vals, p, acc, lax.Precision.DEFAULT), p0)
+    total = pull(cts[0])[0]
+    for c in cts[1:]:
+        total = total + pull(c)[0]
+    return total  # type: ignore[no-any-return]
 
 
 # Site kinds whose dropped-example zeroing costs a pass over large activations the

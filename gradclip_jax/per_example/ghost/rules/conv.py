@@ -34,7 +34,7 @@ from jax import lax
 from gradclip_jax._core import jaxcompat as jc
 from gradclip_jax._core.jaxcompat import shape
 from gradclip_jax.per_example._measure import combine_l2, leaf_example_norms
-from gradclip_jax.per_example._products import product_einsum, product_error
+from gradclip_jax.per_example._products import as_measured, product_einsum, product_error
 from gradclip_jax.per_example.ghost._gram import GramTerm, gram_norm, self_gram_rows
 from gradclip_jax.per_example.ghost.rules._registry import (
     CONST,
@@ -77,7 +77,7 @@ class ConvViews:
         self.strides = tuple(p["window_strides"])
         out = [g.shape[d] for d in out_spec[2:]]
         self.bsz, self.t = g.shape[out_spec[0]], math.prod(out)
-        xc = jnp.transpose(x, lhs_spec).astype(acc)  # (B, C, *spatial): the input, not the patches, is moved
+        xc = as_measured(jnp.transpose(x, lhs_spec).astype(acc))  # (B, C, *spatial): the input, not the patches, is moved
         pads = [(0, 0, 0), (0, 0, 0)]
         pads += [(lo, hi, d - 1) for (lo, hi), d in zip(p["padding"], p["lhs_dilation"], strict=True)]
         self.xp = lax.pad(xc, jnp.zeros((), xc.dtype), pads)  # the input as the convolution reads it
@@ -89,7 +89,7 @@ class ConvViews:
         gt = jnp.reshape(jnp.transpose(g, (out_spec[0], *out_spec[2:], out_spec[1])), (self.bsz, self.t, -1))
         # a group's output channels, like its input channels, are contiguous (merging and
         # splitting axes in one reshape has no sharding rule: two reshapes)
-        gt = jnp.reshape(gt.astype(acc), (self.bsz, self.t, self.groups, -1))
+        gt = jnp.reshape(as_measured(gt.astype(acc)), (self.bsz, self.t, self.groups, -1))
         self.g = jnp.transpose(gt, (0, 2, 1, 3))
 
     @property

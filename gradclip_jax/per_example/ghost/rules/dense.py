@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from gradclip_jax._core import jaxcompat as jc
 from gradclip_jax._core.jaxcompat import shape
-from gradclip_jax.per_example._products import product_einsum, product_error
+from gradclip_jax.per_example._products import as_measured, product_einsum, product_error
 from gradclip_jax.per_example.ghost._gram import GramTerm, gram_norm, self_gram_rows
 from gradclip_jax.per_example.ghost.rules._registry import (
     CONST,
@@ -57,7 +57,7 @@ def dense_views(site: Site, eqn: Any, a: jax.Array, g: jax.Array, acc: Any) -> t
     m = site.merged
     a3 = jnp.reshape(jnp.transpose(a, (k, *seq, *ca)), (bsz // m, m * t, dsz)).astype(acc)
     g3 = jnp.reshape(jnp.transpose(g, g_perm), (bsz // m, m * t, -1)).astype(acc)
-    return a3, g3
+    return as_measured(a3), as_measured(g3)
 
 
 class DotGeneral(Rule):

@@ -16,7 +16,7 @@ from jax import lax
 
 from gradclip_jax._core import jaxcompat as jc
 from gradclip_jax._core.jaxcompat import shape
-from gradclip_jax.per_example._products import product_einsum, product_error
+from gradclip_jax.per_example._products import as_measured, product_einsum, product_error
 from gradclip_jax.per_example.ghost._gram import GramTerm, gram_norm, self_gram_rows
 from gradclip_jax.per_example.ghost.rules._registry import (
     ROW,
@@ -88,7 +88,7 @@ def embedding_views(eqn: Any, idx: jax.Array, g: jax.Array, acc: Any) -> tuple[j
     """
     bsz = idx.shape[0]
     ids = jnp.reshape(idx[..., _row_index(eqn)], (bsz, -1))
-    g3 = jnp.reshape(g, (bsz, ids.shape[1], -1)).astype(acc)
+    g3 = as_measured(jnp.reshape(g, (bsz, ids.shape[1], -1)).astype(acc))
     rows = shape(eqn.invars[0])[0]
     if jc.param(eqn, "mode") == lax.GatherScatterMode.FILL_OR_DROP:
         ok = (ids >= 0) & (ids < rows)
