@@ -83,9 +83,13 @@ def fused_sums(
     """``sum_i factors[l]_i * rows[l]_i`` for every leaf ``l``, in the accumulation dtype.
 
     Rows where ``keep`` is False contribute exactly zero, even if they hold NaN or
-    inf: when every dropped row is finite (``finite``, the common case) their
-    weight is simply 0; otherwise one ``lax.cond`` takes a path that also zeroes
-    the rows themselves. Each sum is a single ``dot_general`` over the batch axis.
+    inf. Without ``finite`` (small rows: the leaves ghost clipping forms) the rows
+    are zeroed by an elementwise select the sum reads, with no loop and no
+    conditional (on a GPU a conditional costs a round trip to the host). With
+    ``finite`` (every example's gradient formed: a zeroed copy would double them)
+    their weight is simply 0 when every dropped row is finite, the common case;
+    otherwise one ``lax.cond`` takes a path that zeroes the rows one example at a
+    time. Each sum is a single ``dot_general`` over the batch axis.
 
     Returns:
       The sums, each of shape ``row.shape[1:]``.
@@ -107,7 +111,7 @@ def fused_sums(
         return scan_weighted_sum(init, keep, weights, list(rs), lambda x: x)
 
     if finite is None:
-        return safe(rows)
+        return fast([jnp.where(_bcast(keep, r), r, jnp.zeros((), r.dtype)) for r in rows])
     ok = jnp.all(keep | finite)
     return cond(ok, fast, safe, list(rows))  # type: ignore[no-any-return]
 

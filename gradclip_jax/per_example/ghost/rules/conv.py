@@ -65,8 +65,8 @@ class ConvViews:
 
     Attributes:
       xp: the input as ``(B, Cin, *spatial)``, padded (and dilated) as the convolution reads it.
-      offsets: ``(K, n)`` int32, each tap's start in ``xp`` (``n`` spatial axes), row-major over
-        the kernel's spatial axes as ``lax.conv_general_dilated_patches`` orders them.
+      offsets: ``K`` tuples of ``n`` ints, each tap's start in ``xp`` (``n`` spatial axes), row-major
+        over the kernel's spatial axes as ``lax.conv_general_dilated_patches`` orders them.
       g: the output cotangent as ``(B, groups, T, P)``.
     """
 
@@ -84,8 +84,8 @@ class ConvViews:
         self.extent = (self.bsz, self.xp.shape[1], *((n - 1) * s + 1 for n, s in zip(out, self.strides, strict=True)))
         kshape = shape(eqn.invars[1])
         taps = itertools.product(*(range(kshape[d]) for d in rhs_spec[2:]))
-        self.offsets = jnp.asarray([[o * r for o, r in zip(tap, p["rhs_dilation"], strict=True)] for tap in taps],
-                                   jnp.int32)
+        self.offsets = tuple(tuple(int(o) * int(r) for o, r in zip(tap, p["rhs_dilation"], strict=True))
+                             for tap in taps)
         gt = jnp.reshape(jnp.transpose(g, (out_spec[0], *out_spec[2:], out_spec[1])), (self.bsz, self.t, -1))
         # a group's output channels, like its input channels, are contiguous (merging and
         # splitting axes in one reshape has no sharding rule: two reshapes)
@@ -95,14 +95,15 @@ class ConvViews:
     @property
     def dims(self) -> tuple[int, int, int, int, int]:
         """``(T, K, Cin/groups, P, groups)``: the patches are ``(T, D)`` with ``D = K Cin/groups``."""
-        k, c = self.offsets.shape[0], self.xp.shape[1] // self.groups
+        k, c = len(self.offsets), self.xp.shape[1] // self.groups
         return self.t, k, c, self.g.shape[-1], self.groups
 
-    def tap(self, offset: jax.Array) -> jax.Array:
-        """The input tap ``offset`` reads, ``X_bk``, as ``(B, groups, Cin/groups, T)``."""
-        start = (jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32), *offset)
-        window = lax.dynamic_slice(self.xp, start, self.extent)
-        x = lax.slice(window, (0,) * window.ndim, window.shape, (1, 1, *self.strides))
+    def tap(self, offset: tuple[int, ...]) -> jax.Array:
+        """The input tap ``offset`` reads, ``X_bk``, as ``(B, groups, Cin/groups, T)``: one static
+        strided slice of the padded input."""
+        start = (0, 0, *offset)
+        limit = tuple(a + n for a, n in zip(start, self.extent, strict=True))
+        x = lax.slice(self.xp, start, limit, (1, 1, *self.strides))
         return jnp.reshape(jnp.reshape(x, (self.bsz, -1, self.t)), (self.bsz, self.groups, -1, self.t))
 
 
@@ -114,10 +115,11 @@ def gram_norms(views: ConvViews) -> jax.Array:
     def gram(x: jax.Array) -> jax.Array:
         return product_einsum("bgct,bgcs->bgts", x, x)
 
-    # one window at a time; the carry starts from the first tap's Gram, so it has the
-    # type (and, inside shard_map, the varying axes) of the others
-    first = gram(views.tap(views.offsets[0]))
-    pp, _ = lax.scan(lambda acc, off: (acc + gram(views.tap(off)), None), first, views.offsets[1:])
+    # one window at a time, each a static slice: no loop in the program (a loop's K sequential
+    # iterations, each a small product, run slowly on GPUs)
+    pp = gram(views.tap(views.offsets[0]))
+    for off in views.offsets[1:]:
+        pp = pp + gram(views.tap(off))
     gg = product_einsum("bgtp,bgsp->bgts", views.g, views.g)
     _, k, c, q, _ = views.dims
     # pp adds the K taps' Grams (its diagonal is read, not formed again): K c terms per entry
@@ -127,19 +129,17 @@ def gram_norms(views: ConvViews) -> jax.Array:
 
 def formed_norms(views: ConvViews) -> jax.Array:
     """The norm of each example's gradient, :math:`(X_{bgk}^\\top G_{bg})_{k,g}`, ``(B,)``:
-    one batched matmul per tap (not a vmapped convolution), one window at a time.
+    one batched matmul per tap (not a vmapped convolution), each tap a static slice (no loop).
 
     The taps' blocks of the gradient are disjoint, so their squared norms add: each
-    block is measured as it is formed and only one tap's block is held at a time.
+    block is measured as it is formed.
     """
-
-    def tap_norms(_: None, off: jax.Array) -> tuple[None, jax.Array]:
+    per_tap = []
+    for off in views.offsets:
         block = product_einsum("bgct,bgtp->bgcp", views.tap(off), views.g)
-        # branch-free: a conditional in the loop body would cost a host round trip per tap on GPUs
-        return None, leaf_example_norms([block], branch_free=True)[0]
-
-    _, per_tap = lax.scan(tap_norms, None, views.offsets)  # (K, B)
-    return combine_l2(list(per_tap))
+        # branch-free: no overflow conditional per tap (each a host round trip on GPUs)
+        per_tap.append(leaf_example_norms([block], branch_free=True)[0])
+    return combine_l2(per_tap)
 
 
 class Conv(Rule):
