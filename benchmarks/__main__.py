@@ -1,6 +1,6 @@
 """Runs every benchmark in one process and prints/saves the ratio table.
 
-Usage: ``python -m benchmarks [--quick] [--only core,stateful,dp,noise,ghost,sampling,core-gpu] [--out DIR]``.
+Usage: ``python -m benchmarks [--quick] [--only core,stateful,dp,noise,ghost,sampling,cost,core-gpu] [--out DIR]``.
 Writes ``DIR/results.json`` and ``DIR/RESULTS.md`` (default ``benchmarks/results``);
 the GPU suites (``core-gpu``, not run by default) write ``DIR/results_<suite>.json``
 and ``DIR/RESULTS_<suite>.md`` of their own, so a GPU run does not replace the
@@ -13,7 +13,13 @@ Suites in ``EXTRA_SUITES`` run only when named in ``--only``: ``ghost-gpu``
 (full DP training steps of GPT-2 small and WRN-16-4 on a GPU; ``--models``
 picks its configs, ``--force-cpu`` makes a tiny smoke run without a GPU) writes
 its own results files (``DIR/GHOST_GPU.md``, ``DIR/ghost_gpu.json``) and its
-rows are printed but not added to ``RESULTS.md``.
+rows are printed but not added to ``RESULTS.md``; ``profile-gpu``
+(``benchmarks/profile_gpu.py``: profiler traces of the non-private, ghost and
+vmap steps of the same configs, by kernel category; ``--models`` as for
+``ghost-gpu``, default ``gpt2-b8,wrn-b256``) writes ``DIR/PROFILE_GPU.md`` and
+``DIR/profile_gpu.json`` the same way. ``cost`` (``bench_cost``) reads the DP
+steps' programs on the CPU: FLOPs, bytes, HLO instructions, control flow and
+the CUDA lowering's matmul precisions, as ratios to the non-private step.
 """
 
 from __future__ import annotations
@@ -28,9 +34,15 @@ import time
 
 import jax
 
-SUITES = ("core", "stateful", "dp", "noise", "ghost", "sampling")
+SUITES = ("core", "stateful", "dp", "noise", "ghost", "sampling", "cost")
 GPU_SUITES = ("core-gpu",)  # rows go to results_<suite>.json / RESULTS_<suite>.md
-EXTRA_SUITES = ("ghost-gpu", *GPU_SUITES)  # run only when named in --only
+EXTRA_SUITES = ("ghost-gpu", "profile-gpu", *GPU_SUITES)  # run only when named in --only
+MODULES = {"profile-gpu": "benchmarks.profile_gpu"}  # the others: benchmarks.bench_<name>
+
+
+def module_name(suite: str) -> str:
+    """The module whose ``run`` runs ``suite``."""
+    return MODULES.get(suite, f"benchmarks.bench_{suite.replace('-', '_')}")
 
 
 def merge_rows(old: list[dict], new: list[dict], ran: set[str], date: str) -> list[dict]:
@@ -74,25 +86,27 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small trees and few repetitions")
     parser.add_argument("--only", default=",".join(SUITES), help="comma-separated suites")
     parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
-    parser.add_argument("--models", default=None, help="ghost-gpu: configs to run (e.g. gpt2,wrn)")
-    parser.add_argument("--force-cpu", action="store_true", help="ghost-gpu: tiny smoke run without a GPU")
+    parser.add_argument("--models", default=None, help="ghost-gpu, profile-gpu: configs to run (e.g. gpt2,wrn)")
+    parser.add_argument("--force-cpu", action="store_true",
+                        help="ghost-gpu, profile-gpu: tiny smoke run without a GPU")
     args = parser.parse_args()
     rows: list[dict] = []
     names = [n.strip() for n in args.only.split(",") if n.strip()]
     for name in names:
         if name not in SUITES + EXTRA_SUITES:
             parser.error(f"--only: unknown suite {name!r}; known: {', '.join(SUITES + EXTRA_SUITES)}")
-        mod = importlib.import_module(f"benchmarks.bench_{name.replace('-', '_')}")
+        mod = importlib.import_module(module_name(name))
         params = inspect.signature(mod.run).parameters
         extra = {k: v for k, v in (("out", args.out), ("models", args.models),
                                    ("force", True if args.force_cpu else None)) if k in params}
         t0 = time.perf_counter()
         suite_rows = mod.run(quick=args.quick, **extra)
         for r in suite_rows:
-            print(f"[{r['group']}] {r['name']}: {r['ours_ms']:.2f} ms vs {r['baseline_ms']:.2f} ms "
+            unit = r.get("unit", "ms")  # rows of counts or sizes name their unit
+            print(f"[{r['group']}] {r['name']}: {r['ours_ms']:.2f} {unit} vs {r['baseline_ms']:.2f} {unit} "
                   f"= {r['ratio']:.3f}  {r.get('note', '')}", flush=True)
         print(f"-- {name}: {time.perf_counter() - t0:.0f} s", flush=True)
-        if name not in EXTRA_SUITES or name in GPU_SUITES:  # ghost-gpu writes its own files
+        if name not in EXTRA_SUITES or name in GPU_SUITES:  # ghost-gpu, profile-gpu write their own files
             rows += suite_rows
     if not rows:
         return

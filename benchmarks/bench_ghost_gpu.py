@@ -169,12 +169,14 @@ def select(models: str | Sequence[str] | None) -> list[Config]:
 
 
 def _gpt2(batch: int, *, fused: bool, dtype: Any, tiny: bool, seed: int = 0,
-          scan: bool = False) -> tuple[Callable, Any, Any, str]:
+          scan: bool = False, layers: int | None = None) -> tuple[Callable, Any, Any, str]:
     """GPT-2 small (or the tiny smoke size) in flax nnx; returns ``(losses, params, data, label)``.
-    ``scan``: the blocks stacked on axis 0 (``nnx.vmap``) and run by ``lax.scan``."""
+    ``scan``: the blocks stacked on axis 0 (``nnx.vmap``) and run by ``lax.scan``; ``layers``:
+    that many blocks instead of the size's own (12, or 2 when tiny)."""
     from flax import nnx
 
-    vocab, n_pos, d, layers, heads, seq = (512, 16, 64, 2, 4, 16) if tiny else (50257, 1024, 768, 12, 12, 256)
+    vocab, n_pos, d, depth, heads, seq = (512, 16, 64, 2, 4, 16) if tiny else (50257, 1024, 768, 12, 12, 256)
+    layers = depth if layers is None else layers
     init = nnx.initializers.normal(0.02)
     lists = getattr(nnx, "List", list)  # flax >= 0.12 wants module lists wrapped
 
@@ -244,7 +246,8 @@ def _gpt2(batch: int, *, fused: bool, dtype: Any, tiny: bool, seed: int = 0,
 
     qkv = "fused qkv + jnp.split" if fused else "separate q/k/v"
     size = f"{layers}x{d}, {heads} heads, vocab {vocab}, T={seq}"
-    label = (f"GPT-2{' (tiny)' if tiny else ' small'} nnx, {size}, tied embedding, {qkv}, "
+    kind = " (tiny)" if tiny else " small" if layers == depth else f" ({layers} blocks of small)"
+    label = (f"GPT-2{kind} nnx, {size}, tied embedding, {qkv}, "
              f"{'blocks stacked, lax.scan, ' if scan else ''}{jnp.dtype(dtype).name}")
     return losses, params, data, label
 

@@ -1,0 +1,101 @@
+"""The CPU cost report (``benchmarks/bench_cost.py``): StableHLO counts and the quick report's rows."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytest.importorskip("flax")
+from benchmarks import bench_cost as bc
+from benchmarks.__main__ import SUITES
+
+MODULE = """\
+module @jit_step attributes {mhlo.num_partitions = 1 : i32} {
+  func.func public @main(%arg0: tensor<4x4xf32>, %arg1: tensor<i32>) -> (tensor<4x4xf32>) {
+    %0 = stablehlo.dot_general %arg0, %arg0, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : \
+(tensor<4x4xf32>, tensor<4x4xf32>) -> tensor<4x4xf32>
+    %1 = call @norms(%0) : (tensor<4x4xf32>) -> tensor<4x4xf32>
+    %2 = func.call @norms(%1) : (tensor<4x4xf32>) -> tensor<4x4xf32>
+    %3 = "stablehlo.case"(%arg1) ({
+      stablehlo.return %2 : tensor<4x4xf32>
+    }, {
+      stablehlo.return %0 : tensor<4x4xf32>
+    }) : (tensor<i32>) -> tensor<4x4xf32>
+    return %3 : tensor<4x4xf32>
+  }
+  func.func private @norms(%arg0: tensor<4x4xf32>) -> tensor<4x4xf32> {
+    %0 = stablehlo.dot_general %arg0, %arg0, contracting_dims = [1] x [0], precision = [HIGHEST, HIGHEST] : \
+(tensor<4x4xf32>, tensor<4x4xf32>) -> tensor<4x4xf32>
+    %1 = stablehlo.convolution(%0, %0) dim_numbers = [b, 0, f]x[0, i, o]->[b, 0, f], window = {stride = [1]} \
+{batch_group_count = 1 : i64, feature_group_count = 1 : i64, precision_config = [#stablehlo<precision HIGHEST>, \
+#stablehlo<precision HIGHEST>]} : (tensor<4x4xf32>, tensor<4x4xf32>) -> tensor<4x4xf32>
+    %2:2 = stablehlo.while(%iterArg = %1, %iterArg_0 = %0) : tensor<4x4xf32>, tensor<4x4xf32>
+    cond {
+      %c = stablehlo.constant dense<true> : tensor<i1>
+      stablehlo.return %c : tensor<i1>
+    } do {
+      %3 = stablehlo.dot_general %iterArg, %iterArg_0, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT], \
+algorithm = <lhs_precision_type = tf32, rhs_precision_type = tf32, accumulation_type = f32, lhs_component_count = 1, \
+rhs_component_count = 1, num_primitive_operations = 3, allow_imprecise_accumulation = false> : \
+(tensor<4x4xf32>, tensor<4x4xf32>) -> tensor<4x4xf32>
+      stablehlo.return %3, %iterArg_0 : tensor<4x4xf32>, tensor<4x4xf32>
+    }
+    return %2#0 : tensor<4x4xf32>
+  }
+}
+"""
+
+
+def test_stablehlo_counts_weigh_private_functions_by_their_calls() -> None:
+    counts = bc.stablehlo_counts(MODULE)
+    assert counts == {"dot_general DEFAULT": 1, "dot_general HIGHEST": 2, "convolution HIGHEST": 2,
+                      "dot_general algorithm tf32 x3": 2, "while": 2, "case": 1}
+    summary = bc.lowered_summary(MODULE)
+    assert (summary["products_highest"], summary["products_default"], summary["while"], summary["case"]) == (4, 1, 2, 1)
+
+
+@pytest.mark.parametrize(("line", "precision"), [
+    ("stablehlo.dot_general %a, %b, contracting_dims = [1] x [0] : (tensor<2xf32>)", "DEFAULT"),
+    ("stablehlo.dot_general %a, %b, precision = [HIGH, HIGH] : (tensor<2xf32>)", "HIGH"),
+    ("stablehlo.dot_general %a, %b, precision = [HIGHEST, DEFAULT] : (tensor<2xf32>)", "HIGHEST/DEFAULT"),
+    ("algorithm = <lhs_precision_type = bf16, rhs_precision_type = bf16, num_primitive_operations = 6>", "algorithm bf16 x6"),
+])
+def test_product_precision(line: str, precision: str) -> None:
+    assert bc.product_precision(line) == precision
+
+
+def test_quick_cost_report_of_tiny_gpt2_reports_flops_and_precisions() -> None:
+    assert "cost" in SUITES
+    res = bc.measure_model("gpt2-2l", quick=True)
+    rows = bc.rows_of(res)
+    expected = {f"gpt2-2l {step} DP step vs non-private step, B=4: {title} ({unit}, in the ms columns)"
+                for step in ("ghost", "vmap") for _, title, unit, _ in bc.MEASURES}
+    assert {r["name"] for r in rows} == expected and len(rows) == len(expected)
+    assert all(r["group"] == "cost" for r in rows)
+    by = {(r["step"], r["measure"]): r for r in rows}
+    for step in ("ghost", "vmap"):
+        flops = by[(step, "flops")]
+        assert flops["unit"] == "GFLOP" and flops["ours_ms"] > 0 and flops["baseline_ms"] > 0
+        assert flops["ratio"] == pytest.approx(flops["ours_ms"] / flops["baseline_ms"])
+        assert by[(step, "bytes")]["ours_ms"] > 0 and by[(step, "instructions")]["ours_ms"] > 0
+    # the ghost path forms its per-example products at HIGHEST; the model's own matmuls stay at DEFAULT
+    highest, default = by[("ghost", "products_highest")], by[("ghost", "products_default")]
+    assert highest["ours_ms"] >= 1 and highest["baseline_ms"] == 0 and math.isnan(highest["ratio"])
+    assert default["baseline_ms"] >= 1 and default["ours_ms"] >= 1
+    steps = res["steps"]
+    assert steps["nonprivate"]["lowered_ops"].get("dot_general DEFAULT", 0) >= 1
+    assert "dot_general HIGHEST" not in steps["nonprivate"]["lowered_ops"]
+    assert steps["ghost"]["lowered_ops"]["dot_general HIGHEST"] == highest["ours_ms"]
+    assert "dot_general HIGHEST" in highest["note"]
+
+
+@pytest.mark.slow
+def test_quick_cost_report_of_tiny_wrn_counts_convolutions_at_highest() -> None:
+    rows = bc.rows_of(bc.measure_model("wrn", quick=True))
+    assert {r["model"] for r in rows} == {"wrn"} and len(rows) == 2 * len(bc.MEASURES)
+    wrn = {(r["step"], r["measure"]): r for r in rows}
+    assert wrn[("ghost", "flops")]["ours_ms"] > 0 and wrn[("ghost", "flops")]["baseline_ms"] > 0
+    assert wrn[("ghost", "products_highest")]["ours_ms"] >= 1  # the per-example convolution products
+    assert wrn[("ghost", "products_default")]["baseline_ms"] >= 1
+    assert "convolution HIGHEST" in wrn[("ghost", "products_highest")]["note"]
