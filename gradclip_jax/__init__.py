@@ -48,6 +48,8 @@ from gradclip_jax.dp import (
     DPQuantileAggregateState,
     PoissonBatch,
     PoissonSampler,
+    PrivacyBudgetError,
+    PrivacyBudgetWarning,
     PrivateStepMetrics,
     PrivateTraining,
     dp_aggregate,
@@ -109,7 +111,7 @@ __all__ = [
     "DPAggregateState", "DPNoiseState", "DPQuantileAggregateState", "dp", "privacy",
     # private training: Poisson batches, the accountant, the one-call private step
     "PoissonSampler", "PoissonBatch", "BatchOverflowError", "PrivacyAccountant", "make_private",
-    "PrivateTraining", "PrivateStepMetrics",
+    "PrivateTraining", "PrivateStepMetrics", "PrivacyBudgetError", "PrivacyBudgetWarning",
     # hyperparameters and logging
     "inject_hyperparams", "norms_from_state",
 ]

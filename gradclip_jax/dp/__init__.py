@@ -23,13 +23,21 @@ from gradclip_jax.dp.aggregate import (
     dpsgd,
     noise_multiplier_for_gradient,
 )
-from gradclip_jax.dp.private_step import PrivateStepMetrics, PrivateTraining, make_private
+from gradclip_jax.dp.private_step import (
+    PrivacyBudgetError,
+    PrivacyBudgetWarning,
+    PrivateStepMetrics,
+    PrivateTraining,
+    make_private,
+)
 from gradclip_jax.dp.sampling import BatchOverflowError, PoissonBatch, PoissonSampler
 
 __all__ = [
     "BatchOverflowError",
     "PoissonBatch",
     "PoissonSampler",
+    "PrivacyBudgetError",
+    "PrivacyBudgetWarning",
     "PrivateStepMetrics",
     "PrivateTraining",
     "make_private",

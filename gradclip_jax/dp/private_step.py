@@ -64,9 +64,18 @@ from gradclip_jax.dp.accounting import PrivacyAccountant, PrivacyPhase, calibrat
 from gradclip_jax.dp.noise import add_gaussian_noise
 from gradclip_jax.dp.sampling import PoissonSampler, _check_int, _rate
 from gradclip_jax.per_example import ClippedGradFn, ClippedGradInfo, clipped_grad
-from gradclip_jax.per_example._config import renamed_kwarg
+from gradclip_jax.per_example._config import Method, renamed_kwarg
 
-__all__ = ["PrivateStepMetrics", "PrivateTraining", "make_private"]
+__all__ = ["PrivacyBudgetError", "PrivacyBudgetWarning", "PrivateStepMetrics", "PrivateTraining", "make_private"]
+
+
+class PrivacyBudgetError(RuntimeError):
+    """A step was to be recorded beyond the run :func:`make_private` calibrated: it would spend
+    more than the target epsilon. Pass ``allow_beyond_plan=True`` to record it anyway."""
+
+
+class PrivacyBudgetWarning(UserWarning):
+    """A step was recorded beyond the planned run (``allow_beyond_plan=True``); says the epsilon spent."""
 
 
 class PrivateStepMetrics(NamedTuple):
@@ -110,6 +119,8 @@ class PrivateTraining:
       noisy_update: ``noisy_update(params, opt_state, summed, key) ->
         (params, opt_state, grad_norm)``: noise once, divide by the expected
         batch size, apply the optimizer.
+      allow_beyond_plan: record steps beyond ``steps`` with a
+        :class:`PrivacyBudgetWarning` instead of a :class:`PrivacyBudgetError`.
     """
 
     noise_multiplier: float
@@ -128,28 +139,61 @@ class PrivateTraining:
     step: Callable[..., tuple[Any, Any, PrivateStepMetrics]]
     clipped_sum: Callable[..., tuple[Any, ClippedGradInfo]]
     noisy_update: Callable[..., tuple[Any, Any, jax.Array]]
+    allow_beyond_plan: bool = False
 
     def record_step(self) -> None:
-        """Records one step in the accountant (:meth:`batches` calls it for you)."""
+        """Records one step in the accountant (:meth:`batches` calls it for you).
+
+        Raises:
+          PrivacyBudgetError: when the planned ``steps`` are all recorded already (the run
+            was calibrated for that many), unless ``allow_beyond_plan``: then the step is
+            recorded with a :class:`PrivacyBudgetWarning` stating the epsilon spent.
+        """
+        done = self.accountant.steps
+        if done >= self.steps and not self.allow_beyond_plan:
+            raise PrivacyBudgetError(
+                f"make_private: step {done + 1} would go beyond the planned {self.steps} steps, calibrated "
+                f"for epsilon={self.target_epsilon:g} at delta={self.delta:g}: recording it would spend more. "
+                "Build a new run for more steps, or pass allow_beyond_plan=True to make_private to "
+                "record it anyway (then a warning reports the epsilon spent)"
+            )
         self.accountant.step(self.noise_multiplier, **self.sampler.accounting())
+        if done >= self.steps:
+            warnings.warn(
+                f"make_private: {done + 1} steps recorded, beyond the planned {self.steps}: epsilon spent "
+                f"{self.epsilon():.4g} at delta={self.delta:g} (target {self.target_epsilon:g})",
+                PrivacyBudgetWarning, stacklevel=2,
+            )
 
     def batches(self, data: Any = None) -> Iterator[Any]:
         """The run's batches; records each step in the accountant as it is drawn.
 
         A step is recorded **before** its batch is yielded, so the accountant
         never reports less than what was released (a batch drawn but not used
-        is counted: conservative).
+        is counted: conservative). The batches start after the steps the
+        accountant holds already and end with the planned ``steps``: iterating
+        again goes on where the last iteration stopped, and a spent plan yields
+        nothing.
 
         Args:
           data: ``None``, or a pytree of host arrays with the examples on axis 0
-            (indexed by the sampler's global indices).
+            (indexed by the sampler's global indices): every leaf has
+            ``dataset_size`` rows.
 
         Yields:
           With ``data``: ``(batch, mask)``, numpy pytrees of this process's
           piece. Without: the :class:`gradclip_jax.dp.PoissonBatch`\\ es.
+
+        Raises:
+          ValueError: naming ``dataset_size`` and the leaf, when a leaf of ``data``
+            has another number of rows (rows past ``dataset_size`` would never be
+            sampled; fewer rows would fail at an index).
         """
-        for b in self.sampler:
+        if data is not None:
+            _check_rows(data, self.sampler.dataset_size)
+        for t in range(self.accountant.steps, self.steps):
             self.record_step()
+            b = self.sampler.batch(t)
             if data is None:
                 yield b
             else:
@@ -158,6 +202,19 @@ class PrivateTraining:
     def epsilon(self, delta: float | None = None) -> float:
         """The :math:`\\varepsilon` spent so far (recorded steps) at ``delta`` (default: the target's)."""
         return self.accountant.epsilon(self.delta if delta is None else delta)
+
+
+def _check_rows(data: Any, n: int) -> None:
+    """ValueError naming ``dataset_size`` and the leaf when a leaf of ``data`` has other than ``n`` rows."""
+    for path, x in jax.tree_util.tree_leaves_with_path(data):
+        rows = int(np.shape(x)[0]) if np.ndim(x) >= 1 else None
+        if rows != n:
+            raise ValueError(
+                f"make_private: `dataset_size`={n}, but leaf {jax.tree_util.keystr(path) or '(root)'} of "
+                f"`data` has {'no batch axis' if rows is None else f'{rows} rows'}: every leaf needs "
+                f"dataset_size rows on axis 0 (the sampler draws from indices 0..{n - 1}, and the "
+                "accounting assumes exactly those examples)"
+            )
 
 
 def _batch_rows(batch: Any) -> int:
@@ -201,6 +258,7 @@ def make_private(
     process_index: int | None = None,
     process_count: int | None = None,
     l2_norm_clip: float | None = None,
+    allow_beyond_plan: bool = False,
 ) -> PrivateTraining:
     """Calibrates and builds a private training run (see the module docstring).
 
@@ -230,6 +288,9 @@ def make_private(
       process_index, process_count: passed to the sampler (defaults from jax).
       l2_norm_clip: the optax spelling of ``l2_clip_norm``, accepted with a
         ``DeprecationWarning`` (as :func:`gradclip_jax.clipped_grad` does).
+      allow_beyond_plan: let :meth:`PrivateTraining.record_step` record steps
+        beyond ``steps`` (each with a :class:`PrivacyBudgetWarning` stating the
+        epsilon spent); by default such a step is a :class:`PrivacyBudgetError`.
 
     Returns:
       A :class:`PrivateTraining`.
@@ -266,6 +327,9 @@ def make_private(
         raise TypeError(f"{fn}: `loss_fn` must be callable, got {loss_fn!r}")
     if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
         raise TypeError(f"{fn}: `optimizer` must be an optax GradientTransformation, got {optimizer!r}")
+    methods = tuple(m.value for m in Method)
+    if method not in methods:  # before the calibration, which can take seconds
+        raise ValueError(f"{fn}: `method` must be one of {methods}, got {method!r}")
     n = _check_int(fn, "dataset_size", dataset_size, 1)
     q = _rate(fn, n, expected_batch_size, sample_rate)
     if (steps is None) == (epochs is None):
@@ -341,4 +405,5 @@ def make_private(
         steps=t, target_epsilon=float(target_epsilon), delta=float(delta), planned_epsilon=planned_eps,
         sampler=sampler, accountant=PrivacyAccountant(accountant), optimizer=optimizer, grad_fn=grad_fn,
         init=init, step=step, clipped_sum=clipped_sum, noisy_update=noisy_update,
+        allow_beyond_plan=bool(allow_beyond_plan),
     )

@@ -268,3 +268,53 @@ def test_two_processes_equal_one_process(tmp_path):
             np.testing.assert_array_equal(got[0][f"{i}_{k}"], got[1][f"{i}_{k}"])  # same noise everywhere
             np.testing.assert_allclose(got[0][f"{i}_{k}"], np.asarray(v), rtol=1e-5, atol=1e-6)
     assert not np.allclose(np.asarray(ref[0]["w"]), np.asarray(init_mlp(jax.random.key(0))[0]["w"]))
+
+
+def test_the_plan_is_a_limit():
+    """Iterating the batches again continues the run and ends with the plan; a step recorded
+    beyond it is an error, or, opted in, a warning stating the epsilon spent."""
+    priv = _priv(steps=5)
+    d = _lin_data()
+    first = [m.copy() for _, m in priv.batches(d)]
+    assert len(first) == 5 and priv.accountant.steps == 5
+    assert list(priv.batches(d)) == []  # the plan is spent: nothing more, nothing recorded
+    assert priv.accountant.steps == 5 and priv.epsilon() <= priv.target_epsilon
+    with pytest.raises(gcx.PrivacyBudgetError, match=r"beyond the planned 5 steps.*allow_beyond_plan=True"):
+        priv.record_step()
+    assert priv.accountant.steps == 5
+    over = _priv(steps=5, allow_beyond_plan=True)
+    for _ in over.batches():
+        pass
+    with pytest.warns(gcx.PrivacyBudgetWarning, match=r"6 steps recorded, beyond the planned 5: epsilon spent"):
+        over.record_step()
+    assert over.epsilon() > over.planned_epsilon and over.accountant.steps == 6
+
+
+def test_batches_resume_where_the_accountant_stands():
+    """Two iterations stopped early and resumed give the batches of one uninterrupted iteration."""
+    whole = [(b["x"].copy(), m.copy()) for b, m in _priv(steps=6).batches(_lin_data())]
+    priv = _priv(steps=6)
+    parts = []
+    for i, (b, m) in enumerate(priv.batches(_lin_data())):
+        parts.append((b["x"].copy(), m.copy()))
+        if i == 1:
+            break
+    parts += [(b["x"].copy(), m.copy()) for b, m in priv.batches(_lin_data())]
+    assert len(parts) == len(whole) == 6
+    for (xa, ma), (xb, mb) in zip(parts, whole):
+        np.testing.assert_array_equal(xa, xb)
+        np.testing.assert_array_equal(ma, mb)
+
+
+@pytest.mark.parametrize("rows", [300, 600])
+def test_data_rows_must_match_dataset_size(rows):
+    priv = _priv()
+    data = {"x": np.zeros((rows, 4), np.float32), "y": np.zeros(400, np.float32)}
+    with pytest.raises(ValueError, match=rf"`dataset_size`=400, but leaf \['x'\] of `data` has {rows} rows"):
+        next(priv.batches(data))
+    assert priv.accountant.steps == 0  # nothing recorded
+
+
+def test_method_is_checked_before_calibration():
+    with pytest.raises(ValueError, match=r"`method` must be one of \('vmap', 'ghost', 'auto'\), got 'foo'"):
+        _priv(method="foo")
