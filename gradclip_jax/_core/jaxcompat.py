@@ -11,6 +11,8 @@ JAX release that changes a layout is handled here once:
   ``unpack()`` gives the groups ``(consts, carry, xs)`` and ``(carry, ys)``;
   ``len(group)`` is the number of flat operands of a group. :func:`scan_info`
   reads either layout.
+- **binding** (jax 0.9.2): ``Primitive.get_bind_params`` returns the parameters alone;
+  before, ``(subfuns, params)``. :func:`bind` takes either.
 - **Jaxpr / ClosedJaxpr** (jax 0.11, "Merge Jaxpr and ClosedJaxpr"): one class;
   a jaxpr is closed when it carries a value for each of its ``constvars``
   (``is_closed``), and ``.jaxpr`` of a closed jaxpr is the jaxpr itself.
@@ -193,6 +195,9 @@ def bind(eqn: Any, invals: Sequence[Any], eqn_params: Mapping[str, Any] | None =
     """Applies one equation's primitive to ``invals`` (with ``eqn_params`` instead of its own when
     given), in the equation's context (its compute type, mesh and metadata), as a list of outputs."""
     bound = eqn.primitive.get_bind_params(dict(eqn.params if eqn_params is None else eqn_params))
+    subfuns: tuple[Any, ...] = ()
+    if isinstance(bound, tuple):  # jax <= 0.9.1: (subfuns, params); since 0.9.2 the params alone
+        subfuns, bound = tuple(bound[0]), bound[1]
     with eqn.ctx.manager:
-        ans = eqn.primitive.bind(*invals, **bound)
+        ans = eqn.primitive.bind(*subfuns, *invals, **bound)
     return list(ans) if eqn.primitive.multiple_results else [ans]

@@ -254,3 +254,24 @@ def test_an_unreadable_layout_falls_back_with_the_reason(monkeypatch):
         got = clipped_grad(loss, 1.0, method="ghost")(params, data)
     monkeypatch.undo()
     assert_tree_close(got, clipped_grad(loss, 1.0, method="vmap")(params, data))
+
+
+def test_bind_takes_both_forms_of_get_bind_params(monkeypatch):
+    """jax <= 0.9.1 returned ``(subfuns, params)`` from ``get_bind_params``; later ones the params."""
+    closed = jax.make_jaxpr(lambda a: jnp.sin(a) * 2.0)(jnp.ones(3))
+    eqn = closed.jaxpr.eqns[0]
+    x = jnp.arange(3.0)
+
+    class OldPrimitive:  # the installed primitive, answering as jax 0.9.1 did
+        def __init__(self, prim):
+            self.prim, self.name, self.multiple_results = prim, prim.name, prim.multiple_results
+
+        def get_bind_params(self, params):
+            return [], self.prim.get_bind_params(params)
+
+        def bind(self, *args, **params):
+            return self.prim.bind(*args, **params)
+
+    old = eqn.replace(primitive=OldPrimitive(eqn.primitive))
+    np.testing.assert_allclose(jc.bind(old, [x])[0], jnp.sin(x))
+    np.testing.assert_allclose(jc.bind(eqn, [x])[0], jnp.sin(x))
