@@ -14,7 +14,7 @@ import pytest
 from jax import lax
 
 from gradclip_jax.ghost import GhostFallbackWarning, ghost_report
-from gradclip_jax.per_example import clipped_grad
+from gradclip_jax.per_example import PRODUCT_PRECISION, clipped_grad
 from tests.per_example.models import B, cnn_setup, xent
 
 # Unit roundoff of each 16-bit dtype.
@@ -286,6 +286,11 @@ def test_reduced_precision_backend_book_keeps(monkeypatch):
     on_cpu = {g: jaxpr(g) for g in ("auto", "backward", "bookkeeping")}
     assert on_cpu["auto"] == on_cpu["backward"] != on_cpu["bookkeeping"]  # a CNN: the second pass
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert jaxpr("auto") == jaxpr("bookkeeping")
+    # on GPUs the ghost products default to TF32-rounded operands, which only book-keeping adds
+    with pytest.raises(ValueError, match=r"ghost_sum='backward'.*PRODUCT_PRECISION is 'tf32'"):
+        jaxpr("backward")
+    monkeypatch.setitem(PRODUCT_PRECISION, "gpu", "highest")
     assert jaxpr("auto") == jaxpr("bookkeeping")
     with pytest.raises(ValueError, match=r"ghost_sum='backward'.*gpu backend.*jax_default_matmul_precision"):
         jaxpr("backward")
