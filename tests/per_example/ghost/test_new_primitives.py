@@ -15,19 +15,10 @@ from gradclip_jax.ghost import ghost_report
 from gradclip_jax.per_example import clipped_grad
 from gradclip_jax.per_example.ghost.rules import CONST, MIXED, ROW, RULES, row_rule
 from gradclip_jax.per_example.ghost.rules.unsupported import REASONS
+from tests.per_example.ghost.test_scan import B, D, T, _data, _w
 from tests.per_example.models import assert_tree_close, xent
 
-B, T, H, D = 5, 6, 2, 8
-
-
-def _w(r, *shape, scale=1.0):
-    return jnp.asarray(scale * r.normal(size=shape) / np.sqrt(shape[-2] if len(shape) > 1 else 1.0), jnp.float32)
-
-
-def _data(seed=0, classes=4, steps=T):
-    r = np.random.default_rng(seed)
-    x = r.normal(size=(B, steps, D)) * r.uniform(0.2, 3.0, size=(B, 1, 1))
-    return {"x": jnp.asarray(x, jnp.float32), "y": jnp.asarray(r.integers(0, classes, size=B))}
+H = 2  # heads
 
 
 def rope(x):
