@@ -324,7 +324,8 @@ class PrivacyAccountant:
     It is a host-side record, not a pytree: keep it outside ``jit`` and call
     :meth:`step` in the Python training loop (or use
     :meth:`gradclip_jax.dp.PrivateTraining.batches`, which does it for you).
-    Its :meth:`state_dict` / :meth:`from_state_dict` pair lets you checkpoint it.
+    Its :meth:`state_dict` / :meth:`load_state_dict` (or :meth:`from_state_dict`)
+    pair lets you checkpoint it.
 
     Args:
       accountant: ``'pld'`` (default) or ``'rdp'``.
@@ -468,13 +469,74 @@ class PrivacyAccountant:
             return float(self._composed().get_delta(e))
 
     def state_dict(self) -> dict[str, Any]:
-        """A plain dict (JSON-serialisable) of the accountant, for checkpoints."""
-        return {"accountant": self.accountant, "phases": [list(p) for p in self._phases]}
+        """The accountant as a plain dict, for checkpoints.
+
+        ``{'accountant': 'pld' | 'rdp', 'phases': [[z, q, steps, m, n], ...]}``
+        with Python floats, ints and ``None`` only: it round-trips exactly
+        through JSON (e.g. ``orbax.checkpoint.args.JsonSave``) and ``pickle``.
+
+        Example:
+          >>> from gradclip_jax.privacy import PrivacyAccountant
+          >>> acc = PrivacyAccountant()
+          >>> acc.step(1.1, 0.01, steps=10)
+          >>> acc.state_dict()
+          {'accountant': 'pld', 'phases': [[1.1, 0.01, 10, None, None]]}
+        """
+        return {
+            "accountant": self.accountant,
+            "phases": [
+                [float(p.noise_multiplier), float(p.sample_rate), int(p.steps),
+                 None if p.truncated_batch_size is None else int(p.truncated_batch_size),
+                 None if p.dataset_size is None else int(p.dataset_size)]
+                for p in self._phases
+            ],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replaces the record of this accountant with the one saved by :meth:`state_dict`.
+
+        Args:
+          state: a :meth:`state_dict` of an accountant of the same kind.
+
+        Raises:
+          ValueError: naming ``state``, when it is not such a dict or was saved
+            by another kind of accountant (``'pld'`` vs ``'rdp'``), or a phase
+            is out of range.
+
+        Example:
+          >>> from gradclip_jax.privacy import PrivacyAccountant
+          >>> acc = PrivacyAccountant()
+          >>> acc.step(1.1, 0.01, steps=10)
+          >>> resumed = PrivacyAccountant()
+          >>> resumed.load_state_dict(acc.state_dict())
+          >>> resumed.steps, resumed.phases == acc.phases
+          (10, True)
+        """
+        fn = "PrivacyAccountant.load_state_dict"
+        if not isinstance(state, dict) or "accountant" not in state or "phases" not in state:
+            raise ValueError(
+                f"{fn}: `state` must be a dict from PrivacyAccountant.state_dict() "
+                f"(keys 'accountant', 'phases'), got {state!r}"
+            )
+        kind = str(state["accountant"]).lower()
+        if kind != self.accountant:
+            raise ValueError(
+                f"{fn}: `state` was saved by a {kind!r} accountant, this one is {self.accountant!r}"
+            )
+        fresh = PrivacyAccountant(self.accountant)
+        for phase in state["phases"]:
+            if len(phase) != 5:
+                raise ValueError(f"{fn}: every phase of `state` must be [z, q, steps, m, n], got {phase!r}")
+            z, q, t, m, n = phase
+            fresh.step(z, q, t, truncated_batch_size=m, dataset_size=n)
+        self._phases = fresh._phases
+        self._cache = None
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> PrivacyAccountant:
-        """The accountant saved by :meth:`state_dict`."""
+        """The accountant saved by :meth:`state_dict` (a new one; see :meth:`load_state_dict`)."""
+        if not isinstance(state, dict) or "accountant" not in state:
+            raise ValueError(f"PrivacyAccountant.from_state_dict: `state` must be a dict from state_dict(), got {state!r}")
         acc = cls(state["accountant"])
-        for z, q, t, m, n in state["phases"]:
-            acc.step(z, q, t, truncated_batch_size=m, dataset_size=n)
+        acc.load_state_dict(state)
         return acc

@@ -224,3 +224,17 @@ def test_dp_accounting_convergence_warnings_do_not_reach_the_user(capfd, caplog)
     _direct("rdp", [(0.5, 0.5, 100)], 1e-5)
     out, err = capfd.readouterr()
     assert "failed to converge" in out + err + caplog.text
+
+
+def test_load_state_dict_restores_in_place_and_checks_the_kind():
+    acc = privacy.PrivacyAccountant()
+    acc.step(1.0, 0.1, 5)
+    acc.step(2.0, 0.1, 3, truncated_batch_size=20, dataset_size=100)
+    other = privacy.PrivacyAccountant()
+    other.step(5.0, 0.5, 1)
+    other.load_state_dict(acc.state_dict())
+    assert other.phases == acc.phases and other.epsilon(1e-5) == acc.epsilon(1e-5)
+    with pytest.raises(ValueError, match=r"`state` was saved by a 'pld' accountant, this one is 'rdp'"):
+        privacy.PrivacyAccountant("rdp").load_state_dict(acc.state_dict())
+    with pytest.raises(ValueError, match=r"`state` must be a dict"):
+        other.load_state_dict([1, 2])
