@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -168,7 +169,7 @@ class PrivateTraining:
                 PrivacyBudgetWarning, stacklevel=2,
             )
 
-    def batches(self, data: Any = None) -> Iterator[Any]:
+    def batches(self, data: Any = None, *, progress: bool = False) -> Iterator[Any]:
         """The run's batches; records each step in the accountant as it is drawn.
 
         A step is recorded **before** its batch is yielded, so the accountant
@@ -182,6 +183,10 @@ class PrivateTraining:
           data: ``None``, or a pytree of host arrays with the examples on axis 0
             (indexed by the sampler's global indices): every leaf has
             ``dataset_size`` rows.
+          progress: show a ``tqdm`` progress bar of the planned steps with the
+            epsilon spent so far (refreshed at most once a second, when that
+            costs at most a tenth of the time between refreshes, and when the
+            iteration ends).
 
         Yields:
           With ``data``: ``(batch, mask)``, numpy pytrees of this process's
@@ -191,16 +196,24 @@ class PrivateTraining:
           ValueError: naming ``dataset_size`` and the leaf, when a leaf of ``data``
             has another number of rows (rows past ``dataset_size`` would never be
             sampled; fewer rows would fail at an index).
+          ImportError: with ``progress=True`` when ``tqdm`` is not installed.
         """
         if data is not None:
             _check_rows(data, self.sampler.dataset_size)
-        for t in range(self.accountant.steps, self.steps):
-            self.record_step()
-            b = self.sampler.batch(t)
-            if data is None:
-                yield b
-            else:
-                yield jax.tree.map(lambda x: np.asarray(x)[b.indices], data), b.mask
+        bar = _EpsilonBar(self) if progress else None
+        try:
+            for t in range(self.accountant.steps, self.steps):
+                self.record_step()
+                b = self.sampler.batch(t)
+                if data is None:
+                    yield b
+                else:
+                    yield jax.tree.map(lambda x: np.asarray(x)[b.indices], data), b.mask
+                if bar is not None:
+                    bar.update()
+        finally:
+            if bar is not None:
+                bar.close()
 
     def plan(self) -> dict[str, Any]:
         """The run's plan: what :func:`make_private` was given and calibrated (plain Python values).
@@ -268,6 +281,41 @@ class PrivateTraining:
     def epsilon(self, delta: float | None = None) -> float:
         """The :math:`\\varepsilon` spent so far (recorded steps) at ``delta`` (default: the target's)."""
         return self.accountant.epsilon(self.delta if delta is None else delta)
+
+
+class _EpsilonBar:
+    """A tqdm bar over the planned steps of a run, with the epsilon spent as its postfix."""
+
+    def __init__(self, priv: PrivateTraining):
+        try:
+            from tqdm.auto import tqdm
+        except ImportError as err:
+            raise ImportError(
+                "PrivateTraining.batches: `progress=True` needs tqdm: pip install tqdm "
+                '(or pip install "gradclip_jax[demo]"); or leave progress=False'
+            ) from err
+        self.priv = priv
+        self.bar = tqdm(total=priv.steps, initial=priv.accountant.steps, desc="private steps")
+        self.cost, self.last = 0.0, time.perf_counter()
+        self._show()
+
+    def _show(self) -> None:
+        t0 = time.perf_counter()
+        eps = self.priv.epsilon()
+        self.last = time.perf_counter()
+        self.cost = self.last - t0
+        self.bar.set_postfix_str(f"epsilon {eps:.3g} of {self.priv.target_epsilon:g}")
+
+    def update(self) -> None:
+        self.bar.update(1)
+        # the accountant's epsilon can take a fraction of a second: refreshed at most once a
+        # second and at most ~10% of the run's time; the last one when the bar closes
+        if time.perf_counter() - self.last >= max(1.0, 10 * self.cost):
+            self._show()
+
+    def close(self) -> None:
+        self._show()
+        self.bar.close()
 
 
 def _check_rows(data: Any, n: int) -> None:

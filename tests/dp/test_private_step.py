@@ -403,3 +403,34 @@ def test_resume_from_a_changed_calibration_or_a_bad_state_is_an_error():
     good["sampler"]["steps_taken"] = 2
     with pytest.raises(ValueError, match=r"`resume_from` is inconsistent"):
         _priv(steps=4, resume_from=good)
+
+
+def test_progress_bar_shows_the_live_epsilon(capsys):
+    pytest.importorskip("tqdm")
+    priv = _priv(steps=4)
+    for _ in priv.batches(progress=True):
+        pass
+    err = capsys.readouterr().err
+    assert "4/4" in err and f"epsilon {priv.epsilon():.3g} of 3" in err
+    resumed = _priv(steps=4)
+    for _ in resumed.batches():
+        break
+    for _ in resumed.batches(progress=True):  # starts where the accountant stands
+        pass
+    assert "1/4" in capsys.readouterr().err
+
+
+def test_progress_without_tqdm_names_it(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_tqdm(name, *args, **kwargs):
+        if name == "tqdm" or name.startswith("tqdm."):
+            raise ImportError("No module named 'tqdm'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_tqdm)
+    priv = _priv(steps=4)
+    with pytest.raises(ImportError, match=r"`progress=True` needs tqdm: pip install tqdm"):
+        next(priv.batches(progress=True))
