@@ -5,9 +5,11 @@ multiplier of a run (n=1500, expected batch 64, 100 steps, delta=1e-5) at
 ``target_epsilon`` 0.1, 1, 10, 1e3 and 1e6 (``quick``: 1 and 1e6), with the PLD
 accountant (``ours``, the default) and the RDP one (``baseline``), and the peak
 memory the PLD calibration allocates (``tracemalloc``: numpy's buffers included).
-Before the PLD grid followed the noise (:func:`gradclip_jax.dp.accounting.pld_interval`)
-this took 3.2 s, 6.4 s, 23 s, > 60 s and > 60 s (growing ~19 MB/s) at these
-targets on a 2-core machine; RDP took 2.4 to 3.5 s.
+Before the PLD grid followed the noise (:func:`gradclip_jax.dp.accounting.pld_interval`),
+the whole ``make_private`` call (calibration and the planned epsilon) took 3.2 s,
+6.4 s, 23 s, > 60 s (minutes) and > 60 s (memory growing ~19 MB/s, never ending)
+at these targets with PLD on a shared 2-core machine (2.4 to 3.5 s with RDP);
+after, 2.1, 4.1, 6.7, 4.4 and 3.8 s.
 
 Rows: ``{"group": "calibration", "name", "ours_ms", "baseline_ms", "ratio", "note",
 "pld_peak_mb", "pld_z", "rdp_z"}``. Run alone: ``python -m benchmarks.bench_calibration``
