@@ -1,6 +1,6 @@
 """Runs every benchmark in one process and prints/saves the ratio table.
 
-Usage: ``python -m benchmarks [--quick] [--only core,stateful,dp,noise,ghost,sampling,cost,core-gpu] [--out DIR]``.
+Usage: ``python -m benchmarks [--quick] [--only core,stateful,dp,noise,ghost,sampling,cost,calibration,core-gpu] [--out DIR]``.
 Writes ``DIR/results.json`` and ``DIR/RESULTS.md`` (default ``benchmarks/results``);
 the GPU suites (``core-gpu``, not run by default) write ``DIR/results_<suite>.json``
 and ``DIR/RESULTS_<suite>.md`` of their own, so a GPU run does not replace the
@@ -34,7 +34,7 @@ import time
 
 import jax
 
-SUITES = ("core", "stateful", "dp", "noise", "ghost", "sampling", "cost")
+SUITES = ("core", "stateful", "dp", "noise", "ghost", "sampling", "cost", "calibration")
 GPU_SUITES = ("core-gpu",)  # rows go to results_<suite>.json / RESULTS_<suite>.md
 EXTRA_SUITES = ("ghost-gpu", "profile-gpu", *GPU_SUITES)  # run only when named in --only
 MODULES = {"profile-gpu": "benchmarks.profile_gpu"}  # the others: benchmarks.bench_<name>

@@ -35,12 +35,14 @@ would raise rather than be dropped silently. The non-private runs use
 fixed-size slices of a fresh permutation each epoch.
 
 Needs the optional packages scikit-learn, matplotlib and dp-accounting; tqdm is
-used for the progress bar when it is installed (a plain text bar otherwise).
+used for the progress bar when it is installed (a plain text bar otherwise); the
+DP-SGD run's bar shows the epsilon spent so far.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import math
 import os
@@ -81,7 +83,8 @@ class DemoResult:
       test_accuracy: accuracy on the held-out test split, in [0, 1].
       epsilon: the epsilon spent at ``delta`` (``inf`` without DP).
       noise_multiplier: the calibrated noise multiplier (0 without DP).
-      sec_per_step: mean wall time of one training step, compilation excluded.
+      sec_per_step: median wall time of one training step (drawing its batch and running it
+        to completion), compilation excluded.
       clip_fraction: mean over steps of the fraction clipped: for ``'dp-sgd'``
         the fraction of examples in the batch whose gradient was clipped, for
         ``'global'`` the fraction of steps whose batch gradient was clipped, and
@@ -197,13 +200,17 @@ class _TextBar:
         sys.stderr.flush()
 
 
+def _has_tqdm() -> bool:
+    return importlib.util.find_spec("tqdm") is not None
+
+
 def _progress(total: int, desc: str, enabled: bool) -> Any:
     if not enabled:
         return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
+    if not _has_tqdm():
         return _TextBar(total, desc)
+    from tqdm.auto import tqdm
+
     return tqdm(total=total, desc=desc, leave=True)
 
 
@@ -225,27 +232,30 @@ def _train(
     """Runs ``step_fn(params, opt_state, x, y, *args) -> (params, opt_state, loss, frac)``.
 
     ``batches`` yields each step's ``args`` (host arrays of one fixed shape, so
-    the step compiles once); the training data stays on the device.
+    the step compiles once); the training data stays on the device. The time per
+    step is the median over the steps after the first (which compiles) of drawing
+    the batch and running the step to completion.
     """
     x_tr, y_tr = jnp.asarray(data[0]), jnp.asarray(data[1])
     step = jax.jit(step_fn)
     bar = _progress(total, name, progress)
-    losses, fracs = [], []
-    t0 = None
+    losses, fracs, times = [], [], []
+    start = time.perf_counter()
     for i, args in enumerate(batches):
         params, opt_state, loss, frac = step(params, opt_state, x_tr, y_tr, *args)
-        if i == 0:  # exclude compilation from the timing
-            jax.block_until_ready(params)
-            t0 = time.perf_counter()
+        jax.block_until_ready(params)
+        now = time.perf_counter()
+        if i > 0:  # step 0 compiles
+            times.append(now - start)
         losses.append(loss)
         fracs.append(frac)
         if bar is not None:
             bar.update(1)
-    jax.block_until_ready(params)
-    elapsed = time.perf_counter() - (t0 or time.perf_counter())
+        start = time.perf_counter()
     if bar is not None:
         bar.close()
-    sec = elapsed / max(total - 1, 1)
+    # the median time of a step with its batch: a live-epsilon bar's occasional refresh is left out
+    sec = float(np.median(times)) if times else 0.0
     return params, [float(v) for v in losses], [float(v) for v in fracs], sec
 
 
@@ -332,6 +342,7 @@ def run(
     results: dict[str, DemoResult] = {}
 
     for name in methods:
+        live = False  # the DP-SGD run shows priv.batches' bar (with the epsilon) instead
         accountant = None
         if name in ("none", "global"):
             if name == "none":
@@ -369,9 +380,11 @@ def run(
             step_fn = dp_step
             sizes = []
 
-            def poisson_batches(priv=priv, sizes=sizes):
+            live = progress and _has_tqdm()  # tqdm bar with the live epsilon from priv.batches
+
+            def poisson_batches(priv=priv, sizes=sizes, live=live):
                 # priv.batches() records each step in priv.accountant as it draws it
-                for pb in priv.batches():
+                for pb in priv.batches(progress=live):
                     sizes.append(int(pb.mask.sum()))
                     yield pb.indices, pb.mask, np.int32(pb.step)
 
@@ -381,7 +394,7 @@ def run(
 
         try:
             params, losses, fracs, sec = _train(name, step_fn, params0, opt_state, batches, steps,
-                                                data, progress)
+                                                data, progress and not live)
         except ValueError as err:
             if name == "dp-sgd" and method == "ghost":
                 raise ValueError(_ghost_message(err)) from err

@@ -29,6 +29,7 @@ SECTIONS = [
     "4. The padded size and overflows",
     "5. Large logical batches",
     "6. Several devices and processes",
+    "8. Flax NNX and Equinox, checkpoints and resuming",
 ]
 
 
@@ -146,3 +147,26 @@ def test_sharded_section(run_guide):
     assert dist.accountant.steps == 50
     assert dist.epsilon() <= 3.0 + 1e-9
     assert train_accuracy(ns) >= 0.9
+
+
+def test_nnx_equinox_and_resumed_run(run_guide):
+    """The NNX model learned privately; the Equinox run stopped after 10 steps, checkpointed with
+    orbax and resumed is the uninterrupted run: its batches, epsilon and parameters, bit for bit."""
+    ns = run_guide[SECTIONS[6]]
+    from flax import nnx
+
+    gcx, eqx, optax = ns["gcx"], ns["eqx"], ns["optax"]
+    x, y = ns["x"], ns["data"]["y"]
+    assert ns["priv_nnx"].accountant.steps == 20 and ns["priv_nnx"].epsilon() <= 3.0 + 1e-9
+    assert float(jnp.mean(jnp.argmax(ns["model"](x), -1) == y)) >= 0.8
+    assert isinstance(ns["nnx_params"], nnx.State)
+    resumed = ns["resumed"]
+    assert resumed.accountant.steps == 20 and ns["priv_eqx"].accountant.steps == 10
+    plan = ns["plan"]
+    whole = gcx.make_private(ns["eqx_loss"], optax.adam(1e-2), **plan)
+    params, _ = eqx.partition(eqx.nn.MLP(8, 2, 16, 1, key=jax.random.key(2)), eqx.is_inexact_array)
+    params, _ = ns["train"](whole, params, whole.init(params))
+    assert whole.epsilon() == resumed.epsilon()
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ns["eqx_params"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert float(jnp.mean(jnp.argmax(jax.vmap(ns["eqx_model"])(x), -1) == y)) >= 0.8

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -76,6 +77,9 @@ class PrivacyBudgetError(RuntimeError):
 
 class PrivacyBudgetWarning(UserWarning):
     """A step was recorded beyond the planned run (``allow_beyond_plan=True``); says the epsilon spent."""
+
+
+_STATE_FORMAT = "gradclip_jax.make_private/1"
 
 
 class PrivateStepMetrics(NamedTuple):
@@ -165,7 +169,7 @@ class PrivateTraining:
                 PrivacyBudgetWarning, stacklevel=2,
             )
 
-    def batches(self, data: Any = None) -> Iterator[Any]:
+    def batches(self, data: Any = None, *, progress: bool = False) -> Iterator[Any]:
         """The run's batches; records each step in the accountant as it is drawn.
 
         A step is recorded **before** its batch is yielded, so the accountant
@@ -179,6 +183,10 @@ class PrivateTraining:
           data: ``None``, or a pytree of host arrays with the examples on axis 0
             (indexed by the sampler's global indices): every leaf has
             ``dataset_size`` rows.
+          progress: show a ``tqdm`` progress bar of the planned steps with the
+            epsilon spent so far (refreshed at most once a second, when that
+            costs at most a tenth of the time between refreshes, and when the
+            iteration ends).
 
         Yields:
           With ``data``: ``(batch, mask)``, numpy pytrees of this process's
@@ -188,20 +196,126 @@ class PrivateTraining:
           ValueError: naming ``dataset_size`` and the leaf, when a leaf of ``data``
             has another number of rows (rows past ``dataset_size`` would never be
             sampled; fewer rows would fail at an index).
+          ImportError: with ``progress=True`` when ``tqdm`` is not installed.
         """
         if data is not None:
             _check_rows(data, self.sampler.dataset_size)
-        for t in range(self.accountant.steps, self.steps):
-            self.record_step()
-            b = self.sampler.batch(t)
-            if data is None:
-                yield b
-            else:
-                yield jax.tree.map(lambda x: np.asarray(x)[b.indices], data), b.mask
+        bar = _EpsilonBar(self) if progress else None
+        try:
+            for t in range(self.accountant.steps, self.steps):
+                self.record_step()
+                b = self.sampler.batch(t)
+                if data is None:
+                    yield b
+                else:
+                    yield jax.tree.map(lambda x: np.asarray(x)[b.indices], data), b.mask
+                if bar is not None:
+                    bar.update()
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def plan(self) -> dict[str, Any]:
+        """The run's plan: what :func:`make_private` was given and calibrated (plain Python values).
+
+        ``dataset_size``, ``sample_rate``, ``steps``, ``target_epsilon``,
+        ``delta``, ``l2_clip_norm``, ``accountant``, ``max_batch_size``,
+        ``on_overflow``, ``seed`` and the calibrated ``noise_multiplier``.
+        """
+        return {
+            "dataset_size": int(self.sampler.dataset_size),
+            "sample_rate": float(self.sample_rate),
+            "steps": int(self.steps),
+            "target_epsilon": float(self.target_epsilon),
+            "delta": float(self.delta),
+            "l2_clip_norm": float(self.l2_clip_norm),
+            "accountant": str(self.accountant.accountant),
+            "max_batch_size": int(self.sampler.max_batch_size),
+            "on_overflow": str(self.sampler.on_overflow),
+            "seed": int(self.sampler.seed),
+            "noise_multiplier": float(self.noise_multiplier),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything besides ``params`` and ``opt_state`` needed to continue the run.
+
+        A dict of plain Python ints, floats, strings, lists and ``None``:
+
+        * ``'plan'``: :meth:`plan` (checked on resume: the same arguments give
+          the same calibrated noise multiplier);
+        * ``'accountant'``: the accountant's record
+          (:meth:`gradclip_jax.privacy.PrivacyAccountant.state_dict`: its phases);
+        * ``'sampler'``: ``{'seed': ..., 'steps_taken': ...}`` (step ``t``'s
+          batch is a function of ``(seed, t)``, so this is all of the sampler's
+          state).
+
+        It round-trips exactly through ``pickle`` and through JSON: save it with
+        ``orbax.checkpoint.args.JsonSave`` next to ``StandardSave(params,
+        opt_state)`` in a ``Composite`` (Python floats are written with all
+        their digits, so every float comes back bit for bit). Continue with
+        ``make_private(..., resume_from=state)``.
+
+        Example:
+          >>> import jax.numpy as jnp, optax, pickle
+          >>> from gradclip_jax.dp import make_private
+          >>> def loss_fn(w, batch):
+          ...     return (batch @ w) ** 2
+          >>> kw = dict(dataset_size=100, expected_batch_size=10, steps=4, target_epsilon=8.0,
+          ...           delta=1e-3, l2_clip_norm=1.0, process_index=0, process_count=1)
+          >>> priv = make_private(loss_fn, optax.sgd(0.1), **kw)
+          >>> for batch in priv.batches():
+          ...     if priv.accountant.steps == 2:
+          ...         break
+          >>> state = pickle.loads(pickle.dumps(priv.state_dict()))
+          >>> resumed = make_private(loss_fn, optax.sgd(0.1), **kw, resume_from=state)
+          >>> [b.step for b in resumed.batches()], resumed.epsilon() == priv.planned_epsilon
+          ([2, 3], True)
+        """
+        return {
+            "format": _STATE_FORMAT,
+            "plan": self.plan(),
+            "accountant": self.accountant.state_dict(),
+            "sampler": {"seed": int(self.sampler.seed), "steps_taken": int(self.accountant.steps)},
+        }
 
     def epsilon(self, delta: float | None = None) -> float:
         """The :math:`\\varepsilon` spent so far (recorded steps) at ``delta`` (default: the target's)."""
         return self.accountant.epsilon(self.delta if delta is None else delta)
+
+
+class _EpsilonBar:
+    """A tqdm bar over the planned steps of a run, with the epsilon spent as its postfix."""
+
+    def __init__(self, priv: PrivateTraining):
+        try:
+            from tqdm.auto import tqdm
+        except ImportError as err:
+            raise ImportError(
+                "PrivateTraining.batches: `progress=True` needs tqdm: pip install tqdm "
+                '(or pip install "gradclip_jax[demo]"); or leave progress=False'
+            ) from err
+        self.priv = priv
+        self.bar = tqdm(total=priv.steps, initial=priv.accountant.steps, desc="private steps")
+        self.cost, self.last = 0.0, time.perf_counter()
+        self._show()
+
+    def _show(self) -> None:
+        t0 = time.perf_counter()
+        eps = self.priv.epsilon()
+        self.last = time.perf_counter()
+        self.cost = self.last - t0
+        self.bar.set_postfix_str(f"epsilon {eps:.3g} of {self.priv.target_epsilon:g}")
+
+    def update(self) -> None:
+        self.bar.update(1)
+        # the accountant's epsilon can take a fraction of a second: refreshed at most once a
+        # second and at most ~10% of the run's time; the last one when the bar closes
+        if time.perf_counter() - self.last >= max(1.0, 10 * self.cost):
+            self._show()
+
+    def close(self) -> None:
+        self._show()
+        self.bar.close()
 
 
 def _check_rows(data: Any, n: int) -> None:
@@ -215,6 +329,44 @@ def _check_rows(data: Any, n: int) -> None:
                 f"dataset_size rows on axis 0 (the sampler draws from indices 0..{n - 1}, and the "
                 "accounting assumes exactly those examples)"
             )
+
+
+def _check_resume(state: Any, plan: dict[str, Any]) -> None:
+    """ValueError naming ``resume_from`` and the field, when ``state`` is not a state_dict of this plan.
+
+    ``plan`` may lack ``noise_multiplier`` (checked after calibration).
+    """
+    fn = "make_private"
+    keys = ("format", "plan", "accountant", "sampler")
+    if not isinstance(state, dict) or any(k not in state for k in keys):
+        raise ValueError(
+            f"{fn}: `resume_from` must be a dict from PrivateTraining.state_dict() (keys {keys}), "
+            f"got {type(state).__name__}"
+        )
+    if state["format"] != _STATE_FORMAT:
+        raise ValueError(f"{fn}: `resume_from` has format {state['format']!r}, expected {_STATE_FORMAT!r}")
+    saved = state["plan"]
+    for name, value in plan.items():
+        if name not in saved:
+            raise ValueError(f"{fn}: `resume_from` has no plan field {name!r}")
+        old = saved[name]
+        same = old == value if isinstance(value, str) else (
+            not isinstance(old, (str, bool)) and isinstance(old, (int, float, np.integer, np.floating))
+            and float(old) == float(value)
+        )
+        if not same:
+            raise ValueError(
+                f"{fn}: `resume_from` was saved by another plan: {name}={old!r} there, {value!r} in this "
+                f"call. Resume with the arguments of the interrupted run (the same arguments calibrate "
+                "the same noise multiplier and draw the same batches)"
+            )
+    taken = state["sampler"].get("steps_taken") if isinstance(state["sampler"], dict) else None
+    recorded = sum(int(p[2]) for p in state["accountant"].get("phases", ()))
+    if taken != recorded or taken > plan["steps"]:
+        raise ValueError(
+            f"{fn}: `resume_from` is inconsistent: the sampler took {taken!r} steps, the accountant "
+            f"recorded {recorded} (plan: {plan['steps']} steps)"
+        )
 
 
 def _batch_rows(batch: Any) -> int:
@@ -259,6 +411,7 @@ def make_private(
     process_count: int | None = None,
     l2_norm_clip: float | None = None,
     allow_beyond_plan: bool = False,
+    resume_from: dict[str, Any] | None = None,
 ) -> PrivateTraining:
     """Calibrates and builds a private training run (see the module docstring).
 
@@ -291,12 +444,18 @@ def make_private(
       allow_beyond_plan: let :meth:`PrivateTraining.record_step` record steps
         beyond ``steps`` (each with a :class:`PrivacyBudgetWarning` stating the
         epsilon spent); by default such a step is a :class:`PrivacyBudgetError`.
+      resume_from: a :meth:`PrivateTraining.state_dict` of an interrupted run:
+        its plan must equal this call's (a ``ValueError`` names the differing
+        field), its accountant record is restored, and
+        :meth:`PrivateTraining.batches` goes on with the next step. With the
+        saved ``params`` and ``opt_state`` (and the same noise keys per step),
+        the resumed run is the uninterrupted one.
 
     Returns:
       A :class:`PrivateTraining`.
 
     Raises:
-      ValueError: naming the argument: a rate outside (0, 1], a
+      ValueError: naming the argument: a ``resume_from`` of another plan, a rate outside (0, 1], a
         ``max_batch_size`` below the expected batch size, an unreachable
         ``target_epsilon``, both or neither of ``steps``/``epochs``, a bad clip
         norm; the step raises for a ``mask`` of the wrong shape.
@@ -364,6 +523,13 @@ def make_private(
         process_index=process_index, process_count=process_count,
     )
     trunc = sampler.truncated_batch_size
+    plan = {
+        "dataset_size": n, "sample_rate": q, "steps": t, "target_epsilon": float(target_epsilon),
+        "delta": float(delta), "l2_clip_norm": float(l2_clip_norm), "accountant": str(accountant).lower(),
+        "max_batch_size": sampler.max_batch_size, "on_overflow": on_overflow, "seed": sampler.seed,
+    }
+    if resume_from is not None:
+        _check_resume(resume_from, plan)  # before the calibration, which can take seconds
 
     def event(z: float) -> Any:
         return phase_event(PrivacyPhase(z, q, t, trunc, n if trunc is not None else None))
@@ -372,6 +538,10 @@ def make_private(
     planned = PrivacyAccountant(accountant)
     planned.step(z, **sampler.accounting(), steps=t)
     planned_eps = planned.epsilon(delta)
+    acc = PrivacyAccountant(accountant)
+    if resume_from is not None:
+        _check_resume(resume_from, {**plan, "noise_multiplier": z})
+        acc.load_state_dict(resume_from["accountant"])
 
     grad_fn = clipped_grad(loss_fn, l2_clip_norm, microbatch_size=physical_batch_size, method=method)
     std = z * float(grad_fn.sensitivity())
@@ -403,7 +573,7 @@ def make_private(
     return PrivateTraining(
         noise_multiplier=z, l2_clip_norm=float(l2_clip_norm), sample_rate=q, expected_batch_size=divisor,
         steps=t, target_epsilon=float(target_epsilon), delta=float(delta), planned_epsilon=planned_eps,
-        sampler=sampler, accountant=PrivacyAccountant(accountant), optimizer=optimizer, grad_fn=grad_fn,
+        sampler=sampler, accountant=acc, optimizer=optimizer, grad_fn=grad_fn,
         init=init, step=step, clipped_sum=clipped_sum, noisy_update=noisy_update,
         allow_beyond_plan=bool(allow_beyond_plan),
     )

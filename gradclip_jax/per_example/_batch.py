@@ -4,7 +4,7 @@ the one-example loss wrapper."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -104,6 +104,48 @@ LOSS_CONTRACT = (
 )
 
 
+BATCHNORM_REMEDY = (
+    "batch statistics cannot be used with per-example clipping: each example would be normalized by "
+    "its own statistics, and statistics of the whole batch mix the examples (the privacy accounting "
+    "of DP-SGD no longer holds). Use GroupNorm or LayerNorm instead, or freeze the statistics "
+    "outside the step: use_running_average=True (flax linen: BatchNorm(use_running_average=True) "
+    "and no mutable=['batch_stats']; flax nnx: model.eval() or "
+    "nnx.BatchNorm(use_running_average=True); haiku: is_training=False with the state as an input)"
+)
+_BATCHNORM_SIGNS = ("batchstat", "batch_stats", "batchnorm", "batch_norm")
+
+
+def batchnorm_error(err: BaseException, fn: str) -> ValueError | None:
+    """The ValueError for a loss that updates BatchNorm statistics, recognised by the text of
+    ``err`` (flax nnx ``TraceContextError`` on a ``BatchStat``, linen's immutable ``batch_stats``
+    collection, haiku's ``batch_norm`` state); ``None`` when ``err`` is not about them."""
+    text = f"{type(err).__name__}: {err}"
+    if not any(sign in text.lower() for sign in _BATCHNORM_SIGNS):
+        return None
+    return ValueError(f"{fn}: loss_fn updates BatchNorm statistics ({text.splitlines()[0]}); {BATCHNORM_REMEDY}")
+
+
+def _names_in(jaxpr: Any) -> Iterator[str]:
+    for eqn in jaxpr.eqns:
+        yield str(eqn.source_info.name_stack)
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (list, tuple)) else (v,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _names_in(inner)
+
+
+def batchnorm_in_loss(loss_fn: Callable[..., Any], params: Any, batch: Any, args: Sequence[Any]) -> str | None:
+    """The first BatchNorm layer (a name-scope, as flax names its modules) in the trace of
+    ``loss_fn`` on ``batch``, or ``None`` (also when the loss cannot be traced)."""
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), batch)
+    try:
+        closed = jax.make_jaxpr(lambda p, b: loss_fn(p, b, *args))(params, abstract)
+    except Exception:
+        return None
+    return next((n for n in _names_in(closed.jaxpr) if any(s in n.lower() for s in _BATCHNORM_SIGNS)), None)
+
+
 def check_one_example(loss_fn: Callable[..., Any], has_aux: bool, params: Any, batch: Any, args: Sequence[Any],
                       fn: str) -> None:
     """Traces ``loss_fn`` (shapes only) on the first example as a batch of one; ValueError stating
@@ -113,6 +155,9 @@ def check_one_example(loss_fn: Callable[..., Any], has_aux: bool, params: Any, b
     try:
         out = jax.eval_shape(loss_fn, params, one, *args)
     except Exception as err:
+        bn = batchnorm_error(err, fn)
+        if bn is not None:
+            raise bn from err
         raise ValueError(f"{fn}: calling loss_fn on a batch of one example failed ({type(err).__name__}: "
                          f"{str(err).splitlines()[0] if str(err) else ''}); {LOSS_CONTRACT}") from err
     loss = out[0] if has_aux and isinstance(out, tuple) and len(out) == 2 else out

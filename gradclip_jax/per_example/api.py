@@ -13,7 +13,12 @@ import jax
 import numpy as np
 
 from gradclip_jax.hyperparams import check_scalar, is_traced, static_value
-from gradclip_jax.per_example._batch import check_one_example, prepare_call
+from gradclip_jax.per_example._batch import (
+    BATCHNORM_REMEDY,
+    batchnorm_in_loss,
+    check_one_example,
+    prepare_call,
+)
 from gradclip_jax.per_example._config import (
     ClipConfig,
     ClippedGradFn,
@@ -85,7 +90,13 @@ def _grad_fn(config: ClipConfig) -> Callable[..., tuple[Any, ClippedGradInfo]]:
         run = run_vmap if cfg.method is Method.VMAP else run_ghost
         try:
             return run(cfg, call)
-        except ValueError:
+        except ValueError as err:
+            if "combines examples at" in str(err):  # the batch-crossing check: a BatchNorm's statistics?
+                layer = batchnorm_in_loss(cfg.loss_fn, call.params, call.batch, call.args)
+                if layer is not None:
+                    raise ValueError(
+                        f"{cfg.fn}: loss_fn combines examples in BatchNorm layer {layer!r}; {BATCHNORM_REMEDY}"
+                    ) from err
             raise  # our own checks: already name the argument or leaf
         except Exception:
             # Diagnosed only on failure: a check up front would trace the loss once

@@ -224,3 +224,48 @@ def test_dp_accounting_convergence_warnings_do_not_reach_the_user(capfd, caplog)
     _direct("rdp", [(0.5, 0.5, 100)], 1e-5)
     out, err = capfd.readouterr()
     assert "failed to converge" in out + err + caplog.text
+
+
+def test_load_state_dict_restores_in_place_and_checks_the_kind():
+    acc = privacy.PrivacyAccountant()
+    acc.step(1.0, 0.1, 5)
+    acc.step(2.0, 0.1, 3, truncated_batch_size=20, dataset_size=100)
+    other = privacy.PrivacyAccountant()
+    other.step(5.0, 0.5, 1)
+    other.load_state_dict(acc.state_dict())
+    assert other.phases == acc.phases and other.epsilon(1e-5) == acc.epsilon(1e-5)
+    with pytest.raises(ValueError, match=r"`state` was saved by a 'pld' accountant, this one is 'rdp'"):
+        privacy.PrivacyAccountant("rdp").load_state_dict(acc.state_dict())
+    with pytest.raises(ValueError, match=r"`state` must be a dict"):
+        other.load_state_dict([1, 2])
+
+
+@pytest.mark.parametrize("target", [0.1, 10.0, 1e3, 1e6])
+def test_calibration_at_any_target_meets_it_and_the_accountant_agrees(target):
+    """make_private's setting of issue 31 (n=1500, batch 64, 100 steps), where a target of 1e6 ran
+    out of memory and 1e3 took minutes: the PLD noise multiplier meets the target, the accountant
+    of the run reports that same epsilon, and RDP's answer is of the same order of magnitude."""
+    q, steps, delta = 64 / 1500, 100, 1e-5
+    z = privacy.calibrate_noise_multiplier(target, q, steps, delta)
+    planned = privacy.epsilon(z, q, steps, delta)
+    assert planned <= target and planned >= 0.9 * target
+    acc = privacy.PrivacyAccountant()
+    for _ in range(steps):
+        acc.step(z, q)
+    assert acc.epsilon(delta) == planned  # the same grid rule: a consistent epsilon
+    z_rdp = privacy.calibrate_noise_multiplier(target, q, steps, delta, accountant="rdp")
+    assert privacy.epsilon(z_rdp, q, steps, delta, accountant="rdp") <= target
+    assert z <= z_rdp < 10 * z
+
+
+def test_pld_grid_follows_the_smallest_noise():
+    from gradclip_jax.dp.accounting import pld_interval
+
+    assert pld_interval(5.0) == pld_interval(1.0) == 1e-4
+    assert pld_interval(0.01) == pytest.approx(1.0)
+    acc = privacy.PrivacyAccountant()
+    acc.step(2.0, 0.01, 10)
+    acc.step(0.5, 0.01, 10)  # the grid of z=0.5 for the whole record
+    direct = dp_accounting.pld.PLDAccountant(value_discretization_interval=pld_interval(0.5))
+    direct.compose(acc.dp_event())
+    assert acc.epsilon(1e-5) == direct.get_epsilon(1e-5)

@@ -318,3 +318,119 @@ def test_data_rows_must_match_dataset_size(rows):
 def test_method_is_checked_before_calibration():
     with pytest.raises(ValueError, match=r"`method` must be one of \('vmap', 'ghost', 'auto'\), got 'foo'"):
         _priv(method="foo")
+
+
+def _train(priv, params, opt_state, data, key, stop_after=None):
+    """The loop of a run, with the noise key of step t fixed: fold_in(key, t)."""
+    step = jax.jit(priv.step)
+    for batch, mask in priv.batches(data):
+        t = priv.accountant.steps - 1
+        params, opt_state, _ = step(params, opt_state, batch, mask, jax.random.fold_in(key, t))
+        if stop_after is not None and priv.accountant.steps == stop_after:
+            break
+    return params, opt_state
+
+
+@pytest.mark.parametrize("accountant", ["pld", "rdp"])
+def test_stopped_and_resumed_run_equals_the_uninterrupted_run(tmp_path, accountant):
+    """A run stopped after 3 of 7 steps, checkpointed with orbax (params, opt_state and
+    priv.state_dict()), restored into a fresh make_private(resume_from=...) and finished, has the
+    batches, the epsilon and (on the CPU) the parameters of the run that never stopped, bit for bit."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    kw = dict(steps=7, accountant=accountant)
+    d, key, w0 = _lin_data(), jax.random.key(3), jnp.zeros(4)
+    whole = _priv(**kw)
+    w_whole, _ = _train(whole, w0, whole.init(w0), d, key)
+
+    first = _priv(**kw)
+    w, s = _train(first, w0, first.init(w0), d, key, stop_after=3)
+    assert first.accountant.steps == 3
+    with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
+        mngr.save(3, args=ocp.args.Composite(
+            state=ocp.args.StandardSave({"params": w, "opt_state": s}),
+            priv=ocp.args.JsonSave(first.state_dict())))
+        mngr.wait_until_finished()
+    with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
+        like = {"params": w0, "opt_state": first.init(w0)}
+        back = mngr.restore(mngr.latest_step(), args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(like), priv=ocp.args.JsonRestore()))
+    assert back.priv == first.state_dict()  # JSON round-trips the floats exactly
+
+    resumed = _priv(**kw, resume_from=back.priv)
+    assert resumed.accountant.steps == 3 and resumed.accountant.phases == first.accountant.phases
+    steps = [b.step for b in _priv(**kw, resume_from=back.priv).batches()]
+    assert steps == [3, 4, 5, 6]
+    w_res, _ = _train(resumed, back.state["params"], back.state["opt_state"], d, key)
+    np.testing.assert_array_equal(np.asarray(w_res), np.asarray(w_whole))
+    assert resumed.epsilon() == whole.epsilon() and resumed.accountant.steps == 7
+
+
+def test_state_dict_is_plain_and_pickles():
+    import json
+    import pickle
+
+    priv = _priv(steps=4)
+    for _ in priv.batches():
+        break
+    state = priv.state_dict()
+    assert pickle.loads(pickle.dumps(state)) == state
+    assert json.loads(json.dumps(state)) == state
+    assert state["sampler"] == {"seed": 0, "steps_taken": 1}
+    assert state["plan"]["noise_multiplier"] == priv.noise_multiplier
+    assert state["plan"]["steps"] == 4 and state["plan"]["accountant"] == "rdp"
+    assert state["accountant"]["phases"] == [[priv.noise_multiplier, 0.1, 1, None, None]]
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    (dict(steps=5), "steps"), (dict(target_epsilon=4.0), "target_epsilon"), (dict(seed=1), "seed"),
+    (dict(l2_clip_norm=2.0), "l2_clip_norm"), (dict(expected_batch_size=20), "sample_rate"),
+    (dict(accountant="pld"), "accountant"), (dict(delta=1e-5), "delta"),
+])
+def test_resume_from_another_plan_names_the_field(change, field):
+    state = _priv(steps=4).state_dict()
+    with pytest.raises(ValueError, match=rf"`resume_from` was saved by another plan: {field}="):
+        _priv(**{"steps": 4, **change}, resume_from=state)
+
+
+def test_resume_from_a_changed_calibration_or_a_bad_state_is_an_error():
+    state = _priv(steps=4).state_dict()
+    state["plan"]["noise_multiplier"] += 1e-9
+    with pytest.raises(ValueError, match=r"another plan: noise_multiplier="):
+        _priv(steps=4, resume_from=state)
+    with pytest.raises(ValueError, match=r"`resume_from` must be a dict from PrivateTraining.state_dict"):
+        _priv(steps=4, resume_from={"plan": {}})
+    good = _priv(steps=4).state_dict()
+    good["sampler"]["steps_taken"] = 2
+    with pytest.raises(ValueError, match=r"`resume_from` is inconsistent"):
+        _priv(steps=4, resume_from=good)
+
+
+def test_progress_bar_shows_the_live_epsilon(capsys):
+    pytest.importorskip("tqdm")
+    priv = _priv(steps=4)
+    for _ in priv.batches(progress=True):
+        pass
+    err = capsys.readouterr().err
+    assert "4/4" in err and f"epsilon {priv.epsilon():.3g} of 3" in err
+    resumed = _priv(steps=4)
+    for _ in resumed.batches():
+        break
+    for _ in resumed.batches(progress=True):  # starts where the accountant stands
+        pass
+    assert "1/4" in capsys.readouterr().err
+
+
+def test_progress_without_tqdm_names_it(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_tqdm(name, *args, **kwargs):
+        if name == "tqdm" or name.startswith("tqdm."):
+            raise ImportError("No module named 'tqdm'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_tqdm)
+    priv = _priv(steps=4)
+    with pytest.raises(ImportError, match=r"`progress=True` needs tqdm: pip install tqdm"):
+        next(priv.batches(progress=True))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from gradclip_jax.ghost import GhostFallbackWarning
 from gradclip_jax.per_example import (
     ClippedGradInfo,
     clipped_grad,
@@ -471,3 +473,76 @@ def test_complex_parameters_get_complex_clipped_sums(method):
         rep = ghost_report(loss, p, b)
         assert [k for k, _ in rep.ghost] == ["['v']"]
         assert "complex" in dict(rep.fallback)["['w']"]
+
+
+def _bn_batch():
+    r = np.random.default_rng(0)
+    return {"x": r.normal(size=(8, 3)).astype(np.float32), "y": np.zeros(8, np.float32)}
+
+
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+def test_flax_nnx_batchnorm_in_training_mode_is_named_with_its_remedies(method):
+    """nnx's BatchNorm updates its BatchStat inside the traced loss: the error names BatchNorm and
+    the remedies (was: a generic message around 'Cannot mutate BatchStat from a different trace level')."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.lin, self.bn = nnx.Linear(3, 4, rngs=rngs), nnx.BatchNorm(4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.bn(self.lin(x)).sum(-1)
+
+    model = Net(nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss_fn(p, b):
+        return (nnx.merge(graphdef, p, rest)(b["x"]) - b["y"]) ** 2
+
+    with pytest.raises(ValueError, match=r"updates BatchNorm statistics.*GroupNorm or LayerNorm.*"
+                                         r"use_running_average=True") as info:
+        clipped_grad(loss_fn, 1.0, method=method)(params, _bn_batch())
+    assert type(info.value.__cause__).__name__ == "TraceContextError"
+    assert "BatchStat" in str(info.value.__cause__)
+    model.eval()  # the remedy: statistics frozen outside the step
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GhostFallbackWarning)  # BatchNorm's scale: a vmap fallback
+        grads, _ = clipped_grad(loss_fn, 1.0, method=method)(params, _bn_batch())
+    assert jax.tree.structure(grads) == jax.tree.structure(params)
+
+
+@pytest.mark.parametrize("mutable", [True, False])
+def test_flax_linen_batchnorm_with_batch_statistics_is_named_with_its_remedies(mutable):
+    """linen's BatchNorm(use_running_average=False): with mutable=['batch_stats'] it normalizes with
+    statistics of the batch (a crossing, named as BatchNorm); without, flax refuses the update."""
+    nn = pytest.importorskip("flax.linen")
+
+    class Net(nn.Module):
+        train: bool = True
+
+        @nn.compact
+        def __call__(self, x):
+            return nn.BatchNorm(use_running_average=not self.train)(nn.Dense(4)(x)).sum(-1)
+
+    batch = _bn_batch()
+    variables = Net().init(jax.random.key(0), batch["x"])
+
+    model = Net()
+
+    def loss_fn(p, b):
+        v = {"params": p, "batch_stats": variables["batch_stats"]}
+        out = model.apply(v, b["x"], mutable=["batch_stats"])[0] if mutable else model.apply(v, b["x"])
+        return (out - b["y"]) ** 2
+
+    with pytest.raises(ValueError, match=r"BatchNorm.*GroupNorm or LayerNorm.*use_running_average=True") as info:
+        clipped_grad(loss_fn, 1.0)(variables["params"], batch)
+    assert info.value.__cause__ is not None
+    if not mutable:
+        assert "batch_stats" in str(info.value.__cause__)
+
+    def frozen(p, b):
+        return (Net(train=False).apply({"params": p, "batch_stats": variables["batch_stats"]}, b["x"]) - b["y"]) ** 2
+
+    grads, _ = clipped_grad(frozen, 1.0)(variables["params"], batch)
+    assert jax.tree.structure(grads) == jax.tree.structure(variables["params"])

@@ -608,6 +608,37 @@ class GhostReport(tuple):
     def fallback(self) -> list[tuple[str, str]]:
         return self[1]  # type: ignore[no-any-return]
 
+    def __repr__(self) -> str:
+        return f"GhostReport(ghost={self.ghost!r}, fallback={self.fallback!r})"
+
+    def __str__(self) -> str:
+        """A table: one row per parameter leaf, its kind (ghost) or why it falls back.
+
+        Example:
+          >>> from gradclip_jax.ghost import GhostReport
+          >>> print(GhostReport(([("['w']", 'dense')], [("['s']", "used by 'mul'")])))
+          ghost clipping measures 1 of 2 parameter leaves; 1 falls back to per-example gradients
+          leaf   clipping  kind / why it falls back
+          -----  --------  ------------------------
+          ['w']  ghost     dense
+          ['s']  fallback  used by 'mul'
+        """
+        rows = [(path, "ghost", kind) for path, kind in self.ghost]
+        rows += [(path, "fallback", why) for path, why in self.fallback]
+        head = ("leaf", "clipping", "kind / why it falls back")
+        width = [max(len(r[i]) for r in (head, *rows)) for i in range(2)]
+        lines = [
+            f"ghost clipping measures {len(self.ghost)} of {len(rows)} parameter leaves; "
+            f"{len(self.fallback)} fall{'s' if len(self.fallback) == 1 else ''} back to per-example gradients",
+        ]
+        for r in (head, tuple("-" * len(h) if i == 2 else "-" * width[i] for i, h in enumerate(head)), *rows):
+            lines.append(f"{r[0]:<{width[0]}}  {r[1]:<{width[1]}}  {r[2]}".rstrip())
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        """IPython/Jupyter shows the table of :meth:`__str__`."""
+        printer.text("GhostReport(...)" if cycle else str(self))
+
 
 def ghost_report(loss_fn: Callable[..., Any], params: Any, batch: Any, *args: Any, has_aux: bool = False) -> GhostReport:
     """Which leaves of ``params`` ghost clipping measures directly, and why others fall back.

@@ -181,6 +181,31 @@ def test_report_classifies_leaves():
     assert rep.ghost == [] and len(rep.fallback) == 4
 
 
+def test_report_prints_as_a_table():
+    """print(ghost_report(...)) lists every leaf: its kind, or why it falls back; repr stays a
+    constructor-like one-liner, and IPython shows the table."""
+    rep = ghost_report(*tied_setup())
+    lines = str(rep).splitlines()
+    assert lines[0] == "ghost clipping measures 1 of 2 parameter leaves; 1 falls back to per-example gradients"
+    assert lines[1].split() == ["leaf", "clipping", "kind", "/", "why", "it", "falls", "back"]
+    assert lines[3].split() == ["['emb']", "ghost", "tied:embedding+dense"]
+    _, why = rep.fallback[0]
+    assert lines[4].startswith("['freq']  fallback  ") and lines[4].endswith(why)
+    assert lines[3].index("ghost") == lines[4].index("fallback")  # aligned columns
+    assert repr(rep) == f"GhostReport(ghost={rep.ghost!r}, fallback={rep.fallback!r})"
+    assert rep == (rep.ghost, rep.fallback)  # still the pair
+
+    class Printer:
+        text_seen = ""
+
+        def text(self, t):
+            self.text_seen += t
+
+    printer = Printer()
+    rep._repr_pretty_(printer, False)
+    assert printer.text_seen == str(rep)
+
+
 @pytest.mark.parametrize("method", ["vmap", "ghost", "auto"])
 def test_loss_combining_examples_is_an_error(method):
     """Batch statistics would be computed per example (silently something else): refused."""
