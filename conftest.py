@@ -4,6 +4,28 @@ Sets 8 simulated CPU devices for the sharding tests.
 
 XLA reads the device count once, when jax is first imported, so it is set here,
 before any test module imports jax.
+
+The suite runs on the CPU unless ``JAX_PLATFORMS`` names another backend
+(``JAX_PLATFORMS=cuda``). There (see ``tests/_backend.py``):
+
+* float32 products run at full precision: ``jax_default_matmul_precision`` is
+  set to ``'float32'`` for the session (NVIDIA GPUs otherwise multiply float32 in
+  TF32, TPUs in bfloat16 passes), so the comparisons with float32 tolerances
+  mean what they mean on a CPU. A precision given in ``JAX_DEFAULT_MATMUL_PRECISION``
+  is kept. Tests of what a user's step gets at the backend's default precision
+  say so (``tests._backend.backend_default_precision``).
+* tests marked ``cpu_only(reason=...)`` (XLA:CPU's compiled programs) are skipped
+  with their reason.
+* each process allocates GPU memory as it needs it
+  (``XLA_PYTHON_CLIENT_PREALLOCATE=false`` unless set), so ``-n N`` workers
+  share one GPU.
+
+``GRADCLIP_TEST_PRETEND_BACKEND=gpu`` (on a CPU only) makes ``jax.default_backend()``
+answer ``'gpu'``: the library then takes the choices it makes for that backend
+when it traces (its per-backend tables, the ``ghost_sum='backward'`` rule) and the
+suite runs as on a GPU (full-precision products, ``cpu_only`` tests skipped), while
+the arithmetic and the compiled programs stay the CPU's. It checks the suite's
+backend logic without a GPU, not the GPU's numerics.
 """
 
 import os
@@ -12,11 +34,56 @@ _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import hypothesis  # noqa: E402
+import pytest  # noqa: E402
 
 hypothesis.settings.register_profile(
     "default", max_examples=25, deadline=None, derandomize=True, print_blob=True
 )
 hypothesis.settings.register_profile("thorough", max_examples=400, deadline=None)
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+PRETEND = "GRADCLIP_TEST_PRETEND_BACKEND"
+
+
+def _xdist_controller(config: pytest.Config) -> bool:
+    """An xdist controller runs no test: it must not start a backend (a GPU's memory)."""
+    return not hasattr(config, "workerinput") and getattr(config.option, "dist", "no") != "no"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if _xdist_controller(config):
+        return
+    import jax
+
+    pretend = os.environ.get(PRETEND)
+    if pretend:
+        real = jax.default_backend()
+        if real != "cpu":
+            raise pytest.UsageError(f"{PRETEND}={pretend} is for a CPU run; this one runs on {real!r}")
+        jax.default_backend = lambda: pretend  # read by the library and the tests, not by jax itself
+    if jax.default_backend() != "cpu" and jax.config.jax_default_matmul_precision is None:
+        jax.config.update("jax_default_matmul_precision", "float32")
+    if jax.default_backend() != "cpu":
+        # the norms' products on the unrounded operands too (the library's GPU default rounds
+        # them to TF32): tests of that default say so (tests._backend.library_default_products)
+        from gradclip_jax.per_example import PRODUCT_PRECISION
+
+        PRODUCT_PRECISION[jax.default_backend()] = "highest"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import jax
+
+    backend = jax.default_backend()
+    for item in items:
+        mark = item.get_closest_marker("cpu_only")
+        if mark is None:
+            continue
+        reason = mark.kwargs.get("reason") or (mark.args[0] if mark.args else None)
+        if not reason:
+            raise pytest.UsageError(f"{item.nodeid}: cpu_only needs a reason (what is CPU-specific)")
+        if backend != "cpu":
+            item.add_marker(pytest.mark.skip(reason=f"CPU only ({backend} backend): {reason}"))

@@ -90,6 +90,7 @@ def test_tiny_cpu_run_writes_and_merges_results(tmp_path: pathlib.Path, monkeypa
     assert "| gpt2-qkv-b8 |" in md and "| wrn-b256 |" in md and "ghost_report:" in md
 
 
+@pytest.mark.cpu_only(reason="counts in XLA:CPU's optimized program; a GPU compiler may unroll the 3-step loop")
 def test_control_flow_counts_conditionals_and_loops():
     import jax.numpy as jnp
 

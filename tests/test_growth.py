@@ -27,6 +27,7 @@ from gradclip_jax.growth import (
     clip_value_growth,
 )
 from tests import oracle
+from tests._backend import on_cpu
 from tests.vectors import arrays, cases_for
 
 CASES = cases_for("ClipNormGrowth", "ClipValueGrowth")
@@ -360,8 +361,8 @@ def test_clip_value_growth_writes_a_donated_state_in_place(dtype):
     step = jax.jit(lambda u, s: tx.update(u, s)[::-1], donate_argnums=1)  # (state, updates)
     compiled = step.lower(g, state).compile()
     hlo = compiled.as_text()
-    if dtype == jnp.float32:  # bf16 leaves keep float32 state: the output cannot hold it
-        assert "f32[256,128]{1,0} copy(" not in hlo
+    if dtype == jnp.float32 and on_cpu():  # bf16 leaves keep float32 state: the output cannot hold it
+        assert "f32[256,128]{1,0} copy(" not in hlo  # (XLA:CPU's program; other compilers' differ)
     # and the result is the same as without donation
     x1 = {"w": jnp.full((256, 128), 2.0, dtype)}
     x2 = {"w": jnp.linspace(-8.0, 8.0, 256 * 128).reshape(256, 128).astype(dtype)}
@@ -441,6 +442,7 @@ def _entry_reads(compiled, name: str) -> int:
     return sum(1 for line in entry.splitlines()[1:] if f"{param})" in line or f"{param}," in line)
 
 
+@pytest.mark.cpu_only(reason="counts reads in XLA:CPU's optimized program and reads its buffer assignment")
 @pytest.mark.parametrize("make, reads", [(clip_value_growth, 2), (clip_value_by_ema, 3)])
 def test_elementwise_clippers_read_the_update_once_per_pass(make, reads):
     # One read-only pass finds both whether the update is finite and whether it clips (no

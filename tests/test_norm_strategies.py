@@ -116,6 +116,7 @@ def test_clip_by_global_norm_clips_huge_updates_to_the_bound(packed_strategy):
     np.testing.assert_allclose(float(state.norm), _exact(list(u.values())), rtol=1e-6)
 
 
+@pytest.mark.cpu_only(reason="reads XLA:CPU's optimized program; other compilers may turn a conditional into selects")
 def test_branch_free_strategies_compile_without_a_conditional(strategy):
     txt = fresh_jit(gcx.tree_norm).lower([jnp.ones(3), jnp.ones((2, 2))]).compile().as_text()
     assert ("conditional(" in txt) == (strategy == "cond")

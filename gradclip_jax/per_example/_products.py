@@ -56,6 +56,7 @@ from jax import lax
 from gradclip_jax._backend import per_backend
 
 __all__ = [
+    "DEFAULT_PRODUCT_PRECISION",
     "PRODUCT_PRECISION",
     "PRODUCT_UNITS",
     "ROUNDING_SIGMAS",
@@ -71,7 +72,10 @@ __all__ = [
 ]
 
 # Backend name -> one of _ALGORITHMS' keys; a backend not listed uses "highest".
-PRODUCT_PRECISION: dict[str, str] = {"gpu": "tf32", "cuda": "tf32"}
+DEFAULT_PRODUCT_PRECISION: dict[str, str] = {"gpu": "tf32", "cuda": "tf32"}
+"""The library's defaults of :data:`PRODUCT_PRECISION` (read-only: change ``PRODUCT_PRECISION``)."""
+
+PRODUCT_PRECISION: dict[str, str] = dict(DEFAULT_PRODUCT_PRECISION)
 
 _ALGORITHMS: dict[str, Any] = {
     "highest": lax.Precision.HIGHEST,

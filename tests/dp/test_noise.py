@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from gradclip_jax import privacy
 from gradclip_jax.dp import noise as noise_mod
+from tests._backend import assert_equal_on_cpu
 
 BACKEND = jax.default_backend()
 
@@ -40,8 +41,8 @@ def test_leaves_draw_is_documented(monkeypatch):
     key = jax.random.key(3)
     out = privacy.add_gaussian_noise(tree, 2.0, key)
     _, ka, kb = jax.random.split(key, 3)
-    np.testing.assert_array_equal(out["a"], 1.0 + 2.0 * jax.random.normal(ka, (4, 3)))
-    np.testing.assert_array_equal(out["b"], 1.0 + 2.0 * jax.random.normal(kb, (5,)))
+    assert_equal_on_cpu(out["a"], 1.0 + 2.0 * jax.random.normal(ka, (4, 3)))
+    assert_equal_on_cpu(out["b"], 1.0 + 2.0 * jax.random.normal(kb, (5,)))
 
 
 def test_blocks_draw_is_documented(monkeypatch):
@@ -53,9 +54,9 @@ def test_blocks_draw_is_documented(monkeypatch):
     k0 = jax.random.split(key, 4)[0]
     group = jax.random.fold_in(k0, 0)  # all three leaves accumulate in float32: one group
     flat = jnp.concatenate([jax.random.normal(jax.random.fold_in(group, j), (8,)) for j in range(3)])
-    np.testing.assert_array_equal(out["a"], 1.0 + 2.0 * flat[:12].reshape(4, 3))
-    np.testing.assert_array_equal(out["b"], 1.0 + 2.0 * flat[12:17])
-    np.testing.assert_array_equal(out["h"], 1.0 + 2.0 * flat[17:23])
+    assert_equal_on_cpu(out["a"], 1.0 + 2.0 * flat[:12].reshape(4, 3))
+    assert_equal_on_cpu(out["b"], 1.0 + 2.0 * flat[12:17])
+    assert_equal_on_cpu(out["h"], 1.0 + 2.0 * flat[17:23])
     assert out["h"].dtype == jnp.float32
 
 

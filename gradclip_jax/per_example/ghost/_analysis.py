@@ -477,6 +477,14 @@ def tf32_products() -> str | None:
             "the per-example gradients of TF32-rounded activations and cotangents)")
 
 
+def backward_refusal() -> str | None:
+    """Why this backend refuses ``ghost_sum='backward'`` for float32 models, now (``None``: it
+    runs it): the products of the norms at ``PRODUCT_PRECISION`` ``"tf32"`` (:func:`tf32_products`),
+    or the model's float32 products at reduced precision (:func:`reduced_matmul_precision`).
+    16-bit parameters or activations are refused everywhere (:func:`check_sum_precision`)."""
+    return tf32_products() or reduced_matmul_precision()
+
+
 def check_sum_precision(config: ClipConfig, plan: Plan, pflat: _norms.FlatTree) -> None:
     """ValueError for ``ghost_sum='backward'`` where its second pass would round below float32.
 
@@ -491,7 +499,7 @@ def check_sum_precision(config: ClipConfig, plan: Plan, pflat: _norms.FlatTree) 
     if config.per_layer or config.ghost_sum is not GhostSum.BACKWARD:
         return
     narrow, tf32 = narrow_values(plan, pflat), tf32_products()
-    why = narrow or tf32 or reduced_matmul_precision()
+    why = narrow or backward_refusal()
     if why is not None:
         fix = ("" if narrow else ", or set PRODUCT_PRECISION[jax.default_backend()] = 'highest'" if tf32
                else ", or set jax.config.update('jax_default_matmul_precision', 'float32')")
@@ -510,7 +518,7 @@ def sum_mode(config: ClipConfig, traced: Traced) -> GhostSum:
     closed, plan = traced
     if config.per_layer or plan.narrow_leaf is not None or plan.narrow_op is not None:
         return GhostSum.BOOKKEEPING
-    if config.ghost_sum is GhostSum.AUTO and (reduced_matmul_precision() or tf32_products()) is not None:
+    if config.ghost_sum is GhostSum.AUTO and backward_refusal() is not None:
         return GhostSum.BOOKKEEPING
     if config.ghost_sum is not GhostSum.AUTO:
         return config.ghost_sum

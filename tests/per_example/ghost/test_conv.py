@@ -15,6 +15,7 @@ from jax import lax
 from gradclip_jax.ghost import ghost_report
 from gradclip_jax.per_example import clipped_grad
 from gradclip_jax.per_example.ghost.rules import conv
+from tests._backend import assert_equal_on_cpu, by_backend, refuses_backward
 from tests.per_example.models import B, cnn_setup, xent
 
 # ----------------------------------------------------------------------------
@@ -140,9 +141,12 @@ def test_conv_matches_vmap_float64(name, forms, monkeypatch):
         loss, params, data = conv_setup(name, dtype=jnp.float64)
         assert dict(ghost_report(loss, params, data).ghost) == {"['k']": "conv", "['head']": "dense"}
         ref = _reference(loss, params, data)
+        # a GPU runs float64 convolutions by the algorithm its autotuner picks (FFT-based ones
+        # too): errors of order 1e-15 of the largest value, not of each value
+        rtol, atol = by_backend((1e-10, 1e-12), (1e-9, 1e-10))
         for form, ratio in FORMS.items():  # both formulations, forced
             monkeypatch.setattr(conv, "GRAM_RATIO", ratio)
-            _compare(loss, params, data, rtol=1e-10, atol=1e-12, ref=ref)
+            _compare(loss, params, data, rtol=rtol, atol=atol, ref=ref)
             assert forms.pop() == form and not forms  # measured by the rule, in that form
 
 
@@ -228,7 +232,7 @@ def test_views_equal_patches(nd, cin, groups, cout_per, size, ksize, stride, rdi
     out_spec = lax.conv_dimension_numbers(x.shape, w.shape, dn).out_spec
     patches = np.asarray(jnp.transpose(patches, out_spec))  # (B, C K, *out): channel-major features
     rows = (*patches.shape[:2], -1)
-    np.testing.assert_array_equal(np.asarray(taps).reshape(rows), patches.reshape(rows))
+    assert_equal_on_cpu(np.asarray(taps).reshape(rows), patches.reshape(rows), atol=1e-6 * float(np.max(np.abs(x))))
     ref = _reference_norms(x, w, g, **kw)
     np.testing.assert_allclose(np.asarray(conv.formed_norms(views)), ref, rtol=2e-5, atol=1e-6)
     # the Gram form is raised by its rounding bound (up to 4e-5 relative seen here), never lowered
@@ -309,6 +313,8 @@ def wrn_setup(seed=4, batch=B):
 @pytest.mark.parametrize("ghost_sum", ["backward", "bookkeeping"])
 def test_wide_resnet_block(ghost_sum, forms):
     loss, params, data = wrn_setup()
+    if refuses_backward(ghost_sum, lambda: clipped_grad(loss, 1.0, method="ghost", ghost_sum=ghost_sum)(params, data)):
+        return
     rep = ghost_report(loss, params, data)
     assert rep.fallback == []
     assert {k: v for k, v in rep.ghost if v == "conv"} == {

@@ -14,8 +14,9 @@ import pytest
 from jax import lax
 
 from gradclip_jax.ghost import GhostFallbackWarning, ghost_report
-from gradclip_jax.per_example import PRODUCT_PRECISION, clipped_grad
-from tests.per_example.models import B, cnn_setup, xent
+from gradclip_jax.per_example import clipped_grad
+from tests._backend import backend_default_precision, library_default_products, refuses_backward
+from tests.per_example.models import B, cnn_setup, mlp_setup, xent
 
 # Unit roundoff of each 16-bit dtype.
 U16 = {"bfloat16": 2.0**-9, "float16": 2.0**-12}
@@ -283,16 +284,40 @@ def test_reduced_precision_backend_book_keeps(monkeypatch):
     def jaxpr(ghost_sum):
         return str(jax.make_jaxpr(clipped_grad(loss, 0.5, method="ghost", ghost_sum=ghost_sum))(params, data))
 
-    on_cpu = {g: jaxpr(g) for g in ("auto", "backward", "bookkeeping")}
-    assert on_cpu["auto"] == on_cpu["backward"] != on_cpu["bookkeeping"]  # a CNN: the second pass
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert jaxpr("auto") == jaxpr("bookkeeping")
-    # on GPUs the ghost products default to TF32-rounded operands, which only book-keeping adds
-    with pytest.raises(ValueError, match=r"ghost_sum='backward'.*PRODUCT_PRECISION is 'tf32'"):
-        jaxpr("backward")
-    monkeypatch.setitem(PRODUCT_PRECISION, "gpu", "highest")
-    assert jaxpr("auto") == jaxpr("bookkeeping")
-    with pytest.raises(ValueError, match=r"ghost_sum='backward'.*gpu backend.*jax_default_matmul_precision"):
-        jaxpr("backward")
+    with jax.default_matmul_precision("float32"):  # full-precision products (a CPU's), any backend
+        full = {g: jaxpr(g) for g in ("auto", "backward", "bookkeeping")}
+    assert full["auto"] == full["backward"] != full["bookkeeping"]  # a CNN: the second pass
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # on a GPU: what it is
+    with backend_default_precision():
+        with library_default_products():  # 'tf32': the norms measure TF32-rounded operands
+            assert jaxpr("auto") == jaxpr("bookkeeping")
+            with pytest.raises(ValueError, match=r"ghost_sum='backward'.*PRODUCT_PRECISION is 'tf32'"):
+                jaxpr("backward")
+        with library_default_products("highest"):  # products at HIGHEST: the model's TF32 remains
+            assert jaxpr("auto") == jaxpr("bookkeeping")
+            with pytest.raises(ValueError, match=r"ghost_sum='backward'.*gpu backend.*jax_default_matmul_precision"):
+                jaxpr("backward")
     with jax.default_matmul_precision("float32"):
         jaxpr("backward")  # full-precision products: the second pass is allowed
+
+
+@pytest.mark.parametrize("setup", [mlp_setup, cnn_setup], ids=["mlp", "cnn"])
+def test_the_backends_default_precision(setup):
+    """What a user's float32 step gets on this backend, at its default precision (TF32
+    products on NVIDIA GPUs): 'auto' keeps each example's clipped contribution within the
+    clip norm, and an explicit 'backward' runs on a CPU and is refused where products are
+    reduced (the library's rule: not on a CPU)."""
+    loss, params, data = setup()
+    with backend_default_precision(), library_default_products():
+        refused = refuses_backward("backward", lambda: clipped_grad(loss, 1.0, method="ghost", ghost_sum="backward")(
+            params, data))
+        assert refused == (jax.default_backend() != "cpu")
+        if not refused:
+            jax.make_jaxpr(clipped_grad(loss, 1.0, method="ghost", ghost_sum="backward"))(params, data)
+        step = jax.jit(lambda m, c: clipped_grad(loss, c, method="ghost")(params, data, mask=m))
+        _, info = step(jnp.ones(B, bool), 1.0)
+        clip = 1e-3 * float(np.min(np.asarray(info.norms)))  # every example clipped hard
+        for i in range(B):
+            g, info = step(jnp.arange(B) == i, clip)
+            assert int(info.num_clipped) == 1
+            assert _norm64(g) <= clip

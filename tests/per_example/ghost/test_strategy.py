@@ -11,6 +11,7 @@ from jax import lax
 from gradclip_jax.ghost import ghost_report
 from gradclip_jax.per_example import clipped_grad
 from gradclip_jax.per_example.ghost import _gram
+from tests._backend import refuses_backward
 from tests.per_example.models import B, cnn_setup, embed_setup, mlp_setup, xent
 
 # ----------------------------------------------------------------------------
@@ -136,6 +137,11 @@ def _close(a, b, rtol, atol):
 
 
 def _compare(loss, params, data, clip, rtol=1e-5, atol=1e-6, mask=None, **kw):
+    """Ghost against vmap; ``None`` where this backend refuses ``ghost_sum='backward'`` (checked)."""
+    per_layer = bool(kw.get("per_layer")) or not jax.tree_util.treedef_is_leaf(jax.tree.structure(clip))
+    if refuses_backward(kw.get("ghost_sum"), lambda: jax.make_jaxpr(clipped_grad(loss, clip, method="ghost", **kw))(
+            params, data, mask=mask), per_layer=per_layer):
+        return None
     ref_g, ref_i = jax.jit(clipped_grad(loss, clip, method="vmap", **kw))(params, data, mask=mask)
     g, i = jax.jit(clipped_grad(loss, clip, method="ghost", **kw))(params, data, mask=mask)
     assert jax.tree.structure(g) == jax.tree.structure(ref_g)
@@ -247,6 +253,8 @@ def test_microbatch_mask_normalize(model, ghost_sum):
 def test_all_padding_gives_zero(ghost_sum):
     loss, params, data = mlp_setup()
     grad_fn = clipped_grad(loss, 1.0, method="ghost", ghost_sum=ghost_sum)
+    if refuses_backward(ghost_sum, lambda: grad_fn(params, data)):
+        return
     g, i = jax.jit(grad_fn)(params, data, mask=jnp.zeros(B, bool))
     assert all(float(jnp.max(jnp.abs(x))) == 0.0 for x in jax.tree.leaves(g))
     assert int(i.num_clipped) == 0 and float(jnp.max(i.norms)) == 0.0
@@ -266,7 +274,10 @@ def test_nan_example_is_dropped(model, ghost_sum):
         data = {**data, "img": data["img"].at[2, 3, 3, 0].set(jnp.nan)}
     else:
         params = {**params, "emb": params["emb"].at[0, 0].set(jnp.inf)}  # token 0 poisons its examples
-    g, i = jax.jit(clipped_grad(loss, 1.0, method="ghost", ghost_sum=ghost_sum))(params, data)
+    grad_fn = clipped_grad(loss, 1.0, method="ghost", ghost_sum=ghost_sum)
+    if refuses_backward(ghost_sum, lambda: grad_fn(params, data)):
+        return
+    g, i = jax.jit(grad_fn)(params, data)
     bad = ~np.isfinite(np.asarray(i.norms))
     assert bad.any() and not bad.all()
     ref, _ = clipped_grad(loss, 1.0, method="vmap")(params, data, mask=jnp.asarray(~bad))
@@ -274,6 +285,8 @@ def test_nan_example_is_dropped(model, ghost_sum):
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(g))
 
 
+@pytest.mark.cpu_only(reason="counts the conditionals of XLA:CPU's optimized program; other backends' "
+                            "compilers keep, merge or remove conditionals their own way")
 @pytest.mark.parametrize("model, conditionals", [("mlp", 1), ("seq_gram", 1), ("embed_seq", 1), ("cnn", 2)])
 def test_bookkeeping_holds_a_conditional_only_for_convolutions(model, conditionals):
     # NaN-safe book-keeping zeroes the dropped examples' values in the one sum where that is
@@ -514,6 +527,10 @@ def test_auto_sum_mode_follows_cotangent_share():
         assert backward != bookkeeping
         return {backward: "backward", bookkeeping: "bookkeeping"}.get(auto)
 
+    loss, params, data = mlp_setup()
+    if refuses_backward("backward", lambda: clipped_grad(loss, 1.0, method="ghost", ghost_sum="backward")(params, data)):
+        pytest.skip("float32 products at reduced precision here: 'auto' always book-keeps "
+                    "(test_low_precision.py::test_reduced_precision_backend_book_keeps)")
     assert mode(MODELS["seq_materialized"]()) == "backward"
     assert mode(MODELS["layernorm"]()) == "bookkeeping"
     assert mode(_nnx_lm(64)) == "bookkeeping"
@@ -605,7 +622,7 @@ def test_gram_norms_cover_cancellation(ratio, diagonal, monkeypatch):
     float32 Gram sum came out 5e-5 (50x) and 2e-2 (500x) below the exact norm, so a clipped
     contribution exceeded the clip norm; the norm raised by its rounding bound is not below it,
     whichever way the row norms are read."""
-    monkeypatch.setitem(_gram.DIAGONAL_FROM, "cpu", diagonal)
+    monkeypatch.setitem(_gram.DIAGONAL_FROM, jax.default_backend(), diagonal)
     ghost, exact = _shared_component_layer(ratio, zero_sum=True)
     assert np.all(ghost >= exact), ghost / exact - 1
 
