@@ -33,7 +33,7 @@ import jax
 from jax.extend import core as _jcore
 
 __all__ = [
-    "LayoutError", "Params", "ScanInfo", "bind", "is_literal", "is_tracer", "jax_version", "open_jaxpr", "param",
+    "LayoutError", "Params", "ScanInfo", "bind", "is_literal", "is_tracer", "jax_version", "name_stack", "open_jaxpr", "param",
     "params", "scan_info", "scan_or_none", "shape", "sub_jaxpr", "sub_jaxprs", "with_params",
 ]
 
@@ -189,6 +189,11 @@ def sub_jaxprs(eqn: Any) -> list[Any]:
             if _is_jaxpr(j):
                 out.append(open_jaxpr(j)[0])
     return out
+
+
+def name_stack(eqn: Any) -> str:
+    """The names of the scopes an equation was traced in (``jax.named_scope``, flax module paths)."""
+    return str(getattr(getattr(eqn, "source_info", None), "name_stack", ""))
 
 
 def bind(eqn: Any, invals: Sequence[Any], eqn_params: Mapping[str, Any] | None = None) -> list[Any]:

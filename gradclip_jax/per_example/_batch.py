@@ -13,6 +13,7 @@ import numpy as np
 from jax import lax
 
 from gradclip_jax import norms as _norms
+from gradclip_jax._core import jaxcompat as jc
 
 
 def keystr(path: Any) -> str:
@@ -127,12 +128,9 @@ def batchnorm_error(err: BaseException, fn: str) -> ValueError | None:
 
 def _names_in(jaxpr: Any) -> Iterator[str]:
     for eqn in jaxpr.eqns:
-        yield str(eqn.source_info.name_stack)
-        for v in eqn.params.values():
-            for sub in v if isinstance(v, (list, tuple)) else (v,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from _names_in(inner)
+        yield jc.name_stack(eqn)
+        for inner in jc.sub_jaxprs(eqn):
+            yield from _names_in(inner)
 
 
 def batchnorm_in_loss(loss_fn: Callable[..., Any], params: Any, batch: Any, args: Sequence[Any]) -> str | None:

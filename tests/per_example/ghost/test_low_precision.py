@@ -297,8 +297,8 @@ def test_reduced_precision_backend_book_keeps(monkeypatch):
             assert jaxpr("auto") == jaxpr("bookkeeping")
             with pytest.raises(ValueError, match=r"ghost_sum='backward'.*gpu backend.*jax_default_matmul_precision"):
                 jaxpr("backward")
-    with jax.default_matmul_precision("float32"):
-        jaxpr("backward")  # full-precision products: the second pass is allowed
+    with jax.default_matmul_precision("float32"), library_default_products("highest"):
+        jaxpr("backward")  # full-precision products, HIGHEST norms: the second pass is allowed
 
 
 @pytest.mark.parametrize("setup", [mlp_setup, cnn_setup], ids=["mlp", "cnn"])
