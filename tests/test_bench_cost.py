@@ -91,11 +91,15 @@ def test_quick_cost_report_of_tiny_gpt2_reports_flops_and_precisions() -> None:
 
 
 @pytest.mark.slow
-def test_quick_cost_report_of_tiny_wrn_counts_convolutions_at_highest() -> None:
+def test_quick_cost_report_of_tiny_wrn_counts_convolutions_by_precision() -> None:
     rows = bc.rows_of(bc.measure_model("wrn", quick=True))
     assert {r["model"] for r in rows} == {"wrn"} and len(rows) == 2 * len(bc.MEASURES)
     wrn = {(r["step"], r["measure"]): r for r in rows}
     assert wrn[("ghost", "flops")]["ours_ms"] > 0 and wrn[("ghost", "flops")]["baseline_ms"] > 0
-    assert wrn[("ghost", "products_highest")]["ours_ms"] >= 1  # the per-example convolution products
-    assert wrn[("ghost", "products_default")]["baseline_ms"] >= 1
-    assert "convolution HIGHEST" in wrn[("ghost", "products_highest")]["note"]
+    # traced as on a GPU, the per-example convolution products take TF32-rounded operands at
+    # DEFAULT (PRODUCT_PRECISION 'tf32'); the weighted sums of formed rows stay at HIGHEST
+    default = wrn[("ghost", "products_default")]
+    assert default["ours_ms"] > default["baseline_ms"] >= 1
+    note = wrn[("ghost", "products_highest")]["note"]
+    assert "convolution DEFAULT" in note and "convolution HIGHEST" not in note
+    assert wrn[("ghost", "products_highest")]["ours_ms"] >= 1  # the formed rows' weighted sums
