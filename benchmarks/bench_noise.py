@@ -9,14 +9,17 @@ the tree of GPT-2 small (148 leaves, 124.4M parameters; ``--quick``: the same
 ours to optax's way in this process: the time of one jitted call (median of
 interleaved runs), the time to lower and compile it, and its compiled
 temporaries. On the CPU ours draws in blocks (``gcx.privacy.NOISE_STRATEGY``).
+A fourth row times ours drawing by ``"philox"`` (Philox4x32-10 bits instead of
+threefry's) against the same per-leaf threefry draw.
 
 Run: ``python -m benchmarks --only noise``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -64,12 +67,14 @@ def run(quick: bool = False) -> list[dict]:
     key = jax.random.key(0)
     fns = {"ours": lambda t, k: gcx.privacy.add_gaussian_noise(t, 1.0, k), "optax": lambda t, k: optax_way(t, 1.0, k)}
     _compile(lambda t, k: optax_way(t, 1.0, k), {"w": jnp.zeros(3)}, key)  # one-time warm-up of the compiler
+    fns["philox"] = lambda t, k: gcx.privacy.add_gaussian_noise(t, 1.0, k)  # traced with "philox" below
+    backend = jax.default_backend()
     compiled, compile_s, temp = {}, {}, {}
     for name, f in fns.items():  # compiled once each: a second compile would hit jax's cache
-        compiled[name], compile_s[name] = _compile(f, tree, key)
+        with _strategy(backend, "philox" if name == "philox" else None):
+            compiled[name], compile_s[name] = _compile(f, tree, key)
         temp[name] = memory_mb(compiled[name])[0]
     ms = interleaved_ms({k: (lambda c=c: c(tree, key)) for k, c in compiled.items()}, reps=5 if quick else 15)
-    backend = jax.default_backend()
     strategy = gcx.privacy.NOISE_STRATEGY.get(backend, "leaves")
     what = f"{len(leaves)} leaves, {n / 1e6:.1f}M params (GPT-2{' shapes at width 128' if quick else ' small'}), " \
            f"{backend}, ours draws by {strategy!r}"
@@ -79,7 +84,25 @@ def run(quick: bool = False) -> list[dict]:
             compile_s["optax"] * 1e3, what),
         row("noise", "add_gaussian_noise vs optax per-leaf draw: temporaries (MiB, not ms)", temp["ours"],
             temp["optax"], what),
+        row("noise", "add_gaussian_noise drawing by 'philox' vs optax per-leaf draw (threefry): time",
+            ms["philox"], ms["optax"], what.split(", ours draws")[0]),
     ]
+
+
+@contextlib.contextmanager
+def _strategy(backend: str, name: str | None) -> Iterator[None]:
+    """``gcx.privacy.NOISE_STRATEGY[backend] = name`` while tracing (``None``: unchanged)."""
+    table = gcx.privacy.NOISE_STRATEGY
+    old = table.get(backend)
+    if name is not None:
+        table[backend] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            table.pop(backend, None)
+        else:
+            table[backend] = old
 
 
 if __name__ == "__main__":

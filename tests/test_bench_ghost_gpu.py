@@ -110,10 +110,13 @@ def test_product_accuracy_measures_reduced_pass_products_and_restores_the_table(
     loss, params, data = mlp_setup()
     acc = bg.product_accuracy(loss, params, data, ["bf16x6", "fp8"])
     assert dict(PRODUCT_PRECISION) == before
-    # on the CPU six bfloat16 passes give float32 products: the norms agree and the sum moves
-    # by the clip-norm margin the reduced passes cost (8 units of float32 roundoff)
-    assert acc["bf16x6"]["norm_rel_err"] < 1e-6
-    assert 0 < acc["bf16x6"]["sum_rel_err"] < 2e-6
+    if jax.default_backend() in ("gpu", "cuda", "rocm"):  # refused there: its error exceeds its margin
+        assert "'bf16x6' is refused" in acc["bf16x6"]["error"]
+    else:
+        # on the CPU six bfloat16 passes give float32 products: the norms agree and the sum moves
+        # by the clip-norm margin the reduced passes cost (8 units of float32 roundoff)
+        assert acc["bf16x6"]["norm_rel_err"] < 1e-6
+        assert 0 < acc["bf16x6"]["sum_rel_err"] < 2e-6
     assert "unknown strategy 'fp8'" in acc["fp8"]["error"]
 
 

@@ -1,22 +1,28 @@
 #!/usr/bin/env bash
 # Every GPU measurement of the project in one command, for a GPU lent only now and then:
-#   bash tools/gpu_check.sh OUT_DIR [SECONDS]
-# 1. the DP training steps of the ghost-gpu suite (GPT-2 small B=8, WRN-16-4 B=256:
-#    non-private, ghost, vmap, jax-privacy; ratios, temporaries, compile times);
-# 2. the kernel-category profile of the same steps (benchmarks.profile_gpu), reusing the
-#    compiled programs through JAX's persistent compilation cache;
-# 3. the test suite on the GPU backend (the README's GPU command, with workers), for what
-#    time is left; each test's verdict goes to OUT_DIR/pytest.log as it ends.
+#   bash tools/gpu_check.sh OUT_DIR [SECONDS] [PARTS]
+# PARTS (comma-separated, default bench,profile,noise,tests), each with its own time limit
+# so that what was measured comes back even when the whole call runs out of time:
+#   bench    the DP training steps of the ghost-gpu suite (GPT-2 small B=8 for GPT2_S seconds,
+#            WRN-16-4 B=256 for WRN_S; steps GHOST_GPU_STEPS, default ghost,vmap,jax_privacy
+#            besides the non-private one): ratios, temporaries, compile times;
+#   profile  the kernel-category profile of the same steps (benchmarks.profile_gpu, PROFILE_S),
+#            reusing the compiled programs through JAX's persistent compilation cache;
+#   noise    the noise draw of a GPT-2-small tree, threefry against Philox (bench_noise);
+#   tests    the test suite on the GPU backend (the README's GPU command, with workers) for
+#            the time left, or the tests named in TESTS; stopped with SIGINT at the limit, so
+#            pytest still prints its summary and the failures' tracebacks (OUT_DIR/pytest.log).
 # Wheels in .whl/ (jax-privacy, dp-accounting and what they need, where the machine lacks
-# them) are installed first into /tmp/site. Each part has its own time limit, so what was
-# measured comes back even when the whole call runs out of time.
+# them) are installed first into /tmp/site.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:?usage: tools/gpu_check.sh OUT_DIR [SECONDS]}
+OUT=${1:?usage: tools/gpu_check.sh OUT_DIR [SECONDS] [PARTS]}
 TOTAL=${2:-540}
+PARTS=,${3:-bench,profile,noise,tests},
 mkdir -p "$OUT"
 START=$(date +%s)
 left() { echo $(( TOTAL - ($(date +%s) - START) )); }
+want() { [[ $PARTS == *,$1,* ]]; }
 if compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -29,19 +35,27 @@ LOG="$OUT/bench.log"
     python3 -c "import jax, jaxlib, optax, flax; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, \
 'optax', optax.__version__, 'flax', flax.__version__, jax.devices())"
 } > "$LOG" 2>&1
-STEPS=${GHOST_GPU_STEPS:-ghost,vmap,jax_privacy}
-for spec in gpt2-b8:${GPT2_S:-160} wrn-b256:${WRN_S:-90}; do
-    model=${spec%%:*}; secs=${spec##*:}
-    GHOST_GPU_STEPS=$STEPS GHOST_GPU_BUDGET_S=$((secs - 30)) timeout "$((secs + 60))" \
-        python3 -m benchmarks --only ghost-gpu --models "$model" --out "$OUT" >> "$LOG" 2>&1
-    echo "== ghost-gpu $model: exit $?, $(left) s left" >> "$LOG"
-done
-PROFILE_GPU_BUDGET_S=${PROFILE_S:-100} timeout $(( ${PROFILE_S:-100} + 60 )) \
-    python3 -m benchmarks --only profile-gpu --models gpt2-b8,wrn-b256 --out "$OUT" >> "$LOG" 2>&1
-echo "== profile-gpu: exit $?, $(left) s left" >> "$LOG"
+if want bench; then
+    for spec in gpt2-b8:${GPT2_S:-160} wrn-b256:${WRN_S:-90}; do
+        model=${spec%%:*}; secs=${spec##*:}
+        GHOST_GPU_STEPS=${GHOST_GPU_STEPS:-ghost,vmap,jax_privacy} GHOST_GPU_BUDGET_S=$((secs - 30)) \
+            timeout "$((secs + 60))" python3 -m benchmarks --only ghost-gpu --models "$model" --out "$OUT" >> "$LOG" 2>&1
+        echo "== ghost-gpu $model: exit $?, $(left) s left" >> "$LOG"
+    done
+fi
+if want profile; then
+    PROFILE_GPU_BUDGET_S=${PROFILE_S:-100} timeout $(( ${PROFILE_S:-100} + 60 )) \
+        python3 -m benchmarks --only profile-gpu --models gpt2-b8,wrn-b256 --out "$OUT" >> "$LOG" 2>&1
+    echo "== profile-gpu: exit $?, $(left) s left" >> "$LOG"
+fi
+if want noise; then
+    timeout 120 python3 -m benchmarks --only noise --out "$OUT/noise" >> "$LOG" 2>&1
+    echo "== noise: exit $?, $(left) s left" >> "$LOG"
+fi
 T=$(( $(left) - 15 ))
-if [ "$T" -gt 30 ]; then
-    JAX_PLATFORMS=cuda timeout "$T" python3 -m pytest -n "${WORKERS:-8}" -v -p no:randomly \
-        tests/per_example tests/_core tests > "$OUT/pytest.log" 2>&1
-    echo "== pytest: exit $? (124: stopped at its time limit)" >> "$OUT/pytest.log"
+if want tests && [ "$T" -gt 30 ]; then
+    # shellcheck disable=SC2086
+    JAX_PLATFORMS=cuda timeout -s INT -k 15 "$T" python3 -m pytest -n "${WORKERS:-8}" -v --tb=short \
+        -p no:randomly ${TESTS:-tests/per_example tests/_core tests} > "$OUT/pytest.log" 2>&1
+    echo "== pytest: exit $? (124 or 2: stopped at its time limit)" >> "$OUT/pytest.log"
 fi

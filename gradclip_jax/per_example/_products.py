@@ -23,6 +23,9 @@ and the weighted sums (book-kept or over formed rows). They run at
   out there.
 * ``"bf16x6"``: ``DotAlgorithmPreset.BF16_BF16_F32_X6``, six bfloat16 passes
   with float32 accumulation (about float32 accuracy, on bfloat16 tensor cores).
+  Refused (a ValueError) on GPUs: there XLA's products at that algorithm were
+  measured about 1e-3 relative off the float32 ones (H200, jax 0.11.2), more than
+  its clip-norm margin allows.
 * ``"tf32x3"``: ``DotAlgorithmPreset.TF32_TF32_F32_X3``, three TF32 passes
   (NVIDIA GPUs from Ampere on; XLA's CPU backend rejects it).
 
@@ -95,11 +98,26 @@ _ALGORITHMS: dict[str, Any] = {
 PRODUCT_UNITS: dict[str, int] = {"highest": 0, "tf32": 0, "bf16x6": 8, "tf32x3": 128}
 
 
+# Settings whose error bound (PRODUCT_UNITS) was measured not to hold on a backend: a clip-norm
+# margin too small for the products' error would let a clipped contribution exceed the clip
+# norm, silently. On an H200 (jax 0.11.2), XLA:GPU's BF16_BF16_F32_X6 products were about 1e-3
+# relative off the float32 ones (a clipped sum 4e-4 away from the float64 loop), not the 8 units
+# of 2**-24 the margin allows.
+_REFUSED = {("bf16x6", "gpu"): "measured about 1e-3 relative off the float32 products on an NVIDIA "
+                               "H200 (jax 0.11.2), far beyond the 8 units of float32 roundoff its "
+                               "clip-norm margin allows"}
+
+
 def _reduced(*dtypes: Any) -> str | None:
     """The backend's reduced-pass setting when it applies to operands of ``dtypes`` (all
     float32), else ``None``: the one rule both the products and their margin follow."""
-    name = per_backend(PRODUCT_PRECISION, "gradclip_jax.per_example.PRODUCT_PRECISION", "highest",
-                       tuple(_ALGORITHMS))
+    setting = "gradclip_jax.per_example.PRODUCT_PRECISION"
+    name = per_backend(PRODUCT_PRECISION, setting, "highest", tuple(_ALGORITHMS))
+    backend = "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else jax.default_backend()
+    why = _REFUSED.get((name, backend))
+    if why is not None:
+        raise ValueError(f"{setting}: {name!r} is refused on {jax.default_backend()!r}: {why}; use 'tf32' "
+                         "(the default on GPUs) or 'highest'")
     if name == "highest" or any(np.dtype(d) != np.float32 for d in dtypes):
         return None
     return name

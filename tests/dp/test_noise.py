@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from gradclip_jax import privacy
 from gradclip_jax.dp import noise as noise_mod
+from gradclip_jax.dp.philox import philox_normal
 from tests._backend import assert_equal_on_cpu
 
 BACKEND = jax.default_backend()
@@ -24,7 +25,7 @@ def _jitted():
     return jax.jit(lambda tree, std, key: privacy.add_gaussian_noise(tree, std, key))
 
 
-@pytest.fixture(params=["leaves", "blocks"])
+@pytest.fixture(params=["leaves", "blocks", "philox"])
 def strategy(request, monkeypatch):
     monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, request.param)
     return request.param
@@ -43,6 +44,18 @@ def test_leaves_draw_is_documented(monkeypatch):
     _, ka, kb = jax.random.split(key, 3)
     assert_equal_on_cpu(out["a"], 1.0 + 2.0 * jax.random.normal(ka, (4, 3)))
     assert_equal_on_cpu(out["b"], 1.0 + 2.0 * jax.random.normal(kb, (5,)))
+
+
+def test_philox_draw_is_documented(monkeypatch):
+    monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, "philox")
+    tree = {"a": jnp.ones((4, 3)), "b": jnp.ones(5), "h": jnp.ones(6, jnp.float16)}
+    key = jax.random.key(3)
+    out = privacy.add_gaussian_noise(tree, 2.0, key)
+    _, ka, kb, kh = jax.random.split(key, 4)
+    np.testing.assert_array_equal(out["a"], 1.0 + 2.0 * philox_normal(ka, (4, 3)))
+    np.testing.assert_array_equal(out["b"], 1.0 + 2.0 * philox_normal(kb, (5,)))
+    np.testing.assert_array_equal(out["h"], 1.0 + 2.0 * philox_normal(kh, (6,)))  # float32 after the cast
+    assert not np.allclose(out["a"], 1.0 + 2.0 * jax.random.normal(ka, (4, 3)))  # not threefry's
 
 
 def test_blocks_draw_is_documented(monkeypatch):

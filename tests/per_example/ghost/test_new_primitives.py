@@ -170,7 +170,8 @@ def test_a_loss_unstacking_the_batch_falls_back_with_a_reason():
 
 # Primitives of jax.lax added since jax 0.5.3 (the names of jax/lax/__init__.py's ``*_p`` objects
 # of jax-v0.10.2 that jax-v0.5.3 lacks), and call primitives added in jax 0.11.
-ADDED_SINCE_MINIMUM = ("dce_sink", "mulhi", "stack", "stage", "tile", "unstack", "xla_metadata_call")
+ADDED_SINCE_MINIMUM = ("dce_sink", "mulhi", "stack", "stage", "tile", "unstack", "xla_metadata_call",
+                      "log2", "one_minus_square")  # the last two: jax 0.11 (run on 0.11.2, CPU and GPU)
 
 
 @pytest.mark.parametrize("name", ADDED_SINCE_MINIMUM)

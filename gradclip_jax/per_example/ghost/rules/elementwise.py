@@ -26,6 +26,8 @@ _UNARY_OR_MIXED = (
     "polygamma", "zeta", "igammac", "igamma_grad_a", "regularized_incomplete_beta",
     # added since jax 0.5: integer high product, staging, comparisons to a total order
     "mulhi", "clz", "complex", "stage", "eq_to", "le_to", "lt_to", "sharding_constraint",
+    # added in jax 0.11 (seen in jax 0.11.2's jax.lax): log base 2, and 1 - x**2 (tanh's derivative)
+    "log2", "one_minus_square",
 )
 
 
