@@ -151,7 +151,7 @@ def clip_pytree(
     rescale = bool(static_value(fn, "rescale_to_unit_norm", rescale_to_unit_norm))
     if static_value(fn, "nan_safe", nan_safe):
         pytree = jax.tree.map(_finite_or_zero, pytree)
-    norm = _norms.tree_norm(pytree)
+    norm = _norms.global_norm(_norms.flatten(pytree, fn).arrays, _norms.parse_ord(2))
     f, clipped = _scale_factor(norm, clip_norm, rescale)
     out = jax.tree.map(lambda x: _scaled(x, f, clipped, return_zero), pytree)
     return out, norm.astype(jnp.float32)
@@ -320,8 +320,9 @@ def clipped_fun(
 
     Returns:
       A :class:`~jax_privacy.clipping.BoundedSensitivityCallable` returning
-      ``value``; ``(value, aux)`` with ``has_aux``; ``(value, norms)`` with
-      ``return_norms``; ``(value, (aux, norms))`` with both.
+      ``value``; ``(value, aux)`` with ``has_aux``; ``(value, (aux, norms))`` with
+      both; with ``return_norms`` alone ``(value, ((), norms))``, as jax-privacy
+      2.0.0 returns it (its docstring says ``(value, norms)``).
 
     Raises:
       TypeError: a non-callable ``fun``, non-int argument positions.
@@ -391,13 +392,11 @@ def _split_keys(fn: str, args: Sequence[Any], batch: tuple[int, ...], prng: int 
 
 
 def _fun_outputs(value: Any, aux: Any, norms: Any, has_aux: bool, return_norms: bool) -> Any:
-    if has_aux and return_norms:
-        return value, (aux, norms)
-    if has_aux:
-        return value, aux
+    """jax-privacy 2.0.0's outputs: with ``return_norms`` and no aux, ``(value, ((), norms))``, as it
+    returns them (its docstring says ``(value, norms)``), so code written against it keeps working."""
     if return_norms:
-        return value, norms
-    return value
+        return value, (aux if has_aux else (), norms)
+    return (value, aux) if has_aux else value
 
 
 # ----------------------------------------------------------------------------
