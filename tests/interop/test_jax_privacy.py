@@ -396,3 +396,17 @@ def test_import_error_names_the_extra():
             "except ImportError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "pip install 'gradclip_jax[jax-privacy]'" in out
+
+
+def test_guide_runs():
+    """docs/guides/jax-privacy.md: its python blocks, run in order, give jax-privacy's sum."""
+    import pathlib
+    import re
+
+    guide = pathlib.Path(__file__).resolve().parents[2] / "docs" / "guides" / "jax-privacy.md"
+    ns: dict = {"__name__": "jax_privacy_guide"}
+    for code in re.findall(r"^```python\n(.*?)^```", guide.read_text(), flags=re.S | re.M):
+        exec(compile(code, guide.name, "exec"), ns)
+    assert ns["max_diff"] < 1e-5
+    np.testing.assert_array_equal(np.asarray(ns["aux"].grad_norms)[12:], 0.0)
+    assert ns["sensitivity"] == 1.0 and isinstance(ns["grad_fn"], jp.BoundedSensitivityCallable)
