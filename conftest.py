@@ -28,6 +28,7 @@ the arithmetic and the compiled programs stay the CPU's. It checks the suite's
 backend logic without a GPU, not the GPU's numerics.
 """
 
+import importlib.util
 import os
 
 _flag = "--xla_force_host_platform_device_count=8"
@@ -87,3 +88,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             raise pytest.UsageError(f"{item.nodeid}: cpu_only needs a reason (what is CPU-specific)")
         if backend != "cpu":
             item.add_marker(pytest.mark.skip(reason=f"CPU only ({backend} backend): {reason}"))
+
+
+# gradclip_jax.interop.jax_privacy needs the jax-privacy extra: without it, its doctests
+# are not collected (tests/interop skip themselves); find_spec does not import it.
+collect_ignore = []
+if importlib.util.find_spec("jax_privacy") is None:
+    collect_ignore.append("gradclip_jax/interop/jax_privacy.py")

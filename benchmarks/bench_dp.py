@@ -10,7 +10,9 @@ times, interleaved (one call of each function per round), medians over rounds,
 * ``nonprivate``: ``jax.grad`` of the summed loss (no clipping);
 * ``jax_privacy``: ``jax_privacy.clipped_grad`` when the package is importable
   (skipped otherwise; it is not a dependency). On CPU it takes seconds per call,
-  so it is timed separately with at most 3 repetitions.
+  so it is timed separately with at most 3 repetitions, next to ``dropin``: the
+  same call through ``gradclip_jax.interop.jax_privacy.clipped_grad`` (its
+  signature, ``method='auto'``).
 
 and, at one batch size, the compiled temporary memory
 (``jax.jit(f).lower(...).compile().memory_analysis().temp_size_in_bytes``) of
@@ -90,6 +92,15 @@ def _jax_privacy(losses: Callable[..., Any]) -> Callable[..., Any] | None:
     return fn
 
 
+def _dropin(losses: Callable[..., Any]) -> Callable[..., Any] | None:
+    """jax-privacy's call, word for word, on gradclip_jax.interop.jax_privacy (None without the extra)."""
+    try:
+        from gradclip_jax.interop import jax_privacy as dropin
+    except ImportError:
+        return None
+    return dropin.clipped_grad(lambda p, b: jnp.sum(losses(p, b)), l2_clip_norm=CLIP, batch_argnums=1)
+
+
 def _max_diff(a: Any, b: Any) -> float:
     return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
@@ -115,8 +126,9 @@ def run(quick: bool = False) -> list[dict]:
         jp = _jax_privacy(losses)
         if jp is not None:
             # seconds per call on CPU: timed after the others, with few repetitions
-            jp_jit = jax.jit(jp)
-            ms.update(interleaved_ms({"jax_privacy": lambda: jp_jit(params, data)}, 3, warmup=1, max_s=10.0))
+            jp_jit, drop_jit = jax.jit(jp), jax.jit(_dropin(losses))
+            ms.update(interleaved_ms({"jax_privacy": lambda: jp_jit(params, data),
+                                      "dropin": lambda: drop_jit(params, data)}, 3, warmup=1, max_s=10.0))
         diff = _max_diff(ours(params, data)[0], hand(params, data))
         tag = f"mlp 784-512-512-10 B={batch}"
         rows.append(
@@ -148,6 +160,16 @@ def run(quick: bool = False) -> list[dict]:
                     "baseline_ms": ms["jax_privacy"],
                     "ratio": ms["ours"] / ms["jax_privacy"],
                     "note": f"jax_privacy timed after the others (few repetitions: it is slow here); {env}",
+                }
+            )
+            rows.append(
+                {
+                    "group": "dp",
+                    "name": f"{tag} interop.jax_privacy.clipped_grad (drop-in) vs jax_privacy.clipped_grad",
+                    "ours_ms": ms["dropin"],
+                    "baseline_ms": ms["jax_privacy"],
+                    "ratio": ms["dropin"] / ms["jax_privacy"],
+                    "note": f"the same call on both (method='auto'), timed together after the others; {env}",
                 }
             )
         else:

@@ -10,7 +10,7 @@ Example:
   >>> state = tx.init({'w': jnp.zeros(3)})
 """
 
-from gradclip_jax import dp, ghost, norms, privacy
+from gradclip_jax import dp, ghost, interop, norms, privacy
 from gradclip_jax.adaptive import (
     AdaGCState,
     AutoClipState,
@@ -109,6 +109,8 @@ __all__ = [
     "GhostFallbackWarning",
     "dp_aggregate", "dp_noise", "dp_quantile_aggregate", "dpsgd", "noise_multiplier_for_gradient",
     "DPAggregateState", "DPNoiseState", "DPQuantileAggregateState", "dp", "privacy",
+    # adapters to other libraries' interfaces (interop.jax_privacy needs the jax-privacy extra)
+    "interop",
     # private training: Poisson batches, the accountant, the one-call private step
     "PoissonSampler", "PoissonBatch", "BatchOverflowError", "PrivacyAccountant", "make_private",
     "PrivateTraining", "PrivateStepMetrics", "PrivacyBudgetError", "PrivacyBudgetWarning",
