@@ -21,7 +21,12 @@ from gradclip_jax.per_example._batch import (
 )
 from gradclip_jax.per_example._config import ClipConfig
 from gradclip_jax.per_example._measure import as_rows, unrow
-from gradclip_jax.per_example._products import as_measured, tf32_passes, tf32_weighted
+from gradclip_jax.per_example._products import (
+    as_measured,
+    rounds_to_tf32,
+    tf32_passes,
+    tf32_weighted,
+)
 from gradclip_jax.per_example._sums import fused_sums, scan_weighted_sum
 from gradclip_jax.per_example.ghost._analysis import Traced
 from gradclip_jax.per_example.ghost._jaxpr import widen
@@ -71,21 +76,16 @@ def _site_sum(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any], 
     if site.merged > 1:  # a merged batch: each example's weight on each of its rows
         w = _per_row(w, site.merged)
         keep = None if keep is None else _per_row(keep, site.merged)
+    vals = list(invals)
+    p0 = param.astype(widen(param.dtype, acc))
+    if rounds_to_tf32(ct_dtype):  # "tf32": exact passes on the operands the norms measured
+        return _tf32_site_sum(closed, site, vals, p0, acc, g.astype(ct_dtype), w.astype(ct_dtype), keep)
     shape = (1,) * site.out_axis + (-1,) + (1,) * (g.ndim - site.out_axis - 1)
     ct = g.astype(ct_dtype) * w.astype(ct_dtype).reshape(shape)
-    vals = list(invals)
     if keep is not None:
         ct = _zero_dropped(ct, keep, site.out_axis)
         for r in site.rows:
             vals[r] = _zero_dropped(vals[r], keep, site.axis)
-    p0 = param.astype(widen(param.dtype, acc))
-    parts = tf32_weighted(g.astype(ct_dtype), w.astype(ct_dtype).reshape(shape))
-    if parts is not None:  # "tf32": exact passes on the operands the norms measured
-        if keep is not None:
-            parts = [_zero_dropped(x, keep, site.out_axis) for x in parts]
-        for r in site.rows:
-            vals[r] = as_measured(vals[r])
-        return _pulled(closed, site, vals, p0, acc, parts)
     passes = tf32_passes(vals[site.rows[0]], ct) if site.kind == "conv" and len(site.rows) == 1 else None
     if passes is None:
         _, pull = jax.vjp(lambda p: apply_site(closed, site, vals, p, acc), p0)
@@ -97,6 +97,51 @@ def _site_sum(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any], 
         v = [*vals[:row], x, *vals[row + 1:]]
         part = _pulled(closed, site, v, p0, acc, [c])
         total = part if total is None else total + part
+    return total  # type: ignore[return-value]
+
+
+def _weights_operand(site: Site, vals: Sequence[Any], g: jax.Array) -> bool:
+    """Whether the clip weights go into the site's batched operand rather than its cotangent: for
+    a dense or convolution use whose one batched operand is the smaller of the two (a language
+    model's head: activations of width d against a cotangent of the vocabulary's width). The
+    weighting, the TF32 split and the zeroing of dropped examples then run over the smaller array,
+    and the large one is only rounded, once for both passes."""
+    if site.kind not in ("dense", "conv") or len(site.rows) != 1:
+        return False
+    x = vals[site.rows[0]]
+    return bool(jnp.issubdtype(x.dtype, jnp.floating)) and x.size < g.size
+
+
+def _tf32_site_sum(closed: Any, site: Site, vals: list[Any], p0: jax.Array, acc: Any, g: jax.Array,
+                   w: jax.Array, keep: jax.Array | None) -> jax.Array:
+    """``sum_b w_b G_b`` at ``PRODUCT_PRECISION`` ``"tf32"``: two exact TF32 passes.
+
+    The weights multiply the smaller of the batched operand and the cotangent, both the TF32
+    values the norms measured (:func:`~gradclip_jax.per_example._products.tf32_weighted`: the
+    weight truncated to TF32 times the rounded values is exact in float32, and splits into two
+    TF32 parts); the other is rounded to TF32. Each pass multiplies TF32 values, exactly, so an
+    example's contribution is ``trunc(w_b)`` times the gradient whose norm was measured.
+    """
+    on_operand = _weights_operand(site, vals, g)
+    side, axis = (site.rows[0], site.axis) if on_operand else (None, site.out_axis)
+    target = vals[side] if side is not None else g
+    wshape = (1,) * axis + (-1,) + (1,) * (target.ndim - axis - 1)
+    parts = tf32_weighted(target.astype(g.dtype), w.reshape(wshape))
+    assert parts is not None  # the caller checked rounds_to_tf32
+    # with keep: NaN or inf in a dropped example's values would survive a weight of 0
+    if keep is not None:
+        parts = [_zero_dropped(x, keep, axis) for x in parts]
+    for r in site.rows:
+        if r != side:
+            vals[r] = as_measured(vals[r]) if keep is None else _zero_dropped(as_measured(vals[r]), keep, site.axis)
+    if not on_operand:
+        return _pulled(closed, site, vals, p0, acc, parts)
+    ct = as_measured(g) if keep is None else _zero_dropped(as_measured(g), keep, site.out_axis)
+    row = site.rows[0]
+    total = None
+    for part in parts:
+        pulled = _pulled(closed, site, [*vals[:row], part, *vals[row + 1:]], p0, acc, [ct])
+        total = pulled if total is None else total + pulled
     return total  # type: ignore[return-value]
 
 
