@@ -1,0 +1,198 @@
+"""The stored bound, checked exactly: clip with the plain factor when the stored result
+already satisfies the bound, and lower the factor only when it does not.
+
+A clip factor ``f = C / n`` rounds, the norm ``n`` was measured in floating point
+and each scaled value is rounded when stored, so ``x * f`` as stored can exceed
+``C`` by a few units in the last place. :func:`gradclip_jax._numerics.bounded_factor`
+lowers the factor by a margin that provably absorbs all of that, but it then
+always stores values a few ulp inside the bound (``0.9999994`` for ``1.0``) where
+optax stores ``1.0``. :func:`certified_factors` decides, with error-free arithmetic, whether
+the values stored with the plain factor have an exact 2-norm ``<= C``; the
+margin is used only where they do not (about half of the clipped cases in float32,
+and wherever the check is too large to be cheap, see :data:`EXACT_CHECK_MAX`).
+
+Exactness: each square ``v*v`` is split into ``p + e`` exactly (Veltkamp/Dekker),
+the pairs are summed by one variadic reduction whose combiner is built from
+TwoSum (every rounding error it makes is computed exactly and bounded into a
+third accumulator ``E``), and the comparison with ``C**2`` (itself an exact
+pair) is made conservatively against ``E``. When every step is exact (one
+element, values on a coarse grid) ``E`` is 0 and a result exactly at the bound
+counts as within it. Values are scaled by a power of two (exact) from ``C``;
+elements so small that their square would underflow are counted and bounded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from gradclip_jax._numerics import bounded_factor
+
+__all__ = ["EXACT_CHECK_MAX", "certified_factors", "stored_scale"]
+
+# Elements one check may read. The variadic reduction runs ~50x slower than a
+# plain sum on CPU (it is not vectorized), so larger trees keep the margin: the
+# check would cost more than the clip itself.
+EXACT_CHECK_MAX = 1 << 14
+
+_Dd = tuple[jax.Array, jax.Array, jax.Array]  # (hi, lo, bound on the neglected errors)
+
+
+def stored_scale(x: jax.Array, factor: jax.Array, store: Any = None) -> jax.Array:
+    """``x * factor`` in the factor's dtype, rounded once to ``store`` (default x's dtype).
+
+    The one product every clipper stores and :func:`certified_factors` checks, so both round alike.
+    """
+    return (x.astype(factor.dtype) * factor).astype(x.dtype if store is None else store)
+
+
+def _round_down(bound: Any, acc: Any) -> jax.Array:
+    """``bound`` as the largest value of ``acc`` not above it (a Python float may lie
+    between two float32 values: the stored norm must not exceed the number given)."""
+    if not isinstance(bound, jax.Array) and not hasattr(bound, "aval"):
+        b = np.asarray(bound, np.float64)
+        r = np.asarray(b, acc)
+        return jnp.asarray(np.nextafter(r, np.zeros_like(r)) if float(r) > float(b) else r, acc)
+    b = lax.stop_gradient(jnp.asarray(bound))
+    r = b.astype(acc)
+    return jnp.where(r.astype(b.dtype) > b, jnp.nextafter(r, jnp.zeros_like(r)), r)
+
+
+def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``a + b = s + e`` exactly (Knuth), in any exponent order."""
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+def _split(a: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``a = hi + lo`` with each half of the significand (Veltkamp), so their products are exact."""
+    c = float(2 ** ((jnp.finfo(a.dtype).nmant + 2) // 2) + 1)
+    t = a * c
+    hi = t - (t - a)
+    return hi, a - hi
+
+
+def _two_prod(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``a * b = p + e`` exactly (Dekker), barring underflow (see :func:`_sumsq`)."""
+    p = a * b
+    ah, al = _split(a)
+    bh, bl = _split(b)
+    return p, ((ah * bh - p) + ah * bl + al * bh) + al * bl
+
+
+def _dd_add(a: _Dd, b: _Dd) -> _Dd:
+    """The sum of two pairs; both roundings it makes are computed and added to the bound."""
+    s, e = _two_sum(a[0], b[0])
+    t, et = _two_sum(a[1], b[1])
+    e2, ee = _two_sum(e, t)
+    h, lo = _two_sum(s, e2)
+    return h, lo, a[2] + b[2] + jnp.abs(et) + jnp.abs(ee)
+
+
+def _sumsq(v: jax.Array, axes: tuple[int, ...]) -> _Dd:
+    """``sum(v**2)`` over ``axes`` (keepdims) as an exact pair plus an error bound."""
+    info = jnp.finfo(v.dtype)
+    # below about this |v|, v*v's rounding error may not be representable (8 bits of headroom):
+    # such elements are left out and counted as tiny**2 each in the bound
+    tiny = float(2.0 ** -((-int(info.minexp) - int(info.nmant)) // 2 - 8))
+    small = jnp.abs(v) < tiny
+    v = jnp.where(small, jnp.zeros_like(v), v)
+    p, e = _two_prod(v, v)
+    z = jnp.zeros((), v.dtype)
+    h, lo, err = lax.reduce((p, e, jnp.zeros_like(v)), (z, z, z), _dd_add, axes)
+    err = err + jnp.sum(small, axis=axes).astype(v.dtype) * (tiny * tiny)
+    return tuple(jnp.expand_dims(a, axes) for a in (h, lo, err))  # type: ignore[return-value]
+
+
+def _within(total: _Dd, bound: jax.Array, count: int) -> tuple[jax.Array, jax.Array]:
+    """``(certainly total <= count * bound**2, an upper bound of the relative excess of the norm)``.
+
+    ``count`` > 1 compares an rms bound. The excess (0 where within) is what a
+    factor must at least be lowered by to bring the norm down to the bound.
+    """
+    eps = float(jnp.finfo(bound.dtype).eps)
+    b2, b2e = _two_prod(bound, bound)
+    hi, hi_e = _two_prod(jnp.asarray(count, bound.dtype), b2)
+    lo = hi_e + count * b2e
+    # lo's rounding and the neglected errors (x2 for their own float sum) ...
+    slack = 2 * eps * (jnp.abs(hi_e) + count * jnp.abs(b2e)) + 2 * total[2]
+    d, de = _two_sum(total[0], -hi)
+    rest = de + total[1] - lo
+    # ... and the roundings of rest itself: an upper bound of total - bound**2 * count
+    over = d + (rest + 2 * eps * (jnp.abs(de) + jnp.abs(total[1]) + jnp.abs(lo)) + slack)
+    return over <= 0, jnp.maximum(over / (2 * hi), 0)
+
+
+def _check(
+    stored: Sequence[jax.Array], axes: Sequence[tuple[int, ...]], bound: jax.Array, combine: bool, rms: bool,
+) -> tuple[list[jax.Array], list[jax.Array]]:
+    """:func:`_within` for each array (``combine``: the arrays together, reduced axes dropped)."""
+    acc = bound.dtype
+    _, ex = jnp.frexp(bound)
+    scale = jnp.ldexp(jnp.ones((), acc), -ex)  # a power of two: scaling is exact, squares stay in range
+    sums = [_sumsq(lax.stop_gradient(x).astype(acc) * scale, ax) for x, ax in zip(stored, axes, strict=True)]
+    sizes = [int(np.prod([x.shape[a] for a in ax])) for x, ax in zip(stored, axes, strict=True)]
+    bs = bound * scale
+    if not combine:
+        pairs = [_within(t, bs, n if rms else 1) for t, n in zip(sums, sizes, strict=True)]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+    flat = [tuple(jnp.squeeze(a, ax) for a in t) for t, ax in zip(sums, axes, strict=True)]
+    total = flat[0]
+    for t in flat[1:]:
+        total = _dd_add(total, t)  # type: ignore[arg-type]
+    ok, over = _within(total, bs, sum(sizes) if rms else 1)  # type: ignore[arg-type]
+    return [ok] * len(stored), [over] * len(stored)
+
+
+def certified_factors(
+    arrays: Sequence[jax.Array], factors: Sequence[jax.Array], axes: Sequence[tuple[int, ...]], bound: Any, *,
+    combine: bool, rms: bool = False, stores: Sequence[Any] | None = None,
+) -> list[jax.Array] | None:
+    """The factors to store with: as small a lowering as the exact check allows.
+
+    Per array, a factor below 1 is kept where :func:`stored_scale` with it
+    provably stores a 2-norm (or rms) ``<= bound``; else it is lowered by the
+    measured excess and two units of roundoff and kept if that checks; else
+    lowered by the margin (:func:`~gradclip_jax._numerics.bounded_factor`).
+
+    Args:
+      arrays: the values to scale.
+      factors: each array's factor, in its accumulation dtype, broadcasting
+        against the array (keepdims; with ``combine`` the reduced axes dropped).
+      axes: each array's reduction axes.
+      bound: the clip norm, a scalar (traced too).
+      combine: one norm over all arrays together (with the axes not reduced
+        shared), else one per array.
+      rms: the bound is on the root mean square over the reduced elements.
+      stores: the dtype each array is stored in (default: its own).
+
+    Returns:
+      The factors, or ``None`` where the check does not apply (more than
+      :data:`EXACT_CHECK_MAX` elements, complex values, no array): then every
+      factor below 1 takes the margin.
+    """
+    if not arrays or sum(int(np.size(x)) for x in arrays) > EXACT_CHECK_MAX:
+        return None
+    if any(jnp.iscomplexobj(x) for x in arrays):
+        return None
+    stores = [x.dtype for x in arrays] if stores is None else list(stores)
+    acc = jnp.result_type(*[f.dtype for f in factors])
+    b = _round_down(bound, acc)
+    plain = [lax.stop_gradient(f) for f in factors]
+    ok0, over = _check([stored_scale(x, f, s) for x, f, s in zip(arrays, plain, stores, strict=True)],
+                       axes, b, combine, rms)
+    eps = float(jnp.finfo(acc).eps)
+    lower = [f * (1 - o.astype(f.dtype) - eps) for f, o in zip(plain, over, strict=True)]
+    ok1, _ = _check([stored_scale(x, f, s) for x, f, s in zip(arrays, lower, stores, strict=True)],
+                    axes, b, combine, rms)
+    out = []
+    for f, a, b1, s, o in zip(factors, ok0, ok1, stores, over, strict=True):
+        low = f * (1 - o.astype(f.dtype) - eps)  # the same lowering, differentiable in f
+        out.append(jnp.where(f < 1, jnp.where(a, f, jnp.where(b1, low, bounded_factor(f, s))), f))
+    return out
