@@ -119,13 +119,16 @@ def _within(total: _Dd, bound: jax.Array, count: int) -> tuple[jax.Array, jax.Ar
     eps = float(jnp.finfo(bound.dtype).eps)
     b2, b2e = _two_prod(bound, bound)
     hi, hi_e = _two_prod(jnp.asarray(count, bound.dtype), b2)
-    lo = hi_e + count * b2e
-    # lo's rounding and the neglected errors (x2 for their own float sum) ...
-    slack = 2 * eps * (jnp.abs(hi_e) + count * jnp.abs(b2e)) + 2 * total[2]
+    lo = hi_e + count * b2e  # exact for count == 1 (hi_e == 0)
+    # the neglected errors (x2 for their own float sum), and lo's rounding if any
+    slack = 2 * total[2] + (0.0 if count == 1 else 2 * eps * (jnp.abs(hi_e) + count * jnp.abs(b2e)))
+    # total - bound**2 * count = d + r2 + (the exact errors r1e, r2e): every step error-free
     d, de = _two_sum(total[0], -hi)
-    rest = de + total[1] - lo
-    # ... and the roundings of rest itself: an upper bound of total - bound**2 * count
-    over = d + (rest + 2 * eps * (jnp.abs(de) + jnp.abs(total[1]) + jnp.abs(lo)) + slack)
+    r1, r1e = _two_sum(total[1], -lo)
+    r2, r2e = _two_sum(r1, de)
+    s1, s1e = _two_sum(d, r2)
+    q = s1e + (slack + jnp.abs(r1e) + jnp.abs(r2e))  # small, >= 0 up to s1e: bound its rounding from above
+    over = s1 + (q + 2 * eps * jnp.abs(q))
     return over <= 0, jnp.maximum(over / (2 * hi), 0)
 
 
@@ -158,8 +161,8 @@ def certified_factors(
 
     Per array, a factor below 1 is kept where :func:`stored_scale` with it
     provably stores a 2-norm (or rms) ``<= bound``; else it is lowered by the
-    measured excess and two units of roundoff and kept if that checks; else
-    lowered by the margin (:func:`~gradclip_jax._numerics.bounded_factor`).
+    measured excess (then by one more unit of roundoff) and kept if that checks;
+    else lowered by the margin (:func:`~gradclip_jax._numerics.bounded_factor`).
 
     Args:
       arrays: the values to scale.
@@ -187,12 +190,18 @@ def certified_factors(
     plain = [lax.stop_gradient(f) for f in factors]
     ok0, over = _check([stored_scale(x, f, s) for x, f, s in zip(arrays, plain, stores, strict=True)],
                        axes, b, combine, rms)
+    # with combine the answers dropped the reduced axes: give them each factor's shape
+    ok0, over = ([jnp.reshape(a, f.shape) for a, f in zip(t, plain, strict=True)] for t in (ok0, over))
     eps = float(jnp.finfo(acc).eps)
-    lower = [f * (1 - o.astype(f.dtype) - eps) for f, o in zip(plain, over, strict=True)]
-    ok1, _ = _check([stored_scale(x, f, s) for x, f, s in zip(arrays, lower, stores, strict=True)],
-                    axes, b, combine, rms)
-    out = []
-    for f, a, b1, s, o in zip(factors, ok0, ok1, stores, over, strict=True):
-        low = f * (1 - o.astype(f.dtype) - eps)  # the same lowering, differentiable in f
-        out.append(jnp.where(f < 1, jnp.where(a, f, jnp.where(b1, low, bounded_factor(f, s))), f))
-    return out
+    # tried from the last to the first, so the first that checks wins: the margin, then the
+    # plain factor lowered by the excess and one ulp, by the excess alone, then the plain factor
+    out = [bounded_factor(f, s) for f, s in zip(factors, stores, strict=True)]
+    for ulps, ok in ((1.0, None), (0.0, None), (None, ok0)):
+        cand = [f if ulps is None else f * (1 - lax.stop_gradient(o).astype(f.dtype) - ulps * eps)
+                for f, o in zip(factors, over, strict=True)]
+        if ok is None:
+            got, _ = _check([stored_scale(x, lax.stop_gradient(c), s) for x, c, s in
+                             zip(arrays, cand, stores, strict=True)], axes, b, combine, rms)
+            ok = [jnp.reshape(a, f.shape) for a, f in zip(got, plain, strict=True)]
+        out = [jnp.where(a, c, o) for a, c, o in zip(ok, cand, out, strict=True)]
+    return [jnp.where(f < 1, o, f) for f, o in zip(factors, out, strict=True)]
