@@ -55,9 +55,9 @@ def _round_down(bound: Any, acc: Any) -> jax.Array:
     """``bound`` as the largest value of ``acc`` not above it (a Python float may lie
     between two float32 values: the stored norm must not exceed the number given)."""
     if not isinstance(bound, jax.Array) and not hasattr(bound, "aval"):
-        b = np.asarray(bound, np.float64)
-        r = np.asarray(b, acc)
-        return jnp.asarray(np.nextafter(r, np.zeros_like(r)) if float(r) > float(b) else r, acc)
+        given = np.asarray(bound, np.float64)
+        near = np.asarray(given, acc)
+        return jnp.asarray(np.nextafter(near, np.zeros_like(near)) if float(near) > float(given) else near, acc)
     b = lax.stop_gradient(jnp.asarray(bound))
     r = b.astype(acc)
     return jnp.where(r.astype(b.dtype) > b, jnp.nextafter(r, jnp.zeros_like(r)), r)
