@@ -353,6 +353,13 @@ class Hyperparams:
             raise ValueError(f"{self.fn}: `{lo}` ({a}) must not exceed `{hi}` ({b})")
         self.orders.append((lo, hi))
 
+    def exact(self, name: str, resolved: dict[str, Any]) -> Any:
+        """``name``'s value as given when it is a constant (a Python or NumPy number, not
+        rounded to any dtype), else its value in ``resolved`` (from :meth:`at`): what a
+        stored bound is checked against."""
+        value = self.values[name]
+        return value if _is_constant(value) and not isinstance(value, jax.Array) else resolved[name]
+
     def at(self, count: jax.Array, dtype: Any) -> tuple[dict[str, Any], jax.Array | None]:
         out: dict[str, Any] = {}
         runtime: set[str] = set()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -10,21 +11,39 @@ import numpy as np
 
 from gradclip_jax import norms as _norms
 from gradclip_jax._numerics import bounded_factor
+from gradclip_jax._stored import certified_factors, stored_scale
 from gradclip_jax.hyperparams import (
     static_value,
 )
 from gradclip_jax.norms import DimLike, OrdLike
 
 
-def scale_leaf(x: jax.Array, factor: jax.Array) -> jax.Array:
+def scale_leaf(x: jax.Array, factor: jax.Array, settled: jax.Array | None = None) -> jax.Array:
     """``x * factor`` computed in ``x``'s accumulation dtype, rounded once to x's dtype.
 
     A factor below 1 is first lowered by the rounding margin of x's dtype
     (:func:`gradclip_jax._numerics.bounded_factor`), so the stored result never
-    exceeds the bound because of rounding.
+    exceeds the bound because of rounding; ``settled`` (from
+    :func:`gradclip_jax._stored.certified_factors`, which lowers only where the
+    stored result would exceed the bound) replaces that lowered factor.
     """
-    acc = _norms.acc_dtype(x.dtype)
-    return (x * bounded_factor(factor.astype(acc), x.dtype)).astype(x.dtype)
+    f = factor.astype(_norms.acc_dtype(x.dtype))
+    return stored_scale(x, bounded_factor(f, x.dtype) if settled is None else settled.astype(f.dtype))
+
+
+def _settled(
+    arrays: Sequence[jax.Array], factors: Sequence[jax.Array], axes: Sequence[tuple[int, ...]], bound: Any,
+    spec: _norms.NormSpec, combine: bool, axis_name: Any,
+) -> list[Any]:
+    """The exactly checked factors of :func:`rescale_tree` (``None`` each: the margin).
+
+    Checked for a 2-norm or rms bound whose leaves are all here (not split across devices)."""
+    sumsq = spec.kind == "rms" or (spec.kind == "pow" and spec.p == 2.0)
+    if bound is None or not sumsq or axis_name is not None:
+        return [None] * len(arrays)
+    accs = [f.astype(_norms.acc_dtype(x.dtype)) for x, f in zip(arrays, factors, strict=True)]
+    got = certified_factors(arrays, accs, axes, bound, combine=combine, rms=spec.kind == "rms")
+    return [None] * len(arrays) if got is None else got
 
 
 @jax.custom_jvp
@@ -92,6 +111,7 @@ def rescale_tree(
     min_size: int = 1,
     axis_name: Any = None,
     norm_dtype: Any = None,
+    bound: Any = None,
 ) -> tuple[Any, Any, Any]:
     """Measures ``tree`` with the norm engine and rescales each slice.
 
@@ -104,6 +124,11 @@ def rescale_tree(
         validated).
       axis_name: for ``dim='global'`` under ``shard_map``/``pmap``.
       norm_dtype: dtype of the reported norms (the state's), if fixed.
+      bound: the norm the result must not exceed (the clip norm), if any. For
+        2-norms and ``'rms'`` a factor below 1 is then kept as it is wherever the
+        values it stores provably satisfy the bound (:func:`gradclip_jax._stored.certify`,
+        exact arithmetic), and lowered by the rounding margin only where they do
+        not; without a bound (or for other norms) it is always lowered.
 
     Returns:
       ``(new_tree, norms, clipped)``: ``norms`` is a scalar for ``dim='global'``
@@ -118,7 +143,9 @@ def rescale_tree(
     if dim == "global":
         norm = _norms.global_norm(arrays, spec, axis_name, dtype=norm_dtype)
         factor = factor_fn(norm)
-        out = flat.rebuild([scale_leaf(x, factor) for x in arrays])
+        settled = _settled(arrays, [factor] * len(arrays), [tuple(range(x.ndim)) for x in arrays], bound, spec,
+                           True, axis_name)
+        out = flat.rebuild([scale_leaf(x, factor, s) for x, s in zip(arrays, settled, strict=True)])
         return out, norm, factor < 1
     _norms.check_axes_exist(fn, [x.shape for x in arrays], dim)
     todo, axes = [], []
@@ -128,11 +155,12 @@ def rescale_tree(
             todo.append(pos)
             axes.append(ax)
     measured = _norms.slice_norms([arrays[p] for p in todo], axes, spec, then=factor_fn)
+    oks = _settled([arrays[p] for p in todo], [f for _, f in measured], axes, bound, spec, False, axis_name)
     new = list(arrays)
     reported: list[Any] = [None] * len(arrays)
     clipped: list[Any] = [None] * len(arrays)
-    for pos, ax, (n, factor) in zip(todo, axes, measured):
-        new[pos] = scale_leaf(arrays[pos], factor)
+    for pos, ax, (n, factor), ok in zip(todo, axes, measured, oks):
+        new[pos] = scale_leaf(arrays[pos], factor, ok)
         nrm = jnp.squeeze(n, axis=ax)
         reported[pos] = nrm if norm_dtype is None else nrm.astype(norm_dtype)
         clipped[pos] = jnp.any(factor < 1)

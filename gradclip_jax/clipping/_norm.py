@@ -95,6 +95,7 @@ def clip_by_global_norm(
             dim="global",
             axis_name=axis_name,
             norm_dtype=state.norm.dtype,
+            bound=hps.exact("max_norm", v),
         )
         return out, ClipByGlobalNormState(count=increment(state.count), norm=norm, clipped=clipped)
 
@@ -217,6 +218,7 @@ def _slice_transform(
             inverse_dims=inv,
             min_size=ms,
             norm_dtype=state_dtype(state.norm),
+            bound=hps.exact("max_norm", v) if "max_norm" in v else None,  # normalize: no bound, the margin
         )
         # the factors are NaN already; leaves left unchanged (no axis to reduce, min_size) must be too
         out = poison(out, invalid)

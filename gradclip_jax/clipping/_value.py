@@ -189,7 +189,8 @@ def clip_by_block_rms(threshold: Hyperparam) -> optax.GradientTransformation:
         updates = _norms.promote_ints(updates, bools=True)  # optax parity: computed in the default float dtype
         v, invalid = hps.at(state.count, tree_dtype(updates))
         out, nrm, clipped = rescale_tree(
-            updates, lambda n: poison(clip_factor(n, v["threshold"].astype(n.dtype)), invalid), fn=fn, ord=rms
+            updates, lambda n: poison(clip_factor(n, v["threshold"].astype(n.dtype)), invalid), fn=fn, ord=rms,
+            bound=hps.exact("threshold", v),
         )
         return out, ClipByBlockRmsState(count=increment(state.count), norm=like_state(nrm, state.norm), clipped=clipped)
 

@@ -55,8 +55,12 @@ def clip_factors(n: jax.Array, c: Any, store: Any = None) -> jax.Array:
     norm at most ``c``, rounding included. With reduced-pass products
     (``PRODUCT_PRECISION``) ``c`` is first lowered by their error bound.
     """
-    f = clip_factor(n, _margined(c, n.dtype))
-    return bounded_factor(f, n.dtype if store is None else store)
+    return bounded_factor(plain_clip_factors(n, c), n.dtype if store is None else store)
+
+
+def plain_clip_factors(n: jax.Array, c: Any) -> jax.Array:
+    """:func:`clip_factors` before the rounding margin (for an exact check of the stored bound)."""
+    return clip_factor(n, _margined(c, n.dtype))
 
 
 def _margined(c: Any, dtype: Any) -> jax.Array:

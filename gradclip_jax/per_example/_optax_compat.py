@@ -9,11 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gradclip_jax._numerics import count0
+from gradclip_jax._numerics import bounded_factor, count0
+from gradclip_jax._stored import certified_factors
 from gradclip_jax.hyperparams import check_scalar, static_value
 from gradclip_jax.norms import promote_ints
 from gradclip_jax.per_example._batch import batch_flatten
-from gradclip_jax.per_example._config import clip_factors
+from gradclip_jax.per_example._config import plain_clip_factors
 from gradclip_jax.per_example._measure import as_rows, example_norms, layer_budgets, unrow
 from gradclip_jax.per_example._sums import clip_and_sum
 
@@ -72,8 +73,9 @@ def per_example_global_norm_clip(grads: Any, l2_norm_clip: Any) -> tuple[Any, ja
     if not arrays:
         return grads, count0()
     out = np.dtype(jnp.result_type(*[x.dtype for x in arrays]))  # optax's: the tree's promoted dtype
-    summed, w = clip_and_sum([as_rows(x) for x in arrays], l2_norm_clip,
-                             factor_fn=lambda n, c: clip_factors(n, c, out))
+    rows = [as_rows(x) for x in arrays]
+    summed, w = clip_and_sum(rows, l2_norm_clip, factor_fn=plain_clip_factors,
+                             settle=lambda fs: _settle(rows, fs, l2_norm_clip, out, combine=True))
     num_clipped = jnp.sum(w.factors[0] < 1).astype(jnp.int32)
     return flat.rebuild([s.astype(out) for s in unrow(summed, arrays)]), num_clipped
 
@@ -130,12 +132,30 @@ def per_example_layer_norm_clip(
     for dtype in {np.dtype(x.dtype) for x in arrays}:  # leaves clip independently: one margin per dtype
         idx = [i for i, x in enumerate(arrays) if np.dtype(x.dtype) == dtype]
         part = [arrays[i] for i in idx]
-        got, w = clip_and_sum([as_rows(x) for x in part], [budgets[i] for i in idx],
-                              factor_fn=functools.partial(clip_factors, store=dtype))
+        rows = [as_rows(x) for x in part]
+        cs = [budgets[i] for i in idx]
+        settle = functools.partial(_settle_each, rows, clips=cs, store=dtype)
+        got, w = clip_and_sum(rows, cs, factor_fn=plain_clip_factors, settle=settle)
         for i, g, x, f in zip(idx, unrow(got, part), part, w.factors, strict=True):
             sums[i] = g.astype(x.dtype)  # optax: each leaf's dtype
             counts[i] = jnp.sum(f < 1).astype(jnp.int32)
     return flat.rebuild(sums), flat.rebuild(counts)
+
+
+def _settle(rows: list[jax.Array], factors: list[jax.Array], clip: Any, store: Any, *, combine: bool) -> list:
+    """Per-example factors that lower the plain ones only where an example's clipped
+    gradient, stored in ``store``, would exceed ``clip`` (one norm over ``rows`` with ``combine``)."""
+    axes = [tuple(range(1, r.ndim)) for r in rows]
+    keep = [jnp.reshape(f, f.shape + (1,) * (r.ndim - 1)) for f, r in zip(factors, rows, strict=True)]
+    got = certified_factors(rows, keep, axes, clip, combine=combine, stores=[store] * len(rows))
+    if got is None:
+        return [bounded_factor(f, store) for f in factors]
+    return [jnp.reshape(g, f.shape) for g, f in zip(got, factors, strict=True)]
+
+
+def _settle_each(rows: list[jax.Array], factors: list[jax.Array], *, clips: list[Any], store: Any) -> list:
+    """:func:`_settle` leaf by leaf, each against its own budget."""
+    return [_settle([r], [f], c, store, combine=False)[0] for r, f, c in zip(rows, factors, clips, strict=True)]
 
 
 def per_example_norms(grads: Any) -> jax.Array:

@@ -160,8 +160,12 @@ def weigh(
 def clip_and_sum(
     rows: Sequence[jax.Array], clips: Any, *, factor_fn: FactorFn = clip_factors,
     valid: jax.Array | None = None, nan_safe: bool = False,
+    settle: Callable[[list[jax.Array]], list[jax.Array]] | None = None,
 ) -> tuple[list[jax.Array], Weights]:
     """Measure, factor, guard, keep, sum: the clipped sum of per-example rows ``(B, D)``.
+
+    ``settle`` maps the per-leaf factors to the ones the sum is formed with (the
+    exact stored-bound check of the optax-named functions); ``weights`` keeps them.
 
     Returns:
       ``(sums, weights)``: the per-leaf sums (accumulation dtype, shape
@@ -171,6 +175,8 @@ def clip_and_sum(
     if valid is not None:
         valid = match_batch_sharding(valid, rows[0])
     w = weigh(meas, clips, len(rows), factor_fn=factor_fn, valid=valid, nan_safe=nan_safe)
+    if settle is not None:
+        w = w._replace(factors=settle(w.factors))
     keep = w.keep
     finite = meas.finite if keep is not None else None
     return fused_sums(rows, w.factors, keep, finite), w
