@@ -96,7 +96,7 @@ import platform
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,7 +107,7 @@ import optax
 
 import gradclip_jax as gcx
 from benchmarks.bench_dp import CLIP, _jax_privacy
-from benchmarks.common import interleaved_ms, memory_mb, num_params, row
+from benchmarks.common import backend_setting, interleaved_ms, memory_mb, num_params, row
 
 NOISE_MULTIPLIER = 1.0
 LEARNING_RATE = 1e-4
@@ -324,7 +324,7 @@ def _nonprivate_step(losses: Callable, opt: optax.GradientTransformation) -> Cal
 def _traced_within(step: Callable, context: Callable[[], contextlib.AbstractContextManager]) -> Callable:
     """``step`` traced inside ``context()``: every matmul at ``Precision.HIGHEST`` (what the
     full-precision products of the book-kept sums and ghost norms cost on this device), or
-    another ``PRODUCT_PRECISION`` (:func:`_products`)."""
+    another ``PRODUCT_PRECISION`` (:func:`benchmarks.common.backend_setting`)."""
 
     def run(state: Any, batch: Any) -> Any:
         with context():
@@ -333,28 +333,13 @@ def _traced_within(step: Callable, context: Callable[[], contextlib.AbstractCont
     return run
 
 
-@contextlib.contextmanager
-def _products(setting: str) -> Iterator[None]:
-    table = gcx.per_example.PRODUCT_PRECISION
-    backend = jax.default_backend()
-    old = table.get(backend)
-    table[backend] = setting
-    try:
-        yield
-    finally:
-        if old is None:
-            table.pop(backend, None)
-        else:
-            table[backend] = old
-
-
 def product_accuracy(losses: Callable, params: Any, data: Any, settings: Sequence[str]) -> dict[str, Any]:
     """How far the clipped sum and the per-example norms at each reduced-pass ``setting`` are
     from those at ``Precision.HIGHEST`` (ghost path, same batch): max relative error of the
     norms, and the sum's L2 error relative to its norm."""
 
     def run(setting: str) -> tuple[Any, Any]:
-        with _products(setting):
+        with backend_setting(gcx.per_example.PRODUCT_PRECISION, setting):
             grads, info = jax.jit(gcx.clipped_grad(losses, CLIP, method="ghost"))(params, data)
         return jax.device_get((grads, info.norms))
 
@@ -404,7 +389,8 @@ def _steps(cfg: Config, losses: Callable, batch_size: int, wanted: Sequence[str]
         elif name in PRODUCT_STEPS:
             grad_fn = gcx.clipped_grad(losses, CLIP, method="ghost")
             out[name] = _traced_within(_dp_step(lambda p, b, f=grad_fn: f(p, b)[0], stddev, batch_size, opt),
-                                       functools.partial(_products, PRODUCT_STEPS[name]))
+                                       functools.partial(backend_setting, gcx.per_example.PRODUCT_PRECISION,
+                                                         PRODUCT_STEPS[name]))
         elif name == "jax_privacy":
             jp = _jax_privacy(losses)
             out[name] = "skipped: jax_privacy is not importable" if jp is None else _dp_step(jp, stddev, batch_size, opt)

@@ -17,16 +17,15 @@ Run: ``python -m benchmarks --only noise``.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 import gradclip_jax as gcx
-from benchmarks.common import interleaved_ms, memory_mb, row
+from benchmarks.common import backend_setting, interleaved_ms, memory_mb, row
 
 
 def gpt2_tree(width: int = 768, vocab: int = 50257, layers: int = 12, positions: int = 1024) -> dict[str, Any]:
@@ -71,7 +70,7 @@ def run(quick: bool = False) -> list[dict]:
     backend = jax.default_backend()
     compiled, compile_s, temp = {}, {}, {}
     for name, f in fns.items():  # compiled once each: a second compile would hit jax's cache
-        with _strategy(backend, "philox" if name == "philox" else None):
+        with backend_setting(gcx.privacy.NOISE_STRATEGY, "philox" if name == "philox" else None):
             compiled[name], compile_s[name] = _compile(f, tree, key)
         temp[name] = memory_mb(compiled[name])[0]
     ms = interleaved_ms({k: (lambda c=c: c(tree, key)) for k, c in compiled.items()}, reps=5 if quick else 15)
@@ -87,22 +86,6 @@ def run(quick: bool = False) -> list[dict]:
         row("noise", "add_gaussian_noise drawing by 'philox' vs optax per-leaf draw (threefry): time",
             ms["philox"], ms["optax"], what.split(", ours draws")[0]),
     ]
-
-
-@contextlib.contextmanager
-def _strategy(backend: str, name: str | None) -> Iterator[None]:
-    """``gcx.privacy.NOISE_STRATEGY[backend] = name`` while tracing (``None``: unchanged)."""
-    table = gcx.privacy.NOISE_STRATEGY
-    old = table.get(backend)
-    if name is not None:
-        table[backend] = name
-    try:
-        yield
-    finally:
-        if old is None:
-            table.pop(backend, None)
-        else:
-            table[backend] = old
 
 
 if __name__ == "__main__":
