@@ -61,11 +61,12 @@ import numpy as np
 import optax
 
 from gradclip_jax import norms as _norms
+from gradclip_jax._core.validation import clip_norm_arg
 from gradclip_jax.dp.accounting import PrivacyAccountant, PrivacyPhase, calibrate, phase_event
 from gradclip_jax.dp.noise import add_gaussian_noise
 from gradclip_jax.dp.sampling import PoissonSampler, _check_int, _rate
 from gradclip_jax.per_example import ClippedGradFn, ClippedGradInfo, clipped_grad
-from gradclip_jax.per_example._config import Method, renamed_kwarg
+from gradclip_jax.per_example._config import Method
 
 __all__ = ["PrivacyBudgetError", "PrivacyBudgetWarning", "PrivateStepMetrics", "PrivateTraining", "make_private"]
 
@@ -439,8 +440,8 @@ def make_private(
         the returned accountant.
       method: ``clipped_grad``'s method (default ``'auto'``).
       process_index, process_count: passed to the sampler (defaults from jax).
-      l2_norm_clip: the optax spelling of ``l2_clip_norm``, accepted with a
-        ``DeprecationWarning`` (as :func:`gradclip_jax.clipped_grad` does).
+      l2_norm_clip: optax's spelling of ``l2_clip_norm`` (the canonical one),
+        accepted without a warning, as everywhere in the DP API; give one of the two.
       allow_beyond_plan: let :meth:`PrivateTraining.record_step` record steps
         beyond ``steps`` (each with a :class:`PrivacyBudgetWarning` stating the
         epsilon spent); by default such a step is a :class:`PrivacyBudgetError`.
@@ -479,9 +480,7 @@ def make_private(
       (50, True)
     """
     fn = "make_private"
-    l2_clip_norm = renamed_kwarg(fn, "l2_norm_clip", "l2_clip_norm", l2_norm_clip, l2_clip_norm)
-    if l2_clip_norm is None:
-        raise TypeError(f"{fn}: missing the clip norm `l2_clip_norm`")
+    l2_clip_norm = clip_norm_arg(fn, l2_clip_norm, l2_norm_clip)
     if not callable(loss_fn):
         raise TypeError(f"{fn}: `loss_fn` must be callable, got {loss_fn!r}")
     if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):

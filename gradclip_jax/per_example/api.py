@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from gradclip_jax._core.validation import clip_norm_arg
 from gradclip_jax.hyperparams import check_scalar, is_traced, static_value
 from gradclip_jax.per_example._batch import (
     BATCHNORM_REMEDY,
@@ -26,7 +27,6 @@ from gradclip_jax.per_example._config import (
     GhostSum,
     LayerMode,
     Method,
-    renamed_kwarg,
 )
 from gradclip_jax.per_example._keys import split_key_arg
 from gradclip_jax.per_example._vmap import run_vmap
@@ -278,8 +278,8 @@ def clipped_grad(
       dtype: ``None`` (default: each leaf's accumulation dtype, float32 for
         16-bit params) or the floating-point dtype of the returned sums; the
         running sum over microbatches is kept in the wider of the two.
-      l2_norm_clip: the optax spelling of ``l2_clip_norm``, accepted with a
-        ``DeprecationWarning``.
+      l2_norm_clip: optax's spelling of ``l2_clip_norm`` (the canonical one),
+        accepted without a warning; give one of the two.
 
     Each example's clipped contribution, as returned (in ``dtype``), has norm at
     most the clip norm, rounding included: a factor below 1 is lowered by a few
@@ -320,9 +320,7 @@ def clipped_grad(
     """
     if not callable(loss_fn):
         raise TypeError(f"{_FN}: loss_fn must be callable, got {loss_fn!r}")
-    l2_clip_norm = renamed_kwarg(_FN, "l2_norm_clip", "l2_clip_norm", l2_norm_clip, l2_clip_norm)
-    if l2_clip_norm is None:
-        raise TypeError(f"{_FN}: missing the clip norm `l2_clip_norm`")
+    l2_clip_norm = clip_norm_arg(_FN, l2_clip_norm, l2_norm_clip)
     check_scalar(_FN, "gamma", gamma)
     layer_mode = _layer_mode(l2_clip_norm, per_layer)
     rescale = bool(static_value(_FN, "rescale_to_unit_norm", rescale_to_unit_norm))
