@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from gradclip_jax import _stateful as _st
+from gradclip_jax._core.validation import check_transform
 from gradclip_jax.hyperparams import (
     increment,
     static_value,
@@ -91,7 +92,7 @@ def skip_on_spike(
     field = static_value(fn, "field", field)
     if not isinstance(field, str):
         raise TypeError(f"{fn}: `field` must be a string, got {field!r}")
-    _st.check_transform(fn, "inner", inner)
+    check_transform(fn, "inner", inner)
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: Any) -> SkipOnSpikeState:

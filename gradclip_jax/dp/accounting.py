@@ -23,7 +23,7 @@ import math
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-from gradclip_jax.hyperparams import check_scalar, is_traced
+from gradclip_jax._core.validation import check_int, check_number
 
 __all__ = [
     "PrivacyAccountant",
@@ -72,21 +72,6 @@ def _dp_accounting() -> Any:
             'pip install "gradclip_jax[dp]"  (or: pip install dp-accounting)'
         ) from err
     return dp_accounting
-
-
-def _check(fn: str, name: str, value: Any, low: float, high: float, low_open: bool, high_open: bool) -> float:
-    """A plain number in the given interval (accounting runs on the host: no schedules or tracers)."""
-    if value is None or callable(value) or is_traced(value):
-        raise TypeError(f"{fn}: `{name}` must be a number, got {value!r}")
-    check_scalar(fn, name, value, low=low, high=high, low_inclusive=not low_open,
-                 high_inclusive=not high_open)
-    return float(value)
-
-
-def _check_steps(fn: str, steps: Any) -> int:
-    if isinstance(steps, bool) or int(steps) != steps or steps < 0:
-        raise ValueError(f"{fn}: `steps` must be a non-negative int, got {steps!r}")
-    return int(steps)
 
 
 PLD_INTERVAL = 1e-4  # dp-accounting's default value_discretization_interval, used from z = 1 up
@@ -181,9 +166,9 @@ def dp_sgd_event(noise_multiplier: float, sample_rate: float, steps: int) -> Any
       >>> event = dp_sgd_event(1.1, 256 / 60000, 1000)  # doctest: +SKIP
     """
     fn = "dp_sgd_event"
-    z = _check(fn, "noise_multiplier", noise_multiplier, 0.0, math.inf, False, False)
-    q = _check(fn, "sample_rate", sample_rate, 0.0, 1.0, True, False)
-    t = _check_steps(fn, steps)
+    z = check_number(fn, "noise_multiplier", noise_multiplier, low=0.0)
+    q = check_number(fn, "sample_rate", sample_rate, low=0.0, high=1.0, low_inclusive=False)
+    t = check_int(fn, "steps", steps, 0)
     dpa = _dp_accounting()
     return dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(z)), t)
 
@@ -229,10 +214,10 @@ def epsilon(
       2.6
     """
     fn = "epsilon"
-    z = _check(fn, "noise_multiplier", noise_multiplier, 0.0, math.inf, False, False)
-    q = _check(fn, "sample_rate", sample_rate, 0.0, 1.0, True, False)
-    t = _check_steps(fn, steps)
-    d = _check(fn, "delta", delta, 0.0, 1.0, True, True)
+    z = check_number(fn, "noise_multiplier", noise_multiplier, low=0.0)
+    q = check_number(fn, "sample_rate", sample_rate, low=0.0, high=1.0, low_inclusive=False)
+    t = check_int(fn, "steps", steps, 0)
+    d = check_number(fn, "delta", delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
     _accountant(accountant, fn)  # validates the name
     if t == 0:
         return 0.0
@@ -278,13 +263,13 @@ def calibrate_noise_multiplier(
       True
     """
     fn = "calibrate_noise_multiplier"
-    eps = _check(fn, "target_epsilon", target_epsilon, 0.0, math.inf, True, True)
-    q = _check(fn, "sample_rate", sample_rate, 0.0, 1.0, True, False)
-    t = _check_steps(fn, steps)
+    eps = check_number(fn, "target_epsilon", target_epsilon, low=0.0, low_inclusive=False, allow_inf=False)
+    q = check_number(fn, "sample_rate", sample_rate, low=0.0, high=1.0, low_inclusive=False)
+    t = check_int(fn, "steps", steps, 0)
     if t == 0:
         raise ValueError(f"{fn}: `steps` must be at least 1 (zero steps spend nothing)")
-    d = _check(fn, "delta", delta, 0.0, 1.0, True, True)
-    _check(fn, "tol", tol, 0.0, math.inf, True, True)
+    d = check_number(fn, "delta", delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
+    check_number(fn, "tol", tol, low=0.0, low_inclusive=False, allow_inf=False)
     _accountant(accountant, fn)  # validates the name early
     return calibrate(lambda z: dp_sgd_event(z, q, t), eps, d, accountant, tol=tol, fn=fn)
 
@@ -472,9 +457,9 @@ class PrivacyAccountant:
             with the RDP accountant (dp-accounting has no RDP bound for it).
         """
         fn = "PrivacyAccountant.step"
-        z = _check(fn, "noise_multiplier", noise_multiplier, 0.0, math.inf, False, False)
-        q = _check(fn, "sample_rate", sample_rate, 0.0, 1.0, True, False)
-        t = _check_steps(fn, steps)
+        z = check_number(fn, "noise_multiplier", noise_multiplier, low=0.0)
+        q = check_number(fn, "sample_rate", sample_rate, low=0.0, high=1.0, low_inclusive=False)
+        t = check_int(fn, "steps", steps, 0)
         m = n = None
         if truncated_batch_size is not None:
             if self.accountant != "pld":
@@ -484,10 +469,8 @@ class PrivacyAccountant:
                 )
             if dataset_size is None:
                 raise ValueError(f"{fn}: `dataset_size` is required with `truncated_batch_size`")
-            m = _check_steps(fn, truncated_batch_size)
-            n = _check_steps(fn, dataset_size)
-            if m < 1 or n < 1:
-                raise ValueError(f"{fn}: `truncated_batch_size` and `dataset_size` must be positive")
+            m = check_int(fn, "truncated_batch_size", truncated_batch_size, 1)
+            n = check_int(fn, "dataset_size", dataset_size, 1)
         if t == 0:
             return
         last = self._phases[-1] if self._phases else None
@@ -529,7 +512,8 @@ class PrivacyAccountant:
         Returns:
           A Python float: 0 before any step, ``inf`` if a step had no noise.
         """
-        d = _check("PrivacyAccountant.epsilon", "delta", delta, 0.0, 1.0, True, True)
+        d = check_number("PrivacyAccountant.epsilon", "delta", delta, low=0.0, high=1.0, low_inclusive=False,
+                         high_inclusive=False)
         trivial = self._spends_nothing_or_all()
         if trivial is not None:
             return trivial
@@ -547,7 +531,7 @@ class PrivacyAccountant:
         Returns:
           A Python float in [0, 1].
         """
-        e = _check("PrivacyAccountant.delta", "epsilon", epsilon, 0.0, math.inf, False, True)
+        e = check_number("PrivacyAccountant.delta", "epsilon", epsilon, low=0.0, allow_inf=False)
         trivial = self._spends_nothing_or_all()
         if trivial is not None:
             return 0.0 if trivial == 0.0 else 1.0

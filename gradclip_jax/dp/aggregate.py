@@ -34,7 +34,7 @@ import numpy as np
 import optax
 
 from gradclip_jax import norms as _norms
-from gradclip_jax._core.validation import clip_norm_arg
+from gradclip_jax._core.validation import check_int, check_mask, clip_norm_arg
 from gradclip_jax._numerics import count0 as _count0
 from gradclip_jax.dp._guards import refuse_update_averaging
 from gradclip_jax.dp.noise import noised_leaves
@@ -48,7 +48,7 @@ from gradclip_jax.hyperparams import (
     poison,
     static_value,
 )
-from gradclip_jax.per_example._batch import batch_flatten, check_mask, match_batch_sharding
+from gradclip_jax.per_example._batch import batch_flatten, match_batch_sharding
 from gradclip_jax.per_example._config import clip_factors
 from gradclip_jax.per_example._measure import as_rows, unrow
 from gradclip_jax.per_example._sums import clip_and_sum
@@ -102,8 +102,8 @@ def _key(seed: Any, fn: str) -> jax.Array:
         return seed
     if isinstance(seed, (jax.Array, np.ndarray)) and seed.shape == (2,) and seed.dtype == np.uint32:
         return jax.random.wrap_key_data(jnp.asarray(seed))
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer, jax.Array, np.ndarray)):
-        raise TypeError(f"{fn}: seed must be an int or a jax PRNG key, got {seed!r}")
+    if not isinstance(seed, (jax.Array, np.ndarray)):
+        seed = check_int(fn, "seed", seed)  # not a key: an int seed (never a bool)
     return jax.random.key(seed)
 
 
@@ -127,7 +127,7 @@ def _clip_sum(
 
     ``store``: the dtype the result is finally rounded to (for the clip factors' rounding margin).
     """
-    valid = check_mask(mask, batch, fn)
+    valid = check_mask(fn, mask, batch)
     sums, w = clip_and_sum([as_rows(x) for x in arrays], clip, valid=valid, nan_safe=nan_safe,
                            factor_fn=lambda n, c: clip_factors(n, c, store))
     keep = jnp.ones((batch,), bool) if w.keep is None else w.keep
@@ -572,7 +572,7 @@ def dp_quantile_aggregate(
         out = [o.astype(x.dtype) for o, x in zip(out, arrays, strict=True)]
 
         # Noised, recentred fraction of unclipped examples (TF-Privacy form).
-        checked = None if mask is None else check_mask(mask, batch, fn)
+        checked = None if mask is None else check_mask(fn, mask, batch)
         real = jnp.ones((batch,), bool) if checked is None else checked
         real = match_batch_sharding(real, n)
         keep = match_batch_sharding(keep, n)

@@ -61,10 +61,10 @@ import numpy as np
 import optax
 
 from gradclip_jax import norms as _norms
-from gradclip_jax._core.validation import clip_norm_arg
+from gradclip_jax._core.validation import check_int, check_mask, check_number, clip_norm_arg
 from gradclip_jax.dp.accounting import PrivacyAccountant, PrivacyPhase, calibrate, phase_event
 from gradclip_jax.dp.noise import add_gaussian_noise
-from gradclip_jax.dp.sampling import PoissonSampler, _check_int, _rate
+from gradclip_jax.dp.sampling import PoissonSampler, _rate
 from gradclip_jax.per_example import ClippedGradFn, ClippedGradInfo, clipped_grad
 from gradclip_jax.per_example._config import Method
 
@@ -377,19 +377,6 @@ def _batch_rows(batch: Any) -> int:
     return int(leaves[0].shape[0])
 
 
-def _check_mask(mask: Any, rows: int) -> jax.Array:
-    shape = tuple(getattr(mask, "shape", ()))
-    dtype = getattr(mask, "dtype", None)
-    if shape != (rows,):
-        raise ValueError(
-            f"make_private step: `mask` must have shape ({rows},) (one entry per row of `batch`), "
-            f"got shape {shape}"
-        )
-    if dtype is None or not jnp.issubdtype(dtype, jnp.bool_):
-        raise TypeError(f"make_private step: `mask` must be a bool array, got dtype {dtype}")
-    return jnp.asarray(mask)
-
-
 def make_private(
     loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
@@ -488,21 +475,18 @@ def make_private(
     methods = tuple(m.value for m in Method)
     if method not in methods:  # before the calibration, which can take seconds
         raise ValueError(f"{fn}: `method` must be one of {methods}, got {method!r}")
-    n = _check_int(fn, "dataset_size", dataset_size, 1)
+    n = check_int(fn, "dataset_size", dataset_size, 1)
     q = _rate(fn, n, expected_batch_size, sample_rate)
     if (steps is None) == (epochs is None):
         raise ValueError(f"{fn}: give exactly one of `steps` and `epochs`")
     if steps is not None:
-        t = _check_int(fn, "steps", steps, 1)
+        t = check_int(fn, "steps", steps, 1)
     else:
-        if not (isinstance(epochs, (int, float)) and not isinstance(epochs, bool) and epochs > 0):
-            raise ValueError(f"{fn}: `epochs` must be a positive number, got {epochs!r}")
-        t = max(1, math.ceil(float(epochs) / q - 1e-9))
+        e = check_number(fn, "epochs", epochs, low=0.0, low_inclusive=False, allow_inf=False)
+        t = max(1, math.ceil(e / q - 1e-9))
     for name, v in (("target_epsilon", target_epsilon), ("l2_clip_norm", l2_clip_norm)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < math.inf):
-            raise ValueError(f"{fn}: `{name}` must be a positive finite number, got {v!r}")
-    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0.0 < delta < 1.0:
-        raise ValueError(f"{fn}: `delta` must be in (0, 1), got {delta!r}")
+        check_number(fn, name, v, low=0.0, low_inclusive=False, allow_inf=False)
+    check_number(fn, "delta", delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
     if delta >= 1.0 / n:
         warnings.warn(
             f"{fn}: `delta`={delta:g} >= 1/dataset_size={1.0 / n:g}: a mechanism that publishes one "
@@ -516,7 +500,7 @@ def make_private(
             f"truncated Poisson sampling), got accountant={accountant!r}"
         )
     if physical_batch_size is not None:
-        physical_batch_size = _check_int(fn, "physical_batch_size", physical_batch_size, 1)
+        physical_batch_size = check_int(fn, "physical_batch_size", physical_batch_size, 1)
     sampler = PoissonSampler(
         n, steps=t, sample_rate=q, seed=seed, max_batch_size=max_batch_size, on_overflow=on_overflow,
         process_index=process_index, process_count=process_count,
@@ -550,7 +534,9 @@ def make_private(
         return optimizer.init(params)
 
     def clipped_sum(params: Any, batch: Any, mask: Any) -> tuple[Any, ClippedGradInfo]:
-        mask = _check_mask(mask, _batch_rows(batch))
+        if mask is None:  # the sampler's padding mask: a step without one would count padding rows
+            raise TypeError("make_private step: `mask` is required (the mask of the sampler's batch)")
+        mask = check_mask("make_private step", mask, _batch_rows(batch))
         return grad_fn(params, batch, mask=mask)
 
     def noisy_update(params: Any, opt_state: Any, summed: Any, key: jax.Array) -> tuple[Any, Any, jax.Array]:

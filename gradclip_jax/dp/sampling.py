@@ -54,6 +54,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from gradclip_jax._core.validation import check_int, check_number
+
 __all__ = [
     "BatchOverflowError",
     "PoissonBatch",
@@ -88,14 +90,6 @@ class PoissonBatch(NamedTuple):
     step: int
 
 
-def _check_int(fn: str, name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{fn}: `{name}` must be an int, got {value!r}")
-    if value < low:
-        raise ValueError(f"{fn}: `{name}` must be at least {low}, got {value!r}")
-    return int(value)
-
-
 def _rate(fn: str, dataset_size: int, expected_batch_size: Any, sample_rate: Any) -> float:
     """The sampling rate q from exactly one of ``expected_batch_size`` and ``sample_rate``."""
     if (expected_batch_size is None) == (sample_rate is None):
@@ -104,9 +98,8 @@ def _rate(fn: str, dataset_size: int, expected_batch_size: Any, sample_rate: Any
         ("sample_rate", sample_rate) if sample_rate is not None
         else ("expected_batch_size", expected_batch_size)
     )
-    if isinstance(given, bool) or not isinstance(given, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{fn}: `{name}` must be a number, got {given!r}")
-    q = float(given) if name == "sample_rate" else float(given) / dataset_size
+    value = check_number(fn, name, given, low=None)
+    q = value if name == "sample_rate" else value / dataset_size
     if not 0.0 < q <= 1.0:
         where = "" if name == "sample_rate" else f" for dataset_size={dataset_size} (rate {q:g})"
         raise ValueError(f"{fn}: the sampling rate must be in (0, 1], got {name}={given!r}{where}")
@@ -247,12 +240,12 @@ class PoissonSampler:
         process_count: int | None = None,
     ):
         fn = "PoissonSampler"
-        n = _check_int(fn, "dataset_size", dataset_size, 1)
+        n = check_int(fn, "dataset_size", dataset_size, 1)
         self.dataset_size = n
-        self.steps = _check_int(fn, "steps", steps, 0)
+        self.steps = check_int(fn, "steps", steps, 0)
         self.sample_rate = _rate(fn, n, expected_batch_size, sample_rate)
         self.expected_batch_size = self.sample_rate * n
-        self.seed = _check_int(fn, "seed", seed, 0)
+        self.seed = check_int(fn, "seed", seed, 0)
         if on_overflow not in _ON_OVERFLOW:
             raise ValueError(f"{fn}: `on_overflow` must be one of {_ON_OVERFLOW}, got {on_overflow!r}")
         self.on_overflow = on_overflow
@@ -261,8 +254,8 @@ class PoissonSampler:
 
             process_index = jax.process_index() if process_index is None else process_index
             process_count = jax.process_count() if process_count is None else process_count
-        self.process_count = _check_int(fn, "process_count", process_count, 1)
-        self.process_index = _check_int(fn, "process_index", process_index, 0)
+        self.process_count = check_int(fn, "process_count", process_count, 1)
+        self.process_index = check_int(fn, "process_index", process_index, 0)
         if self.process_index >= self.process_count:
             raise ValueError(
                 f"{fn}: `process_index` ({process_index}) must be below process_count ({process_count})"
@@ -272,7 +265,7 @@ class PoissonSampler:
         if max_batch_size is None:
             m = max_batch_size_for(n, self.sample_rate, max(self.steps, 1), overflow_bound, self.process_count)
         else:
-            m = _check_int(fn, "max_batch_size", max_batch_size, 1)
+            m = check_int(fn, "max_batch_size", max_batch_size, 1)
             if m < self.expected_batch_size:
                 raise ValueError(
                     f"{fn}: `max_batch_size` ({m}) is below the expected batch size "
@@ -318,7 +311,7 @@ class PoissonSampler:
           BatchOverflowError: with ``on_overflow='raise'`` when the draw exceeds
             ``max_batch_size``.
         """
-        t = _check_int("PoissonSampler.draw", "step", step, 0)
+        t = check_int("PoissonSampler.draw", "step", step, 0)
         rng = np.random.default_rng([self.seed, t])
         # Poisson sampling = a Binomial(n, q) size, then a uniform subset of that size.
         size = int(rng.binomial(self.dataset_size, self.sample_rate))

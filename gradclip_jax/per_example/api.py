@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from gradclip_jax._core.validation import clip_norm_arg
+from gradclip_jax._core.validation import check_int, clip_norm_arg
 from gradclip_jax.hyperparams import check_scalar, is_traced, static_value
 from gradclip_jax.per_example._batch import (
     BATCHNORM_REMEDY,
@@ -56,9 +56,7 @@ def _enum(cls: Any, name: str, value: Any, expected: str) -> Any:
 
 def _microbatch_size(mb: Any) -> int | None:
     mb = static_value(_FN, "microbatch_size", mb)
-    if mb is not None and (isinstance(mb, bool) or not isinstance(mb, (int, np.integer)) or mb < 1):
-        raise ValueError(f"{_FN}: microbatch_size must be None or a positive int, got {mb!r}")
-    return None if mb is None else int(mb)
+    return None if mb is None else check_int(_FN, "microbatch_size", mb, 1)
 
 
 def _layer_mode(l2_clip_norm: Any, per_layer: Any) -> LayerMode:
@@ -112,14 +110,13 @@ def _prng_argnum(n: Any) -> int | None:
     n = static_value(_FN, "prng_argnum", n)
     if n is None:
         return None
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
-        raise TypeError(f"{_FN}: prng_argnum must be None or an int, got {type(n).__name__} {n!r}")
+    n = check_int(_FN, "prng_argnum", n)
     if n < 2:
         raise ValueError(
             f"{_FN}: prng_argnum={n} names loss_fn's argument {n}, but arguments 0 and 1 are params and "
             "the batch; the key must be one of the extra arguments (prng_argnum >= 2)"
         )
-    return int(n)
+    return n
 
 
 def _dtype(d: Any) -> Any:
