@@ -29,6 +29,7 @@ import optax
 
 from gradclip_jax import _stateful as _st
 from gradclip_jax import norms as _norms
+from gradclip_jax._core.state_registry import register_state
 from gradclip_jax._core.validation import check_bool, check_transform
 from gradclip_jax._states import check_state, check_tree
 from gradclip_jax.clipping._factors import clip_factor, normalize_factor
@@ -52,6 +53,7 @@ __all__ = [
 ]
 
 
+@register_state
 class NormByEMAState(NamedTuple):
     """State of :func:`clip_norm_by_ema` and :func:`normalize_by_ema`.
 
@@ -81,6 +83,7 @@ class NormByEMAState(NamedTuple):
     inner_state: Any
 
 
+@register_state
 class ClipValueByEMAState(NamedTuple):
     """State of :func:`clip_value_by_ema`.
 

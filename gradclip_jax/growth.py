@@ -27,6 +27,7 @@ import optax
 
 from gradclip_jax import _stateful as _st
 from gradclip_jax import norms as _norms
+from gradclip_jax._core.state_registry import register_state
 from gradclip_jax._core.validation import check_bool
 from gradclip_jax._states import check_state, check_tree
 from gradclip_jax.clipping._factors import clip_factor
@@ -41,6 +42,7 @@ __all__ = [
 ]
 
 
+@register_state
 class ClipNormGrowthState(NamedTuple):
     """State of :func:`clip_norm_growth`.
 
@@ -65,6 +67,7 @@ class ClipNormGrowthState(NamedTuple):
     clipped: Any
 
 
+@register_state
 class ClipValueGrowthState(NamedTuple):
     """State of :func:`clip_value_growth`.
 

@@ -11,6 +11,7 @@ import optax
 from gradclip_jax import _stateful as _st
 from gradclip_jax import norms as _norms
 from gradclip_jax._control import cond
+from gradclip_jax._core.state_registry import register_state
 from gradclip_jax._core.validation import check_bool, check_int
 from gradclip_jax._states import check_state, check_tree
 from gradclip_jax.clipping._factors import clip_factor as _clip_factor
@@ -25,6 +26,7 @@ from gradclip_jax.hyperparams import (
 from gradclip_jax.norms import OrdLike
 
 
+@register_state
 class AdaGCState(NamedTuple):
     """State of :func:`adagc`. Per-leaf fields are trees shaped like the parameters.
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from gradclip_jax import _stateful as _st
+from gradclip_jax._core.state_registry import register_state
 from gradclip_jax._core.validation import check_transform
 from gradclip_jax.hyperparams import (
     increment,
@@ -16,6 +17,7 @@ from gradclip_jax.hyperparams import (
 )
 
 
+@register_state
 class SkipOnSpikeState(NamedTuple):
     """State of :func:`skip_on_spike`.
 

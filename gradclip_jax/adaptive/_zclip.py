@@ -10,6 +10,7 @@ import optax
 
 from gradclip_jax import _stateful as _st
 from gradclip_jax import norms as _norms
+from gradclip_jax._core.state_registry import register_state
 from gradclip_jax._core.validation import check_bool, check_choice, check_int
 from gradclip_jax._states import check_state
 from gradclip_jax.adaptive._common import finish
@@ -22,6 +23,7 @@ from gradclip_jax.hyperparams import (
 from gradclip_jax.norms import OrdLike
 
 
+@register_state
 class ZClipState(NamedTuple):
     """State of :func:`zclip`.
 

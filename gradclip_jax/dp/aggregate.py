@@ -34,6 +34,7 @@ import numpy as np
 import optax
 
 from gradclip_jax import norms as _norms
+from gradclip_jax._core.state_registry import register_state
 from gradclip_jax._core.validation import check_int, check_mask, clip_norm_arg
 from gradclip_jax._numerics import count0 as _count0
 from gradclip_jax.dp._guards import refuse_update_averaging
@@ -65,6 +66,7 @@ __all__ = [
 ]
 
 
+@register_state
 class DPAggregateState(NamedTuple):
     """State of :func:`dp_aggregate` and :func:`dp_noise`.
 
@@ -80,6 +82,7 @@ class DPAggregateState(NamedTuple):
 DPNoiseState = DPAggregateState
 
 
+@register_state
 class DPQuantileAggregateState(NamedTuple):
     """State of :func:`dp_quantile_aggregate`.
 
