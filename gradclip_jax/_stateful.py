@@ -24,7 +24,6 @@ from gradclip_jax import norms as _norms
 from gradclip_jax._control import cond
 from gradclip_jax._numerics import count0 as count0
 from gradclip_jax.clipping._factors import scale_leaf
-from gradclip_jax.hyperparams import static_value
 
 
 def scalar_dtype(params: Any) -> np.dtype:
@@ -44,44 +43,6 @@ def array_dtype(x: Any) -> np.dtype:
 def real_array_dtype(x: Any) -> np.dtype:
     """Like :func:`array_dtype` but real (for statistics of ``|x|``)."""
     return _norms.acc_dtype(array_dtype(x))
-
-
-def check_int(fn: str, name: str, value: Any, low: int) -> int:
-    """A structural integer argument (``history_size``, ``warmup_steps``) as a Python int."""
-    value = static_value(fn, name, value)
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{fn}: `{name}` must be an int, got {type(value).__name__} {value!r}")
-    if value < low:
-        raise ValueError(f"{fn}: `{name}` must be >= {low}, got {value}")
-    return int(value)
-
-
-def check_choice(fn: str, name: str, value: Any, choices: Sequence[str]) -> str:
-    """A string option, case-insensitive; ``ValueError`` naming the choices otherwise."""
-    value = static_value(fn, name, value)
-    if not isinstance(value, str):
-        raise TypeError(f"{fn}: `{name}` must be one of the strings {tuple(choices)}, got {value!r}")
-    if value.lower() in choices:
-        return value.lower()
-    raise ValueError(f"{fn}: `{name}` must be one of {tuple(choices)}, got {value!r}")
-
-
-def check_transform(fn: str, name: str, value: Any) -> None:
-    """``None`` or an optax transformation (anything with ``init`` and ``update``)."""
-    if value is None:
-        return
-    if not (callable(getattr(value, "init", None)) and callable(getattr(value, "update", None))):
-        raise TypeError(f"{fn}: `{name}` must be an optax.GradientTransformation or None, got {value!r}")
-
-
-def check_bool(fn: str, name: str, value: Any) -> bool:
-    """A structural flag (``tensorwise``, ``skip_nonfinite``) as a Python bool."""
-    value = static_value(fn, name, value)
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{fn}: `{name}` must be a bool, got {type(value).__name__} {value!r}")
-    return bool(value)
 
 
 def per_leaf(params: Any, fn: str, make: Callable[[Any], Any]) -> Any:

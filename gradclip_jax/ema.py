@@ -29,6 +29,8 @@ import optax
 
 from gradclip_jax import _stateful as _st
 from gradclip_jax import norms as _norms
+from gradclip_jax._core.state_registry import register_state
+from gradclip_jax._core.validation import check_bool, check_transform
 from gradclip_jax._states import check_state, check_tree
 from gradclip_jax.clipping._factors import clip_factor, normalize_factor
 from gradclip_jax.hyperparams import (
@@ -51,6 +53,7 @@ __all__ = [
 ]
 
 
+@register_state
 class NormByEMAState(NamedTuple):
     """State of :func:`clip_norm_by_ema` and :func:`normalize_by_ema`.
 
@@ -80,6 +83,7 @@ class NormByEMAState(NamedTuple):
     inner_state: Any
 
 
+@register_state
 class ClipValueByEMAState(NamedTuple):
     """State of :func:`clip_value_by_ema`.
 
@@ -180,10 +184,10 @@ def _norm_by_ema(
     skip_nonfinite: bool,
 ) -> optax.GradientTransformation:
     spec = _norms.parse_ord(ord, fn)
-    tensorwise = _st.check_bool(fn, "tensorwise", tensorwise)
-    skip = _st.check_bool(fn, "skip_nonfinite", skip_nonfinite)
+    tensorwise = check_bool(fn, "tensorwise", tensorwise)
+    skip = check_bool(fn, "skip_nonfinite", skip_nonfinite)
     hps = _ema_hyperparams(fn, beta, max_ema_growth, init, min_norm)
-    _st.check_transform(fn, "inner", inner)
+    check_transform(fn, "inner", inner)
 
     def init_fn(params: Any) -> NormByEMAState:
         return _init_norm_by_ema(params, fn, tensorwise, init, inner)
@@ -434,12 +438,12 @@ def clip_value_by_ema(
       Array([ 2., -1.], dtype=float32)
     """
     fn = "clip_value_by_ema"
-    skip = _st.check_bool(fn, "skip_nonfinite", skip_nonfinite)
+    skip = check_bool(fn, "skip_nonfinite", skip_nonfinite)
     hps = Hyperparams(fn)
     hps.add("beta", beta, low=0.0, high=1.0, high_inclusive=False)
     hps.add("init", init, low=0.0, allow_inf=False)
-    _st.check_transform(fn, "inner", inner)
-    _st.check_transform(fn, "exp_avg_tfm", exp_avg_tfm)
+    check_transform(fn, "inner", inner)
+    check_transform(fn, "exp_avg_tfm", exp_avg_tfm)
 
     def init_fn(params: Any) -> ClipValueByEMAState:
         exp_avg = _st.per_leaf(params, fn, lambda x: jnp.zeros(x.shape, _st.real_array_dtype(x)))

@@ -27,6 +27,8 @@ import optax
 
 from gradclip_jax import _stateful as _st
 from gradclip_jax import norms as _norms
+from gradclip_jax._core.state_registry import register_state
+from gradclip_jax._core.validation import check_bool
 from gradclip_jax._states import check_state, check_tree
 from gradclip_jax.clipping._factors import clip_factor
 from gradclip_jax.hyperparams import Hyperparam, Hyperparams, counts, increment, mark_static, poison
@@ -40,6 +42,7 @@ __all__ = [
 ]
 
 
+@register_state
 class ClipNormGrowthState(NamedTuple):
     """State of :func:`clip_norm_growth`.
 
@@ -64,6 +67,7 @@ class ClipNormGrowthState(NamedTuple):
     clipped: Any
 
 
+@register_state
 class ClipValueGrowthState(NamedTuple):
     """State of :func:`clip_value_growth`.
 
@@ -163,8 +167,8 @@ def clip_norm_growth(
     """
     fn = "clip_norm_growth"
     spec = _norms.parse_ord(ord, fn)
-    tensorwise = _st.check_bool(fn, "tensorwise", tensorwise)
-    skip = _st.check_bool(fn, "skip_nonfinite", skip_nonfinite)
+    tensorwise = check_bool(fn, "tensorwise", tensorwise)
+    skip = check_bool(fn, "skip_nonfinite", skip_nonfinite)
     hps = _hyperparams(fn, add, mul, min_value, max_decay)
 
     def init_fn(params: Any) -> ClipNormGrowthState:
@@ -281,7 +285,7 @@ def clip_value_growth(
       Array([ 2. , -1.5], dtype=float32)
     """
     fn = "clip_value_growth"
-    skip = _st.check_bool(fn, "skip_nonfinite", skip_nonfinite)
+    skip = check_bool(fn, "skip_nonfinite", skip_nonfinite)
     hps = _hyperparams(fn, add, mul, min_value, max_decay)
 
     def init_fn(params: Any) -> ClipValueGrowthState:

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -29,142 +27,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+# the checks live in gradclip_jax._core.validation; check_scalar, is_traced and static_value
+# are re-exported for the modules that read hyperparameters through this one
+from gradclip_jax._core.validation import STATIC_ARGS, StaticDefault
+from gradclip_jax._core.validation import check_scalar as check_scalar
+from gradclip_jax._core.validation import is_traced as is_traced
+from gradclip_jax._core.validation import static_value as static_value
+
 Numeric = float | int | jax.Array | np.ndarray
 Hyperparam = Numeric | Callable[[jax.Array], Numeric]
 
 __all__ = ["Hyperparam", "inject_hyperparams"]
 
 
-
-
-def is_traced(value: Any) -> bool:
-    """True when ``value`` is a JAX tracer (its value is unknown at trace time)."""
-    return isinstance(value, jax.core.Tracer)
-
-
-def check_scalar(
-    fn: str,
-    name: str,
-    value: Any,
-    *,
-    low: float | None = 0.0,
-    high: float | None = None,
-    low_inclusive: bool = True,
-    high_inclusive: bool = True,
-    allow_none: bool = False,
-    allow_inf: bool = True,
-) -> None:
-    """Validates a numeric hyperparameter when it is known at construction.
-
-    Schedules and traced arrays are accepted unchecked (see :class:`Hyperparams`
-    for their run-time guard). Raises ``TypeError`` naming ``fn`` and ``name`` for
-    values that are not numbers (``None`` where it is not allowed, strings,
-    bools, objects) and ``ValueError`` for NaN, out-of-range or non-scalar numbers.
-    """
-    if value is None:
-        if allow_none:
-            return
-        raise TypeError(f"{fn}: `{name}` must be a number, got None")
-    if callable(value) or is_traced(value):
-        return
-    if isinstance(value, bool):
-        raise TypeError(f"{fn}: `{name}` must be a number, got bool {value!r}")
-    if isinstance(value, complex):
-        raise TypeError(f"{fn}: `{name}` must be a real number, got complex {value!r}")
-    if not isinstance(value, (int, float, np.generic, np.ndarray, jax.Array)):
-        # lists, tuples, strings, objects: np.asarray would turn [1.0] into a valid-looking array
-        raise TypeError(f"{fn}: `{name}` must be a number, got {type(value).__name__} {value!r}")
-    try:
-        arr = np.asarray(value)
-    except Exception as err:  # pragma: no cover - exotic array types
-        raise TypeError(f"{fn}: `{name}` must be a number, got {value!r}") from err
-    if arr.dtype == object or not (
-        np.issubdtype(arr.dtype, np.number) or arr.dtype == jnp.bfloat16
-    ):
-        raise TypeError(f"{fn}: `{name}` must be a number, got {type(value).__name__} {value!r}")
-    if np.issubdtype(arr.dtype, np.complexfloating):
-        raise TypeError(f"{fn}: `{name}` must be a real number, got complex {value!r}")
-    if arr.size != 1:
-        raise ValueError(
-            f"{fn}: `{name}` must be a scalar, got an array of shape {arr.shape}"
-        )
-    v = float(arr.reshape(()))
-    if math.isnan(v):
-        raise ValueError(f"{fn}: `{name}` must not be NaN")
-    if not allow_inf and math.isinf(v):
-        raise ValueError(f"{fn}: `{name}` must be finite, got {v}")
-    if low is not None and (v < low or (v == low and not low_inclusive)):
-        bound = ">=" if low_inclusive else ">"
-        raise ValueError(f"{fn}: `{name}` must be {bound} {low}, got {v}")
-    if high is not None and (v > high or (v == high and not high_inclusive)):
-        bound = "<=" if high_inclusive else "<"
-        raise ValueError(f"{fn}: `{name}` must be {bound} {high}, got {v}")
-
-
-class StaticDefault:
-    """The default of a structural argument, as a factory's signature shows it.
-
-    :func:`optax.inject_hyperparams` turns every argument whose value (default
-    included) is a number into an array held in its state, and under ``jit``
-    that array is traced, which a structural argument (``ord``, ``min_size``,
-    ``warmup_steps``, ...) cannot be. :func:`mark_static` therefore shows the
-    numeric defaults of structural arguments wrapped in this class (it prints as
-    the bare value), which optax leaves alone, so plain
-    ``optax.inject_hyperparams(gcx.zclip)()`` works; :func:`static_value`
-    unwraps it.
-    """
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any):
-        self.value = value
-
-    def __repr__(self) -> str:
-        return repr(self.value)
-
-    def __eq__(self, other: object) -> bool:
-        other = other.value if isinstance(other, StaticDefault) else other
-        return bool(self.value == other)
-
-    def __hash__(self) -> int:
-        return hash(self.value)
-
-
-# public function name -> its structural arguments (filled by mark_static)
-_STATIC_ARGS: dict[str, tuple[str, ...]] = {}
-
-
-def static_value(fn: str, name: str, value: Any) -> Any:
-    """Returns a structural argument as a Python value.
-
-    Concrete arrays of one element become Python numbers (so a value that
-    :func:`optax.inject_hyperparams` wrapped in an array still works at ``init``);
-    traced arrays raise a ``TypeError`` that names every structural argument of
-    ``fn`` and explains the fix.
-    """
-    if isinstance(value, StaticDefault):
-        return value.value
-    if is_traced(value):
-        names = _STATIC_ARGS.get(fn, (name,))
-        listed = ", ".join(repr(n) for n in names)
-        raise TypeError(
-            f"{fn}: `{name}` decides shapes and code paths, so it must be a Python "
-            "value, not a traced array (optax.inject_hyperparams turns every number it "
-            f"is given into an array). The structural arguments of {fn} are {listed}: "
-            f"pass them to optax.inject_hyperparams in static_args=({listed},), or use "
-            "gradclip_jax.inject_hyperparams, which does that for you."
-        )
-    if isinstance(value, (jax.Array, np.ndarray, np.generic)):
-        arr = np.asarray(value)
-        if arr.size != 1:
-            raise ValueError(f"{fn}: `{name}` must be a scalar, got shape {arr.shape}")
-        item = arr.reshape(()).item()
-        if isinstance(item, float) and item.is_integer() and np.issubdtype(
-            arr.dtype, np.integer
-        ):
-            return int(item)
-        return item
-    return value
 
 
 def resolve(value: Hyperparam | None, count: jax.Array) -> Any:
@@ -243,7 +118,7 @@ def mark_static(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any
 
     def wrap(factory: Callable[..., Any]) -> Callable[..., Any]:
         factory.static_args = tuple(names)  # type: ignore[attr-defined]
-        _STATIC_ARGS[factory.__name__] = tuple(names)
+        STATIC_ARGS[factory.__name__] = tuple(names)
         sig = inspect.signature(factory)
         params = []
         for p in sig.parameters.values():
@@ -255,37 +130,6 @@ def mark_static(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any
         return factory
 
     return wrap
-
-
-def renamed_kwarg(
-    fn: str, old: str, new: str, old_value: Any, new_value: Any, default: Any = None
-) -> Any:
-    """The value of a renamed keyword argument, accepting the old spelling.
-
-    Returns ``old_value`` (with a ``DeprecationWarning`` that names ``fn`` and both
-    spellings) when only the old spelling was given, else ``new_value``. Giving
-    both raises ``TypeError``. ``default`` is the value that means "not given"
-    for both.
-
-    Example:
-      >>> import warnings
-      >>> with warnings.catch_warnings(record=True) as w:
-      ...     warnings.simplefilter("always")
-      ...     renamed_kwarg("f", "axis", "dim", 1, None)
-      1
-      >>> w[0].category.__name__
-      'DeprecationWarning'
-    """
-    if old_value is default or (isinstance(old_value, StaticDefault) and old_value == default):
-        return new_value
-    if new_value is not default and not (
-        isinstance(new_value, StaticDefault) and new_value == default
-    ):
-        raise TypeError(f"{fn}: got both `{new}` and its deprecated spelling `{old}`; pass `{new}` only")
-    warnings.warn(
-        f"{fn}: `{old}` is deprecated, use `{new}` (same meaning)", DeprecationWarning, stacklevel=3
-    )
-    return old_value
 
 
 # ----------------------------------------------------------------------------

@@ -17,6 +17,8 @@ from typing import Any
 
 import jax
 
+from gradclip_jax._core.state_registry import STATE_CLASSES
+
 __all__ = ["norms_from_state"]
 
 
@@ -32,16 +34,8 @@ def _unwrap(x: Any) -> Any:
 
 
 def _state_field_sets(field: str) -> list[frozenset[str]]:
-    """The field names of every gradclip_jax state class that has ``field``."""
-    import gradclip_jax  # the package's states, known once it is imported
-
-    out = []
-    for name in gradclip_jax.__all__:
-        cls = getattr(gradclip_jax, name)
-        fields = getattr(cls, "_fields", None)
-        if isinstance(cls, type) and issubclass(cls, tuple) and fields and field in fields:
-            out.append(frozenset(fields))
-    return out
+    """The field names of every registered gradclip_jax state class that has ``field``."""
+    return [frozenset(cls._fields) for cls in STATE_CLASSES if field in cls._fields]  # type: ignore[attr-defined]
 
 
 def _is_state_mapping(x: Any, field: str, known: list[frozenset[str]]) -> bool:

@@ -30,6 +30,7 @@ SECTIONS = [
     "5. Large logical batches",
     "6. Several devices and processes",
     "8. Flax NNX and Equinox, checkpoints and resuming",
+    "9. Other samplers: the `BatchSampler` protocol",
 ]
 
 
@@ -170,3 +171,17 @@ def test_nnx_equinox_and_resumed_run(run_guide):
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ns["eqx_params"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert float(jnp.mean(jnp.argmax(jax.vmap(ns["eqx_model"])(x), -1) == y)) >= 0.8
+
+
+def test_custom_sampler_section(run_guide):
+    """The fixed-size sampler of the guide plugs into make_private: the accountant's epsilon is
+    dp-accounting's for its own event (sampling without replacement, replace-one), at the target."""
+    import dp_accounting
+
+    ns = run_guide[SECTIONS[7]]
+    fixed = ns["fixed"]
+    acc = dp_accounting.rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    one = dp_accounting.SampledWithoutReplacementDpEvent(1000, 50, dp_accounting.GaussianDpEvent(fixed.noise_multiplier))
+    acc.compose(dp_accounting.SelfComposedDpEvent(one, 200))
+    assert fixed.accountant.steps == 200 and fixed.epsilon() == acc.get_epsilon(1e-5) <= 3.0 + 1e-9
+    assert train_accuracy(ns) >= 0.8

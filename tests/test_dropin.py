@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import gradclip_jax as gcx
-from gradclip_jax.hyperparams import renamed_kwarg
+from gradclip_jax._core.validation import renamed_kwarg
 
 # name -> (factory called with these kwargs, its numeric hyperparameters with run-time bad values)
 NEG_NAN = (-1.0, math.nan)

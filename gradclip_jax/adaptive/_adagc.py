@@ -11,6 +11,8 @@ import optax
 from gradclip_jax import _stateful as _st
 from gradclip_jax import norms as _norms
 from gradclip_jax._control import cond
+from gradclip_jax._core.state_registry import register_state
+from gradclip_jax._core.validation import check_bool, check_int
 from gradclip_jax._states import check_state, check_tree
 from gradclip_jax.clipping._factors import clip_factor as _clip_factor
 from gradclip_jax.hyperparams import (
@@ -24,6 +26,7 @@ from gradclip_jax.hyperparams import (
 from gradclip_jax.norms import OrdLike
 
 
+@register_state
 class AdaGCState(NamedTuple):
     """State of :func:`adagc`. Per-leaf fields are trees shaped like the parameters.
 
@@ -115,8 +118,8 @@ def adagc(
     """
     fn = "adagc"
     spec = _norms.parse_ord(ord, fn)
-    warm = _st.check_int(fn, "warmup_steps", warmup_steps, 0)
-    skip = _st.check_bool(fn, "skip_nonfinite", skip_nonfinite)
+    warm = check_int(fn, "warmup_steps", warmup_steps, 0)
+    skip = check_bool(fn, "skip_nonfinite", skip_nonfinite)
     hps = Hyperparams(fn)
     hps.add("clip_ratio", clip_ratio, low=0.0, low_inclusive=False, allow_inf=False)
     hps.add("beta", beta, low=0.0, high=1.0, high_inclusive=False)

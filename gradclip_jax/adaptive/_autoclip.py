@@ -10,6 +10,8 @@ import optax
 
 from gradclip_jax import _stateful as _st
 from gradclip_jax import norms as _norms
+from gradclip_jax._core.state_registry import register_state
+from gradclip_jax._core.validation import check_bool, check_int
 from gradclip_jax._states import check_state
 from gradclip_jax.adaptive._common import finish
 from gradclip_jax.clipping._factors import clip_factor as _clip_factor
@@ -22,6 +24,7 @@ from gradclip_jax.hyperparams import (
 from gradclip_jax.norms import OrdLike
 
 
+@register_state
 class AutoClipState(NamedTuple):
     """State of :func:`autoclip`.
 
@@ -121,8 +124,8 @@ def autoclip(
     """
     fn = "autoclip"
     spec = _norms.parse_ord(ord, fn)
-    size = _st.check_int(fn, "history_size", history_size, 1)
-    skip = _st.check_bool(fn, "skip_nonfinite", skip_nonfinite)
+    size = check_int(fn, "history_size", history_size, 1)
+    skip = check_bool(fn, "skip_nonfinite", skip_nonfinite)
     hps = Hyperparams(fn)
     hps.add("percentile", percentile, low=0.0, high=100.0)
     hps.add("min_clip_norm", min_clip_norm, low=0.0)

@@ -10,6 +10,8 @@ import optax
 
 from gradclip_jax import _stateful as _st
 from gradclip_jax import norms as _norms
+from gradclip_jax._core.state_registry import register_state
+from gradclip_jax._core.validation import check_bool
 from gradclip_jax._states import check_state
 from gradclip_jax.adaptive._common import finish
 from gradclip_jax.clipping._factors import clip_factor as _clip_factor
@@ -23,6 +25,7 @@ from gradclip_jax.hyperparams import (
 from gradclip_jax.norms import OrdLike
 
 
+@register_state
 class QuantileClipState(NamedTuple):
     """State of :func:`quantile_clip`.
 
@@ -95,7 +98,7 @@ def quantile_clip(
     """
     fn = "quantile_clip"
     spec = _norms.parse_ord(ord, fn)
-    skip = _st.check_bool(fn, "skip_nonfinite", skip_nonfinite)
+    skip = check_bool(fn, "skip_nonfinite", skip_nonfinite)
     hps = Hyperparams(fn)
     hps.add("target_quantile", target_quantile, low=0.0, high=1.0)
     hps.add("learning_rate", learning_rate, low=0.0, allow_inf=False)

@@ -9,12 +9,15 @@ import jax.numpy as jnp
 import optax
 
 from gradclip_jax import _stateful as _st
+from gradclip_jax._core.state_registry import register_state
+from gradclip_jax._core.validation import check_transform
 from gradclip_jax.hyperparams import (
     increment,
     static_value,
 )
 
 
+@register_state
 class SkipOnSpikeState(NamedTuple):
     """State of :func:`skip_on_spike`.
 
@@ -91,7 +94,7 @@ def skip_on_spike(
     field = static_value(fn, "field", field)
     if not isinstance(field, str):
         raise TypeError(f"{fn}: `field` must be a string, got {field!r}")
-    _st.check_transform(fn, "inner", inner)
+    check_transform(fn, "inner", inner)
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: Any) -> SkipOnSpikeState:

@@ -10,6 +10,8 @@ import optax
 
 from gradclip_jax import _stateful as _st
 from gradclip_jax import norms as _norms
+from gradclip_jax._core.state_registry import register_state
+from gradclip_jax._core.validation import check_bool, check_choice, check_int
 from gradclip_jax._states import check_state
 from gradclip_jax.adaptive._common import finish
 from gradclip_jax.clipping._factors import clip_factor as _clip_factor
@@ -21,6 +23,7 @@ from gradclip_jax.hyperparams import (
 from gradclip_jax.norms import OrdLike
 
 
+@register_state
 class ZClipState(NamedTuple):
     """State of :func:`zclip`.
 
@@ -144,11 +147,11 @@ def zclip(
     """
     fn = "zclip"
     spec = _norms.parse_ord(ord, fn)
-    warm = _st.check_int(fn, "warmup_steps", warmup_steps, 1)
-    md = _st.check_choice(fn, "mode", mode, ("zscore", "percentile"))
-    opt = _st.check_choice(fn, "clip_option", clip_option, ("adaptive_scaling", "mean"))
-    skip = _st.check_bool(fn, "skip_nonfinite", skip_nonfinite)
-    skip_stats = _st.check_bool(fn, "skip_stats_on_spike", skip_stats_on_spike)
+    warm = check_int(fn, "warmup_steps", warmup_steps, 1)
+    md = check_choice(fn, "mode", mode, ("zscore", "percentile"))
+    opt = check_choice(fn, "clip_option", clip_option, ("adaptive_scaling", "mean"))
+    skip = check_bool(fn, "skip_nonfinite", skip_nonfinite)
+    skip_stats = check_bool(fn, "skip_stats_on_spike", skip_stats_on_spike)
     hps = Hyperparams(fn)
     hps.add("alpha", alpha, low=0.0, high=1.0, high_inclusive=False)
     hps.add("z_thresh", z_thresh, low=0.0, low_inclusive=False, allow_inf=False)

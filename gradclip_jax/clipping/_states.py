@@ -6,7 +6,10 @@ from typing import Any, NamedTuple
 
 import jax
 
+from gradclip_jax._core.state_registry import register_state
 
+
+@register_state
 class ClipByGlobalNormState(NamedTuple):
     """State of :func:`clip_by_global_norm`.
 
@@ -23,6 +26,7 @@ class ClipByGlobalNormState(NamedTuple):
     clipped: jax.Array
 
 
+@register_state
 class ClipByNormState(NamedTuple):
     """State of :func:`clip_by_norm`.
 
@@ -41,6 +45,7 @@ class ClipByNormState(NamedTuple):
     clipped: Any
 
 
+@register_state
 class NormalizeState(NamedTuple):
     """State of :func:`normalize` (fields as in :class:`ClipByNormState`)."""
 
@@ -48,6 +53,7 @@ class NormalizeState(NamedTuple):
     norm: Any
 
 
+@register_state
 class ClipByValueState(NamedTuple):
     """State of :func:`clip_by_value` / :func:`clip`.
 
@@ -58,6 +64,7 @@ class ClipByValueState(NamedTuple):
     count: jax.Array  # type: ignore[assignment]  # NamedTuple field named like tuple.count, as in optax
 
 
+@register_state
 class ClipByBlockRmsState(NamedTuple):
     """State of :func:`clip_by_block_rms`.
 
@@ -72,10 +79,12 @@ class ClipByBlockRmsState(NamedTuple):
     clipped: Any
 
 
+@register_state
 class CentralizeState(NamedTuple):
     """State of :func:`centralize` (it measures no norm)."""
 
 
+@register_state
 class AdaptiveGradClipState(NamedTuple):
     """State of :func:`adaptive_grad_clip`.
 

@@ -7,8 +7,12 @@
 * :mod:`gradclip_jax.dp.accounting`: privacy accounting on ``dp-accounting``
   (also reachable as :mod:`gradclip_jax.privacy`), including the step-by-step
   :class:`gradclip_jax.privacy.PrivacyAccountant`.
-* :mod:`gradclip_jax.dp.sampling`: Poisson batch selection padded to fixed
-  shapes (:class:`PoissonSampler`).
+* :mod:`gradclip_jax.dp.batch_selection`: the sampler protocol
+  (:class:`BatchSampler`: a step's indices and mask, and the ``dp_accounting``
+  event its sampling implies) and :class:`IndexSampler`, the base of a new
+  scheme in one file.
+* :mod:`gradclip_jax.dp.sampling`: Poisson and truncated Poisson batch
+  selection padded to fixed shapes (:class:`PoissonSampler`).
 * :mod:`gradclip_jax.dp.private_step`: the whole private step in one call
   (:func:`make_private`).
 """
@@ -23,6 +27,7 @@ from gradclip_jax.dp.aggregate import (
     dpsgd,
     noise_multiplier_for_gradient,
 )
+from gradclip_jax.dp.batch_selection import BatchSampler, IndexSampler, SampledBatch
 from gradclip_jax.dp.private_step import (
     PrivacyBudgetError,
     PrivacyBudgetWarning,
@@ -34,6 +39,9 @@ from gradclip_jax.dp.sampling import BatchOverflowError, PoissonBatch, PoissonSa
 
 __all__ = [
     "BatchOverflowError",
+    "BatchSampler",
+    "IndexSampler",
+    "SampledBatch",
     "PoissonBatch",
     "PoissonSampler",
     "PrivacyBudgetError",

@@ -13,6 +13,9 @@ Gaussian mechanism (noise :math:`\\mathcal{N}(0, (zC)^2)` on a sum of sensitivit
 meets a target :math:`\\varepsilon`. With :func:`gradclip_jax.dp.dp_quantile_aggregate`
 account with the overall ``noise_multiplier`` you gave it (its count and gradient
 noises are split so that they compose to exactly that Gaussian mechanism).
+Another batch selection is accounted through its sampler
+(:class:`gradclip_jax.dp.BatchSampler`): its ``dp_event`` is the event of a
+step, which :func:`calibrate` and :class:`PrivacyAccountant` compose.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import math
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-from gradclip_jax.hyperparams import check_scalar, is_traced
+from gradclip_jax._core.validation import check_choice, check_int, check_number
+from gradclip_jax.dp.batch_selection import NEIGHBORING, check_sampler
 
 __all__ = [
     "PrivacyAccountant",
@@ -33,6 +37,7 @@ __all__ = [
     "calibrate",
     "epsilon",
     "phase_event",
+    "sampled_gaussian_event",
 ]
 
 _ACCOUNTANTS = ("rdp", "pld")
@@ -74,21 +79,6 @@ def _dp_accounting() -> Any:
     return dp_accounting
 
 
-def _check(fn: str, name: str, value: Any, low: float, high: float, low_open: bool, high_open: bool) -> float:
-    """A plain number in the given interval (accounting runs on the host: no schedules or tracers)."""
-    if value is None or callable(value) or is_traced(value):
-        raise TypeError(f"{fn}: `{name}` must be a number, got {value!r}")
-    check_scalar(fn, name, value, low=low, high=high, low_inclusive=not low_open,
-                 high_inclusive=not high_open)
-    return float(value)
-
-
-def _check_steps(fn: str, steps: Any) -> int:
-    if isinstance(steps, bool) or int(steps) != steps or steps < 0:
-        raise ValueError(f"{fn}: `steps` must be a non-negative int, got {steps!r}")
-    return int(steps)
-
-
 PLD_INTERVAL = 1e-4  # dp-accounting's default value_discretization_interval, used from z = 1 up
 
 
@@ -121,14 +111,21 @@ def pld_interval(noise_multiplier: float) -> float:
     return PLD_INTERVAL / (z * z) if z > 0.0 else PLD_INTERVAL
 
 
-def _accountant(name: str, fn: str, noise_multiplier: float = 1.0) -> Any:
+def _relation(neighboring: str) -> Any:
+    """dp-accounting's ``NeighboringRelation`` of ``'add_or_remove'`` or ``'replace'``."""
+    rel = _dp_accounting().NeighboringRelation
+    return rel.REPLACE_ONE if neighboring == "replace" else rel.ADD_OR_REMOVE_ONE
+
+
+def _accountant(name: str, fn: str, noise_multiplier: float = 1.0, neighboring: str = "add_or_remove") -> Any:
     """A fresh dp-accounting accountant; for PLD with the interval of :func:`pld_interval`."""
     dpa = _dp_accounting()
     key = str(name).lower()
     if key == "rdp":
-        return dpa.rdp.RdpAccountant()
+        return dpa.rdp.RdpAccountant(neighboring_relation=_relation(neighboring))
     if key == "pld":
-        return dpa.pld.PLDAccountant(value_discretization_interval=pld_interval(noise_multiplier))
+        return dpa.pld.PLDAccountant(_relation(neighboring),
+                                     value_discretization_interval=pld_interval(noise_multiplier))
     raise ValueError(f"{fn}: unknown accountant {name!r}; expected one of {_ACCOUNTANTS}")
 
 
@@ -136,7 +133,7 @@ PLD_RELIABLE = 500.0  # above, dp-accounting's PLD epsilon nears exp() overflow 
 
 
 def _event_epsilon(name: str, event: Any, delta: float, noise_multiplier: float, fn: str,
-                   composed: Any = None) -> float:
+                   composed: Any = None, neighboring: str = "add_or_remove") -> float:
     """The epsilon of ``event`` at ``delta`` (``composed``: its accountant, already composed).
 
     With PLD (grid of :func:`pld_interval` at the smallest ``noise_multiplier``),
@@ -146,20 +143,43 @@ def _event_epsilon(name: str, event: Any, delta: float, noise_multiplier: float,
     and finite values for their neighbours). Both are upper bounds, so their
     minimum is one too; below ``PLD_RELIABLE`` the PLD epsilon is used as is.
     """
+    dpa = _dp_accounting()
     acc = composed
     if acc is None:
-        acc = _accountant(name, fn, noise_multiplier)
-        acc.compose(event)
+        acc = _accountant(name, fn, noise_multiplier, neighboring)
+        try:
+            acc.compose(event)
+        except dpa.UnsupportedEventError as err:
+            raise ValueError(
+                f"{fn}: the {str(name).lower()!r} accountant cannot account for this sampling under "
+                f"{neighboring!r} neighbours ({err}); try the other accountant (`accountant=`)"
+            ) from None
     eps = float(acc.get_epsilon(delta))
     if str(name).lower() == "pld" and not eps < PLD_RELIABLE:
-        dpa = _dp_accounting()
         try:
-            rdp = _accountant("rdp", fn)
+            rdp = _accountant("rdp", fn, neighboring=neighboring)
             rdp.compose(event)
             eps = min(eps, float(rdp.get_epsilon(delta)))
         except dpa.UnsupportedEventError:
             pass  # e.g. truncated Poisson sampling: no RDP bound
     return eps
+
+
+def sampled_gaussian_event(
+    noise_multiplier: float, sample_rate: float, truncated_batch_size: int | None = None,
+    dataset_size: int | None = None,
+) -> Any:
+    """The ``dp_accounting.DpEvent`` of one step of (truncated) Poisson sampling.
+
+    ``PoissonSampledDpEvent(q, GaussianDpEvent(z))``, or with a cap :math:`m`
+    ``TruncatedSubsampledGaussianDpEvent(n, q, m, z)``: the event of
+    :meth:`gradclip_jax.dp.PoissonSampler.dp_event` and of the accountant's
+    Poisson phases.
+    """
+    dpa = _dp_accounting()
+    if truncated_batch_size is None:
+        return dpa.PoissonSampledDpEvent(sample_rate, dpa.GaussianDpEvent(noise_multiplier))
+    return dpa.TruncatedSubsampledGaussianDpEvent(dataset_size, sample_rate, truncated_batch_size, noise_multiplier)
 
 
 def dp_sgd_event(noise_multiplier: float, sample_rate: float, steps: int) -> Any:
@@ -181,11 +201,10 @@ def dp_sgd_event(noise_multiplier: float, sample_rate: float, steps: int) -> Any
       >>> event = dp_sgd_event(1.1, 256 / 60000, 1000)  # doctest: +SKIP
     """
     fn = "dp_sgd_event"
-    z = _check(fn, "noise_multiplier", noise_multiplier, 0.0, math.inf, False, False)
-    q = _check(fn, "sample_rate", sample_rate, 0.0, 1.0, True, False)
-    t = _check_steps(fn, steps)
-    dpa = _dp_accounting()
-    return dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(z)), t)
+    z = check_number(fn, "noise_multiplier", noise_multiplier, low=0.0)
+    q = check_number(fn, "sample_rate", sample_rate, low=0.0, high=1.0, low_inclusive=False)
+    t = check_int(fn, "steps", steps, 0)
+    return _dp_accounting().SelfComposedDpEvent(sampled_gaussian_event(z, q), t)
 
 
 def epsilon(
@@ -229,10 +248,10 @@ def epsilon(
       2.6
     """
     fn = "epsilon"
-    z = _check(fn, "noise_multiplier", noise_multiplier, 0.0, math.inf, False, False)
-    q = _check(fn, "sample_rate", sample_rate, 0.0, 1.0, True, False)
-    t = _check_steps(fn, steps)
-    d = _check(fn, "delta", delta, 0.0, 1.0, True, True)
+    z = check_number(fn, "noise_multiplier", noise_multiplier, low=0.0)
+    q = check_number(fn, "sample_rate", sample_rate, low=0.0, high=1.0, low_inclusive=False)
+    t = check_int(fn, "steps", steps, 0)
+    d = check_number(fn, "delta", delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
     _accountant(accountant, fn)  # validates the name
     if t == 0:
         return 0.0
@@ -278,13 +297,13 @@ def calibrate_noise_multiplier(
       True
     """
     fn = "calibrate_noise_multiplier"
-    eps = _check(fn, "target_epsilon", target_epsilon, 0.0, math.inf, True, True)
-    q = _check(fn, "sample_rate", sample_rate, 0.0, 1.0, True, False)
-    t = _check_steps(fn, steps)
+    eps = check_number(fn, "target_epsilon", target_epsilon, low=0.0, low_inclusive=False, allow_inf=False)
+    q = check_number(fn, "sample_rate", sample_rate, low=0.0, high=1.0, low_inclusive=False)
+    t = check_int(fn, "steps", steps, 0)
     if t == 0:
         raise ValueError(f"{fn}: `steps` must be at least 1 (zero steps spend nothing)")
-    d = _check(fn, "delta", delta, 0.0, 1.0, True, True)
-    _check(fn, "tol", tol, 0.0, math.inf, True, True)
+    d = check_number(fn, "delta", delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
+    check_number(fn, "tol", tol, low=0.0, low_inclusive=False, allow_inf=False)
     _accountant(accountant, fn)  # validates the name early
     return calibrate(lambda z: dp_sgd_event(z, q, t), eps, d, accountant, tol=tol, fn=fn)
 
@@ -292,6 +311,7 @@ def calibrate_noise_multiplier(
 def calibrate(
     event_fn: Any, target_epsilon: float, delta: float, accountant: str = "pld", *,
     tol: float = 1e-4, max_noise_multiplier: float = 1e3, fn: str = "calibrate",
+    neighboring: str = "add_or_remove",
 ) -> float:
     """The smallest :math:`z` with ``epsilon(event_fn(z)) <= target_epsilon`` (Brent's method).
 
@@ -299,7 +319,8 @@ def calibrate(
     has an RDP bound (RDP is an upper bound, so its :math:`z` meets the target
     under PLD too), and every PLD evaluation at :math:`z` uses the grid of
     :func:`pld_interval` (as :class:`PrivacyAccountant` does): about a second
-    at any target from 0.1 to 1e6, and a few hundred MB at most.
+    at any target from 0.1 to 1e6, and a few hundred MB at most. ``neighboring``
+    is the relation ``event_fn``'s events are stated for (a sampler's).
 
     Raises:
       ValueError: naming ``target_epsilon`` when even ``max_noise_multiplier``
@@ -311,7 +332,7 @@ def calibrate(
 
     def eps_at(z: float) -> float:
         if z not in seen:
-            seen[z] = _event_epsilon(accountant, event_fn(z), delta, z, fn)
+            seen[z] = _event_epsilon(accountant, event_fn(z), delta, z, fn, neighboring=neighboring)
         return seen[z]
 
     with _quiet():
@@ -327,7 +348,7 @@ def calibrate(
             # no RDP bound for this event (e.g. truncation): bracket from max_noise_multiplier
             with contextlib.suppress(ValueError, dpa.UnsupportedEventError):
                 hi = min(hi, float(dpa.calibrate_dp_mechanism(
-                    dpa.rdp.RdpAccountant, event_fn, target_epsilon, delta,
+                    lambda: _accountant("rdp", fn, neighboring=neighboring), event_fn, target_epsilon, delta,
                     bracket_interval=dpa.LowerEndpointAndGuess(0.0, 1.0), tol=tol,
                 )))
         return _smallest_meeting(eps_at, target_epsilon, hi, tol)
@@ -369,6 +390,10 @@ class PrivacyPhase(NamedTuple):
       truncated_batch_size: the cap of truncated Poisson sampling, or ``None``
         (plain Poisson sampling).
       dataset_size: :math:`n` (needed with truncation only).
+      sampler: ``None`` (the phase is (truncated) Poisson sampling), or the
+        :class:`gradclip_jax.dp.BatchSampler` whose ``dp_event`` is the event
+        of one step (then ``sample_rate`` is its expected batch size over
+        :math:`n`, for reading only).
     """
 
     noise_multiplier: float
@@ -376,21 +401,22 @@ class PrivacyPhase(NamedTuple):
     steps: int
     truncated_batch_size: int | None = None
     dataset_size: int | None = None
+    sampler: Any = None
 
 
 def phase_event(phase: PrivacyPhase) -> Any:
-    """The ``dp_accounting.DpEvent`` of a :class:`PrivacyPhase`.
+    """The ``dp_accounting.DpEvent`` of a :class:`PrivacyPhase`: ``SelfComposedDpEvent(one, T)``.
 
-    ``SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(z)), T)``, or
-    with truncation ``SelfComposedDpEvent(TruncatedSubsampledGaussianDpEvent(n, q, m, z), T)``.
+    ``one`` is the sampler's ``dp_event(z)`` for a sampler's phase, else
+    :func:`sampled_gaussian_event` (``PoissonSampledDpEvent(q, GaussianDpEvent(z))``,
+    or with truncation ``TruncatedSubsampledGaussianDpEvent(n, q, m, z)``).
     """
-    if phase.truncated_batch_size is None:
-        return dp_sgd_event(phase.noise_multiplier, phase.sample_rate, phase.steps)
-    dpa = _dp_accounting()
-    one = dpa.TruncatedSubsampledGaussianDpEvent(
-        phase.dataset_size, phase.sample_rate, phase.truncated_batch_size, phase.noise_multiplier
-    )
-    return dpa.SelfComposedDpEvent(one, phase.steps)
+    z = phase.noise_multiplier
+    if phase.sampler is not None:
+        one = phase.sampler.dp_event(z)
+    else:
+        one = sampled_gaussian_event(z, phase.sample_rate, phase.truncated_batch_size, phase.dataset_size)
+    return _dp_accounting().SelfComposedDpEvent(one, phase.steps)
 
 
 class PrivacyAccountant:
@@ -400,7 +426,8 @@ class PrivacyAccountant:
     parameters are kept as one :class:`PrivacyPhase`, so a run whose noise or
     rate changes between phases is accounted exactly as it ran); ask
     :meth:`epsilon` whenever. The guarantee is that of the composition of the
-    recorded Poisson-subsampled Gaussian mechanisms (add/remove-one neighbours),
+    recorded sampled Gaussian mechanisms (Poisson-subsampled, or each step a
+    sampler's ``dp_event``) under the accountant's ``neighboring`` relation,
     computed by ``dp-accounting``: ``'pld'`` (default; privacy-loss
     distributions, numerically tight) or ``'rdp'`` (Rényi DP, a looser bound).
 
@@ -410,8 +437,13 @@ class PrivacyAccountant:
     Its :meth:`state_dict` / :meth:`load_state_dict` (or :meth:`from_state_dict`)
     pair lets you checkpoint it.
 
+    A step of any :class:`gradclip_jax.dp.BatchSampler` is recorded with
+    ``step(z, sampler=sampler)``: its event is the sampler's ``dp_event(z)``.
+
     Args:
       accountant: ``'pld'`` (default) or ``'rdp'``.
+      neighboring: ``'add_or_remove'`` (default) or ``'replace'``: the
+        neighbouring relation of the guarantee (a sampler's must match).
 
     Example:
       >>> from gradclip_jax.privacy import PrivacyAccountant
@@ -424,13 +456,14 @@ class PrivacyAccountant:
       (15062, 2)
     """
 
-    def __init__(self, accountant: str = "pld"):
+    def __init__(self, accountant: str = "pld", neighboring: str = "add_or_remove"):
         key = str(accountant).lower()
         if key not in _ACCOUNTANTS:
             raise ValueError(
                 f"PrivacyAccountant: unknown accountant {accountant!r}; expected one of {_ACCOUNTANTS}"
             )
         self.accountant = key
+        self.neighboring = check_choice("PrivacyAccountant", "neighboring", neighboring, NEIGHBORING)
         self._phases: list[PrivacyPhase] = []
         self._cache: tuple[list[PrivacyPhase], Any] | None = None
 
@@ -450,52 +483,76 @@ class PrivacyAccountant:
     def step(
         self,
         noise_multiplier: float,
-        sample_rate: float,
+        sample_rate: float | None = None,
         steps: int = 1,
         *,
         truncated_batch_size: int | None = None,
         dataset_size: int | None = None,
+        sampler: Any = None,
     ) -> None:
-        """Records ``steps`` DP-SGD steps.
+        """Records ``steps`` DP-SGD steps: of Poisson sampling (``sample_rate``), or of a ``sampler``.
 
         Args:
           noise_multiplier: :math:`z \\ge 0` (noise std over sensitivity).
-          sample_rate: the Poisson rate :math:`q \\in (0, 1]`.
+          sample_rate: the Poisson rate :math:`q \\in (0, 1]` (without ``sampler``).
           steps: how many steps (default 1).
           truncated_batch_size: with truncated Poisson sampling (see
             :class:`gradclip_jax.dp.PoissonSampler`), its cap :math:`m`; needs
             ``dataset_size`` and the PLD accountant.
           dataset_size: :math:`n`, with ``truncated_batch_size``.
+          sampler: a :class:`gradclip_jax.dp.BatchSampler` (instead of the
+            three above): each step is its ``dp_event(noise_multiplier)``.
 
         Raises:
-          ValueError: naming the argument, for out-of-range values, or truncation
-            with the RDP accountant (dp-accounting has no RDP bound for it).
+          ValueError: naming the argument, for out-of-range values, truncation
+            with the RDP accountant (dp-accounting has no RDP bound for it), a
+            sampler with both Poisson arguments, or of another neighbouring relation.
+          TypeError: for neither ``sample_rate`` nor ``sampler``, or a ``sampler``
+            that does not follow the protocol.
         """
         fn = "PrivacyAccountant.step"
-        z = _check(fn, "noise_multiplier", noise_multiplier, 0.0, math.inf, False, False)
-        q = _check(fn, "sample_rate", sample_rate, 0.0, 1.0, True, False)
-        t = _check_steps(fn, steps)
-        m = n = None
-        if truncated_batch_size is not None:
-            if self.accountant != "pld":
-                raise ValueError(
-                    f"{fn}: `truncated_batch_size` needs the 'pld' accountant (dp-accounting has no "
-                    "RDP bound for truncated Poisson sampling)"
-                )
-            if dataset_size is None:
-                raise ValueError(f"{fn}: `dataset_size` is required with `truncated_batch_size`")
-            m = _check_steps(fn, truncated_batch_size)
-            n = _check_steps(fn, dataset_size)
-            if m < 1 or n < 1:
-                raise ValueError(f"{fn}: `truncated_batch_size` and `dataset_size` must be positive")
+        z = check_number(fn, "noise_multiplier", noise_multiplier, low=0.0)
+        t = check_int(fn, "steps", steps, 0)
+        poisson = (sample_rate, truncated_batch_size, dataset_size)
+        if sampler is not None:
+            if any(v is not None for v in poisson):
+                raise ValueError(f"{fn}: give `sampler` or `sample_rate` (and truncation), not both")
+            phase = self._sampler_phase(fn, z, t, sampler)
+        else:
+            phase = self._poisson_phase(fn, z, t, *poisson)
+        last = self._phases[-1] if self._phases else None
         if t == 0:
             return
-        last = self._phases[-1] if self._phases else None
-        if last is not None and (last.noise_multiplier, last.sample_rate, last.truncated_batch_size,
-                                 last.dataset_size) == (z, q, m, n):
+        if last is not None and last._replace(steps=t) == phase and last.sampler is phase.sampler:
             self._phases[-1] = last._replace(steps=last.steps + t)
         else:
-            self._phases.append(PrivacyPhase(z, q, t, m, n))
+            self._phases.append(phase)
+
+    def _sampler_phase(self, fn: str, z: float, t: int, sampler: Any) -> PrivacyPhase:
+        check_sampler(fn, sampler)
+        if sampler.neighboring != self.neighboring:
+            raise ValueError(
+                f"{fn}: the sampler's events are for {sampler.neighboring!r} neighbours, this accountant's "
+                f"guarantee for {self.neighboring!r} ones (PrivacyAccountant(neighboring=...))"
+            )
+        return PrivacyPhase(z, sampler.expected_batch_size / sampler.dataset_size, t, sampler=sampler)
+
+    def _poisson_phase(self, fn: str, z: float, t: int, sample_rate: Any, truncated_batch_size: Any,
+                       dataset_size: Any) -> PrivacyPhase:
+        if sample_rate is None:
+            raise TypeError(f"{fn}: give `sample_rate` (Poisson sampling) or `sampler`")
+        q = check_number(fn, "sample_rate", sample_rate, low=0.0, high=1.0, low_inclusive=False)
+        if truncated_batch_size is None:
+            return PrivacyPhase(z, q, t)
+        if self.accountant != "pld":
+            raise ValueError(
+                f"{fn}: `truncated_batch_size` needs the 'pld' accountant (dp-accounting has no "
+                "RDP bound for truncated Poisson sampling)"
+            )
+        if dataset_size is None:
+            raise ValueError(f"{fn}: `dataset_size` is required with `truncated_batch_size`")
+        m = check_int(fn, "truncated_batch_size", truncated_batch_size, 1)
+        return PrivacyPhase(z, q, t, m, check_int(fn, "dataset_size", dataset_size, 1))
 
     def dp_event(self) -> Any:
         """The ``dp_accounting.DpEvent`` of everything recorded (a ``ComposedDpEvent``)."""
@@ -506,10 +563,17 @@ class PrivacyAccountant:
         """The dp-accounting accountant of the recorded phases (kept until the next step)."""
         if self._cache is None or self._cache[0] != self._phases:
             acc = _accountant(self.accountant, "PrivacyAccountant",
-                              min(p.noise_multiplier for p in self._phases))
+                              min(p.noise_multiplier for p in self._phases), self.neighboring)
+            dpa = _dp_accounting()
             with _quiet():
                 for p in self._phases:
-                    acc.compose(phase_event(p))
+                    try:
+                        acc.compose(phase_event(p))
+                    except dpa.UnsupportedEventError as err:
+                        raise ValueError(
+                            f"PrivacyAccountant: the {self.accountant!r} accountant cannot account for "
+                            f"{p.sampler!r} under {self.neighboring!r} neighbours ({err})"
+                        ) from None
             self._cache = (list(self._phases), acc)
         return self._cache[1]
 
@@ -529,14 +593,16 @@ class PrivacyAccountant:
         Returns:
           A Python float: 0 before any step, ``inf`` if a step had no noise.
         """
-        d = _check("PrivacyAccountant.epsilon", "delta", delta, 0.0, 1.0, True, True)
+        d = check_number("PrivacyAccountant.epsilon", "delta", delta, low=0.0, high=1.0, low_inclusive=False,
+                         high_inclusive=False)
         trivial = self._spends_nothing_or_all()
         if trivial is not None:
             return trivial
         with _quiet():
             return _event_epsilon(self.accountant, self.dp_event(), d,
                                   min(p.noise_multiplier for p in self._phases),
-                                  "PrivacyAccountant.epsilon", composed=self._composed())
+                                  "PrivacyAccountant.epsilon", composed=self._composed(),
+                                  neighboring=self.neighboring)
 
     def delta(self, epsilon: float) -> float:
         """The :math:`\\delta` spent so far at ``epsilon``.
@@ -547,7 +613,7 @@ class PrivacyAccountant:
         Returns:
           A Python float in [0, 1].
         """
-        e = _check("PrivacyAccountant.delta", "epsilon", epsilon, 0.0, math.inf, False, True)
+        e = check_number("PrivacyAccountant.delta", "epsilon", epsilon, low=0.0, allow_inf=False)
         trivial = self._spends_nothing_or_all()
         if trivial is not None:
             return 0.0 if trivial == 0.0 else 1.0
@@ -560,6 +626,9 @@ class PrivacyAccountant:
         ``{'accountant': 'pld' | 'rdp', 'phases': [[z, q, steps, m, n], ...]}``
         with Python floats, ints and ``None`` only: it round-trips exactly
         through JSON (e.g. ``orbax.checkpoint.args.JsonSave``) and ``pickle``.
+        A sampler's phase ends with the sampler's ``plan()``
+        (``[z, q, steps, None, None, plan]``), and a ``'replace'`` accountant
+        adds ``'neighboring': 'replace'``.
 
         Example:
           >>> from gradclip_jax.privacy import PrivacyAccountant
@@ -568,21 +637,18 @@ class PrivacyAccountant:
           >>> acc.state_dict()
           {'accountant': 'pld', 'phases': [[1.1, 0.01, 10, None, None]]}
         """
-        return {
-            "accountant": self.accountant,
-            "phases": [
-                [float(p.noise_multiplier), float(p.sample_rate), int(p.steps),
-                 None if p.truncated_batch_size is None else int(p.truncated_batch_size),
-                 None if p.dataset_size is None else int(p.dataset_size)]
-                for p in self._phases
-            ],
-        }
+        out: dict[str, Any] = {"accountant": self.accountant, "phases": [_saved(p) for p in self._phases]}
+        if self.neighboring != "add_or_remove":
+            out["neighboring"] = self.neighboring
+        return out
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], *, sampler: Any = None) -> None:
         """Replaces the record of this accountant with the one saved by :meth:`state_dict`.
 
         Args:
           state: a :meth:`state_dict` of an accountant of the same kind.
+          sampler: the sampler of the saved sampler phases (its ``plan()`` must
+            equal the saved one); not needed for Poisson phases.
 
         Raises:
           ValueError: naming ``state``, when it is not such a dict or was saved
@@ -609,20 +675,44 @@ class PrivacyAccountant:
             raise ValueError(
                 f"{fn}: `state` was saved by a {kind!r} accountant, this one is {self.accountant!r}"
             )
-        fresh = PrivacyAccountant(self.accountant)
+        saved = state.get("neighboring", "add_or_remove")
+        if saved != self.neighboring:
+            raise ValueError(f"{fn}: `state` is for {saved!r} neighbours, this accountant for {self.neighboring!r}")
+        fresh = PrivacyAccountant(self.accountant, self.neighboring)
         for phase in state["phases"]:
-            if len(phase) != 5:
-                raise ValueError(f"{fn}: every phase of `state` must be [z, q, steps, m, n], got {phase!r}")
-            z, q, t, m, n = phase
-            fresh.step(z, q, t, truncated_batch_size=m, dataset_size=n)
+            _load_phase(fn, fresh, phase, sampler)
         self._phases = fresh._phases
         self._cache = None
 
     @classmethod
-    def from_state_dict(cls, state: dict[str, Any]) -> PrivacyAccountant:
+    def from_state_dict(cls, state: dict[str, Any], *, sampler: Any = None) -> PrivacyAccountant:
         """The accountant saved by :meth:`state_dict` (a new one; see :meth:`load_state_dict`)."""
         if not isinstance(state, dict) or "accountant" not in state:
             raise ValueError(f"PrivacyAccountant.from_state_dict: `state` must be a dict from state_dict(), got {state!r}")
-        acc = cls(state["accountant"])
-        acc.load_state_dict(state)
+        acc = cls(state["accountant"], state.get("neighboring", "add_or_remove"))
+        acc.load_state_dict(state, sampler=sampler)
         return acc
+
+
+def _saved(p: PrivacyPhase) -> list[Any]:
+    """A phase as plain values: ``[z, q, steps, m, n]``, and a sampler's ``plan()`` last."""
+    out = [float(p.noise_multiplier), float(p.sample_rate), int(p.steps),
+           None if p.truncated_batch_size is None else int(p.truncated_batch_size),
+           None if p.dataset_size is None else int(p.dataset_size)]
+    return out if p.sampler is None else [*out, dict(p.sampler.plan())]
+
+
+def _load_phase(fn: str, acc: PrivacyAccountant, phase: Any, sampler: Any) -> None:
+    """Records a saved phase in ``acc``; a sampler's phase needs that sampler (the same ``plan()``)."""
+    if not isinstance(phase, (list, tuple)) or len(phase) not in (5, 6):
+        raise ValueError(f"{fn}: every phase of `state` must be [z, q, steps, m, n(, plan)], got {phase!r}")
+    z, q, t, m, n = phase[:5]
+    if len(phase) == 5:
+        acc.step(z, q, t, truncated_batch_size=m, dataset_size=n)
+        return
+    if sampler is None or dict(sampler.plan()) != phase[5]:
+        raise ValueError(
+            f"{fn}: `state` has a phase of the sampler {phase[5]!r}: pass that sampler (`sampler=`), got "
+            f"{None if sampler is None else sampler.plan()!r}"
+        )
+    acc.step(z, steps=t, sampler=sampler)

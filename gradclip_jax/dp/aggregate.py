@@ -34,6 +34,8 @@ import numpy as np
 import optax
 
 from gradclip_jax import norms as _norms
+from gradclip_jax._core.state_registry import register_state
+from gradclip_jax._core.validation import check_int, check_mask, clip_norm_arg
 from gradclip_jax._numerics import count0 as _count0
 from gradclip_jax.dp._guards import refuse_update_averaging
 from gradclip_jax.dp.noise import noised_leaves
@@ -47,8 +49,8 @@ from gradclip_jax.hyperparams import (
     poison,
     static_value,
 )
-from gradclip_jax.per_example._batch import batch_flatten, check_mask, match_batch_sharding
-from gradclip_jax.per_example._config import clip_factors, renamed_kwarg
+from gradclip_jax.per_example._batch import batch_flatten, match_batch_sharding
+from gradclip_jax.per_example._config import clip_factors
 from gradclip_jax.per_example._measure import as_rows, unrow
 from gradclip_jax.per_example._sums import clip_and_sum
 
@@ -64,6 +66,7 @@ __all__ = [
 ]
 
 
+@register_state
 class DPAggregateState(NamedTuple):
     """State of :func:`dp_aggregate` and :func:`dp_noise`.
 
@@ -79,6 +82,7 @@ class DPAggregateState(NamedTuple):
 DPNoiseState = DPAggregateState
 
 
+@register_state
 class DPQuantileAggregateState(NamedTuple):
     """State of :func:`dp_quantile_aggregate`.
 
@@ -101,8 +105,8 @@ def _key(seed: Any, fn: str) -> jax.Array:
         return seed
     if isinstance(seed, (jax.Array, np.ndarray)) and seed.shape == (2,) and seed.dtype == np.uint32:
         return jax.random.wrap_key_data(jnp.asarray(seed))
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer, jax.Array, np.ndarray)):
-        raise TypeError(f"{fn}: seed must be an int or a jax PRNG key, got {seed!r}")
+    if not isinstance(seed, (jax.Array, np.ndarray)):
+        seed = check_int(fn, "seed", seed)  # not a key: an int seed (never a bool)
     return jax.random.key(seed)
 
 
@@ -126,7 +130,7 @@ def _clip_sum(
 
     ``store``: the dtype the result is finally rounded to (for the clip factors' rounding margin).
     """
-    valid = check_mask(mask, batch, fn)
+    valid = check_mask(fn, mask, batch)
     sums, w = clip_and_sum([as_rows(x) for x in arrays], clip, valid=valid, nan_safe=nan_safe,
                            factor_fn=lambda n, c: clip_factors(n, c, store))
     keep = jnp.ones((batch,), bool) if w.keep is None else w.keep
@@ -161,9 +165,10 @@ def dp_aggregate(
     sampling.
 
     Args:
-      l2_norm_clip: :math:`C \\ge 0`: number, array or schedule.
+      l2_norm_clip: :math:`C \\ge 0`: number, array or schedule (optax's name
+        and position; the keyword ``l2_clip_norm`` is the same argument).
       noise_multiplier: :math:`z \\ge 0`: number, array or schedule. The noise
-        standard deviation is :math:`zC`. A traced or scheduled ``l2_norm_clip``,
+        standard deviation is :math:`zC`. A traced or scheduled clip norm,
         ``noise_multiplier`` or ``batch_size`` that is invalid at run time
         (negative, NaN) makes the update NaN, so :func:`optax.apply_if_finite`
         skips the step.
@@ -174,8 +179,9 @@ def dp_aggregate(
         divides by the number of rows in the update; with Poisson sampling pass
         the *expected* batch size, since the actual size is private.
       nan_safe: drop (zero) examples whose gradient is not finite (default True).
-      l2_clip_norm: the other spelling of ``l2_norm_clip`` (jax-privacy's);
-        accepted with a ``DeprecationWarning``.
+      l2_clip_norm: the clip norm under its canonical spelling (jax-privacy's
+        and the rest of the DP API's), accepted without a warning: give it or
+        ``l2_norm_clip``, not both.
 
     Each clipped contribution, as stored in the leaf dtype, has norm at most
     :math:`C`, rounding included. Inside :class:`optax.MultiSteps` it raises
@@ -191,14 +197,15 @@ def dp_aggregate(
     Example:
       >>> import jax, jax.numpy as jnp, optax
       >>> from gradclip_jax.dp import dp_aggregate
-      >>> tx = dp_aggregate(l2_norm_clip=1.0, noise_multiplier=0.0, seed=0)
+      >>> tx = dp_aggregate(l2_clip_norm=1.0, noise_multiplier=0.0, seed=0)
       >>> per_example = {'w': jnp.array([[3.0, 4.0], [0.3, 0.4]])}
       >>> updates, state = tx.update(per_example, tx.init({'w': jnp.zeros(2)}))
       >>> [round(float(u), 4) for u in updates['w']]  # ((0.6, 0.8) + (0.3, 0.4)) / 2
       [0.45, 0.6]
     """
-    clip = renamed_kwarg("dp_aggregate", "l2_clip_norm", "l2_norm_clip", l2_clip_norm, l2_norm_clip)
-    return _aggregate("dp_aggregate", clip, noise_multiplier, seed, batch_size, nan_safe)
+    fn = "dp_aggregate"
+    clip = _Clip(_clip_name(l2_clip_norm), clip_norm_arg(fn, l2_clip_norm, l2_norm_clip))
+    return _aggregate(fn, clip, noise_multiplier, seed, batch_size, nan_safe)
 
 
 def _required(fn: str, **kwargs: Any) -> None:
@@ -207,13 +214,24 @@ def _required(fn: str, **kwargs: Any) -> None:
             raise TypeError(f"{fn}: missing the required argument `{name}`")
 
 
+class _Clip(NamedTuple):
+    """The clip norm and the spelling the user gave it under (which its errors name)."""
+
+    name: str
+    value: Hyperparam
+
+
+def _clip_name(l2_clip_norm: Any) -> str:
+    return "l2_norm_clip" if l2_clip_norm is None else "l2_clip_norm"
+
+
 def _aggregate(
-    fn: str, l2_norm_clip: Any, noise_multiplier: Any, seed: Any, batch_size: Any, nan_safe: Any
+    fn: str, clip_norm: _Clip, noise_multiplier: Any, seed: Any, batch_size: Any, nan_safe: Any
 ) -> optax.GradientTransformationExtraArgs:
     """:func:`dp_aggregate`, its errors naming ``fn`` (the function the user called)."""
-    _required(fn, l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier, seed=seed)
+    _required(fn, noise_multiplier=noise_multiplier, seed=seed)
     hps = Hyperparams(fn)
-    hps.add("l2_norm_clip", l2_norm_clip)
+    hps.add(clip_norm.name, clip_norm.value)
     hps.add("noise_multiplier", noise_multiplier)
     hps.add("batch_size", batch_size, low=0.0, low_inclusive=False, allow_inf=False, allow_none=True)
     nan_safe = bool(static_value(fn, "nan_safe", nan_safe))
@@ -235,7 +253,7 @@ def _aggregate(
             return updates, DPAggregateState(rng_key=new_key, count=increment(state.count))
         acc = _norms.tree_acc_dtype(arrays)
         v, invalid = hps.at(state.count, acc)
-        clip, z = v["l2_norm_clip"], v["noise_multiplier"]
+        clip, z = v[clip_norm.name], v["noise_multiplier"]
         sums, _, _ = _clip_sum(arrays, clip, nan_safe, mask, fn, batch, store=_lowest(arrays))
         out = noised_leaves(sums, keys, clip * z, _divisor(v["batch_size"], batch, acc), fn=fn)
         # an invalid traced value (a negative z negates the noise) gives NaN, never a finite update
@@ -266,14 +284,14 @@ def dpsgd(
 
     Args:
       learning_rate: :math:`\\eta \\ge 0`, a number or a schedule.
-      l2_norm_clip: :math:`C`.
+      l2_norm_clip: :math:`C` (optax's name and position).
       noise_multiplier: :math:`z`.
       seed: an int seed or a ``jax.random`` key.
       momentum: :math:`\\mu \\in [0, 1)`, or ``None`` for none (default).
       nesterov: use Nesterov momentum.
       batch_size, nan_safe: as in :func:`dp_aggregate`.
-      l2_clip_norm: the other spelling of ``l2_norm_clip``, accepted with a
-        ``DeprecationWarning``.
+      l2_clip_norm: the clip norm under its canonical spelling, accepted
+        without a warning: give it or ``l2_norm_clip``, not both.
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs` taking per-example
@@ -290,14 +308,14 @@ def dpsgd(
     Example:
       >>> import jax.numpy as jnp, optax
       >>> from gradclip_jax.dp import dpsgd
-      >>> tx = dpsgd(learning_rate=0.1, l2_norm_clip=1.0, noise_multiplier=1.1, seed=0)
+      >>> tx = dpsgd(learning_rate=0.1, l2_clip_norm=1.0, noise_multiplier=1.1, seed=0)
       >>> params = {'w': jnp.zeros(2)}
       >>> state = tx.init(params)
       >>> updates, state = tx.update({'w': jnp.ones((8, 2))}, state, params)
       >>> params = optax.apply_updates(params, updates)
     """
     fn = "dpsgd"
-    clip = renamed_kwarg(fn, "l2_clip_norm", "l2_norm_clip", l2_clip_norm, l2_norm_clip)
+    clip = _Clip(_clip_name(l2_clip_norm), clip_norm_arg(fn, l2_clip_norm, l2_norm_clip))
     _required(fn, learning_rate=learning_rate)
     # A negative learning rate would turn the step into gradient ascent: checked like every
     # hyperparameter (ValueError now; NaN updates for a traced or scheduled invalid value).
@@ -557,7 +575,7 @@ def dp_quantile_aggregate(
         out = [o.astype(x.dtype) for o, x in zip(out, arrays, strict=True)]
 
         # Noised, recentred fraction of unclipped examples (TF-Privacy form).
-        checked = None if mask is None else check_mask(mask, batch, fn)
+        checked = None if mask is None else check_mask(fn, mask, batch)
         real = jnp.ones((batch,), bool) if checked is None else checked
         real = match_batch_sharding(real, n)
         keep = match_batch_sharding(keep, n)

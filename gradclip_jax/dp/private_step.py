@@ -8,7 +8,9 @@ epochs) and privacy target (:math:`\\varepsilon`, :math:`\\delta`, clip norm
 
 * ``noise_multiplier``: the smallest :math:`z` whose run spends at most the
   target (:func:`gradclip_jax.privacy.calibrate_noise_multiplier`, PLD);
-* ``sampler``: a :class:`gradclip_jax.dp.PoissonSampler` (fixed shapes);
+* ``sampler``: a :class:`gradclip_jax.dp.PoissonSampler` (fixed shapes), or
+  the :class:`gradclip_jax.dp.BatchSampler` you pass as ``sampler=``: the
+  noise is calibrated for, and the accountant records, its ``dp_event``;
 * ``accountant``: a :class:`gradclip_jax.privacy.PrivacyAccountant` that
   :meth:`PrivateTraining.batches` fills one step per batch;
 * ``step(params, opt_state, batch, mask, key) -> (params, opt_state, metrics)``:
@@ -22,7 +24,9 @@ epochs) and privacy target (:math:`\\varepsilon`, :math:`\\delta`, clip norm
   with the clipped sum from :func:`gradclip_jax.clipped_grad` (``method='auto'``
   by default) and the noise from :func:`gradclip_jax.privacy.add_gaussian_noise`.
   The sum is divided by the **expected** batch size :math:`qn`, a public
-  constant (the actual batch size is not public under Poisson sampling).
+  constant (the actual batch size is not public under Poisson sampling); the
+  noise's :math:`C` is the sum's sensitivity under the sampler's neighbouring
+  relation (:math:`2C` for ``'replace'``).
 
 **Large logical batches.** With ``physical_batch_size=p``, the step still takes
 the whole padded logical batch, but computes the clipped sum ``p`` examples at a
@@ -61,11 +65,13 @@ import numpy as np
 import optax
 
 from gradclip_jax import norms as _norms
-from gradclip_jax.dp.accounting import PrivacyAccountant, PrivacyPhase, calibrate, phase_event
+from gradclip_jax._core.validation import check_int, check_mask, check_number, clip_norm_arg
+from gradclip_jax.dp.accounting import PrivacyAccountant, _dp_accounting, calibrate
+from gradclip_jax.dp.batch_selection import BatchSampler, check_sampler
 from gradclip_jax.dp.noise import add_gaussian_noise
-from gradclip_jax.dp.sampling import PoissonSampler, _check_int, _rate
+from gradclip_jax.dp.sampling import PoissonSampler, _rate
 from gradclip_jax.per_example import ClippedGradFn, ClippedGradInfo, clipped_grad
-from gradclip_jax.per_example._config import Method, renamed_kwarg
+from gradclip_jax.per_example._config import Method
 
 __all__ = ["PrivacyBudgetError", "PrivacyBudgetWarning", "PrivateStepMetrics", "PrivateTraining", "make_private"]
 
@@ -80,6 +86,9 @@ class PrivacyBudgetWarning(UserWarning):
 
 
 _STATE_FORMAT = "gradclip_jax.make_private/1"
+# the arguments of make_private that build its default PoissonSampler
+_POISSON_ARGS = ("dataset_size", "expected_batch_size", "sample_rate", "steps", "epochs", "seed",
+                 "max_batch_size", "on_overflow", "accountant", "process_index", "process_count")
 
 
 class PrivateStepMetrics(NamedTuple):
@@ -110,7 +119,8 @@ class PrivateTraining:
       target_epsilon, delta: the privacy target.
       planned_epsilon: the :math:`\\varepsilon` at ``delta`` of ``steps`` steps
         at ``noise_multiplier`` (at most ``target_epsilon``).
-      sampler: the :class:`gradclip_jax.dp.PoissonSampler`.
+      sampler: the :class:`gradclip_jax.dp.BatchSampler` (by default a
+        :class:`gradclip_jax.dp.PoissonSampler`).
       accountant: the :class:`gradclip_jax.privacy.PrivacyAccountant`
         (:meth:`batches` records into it).
       optimizer: the optax optimizer applied to the privatized gradient.
@@ -135,7 +145,7 @@ class PrivateTraining:
     target_epsilon: float
     delta: float
     planned_epsilon: float
-    sampler: PoissonSampler
+    sampler: BatchSampler
     accountant: PrivacyAccountant
     optimizer: optax.GradientTransformation
     grad_fn: ClippedGradFn
@@ -190,7 +200,7 @@ class PrivateTraining:
 
         Yields:
           With ``data``: ``(batch, mask)``, numpy pytrees of this process's
-          piece. Without: the :class:`gradclip_jax.dp.PoissonBatch`\\ es.
+          piece. Without: the sampler's :class:`gradclip_jax.dp.SampledBatch`\\ es.
 
         Raises:
           ValueError: naming ``dataset_size`` and the leaf, when a leaf of ``data``
@@ -219,22 +229,13 @@ class PrivateTraining:
         """The run's plan: what :func:`make_private` was given and calibrated (plain Python values).
 
         ``dataset_size``, ``sample_rate``, ``steps``, ``target_epsilon``,
-        ``delta``, ``l2_clip_norm``, ``accountant``, ``max_batch_size``,
-        ``on_overflow``, ``seed`` and the calibrated ``noise_multiplier``.
+        ``delta``, ``l2_clip_norm``, ``accountant``, the sampler's ``plan()``
+        (a :class:`gradclip_jax.dp.PoissonSampler`'s: ``max_batch_size``,
+        ``on_overflow``, ``seed``) and the calibrated ``noise_multiplier``.
         """
-        return {
-            "dataset_size": int(self.sampler.dataset_size),
-            "sample_rate": float(self.sample_rate),
-            "steps": int(self.steps),
-            "target_epsilon": float(self.target_epsilon),
-            "delta": float(self.delta),
-            "l2_clip_norm": float(self.l2_clip_norm),
-            "accountant": str(self.accountant.accountant),
-            "max_batch_size": int(self.sampler.max_batch_size),
-            "on_overflow": str(self.sampler.on_overflow),
-            "seed": int(self.sampler.seed),
-            "noise_multiplier": float(self.noise_multiplier),
-        }
+        plan = _plan(self.sampler, self.steps, self.target_epsilon, self.delta, self.l2_clip_norm,
+                     self.accountant.accountant)
+        return {**plan, "noise_multiplier": float(self.noise_multiplier)}
 
     def state_dict(self) -> dict[str, Any]:
         """Everything besides ``params`` and ``opt_state`` needed to continue the run.
@@ -275,7 +276,7 @@ class PrivateTraining:
             "format": _STATE_FORMAT,
             "plan": self.plan(),
             "accountant": self.accountant.state_dict(),
-            "sampler": {"seed": int(self.sampler.seed), "steps_taken": int(self.accountant.steps)},
+            "sampler": {"seed": self.sampler.plan().get("seed"), "steps_taken": int(self.accountant.steps)},
         }
 
     def epsilon(self, delta: float | None = None) -> float:
@@ -350,10 +351,9 @@ def _check_resume(state: Any, plan: dict[str, Any]) -> None:
         if name not in saved:
             raise ValueError(f"{fn}: `resume_from` has no plan field {name!r}")
         old = saved[name]
-        same = old == value if isinstance(value, str) else (
-            not isinstance(old, (str, bool)) and isinstance(old, (int, float, np.integer, np.floating))
-            and float(old) == float(value)
-        )
+        numeric = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+        same = (not isinstance(old, (str, bool)) and isinstance(old, (int, float, np.integer, np.floating))
+                and float(old) == float(value)) if numeric else old == value
         if not same:
             raise ValueError(
                 f"{fn}: `resume_from` was saved by another plan: {name}={old!r} there, {value!r} in this "
@@ -369,6 +369,60 @@ def _check_resume(state: Any, plan: dict[str, Any]) -> None:
         )
 
 
+def _plan(sampler: BatchSampler, steps: int, target_epsilon: float, delta: float, clip: float,
+          accountant: str) -> dict[str, Any]:
+    """The run's plan (plain values) without the noise multiplier: checked on resume."""
+    return {
+        "dataset_size": int(sampler.dataset_size), "sample_rate": _sample_rate(sampler), "steps": int(steps),
+        "target_epsilon": float(target_epsilon), "delta": float(delta), "l2_clip_norm": float(clip),
+        "accountant": str(accountant).lower(), **sampler.plan(),
+    }
+
+
+def _sample_rate(sampler: BatchSampler) -> float:
+    """The sampler's rate: a Poisson sampler's own (exact, as saved in plans), else expected size / n."""
+    q = getattr(sampler, "sample_rate", None)
+    return float(sampler.expected_batch_size) / sampler.dataset_size if q is None else float(q)
+
+
+def _poisson_sampler(fn: str, a: dict[str, Any]) -> PoissonSampler:
+    """make_private's default sampler, from its Poisson arguments ``a`` (by name)."""
+    n = check_int(fn, "dataset_size", a["dataset_size"], 1)
+    q = _rate(fn, n, a["expected_batch_size"], a["sample_rate"])
+    if (a["steps"] is None) == (a["epochs"] is None):
+        raise ValueError(f"{fn}: give exactly one of `steps` and `epochs`")
+    if a["steps"] is not None:
+        t = check_int(fn, "steps", a["steps"], 1)
+    else:
+        e = check_number(fn, "epochs", a["epochs"], low=0.0, low_inclusive=False, allow_inf=False)
+        t = max(1, math.ceil(e / q - 1e-9))
+    if a["on_overflow"] == "truncate" and str(a["accountant"]).lower() != "pld":
+        raise ValueError(
+            f"{fn}: on_overflow='truncate' needs accountant='pld' (dp-accounting has no RDP bound for "
+            f"truncated Poisson sampling), got accountant={a['accountant']!r}"
+        )
+    return PoissonSampler(
+        n, steps=t, sample_rate=q, seed=a["seed"], max_batch_size=a["max_batch_size"],
+        on_overflow=a["on_overflow"], process_index=a["process_index"], process_count=a["process_count"],
+    )
+
+
+def _given_sampler(fn: str, sampler: Any, a: dict[str, Any]) -> BatchSampler:
+    """A ``sampler=`` checked against the Poisson arguments, which it replaces."""
+    check_sampler(fn, sampler)
+    defaults = {"expected_batch_size": None, "sample_rate": None, "epochs": None, "max_batch_size": None,
+                "process_index": None, "process_count": None, "on_overflow": "raise", "seed": 0}
+    clash = [k for k, v in defaults.items() if a[k] != v]
+    if clash:
+        raise ValueError(f"{fn}: with `sampler`, leave {', '.join(f'`{k}`' for k in clash)} out: the sampler "
+                         "decides its rate, size, seed and processes")
+    for name in ("dataset_size", "steps"):
+        if a[name] is not None and a[name] != getattr(sampler, name):
+            raise ValueError(f"{fn}: `{name}`={a[name]!r}, but the sampler's is {getattr(sampler, name)!r}")
+    check_int(fn, "sampler.steps", sampler.steps, 1)
+    return sampler  # type: ignore[no-any-return]
+
+
 def _batch_rows(batch: Any) -> int:
     leaves = jax.tree_util.tree_leaves(batch)
     if not leaves or not all(getattr(x, "ndim", 0) >= 1 for x in leaves):
@@ -376,24 +430,50 @@ def _batch_rows(batch: Any) -> int:
     return int(leaves[0].shape[0])
 
 
-def _check_mask(mask: Any, rows: int) -> jax.Array:
-    shape = tuple(getattr(mask, "shape", ()))
-    dtype = getattr(mask, "dtype", None)
-    if shape != (rows,):
-        raise ValueError(
-            f"make_private step: `mask` must have shape ({rows},) (one entry per row of `batch`), "
-            f"got shape {shape}"
+class _StepFunctions(NamedTuple):
+    init: Callable[[Any], Any]
+    step: Callable[..., tuple[Any, Any, PrivateStepMetrics]]
+    clipped_sum: Callable[..., tuple[Any, ClippedGradInfo]]
+    noisy_update: Callable[..., tuple[Any, Any, jax.Array]]
+
+
+def _step_functions(grad_fn: ClippedGradFn, optimizer: optax.GradientTransformation, std: float,
+                    divisor: float) -> _StepFunctions:
+    """The pure, jit-able functions of a run: noise of standard deviation ``std``, sum over ``divisor``."""
+
+    def init(params: Any) -> Any:
+        return optimizer.init(params)
+
+    def clipped_sum(params: Any, batch: Any, mask: Any) -> tuple[Any, ClippedGradInfo]:
+        if mask is None:  # the sampler's padding mask: a step without one would count padding rows
+            raise TypeError("make_private step: `mask` is required (the mask of the sampler's batch)")
+        mask = check_mask("make_private step", mask, _batch_rows(batch))
+        return grad_fn(params, batch, mask=mask)
+
+    def noisy_update(params: Any, opt_state: Any, summed: Any, key: jax.Array) -> tuple[Any, Any, jax.Array]:
+        noised = add_gaussian_noise(summed, std, key)
+        grads = jax.tree.map(
+            lambda g, p: (g / jnp.asarray(divisor, g.dtype)).astype(jnp.asarray(p).dtype), noised, params
         )
-    if dtype is None or not jnp.issubdtype(dtype, jnp.bool_):
-        raise TypeError(f"make_private step: `mask` must be a bool array, got dtype {dtype}")
-    return jnp.asarray(mask)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, _norms.tree_norm(grads)
+
+    def step(params: Any, opt_state: Any, batch: Any, mask: Any, key: jax.Array) -> tuple[Any, Any, PrivateStepMetrics]:
+        summed, info = clipped_sum(params, batch, mask)
+        params, opt_state, gnorm = noisy_update(params, opt_state, summed, key)
+        m = jnp.asarray(mask)
+        real = jnp.maximum(jnp.sum(m), 1)
+        loss = jnp.sum(jnp.where(m, info.values, 0)) / real
+        return params, opt_state, PrivateStepMetrics(loss=loss, num_clipped=info.num_clipped, grad_norm=gnorm)
+
+    return _StepFunctions(init, step, clipped_sum, noisy_update)
 
 
 def make_private(
     loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
     *,
-    dataset_size: int,
+    dataset_size: int | None = None,
     target_epsilon: float,
     delta: float,
     l2_clip_norm: float | None = None,
@@ -412,6 +492,7 @@ def make_private(
     l2_norm_clip: float | None = None,
     allow_beyond_plan: bool = False,
     resume_from: dict[str, Any] | None = None,
+    sampler: BatchSampler | None = None,
 ) -> PrivateTraining:
     """Calibrates and builds a private training run (see the module docstring).
 
@@ -420,13 +501,14 @@ def make_private(
         :func:`gradclip_jax.clipped_grad`).
       optimizer: an optax ``GradientTransformation`` applied to the privatized
         (noised, averaged) gradient: post-processing, so any optimizer is fine.
-      dataset_size: :math:`n`.
+      dataset_size: :math:`n` (with ``sampler``: optional, the sampler's).
       target_epsilon: :math:`\\varepsilon > 0` for the whole run.
       delta: :math:`\\delta \\in (0, 1)`; a warning when :math:`\\delta \\ge 1/n`.
       l2_clip_norm: :math:`C > 0`.
       expected_batch_size: :math:`qn` (give this or ``sample_rate``).
       sample_rate: :math:`q \\in (0, 1]` (give this or ``expected_batch_size``).
-      steps: the number of logical steps :math:`T` (give this or ``epochs``).
+      steps: the number of logical steps :math:`T` (give this or ``epochs``;
+        with ``sampler``: optional, the sampler's ``steps``).
       epochs: passes over the data set, :math:`T = \\lceil \\text{epochs}/q \\rceil`.
       seed: the sampler's seed (the noise key is an argument of ``step``).
       max_batch_size, on_overflow: the padded size and overflow rule of the
@@ -439,8 +521,8 @@ def make_private(
         the returned accountant.
       method: ``clipped_grad``'s method (default ``'auto'``).
       process_index, process_count: passed to the sampler (defaults from jax).
-      l2_norm_clip: the optax spelling of ``l2_clip_norm``, accepted with a
-        ``DeprecationWarning`` (as :func:`gradclip_jax.clipped_grad` does).
+      l2_norm_clip: optax's spelling of ``l2_clip_norm`` (the canonical one),
+        accepted without a warning, as everywhere in the DP API; give one of the two.
       allow_beyond_plan: let :meth:`PrivateTraining.record_step` record steps
         beyond ``steps`` (each with a :class:`PrivacyBudgetWarning` stating the
         epsilon spent); by default such a step is a :class:`PrivacyBudgetError`.
@@ -450,6 +532,14 @@ def make_private(
         :meth:`PrivateTraining.batches` goes on with the next step. With the
         saved ``params`` and ``opt_state`` (and the same noise keys per step),
         the resumed run is the uninterrupted one.
+      sampler: ``None`` (default: a :class:`gradclip_jax.dp.PoissonSampler`
+        from the arguments above), or any :class:`gradclip_jax.dp.BatchSampler`:
+        the noise is calibrated for ``steps`` of its ``dp_event``, the
+        accountant records its steps, the noised sum is divided by its
+        ``expected_batch_size`` and the noise scales with the sensitivity
+        under its ``neighboring`` relation. It replaces ``expected_batch_size``,
+        ``sample_rate``, ``epochs``, ``max_batch_size``, ``on_overflow``,
+        ``seed`` and the process arguments (a ``ValueError`` names any given).
 
     Returns:
       A :class:`PrivateTraining`.
@@ -479,9 +569,7 @@ def make_private(
       (50, True)
     """
     fn = "make_private"
-    l2_clip_norm = renamed_kwarg(fn, "l2_norm_clip", "l2_clip_norm", l2_norm_clip, l2_clip_norm)
-    if l2_clip_norm is None:
-        raise TypeError(f"{fn}: missing the clip norm `l2_clip_norm`")
+    l2_clip_norm = clip_norm_arg(fn, l2_clip_norm, l2_norm_clip)
     if not callable(loss_fn):
         raise TypeError(f"{fn}: `loss_fn` must be callable, got {loss_fn!r}")
     if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
@@ -489,21 +577,12 @@ def make_private(
     methods = tuple(m.value for m in Method)
     if method not in methods:  # before the calibration, which can take seconds
         raise ValueError(f"{fn}: `method` must be one of {methods}, got {method!r}")
-    n = _check_int(fn, "dataset_size", dataset_size, 1)
-    q = _rate(fn, n, expected_batch_size, sample_rate)
-    if (steps is None) == (epochs is None):
-        raise ValueError(f"{fn}: give exactly one of `steps` and `epochs`")
-    if steps is not None:
-        t = _check_int(fn, "steps", steps, 1)
-    else:
-        if not (isinstance(epochs, (int, float)) and not isinstance(epochs, bool) and epochs > 0):
-            raise ValueError(f"{fn}: `epochs` must be a positive number, got {epochs!r}")
-        t = max(1, math.ceil(float(epochs) / q - 1e-9))
+    args = {k: v for k, v in locals().items() if k in _POISSON_ARGS}
+    sampler = _poisson_sampler(fn, args) if sampler is None else _given_sampler(fn, sampler, args)
+    n, t, divisor = sampler.dataset_size, sampler.steps, float(sampler.expected_batch_size)
     for name, v in (("target_epsilon", target_epsilon), ("l2_clip_norm", l2_clip_norm)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < math.inf):
-            raise ValueError(f"{fn}: `{name}` must be a positive finite number, got {v!r}")
-    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0.0 < delta < 1.0:
-        raise ValueError(f"{fn}: `delta` must be in (0, 1), got {delta!r}")
+        check_number(fn, name, v, low=0.0, low_inclusive=False, allow_inf=False)
+    check_number(fn, "delta", delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
     if delta >= 1.0 / n:
         warnings.warn(
             f"{fn}: `delta`={delta:g} >= 1/dataset_size={1.0 / n:g}: a mechanism that publishes one "
@@ -511,67 +590,35 @@ def make_private(
             UserWarning,
             stacklevel=2,
         )
-    if on_overflow == "truncate" and str(accountant).lower() != "pld":
-        raise ValueError(
-            f"{fn}: on_overflow='truncate' needs accountant='pld' (dp-accounting has no RDP bound for "
-            f"truncated Poisson sampling), got accountant={accountant!r}"
-        )
     if physical_batch_size is not None:
-        physical_batch_size = _check_int(fn, "physical_batch_size", physical_batch_size, 1)
-    sampler = PoissonSampler(
-        n, steps=t, sample_rate=q, seed=seed, max_batch_size=max_batch_size, on_overflow=on_overflow,
-        process_index=process_index, process_count=process_count,
-    )
-    trunc = sampler.truncated_batch_size
-    plan = {
-        "dataset_size": n, "sample_rate": q, "steps": t, "target_epsilon": float(target_epsilon),
-        "delta": float(delta), "l2_clip_norm": float(l2_clip_norm), "accountant": str(accountant).lower(),
-        "max_batch_size": sampler.max_batch_size, "on_overflow": on_overflow, "seed": sampler.seed,
-    }
+        physical_batch_size = check_int(fn, "physical_batch_size", physical_batch_size, 1)
+    plan = _plan(sampler, t, target_epsilon, delta, l2_clip_norm, accountant)
     if resume_from is not None:
         _check_resume(resume_from, plan)  # before the calibration, which can take seconds
 
-    def event(z: float) -> Any:
-        return phase_event(PrivacyPhase(z, q, t, trunc, n if trunc is not None else None))
+    compose = _dp_accounting().SelfComposedDpEvent
 
-    z = calibrate(event, float(target_epsilon), float(delta), accountant, fn=fn)
-    planned = PrivacyAccountant(accountant)
+    def event(z: float) -> Any:  # the whole run: the sampler's step, T times
+        return compose(sampler.dp_event(z), t)
+
+    rel = sampler.neighboring
+    z = calibrate(event, float(target_epsilon), float(delta), accountant, fn=fn, neighboring=rel)
+    planned = PrivacyAccountant(accountant, rel)
     planned.step(z, **sampler.accounting(), steps=t)
     planned_eps = planned.epsilon(delta)
-    acc = PrivacyAccountant(accountant)
+    acc = PrivacyAccountant(accountant, rel)
     if resume_from is not None:
         _check_resume(resume_from, {**plan, "noise_multiplier": z})
-        acc.load_state_dict(resume_from["accountant"])
+        acc.load_state_dict(resume_from["accountant"], sampler=sampler)
 
     grad_fn = clipped_grad(loss_fn, l2_clip_norm, microbatch_size=physical_batch_size, method=method)
-    std = z * float(grad_fn.sensitivity())
-    divisor = q * n
+    std = z * float(grad_fn.sensitivity(rel))
 
-    def init(params: Any) -> Any:
-        return optimizer.init(params)
-
-    def clipped_sum(params: Any, batch: Any, mask: Any) -> tuple[Any, ClippedGradInfo]:
-        mask = _check_mask(mask, _batch_rows(batch))
-        return grad_fn(params, batch, mask=mask)
-
-    def noisy_update(params: Any, opt_state: Any, summed: Any, key: jax.Array) -> tuple[Any, Any, jax.Array]:
-        noised = add_gaussian_noise(summed, std, key)
-        grads = jax.tree.map(
-            lambda g, p: (g / jnp.asarray(divisor, g.dtype)).astype(jnp.asarray(p).dtype), noised, params
-        )
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, _norms.tree_norm(grads)
-
-    def step(params: Any, opt_state: Any, batch: Any, mask: Any, key: jax.Array) -> tuple[Any, Any, PrivateStepMetrics]:
-        summed, info = clipped_sum(params, batch, mask)
-        params, opt_state, gnorm = noisy_update(params, opt_state, summed, key)
-        m = jnp.asarray(mask)
-        real = jnp.maximum(jnp.sum(m), 1)
-        loss = jnp.sum(jnp.where(m, info.values, 0)) / real
-        return params, opt_state, PrivateStepMetrics(loss=loss, num_clipped=info.num_clipped, grad_norm=gnorm)
+    init, step, clipped_sum, noisy_update = _step_functions(grad_fn, optimizer, std, divisor)
 
     return PrivateTraining(
-        noise_multiplier=z, l2_clip_norm=float(l2_clip_norm), sample_rate=q, expected_batch_size=divisor,
+        noise_multiplier=z, l2_clip_norm=float(l2_clip_norm), sample_rate=_sample_rate(sampler),
+        expected_batch_size=divisor,
         steps=t, target_epsilon=float(target_epsilon), delta=float(delta), planned_epsilon=planned_eps,
         sampler=sampler, accountant=acc, optimizer=optimizer, grad_fn=grad_fn,
         init=init, step=step, clipped_sum=clipped_sum, noisy_update=noisy_update,

@@ -1,5 +1,10 @@
 """Poisson batch selection with fixed shapes, for jit-compiled DP-SGD.
 
+:class:`PoissonSampler` is the default :class:`gradclip_jax.dp.BatchSampler`
+(the protocol of :mod:`gradclip_jax.dp.batch_selection`): its
+:meth:`~PoissonSampler.dp_event` is the Poisson-subsampled Gaussian mechanism,
+or the truncated one with ``on_overflow='truncate'``.
+
 The privacy accounting of DP-SGD (:mod:`gradclip_jax.privacy`) assumes **Poisson
 sampling**: at every step each of the :math:`n` examples is in the batch
 independently with probability :math:`q`, so the batch size is
@@ -49,10 +54,13 @@ always valid.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+
+from gradclip_jax._core.validation import check_int, check_number
+from gradclip_jax.dp.batch_selection import IndexSampler, SampledBatch, processes
 
 __all__ = [
     "BatchOverflowError",
@@ -69,31 +77,7 @@ class BatchOverflowError(RuntimeError):
     """A Poisson draw had more examples than ``max_batch_size`` (with ``on_overflow='raise'``)."""
 
 
-class PoissonBatch(NamedTuple):
-    """One step's batch from :class:`PoissonSampler` (this process's piece).
-
-    Attributes:
-      indices: int32 array of shape ``(size,)``: the examples of this process's
-        piece, in increasing order, then padding (index 0).
-      mask: bool array of shape ``(size,)``: ``True`` for real examples, ``False``
-        for padding. Pass it as ``mask=`` to :func:`gradclip_jax.clipped_grad`.
-      step: the step number :math:`t` (0-based).
-
-    The number of real examples (``mask.sum()``) depends on the data set's
-    membership: it is not private. Do not log it.
-    """
-
-    indices: np.ndarray
-    mask: np.ndarray
-    step: int
-
-
-def _check_int(fn: str, name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{fn}: `{name}` must be an int, got {value!r}")
-    if value < low:
-        raise ValueError(f"{fn}: `{name}` must be at least {low}, got {value!r}")
-    return int(value)
+PoissonBatch = SampledBatch  # the batch of every sampler (the name this module has always exported)
 
 
 def _rate(fn: str, dataset_size: int, expected_batch_size: Any, sample_rate: Any) -> float:
@@ -104,9 +88,8 @@ def _rate(fn: str, dataset_size: int, expected_batch_size: Any, sample_rate: Any
         ("sample_rate", sample_rate) if sample_rate is not None
         else ("expected_batch_size", expected_batch_size)
     )
-    if isinstance(given, bool) or not isinstance(given, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{fn}: `{name}` must be a number, got {given!r}")
-    q = float(given) if name == "sample_rate" else float(given) / dataset_size
+    value = check_number(fn, name, given, low=None)
+    q = value if name == "sample_rate" else value / dataset_size
     if not 0.0 < q <= 1.0:
         where = "" if name == "sample_rate" else f" for dataset_size={dataset_size} (rate {q:g})"
         raise ValueError(f"{fn}: the sampling rate must be in (0, 1], got {name}={given!r}{where}")
@@ -177,7 +160,19 @@ def max_batch_size_for(
     return int(math.ceil(max(m, 1) / multiple_of) * multiple_of)
 
 
-class PoissonSampler:
+def _buckets(fn: str, bucket_sizes: Sequence[int] | None, m: int, count: int) -> tuple[int, ...]:
+    """The padded sizes, increasing, ending with ``max_batch_size`` ``m``."""
+    buckets = sorted(check_int(fn, "bucket_sizes", b) for b in (bucket_sizes or ()))
+    for b in buckets:
+        if not 0 < b < m or b % count:
+            raise ValueError(
+                f"{fn}: every entry of `bucket_sizes` must be a positive multiple of "
+                f"process_count ({count}) below max_batch_size ({m}), got {b}"
+            )
+    return (*dict.fromkeys(buckets), m)
+
+
+class PoissonSampler(IndexSampler):
     """Poisson-sampled batches padded to fixed shapes (see the module docstring).
 
     Iterate over it (``for batch in sampler``: ``steps`` :class:`PoissonBatch`\\ es)
@@ -247,61 +242,29 @@ class PoissonSampler:
         process_count: int | None = None,
     ):
         fn = "PoissonSampler"
-        n = _check_int(fn, "dataset_size", dataset_size, 1)
-        self.dataset_size = n
-        self.steps = _check_int(fn, "steps", steps, 0)
+        n = check_int(fn, "dataset_size", dataset_size, 1)
         self.sample_rate = _rate(fn, n, expected_batch_size, sample_rate)
         self.expected_batch_size = self.sample_rate * n
-        self.seed = _check_int(fn, "seed", seed, 0)
         if on_overflow not in _ON_OVERFLOW:
             raise ValueError(f"{fn}: `on_overflow` must be one of {_ON_OVERFLOW}, got {on_overflow!r}")
         self.on_overflow = on_overflow
-        if process_index is None or process_count is None:
-            import jax
-
-            process_index = jax.process_index() if process_index is None else process_index
-            process_count = jax.process_count() if process_count is None else process_count
-        self.process_count = _check_int(fn, "process_count", process_count, 1)
-        self.process_index = _check_int(fn, "process_index", process_index, 0)
-        if self.process_index >= self.process_count:
-            raise ValueError(
-                f"{fn}: `process_index` ({process_index}) must be below process_count ({process_count})"
-            )
-        if not (isinstance(overflow_bound, (int, float)) and 0.0 < overflow_bound < 1.0):
-            raise ValueError(f"{fn}: `overflow_bound` must be in (0, 1), got {overflow_bound!r}")
+        index, count = processes(fn, process_index, process_count)
+        t = check_int(fn, "steps", steps, 0)
+        check_number(fn, "overflow_bound", overflow_bound, low=0.0, high=1.0, low_inclusive=False,
+                     high_inclusive=False)
         if max_batch_size is None:
-            m = max_batch_size_for(n, self.sample_rate, max(self.steps, 1), overflow_bound, self.process_count)
-        else:
-            m = _check_int(fn, "max_batch_size", max_batch_size, 1)
-            if m < self.expected_batch_size:
-                raise ValueError(
-                    f"{fn}: `max_batch_size` ({m}) is below the expected batch size "
-                    f"({self.expected_batch_size:g}): most steps would overflow"
-                )
-            if m % self.process_count:
-                raise ValueError(
-                    f"{fn}: `max_batch_size` ({m}) must be a multiple of process_count "
-                    f"({self.process_count})"
-                )
-        self.max_batch_size = m
-        self.local_batch_size = m // self.process_count
+            max_batch_size = max_batch_size_for(n, self.sample_rate, max(t, 1), overflow_bound, count)
+        super().__init__(n, steps=t, max_batch_size=max_batch_size, seed=seed, process_index=index,
+                         process_count=count)
+        m = self.max_batch_size
+        if m < self.expected_batch_size:
+            raise ValueError(
+                f"{fn}: `max_batch_size` ({m}) is below the expected batch size "
+                f"({self.expected_batch_size:g}): most steps would overflow"
+            )
         self.overflow_probability = overflow_probability(n, self.sample_rate, m, self.steps)
         self.truncated_batch_size = m if on_overflow == "truncate" else None
-        buckets = sorted(int(b) for b in (bucket_sizes or ()))
-        for b in buckets:
-            if not 0 < b < m or b % self.process_count:
-                raise ValueError(
-                    f"{fn}: every entry of `bucket_sizes` must be a positive multiple of "
-                    f"process_count ({self.process_count}) below max_batch_size ({m}), got {b}"
-                )
-        self.bucket_sizes = (*dict.fromkeys(buckets), m)
-
-    def __len__(self) -> int:
-        return self.steps
-
-    def __iter__(self) -> Iterator[PoissonBatch]:
-        for t in range(self.steps):
-            yield self.batch(t)
+        self.bucket_sizes = _buckets(fn, bucket_sizes, m, count)
 
     def __repr__(self) -> str:
         return (
@@ -318,7 +281,7 @@ class PoissonSampler:
           BatchOverflowError: with ``on_overflow='raise'`` when the draw exceeds
             ``max_batch_size``.
         """
-        t = _check_int("PoissonSampler.draw", "step", step, 0)
+        t = check_int("PoissonSampler.draw", "step", step, 0)
         rng = np.random.default_rng([self.seed, t])
         # Poisson sampling = a Binomial(n, q) size, then a uniform subset of that size.
         size = int(rng.binomial(self.dataset_size, self.sample_rate))
@@ -334,30 +297,6 @@ class PoissonSampler:
             chosen = rng.choice(chosen, self.max_batch_size, replace=False)
         return np.sort(chosen).astype(np.int32)
 
-    def padded_size(self, num_examples: int) -> int:
-        """The global padded size for a draw of ``num_examples`` (the smallest bucket it fits)."""
-        for b in self.bucket_sizes:
-            if num_examples <= b:
-                return b
-        return self.max_batch_size
-
-    def global_batch(self, step: int) -> PoissonBatch:
-        """The whole padded batch of ``step`` (every process's piece, in process order)."""
-        chosen = self.draw(step)
-        size = self.padded_size(len(chosen))
-        indices = np.zeros(size, np.int32)
-        indices[: len(chosen)] = chosen
-        mask = np.zeros(size, bool)
-        mask[: len(chosen)] = True
-        return PoissonBatch(indices=indices, mask=mask, step=int(step))
-
-    def batch(self, step: int) -> PoissonBatch:
-        """This process's piece of the padded batch of ``step``."""
-        full = self.global_batch(step)
-        piece = len(full.indices) // self.process_count
-        sl = slice(self.process_index * piece, (self.process_index + 1) * piece)
-        return PoissonBatch(indices=full.indices[sl], mask=full.mask[sl], step=full.step)
-
     def accounting(self) -> dict[str, Any]:
         """What the accountant needs about the sampling of one step.
 
@@ -371,3 +310,19 @@ class PoissonSampler:
             "truncated_batch_size": self.truncated_batch_size,
             "dataset_size": self.dataset_size,
         }
+
+    def dp_event(self, noise_multiplier: float) -> Any:
+        """One step's ``dp_accounting.DpEvent`` at noise multiplier :math:`z`.
+
+        ``PoissonSampledDpEvent(q, GaussianDpEvent(z))``, or with truncation
+        ``TruncatedSubsampledGaussianDpEvent(n, q, m, z)`` (what
+        :class:`gradclip_jax.privacy.PrivacyAccountant` records for
+        :meth:`accounting`'s arguments: one function builds both).
+        """
+        from gradclip_jax.dp.accounting import sampled_gaussian_event
+
+        return sampled_gaussian_event(noise_multiplier, **self.accounting())
+
+    def plan(self) -> dict[str, Any]:
+        """``max_batch_size``, ``on_overflow`` and ``seed``: with the rate and size, the whole sampling."""
+        return {"max_batch_size": self.max_batch_size, "on_overflow": self.on_overflow, "seed": self.seed}

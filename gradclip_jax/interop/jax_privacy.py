@@ -49,10 +49,11 @@ except ImportError as err:  # pragma: no cover - exercised without the extra
     ) from err
 
 from gradclip_jax import norms as _norms
+from gradclip_jax._core.validation import check_mask
 from gradclip_jax._numerics import divide_or_zero, rounding_margin
 from gradclip_jax.clipping._factors import clip_factor
 from gradclip_jax.hyperparams import check_scalar, is_traced, static_value
-from gradclip_jax.per_example._batch import batch_size_of, check_mask
+from gradclip_jax.per_example._batch import batch_size_of
 from gradclip_jax.per_example._keys import example_keys
 from gradclip_jax.per_example.api import clipped_grad as _clipped_grad
 
@@ -221,7 +222,7 @@ def _padding(fn: str, is_padding_example: Any, bsize: int) -> jax.Array:
     if shape != (bsize,):
         raise ValueError(f"{fn}: `is_padding_example` must have shape (B,) = ({bsize},) (the batch size of "
                          f"the batch arguments), got {shape}")
-    return check_mask(is_padding_example, bsize, fn)  # type: ignore[return-value]
+    return check_mask(fn, is_padding_example, bsize)  # type: ignore[return-value]
 
 
 def _example_keys(fn: str, key_arg: Any, bsize: int, prng_argnum: int) -> Any:

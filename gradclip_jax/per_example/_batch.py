@@ -14,6 +14,7 @@ from jax import lax
 
 from gradclip_jax import norms as _norms
 from gradclip_jax._core import jaxcompat as jc
+from gradclip_jax._core.validation import check_mask
 
 
 def keystr(path: Any) -> str:
@@ -64,20 +65,6 @@ def batch_size_of(batch: Any, fn: str) -> int:
     if size is None:
         raise ValueError(f"{fn}: `batch` has no array leaf, so it has no batch axis")
     return size
-
-
-def check_mask(mask: Any, bsize: int, fn: str) -> jax.Array | None:
-    """``mask`` as a ``(B,)`` bool array (``None`` stays ``None``); ValueError for a bad shape."""
-    if mask is None:
-        return None
-    m = jnp.asarray(mask)
-    if m.shape != (bsize,):
-        raise ValueError(
-            f"{fn}: `mask` must have shape (B,) = ({bsize},) (the batch size), got {m.shape}"
-        )
-    if m.dtype != jnp.bool_:
-        m = m != 0
-    return m
 
 
 def check_loss_out(out: Any, bsize: int, has_aux: bool, fn: str) -> Any:
@@ -180,7 +167,7 @@ class Call(NamedTuple):
 def prepare_call(params: Any, batch: Any, args: Sequence[Any], mask: Any, fn: str) -> Call:
     """Checks the batch and ``mask`` and flattens ``params`` (varying like the batch under shard_map)."""
     bsize = batch_size_of(batch, fn)
-    valid = check_mask(mask, bsize, fn)
+    valid = check_mask(fn, mask, bsize)
     params = vary_like_batch(params, batch)
     return Call(params, _norms.flatten(params, fn), batch, tuple(args), valid, bsize)
 

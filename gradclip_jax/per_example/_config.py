@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import enum
 import math
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -69,22 +68,6 @@ def _margined(c: Any, dtype: Any) -> jax.Array:
     c = jnp.asarray(c, dtype).reshape(())
     m = product_margin(dtype)
     return c if m == 1.0 else c * jnp.asarray(m, dtype)
-
-
-def renamed_kwarg(fn: str, old: str, new: str, old_value: Any, new_value: Any, default: Any = None) -> Any:
-    """The value of a keyword argument that has another accepted spelling.
-
-    ``old_value`` (with a ``DeprecationWarning`` naming ``fn`` and both spellings)
-    when only the old spelling was given, else ``new_value``; both given: TypeError.
-    (The same contract as the library-wide helper in :mod:`gradclip_jax.hyperparams`.)
-    """
-    if old_value is default:
-        return new_value
-    if new_value is not default:
-        raise TypeError(f"{fn}: got both `{new}` and its other spelling `{old}`; pass `{new}` only")
-    warnings.warn(f"{fn}: `{old}` is deprecated here, use `{new}` (same meaning)", DeprecationWarning,
-                  stacklevel=3)
-    return old_value
 
 
 class Origin:

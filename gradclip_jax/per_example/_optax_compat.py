@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gradclip_jax._core.validation import clip_norm_arg
 from gradclip_jax._numerics import bounded_factor, count0
 from gradclip_jax._stored import certified_factors
 from gradclip_jax.hyperparams import check_scalar, static_value
@@ -21,8 +22,10 @@ from gradclip_jax.per_example._sums import clip_and_sum
 __all__ = ["per_example_global_norm_clip", "per_example_layer_norm_clip", "per_example_norms"]
 
 
-def per_example_global_norm_clip(grads: Any, l2_norm_clip: Any) -> tuple[Any, jax.Array]:
-    """Clips each example's gradient to global L2 norm ``l2_norm_clip`` and sums.
+def per_example_global_norm_clip(
+    grads: Any, l2_norm_clip: Any = None, *, l2_clip_norm: Any = None
+) -> tuple[Any, jax.Array]:
+    """Clips each example's gradient to global L2 norm :math:`C` and sums.
 
     With :math:`g_i` the gradient of example :math:`i` (row :math:`i` of every leaf)
     and :math:`n_i = \\|g_i\\|_2` its global norm over all leaves:
@@ -45,7 +48,10 @@ def per_example_global_norm_clip(grads: Any, l2_norm_clip: Any) -> tuple[Any, ja
     Args:
       grads: a pytree (a list, as in optax, or any tree) of per-example gradients,
         every floating-point leaf with the batch on axis 0.
-      l2_norm_clip: :math:`C \\ge 0` (number or array, traced too).
+      l2_norm_clip: :math:`C \\ge 0` (number or array, traced too), optax's
+        name and position.
+      l2_clip_norm: the same argument under its canonical spelling (as the
+        rest of the DP API), accepted without a warning: give one of the two.
 
     Returns:
       ``(summed, num_clipped)``: the tree of summed clipped gradients (leaves of
@@ -57,7 +63,8 @@ def per_example_global_norm_clip(grads: Any, l2_norm_clip: Any) -> tuple[Any, ja
 
     Raises:
       ValueError: for a leaf without a batch axis or with a different batch size
-        (the message names the leaf), or a negative / NaN ``l2_norm_clip``.
+        (the message names the leaf), or a negative / NaN clip norm.
+      TypeError: for both spellings of the clip norm, or neither.
 
     Example:
       >>> import jax.numpy as jnp
@@ -67,7 +74,9 @@ def per_example_global_norm_clip(grads: Any, l2_norm_clip: Any) -> tuple[Any, ja
       ([Array([1.75, 1.75, 1.75], dtype=float32)], Array(3, dtype=int32))
     """
     fn = "per_example_global_norm_clip"
-    check_scalar(fn, "l2_norm_clip", l2_norm_clip)
+    name = "l2_norm_clip" if l2_clip_norm is None else "l2_clip_norm"
+    l2_norm_clip = clip_norm_arg(fn, l2_clip_norm, l2_norm_clip)
+    check_scalar(fn, name, l2_norm_clip)
     flat, _ = batch_flatten(promote_ints(grads), fn)
     arrays = flat.arrays
     if not arrays:

@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from gradclip_jax._core.validation import check_int, clip_norm_arg
 from gradclip_jax.hyperparams import check_scalar, is_traced, static_value
 from gradclip_jax.per_example._batch import (
     BATCHNORM_REMEDY,
@@ -26,7 +27,6 @@ from gradclip_jax.per_example._config import (
     GhostSum,
     LayerMode,
     Method,
-    renamed_kwarg,
 )
 from gradclip_jax.per_example._keys import split_key_arg
 from gradclip_jax.per_example._vmap import run_vmap
@@ -56,9 +56,7 @@ def _enum(cls: Any, name: str, value: Any, expected: str) -> Any:
 
 def _microbatch_size(mb: Any) -> int | None:
     mb = static_value(_FN, "microbatch_size", mb)
-    if mb is not None and (isinstance(mb, bool) or not isinstance(mb, (int, np.integer)) or mb < 1):
-        raise ValueError(f"{_FN}: microbatch_size must be None or a positive int, got {mb!r}")
-    return None if mb is None else int(mb)
+    return None if mb is None else check_int(_FN, "microbatch_size", mb, 1)
 
 
 def _layer_mode(l2_clip_norm: Any, per_layer: Any) -> LayerMode:
@@ -112,14 +110,13 @@ def _prng_argnum(n: Any) -> int | None:
     n = static_value(_FN, "prng_argnum", n)
     if n is None:
         return None
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
-        raise TypeError(f"{_FN}: prng_argnum must be None or an int, got {type(n).__name__} {n!r}")
+    n = check_int(_FN, "prng_argnum", n)
     if n < 2:
         raise ValueError(
             f"{_FN}: prng_argnum={n} names loss_fn's argument {n}, but arguments 0 and 1 are params and "
             "the batch; the key must be one of the extra arguments (prng_argnum >= 2)"
         )
-    return int(n)
+    return n
 
 
 def _dtype(d: Any) -> Any:
@@ -278,8 +275,8 @@ def clipped_grad(
       dtype: ``None`` (default: each leaf's accumulation dtype, float32 for
         16-bit params) or the floating-point dtype of the returned sums; the
         running sum over microbatches is kept in the wider of the two.
-      l2_norm_clip: the optax spelling of ``l2_clip_norm``, accepted with a
-        ``DeprecationWarning``.
+      l2_norm_clip: optax's spelling of ``l2_clip_norm`` (the canonical one),
+        accepted without a warning; give one of the two.
 
     Each example's clipped contribution, as returned (in ``dtype``), has norm at
     most the clip norm, rounding included: a factor below 1 is lowered by a few
@@ -320,9 +317,7 @@ def clipped_grad(
     """
     if not callable(loss_fn):
         raise TypeError(f"{_FN}: loss_fn must be callable, got {loss_fn!r}")
-    l2_clip_norm = renamed_kwarg(_FN, "l2_norm_clip", "l2_clip_norm", l2_norm_clip, l2_clip_norm)
-    if l2_clip_norm is None:
-        raise TypeError(f"{_FN}: missing the clip norm `l2_clip_norm`")
+    l2_clip_norm = clip_norm_arg(_FN, l2_clip_norm, l2_norm_clip)
     check_scalar(_FN, "gamma", gamma)
     layer_mode = _layer_mode(l2_clip_norm, per_layer)
     rescale = bool(static_value(_FN, "rescale_to_unit_norm", rescale_to_unit_norm))

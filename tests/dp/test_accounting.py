@@ -83,7 +83,7 @@ def test_validation():
         privacy.epsilon(1.0, 0.1, 10, 1.0)
     with pytest.raises(ValueError, match="noise_multiplier"):
         privacy.epsilon(-1.0, 0.1, 10, 1e-5)
-    with pytest.raises(ValueError, match="steps"):
+    with pytest.raises(TypeError, match="`steps` must be an int"):
         privacy.epsilon(1.0, 0.1, 2.5, 1e-5)
     with pytest.raises(ValueError, match="accountant"):
         privacy.epsilon(1.0, 0.1, 10, 1e-5, accountant="moments")

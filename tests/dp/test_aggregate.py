@@ -369,19 +369,26 @@ def test_errors_name_the_called_function_and_spellings():
         dp_aggregate(-1.0, 1.0, seed=0)
     with pytest.raises(TypeError, match="dpsgd: missing"):
         dpsgd(0.1, noise_multiplier=1.0, seed=0)
+    with pytest.raises(ValueError, match=r"^dpsgd: `l2_clip_norm` must be"):
+        dpsgd(0.1, l2_clip_norm=-1.0, noise_multiplier=1.0, seed=0)
+
+
+@pytest.mark.parametrize("factory,extra", [(dp_aggregate, {}), (dpsgd, {"learning_rate": 0.1})])
+def test_both_spellings_of_the_clip_norm_are_accepted_without_a_warning(factory, extra):
     g = {"w": jnp.array([[3.0, 4.0], [0.3, 0.4]])}
-    ref = dp_aggregate(1.0, 0.0, seed=0)
-    want, _ = ref.update(g, ref.init({"w": jnp.zeros(2)}))
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        tx = dp_aggregate(l2_clip_norm=1.0, noise_multiplier=0.0, seed=0)
-        sgd = dpsgd(0.1, l2_clip_norm=1.0, noise_multiplier=0.0, seed=0)
-    assert sum(issubclass(x.category, DeprecationWarning) for x in w) == 2
-    got, _ = tx.update(g, tx.init({"w": jnp.zeros(2)}))
-    np.testing.assert_array_equal(got["w"], want["w"])
-    sgd.update(g, sgd.init({"w": jnp.zeros(2)}), {"w": jnp.zeros(2)})
-    with pytest.raises(TypeError, match="both"):
-        dp_aggregate(1.0, 0.0, seed=0, l2_clip_norm=1.0)
+    p = {"w": jnp.zeros(2)}
+    outs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for clip in ({"l2_clip_norm": 1.0}, {"l2_norm_clip": 1.0}):
+            tx = factory(**extra, **clip, noise_multiplier=0.5, seed=0)
+            outs.append(tx.update(g, tx.init(p), p)[0]["w"])
+    np.testing.assert_array_equal(outs[0], outs[1])
+    name = factory.__name__
+    with pytest.raises(TypeError, match=rf"^{name}: got both `l2_clip_norm` and `l2_norm_clip`"):
+        factory(**extra, l2_norm_clip=1.0, noise_multiplier=0.0, seed=0, l2_clip_norm=1.0)
+    with pytest.raises(TypeError, match=rf"^{name}: missing .*`l2_clip_norm`.*`l2_norm_clip`"):
+        factory(**extra, noise_multiplier=0.0, seed=0)
 
 
 # ----------------------------------------------------------------------------

@@ -319,8 +319,11 @@ def test_bad_construction_errors():
     clipped_grad(loss, 1.0, method="ghost")  # available since the ghost module landed
     with pytest.raises(ValueError, match="unknown method"):
         clipped_grad(loss, 1.0, method="magic")
-    for mb in (0, -2, 1.5, True):
-        with pytest.raises(ValueError, match="microbatch_size"):
+    for mb in (0, -2):
+        with pytest.raises(ValueError, match="`microbatch_size` must be >= 1"):
+            clipped_grad(loss, 1.0, microbatch_size=mb)
+    for mb in (1.5, True):  # not an int: TypeError, as every int argument (one check, _core.validation)
+        with pytest.raises(TypeError, match="`microbatch_size` must be an int"):
             clipped_grad(loss, 1.0, microbatch_size=mb)
     for c in (-1.0, float("nan")):
         with pytest.raises(ValueError, match="l2_clip_norm"):

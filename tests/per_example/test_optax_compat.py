@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import hypothesis
 import hypothesis.strategies as st
@@ -36,6 +37,20 @@ def test_per_example_functions_bad_input():
         per_example_layer_norm_clip({"b": jnp.ones((4, 3), bool)}, 1.0)
     with pytest.raises(ValueError, match="l2_norm_clip"):
         per_example_global_norm_clip([jnp.ones((4, 3))], -1.0)
+    with pytest.raises(ValueError, match="`l2_clip_norm` must be"):
+        per_example_global_norm_clip([jnp.ones((4, 3))], l2_clip_norm=-1.0)
+    with pytest.raises(TypeError, match="got both `l2_clip_norm` and `l2_norm_clip`"):
+        per_example_global_norm_clip([jnp.ones((4, 3))], 1.0, l2_clip_norm=1.0)
+
+
+def test_per_example_global_norm_clip_takes_both_spellings_without_a_warning():
+    grads = [jnp.array([[0.0, 3.0, 4.0], [1.0, 0.0, 0.0]])]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = per_example_global_norm_clip(grads, l2_clip_norm=1.25)
+    want = per_example_global_norm_clip(grads, l2_norm_clip=1.25)
+    np.testing.assert_array_equal(got[0][0], want[0][0])
+    assert int(got[1]) == int(want[1]) == 1
 
 
 # ----------------------------------------------------------------------------
