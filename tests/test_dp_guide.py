@@ -30,6 +30,7 @@ SECTIONS = [
     "5. Large logical batches",
     "6. Several devices and processes",
     "8. Flax NNX and Equinox, checkpoints and resuming",
+    "9. Auditing epsilon",
 ]
 
 
@@ -170,3 +171,15 @@ def test_nnx_equinox_and_resumed_run(run_guide):
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ns["eqx_params"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert float(jnp.mean(jnp.argmax(jax.vmap(ns["eqx_model"])(x), -1) == y)) >= 0.8
+
+
+def test_audit_section_passes_the_honest_run_and_catches_the_missing_noise(run_guide):
+    """The audit of the honest make_private run stays below its epsilon; the loop that forgot the
+    noise gets a lower bound above the same claim (tests/dp/test_audit.py has the full table)."""
+    pytest.importorskip("jax_privacy.auditing")
+    ns = run_guide[SECTIONS[7]]
+    audit = ns["audit"]
+    assert audit.claimed_epsilon <= 4.0 + 1e-9 and not audit.falsified
+    assert audit.epsilon_lower_bound < 2.0
+    assert ns["priv_audit"].accountant.steps == 100
+    assert ns["broken_bound"] > ns["priv_audit"].epsilon() >= 3.99

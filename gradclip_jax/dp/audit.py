@@ -36,6 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from gradclip_jax.dp.private_step import PrivateTraining, make_private
+
 __all__ = ["AuditResult", "GradientCanaries", "audit_epsilon", "epsilon_lower_bound"]
 
 
@@ -220,8 +222,6 @@ def audit_epsilon(
       >>> res.epsilon_lower_bound <= res.claimed_epsilon <= 2.0, res.falsified
       (True, False)
     """
-    from gradclip_jax.dp.private_step import make_private
-
     canaries = GradientCanaries.draw(num_canaries, l2_clip_norm, seed)
     audited = canaries.wrap_data(data)
     priv = make_private(
@@ -239,7 +239,7 @@ def audit_epsilon(
     )
 
 
-def _train(priv: Any, params: Any, data: Any, key: jax.Array) -> Any:
+def _train(priv: PrivateTraining, params: Any, data: Any, key: jax.Array) -> Any:
     """The run of ``priv`` over ``data`` from ``params`` (one noise key per step)."""
     opt_state, step = priv.init(params), jax.jit(priv.step)
     for t, (batch, mask) in enumerate(priv.batches(data)):
