@@ -11,8 +11,8 @@ right bounds epsilon from below, with confidence ``1 - significance``
 The canaries are **gradient canaries**: canary ``i``'s gradient is
 ``2C`` times the ``i``-th coordinate of an extra parameter block that the
 model's own loss does not touch, so once clipped it is the fixed direction
-``C e_i`` and no real example's gradient blurs it (the white-box "Dirac"
-canary, the strongest last-iterate attack on DP-SGD). A canary that is out is
+``C e_i`` and no real example's gradient blurs it (a white-box "Dirac"
+canary, as in Nasr et al. 2023, https://arxiv.org/abs/2302.07956). A canary that is out is
 a row of zero gradient: with the public divisor ``q n`` of
 :func:`gradclip_jax.dp.make_private`, a row whose gradient is zero changes
 nothing, so the run is exactly the one on the data set without that canary.
@@ -22,7 +22,7 @@ bound) for any pipeline; :func:`audit_epsilon` runs the whole audit of a
 :func:`gradclip_jax.dp.make_private` run. A bound above the run's claimed
 epsilon falsifies the claim (up to the ``significance``); a bound below it
 proves nothing: the audit is a test for gross bugs, not a proof of privacy.
-Needs jax-privacy (``pip install 'gradclip_jax[jax-privacy]'``).
+The bound needs jax-privacy (``pip install 'gradclip_jax[jax-privacy]'``), imported when used.
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ def epsilon_lower_bound(
       significance: the probability that the bound exceeds the true epsilon.
 
     Returns:
-      An epsilon that the run exceeds with confidence ``1 - significance``
-      (0 when nothing is shown). The thresholds are searched with a Bonferroni
-      correction, so the bound is valid as returned.
+      A lower bound on the run's epsilon at ``delta``, valid with confidence
+      ``1 - significance`` (0 when nothing is shown). The threshold is chosen
+      with a Bonferroni correction, so the bound is valid as returned.
 
     Example:
       >>> import numpy as np
@@ -89,6 +89,24 @@ class GradientCanaries:
       included: ``(m,)`` bools: canary ``i`` is in the training set.
       l2_clip_norm: the run's clip norm ``C`` (a canary's gradient is ``2C e_i``
         before clipping, ``C e_i`` after).
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, optax
+      >>> from gradclip_jax.dp import make_private
+      >>> def loss_fn(w, batch):
+      ...     return 0.5 * (batch @ w) ** 2
+      >>> canaries = GradientCanaries.draw(100, l2_clip_norm=1.0, seed=0)
+      >>> data = canaries.wrap_data(np.ones((50, 3), np.float32))   # 50 rows, then 100 canary rows
+      >>> priv = make_private(canaries.wrap_loss(loss_fn), optax.sgd(0.1), dataset_size=150,
+      ...                     expected_batch_size=30, steps=10, target_epsilon=2.0, delta=1e-4,
+      ...                     l2_clip_norm=1.0, process_index=0, process_count=1)
+      >>> start = params = canaries.wrap_params(jnp.zeros(3))
+      >>> opt_state = priv.init(params)
+      >>> for t, (batch, mask) in enumerate(priv.batches(data)):   # your own loop goes here
+      ...     params, opt_state, _ = priv.step(params, opt_state, batch, mask, jax.random.key(t))
+      >>> bound = canaries.epsilon_lower_bound(canaries.scores(start, params), delta=1e-4)
+      >>> bound < priv.epsilon()
+      True
     """
 
     included: np.ndarray
@@ -96,7 +114,11 @@ class GradientCanaries:
 
     @classmethod
     def draw(cls, num_canaries: int, l2_clip_norm: float, seed: int) -> GradientCanaries:
-        """``num_canaries`` canaries, each in with probability 1/2 (coin flips from ``seed``)."""
+        """``num_canaries`` canaries, each in with probability 1/2 (coin flips from ``seed``).
+
+        Raises:
+          ValueError: for fewer than 2 canaries.
+        """
         if num_canaries < 2:
             raise ValueError(f"GradientCanaries: `num_canaries` must be at least 2, got {num_canaries}")
         included = np.random.default_rng(seed).random(num_canaries) < 0.5
