@@ -31,6 +31,7 @@ SECTIONS = [
     "6. Several devices and processes",
     "8. Flax NNX and Equinox, checkpoints and resuming",
     "9. Other samplers: the `BatchSampler` protocol",
+    "10. Auditing epsilon",
 ]
 
 
@@ -185,3 +186,15 @@ def test_custom_sampler_section(run_guide):
     acc.compose(dp_accounting.SelfComposedDpEvent(one, 200))
     assert fixed.accountant.steps == 200 and fixed.epsilon() == acc.get_epsilon(1e-5) <= 3.0 + 1e-9
     assert train_accuracy(ns) >= 0.8
+
+
+def test_audit_section_passes_the_honest_run_and_catches_the_missing_noise(run_guide):
+    """The audit of the honest make_private run stays below its epsilon; the loop that forgot the
+    noise gets a lower bound above the same claim (tests/dp/test_audit.py has the full table)."""
+    pytest.importorskip("jax_privacy.auditing")
+    ns = run_guide[SECTIONS[8]]
+    audit = ns["audit"]
+    assert audit.claimed_epsilon <= 4.0 + 1e-9 and not audit.falsified
+    assert audit.epsilon_lower_bound < 2.0
+    assert ns["priv_audit"].accountant.steps == 100
+    assert ns["broken_bound"] > ns["priv_audit"].epsilon() >= 3.99

@@ -15,8 +15,11 @@
   selection padded to fixed shapes (:class:`PoissonSampler`).
 * :mod:`gradclip_jax.dp.private_step`: the whole private step in one call
   (:func:`make_private`).
+* :mod:`gradclip_jax.dp.audit`: an empirical lower bound on a run's epsilon
+  from gradient canaries (the bound needs jax-privacy, imported when used).
 """
 
+from gradclip_jax.dp import audit as audit  # the submodule, as gcx.dp.audit
 from gradclip_jax.dp.aggregate import (
     DPAggregateState,
     DPNoiseState,
