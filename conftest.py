@@ -94,4 +94,4 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # are not collected (tests/interop skip themselves); find_spec does not import it.
 collect_ignore = []
 if importlib.util.find_spec("jax_privacy") is None:
-    collect_ignore.append("gradclip_jax/interop/jax_privacy.py")
+    collect_ignore += ["gradclip_jax/interop/jax_privacy.py", "gradclip_jax/interop/correlated_noise.py"]
