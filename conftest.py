@@ -90,9 +90,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=f"CPU only ({backend} backend): {reason}"))
 
 
-# gradclip_jax.interop.jax_privacy and the bound of gradclip_jax.dp.audit need the jax-privacy
-# extra: without it, their doctests are not collected (tests/interop and tests/dp/test_audit.py
-# skip themselves); find_spec does not import it.
+# gradclip_jax.interop (jax_privacy, correlated_noise) and the bound of gradclip_jax.dp.audit need
+# the jax-privacy extra: without it, their doctests are not collected (tests/interop and
+# tests/dp/test_audit.py skip themselves); find_spec does not import it.
 collect_ignore = []
 if importlib.util.find_spec("jax_privacy") is None:
-    collect_ignore += ["gradclip_jax/interop/jax_privacy.py", "gradclip_jax/dp/audit.py"]
+    collect_ignore += ["gradclip_jax/interop/jax_privacy.py", "gradclip_jax/interop/correlated_noise.py",
+                       "gradclip_jax/dp/audit.py"]

@@ -6,6 +6,10 @@
   where it applies). It needs the ``jax-privacy`` extra
   (``pip install 'gradclip_jax[jax-privacy]'``), so it is not imported here:
   ``from gradclip_jax.interop import jax_privacy``.
+* :mod:`gradclip_jax.interop.correlated_noise`: jax-privacy's DP-BandMF execution
+  plan (correlated, matrix-factorization noise, its calibration and accounting)
+  with these clipped sums inside: ``bandmf_plan`` and ``with_gradclip`` (the same
+  extra).
 """
 
 __all__: list[str] = []

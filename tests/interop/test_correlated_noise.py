@@ -1,0 +1,212 @@
+"""gradclip_jax.interop.correlated_noise: jax-privacy's BandMF plan with our clipped sums. The noise
+is C^{-1} times i.i.d. Gaussians of the scale the accounting assumes, the calibrated epsilon is at
+most the target (dp-accounting, rebuilt here), what gets noised is our clipped sum (ghost = vmap =
+jax-privacy's), bad arguments are named, and the guide page runs."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("jax_privacy")
+dp_accounting = pytest.importorskip("dp_accounting")
+
+from jax_privacy import clipping as jp_clipping  # noqa: E402
+from jax_privacy.experimental.execution_plan import BandMFExecutionPlanConfig  # noqa: E402
+from jax_privacy.matrix_factorization import toeplitz  # noqa: E402
+
+import gradclip_jax as gcx  # noqa: E402
+from gradclip_jax.interop import correlated_noise as cn  # noqa: E402
+from tests.per_example.models import assert_tree_close, mlp_setup  # noqa: E402
+
+REL = dp_accounting.NeighboringRelation
+SMALL = {"num_examples": 1000, "expected_batch_size": 50, "iterations": 12, "num_bands": 4, "epsilon": 2.0,
+         "delta": 1e-5, "noise_seed": 0, "strategy_optimization_steps": 50}
+
+
+@pytest.fixture(scope="module")
+def small_plan():
+    return cn.bandmf_plan(**SMALL, l2_clip_norm=0.5)
+
+
+def _noise(transform, shape, steps):
+    """The noise ``transform`` adds at each of ``steps`` steps to a zero gradient: ``(steps, *shape)``."""
+    zero = jnp.zeros(shape, jnp.float32)
+    state, out = transform.init(zero), []
+    update = jax.jit(transform.update)
+    for _ in range(steps):
+        noisy, state = update(zero, state)
+        out.append(np.asarray(noisy, np.float64))
+    return np.stack(out)
+
+
+def test_noise_is_the_strategy_inverse_times_iid_gaussians(small_plan):
+    """N = C^{-1} Z: C @ N (C from jax-privacy's own materialize_lower_triangular) is white, of
+    standard deviation noise_multiplier * sensitivity * ||coef||; N's covariance is sigma^2 C^{-1} C^{-T}."""
+    t, d = SMALL["iterations"], 200_000
+    noise = _noise(small_plan.noise_addition_transform, (d,), t)
+    c = np.asarray(toeplitz.materialize_lower_triangular(small_plan.strategy, n=t), np.float64)
+    sigma = small_plan.noise_multiplier * 0.5 / SMALL["expected_batch_size"] * np.linalg.norm(small_plan.strategy)
+    z = c @ noise
+    np.testing.assert_allclose(np.cov(z), sigma**2 * np.eye(t), atol=0.02 * sigma**2)
+    c_inv = np.linalg.inv(c)
+    np.testing.assert_allclose(np.cov(noise), sigma**2 * c_inv @ c_inv.T, atol=0.03 * sigma**2)
+    # correlated for real: consecutive steps' noise is anti-correlated (not DP-SGD's white noise)
+    assert np.corrcoef(noise[0], noise[1])[0, 1] < -0.1
+
+
+def test_one_band_is_white_noise():
+    plan = cn.bandmf_plan(**{**SMALL, "num_bands": 1})
+    np.testing.assert_array_equal(plan.strategy, [1.0])
+    noise = _noise(plan.noise_addition_transform, (100_000,), 4)
+    sigma = plan.noise_multiplier / SMALL["expected_batch_size"]
+    np.testing.assert_allclose(np.cov(noise), sigma**2 * np.eye(4), atol=0.03 * sigma**2)
+
+
+@pytest.mark.parametrize("relation", ["add_or_remove", "zero_out"])
+@pytest.mark.parametrize(("bands", "target"), [(1, 1.0), (4, 1.0), (4, 8.0)])
+def test_epsilon_at_most_target_by_dp_accounting(relation, bands, target):
+    """The run's event, rebuilt from the public description (ceil(T/b) Poisson-sampled Gaussians of
+    rate q = B b / n) and composed by dp-accounting's PLD and RDP accountants: epsilon <= target."""
+    n, batch, steps, delta = 1347, 64, 100, 1e-5
+    plan = cn.bandmf_plan(num_examples=n, expected_batch_size=batch, iterations=steps, num_bands=bands,
+                          epsilon=target, delta=delta, neighboring_relation=relation,
+                          strategy_optimization_steps=20)
+    rel = {"add_or_remove": REL.ADD_OR_REMOVE_ONE, "zero_out": REL.REPLACE_SPECIAL}[relation]
+    assert plan.neighboring_relation == rel and plan.sampling_prob == pytest.approx(batch * bands / n)
+    gauss = dp_accounting.GaussianDpEvent(plan.noise_multiplier)
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(batch * bands / n, gauss), math.ceil(steps / bands))
+    pld = dp_accounting.pld.PLDAccountant(rel).compose(event).get_epsilon(delta)
+    assert pld <= target and pld == pytest.approx(plan.epsilon, rel=1e-9)
+    assert pld > 0.97 * target  # calibrated, not merely safe
+    if relation == "add_or_remove":  # RDP is an upper bound on the same mechanism
+        assert dp_accounting.rdp.RdpAccountant().compose(event).get_epsilon(delta) >= 0.97 * target
+
+
+def test_one_band_calibrates_like_make_private():
+    """num_bands=1 is DP-SGD: jax-privacy's calibration gives gradclip_jax.dp's noise multiplier."""
+    from gradclip_jax.dp.accounting import calibrate_noise_multiplier
+
+    plan = cn.bandmf_plan(**{**SMALL, "num_bands": 1, "iterations": 100})
+    ours = calibrate_noise_multiplier(SMALL["epsilon"], 50 / 1000, 100, SMALL["delta"], "pld")
+    assert plan.noise_multiplier == pytest.approx(ours, rel=1e-3)
+
+
+def test_batches_follow_the_bands(small_plan):
+    """Each example is only ever in steps of one residue mod num_bands; batches average B."""
+    batches = list(small_plan.batch_selection_strategy.batch_iterator(1000, rng=0))
+    assert len(batches) == SMALL["iterations"]
+    residue: dict[int, int] = {}
+    for t, idx in enumerate(batches):
+        for i in idx.tolist():
+            assert residue.setdefault(i, t % 4) == t % 4
+    assert 40 < np.mean([len(b) for b in batches]) < 60
+
+
+def _mean_loss(loss):
+    return lambda p, b: jnp.mean(loss(p, b))
+
+
+@pytest.mark.parametrize("method", ["ghost", "vmap"])
+def test_noised_sum_is_our_clipped_sum(method):
+    """noisy(g) - noisy(0) (same noise state) is gradclip_jax's clipped sum / B, and jax-privacy's."""
+    loss, params, data = mlp_setup()
+    rows = jax.tree.leaves(data)[0].shape[0]
+    padding = jnp.arange(rows) >= rows - 2
+    plan = cn.bandmf_plan(**{**SMALL, "expected_batch_size": 10}, method=method)
+    grads = plan.clipped_grad(_mean_loss(loss), batch_argnums=1)(params, data, is_padding_example=padding)
+    state = plan.noise_addition_transform.init(params)
+    noisy, _ = plan.noise_addition_transform.update(grads, state)
+    noise, _ = plan.noise_addition_transform.update(jax.tree.map(jnp.zeros_like, grads), state)
+    core, _ = gcx.clipped_grad(loss, 1.0, method=method)(params, data, mask=~padding)
+    theirs = jp_clipping.clipped_grad(_mean_loss(loss), l2_clip_norm=1.0, batch_argnums=1, normalize_by=10.0)
+    assert_tree_close(jax.tree.map(jnp.subtract, noisy, noise), jax.tree.map(lambda g: g / 10, core),
+                      rtol=1e-4, atol=1e-6)
+    assert_tree_close(grads, theirs(params, data, is_padding_example=padding), rtol=2e-5, atol=1e-6)
+
+
+def test_ghost_and_vmap_plans_give_the_same_noisy_gradient():
+    loss, params, data = mlp_setup()
+    out = {}
+    for method in ("ghost", "vmap"):
+        plan = cn.bandmf_plan(**SMALL, method=method)
+        state = plan.noise_addition_transform.init(params)
+        grad_fn = jax.jit(plan.clipped_grad(_mean_loss(loss), batch_argnums=1))
+        for _ in range(3):  # the third step's noise mixes three draws
+            noisy, state = plan.noise_addition_transform.update(grad_fn(params, data), state)
+        out[method] = noisy
+    assert_tree_close(out["ghost"], out["vmap"], rtol=1e-5, atol=1e-7)
+
+
+def test_with_gradclip_keeps_jax_privacys_plan():
+    config = BandMFExecutionPlanConfig(strategy=np.array([0.8, 0.6]), iterations=6, noise_multiplier=1.5,
+                                       epsilon=None, delta=None, sampling_prob=0.5, noise_seed=3,
+                                       l2_clip_norm=2.0, normalize_by=4.0, rescale_to_unit_norm=False)
+    theirs, ours = config.plan, cn.with_gradclip(config, method="vmap")
+    assert ours.dp_event == theirs.dp_event and ours.batch_selection_strategy == theirs.batch_selection_strategy
+    loss, params, data = mlp_setup()
+    g_ours = ours.clipped_grad(_mean_loss(loss), batch_argnums=1)
+    g_theirs = theirs.clipped_grad(_mean_loss(loss), batch_argnums=1)
+    assert g_ours.sensitivity() == g_theirs.sensitivity() == 0.5
+    assert_tree_close(g_ours(params, data), g_theirs(params, data), rtol=2e-5, atol=1e-6)
+    n_ours = _noise(ours.noise_addition_transform, (5,), 3)
+    np.testing.assert_array_equal(n_ours, _noise(theirs.noise_addition_transform, (5,), 3))
+
+
+@pytest.mark.parametrize(("kwargs", "name"), [
+    ({"num_bands": 0}, "num_bands"),
+    ({"num_bands": 13}, "num_bands"),
+    ({"num_bands": 2.0}, "num_bands"),
+    ({"iterations": -1}, "iterations"),
+    ({"expected_batch_size": 300}, "expected_batch_size"),
+    ({"num_examples": True}, "num_examples"),
+    ({"epsilon": 0.0}, "epsilon"),
+    ({"epsilon": math.inf}, "epsilon"),
+    ({"delta": 1.0}, "delta"),
+    ({"delta": "1e-5"}, "delta"),
+    ({"l2_clip_norm": -1.0}, "l2_clip_norm"),
+    ({"method": "fast"}, "method"),
+    ({"neighboring_relation": "replace"}, "neighboring_relation"),
+])
+def test_bad_arguments_are_named(kwargs, name):
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        cn.bandmf_plan(**{**SMALL, **kwargs})
+
+
+def test_with_gradclip_bad_arguments():
+    config = BandMFExecutionPlanConfig(strategy=[1.0], iterations=2, noise_multiplier=1.0, epsilon=None,
+                                       delta=None)
+    with pytest.raises(ValueError, match="`method`"):
+        cn.with_gradclip(config, method="ghosts")
+    with pytest.raises(TypeError, match="`config`"):
+        cn.with_gradclip(config.plan)
+    with pytest.raises(TypeError, match="l2_clip_norm"):  # the plan's clip norm is the one the noise fits
+        cn.with_gradclip(config).clipped_grad(lambda p, x: p * x, l2_clip_norm=3.0)
+
+
+def test_guide_runs():
+    """docs/guides/correlated-noise.md: its python blocks, run in order, train at the target epsilon."""
+    guide = pathlib.Path(__file__).resolve().parents[2] / "docs" / "guides" / "correlated-noise.md"
+    ns: dict = {"__name__": "correlated_noise_guide"}
+    for code in re.findall(r"^```python\n(.*?)^```", guide.read_text(), flags=re.S | re.M):
+        exec(compile(code, guide.name, "exec"), ns)
+    assert ns["plan"].epsilon <= 4.0
+    assert ns["test_accuracy"] > 0.5
+
+
+@pytest.mark.slow
+def test_digits_comparison():
+    """tools/mf_digits.py at one epsilon and seed: every row at most its target epsilon, all learn."""
+    from tools import mf_digits
+
+    rows = mf_digits.compare(epsilons=(4.0,), seeds=(0,), bands=(1, 4))
+    assert {r["run"] for r in rows} >= {"DP-SGD (make_private)", "DP-SGD (plan, 1 band)", "BandMF (4 bands)"}
+    for r in rows:
+        assert r["epsilon"] <= 4.0 and r["accuracy"] > 0.6, r
