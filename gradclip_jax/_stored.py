@@ -11,7 +11,8 @@ the values stored with the plain factor have an exact 2-norm ``<= C``; the
 margin is used only where they do not (about half of the clipped cases in float32,
 and wherever the check is too large to be cheap, see :data:`EXACT_CHECK_MAX`).
 
-Exactness: each square ``v*v`` is split into ``p + e`` exactly (Veltkamp/Dekker),
+Exactness: each square ``v*v`` is split into ``p + e`` exactly (Dekker's product, its
+operands split by a bit mask in float32: see :func:`_split`),
 the pairs are summed by one variadic reduction whose combiner is built from
 TwoSum (every rounding error it makes is computed exactly and bounded into a
 third accumulator ``E``), and the comparison with ``C**2`` (itself an exact
@@ -73,9 +74,20 @@ def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _split(a: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``a = hi + lo`` with each half of the significand (Veltkamp), so their products are exact."""
+    """``a = hi + lo`` exactly, each with at most half the significand's bits, so their products are exact.
+
+    float32: ``hi`` is ``a`` with its 12 low mantissa bits cleared, a bit mask. Veltkamp's
+    ``t = a * c; hi = t - (t - a)`` is not used there: XLA's GPU backend lets LLVM fuse
+    ``a * c - a`` into one fused multiply-add, which skips the rounding of ``t`` the split
+    relies on, and the "exact" products would not be. Other dtypes (float64): Veltkamp, with
+    ``a * c`` materialized behind an optimization barrier so that no such fusion can reach it.
+    """
+    if a.dtype == jnp.float32:
+        bits = lax.bitcast_convert_type(a, jnp.uint32) & jnp.uint32(0xFFFFF000)
+        hi = lax.bitcast_convert_type(bits, jnp.float32)
+        return hi, a - hi
     c = float(2 ** ((jnp.finfo(a.dtype).nmant + 2) // 2) + 1)
-    t = a * c
+    t = lax.optimization_barrier(a * c)
     hi = t - (t - a)
     return hi, a - hi
 
