@@ -32,6 +32,7 @@ SECTIONS = [
     "8. Flax NNX and Equinox, checkpoints and resuming",
     "9. Other samplers: the `BatchSampler` protocol",
     "10. Auditing epsilon",
+    "11. User-level DP",
 ]
 
 
@@ -198,3 +199,23 @@ def test_audit_section_passes_the_honest_run_and_catches_the_missing_noise(run_g
     assert audit.epsilon_lower_bound < 2.0
     assert ns["priv_audit"].accountant.steps == 100
     assert ns["broken_bound"] > ns["priv_audit"].epsilon() >= 3.99
+
+
+def test_user_level_section(run_guide):
+    """The user-level run: its epsilon is dp-accounting's Poisson-sampled Gaussian over users, at the
+    target; every user has at most k examples in a step; the model learned; ghost keeps every leaf."""
+    import dp_accounting
+
+    ns = run_guide[SECTIONS[9]]
+    priv, users = ns["user_priv"], ns["users"]
+    q = 25 / users.num_users
+    assert users.sample_rate == pytest.approx(q) and priv.expected_batch_size == pytest.approx(25)
+    acc = dp_accounting.pld.PLDAccountant()
+    acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(priv.noise_multiplier)), 200)
+    assert priv.accountant.steps == 200 and priv.epsilon() == pytest.approx(acc.get_epsilon(1e-5), rel=1e-6)
+    assert priv.epsilon() <= 3.0 + 1e-9
+    batch, mask = ns["batch"], ns["mask"]
+    assert batch.example_mask.shape[1] == 4 and not np.asarray(batch.example_mask)[~np.asarray(mask)].any()
+    assert ns["user_acc"] >= 0.9
+    rep = ns["ghost_report"](ns["per_user_loss"], ns["params"], batch)
+    assert rep.fallback == []

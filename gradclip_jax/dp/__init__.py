@@ -13,6 +13,9 @@
   scheme in one file.
 * :mod:`gradclip_jax.dp.sampling`: Poisson and truncated Poisson batch
   selection padded to fixed shapes (:class:`PoissonSampler`).
+* :mod:`gradclip_jax.dp.user_sampling`: user-level DP (Poisson sampling over
+  users, each user's gradient clipped as one unit: :class:`UserPoissonSampler`,
+  :func:`user_loss`).
 * :mod:`gradclip_jax.dp.private_step`: the whole private step in one call
   (:func:`make_private`).
 * :mod:`gradclip_jax.dp.audit`: an empirical lower bound on a run's epsilon
@@ -39,6 +42,7 @@ from gradclip_jax.dp.private_step import (
     make_private,
 )
 from gradclip_jax.dp.sampling import BatchOverflowError, PoissonBatch, PoissonSampler
+from gradclip_jax.dp.user_sampling import UserBatch, UserPoissonSampler, user_loss
 
 __all__ = [
     "BatchOverflowError",
@@ -47,6 +51,9 @@ __all__ = [
     "SampledBatch",
     "PoissonBatch",
     "PoissonSampler",
+    "UserBatch",
+    "UserPoissonSampler",
+    "user_loss",
     "PrivacyBudgetError",
     "PrivacyBudgetWarning",
     "PrivateStepMetrics",

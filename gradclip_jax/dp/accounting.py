@@ -535,7 +535,9 @@ class PrivacyAccountant:
                 f"{fn}: the sampler's events are for {sampler.neighboring!r} neighbours, this accountant's "
                 f"guarantee for {self.neighboring!r} ones (PrivacyAccountant(neighboring=...))"
             )
-        return PrivacyPhase(z, sampler.expected_batch_size / sampler.dataset_size, t, sampler=sampler)
+        # a sampler's own rate where it has one (over users, for user-level sampling), for reading only
+        q = getattr(sampler, "sample_rate", sampler.expected_batch_size / sampler.dataset_size)
+        return PrivacyPhase(z, float(q), t, sampler=sampler)
 
     def _poisson_phase(self, fn: str, z: float, t: int, sample_rate: Any, truncated_batch_size: Any,
                        dataset_size: Any) -> PrivacyPhase:

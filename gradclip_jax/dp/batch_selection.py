@@ -77,6 +77,11 @@ class SampledBatch(NamedTuple):
       mask: bool array of shape ``(size,)``: ``True`` for real examples, ``False``
         for padding. Pass it as ``mask=`` to :func:`gradclip_jax.clipped_grad`.
       step: the step number :math:`t` (0-based).
+      example_mask: ``None`` (one example per row), or, for a sampler whose
+        unit is a group of examples (:class:`gradclip_jax.dp.UserPoissonSampler`:
+        a user), a bool array of shape ``(size, k)`` marking each row's real
+        examples; then ``indices`` has shape ``(size, k)`` and ``mask`` marks
+        the real rows (units).
 
     The number of real examples (``mask.sum()``) depends on the data set's
     membership under Poisson sampling: it is not private. Do not log it.
@@ -85,6 +90,7 @@ class SampledBatch(NamedTuple):
     indices: np.ndarray
     mask: np.ndarray
     step: int
+    example_mask: np.ndarray | None = None  # last and optional: 3-field construction still works
 
 
 @runtime_checkable
@@ -215,6 +221,16 @@ class IndexSampler(abc.ABC):
     def __iter__(self) -> Iterator[SampledBatch]:
         for t in range(self.steps):
             yield self.batch(t)
+
+    def gather(self, data: Any, batch: SampledBatch) -> tuple[Any, np.ndarray]:
+        """``(data[indices], mask)``: the step's input from host data (examples on axis 0).
+
+        :meth:`gradclip_jax.dp.PrivateTraining.batches` calls this; a sampler
+        whose rows are groups of examples lays them out here.
+        """
+        import jax  # only here: the samplers run on the host, before anything is compiled
+
+        return jax.tree.map(lambda x: np.asarray(x)[batch.indices], data), batch.mask
 
     def padded_size(self, num_examples: int) -> int:
         """The global padded size for a draw of ``num_examples`` (the smallest bucket it fits)."""

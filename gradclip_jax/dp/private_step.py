@@ -200,7 +200,9 @@ class PrivateTraining:
 
         Yields:
           With ``data``: ``(batch, mask)``, numpy pytrees of this process's
-          piece. Without: the sampler's :class:`gradclip_jax.dp.SampledBatch`\\ es.
+          piece (the sampler's ``gather(data, batch)`` where it has one: a
+          :class:`gradclip_jax.dp.UserPoissonSampler` gives a
+          :class:`gradclip_jax.dp.UserBatch` and the mask of its users). Without: the sampler's :class:`gradclip_jax.dp.SampledBatch`\\ es.
 
         Raises:
           ValueError: naming ``dataset_size`` and the leaf, when a leaf of ``data``
@@ -218,7 +220,7 @@ class PrivateTraining:
                 if data is None:
                     yield b
                 else:
-                    yield jax.tree.map(lambda x: np.asarray(x)[b.indices], data), b.mask
+                    yield _gather(self.sampler, data, b)
                 if bar is not None:
                     bar.update()
         finally:
@@ -282,6 +284,14 @@ class PrivateTraining:
     def epsilon(self, delta: float | None = None) -> float:
         """The :math:`\\varepsilon` spent so far (recorded steps) at ``delta`` (default: the target's)."""
         return self.accountant.epsilon(self.delta if delta is None else delta)
+
+
+def _gather(sampler: BatchSampler, data: Any, b: Any) -> tuple[Any, Any]:
+    """The sampler's layout of a step (``gather``), else ``data[indices]`` (a protocol sampler without one)."""
+    gather = getattr(sampler, "gather", None)
+    if gather is not None:
+        return gather(data, b)  # type: ignore[no-any-return]
+    return jax.tree.map(lambda x: np.asarray(x)[b.indices], data), b.mask
 
 
 class _EpsilonBar:
@@ -583,10 +593,13 @@ def make_private(
     for name, v in (("target_epsilon", target_epsilon), ("l2_clip_norm", l2_clip_norm)):
         check_number(fn, name, v, low=0.0, low_inclusive=False, allow_inf=False)
     check_number(fn, "delta", delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
-    if delta >= 1.0 / n:
+    # the protected units: users under user-level DP (a sampler with num_users), else examples
+    users = getattr(sampler, "num_users", None)
+    what, units = ("dataset_size", n) if users is None else ("num_users", int(users))
+    if delta >= 1.0 / units:
         warnings.warn(
-            f"{fn}: `delta`={delta:g} >= 1/dataset_size={1.0 / n:g}: a mechanism that publishes one "
-            "random example outright meets such a delta; use delta well below 1/n",
+            f"{fn}: `delta`={delta:g} >= 1/{what}={1.0 / units:g}: a mechanism that publishes one "
+            "random unit (example, or user) outright meets such a delta; use delta well below 1/n",
             UserWarning,
             stacklevel=2,
         )
