@@ -47,11 +47,13 @@ _Dd = tuple[jax.Array, jax.Array, jax.Array]  # (hi, lo, bound on the neglected 
 
 
 def stored_scale(x: jax.Array, factor: jax.Array, store: Any = None) -> jax.Array:
-    """``x * factor`` in the factor's dtype, rounded once to ``store`` (default x's dtype).
+    """``x * factor`` in the wider of the two dtypes (16-bit values in float32; complex stays
+    complex), rounded once to ``store`` (default x's dtype).
 
     The one product every clipper stores and :func:`certified_factors` checks, so both round alike.
     """
-    return (x.astype(factor.dtype) * factor).astype(x.dtype if store is None else store)
+    work = jnp.promote_types(x.dtype, factor.dtype)
+    return (x.astype(work) * factor.astype(work)).astype(x.dtype if store is None else store)
 
 
 def _round_down(bound: Any, acc: Any) -> jax.Array:
@@ -167,6 +169,13 @@ def _check(
     return [ok] * len(stored), [over] * len(stored)
 
 
+def _lowering(excess: jax.Array, extra: float, dtype: Any) -> jax.Array:
+    """``1 - excess - extra`` in ``[0, 1]``, constant to differentiation: a zero bound gives an infinite
+    (or NaN) excess, and a factor times inf would turn its gradient NaN even where not selected."""
+    low = 1 - lax.stop_gradient(excess).astype(dtype) - extra
+    return jnp.clip(jnp.nan_to_num(low, nan=0.0, posinf=0.0, neginf=0.0), 0.0, 1.0)
+
+
 def certified_factors(
     arrays: Sequence[jax.Array], factors: Sequence[jax.Array], axes: Sequence[tuple[int, ...]], bound: Any, *,
     combine: bool, rms: bool = False, stores: Sequence[Any] | None = None,
@@ -211,8 +220,7 @@ def certified_factors(
     # plain factor lowered by the excess and one ulp, by the excess alone, then the plain factor
     out = [bounded_factor(f, s) for f, s in zip(factors, stores, strict=True)]
     for ulps, ok in ((1.0, None), (0.0, None), (None, ok0)):
-        cand = [f if ulps is None else f * (1 - lax.stop_gradient(o).astype(f.dtype) - ulps * eps)
-                for f, o in zip(factors, over, strict=True)]
+        cand = [f if ulps is None else f * _lowering(o, ulps * eps, f.dtype) for f, o in zip(factors, over, strict=True)]
         if ok is None:
             got, _ = _check([stored_scale(x, lax.stop_gradient(c), s) for x, c, s in
                              zip(arrays, cand, stores, strict=True)], axes, b, combine, rms)
