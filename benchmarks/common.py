@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -112,21 +111,3 @@ def chain_step_ms(grads: Any, reps: int) -> dict[str, float]:
         tx = optax.chain(clip, optax.adamw(1e-4))
         steps[name], states[name] = step_fn(tx), tx.init(params)
     return interleaved_ms({k: (lambda k=k: steps[k](params, grads, states[k])) for k in steps}, reps=reps)
-
-
-@contextlib.contextmanager
-def backend_setting(table: dict[str, str], value: str | None) -> Iterator[None]:
-    """``table[backend] = value`` for the default backend while the block runs (``None``: unchanged),
-    restored afterwards: the library reads its per-backend tables when a function is traced."""
-    backend = jax.default_backend()
-    old = table.get(backend)
-    if value is not None:
-        table[backend] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            table.pop(backend, None)
-        else:
-            table[backend] = old
-

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 
 import jax
 
@@ -17,3 +18,22 @@ def per_backend(table: Mapping[str, str], setting: str, default: str, allowed: S
     if name not in allowed:
         raise ValueError(f"{setting}: unknown strategy {name!r}; expected one of {tuple(allowed)}")
     return name
+
+
+@contextlib.contextmanager
+def backend_setting(table: MutableMapping[str, str], value: str | None) -> Iterator[None]:
+    """``table[backend] = value`` for the default backend while the block runs (``None``: unchanged),
+    restored afterwards. The per-backend tables are read when a function is traced, so this picks
+    the setting of what is traced inside the block (benchmarks and tests compare settings)."""
+    backend = jax.default_backend()
+    old = table.get(backend)
+    if value is not None:
+        table[backend] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            table.pop(backend, None)
+        else:
+            table[backend] = old
+

@@ -179,7 +179,7 @@ def _lowering(excess: jax.Array, extra: float, dtype: Any) -> jax.Array:
 def certified_factors(
     arrays: Sequence[jax.Array], factors: Sequence[jax.Array], axes: Sequence[tuple[int, ...]], bound: Any, *,
     combine: bool, rms: bool = False, stores: Sequence[Any] | None = None,
-) -> list[jax.Array] | None:
+) -> list[jax.Array]:
     """The factors to store with: as small a lowering as the exact check allows.
 
     Per array, a factor below 1 is kept where :func:`stored_scale` with it
@@ -199,15 +199,15 @@ def certified_factors(
       stores: the dtype each array is stored in (default: its own).
 
     Returns:
-      The factors, or ``None`` where the check does not apply (more than
-      :data:`EXACT_CHECK_MAX` elements, complex values, no array): then every
-      factor below 1 takes the margin.
+      The factors. Where the check does not apply (more than
+      :data:`EXACT_CHECK_MAX` elements, complex values) every factor below 1
+      takes the margin.
     """
-    if not arrays or sum(int(np.size(x)) for x in arrays) > EXACT_CHECK_MAX:
-        return None
-    if any(jnp.iscomplexobj(x) for x in arrays):
-        return None
+    if not arrays:
+        return []
     stores = [x.dtype for x in arrays] if stores is None else list(stores)
+    if sum(int(np.size(x)) for x in arrays) > EXACT_CHECK_MAX or any(jnp.iscomplexobj(x) for x in arrays):
+        return [bounded_factor(f, s) for f, s in zip(factors, stores, strict=True)]
     acc = jnp.result_type(*[f.dtype for f in factors])
     b = _round_down(bound, acc)
     plain = [lax.stop_gradient(f) for f in factors]

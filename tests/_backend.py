@@ -25,13 +25,14 @@ sizes) are marked ``@pytest.mark.cpu_only(reason=...)`` and skipped elsewhere.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
 import numpy as np
 import pytest
 
+from gradclip_jax._backend import backend_setting
 from gradclip_jax.per_example import PRODUCT_PRECISION
 from gradclip_jax.per_example._products import DEFAULT_PRODUCT_PRECISION
 from gradclip_jax.per_example.ghost._analysis import backward_refusal
@@ -62,21 +63,12 @@ def backend_default_precision() -> Any:
     return jax.default_matmul_precision(None)
 
 
-@contextlib.contextmanager
-def library_default_products(setting: str | None = None) -> Iterator[None]:
+def library_default_products(setting: str | None = None) -> contextlib.AbstractContextManager[None]:
     """A context in which the library's products take ``setting``, by default the library's own
     default for the backend (``"tf32"`` on GPUs), as in a user's program, instead of the
     suite's session setting; restored afterwards."""
-    backend = jax.default_backend()
-    old = PRODUCT_PRECISION.get(backend)
-    PRODUCT_PRECISION[backend] = setting or DEFAULT_PRODUCT_PRECISION.get(backend, "highest")
-    try:
-        yield
-    finally:
-        if old is None:
-            PRODUCT_PRECISION.pop(backend, None)
-        else:
-            PRODUCT_PRECISION[backend] = old
+    default = DEFAULT_PRODUCT_PRECISION.get(jax.default_backend(), "highest")
+    return backend_setting(PRODUCT_PRECISION, setting or default)
 
 
 def refuses_backward(ghost_sum: str | None, call: Callable[[], Any], *, per_layer: bool = False) -> bool:

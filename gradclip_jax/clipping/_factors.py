@@ -42,8 +42,7 @@ def _settled(
     if bound is None or not sumsq or axis_name is not None:
         return [None] * len(arrays)
     accs = [f.astype(_norms.acc_dtype(x.dtype)) for x, f in zip(arrays, factors, strict=True)]
-    got = certified_factors(arrays, accs, axes, bound, combine=combine, rms=spec.kind == "rms")
-    return [None] * len(arrays) if got is None else got
+    return certified_factors(arrays, accs, axes, bound, combine=combine, rms=spec.kind == "rms")
 
 
 @jax.custom_jvp

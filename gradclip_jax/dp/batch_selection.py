@@ -255,8 +255,9 @@ class IndexSampler(abc.ABC):
         return SampledBatch(indices=indices, mask=mask, step=int(step))
 
     def batch(self, step: int) -> SampledBatch:
-        """This process's piece of the padded batch of ``step``."""
+        """This process's piece of the padded batch of ``step`` (rows of ``example_mask`` too, if any)."""
         full = self.global_batch(check_int(f"{type(self).__name__}.batch", "step", step, 0))
         piece = len(full.indices) // self.process_count
         sl = slice(self.process_index * piece, (self.process_index + 1) * piece)
-        return SampledBatch(indices=full.indices[sl], mask=full.mask[sl], step=full.step)
+        example_mask = None if full.example_mask is None else full.example_mask[sl]
+        return SampledBatch(indices=full.indices[sl], mask=full.mask[sl], step=full.step, example_mask=example_mask)

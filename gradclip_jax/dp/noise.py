@@ -216,6 +216,6 @@ def noised_leaves(
         draw = philox_normal if philox and real == np.float32 else functools.partial(jax.random.normal, dtype=real)
         # a complex leaf: not jax's complex normal, which gives each part half the variance
         z = _shaped(draw(k, (2 * x.size,)), x) if jnp.iscomplexobj(x) else draw(k, x.shape)
-        noised = x + jnp.asarray(stddev, _real(x.dtype)).astype(x.dtype) * z
+        noised = x + jnp.asarray(stddev, real).astype(x.dtype) * z
         out.append(noised if divisor is None else noised / jnp.asarray(divisor, x.dtype))
     return out

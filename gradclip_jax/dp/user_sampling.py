@@ -300,15 +300,6 @@ class UserPoissonSampler(IndexSampler):
         mask[: len(users)] = True
         return SampledBatch(indices=indices, mask=mask, step=int(step), example_mask=example_mask)
 
-    def batch(self, step: int) -> SampledBatch:
-        """This process's rows (users) of step ``step``'s padded batch."""
-        full = self.global_batch(check_int("UserPoissonSampler.batch", "step", step, 0))
-        rows = self.local_batch_size
-        sl = slice(self.process_index * rows, (self.process_index + 1) * rows)
-        assert full.example_mask is not None  # global_batch always sets it
-        return SampledBatch(indices=full.indices[sl], mask=full.mask[sl], step=full.step,
-                            example_mask=full.example_mask[sl])
-
     def gather(self, data: Any, batch: SampledBatch) -> tuple[UserBatch, np.ndarray]:
         """``(UserBatch(data[indices], example_mask), user_mask)``: the step's input for :func:`user_loss`.
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gradclip_jax._core.validation import clip_norm_arg
-from gradclip_jax._numerics import bounded_factor, count0
+from gradclip_jax._numerics import count0
 from gradclip_jax._stored import certified_factors
 from gradclip_jax.hyperparams import check_scalar, static_value
 from gradclip_jax.norms import promote_ints
@@ -157,8 +157,6 @@ def _settle(rows: list[jax.Array], factors: list[jax.Array], clip: Any, store: A
     axes = [tuple(range(1, r.ndim)) for r in rows]
     keep = [jnp.reshape(f, f.shape + (1,) * (r.ndim - 1)) for f, r in zip(factors, rows, strict=True)]
     got = certified_factors(rows, keep, axes, clip, combine=combine, stores=[store] * len(rows))
-    if got is None:
-        return [bounded_factor(f, store) for f in factors]
     return [jnp.reshape(g, f.shape) for g, f in zip(got, factors, strict=True)]
 
 

@@ -68,6 +68,7 @@ __all__ = [
     "product_error",
     "product_margin",
     "product_precision",
+    "product_refusal",
     "rounds_to_tf32",
     "tf32_passes",
     "tf32_round",
@@ -108,13 +109,18 @@ _REFUSED = {("bf16x6", "gpu"): "measured about 1e-3 relative off the float32 pro
                                "clip-norm margin allows"}
 
 
+def product_refusal(name: str) -> str | None:
+    """Why the product setting ``name`` is refused on the default backend (``None``: it is not)."""
+    backend = "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else jax.default_backend()
+    return _REFUSED.get((name, backend))
+
+
 def _reduced(*dtypes: Any) -> str | None:
     """The backend's reduced-pass setting when it applies to operands of ``dtypes`` (all
     float32), else ``None``: the one rule both the products and their margin follow."""
     setting = "gradclip_jax.per_example.PRODUCT_PRECISION"
     name = per_backend(PRODUCT_PRECISION, setting, "highest", tuple(_ALGORITHMS))
-    backend = "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else jax.default_backend()
-    why = _REFUSED.get((name, backend))
+    why = product_refusal(name)
     if why is not None:
         raise ValueError(f"{setting}: {name!r} is refused on {jax.default_backend()!r}: {why}; use 'tf32' "
                          "(the default on GPUs) or 'highest'")

@@ -36,7 +36,7 @@ from tests.per_example.models import (
 X6 = "BF16_BF16_F32_X6"  # the reduced-pass algorithm XLA's CPU backend accepts
 
 
-BF16X6_REFUSED = jax.default_backend() in ("gpu", "cuda", "rocm")
+BF16X6_REFUSED = _products.product_refusal("bf16x6") is not None  # on GPUs
 
 
 @pytest.fixture
