@@ -4,11 +4,12 @@
 # PARTS (comma-separated, default bench,profile,noise,tests), each with its own time limit
 # so that what was measured comes back even when the whole call runs out of time:
 #   bench    the DP training steps of the ghost-gpu suite (GPT-2 small B=8 for GPT2_S seconds,
-#            WRN-16-4 B=256 for WRN_S; steps GHOST_GPU_STEPS, default ghost,vmap,jax_privacy
-#            besides the non-private one): ratios, temporaries, compile times;
+#            WRN-16-4 B=256 for WRN_S; steps GPT2_STEPS / WRN_STEPS, else GHOST_GPU_STEPS, default
+#            ghost,vmap,jax_privacy besides the non-private one, in that order): ratios,
+#            temporaries, compile times;
 #   profile  the kernel-category profile of the same steps (benchmarks.profile_gpu, PROFILE_S),
 #            reusing the compiled programs through JAX's persistent compilation cache;
-#   noise    the noise draw of a GPT-2-small tree, threefry against Philox (bench_noise);
+#   noise    the noise draw of a GPT-2-small tree, threefry against Philox (bench_noise, NOISE_S);
 #   tests    the test suite on the GPU backend (the README's GPU command, with workers) for
 #            the time left, or the tests named in TESTS; stopped with SIGINT at the limit, so
 #            pytest still prints its summary and the failures' tracebacks (OUT_DIR/pytest.log).
@@ -36,9 +37,10 @@ LOG="$OUT/bench.log"
 'optax', optax.__version__, 'flax', flax.__version__, jax.devices())"
 } > "$LOG" 2>&1
 if want bench; then
-    for spec in gpt2-b8:${GPT2_S:-160} wrn-b256:${WRN_S:-90}; do
-        model=${spec%%:*}; secs=${spec##*:}
-        GHOST_GPU_STEPS=${GHOST_GPU_STEPS:-ghost,vmap,jax_privacy} GHOST_GPU_BUDGET_S=$((secs - 30)) \
+    DEFAULT_STEPS=${GHOST_GPU_STEPS:-ghost,vmap,jax_privacy}
+    for spec in gpt2-b8:${GPT2_S:-160}:${GPT2_STEPS:-$DEFAULT_STEPS} wrn-b256:${WRN_S:-90}:${WRN_STEPS:-$DEFAULT_STEPS}; do
+        model=${spec%%:*}; rest=${spec#*:}; secs=${rest%%:*}; steps=${rest#*:}
+        GHOST_GPU_STEPS=$steps GHOST_GPU_BUDGET_S=$((secs - 30)) \
             timeout "$((secs + 60))" python3 -m benchmarks --only ghost-gpu --models "$model" --out "$OUT" >> "$LOG" 2>&1
         echo "== ghost-gpu $model: exit $?, $(left) s left" >> "$LOG"
     done
@@ -49,7 +51,7 @@ if want profile; then
     echo "== profile-gpu: exit $?, $(left) s left" >> "$LOG"
 fi
 if want noise; then
-    timeout 120 python3 -m benchmarks --only noise --out "$OUT/noise" >> "$LOG" 2>&1
+    timeout "${NOISE_S:-150}" python3 -m benchmarks --only noise --out "$OUT/noise" >> "$LOG" 2>&1
     echo "== noise: exit $?, $(left) s left" >> "$LOG"
 fi
 T=$(( $(left) - 15 ))

@@ -60,6 +60,8 @@ from gradclip_jax._backend import per_backend
 
 __all__ = [
     "DEFAULT_PRODUCT_PRECISION",
+    "ONCE_ROUNDING",
+    "ONE_PASS_KINDS",
     "PRODUCT_PRECISION",
     "PRODUCT_UNITS",
     "ROUNDING_SIGMAS",
@@ -70,9 +72,11 @@ __all__ = [
     "product_precision",
     "product_refusal",
     "rounds_to_tf32",
+    "rounds_weighted_once",
     "tf32_passes",
     "tf32_round",
     "tf32_weighted",
+    "tf32_weighted_once",
 ]
 
 # Backend name -> one of _ALGORITHMS' keys; a backend not listed uses "highest".
@@ -86,6 +90,7 @@ _ALGORITHMS: dict[str, Any] = {
     # products of arbitrary float32 values (weighted sums of formed rows) stay exact to
     # rounding; the operands of Gram norms, formed and book-kept products are rounded first
     "tf32": lax.Precision.HIGHEST,
+    "tf32x2": lax.Precision.HIGHEST,
     "bf16x6": lax.DotAlgorithmPreset.BF16_BF16_F32_X6,
     "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
 }
@@ -96,7 +101,15 @@ _ALGORITHMS: dict[str, Any] = {
 # x3: operands split into two TF32 parts; with truncating conversions the dropped
 # low x low term and the two residuals are each <= 2**-20.
 # tf32: the products are exact and the weighting is exact (see the module's docstring): 0.
-PRODUCT_UNITS: dict[str, int] = {"highest": 0, "tf32": 0, "bf16x6": 8, "tf32x3": 128}
+PRODUCT_UNITS: dict[str, int] = {"highest": 0, "tf32": 0, "tf32x2": 0, "bf16x6": 8, "tf32x3": 128}
+
+# Site kinds whose book-kept sum, at "tf32", rounds the weighted operand once to TF32 (one pass)
+# and clips by a norm widened by that rounding's bound (see rounds_weighted_once).
+ONE_PASS_KINDS = frozenset({"dense"})
+
+# The relative error of rounding trunc(w) * x (exact in float32) to nearest TF32, 2**-11, raised
+# by 2**-10 of itself for the float32 rounding of the spread it multiplies.
+ONCE_ROUNDING = 2.0**-11 * (1.0 + 2.0**-10)
 
 
 # Settings whose error bound (PRODUCT_UNITS) was measured not to hold on a backend: a clip-norm
@@ -141,8 +154,16 @@ def product_precision(*dtypes: Any) -> Any:
 
 def rounds_to_tf32(*dtypes: Any) -> bool:
     """Whether products of operands of ``dtypes`` (all float32) run on TF32-rounded operands
-    (:data:`PRODUCT_PRECISION` ``"tf32"`` for the backend)."""
-    return _reduced(*dtypes) == "tf32"
+    (:data:`PRODUCT_PRECISION` ``"tf32"`` or ``"tf32x2"`` for the backend)."""
+    return _reduced(*dtypes) in ("tf32", "tf32x2")
+
+
+def rounds_weighted_once(kind: str, *dtypes: Any) -> bool:
+    """Whether a book-kept sum at a site of ``kind`` (operands of ``dtypes``) multiplies the clip
+    weights into its smaller operand and rounds that once to TF32 (:func:`tf32_weighted_once`, one
+    pass), its clip factor taken from a norm widened by that rounding's bound: at
+    :data:`PRODUCT_PRECISION` ``"tf32"``, for the kinds of :data:`ONE_PASS_KINDS`."""
+    return kind in ONE_PASS_KINDS and _reduced(*dtypes) == "tf32"
 
 
 def tf32_round(x: jax.Array) -> jax.Array:
@@ -180,6 +201,21 @@ def tf32_weighted(g: jax.Array, w: jax.Array) -> list[jax.Array] | None:
     ct = _tf32_trunc(w.astype(jnp.float32)) * tf32_round(g)
     head = _tf32_trunc(ct)
     return [head, ct - head]
+
+
+def tf32_weighted_once(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``round(trunc(w) * round(x))``: the operand ``x`` (float32) weighted by ``w`` (broadcast against
+    it) as one TF32 value per element, for a book-kept sum in one pass (:func:`rounds_weighted_once`).
+
+    ``trunc(w) * round(x)`` is exact in float32 (see :func:`tf32_weighted`); rounding it to TF32 moves
+    each element by at most ``2**-11`` of itself. For a dense use,
+    :math:`\\tilde G_b = \\sum_t \\tilde x_t y_t^\\top` then differs from
+    :math:`w'_b G_b = \\sum_t w'_b x_t y_t^\\top` by at most
+    :math:`2^{-11} w'_b \\sum_t \\|x_t\\| \\|y_t\\|` (:data:`ONCE_ROUNDING` times the spread of
+    :meth:`~gradclip_jax.per_example.ghost.rules.Rule.spread`), which the clip factor allows
+    for. A weight of 1 (an example not clipped) or 0 (a dropped one) adds its values exactly.
+    """
+    return tf32_round(_tf32_trunc(w.astype(jnp.float32)) * tf32_round(x))
 
 
 def product_einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:

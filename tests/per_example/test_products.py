@@ -287,3 +287,78 @@ def test_tf32_refuses_a_second_backward_pass_and_auto_books_keeps(tf32):
     got, _ = jax.jit(clipped_grad(loss, 0.5, method="ghost", ghost_sum="auto"))(params, data)
     want, _ = jax.jit(clipped_grad(loss, 0.5, method="ghost", ghost_sum="bookkeeping"))(params, data)
     assert_tree_close(got, want, rtol=0, atol=0)
+
+
+def _cancelling_dense(seed: int, tokens: int = 64, width: int = 32):
+    """A dense layer over ``tokens`` positions whose per-token gradients nearly cancel: a large
+    component shared by every position's input and cotangents of alternating sign make
+    ``sum_t ||a_t|| ||g_t||`` about 1e3 times the per-example gradient's norm, where rounding the
+    weighted inputs moves the gradient most against its norm."""
+    r = np.random.default_rng(seed)
+    common = r.normal(size=(1, 1, width)) * 50.0
+    x = common + r.normal(size=(1, tokens, width)) * 0.05
+    sign = np.where(np.arange(tokens) % 2 == 0, 1.0, -1.0)[None, :, None]
+    target = sign * (1.0 + r.normal(size=(1, tokens, width)) * 1e-3)
+    params = {"w": jnp.asarray(r.normal(size=(width, width)), jnp.float32)}
+    data = {"x": jnp.asarray(x, jnp.float32), "t": jnp.asarray(target, jnp.float32)}
+
+    def loss(p, b):
+        return jnp.sum((b["x"] @ p["w"]) * b["t"], axis=(1, 2))  # the cotangent of the dense output is t
+
+    return loss, params, data
+
+
+def _added_norm(tree) -> float:
+    return float(np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree.leaves(tree))))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_one_pass_dense_sum_stays_within_the_clip_norm_where_tokens_cancel(tf32, seed, monkeypatch):
+    """At "tf32" a dense layer's book-kept sum rounds its weighted operand once: the clip factor
+    comes from the norm widened by that rounding's bound, and what is added stays within C. With
+    the widening taken out (ONCE_ROUNDING = 0), the same sums exceed C: the bound is needed."""
+    loss, params, data = _cancelling_dense(seed)
+    f = jax.jit(clipped_grad(loss, 1.0, method="ghost", ghost_sum="bookkeeping"))
+    _, info = f(params, data)
+    norm = float(info.norms[0])
+    excess = []
+    for scale in (1e-3, 0.3, 0.9):
+        clip = norm * scale
+        got, _ = jax.jit(clipped_grad(loss, clip, method="ghost", ghost_sum="bookkeeping"))(params, data)
+        assert _added_norm(got) <= clip
+    monkeypatch.setattr(_products, "ONCE_ROUNDING", 0.0)
+    import gradclip_jax.per_example.ghost._measure as measure_mod
+
+    monkeypatch.setattr(measure_mod, "ONCE_ROUNDING", 0.0)
+    for scale in (1e-3, 0.3, 0.9):
+        clip = norm * scale
+        got, _ = jax.jit(clipped_grad(loss, clip, method="ghost", ghost_sum="bookkeeping"))(params, data)
+        excess.append(_added_norm(got) / clip)
+    assert max(excess) > 1.0 + 1e-3  # unwidened, one pass overshoots the clip norm
+
+
+def test_one_pass_is_one_product_per_dense_sum_and_tf32x2_keeps_two(monkeypatch):
+    """"tf32" runs each dense book-kept sum as one DEFAULT-precision product; "tf32x2" as two
+    exact passes. Unclipped examples (weight 1) add exactly what "tf32x2" adds."""
+    loss, params, data = mlp_setup()
+    counts, sums = {}, {}
+    for name in ("tf32", "tf32x2"):
+        monkeypatch.setitem(PRODUCT_PRECISION, jax.default_backend(), name)
+        f = clipped_grad(loss, 1e6, method="ghost", ghost_sum="bookkeeping")
+        counts[name] = sum("DEFAULT" in p for p in _algorithms(f, params, data))
+        sums[name] = jax.jit(f)(params, data)[0]
+    assert counts["tf32x2"] - counts["tf32"] >= 2  # at least the two dense kernels' second passes
+    assert_tree_close(sums["tf32"], sums["tf32x2"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("setup", [mlp_setup, embed_setup], ids=["mlp", "embed"])
+def test_one_pass_clips_at_most_a_spread_below_two_passes(setup, monkeypatch):
+    """The widened norm clips one-pass sums a little harder than two exact passes, by at most
+    ``2**-11`` times the spread over the norm (here well under 1%)."""
+    loss, params, data = setup()
+    out = {}
+    for name in ("tf32", "tf32x2"):
+        monkeypatch.setitem(PRODUCT_PRECISION, jax.default_backend(), name)
+        out[name] = jax.jit(clipped_grad(loss, 0.3, method="ghost", ghost_sum="bookkeeping"))(params, data)
+    np.testing.assert_array_equal(out["tf32"][1].norms, out["tf32x2"][1].norms)  # norms are reported unwidened
+    assert_tree_close(out["tf32"][0], out["tf32x2"][0], rtol=1e-2, atol=1e-4)

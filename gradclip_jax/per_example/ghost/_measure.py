@@ -29,6 +29,7 @@ from gradclip_jax.per_example._measure import (
     combine_l2_stacked,
     leaf_example_norms,
 )
+from gradclip_jax.per_example._products import ONCE_ROUNDING, rounds_weighted_once
 from gradclip_jax.per_example.ghost._analysis import Traced
 from gradclip_jax.per_example.ghost._factored import (
     factored_is_cheaper,
@@ -146,6 +147,48 @@ def site_norm(closed: Any, site: Site, ops: Sequence[Any], g: jax.Array, acc: An
 
         return RowNorms(n.arrays, combined)
     return over_steps(n)
+
+
+def site_spread(closed: Any, site: Site, ops: Sequence[Any], g: jax.Array, acc: Any) -> jax.Array | None:
+    """The site's rule's per-example spread (see :meth:`Rule.spread`), ``(B,)``. A site in a scan's
+    body: per step on the steps' operands as one batch of ``B * L`` rows, the steps' blocks
+    disjoint, so the L2 combination over the steps bounds the stacked leaf's change."""
+    eqn = site_eqn(closed.jaxpr, site)
+    if site.scan is None:
+        return site.rule.spread(site, eqn, ops, g, acc)
+    one = dataclasses.replace(site, scan=None, length=1)
+    flat = [steps_as_batch(o, one.axis, one.merged) if r in one.rows else o for r, o in enumerate(ops)]
+    s = site.rule.spread(one, eqn, flat, steps_as_batch(g, one.out_axis, one.merged), acc)
+    return None if s is None else combine_l2_stacked(jnp.transpose(jnp.reshape(s, (-1, site.length))))
+
+
+def sums_once(site: Site, g: jax.Array, param: jax.Array) -> bool:
+    """Whether the book-kept sum of ``site`` (output cotangent ``g``, leaf ``param``) runs in one pass
+    on a weighted operand rounded once (:func:`rounds_weighted_once` in the dtype the sum is formed
+    in: the cotangent's, widened to the leaf's accumulation dtype)."""
+    return rounds_weighted_once(site.kind, widen(g.dtype, _norms.acc_dtype(param.dtype)))
+
+
+def weighting_excess(traced: Traced, pflat: _norms.FlatTree, fwd: Pass, rows: dict[int, jax.Array],
+                     acc: Any) -> dict[int, jax.Array]:
+    """Per leaf, what its book-kept sum may add beyond ``w_b`` times the measured per-example
+    gradient, per unit of weight, ``(B,)``: :data:`ONCE_ROUNDING` times the spread of each site
+    whose sum rounds its weighted operand once (:func:`rounds_weighted_once`), summed over a tied
+    leaf's uses (their changes add in the same coordinates). Empty where no sum does.
+
+    The clip factor is then taken from the norm plus this excess (per leaf, before the leaves'
+    norms combine), so that each clipped contribution stays within the clip norm.
+    """
+    out: dict[int, jax.Array] = {}
+    for s, ops, g in zip(traced.plan.sites, fwd.operands, fwd.cts, strict=True):
+        if s.leaf in rows or not sums_once(s, g, pflat.leaves[s.leaf]):
+            continue
+        spread = site_spread(traced.closed, s, ops, g, acc)
+        if spread is None:  # the kind has no spread: its sum must not round once
+            raise AssertionError(f"ghost sums: a {s.kind!r} site rounds once but has no spread")
+        e = (ONCE_ROUNDING * spread).astype(acc)
+        out[s.leaf] = e if s.leaf not in out else out[s.leaf] + e
+    return out
 
 
 def _local_grads(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any], g: jax.Array,

@@ -20,7 +20,7 @@ from gradclip_jax.per_example._batch import (
 from gradclip_jax.per_example._chunks import run_chunks
 from gradclip_jax.per_example._config import ClipConfig, ClippedGradInfo, GhostSum
 from gradclip_jax.per_example._measure import clip_budgets, from_leaf_norms
-from gradclip_jax.per_example._sums import clip_flags, weigh
+from gradclip_jax.per_example._sums import Weights, clip_flags, weigh
 from gradclip_jax.per_example._vmap import run_vmap
 from gradclip_jax.per_example.ghost._analysis import (
     Traced,
@@ -32,7 +32,14 @@ from gradclip_jax.per_example.ghost._analysis import (
     warn_fallback,
 )
 from gradclip_jax.per_example.ghost._jaxpr import run_probed, site_eqn
-from gradclip_jax.per_example.ghost._measure import Pass, acc_dtype_of, leaf_norms, pin_narrow
+from gradclip_jax.per_example.ghost._measure import (
+    LeafNorms,
+    Pass,
+    acc_dtype_of,
+    leaf_norms,
+    pin_narrow,
+    weighting_excess,
+)
 from gradclip_jax.per_example.ghost._sums import (
     COSTLY_TO_ZERO,
     backward_sums,
@@ -98,18 +105,14 @@ def _chunk(config: ClipConfig, call: Call, traced: Traced, clips: Any, batch: An
     fwd = pin_narrow(_forward(call, traced, batch, backward), traced.plan.sites, acc_dtype_of(call.pflat))
     measured = leaf_norms(config, call, traced, batch, fwd)
     ref = first_leaf(batch)
-    acc = measured.acc
-    if clips is None:  # global clipping: the leaves' norms combined (an unused leaf adds nothing)
-        parts = [measured.norms[i] for i in call.pflat.active if i in measured.norms] + list(measured.joint)
-        acc_norms = [match_batch_sharding(n.astype(acc), ref) for n in parts] or [jnp.zeros((m,), acc)]
-    else:
-        acc_norms = [match_batch_sharding(measured.norms.get(i, jnp.zeros((m,), acc)).astype(acc), ref)
-                     for i in call.pflat.active]
     if valid is not None:
         valid = match_batch_sharding(valid, ref)
     vals, aux = _values_and_aux(config, call, batch, fwd.losses)
-    w = weigh(from_leaf_norms(acc_norms, clips is not None), config.l2_clip_norm if clips is None else clips,
-              len(call.pflat.active), factor_fn=config.factors, valid=valid, nan_safe=config.nan_safe)
+    w = _weights(config, call, clips, measured, {}, valid, m, ref)
+    excess = {} if backward else weighting_excess(traced, call.pflat, fwd, measured.rows, measured.acc)
+    if excess:  # one-pass sums: a factor other than 1 (exact) is taken from the widened norms
+        wide = _weights(config, call, clips, measured, excess, valid, m, ref)
+        w = w._replace(factors=[jnp.where(f == 1, f, fw) for f, fw in zip(w.factors, wide.factors, strict=True)])
     ws = [lax.stop_gradient(f) for f in w.factors]
     if w.keep is not None:  # dropped examples weigh 0 (enough when they are finite)
         ws = [jnp.where(w.keep, x, jnp.zeros_like(x)) for x in ws]
@@ -124,6 +127,24 @@ def _chunk(config: ClipConfig, call: Call, traced: Traced, clips: Any, batch: An
                         costly=costly)
     flags, ns = clip_flags(w, valid, clips is not None)
     return sums, ns, flags, vals, aux
+
+
+def _weights(config: ClipConfig, call: Call, clips: Any, measured: LeafNorms, excess: dict[int, jax.Array],
+             valid: jax.Array | None, m: int, ref: jax.Array) -> Weights:
+    """The clip step from the leaves' norms, each raised by its ``excess`` (none: the norms)."""
+    acc = measured.acc
+
+    def norm(i: int) -> jax.Array:
+        n = measured.norms.get(i, jnp.zeros((m,), acc)).astype(acc)
+        return n + excess[i] if i in excess else n
+
+    if clips is None:  # global clipping: the leaves' norms combined (an unused leaf adds nothing)
+        parts = [norm(i) for i in call.pflat.active if i in measured.norms] + list(measured.joint)
+        acc_norms = [match_batch_sharding(n.astype(acc), ref) for n in parts] or [jnp.zeros((m,), acc)]
+    else:
+        acc_norms = [match_batch_sharding(norm(i), ref) for i in call.pflat.active]
+    return weigh(from_leaf_norms(acc_norms, clips is not None), config.l2_clip_norm if clips is None else clips,
+                 len(call.pflat.active), factor_fn=config.factors, valid=valid, nan_safe=config.nan_safe)
 
 
 def run_ghost(config: ClipConfig, call: Call) -> tuple[Any, ClippedGradInfo]:

@@ -26,11 +26,12 @@ from gradclip_jax.per_example._products import (
     rounds_to_tf32,
     tf32_passes,
     tf32_weighted,
+    tf32_weighted_once,
 )
 from gradclip_jax.per_example._sums import fused_sums, scan_weighted_sum
 from gradclip_jax.per_example.ghost._analysis import Traced
 from gradclip_jax.per_example.ghost._jaxpr import widen
-from gradclip_jax.per_example.ghost._measure import Pass, apply_site, each_step
+from gradclip_jax.per_example.ghost._measure import Pass, apply_site, each_step, sums_once
 from gradclip_jax.per_example.ghost.rules import Site
 
 
@@ -114,19 +115,26 @@ def _weights_operand(site: Site, vals: Sequence[Any], g: jax.Array) -> bool:
 
 def _tf32_site_sum(closed: Any, site: Site, vals: list[Any], p0: jax.Array, acc: Any, g: jax.Array,
                    w: jax.Array, keep: jax.Array | None) -> jax.Array:
-    """``sum_b w_b G_b`` at ``PRODUCT_PRECISION`` ``"tf32"``: two exact TF32 passes.
+    """``sum_b w_b G_b`` at ``PRODUCT_PRECISION`` ``"tf32"`` or ``"tf32x2"``: one or two TF32 passes.
 
     The weights multiply the smaller of the batched operand and the cotangent, both the TF32
-    values the norms measured (:func:`~gradclip_jax.per_example._products.tf32_weighted`: the
-    weight truncated to TF32 times the rounded values is exact in float32, and splits into two
-    TF32 parts); the other is rounded to TF32. Each pass multiplies TF32 values, exactly, so an
-    example's contribution is ``trunc(w_b)`` times the gradient whose norm was measured.
+    values the norms measured; the other is rounded to TF32. In two exact passes
+    (:func:`~gradclip_jax.per_example._products.tf32_weighted`: the weight truncated to TF32
+    times the rounded values is exact in float32, and splits into two TF32 parts) an
+    example's contribution is ``trunc(w_b)`` times the gradient whose norm was measured. A
+    dense use at ``"tf32"`` runs one pass on the weighted values rounded once to TF32
+    (:func:`~gradclip_jax.per_example._products.tf32_weighted_once`): its contribution is
+    within ``2**-11 trunc(w_b)`` times the spread of that gradient, which its clip factor
+    allowed for (:func:`~gradclip_jax.per_example.ghost._measure.weighting_excess`).
     """
     on_operand = _weights_operand(site, vals, g)
     side, axis = (site.rows[0], site.axis) if on_operand else (None, site.out_axis)
     target = vals[side] if side is not None else g
     wshape = (1,) * axis + (-1,) + (1,) * (target.ndim - axis - 1)
-    parts = tf32_weighted(target.astype(g.dtype), w.reshape(wshape))
+    if sums_once(site, g, p0):  # one pass; the clip factor allowed for its rounding
+        parts: list[jax.Array] | None = [tf32_weighted_once(target.astype(g.dtype), w.reshape(wshape))]
+    else:
+        parts = tf32_weighted(target.astype(g.dtype), w.reshape(wshape))
     assert parts is not None  # the caller checked rounds_to_tf32
     # with keep: NaN or inf in a dropped example's values would survive a weight of 0
     if keep is not None:

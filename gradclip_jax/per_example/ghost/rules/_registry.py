@@ -188,6 +188,15 @@ class Rule:
         """
         return None
 
+    def spread(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any) -> jax.Array | None:
+        """Per-example :math:`\\sum_t \\|x_t\\| \\|y_t\\|`, ``(B,)``, for a use whose per-example gradient
+        is :math:`G_b = \\sum_t x_t y_t^\\top` (its operand and cotangent rows as measured): what
+        bounds the change of :math:`G_b` when one factor of each term moves by a relative
+        :math:`\\epsilon`, :math:`\\|\\Delta G_b\\| \\le \\epsilon \\sum_t \\|x_t\\| \\|y_t\\|`. ``None``
+        where the kind has no such form. A book-kept sum in one pass
+        (:func:`~gradclip_jax.per_example._products.rounds_weighted_once`) needs it."""
+        return None
+
     def factors(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any,
                 perm: list[int]) -> tuple[Factor, Factor] | None:
         """This use of a 2-D leaf as ``sum_t x_t (x) y_t``: the factors along leaf axes 0 and 1, or ``None``.

@@ -109,6 +109,12 @@ class DotGeneral(Rule):
         per_example = product_einsum("btd,btp->bdp", a3, g3)  # this layer's per-example gradients only
         return RowNorms((per_example,), lambda n: n[0])
 
+    def spread(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any) -> jax.Array:
+        """:math:`\\sum_t \\|a_t\\| \\|g_t\\|` per example, over the rows of the views :meth:`norm` measures."""
+        a3, g3 = dense_views(site, eqn, ops[1 - site.pos], g, acc)
+        rows = jnp.sqrt(jnp.sum(jnp.square(a3), axis=-1)) * jnp.sqrt(jnp.sum(jnp.square(g3), axis=-1))
+        return jnp.sum(rows, axis=-1)
+
     def factors(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any,
                 perm: list[int]) -> tuple[Factor, Factor] | None:
         """The rows of ``a`` along the contracted axis and those of ``g`` along the free one."""
