@@ -13,14 +13,20 @@ and the weighted sums (book-kept or over formed rows). They run at
   which NVIDIA GPUs run on TF32 tensor cores. A product of two TF32 values is exact in
   float32 (11 x 11 significant bits), so these products carry only float32
   accumulation error, as at ``"highest"``: the norms measure the per-example
-  gradients of the rounded operands, and the sums add exactly those. The clip weight
-  is rounded toward zero to TF32 and applied to the rounded cotangent (an exact
-  float32 product of 22 significant bits), which is then split into two TF32 parts
-  (:func:`tf32_weighted`): two exact passes. No margin on the clip norm. The
+  gradients of the rounded operands. A dense layer's book-kept sum runs in one pass: the
+  clip weight, truncated toward zero to TF32, times the smaller rounded operand is
+  rounded once more to TF32 (:func:`tf32_weighted_once`), and a clipped example's
+  factor is taken from its norm widened by that rounding's bound (:data:`ONCE_ROUNDING`
+  times the layer's spread, :func:`rounds_weighted_once`); every other sum adds exactly
+  what was measured, as at ``"tf32x2"``. No margin on the clip norm. The
   gradient added differs from the float32 one by the operands' rounding (about
   ``2**-11`` relative, as a non-private step at TF32 does); weighted sums of formed
   rows stay at ``HIGHEST``. On a CPU ``DEFAULT`` is float32, so the same values come
   out there.
+* ``"tf32x2"``: as ``"tf32"``, but every book-kept sum adds exactly what was measured: the
+  truncated weight times the rounded operand (an exact float32 product of 22
+  significant bits) is split into two TF32 parts (:func:`tf32_weighted`), two exact
+  passes.
 * ``"bf16x6"``: ``DotAlgorithmPreset.BF16_BF16_F32_X6``, six bfloat16 passes
   with float32 accumulation (about float32 accuracy, on bfloat16 tensor cores).
   Refused (a ValueError) on GPUs: there XLA's products at that algorithm were
@@ -71,6 +77,7 @@ __all__ = [
     "product_margin",
     "product_precision",
     "product_refusal",
+    "product_setting",
     "rounds_to_tf32",
     "rounds_weighted_once",
     "tf32_passes",
@@ -128,11 +135,17 @@ def product_refusal(name: str) -> str | None:
     return _REFUSED.get((name, backend))
 
 
+def product_setting() -> str:
+    """The :data:`PRODUCT_PRECISION` setting of the default backend (validated)."""
+    return per_backend(PRODUCT_PRECISION, "gradclip_jax.per_example.PRODUCT_PRECISION", "highest",
+                       tuple(_ALGORITHMS))
+
+
 def _reduced(*dtypes: Any) -> str | None:
     """The backend's reduced-pass setting when it applies to operands of ``dtypes`` (all
     float32), else ``None``: the one rule both the products and their margin follow."""
     setting = "gradclip_jax.per_example.PRODUCT_PRECISION"
-    name = per_backend(PRODUCT_PRECISION, setting, "highest", tuple(_ALGORITHMS))
+    name = product_setting()
     why = product_refusal(name)
     if why is not None:
         raise ValueError(f"{setting}: {name!r} is refused on {jax.default_backend()!r}: {why}; use 'tf32' "

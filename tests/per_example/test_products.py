@@ -348,7 +348,9 @@ def test_one_pass_is_one_product_per_dense_sum_and_tf32x2_keeps_two(monkeypatch)
         counts[name] = sum("DEFAULT" in p for p in _algorithms(f, params, data))
         sums[name] = jax.jit(f)(params, data)[0]
     assert counts["tf32x2"] - counts["tf32"] >= 2  # at least the two dense kernels' second passes
-    assert_tree_close(sums["tf32"], sums["tf32x2"], rtol=0, atol=0)
+    # bit for bit on the CPU; a GPU's two programs may accumulate in another order (1e-7 seen)
+    exact = jax.default_backend() == "cpu"
+    assert_tree_close(sums["tf32"], sums["tf32x2"], rtol=0 if exact else 1e-6, atol=0 if exact else 1e-6)
 
 
 @pytest.mark.parametrize("setup", [mlp_setup, embed_setup], ids=["mlp", "embed"])

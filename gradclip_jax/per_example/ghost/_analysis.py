@@ -21,7 +21,7 @@ from gradclip_jax._core import jaxcompat as jc
 from gradclip_jax._core.jaxcompat import is_literal, open_jaxpr, shape, sub_jaxprs
 from gradclip_jax.per_example._batch import LOSS_CONTRACT, batch_size_of, check_loss_out, keystr
 from gradclip_jax.per_example._config import ClipConfig, GhostSum, Method
-from gradclip_jax.per_example._products import rounds_to_tf32
+from gradclip_jax.per_example._products import product_setting, rounds_to_tf32
 from gradclip_jax.per_example.ghost._jaxpr import (
     CHAIN_OPS,
     MAX_UNROLL,
@@ -473,7 +473,7 @@ def tf32_products() -> str | None:
     TF32-rounded activations and cotangents, which only book-keeping adds."""
     if not rounds_to_tf32(np.float32):
         return None
-    return ("gradclip_jax.per_example.PRODUCT_PRECISION is 'tf32' for this backend (the norms measure "
+    return (f"gradclip_jax.per_example.PRODUCT_PRECISION is {product_setting()!r} for this backend (the norms measure "
             "the per-example gradients of TF32-rounded activations and cotangents)")
 
 

@@ -64,8 +64,8 @@ def _site_sum(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any], 
     :math:`w_b g_b` would round it up to ``2**-9`` above). With ``keep``, the
     dropped examples' operand rows and cotangents are zeroed first: their
     contribution is exactly 0 even when those hold NaN or inf. At ``PRODUCT_PRECISION``
-    ``"tf32"`` the operands and the weighted cotangent are the TF32 values the norms measured,
-    in two exact passes (:func:`~gradclip_jax.per_example._products.tf32_weighted`); a
+    ``"tf32"`` or ``"tf32x2"`` the operands are the TF32 values the norms measured, weighted
+    in one or two TF32 passes (:func:`_tf32_site_sum`); a
     convolution at ``"tf32x3"`` runs as three TF32 passes
     (:func:`~gradclip_jax.per_example._products.tf32_passes`). A site in a
     scan's body gives each step's block of the stacked leaf.
@@ -79,7 +79,7 @@ def _site_sum(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any], 
         keep = None if keep is None else _per_row(keep, site.merged)
     vals = list(invals)
     p0 = param.astype(widen(param.dtype, acc))
-    if rounds_to_tf32(ct_dtype):  # "tf32": exact passes on the operands the norms measured
+    if rounds_to_tf32(ct_dtype):  # "tf32", "tf32x2": TF32 passes on the operands the norms measured
         return _tf32_site_sum(closed, site, vals, p0, acc, g.astype(ct_dtype), w.astype(ct_dtype), keep)
     shape = (1,) * site.out_axis + (-1,) + (1,) * (g.ndim - site.out_axis - 1)
     ct = g.astype(ct_dtype) * w.astype(ct_dtype).reshape(shape)
