@@ -423,6 +423,7 @@ def audit_sampling(
     seed: int = 0,
     significance: float = 0.05,
     chunk_size: int = 4096,
+    epoch_steps: int | None = None,
     **make_private_kwargs: Any,
 ) -> SamplingAuditResult:
     """Audits a sampler's privacy claim with many runs of :func:`gradclip_jax.dp.make_private`.
@@ -441,7 +442,9 @@ def audit_sampling(
     learning rate 1) over the batches of ``sampler_for_seed(seed + r)``; the
     attacker sees every iterate, so every step's noisy sum
     :math:`s_t = \\sum_{i \\in B_t} \\mathrm{clip}(g_i) + \\mathcal{N}(0, z^2C^2 I)`.
-    A run's **score** is :math:`\\max_t \\langle s_t, e_0 \\rangle / C`. With
+    A run's **score** is :math:`\\max_t \\langle s_t, e_0 \\rangle / C` (with
+    ``epoch_steps``: the sum, over consecutive blocks of that many steps, of each
+    block's largest step: shuffling puts the canary in each epoch once). With
     ``'opposite'`` and batches of :math:`b` examples shuffled once per epoch,
     :math:`\\langle s_t, e_0\\rangle/C = -b + 2\\cdot[\\text{canary in } B_t] + z\\xi_t`
     in, :math:`-b + [\\ldots] + z\\xi_t` out: the canary's batch stands out
@@ -471,6 +474,8 @@ def audit_sampling(
       background: ``'opposite'`` (default) or ``'orthogonal'``.
       seed: seeds the samplers (``seed``, ..., ``seed + runs - 1``) and the noise.
       significance: the probability that the bound exceeds the true epsilon.
+      epoch_steps: the steps of one epoch of the sampler, to score block by block
+        (default: one block of all the steps). A divisor of the steps.
       chunk_size: runs computed at once (memory: about ``24 * steps * max_batch_size``
         bytes per run).
       **make_private_kwargs: passed on (e.g. ``accountant``, ``method``).
@@ -503,6 +508,9 @@ def audit_sampling(
     n, steps = int(first.dataset_size), int(first.steps)
     if n < 2 or steps < 1:
         raise ValueError(f"{fn}: the sampler needs at least 2 rows and 1 step, got {n} rows and {steps} steps")
+    block = steps if epoch_steps is None else check_int(fn, "epoch_steps", epoch_steps, 1)
+    if steps % block:
+        raise ValueError(f"{fn}: `epoch_steps` ({block}) must divide the sampler's steps ({steps})")
     if getattr(first, "process_count", 1) != 1:
         raise ValueError(f"{fn}: the sampler must give the whole batch (process_count=1)")
     priv = make_private(
@@ -521,7 +529,7 @@ def audit_sampling(
 
         w0 = jnp.zeros(2, jnp.float32)
         _, observed = jax.lax.scan(body, (w0, priv.init(w0)), (indices, mask, jnp.arange(steps)))
-        return jnp.max(observed)
+        return jnp.sum(jnp.max(observed.reshape(steps // block, block), axis=1))
 
     scores_of = jax.jit(jax.vmap(one_run, in_axes=(None, 0, 0, 0)))
     data = {side: _sampling_data(n, side, background) for side in (True, False)}

@@ -299,6 +299,15 @@ def test_sampling_scores_are_the_canary_batchs_noisy_sum_over_c():
     assert res.epsilon_lower_bound > 1.0  # perfectly told apart: the bound is the runs' (about ln 64/4)
 
 
+def test_sampling_scores_by_epoch_add_each_epochs_largest_step():
+    """Two epochs of 10 steps at tiny noise, scored per epoch: the canary's batch in each epoch
+    gives -2 (in) or -3 (out), so the scores are about -4 and -6."""
+    res = audit_sampling(_shuffled(40, 4, 20), target_epsilon=60.0, delta=1e-5, runs=32, epoch_steps=10)
+    assert abs(np.median(res.in_scores) + 4.0) < 0.4 and abs(np.median(res.out_scores) + 6.0) < 0.4
+    with pytest.raises(ValueError, match="epoch_steps"):
+        audit_sampling(_shuffled(40, 4, 20), target_epsilon=2.0, delta=1e-5, runs=2, epoch_steps=3)
+
+
 def test_small_honest_poisson_sampling_audit_reports_the_claim_and_stays_below_it():
     res = audit_sampling(_poisson(100, 5, 20), target_epsilon=2.0, delta=1e-5, runs=300)
     assert res.claimed_epsilon == pytest.approx(2.0, rel=1e-3) and res.delta == 1e-5
