@@ -293,3 +293,26 @@ def test_blt_more_buffers_or_zero_out_still_calibrate_and_bad_buffers_are_named(
             cn.blt_plan(**BLT, num_buffers=bad)
     with pytest.raises(ValueError, match="expected_batch_size"):
         cn.blt_plan(**{**BLT, "expected_batch_size": 601})
+
+
+@pytest.mark.slow
+def test_blt_optimized_strategy_is_calibrated_alike_and_no_worse_than_the_rational_one():
+    """optimize=True (jax-privacy's buffered_toeplitz.optimize for this participation): the same one
+    Gaussian mechanism (z depends on epsilon only), its noise white at the brute-force sensitivity
+    under C, and its max prefix-sum error times sensitivity squared at most the rational strategy's."""
+    opt = cn.blt_plan(**BLT, optimize=True, num_buffers=2)
+    rat = cn.blt_plan(**BLT, num_buffers=2)
+    assert opt.noise_multiplier == pytest.approx(rat.noise_multiplier) and opt.epsilon <= BLT["epsilon"]
+    assert np.all(np.diff(opt.strategy) <= 0) and not np.allclose(opt.strategy, rat.strategy)
+    t, cycle = BLT["iterations"], 6
+
+    def loss(plan):
+        inv = toeplitz.inverse_coef(jnp.asarray(plan.strategy, jnp.float32))
+        err = float(jnp.max(toeplitz.per_query_error(noising_coef=inv)))
+        return err * _blt_sensitivity_by_brute_force(plan.strategy, t, cycle) ** 2
+
+    assert loss(opt) <= 1.01 * loss(rat)
+    noise = _noise(opt.noise_addition_transform, (100_000,), t)
+    c = np.asarray(toeplitz.materialize_lower_triangular(opt.strategy, n=t), np.float64)
+    sigma = opt.noise_multiplier / BLT["expected_batch_size"] * _blt_sensitivity_by_brute_force(opt.strategy, t, cycle)
+    np.testing.assert_allclose(np.cov(c @ noise), sigma**2 * np.eye(t), atol=0.03 * sigma**2)
