@@ -12,7 +12,10 @@ times, interleaved (one call of each function per round), medians over rounds,
   (skipped otherwise; it is not a dependency). On CPU it takes seconds per call,
   so it is timed separately with at most 3 repetitions, next to ``dropin``: the
   same call through ``gradclip_jax.interop.jax_privacy.clipped_grad`` (its
-  signature, ``method='auto'``).
+  signature, ``method='auto'``). The drop-in row (ratio drop-in / jax-privacy,
+  with the largest difference of the two sums) is also measured on the other CPU
+  model of the benchmarks, ``bench_ghost``'s transformer LM (2 layers, width 128,
+  sequence 64), at batch sizes 32 and 128 (32 with ``quick``).
 
 and, at one batch size, the compiled temporary memory
 (``jax.jit(f).lower(...).compile().memory_analysis().temp_size_in_bytes``) of
@@ -43,6 +46,7 @@ from gradclip_jax.per_example import clipped_grad
 
 CLIP = 1.0
 SIZES = (784, 512, 512, 10)
+DROPIN_TRANSFORMER_BATCHES = {False: (32, 128), True: (32,)}  # by ``quick``
 
 
 def _mlp(seed: int, batch: int) -> tuple[Callable[..., Any], Any, Any]:
@@ -105,6 +109,34 @@ def _max_diff(a: Any, b: Any) -> float:
     return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
+def dropin_ms(losses: Callable[..., Any], params: Any, data: Any, reps: int = 3,
+              max_s: float = 10.0) -> tuple[dict[str, float], float] | None:
+    """``({'jax_privacy': ms, 'dropin': ms}, max |difference of the sums|)`` of jax-privacy's
+    ``clipped_grad`` and the drop-in on the same call, timed interleaved with few repetitions
+    (jax-privacy takes seconds per call on some CPU models); None without jax-privacy."""
+    jp = _jax_privacy(losses)
+    drop = _dropin(losses)
+    if jp is None or drop is None:
+        return None
+    jp_jit, drop_jit = jax.jit(jp), jax.jit(drop)
+    ms = interleaved_ms({"jax_privacy": lambda: jp_jit(params, data), "dropin": lambda: drop_jit(params, data)},
+                        reps, warmup=1, max_s=max_s)
+    return ms, _max_diff(jp_jit(params, data), drop_jit(params, data))
+
+
+def dropin_row(tag: str, ms: dict[str, float], diff: float, env: str) -> dict:
+    """The row "<tag> interop.jax_privacy.clipped_grad (drop-in) vs jax_privacy.clipped_grad"."""
+    return {
+        "group": "dp",
+        "name": f"{tag} interop.jax_privacy.clipped_grad (drop-in) vs jax_privacy.clipped_grad",
+        "ours_ms": ms["dropin"],
+        "baseline_ms": ms["jax_privacy"],
+        "ratio": ms["dropin"] / ms["jax_privacy"],
+        "note": f"the same call on both (method='auto'), timed together after the others; "
+                f"max |drop-in - jax_privacy| = {diff:.1e}; {env}",
+    }
+
+
 def run(quick: bool = False) -> list[dict]:
     """Runs the benchmark and returns its rows (see the module docstring)."""
     reps = 5 if quick else 15
@@ -123,12 +155,10 @@ def run(quick: bool = False) -> list[dict]:
             "nonprivate": lambda: nonprivate(params, data),
         }
         ms = interleaved_ms(fns, reps, warmup=1, max_s=max_s)
-        jp = _jax_privacy(losses)
-        if jp is not None:
-            # seconds per call on CPU: timed after the others, with few repetitions
-            jp_jit, drop_jit = jax.jit(jp), jax.jit(_dropin(losses))
-            ms.update(interleaved_ms({"jax_privacy": lambda: jp_jit(params, data),
-                                      "dropin": lambda: drop_jit(params, data)}, 3, warmup=1, max_s=10.0))
+        # seconds per call on CPU: timed after the others, with few repetitions
+        timed = dropin_ms(losses, params, data)
+        if timed is not None:
+            ms.update(timed[0])
         diff = _max_diff(ours(params, data)[0], hand(params, data))
         tag = f"mlp 784-512-512-10 B={batch}"
         rows.append(
@@ -151,7 +181,7 @@ def run(quick: bool = False) -> list[dict]:
                 "note": f"cost of materializing per-example gradients; {env}",
             }
         )
-        if "jax_privacy" in ms:
+        if timed is not None:
             rows.append(
                 {
                     "group": "dp",
@@ -162,16 +192,7 @@ def run(quick: bool = False) -> list[dict]:
                     "note": f"jax_privacy timed after the others (few repetitions: it is slow here); {env}",
                 }
             )
-            rows.append(
-                {
-                    "group": "dp",
-                    "name": f"{tag} interop.jax_privacy.clipped_grad (drop-in) vs jax_privacy.clipped_grad",
-                    "ours_ms": ms["dropin"],
-                    "baseline_ms": ms["jax_privacy"],
-                    "ratio": ms["dropin"] / ms["jax_privacy"],
-                    "note": f"the same call on both (method='auto'), timed together after the others; {env}",
-                }
-            )
+            rows.append(dropin_row(tag, *timed, env))
         else:
             rows.append(
                 {
@@ -183,6 +204,15 @@ def run(quick: bool = False) -> list[dict]:
                     "note": "skipped: jax_privacy is not installed",
                 }
             )
+
+    # The drop-in against jax-privacy on the other CPU model of the benchmarks (bench_ghost's
+    # transformer; imported here: bench_ghost imports this module)
+    from benchmarks.bench_ghost import _transformer
+
+    for batch in DROPIN_TRANSFORMER_BATCHES[quick]:
+        timed = dropin_ms(*_transformer(0, batch))
+        if timed is not None:
+            rows.append(dropin_row(f"transformer 2x128 T=64 B={batch}", *timed, env))
 
     # Peak (temporary) memory as microbatches shrink.
     batch = 128

@@ -201,6 +201,16 @@ def test_audit_section_passes_the_honest_run_and_catches_the_missing_noise(run_g
     assert ns["broken_bound"] > ns["priv_audit"].epsilon() >= 3.99
 
 
+def test_audit_section_catches_shuffled_batches_reported_as_poisson(run_guide):
+    """The audit of the sampling: the guide's shuffling sampler accounted as Poisson gets a lower
+    bound above its claimed epsilon (tests/dp/test_audit.py runs it with 20,000 runs a side, and the
+    honest Poisson sampler at the same settings)."""
+    pytest.importorskip("jax_privacy.auditing")
+    res = run_guide[SECTIONS[8]]["shuffle_audit"]
+    assert res.runs == 5000 and res.claimed_epsilon == pytest.approx(1.0, rel=1e-3)
+    assert res.noise_multiplier < 1.0 and res.falsified
+
+
 def test_user_level_section(run_guide):
     """The user-level run: its epsilon is dp-accounting's Poisson-sampled Gaussian over users, at the
     target; every user has at most k examples in a step; the model learned; ghost keeps every leaf."""

@@ -23,6 +23,14 @@ This module puts gradclip_jax's clipped sums inside that plan:
 * :func:`bandmf_plan`: the recipe from an expected batch size and a target
   epsilon: an :class:`MFPlan` (a ``DPExecutionPlan``) that also carries the
   calibrated noise multiplier and the epsilon dp-accounting gives its event.
+* :func:`blt_plan`: the same with jax-privacy's BLT (buffered linear Toeplitz)
+  strategy (https://arxiv.org/abs/2404.16706, https://arxiv.org/abs/2408.08868):
+  a lower-triangular Toeplitz :math:`C` whose inverse is applied to the noise
+  stream with a few buffers of memory. Its columns never end, so the accounting
+  takes no amplification: each example is in every ``cycle_length``-th step
+  (jax-privacy's ``CyclicPoissonSampling`` with probability 1), and the run is one
+  Gaussian mechanism whose sensitivity is :math:`C`'s under that min-separated
+  participation (``toeplitz.minsep_sensitivity_squared``).
 
 Importing this module needs jax-privacy: ``pip install 'gradclip_jax[jax-privacy]'``.
 """
@@ -34,12 +42,15 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 try:
     import dp_accounting
-    from jax_privacy import batch_selection
+    from jax_privacy import batch_selection, noise_addition
     from jax_privacy.experimental import execution_plan
+    from jax_privacy.matrix_factorization import buffered_toeplitz, toeplitz
 except ImportError as err:  # pragma: no cover - exercised without the extra
     raise ImportError(
         "gradclip_jax.interop.correlated_noise needs jax-privacy 2.0: "
@@ -48,7 +59,7 @@ except ImportError as err:  # pragma: no cover - exercised without the extra
 
 from gradclip_jax.interop import jax_privacy as _dropin
 
-__all__ = ["MFPlan", "bandmf_plan", "with_gradclip"]
+__all__ = ["MFPlan", "bandmf_plan", "blt_plan", "with_gradclip"]
 
 _REL = dp_accounting.NeighboringRelation
 # our relation names -> (dp-accounting's relation, the partition jax-privacy's plan accepts with it)
@@ -89,6 +100,18 @@ class MFPlan(execution_plan.DPExecutionPlan):
     neighboring_relation: Any
 
 
+def _plan_clipped_grad(fixed: dict[str, Any]) -> Any:
+    """The drop-in ``clipped_grad`` with the plan's clip norm, normalisation, dtype and method fixed."""
+
+    def clipped_grad(fun: Any, *args: Any, **kwargs: Any) -> Any:
+        taken = sorted(set(kwargs) & set(fixed))
+        if taken:
+            raise TypeError(f"clipped_grad: the plan sets {taken}; build the plan with other values instead")
+        return _dropin.clipped_grad(fun, *args, **{**kwargs, **fixed})
+
+    return clipped_grad
+
+
 def with_gradclip(
     config: execution_plan.BandMFExecutionPlanConfig, method: str = "auto"
 ) -> execution_plan.DPExecutionPlan:
@@ -124,15 +147,9 @@ def with_gradclip(
     if method not in _METHODS:
         raise ValueError(f"with_gradclip: `method` must be one of {_METHODS}, got {method!r}")
     plan = config.plan
-    fixed: dict[str, Any] = {"l2_clip_norm": config.l2_clip_norm, "normalize_by": config.normalize_by,
-             "rescale_to_unit_norm": config.rescale_to_unit_norm, "dtype": config.dtype, "method": method}
-
-    def clipped_grad(fun: Any, *args: Any, **kwargs: Any) -> Any:
-        taken = sorted(set(kwargs) & set(fixed))
-        if taken:
-            raise TypeError(f"clipped_grad: the plan sets {taken}; build the plan with other values instead")
-        return _dropin.clipped_grad(fun, *args, **{**kwargs, **fixed})
-
+    clipped_grad = _plan_clipped_grad({
+        "l2_clip_norm": config.l2_clip_norm, "normalize_by": config.normalize_by,
+        "rescale_to_unit_norm": config.rescale_to_unit_norm, "dtype": config.dtype, "method": method})
     relation = config.accountant.neighboring_relation
     ours, theirs = clipped_grad(lambda: None), plan.clipped_grad(lambda: None)
     if ours.sensitivity(relation) != theirs.sensitivity(relation):  # pragma: no cover - a broken drop-in
@@ -243,3 +260,131 @@ def bandmf_plan(
                   noise_multiplier=_noise_multiplier(plan.dp_event), epsilon=float(spent), delta=delta,
                   sampling_prob=sampling_prob, strategy=np.asarray(config.strategy),
                   neighboring_relation=relation)
+
+
+def _blt_inverse(iterations: int, cycle_length: int, participations: int, num_buffers: int,
+                 optimize: bool) -> Any:
+    """:math:`C^{-1}` as a float32 BLT, :math:`C` the rational approximation of the optimal max-error
+    Toeplitz strategy or jax-privacy's optimized one for this min-separated participation.
+
+    The strategy and its inverse are computed in float64 (jax-privacy's BLT inverse is not
+    reliable in float32), then the inverse's parameters are rounded to float32: the noise is made
+    with those, and the sensitivity is computed for the inverse of exactly those.
+    """
+    with jax.enable_x64(True):
+        if optimize:
+            blt = buffered_toeplitz.optimize(n=iterations, min_sep=cycle_length,
+                                             max_participations=participations, max_buffers=num_buffers)
+        else:
+            blt = buffered_toeplitz.BufferedToeplitz.from_rational_approx_to_sqrt_x(num_buffers)
+        inv = blt.inverse()
+        decay, scale = np.asarray(inv.buf_decay), np.asarray(inv.output_scale)
+    return buffered_toeplitz.BufferedToeplitz.build(decay, scale, dtype=jnp.float32)
+
+
+def _strategy_and_sensitivity(inverse: Any, iterations: int, cycle_length: int,
+                              participations: int) -> tuple[np.ndarray, float]:
+    """The Toeplitz coefficients of the :math:`C` whose inverse makes the noise, and :math:`C`'s
+    sensitivity (in units of one participation's) under participations ``cycle_length`` apart.
+
+    Computed in float64 from the float32 inverse that generates the noise, so the bound is the one
+    of the matrix actually used. ``minsep_sensitivity_squared`` checks that the coefficients are
+    non-negative and non-increasing, where its bound is exact (arXiv:2405.13763, Theorem 2).
+    """
+    with jax.enable_x64(True):
+        inv = jnp.asarray(np.asarray(inverse.toeplitz_coefs(iterations), np.float64))
+        coefs = toeplitz.inverse_coef(inv)
+        sens2 = toeplitz.minsep_sensitivity_squared(coefs, min_sep=cycle_length,
+                                                    max_participations=participations)
+        return np.asarray(coefs), float(np.sqrt(float(sens2)))
+
+
+def blt_plan(
+    *,
+    num_examples: int,
+    expected_batch_size: int,
+    iterations: int,
+    epsilon: float,
+    delta: float,
+    l2_clip_norm: float = 1.0,
+    num_buffers: int = 3,
+    optimize: bool = False,
+    method: str = "auto",
+    neighboring_relation: str = "add_or_remove",
+    noise_seed: int | None = None,
+) -> MFPlan:
+    """A DP run with BLT (buffered linear Toeplitz) correlated noise and gradclip_jax's clipped sums.
+
+    The examples are split into ``b = num_examples // expected_batch_size``
+    groups, and step :math:`t` takes all of group :math:`t \\bmod b`
+    (jax-privacy's ``CyclicPoissonSampling`` with ``sampling_prob=1``): each
+    example takes part in at most :math:`k = \\lceil T / b \\rceil` steps, ``b``
+    apart. The noise added to step :math:`t`'s clipped sum is row :math:`t` of
+    :math:`C^{-1} Z`, :math:`Z` i.i.d. Gaussian of standard deviation
+    :math:`z \\cdot (C_{\\text{clip}} / B) \\cdot \\Delta`, with :math:`C` the
+    lower-triangular Toeplitz BLT strategy and
+    :math:`\\Delta = \\max \\|C \\mathbf{1}_P\\|` over participation patterns
+    :math:`P` of at most :math:`k` steps at least :math:`b` apart. The run is a
+    post-processing of :math:`C G + Z`, one Gaussian mechanism of noise
+    multiplier :math:`z` (``dp_event = GaussianDpEvent(z)``): no amplification by
+    sampling is claimed, as BLT's columns never end. :math:`z` is calibrated by
+    dp-accounting's PLD accountant of ``neighboring_relation`` for ``epsilon``.
+
+    Args:
+      num_examples: the data set size :math:`n`.
+      expected_batch_size: :math:`B`, the examples per step (the clipped sum is
+        divided by it before the noise); ``num_examples // expected_batch_size``
+        is the cycle length.
+      iterations: the steps :math:`T`.
+      epsilon, delta: the target :math:`(\\varepsilon, \\delta)`.
+      l2_clip_norm: the per-example clip norm :math:`C_{\\text{clip}}`.
+      num_buffers: the BLT's buffers (memory: that many copies of the model).
+      optimize: ``False`` (default): the rational approximation of the
+        optimal max-error Toeplitz strategy (``from_rational_approx_to_sqrt_x``,
+        instant); ``True``: jax-privacy's ``buffered_toeplitz.optimize`` for this
+        participation, with up to ``num_buffers`` buffers (a minute or more on a CPU).
+      method: :func:`gradclip_jax.clipped_grad`'s ``'auto'``, ``'ghost'`` or ``'vmap'``.
+      neighboring_relation: ``'add_or_remove'`` (an independent random partition
+        into groups) or ``'zero_out'`` (groups of equal size, ``n mod b`` unused).
+      noise_seed: the seed of the noise (``None``: a fresh random one).
+
+    Returns:
+      An :class:`MFPlan` (``sampling_prob`` 1, ``strategy`` the first
+      ``iterations`` Toeplitz coefficients of :math:`C`).
+
+    Raises:
+      ValueError: naming the argument at fault.
+
+    Example:
+      >>> plan = blt_plan(num_examples=1000, expected_batch_size=100, iterations=30,
+      ...                 epsilon=4.0, delta=1e-5, noise_seed=0)
+      >>> plan.sampling_prob, plan.epsilon <= 4.0, plan.strategy.shape
+      (1.0, True, (30,))
+    """
+    _check(num_examples, expected_batch_size, iterations, 1, epsilon, delta, l2_clip_norm, method,
+           neighboring_relation)
+    if not (_real(num_buffers) and isinstance(num_buffers, (int, np.integer)) and 1 <= num_buffers <= 10):
+        raise ValueError(f"blt_plan: `num_buffers` must be an int in [1, 10], got {num_buffers!r}")
+    relation, partition = _RELATIONS[neighboring_relation]
+    cycle = num_examples // expected_batch_size
+    participations = -(-iterations // cycle)
+    inverse = _blt_inverse(iterations, cycle, participations, int(num_buffers), bool(optimize))
+    coefs, sens = _strategy_and_sensitivity(inverse, iterations, cycle, participations)
+
+    def fresh() -> Any:
+        return dp_accounting.pld.PLDAccountant(relation)
+
+    z = float(dp_accounting.calibrate_dp_mechanism(
+        make_fresh_accountant=fresh, make_event_from_param=dp_accounting.GaussianDpEvent,
+        target_epsilon=epsilon, target_delta=delta))
+    event = dp_accounting.GaussianDpEvent(z)
+    clipped_grad = _plan_clipped_grad({"l2_clip_norm": l2_clip_norm, "normalize_by": float(expected_batch_size),
+                                       "rescale_to_unit_norm": False, "dtype": None, "method": method})
+    query = float(clipped_grad(lambda: None).sensitivity(relation))
+    privatizer = noise_addition.matrix_factorization_privatizer(
+        inverse.as_streaming_matrix(), stddev=z * query * sens, prng_key=noise_seed)
+    sampling = batch_selection.CyclicPoissonSampling(
+        sampling_prob=1.0, iterations=iterations, cycle_length=cycle, partition_type=partition)
+    return MFPlan(clipped_grad=clipped_grad, batch_selection_strategy=sampling, noise_addition_transform=privatizer,
+                  dp_event=event, noise_multiplier=z, epsilon=float(fresh().compose(event).get_epsilon(delta)),
+                  delta=delta, sampling_prob=1.0, strategy=coefs, neighboring_relation=relation)

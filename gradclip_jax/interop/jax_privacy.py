@@ -25,6 +25,17 @@ Where the results differ from jax-privacy 2.0's (each keeps the sensitivity boun
   (or ``dtype``); ``microbatch_size`` need not divide the batch size.
 * arguments are checked when the function is made (or called, for what depends on
   the arguments), and each error names the argument at fault.
+* ``clip_pytree`` (and so ``clipped_fun``) stores every output within its bound
+  (``clip_norm``, or 1 with ``rescale_to_unit_norm``) in exact arithmetic, rounding
+  included: jax-privacy's factor where an exact check proves that it stores within
+  the bound (the same bits as jax-privacy's, about half the clipped float32 trees), else
+  that factor lowered by the measured excess or a rounding margin. jax-privacy's
+  outputs land a few units in the last place above the bound in about half the
+  clipped trees, and in rescaled trees whose norm is just below ``clip_norm``. So
+  jax-privacy's ``test_clip_pytree_clip_norm_zero_rescale`` fails here: it asks a
+  global norm of 1 to 7 places for ``{a: [3, 0], b: [0, 4]}`` divided by its norm,
+  which every float32 factor stores either above 1 (0.2, whose 0.6 and 0.8 round up:
+  exact norm 1 + 2.4e-8) or at most 0.99999994 (ours: 0.9999998).
 
 Importing this module needs jax-privacy: ``pip install 'gradclip_jax[jax-privacy]'``.
 """
@@ -39,6 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
 
 try:
     from jax_privacy.clipping import AuxiliaryOutput, BoundedSensitivityCallable
@@ -50,7 +62,8 @@ except ImportError as err:  # pragma: no cover - exercised without the extra
 
 from gradclip_jax import norms as _norms
 from gradclip_jax._core.validation import check_mask
-from gradclip_jax._numerics import divide_or_zero, rounding_margin
+from gradclip_jax._numerics import bounded_factor, divide_or_zero
+from gradclip_jax._stored import certified_factors, stored_scale
 from gradclip_jax.clipping._factors import clip_factor
 from gradclip_jax.hyperparams import check_scalar, is_traced, static_value
 from gradclip_jax.per_example._batch import batch_size_of
@@ -71,26 +84,49 @@ def _finite_or_zero(x: Any) -> Any:
     return jnp.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def _scale_factor(norm: jax.Array, clip_norm: Any, rescale: bool) -> tuple[jax.Array, jax.Array]:
-    """``(factor, clipped)``: jax-privacy's scale (its edge-case table) and whether it clips."""
+def _scale_factor(norm: jax.Array, clip_norm: Any, rescale: bool) -> jax.Array:
+    """jax-privacy's scale (its edge-case table), before the stored bound is checked."""
     # a negative (traced) clip norm zeroes the output, as in jax-privacy
     c = jnp.maximum(jnp.asarray(clip_norm, norm.dtype), 0.0)
     f = clip_factor(norm, c)  # min(1, c / n), exactly 1 at a zero norm, finite derivatives
-    clipped = f < 1
     if rescale:  # c = 0: the limit c -> 0, x / |x|
         f = jnp.where(c > 0, f / jnp.where(c > 0, c, 1.0), divide_or_zero(1.0, norm))
     # a NaN or inf norm (nan_safe=False), or a NaN clip norm: scale 0, as jax-privacy
     f = jnp.where(jnp.isfinite(norm), f, 0.0)
-    return jnp.nan_to_num(f, nan=0.0, posinf=0.0), clipped
+    return jnp.nan_to_num(f, nan=0.0, posinf=0.0)
 
 
-def _scaled(x: jax.Array, f: jax.Array, clipped: jax.Array, return_zero: Any) -> jax.Array:
-    """``x * f`` in the accumulation dtype, rounded once to x's dtype; where the output lands on the
-    bound (``clipped``), ``f`` is lowered by the rounding margin so the stored norm stays within it."""
-    acc = _norms.acc_dtype(x.dtype)
-    g = jnp.where(clipped, f * rounding_margin(x.dtype, f.dtype), f).astype(acc)
-    y = (x.astype(acc) * g).astype(x.dtype)
-    return jnp.where(return_zero, jnp.zeros_like(y), y)
+def _stored_factors(leaves: list[jax.Array], f: jax.Array, bound: Any, rescale: bool) -> list[jax.Array]:
+    """Each leaf's factor to store with: ``f`` itself where the stored tree provably has norm
+    ``<= bound`` (:func:`gradclip_jax._stored.certified_factors`, exact arithmetic), else ``f``
+    lowered by the measured excess, else by the rounding margin.
+
+    Without ``rescale`` a factor of 1 (nothing clipped) stores the input as it is. With it, the
+    output ``x / C`` of an unclipped tree can land on the unit bound too (a norm just below ``C``),
+    with a factor above 1, which ``certified_factors`` reads as "not clipped" and leaves unchecked:
+    so a factor ``f >= 1`` is checked as ``g = f / 2**e < 1`` on the leaves times ``2**e``, which
+    stores the same values (a power of two scales exactly, and the stored output, of norm about 1,
+    bounds the scaled leaves: they cannot overflow).
+
+    A tree with a 16-bit leaf takes the margin (:func:`gradclip_jax._numerics.bounded_factor`)
+    and no exact check: such a tree's norm is commonly measured in 16-bit arithmetic
+    (``optax.global_norm``, jax-privacy's own tests), whose rounding (``2**-11`` relative in
+    float16) exceeds the few units of float32 the check saves, and the margin keeps that
+    measurement within the bound too.
+    """
+    e = jnp.zeros((), jnp.int32)
+    if rescale:
+        _, exp = jnp.frexp(lax.stop_gradient(f))  # f = m 2**exp, m in [0.5, 1)
+        e = jnp.where(f >= 1, exp, 0)
+    up = jnp.ldexp(jnp.ones((), f.dtype), e)
+    g = f / up  # exact: a power of two
+    if any(jnp.finfo(x.dtype).bits < 32 for x in leaves):
+        return [bounded_factor(g, x.dtype) * up for x in leaves]
+    # scaled in the product's dtype, stored in the leaf's
+    arrays = [x.astype(jnp.promote_types(x.dtype, f.dtype)) * up for x in leaves]
+    factors = certified_factors(arrays, [g] * len(arrays), [tuple(range(x.ndim)) for x in arrays], bound,
+                                combine=True, stores=[x.dtype for x in leaves])
+    return [fa * up for fa in factors]
 
 
 def clip_pytree(
@@ -103,9 +139,12 @@ def clip_pytree(
     """Clips a pytree to global L2 norm ``clip_norm``: ``jax_privacy.clipping.clip_pytree``.
 
     The norm comes from :func:`gradclip_jax.tree_norm` (float32 accumulation for
-    16-bit leaves, no overflow for finite elements); a scale below 1 is lowered by a
-    few units in the last place of each leaf's dtype, so the output's norm is at
-    most the bound as stored.
+    16-bit leaves, no overflow for finite elements). The output's norm, as stored and
+    measured exactly, is at most the bound (``clip_norm``, or 1 with
+    ``rescale_to_unit_norm``): jax-privacy's scale is kept where the exact check of
+    :func:`gradclip_jax._stored.certified_factors` proves that, else lowered by the
+    measured excess, else by a few units in the last place (always so for a tree
+    with 16-bit leaves).
 
     ======================= ==================== =================================
     Case                    rescale_to_unit_norm Output
@@ -152,10 +191,14 @@ def clip_pytree(
     rescale = bool(static_value(fn, "rescale_to_unit_norm", rescale_to_unit_norm))
     if static_value(fn, "nan_safe", nan_safe):
         pytree = jax.tree.map(_finite_or_zero, pytree)
-    norm = _norms.global_norm(_norms.flatten(pytree, fn).arrays, _norms.parse_ord(2))
-    f, clipped = _scale_factor(norm, clip_norm, rescale)
-    out = jax.tree.map(lambda x: _scaled(x, f, clipped, return_zero), pytree)
-    return out, norm.astype(jnp.float32)
+    flat = _norms.flatten(pytree, fn)
+    leaves = flat.arrays
+    norm = _norms.global_norm(leaves, _norms.parse_ord(2))
+    f = _scale_factor(norm, clip_norm, rescale)
+    bound = 1.0 if rescale else jnp.maximum(jnp.asarray(clip_norm, norm.dtype), 0.0)
+    factors = _stored_factors(leaves, f, bound, rescale)
+    out = [jnp.where(return_zero, jnp.zeros_like(x), stored_scale(x, fx)) for x, fx in zip(leaves, factors, strict=True)]
+    return flat.rebuild(out), norm.astype(jnp.float32)
 
 
 # ----------------------------------------------------------------------------

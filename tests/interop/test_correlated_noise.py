@@ -199,6 +199,8 @@ def test_guide_runs():
         exec(compile(code, guide.name, "exec"), ns)
     assert ns["plan"].epsilon <= 4.0
     assert ns["test_accuracy"] > 0.5
+    assert ns["blt"].epsilon <= 4.0 and ns["blt"].sampling_prob == 1.0
+    assert ns["blt_accuracy"] > 0.5
 
 
 @pytest.mark.slow
@@ -210,3 +212,107 @@ def test_digits_comparison():
     assert {r["run"] for r in rows} >= {"DP-SGD (make_private)", "DP-SGD (plan, 1 band)", "BandMF (4 bands)"}
     for r in rows:
         assert r["epsilon"] <= 4.0 and r["accuracy"] > 0.6, r
+
+
+# ----------------------------------------------------------------------------
+# BLT (buffered linear Toeplitz) noise
+# ----------------------------------------------------------------------------
+
+BLT = {"num_examples": 600, "expected_batch_size": 100, "iterations": 15, "epsilon": 4.0, "delta": 1e-5,
+       "noise_seed": 0}
+
+
+@pytest.fixture(scope="module")
+def blt_small():
+    return cn.blt_plan(**BLT, l2_clip_norm=0.5)
+
+
+def _blt_sensitivity_by_brute_force(coefs, t, cycle):
+    """max ||C 1_P|| over the participation patterns the cyclic batches produce: {j, j + b, ...}."""
+    c = np.asarray(toeplitz.materialize_lower_triangular(coefs, n=t), np.float64)
+    return max(np.linalg.norm(c[:, j::cycle].sum(axis=1)) for j in range(cycle))
+
+
+def test_blt_noise_is_the_strategy_inverse_times_iid_gaussians_at_the_min_sep_sensitivity(blt_small):
+    """N = C^{-1} Z with C the plan's strategy: C @ N is white, of standard deviation
+    noise_multiplier * (C_clip / B) * Delta, Delta = max over the cyclic participation patterns (6
+    steps apart, 3 each in 15 steps) of ||C 1_P||, computed here by brute force; and the noise is
+    correlated for real (not white)."""
+    t, d, cycle = BLT["iterations"], 200_000, 6
+    delta_sens = _blt_sensitivity_by_brute_force(blt_small.strategy, t, cycle)
+    assert delta_sens > 1.1 * np.linalg.norm(blt_small.strategy)  # three participations cost more than one
+    noise = _noise(blt_small.noise_addition_transform, (d,), t)
+    c = np.asarray(toeplitz.materialize_lower_triangular(blt_small.strategy, n=t), np.float64)
+    sigma = blt_small.noise_multiplier * 0.5 / BLT["expected_batch_size"] * delta_sens
+    np.testing.assert_allclose(np.cov(c @ noise), sigma**2 * np.eye(t), atol=0.02 * sigma**2)
+    assert np.corrcoef(noise[0], noise[1])[0, 1] < -0.1
+
+
+def test_blt_strategy_is_a_decaying_toeplitz_and_its_epsilon_is_one_gaussian_mechanism(blt_small):
+    """C's coefficients start at 1, are positive and non-increasing (where the min-sep sensitivity is
+    exact); the run's event is one Gaussian mechanism, calibrated to the target by dp-accounting."""
+    coefs = blt_small.strategy
+    assert coefs.shape == (BLT["iterations"],) and coefs[0] == pytest.approx(1.0)
+    assert np.all(coefs > 0) and np.all(np.diff(coefs) <= 0)
+    assert blt_small.sampling_prob == 1.0 and blt_small.neighboring_relation == REL.ADD_OR_REMOVE_ONE
+    pld = dp_accounting.pld.PLDAccountant(REL.ADD_OR_REMOVE_ONE).compose(
+        dp_accounting.GaussianDpEvent(blt_small.noise_multiplier)).get_epsilon(BLT["delta"])
+    assert pld <= BLT["epsilon"] and pld > 0.97 * BLT["epsilon"] and pld == pytest.approx(blt_small.epsilon)
+    assert blt_small.dp_event == dp_accounting.GaussianDpEvent(blt_small.noise_multiplier)
+
+
+def test_blt_batches_take_each_example_every_cycle_length_steps(blt_small):
+    """600 examples in batches of about 100: cycle length 6, each example in steps j, j + 6, j + 12."""
+    batches = list(blt_small.batch_selection_strategy.batch_iterator(BLT["num_examples"], rng=0))
+    assert len(batches) == BLT["iterations"]
+    steps: dict[int, list[int]] = {}
+    for t, idx in enumerate(batches):
+        for i in idx.tolist():
+            steps.setdefault(i, []).append(t)
+    assert all(np.all(np.diff(s) == 6) and len(s) <= 3 for s in steps.values())
+    assert len(steps) == BLT["num_examples"]  # everyone takes part (probability 1)
+
+
+def test_blt_noised_sum_is_our_clipped_sum():
+    loss, params, data = mlp_setup()
+    plan = cn.blt_plan(**{**BLT, "expected_batch_size": 10}, method="ghost")
+    grads = plan.clipped_grad(_mean_loss(loss), batch_argnums=1)(params, data)
+    state = plan.noise_addition_transform.init(params)
+    noisy, _ = plan.noise_addition_transform.update(grads, state)
+    noise, _ = plan.noise_addition_transform.update(jax.tree.map(jnp.zeros_like, grads), state)
+    core, _ = gcx.clipped_grad(loss, 1.0, method="vmap")(params, data)
+    assert_tree_close(jax.tree.map(jnp.subtract, noisy, noise), jax.tree.map(lambda g: g / 10, core),
+                      rtol=1e-4, atol=1e-6)
+
+
+def test_blt_more_buffers_or_zero_out_still_calibrate_and_bad_buffers_are_named():
+    plan = cn.blt_plan(**BLT, num_buffers=5, neighboring_relation="zero_out")
+    assert plan.neighboring_relation == REL.REPLACE_SPECIAL and plan.epsilon <= BLT["epsilon"]
+    for bad in (0, 11, 2.5, True):
+        with pytest.raises(ValueError, match="num_buffers"):
+            cn.blt_plan(**BLT, num_buffers=bad)
+    with pytest.raises(ValueError, match="expected_batch_size"):
+        cn.blt_plan(**{**BLT, "expected_batch_size": 601})
+
+
+@pytest.mark.slow
+def test_blt_optimized_strategy_is_calibrated_alike_and_no_worse_than_the_rational_one():
+    """optimize=True (jax-privacy's buffered_toeplitz.optimize for this participation): the same one
+    Gaussian mechanism (z depends on epsilon only), its noise white at the brute-force sensitivity
+    under C, and its max prefix-sum error times sensitivity squared at most the rational strategy's."""
+    opt = cn.blt_plan(**BLT, optimize=True, num_buffers=2)
+    rat = cn.blt_plan(**BLT, num_buffers=2)
+    assert opt.noise_multiplier == pytest.approx(rat.noise_multiplier) and opt.epsilon <= BLT["epsilon"]
+    assert np.all(np.diff(opt.strategy) <= 0) and not np.allclose(opt.strategy, rat.strategy)
+    t, cycle = BLT["iterations"], 6
+
+    def loss(plan):
+        inv = toeplitz.inverse_coef(jnp.asarray(plan.strategy, jnp.float32))
+        err = float(jnp.max(toeplitz.per_query_error(noising_coef=inv)))
+        return err * _blt_sensitivity_by_brute_force(plan.strategy, t, cycle) ** 2
+
+    assert loss(opt) <= 1.01 * loss(rat)
+    noise = _noise(opt.noise_addition_transform, (100_000,), t)
+    c = np.asarray(toeplitz.materialize_lower_triangular(opt.strategy, n=t), np.float64)
+    sigma = opt.noise_multiplier / BLT["expected_batch_size"] * _blt_sensitivity_by_brute_force(opt.strategy, t, cycle)
+    np.testing.assert_allclose(np.cov(c @ noise), sigma**2 * np.eye(t), atol=0.03 * sigma**2)
