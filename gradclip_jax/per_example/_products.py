@@ -13,7 +13,7 @@ and the weighted sums (book-kept or over formed rows). They run at
   which NVIDIA GPUs run on TF32 tensor cores. A product of two TF32 values is exact in
   float32 (11 x 11 significant bits), so these products carry only float32
   accumulation error, as at ``"highest"``: the norms measure the per-example
-  gradients of the rounded operands. A dense layer's book-kept sum runs in one pass: the
+  gradients of the rounded operands. A dense or convolution layer's book-kept sum runs in one pass: the
   clip weight, truncated toward zero to TF32, times the smaller rounded operand is
   rounded once more to TF32 (:func:`tf32_weighted_once`), and a clipped example's
   factor is taken from its norm widened by that rounding's bound (:data:`ONCE_ROUNDING`
@@ -112,7 +112,9 @@ PRODUCT_UNITS: dict[str, int] = {"highest": 0, "tf32": 0, "tf32x2": 0, "bf16x6":
 
 # Site kinds whose book-kept sum, at "tf32", rounds the weighted operand once to TF32 (one pass)
 # and clips by a norm widened by that rounding's bound (see rounds_weighted_once).
-ONE_PASS_KINDS = frozenset({"dense"})
+# A convolution's spread is the Cauchy-Schwarz bound sqrt(K) |x| |g| (rules/conv.py): on a
+# WRN-16-4 (32x32 inputs, at initialization) one pass clipped 0.13-0.20% harder than two.
+ONE_PASS_KINDS = frozenset({"dense", "conv"})
 
 # The relative error of rounding trunc(w) * x (exact in float32) to nearest TF32, 2**-11, raised
 # by 2**-10 of itself for the float32 rounding of the spread it multiplies.

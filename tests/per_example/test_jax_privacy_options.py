@@ -205,3 +205,25 @@ def test_both_spellings_of_the_clip_norm_are_accepted_without_a_warning():
         clipped_grad(loss, 0.3, l2_norm_clip=0.3)
     with pytest.raises(TypeError, match="l2_clip_norm"):
         clipped_grad(loss)
+
+
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+def test_rescaled_example_just_below_the_clip_norm_stays_within_norm_one(method):
+    """An example whose norm is a few units below C is not clipped; divided by C and stored, its
+    norm (float64 of the stored values) must still be at most 1: the division is lowered by the
+    rounding margin (before, about 1 in 200 such examples came out an ulp above 1)."""
+    r = np.random.default_rng(7)
+    d, clip = 5, 1.7
+
+    def loss(p, b):
+        return b["x"] @ p["w"]  # per-example gradient: x
+
+    f = jax.jit(clipped_grad(loss, clip, method=method, rescale_to_unit_norm=True))
+    worst = 0.0
+    for _ in range(300):
+        v = r.normal(size=d)
+        x = np.asarray(v / np.linalg.norm(v) * clip * (1 - r.integers(0, 4) * 2.0**-24), np.float32)
+        g, _ = f({"w": jnp.zeros(d, jnp.float32)}, {"x": jnp.asarray(x[None])})
+        worst = max(worst, float(np.linalg.norm(np.asarray(g["w"], np.float64))))
+    assert worst <= 1.0
+    assert worst > 1.0 - 1e-6  # lowered by a few units only

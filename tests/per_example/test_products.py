@@ -262,8 +262,12 @@ def test_ghost_at_tf32_matches_the_loop_to_tf32_rounding(tf32, setup, ghost_sum)
 
 @pytest.mark.parametrize("setup", [mlp_setup, cnn_setup, embed_setup], ids=["mlp", "cnn", "embed"])
 @pytest.mark.parametrize("seed", range(3))
-def test_tf32_contribution_stays_within_the_clip_norm(tf32, setup, seed):
-    """One example far above the bound: what is added (float64 norm) is at most C, with no margin."""
+@pytest.mark.parametrize(("setting", "slack"), [("tf32", 1e-2), ("tf32x2", 2.0**-9)])
+def test_tf32_contribution_stays_within_the_clip_norm(setup, seed, setting, slack, monkeypatch):
+    """One example far above the bound: what is added (float64 norm) is at most C, with no margin,
+    and not far below: by the weight's truncation (at most 2**-10) at "tf32x2"; at "tf32" also by
+    the one-pass sums' widened norm (the spread over the norm: 0.22% on the CNN, under 1% here)."""
+    monkeypatch.setitem(PRODUCT_PRECISION, jax.default_backend(), setting)
     loss, params, data = setup(seed=seed, batch=1)
     _, info = clipped_grad(loss, 1.0, method="ghost")(params, data)
     checked = 0
@@ -274,7 +278,7 @@ def test_tf32_contribution_stays_within_the_clip_norm(tf32, setup, seed):
                 continue
             norm = np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree.leaves(got)))
             assert norm <= clip
-            assert norm > clip * (1 - 2.0**-9)  # the weight's truncation costs at most 2**-10
+            assert norm > clip * (1 - slack)
             checked += 1
     assert checked >= 2
 
@@ -353,7 +357,7 @@ def test_one_pass_is_one_product_per_dense_sum_and_tf32x2_keeps_two(monkeypatch)
     assert_tree_close(sums["tf32"], sums["tf32x2"], rtol=0 if exact else 1e-6, atol=0 if exact else 1e-6)
 
 
-@pytest.mark.parametrize("setup", [mlp_setup, embed_setup], ids=["mlp", "embed"])
+@pytest.mark.parametrize("setup", [mlp_setup, cnn_setup, embed_setup], ids=["mlp", "cnn", "embed"])
 def test_one_pass_clips_at_most_a_spread_below_two_passes(setup, monkeypatch):
     """The widened norm clips one-pass sums a little harder than two exact passes, by at most
     ``2**-11`` times the spread over the norm (here well under 1%)."""

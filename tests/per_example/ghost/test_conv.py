@@ -396,3 +396,37 @@ def test_formed_norms_take_no_conditional_per_tap_and_stay_finite(monkeypatch):
     got, want = np.asarray(info.norms["k"], np.float64), np.asarray(ref.norms["k"])
     assert np.all(want > 1e19) and np.all(np.isfinite(got))
     np.testing.assert_allclose(got, want, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("stride", "padding", "lhs_dil", "rhs_dil", "groups"),
+    [((1, 1), "SAME", (1, 1), (1, 1), 1), ((2, 1), ((2, 1), (0, 3)), (1, 1), (2, 1), 1),
+     ((1, 2), ((0, 0), (0, 0)), (2, 1), (1, 1), 2), ((1, 1), ((1, 1), (1, 1)), (1, 2), (1, 3), 3)],
+)
+def test_conv_spread_bounds_the_patches_sum(stride, padding, lhs_dil, rhs_dil, groups):
+    """The conv rule's spread, sqrt(K) |x_b| |g_b|, is at least sum over positions and groups of
+    |patch| |cotangent| (the patches formed here), which bounds what a one-pass book-kept sum's
+    rounding moves the kernel gradient: for strides, padding, both dilations and groups."""
+    r = np.random.default_rng(sum(stride) + groups)
+    cin, cout, kh, kw = 3 * groups, 2 * groups, 3, 2
+    x = jnp.asarray(r.normal(size=(4, 9, 8, cin)) * r.uniform(0.1, 5, size=(4, 1, 1, 1)), jnp.float32)
+    w = jnp.asarray(r.normal(size=(kh, kw, cin // groups, cout)), jnp.float32)
+    dn = ("NHWC", "HWIO", "NHWC")
+
+    def f(x, w):
+        return lax.conv_general_dilated(x, w, stride, padding, lhs_dil, rhs_dil, dimension_numbers=dn,
+                                        feature_group_count=groups)
+
+    eqn = next(e for e in jax.make_jaxpr(f)(x, w).jaxpr.eqns if e.primitive.name == "conv_general_dilated")
+    g = jnp.asarray(r.normal(size=f(x, w).shape), jnp.float32)
+    spread = np.asarray(conv.Conv().spread(None, eqn, [x, w], g, jnp.float32), np.float64)
+    patches = lax.conv_general_dilated_patches(x, (kh, kw), stride, padding, lhs_dil, rhs_dil, dimension_numbers=dn)
+    p = np.asarray(patches, np.float64).reshape(4, -1, cin, kh * kw)  # channel-major, then taps
+    gg = np.asarray(g, np.float64).reshape(4, -1, cout)
+    exact = np.zeros(4)
+    for k in range(groups):
+        pk = p[:, :, k * cin // groups:(k + 1) * cin // groups].reshape(4, p.shape[1], -1)
+        gk = gg[:, :, k * cout // groups:(k + 1) * cout // groups]
+        exact += np.sum(np.linalg.norm(pk, axis=-1) * np.linalg.norm(gk, axis=-1), axis=1)
+    assert np.all(exact <= spread * (1 + 1e-6))
+    assert np.all(exact >= spread * 0.05)  # a bound, not a blanket: within 20x here

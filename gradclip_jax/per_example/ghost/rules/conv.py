@@ -173,5 +173,19 @@ class Conv(Rule):
             return gram_norms(views)
         return formed_norms(views)
 
+    def spread(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any) -> jax.Array:
+        """:math:`\\sqrt{K} \\|x_b\\| \\|g_b\\|` (``K`` kernel taps): a bound on
+        :math:`\\sum_t \\|p_{bt}\\| \\|g_{bt}\\|` over the output positions' patches ``p_bt``, by
+        Cauchy-Schwarz, since each input element (of the dilated, padded input; per group)
+        lies in at most ``K`` patches. No patches are formed."""
+        dn = jc.param(eqn, "dimension_numbers")
+        taps = math.prod(shape(eqn.invars[1])[d] for d in dn.rhs_spec[2:])
+
+        def norms(v: jax.Array) -> jax.Array:
+            v = as_measured(v.astype(acc))
+            return jnp.sqrt(jnp.sum(jnp.square(v), axis=tuple(range(1, v.ndim))))
+
+        return jnp.sqrt(jnp.asarray(taps, acc)) * norms(ops[0]) * norms(g)
+
 
 register(Conv())
