@@ -4,7 +4,7 @@ The stateful transforms (:mod:`gradclip_jax.ema`, :mod:`gradclip_jax.growth`,
 :mod:`gradclip_jax.adaptive`) keep per-leaf statistics in trees shaped like the
 parameters: the measured (floating-point) leaves hold arrays, every other leaf
 holds ``None``. These helpers build such trees at ``init``, read them back as flat
-lists aligned with :attr:`gradclip_jax.norms.FlatTree.arrays` at ``update``, and
+lists aligned with :attr:`gradclip_jax._core.norms.FlatTree.arrays` at ``update``, and
 write them again with the structure fixed at ``init`` (so the state never
 changes structure: safe in ``lax.scan``, ``vmap`` and checkpoints).
 """
@@ -20,10 +20,10 @@ import numpy as np
 import optax
 from jax import lax
 
-from gradclip_jax import norms as _norms
-from gradclip_jax._control import cond
-from gradclip_jax._numerics import count0 as count0
-from gradclip_jax.clipping._factors import scale_leaf
+from gradclip_jax._core import norms as _norms
+from gradclip_jax._core.control import cond
+from gradclip_jax._core.factors import scale_leaf
+from gradclip_jax._core.numerics import count0 as count0
 
 
 def scalar_dtype(params: Any) -> np.dtype:
@@ -92,7 +92,7 @@ def like(tree: Any, leaves: Sequence[Any]) -> Any:
 def whole_leaf_norms(arrays: Sequence[jax.Array], spec: _norms.NormSpec) -> list[jax.Array]:
     """One norm per array (over all its axes) from the engine, as 0-d arrays.
 
-    All arrays go through a single :func:`gradclip_jax.norms.slice_norms` call, so
+    All arrays go through a single :func:`gradclip_jax._core.norms.slice_norms` call, so
     one overflow-fallback ``lax.cond`` covers them all.
     """
     out = _norms.slice_norms(arrays, [tuple(range(x.ndim)) for x in arrays], spec)

@@ -28,11 +28,12 @@ import numpy as np
 import optax
 
 from gradclip_jax import _stateful as _st
-from gradclip_jax import norms as _norms
+from gradclip_jax._core import norms as _norms
+from gradclip_jax._core.factors import clip_factor, normalize_factor
+from gradclip_jax._core.norms import OrdLike
 from gradclip_jax._core.state_registry import register_state
 from gradclip_jax._core.validation import check_bool, check_transform
 from gradclip_jax._states import check_state, check_tree
-from gradclip_jax.clipping._factors import clip_factor, normalize_factor
 from gradclip_jax.hyperparams import (
     Hyperparam,
     Hyperparams,
@@ -42,7 +43,6 @@ from gradclip_jax.hyperparams import (
     poison,
     resolve,
 )
-from gradclip_jax.norms import OrdLike
 
 __all__ = [
     "NormByEMAState",

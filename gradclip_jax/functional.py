@@ -12,16 +12,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gradclip_jax import norms as _norms
-from gradclip_jax.clipping._factors import (
+from gradclip_jax._core import norms as _norms
+from gradclip_jax._core.factors import (
     normalize_factor,
     rescale_tree,
     scale_leaf,
     validate_shape_args,
 )
+from gradclip_jax._core.norms import DimLike, OrdLike, leaf_norms, tree_norm
 from gradclip_jax.clipping._value import clip_value_tree
 from gradclip_jax.hyperparams import Hyperparams, check_scalar, poison
-from gradclip_jax.norms import DimLike, OrdLike, leaf_norms, tree_norm
 
 __all__ = ["clip_grad_norm", "clip_grad_value", "normalize_grads", "tree_norm", "leaf_norms"]
 

@@ -9,12 +9,13 @@ import jax.numpy as jnp
 import optax
 
 from gradclip_jax import _stateful as _st
-from gradclip_jax import norms as _norms
-from gradclip_jax._control import cond
+from gradclip_jax._core import norms as _norms
+from gradclip_jax._core.control import cond
+from gradclip_jax._core.factors import clip_factor as _clip_factor
+from gradclip_jax._core.norms import OrdLike
 from gradclip_jax._core.state_registry import register_state
 from gradclip_jax._core.validation import check_bool, check_int
 from gradclip_jax._states import check_state, check_tree
-from gradclip_jax.clipping._factors import clip_factor as _clip_factor
 from gradclip_jax.hyperparams import (
     Hyperparam,
     Hyperparams,
@@ -23,7 +24,6 @@ from gradclip_jax.hyperparams import (
     mark_static,
     poison,
 )
-from gradclip_jax.norms import OrdLike
 
 
 @register_state

@@ -9,19 +9,19 @@ import jax.numpy as jnp
 import optax
 
 from gradclip_jax import _stateful as _st
-from gradclip_jax import norms as _norms
+from gradclip_jax._core import norms as _norms
+from gradclip_jax._core.factors import clip_factor as _clip_factor
+from gradclip_jax._core.norms import OrdLike
 from gradclip_jax._core.state_registry import register_state
 from gradclip_jax._core.validation import check_bool, check_int
 from gradclip_jax._states import check_state
 from gradclip_jax.adaptive._common import finish
-from gradclip_jax.clipping._factors import clip_factor as _clip_factor
 from gradclip_jax.hyperparams import (
     Hyperparam,
     Hyperparams,
     counts,
     mark_static,
 )
-from gradclip_jax.norms import OrdLike
 
 
 @register_state

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from gradclip_jax import _stateful as _st
-from gradclip_jax import norms as _norms
+from gradclip_jax._core import norms as _norms
 from gradclip_jax.hyperparams import (
     counts,
     increment,

@@ -9,14 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gradclip_jax import norms as _norms
+from gradclip_jax._core import norms as _norms
+from gradclip_jax._core.factors import validate_shape_args
+from gradclip_jax._core.norms import DimLike
 from gradclip_jax._states import check_state
-from gradclip_jax.clipping._factors import validate_shape_args
 from gradclip_jax.clipping._states import CentralizeState
 from gradclip_jax.hyperparams import (
     mark_static,
 )
-from gradclip_jax.norms import DimLike
 
 
 @mark_static("dim", "inverse_dims", "min_size")

@@ -7,10 +7,8 @@ from typing import Any
 import jax.numpy as jnp
 import optax
 
-from gradclip_jax import norms as _norms
-from gradclip_jax._numerics import count0 as _count0
-from gradclip_jax._states import check_state, check_tree
-from gradclip_jax.clipping._factors import (
+from gradclip_jax._core import norms as _norms
+from gradclip_jax._core.factors import (
     clip_factor,
     like_state,
     norm_shape,
@@ -21,6 +19,9 @@ from gradclip_jax.clipping._factors import (
     tree_dtype,
     validate_shape_args,
 )
+from gradclip_jax._core.norms import DimLike, OrdLike
+from gradclip_jax._core.numerics import count0 as _count0
+from gradclip_jax._states import check_state, check_tree
 from gradclip_jax.clipping._states import ClipByGlobalNormState, ClipByNormState, NormalizeState
 from gradclip_jax.hyperparams import (
     Hyperparam,
@@ -29,7 +30,6 @@ from gradclip_jax.hyperparams import (
     mark_static,
     poison,
 )
-from gradclip_jax.norms import DimLike, OrdLike
 
 
 @mark_static("ord", "axis_name")

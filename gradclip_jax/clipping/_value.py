@@ -8,16 +8,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gradclip_jax import norms as _norms
-from gradclip_jax._numerics import count0 as _count0
-from gradclip_jax._states import check_state, check_tree
-from gradclip_jax.clipping._factors import (
+from gradclip_jax._core import norms as _norms
+from gradclip_jax._core.factors import (
     clip_factor,
     like_state,
     norm_template,
     rescale_tree,
     tree_dtype,
 )
+from gradclip_jax._core.numerics import count0 as _count0
+from gradclip_jax._states import check_state, check_tree
 from gradclip_jax.clipping._states import ClipByBlockRmsState, ClipByValueState
 from gradclip_jax.hyperparams import (
     Hyperparam,

@@ -64,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gradclip_jax import norms as _norms
+from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.validation import check_int, check_mask, check_number, clip_norm_arg
 from gradclip_jax.dp.accounting import PrivacyAccountant, _dp_accounting, calibrate
 from gradclip_jax.dp.batch_selection import BatchSampler, check_sampler

@@ -48,10 +48,10 @@ except ImportError as err:  # pragma: no cover - exercised without the extra
         "pip install 'gradclip_jax[jax-privacy]'"
     ) from err
 
-from gradclip_jax import norms as _norms
+from gradclip_jax._core import norms as _norms
+from gradclip_jax._core.factors import clip_factor
+from gradclip_jax._core.numerics import divide_or_zero, rounding_margin
 from gradclip_jax._core.validation import check_mask
-from gradclip_jax._numerics import divide_or_zero, rounding_margin
-from gradclip_jax.clipping._factors import clip_factor
 from gradclip_jax.hyperparams import check_scalar, is_traced, static_value
 from gradclip_jax.per_example._batch import batch_size_of
 from gradclip_jax.per_example._keys import example_keys

@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gradclip_jax import norms as _norms
-from gradclip_jax._numerics import sqrt_safe
+from gradclip_jax._core import norms as _norms
+from gradclip_jax._core.numerics import sqrt_safe
 from gradclip_jax.per_example._batch import explicit_spec
 from gradclip_jax.per_example._config import ClipConfig, LayerMode
 

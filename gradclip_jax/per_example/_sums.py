@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gradclip_jax import norms as _norms
-from gradclip_jax._control import cond
+from gradclip_jax._core import norms as _norms
+from gradclip_jax._core.control import cond
 from gradclip_jax.per_example._batch import (
     batch_axis_sharding,
     explicit_spec,

@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gradclip_jax import norms as _norms
+from gradclip_jax._core import norms as _norms
 from gradclip_jax.per_example._batch import (
     Call,
     match_batch_sharding,

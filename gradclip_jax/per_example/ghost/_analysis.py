@@ -16,8 +16,8 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from gradclip_jax import norms as _norms
 from gradclip_jax._core import jaxcompat as jc
+from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.jaxcompat import is_literal, open_jaxpr, shape, sub_jaxprs
 from gradclip_jax.per_example._batch import LOSS_CONTRACT, batch_size_of, check_loss_out, keystr
 from gradclip_jax.per_example._config import ClipConfig, GhostSum, Method

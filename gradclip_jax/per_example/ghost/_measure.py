@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gradclip_jax import norms as _norms
-from gradclip_jax.norms._reduce import SLICE_PACK_MAX_SIZE
+from gradclip_jax._core import norms as _norms
+from gradclip_jax._core.norms import SLICE_PACK_MAX_SIZE
 from gradclip_jax.per_example._batch import (
     Call,
     explicit_spec,

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gradclip_jax import norms as _norms
-from gradclip_jax._control import cond
+from gradclip_jax._core import norms as _norms
+from gradclip_jax._core.control import cond
 from gradclip_jax.per_example._batch import (
     Call,
     batch_axis_sharding,

@@ -7,10 +7,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gradclip_jax.norms._axes import check_axes_exist, check_dim, reduction_axes
-from gradclip_jax.norms._engine import check_complex, global_norm, slice_norms
-from gradclip_jax.norms._spec import DimLike, OrdLike, parse_ord
-from gradclip_jax.norms._trees import flatten
+from gradclip_jax._core.norms._axes import check_axes_exist, check_dim, reduction_axes
+from gradclip_jax._core.norms._engine import check_complex, global_norm, slice_norms
+from gradclip_jax._core.norms._spec import DimLike, OrdLike, parse_ord
+from gradclip_jax._core.norms._trees import flatten
 
 
 def tree_norm(tree: Any, ord: OrdLike = 2, *, axis_name: Any = None) -> jax.Array:  # noqa: A002

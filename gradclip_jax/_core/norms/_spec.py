@@ -6,7 +6,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from gradclip_jax.hyperparams import is_traced, static_value
+from gradclip_jax._core.validation import is_traced, static_value
 
 OrdLike = int | float | str
 DimLike = None | int | Sequence[int] | str

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gradclip_jax.norms._reduce import _Combiner, _Job, _needs_guard, _power_of_two
+from gradclip_jax._core.norms._reduce import _Combiner, _Job, _needs_guard, _power_of_two
 
 
 def _blue_consts(dtype: Any) -> tuple[float, float, float, float]:

@@ -3,7 +3,7 @@ already satisfies the bound, and lower the factor only when it does not.
 
 A clip factor ``f = C / n`` rounds, the norm ``n`` was measured in floating point
 and each scaled value is rounded when stored, so ``x * f`` as stored can exceed
-``C`` by a few units in the last place. :func:`gradclip_jax._numerics.bounded_factor`
+``C`` by a few units in the last place. :func:`gradclip_jax._core.numerics.bounded_factor`
 lowers the factor by a margin that provably absorbs all of that, but it then
 always stores values a few ulp inside the bound (``0.9999994`` for ``1.0``) where
 optax stores ``1.0``. :func:`certified_factors` decides, with error-free arithmetic, whether
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gradclip_jax._numerics import bounded_factor
+from gradclip_jax._core.numerics import bounded_factor
 
 __all__ = ["EXACT_CHECK_MAX", "certified_factors", "stored_scale"]
 
@@ -185,7 +185,7 @@ def certified_factors(
     Per array, a factor below 1 is kept where :func:`stored_scale` with it
     provably stores a 2-norm (or rms) ``<= bound``; else it is lowered by the
     measured excess (then by one more unit of roundoff) and kept if that checks;
-    else lowered by the margin (:func:`~gradclip_jax._numerics.bounded_factor`).
+    else lowered by the margin (:func:`~gradclip_jax._core.numerics.bounded_factor`).
 
     Args:
       arrays: the values to scale.

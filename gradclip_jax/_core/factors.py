@@ -9,22 +9,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gradclip_jax import norms as _norms
-from gradclip_jax._numerics import bounded_factor
-from gradclip_jax._stored import certified_factors, stored_scale
-from gradclip_jax.hyperparams import (
-    static_value,
-)
-from gradclip_jax.norms import DimLike, OrdLike
+from gradclip_jax._core import norms as _norms
+from gradclip_jax._core.norms import DimLike, OrdLike
+from gradclip_jax._core.numerics import bounded_factor
+from gradclip_jax._core.stored import certified_factors, stored_scale
+from gradclip_jax._core.validation import static_value
 
 
 def scale_leaf(x: jax.Array, factor: jax.Array, settled: jax.Array | None = None) -> jax.Array:
     """``x * factor`` computed in ``x``'s accumulation dtype, rounded once to x's dtype.
 
     A factor below 1 is first lowered by the rounding margin of x's dtype
-    (:func:`gradclip_jax._numerics.bounded_factor`), so the stored result never
+    (:func:`gradclip_jax._core.numerics.bounded_factor`), so the stored result never
     exceeds the bound because of rounding; ``settled`` (from
-    :func:`gradclip_jax._stored.certified_factors`, which lowers only where the
+    :func:`gradclip_jax._core.stored.certified_factors`, which lowers only where the
     stored result would exceed the bound) replaces that lowered factor.
     """
     f = factor.astype(_norms.acc_dtype(x.dtype))
@@ -125,7 +123,7 @@ def rescale_tree(
       norm_dtype: dtype of the reported norms (the state's), if fixed.
       bound: the norm the result must not exceed (the clip norm), if any. For
         2-norms and ``'rms'`` a factor below 1 is then kept as it is wherever the
-        values it stores provably satisfy the bound (:func:`gradclip_jax._stored.certify`,
+        values it stores provably satisfy the bound (:func:`gradclip_jax._core.stored.certify`,
         exact arithmetic), and lowered by the rounding margin only where they do
         not; without a bound (or for other norms) it is always lowered.
 

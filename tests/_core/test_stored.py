@@ -1,4 +1,4 @@
-"""The exact arithmetic behind the stored-bound check (gradclip_jax/_stored.py): the split
+"""The exact arithmetic behind the stored-bound check (gradclip_jax/_core/stored.py): the split
 and Dekker's product are error-free across magnitudes, in float32 by a bit mask."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gradclip_jax import _stored
+from gradclip_jax._core import stored as _stored
 
 
 # products of 1e-18 and up: their rounding errors stay normal numbers (below, _sumsq counts the

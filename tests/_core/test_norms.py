@@ -262,7 +262,7 @@ def test_stateful_finiteness_and_change_checks():
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
 def test_guard_power_of_two_from_exponent_bits(dtype):
     # 2**e with m = f * 2**e, f in [0.5, 1) (frexp), clamped so 1/p is normal; 0, inf, NaN pass
-    from gradclip_jax.norms._reduce import _power_of_two
+    from gradclip_jax._core.norms._reduce import _power_of_two
 
     info = jnp.finfo(dtype)
     r = np.random.default_rng(0)
@@ -295,7 +295,7 @@ def test_guard_power_of_two_from_exponent_bits(dtype):
 def test_slice_norms_of_stacked_equal_arrays_match_separate_ones():
     """Small arrays of one shape reduced over the same axes are measured as one stacked job
     (one reduction, one overflow check); each result is what measuring it alone gives."""
-    from gradclip_jax.norms import NormSpec, slice_norms
+    from gradclip_jax._core.norms import NormSpec, slice_norms
 
     r = np.random.default_rng(0)
     arrays = [jnp.asarray(r.standard_normal((4, 6)) * s, jnp.float32) for s in (1.0, 1e30, 1e-30, 0.0)]

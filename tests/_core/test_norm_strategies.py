@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import gradclip_jax as gcx
-from gradclip_jax import norms
+from gradclip_jax._core import norms
 
 STRATEGIES = ("cond", "blue", "blue-sums")
 

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gradclip_jax.hyperparams import static_value
-from gradclip_jax.norms._spec import Axes, DimLike
+from gradclip_jax._core.norms._spec import Axes, DimLike
+from gradclip_jax._core.validation import static_value
 
 
 def check_dim(dim: DimLike, inverse_dims: bool, fn: str, allow_global: bool = True) -> DimLike:

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gradclip_jax.norms._axes import _size
-from gradclip_jax.norms._spec import Axes
-from gradclip_jax.norms._trees import acc_dtype
+from gradclip_jax._core.norms._axes import _size
+from gradclip_jax._core.norms._spec import Axes
+from gradclip_jax._core.norms._trees import acc_dtype
 
 
 def _safe_nonzero(s: jax.Array) -> tuple[jax.Array, jax.Array]:

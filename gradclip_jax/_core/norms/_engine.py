@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gradclip_jax._backend import per_backend
-from gradclip_jax._control import cond
-from gradclip_jax.norms._blue import _blue_norms
-from gradclip_jax.norms._reduce import (
+from gradclip_jax._core.backend import per_backend
+from gradclip_jax._core.control import cond
+from gradclip_jax._core.norms._blue import _blue_norms
+from gradclip_jax._core.norms._reduce import (
     _abs,
     _abs_sq,
     _Combiner,
@@ -27,8 +27,8 @@ from gradclip_jax.norms._reduce import (
     _root,
     _scaled,
 )
-from gradclip_jax.norms._spec import _UNDERFLOW_KINDS, NormSpec
-from gradclip_jax.norms._trees import FlatTree, tree_acc_dtype
+from gradclip_jax._core.norms._spec import _UNDERFLOW_KINDS, NormSpec
+from gradclip_jax._core.norms._trees import FlatTree, tree_acc_dtype
 
 
 def _stat(job: _Job, spec: NormSpec, scale: jax.Array | None, center: jax.Array | None) -> jax.Array:
@@ -124,7 +124,7 @@ _SUMSQ_STRATEGIES = ("cond", "blue", "blue-sums")
 
 
 def _sumsq_strategy() -> str:
-    return per_backend(SUMSQ_STRATEGY, "gradclip_jax.norms.SUMSQ_STRATEGY", "cond", _SUMSQ_STRATEGIES)
+    return per_backend(SUMSQ_STRATEGY, "gradclip_jax._core.norms.SUMSQ_STRATEGY", "cond", _SUMSQ_STRATEGIES)
 
 
 def _is_sumsq(spec: NormSpec) -> bool:
