@@ -20,8 +20,8 @@ from gradclip_jax._core.factors import (
     validate_shape_args,
 )
 from gradclip_jax._core.norms import DimLike, OrdLike, leaf_norms, tree_norm
-from gradclip_jax.clipping._value import clip_value_tree
 from gradclip_jax.hyperparams import Hyperparams, check_scalar, poison
+from gradclip_jax.transforms.value import clip_value_tree
 
 __all__ = ["clip_grad_norm", "clip_grad_value", "normalize_grads", "tree_norm", "leaf_norms"]
 

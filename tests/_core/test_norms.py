@@ -243,7 +243,7 @@ def test_per_slice_norm_near_float32_max(big):
 
 
 def test_stateful_finiteness_and_change_checks():
-    from gradclip_jax import _stateful as st
+    from gradclip_jax.transforms import _stateful as st
 
     for bad in (jnp.inf, -jnp.inf, jnp.nan):
         assert not bool(st.all_finite([jnp.array([1.0, bad])]))

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 import pytest
 
-from gradclip_jax.ema import (
+from gradclip_jax.transforms.ema import (
     ClipValueByEMAState,
     NormByEMAState,
     clip_norm_by_ema,

@@ -8,19 +8,19 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gradclip_jax import _stateful as _st
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.factors import clip_factor as _clip_factor
 from gradclip_jax._core.norms import OrdLike
 from gradclip_jax._core.state_registry import register_state
 from gradclip_jax._core.validation import check_bool, check_choice, check_int
-from gradclip_jax._states import check_state
-from gradclip_jax.adaptive._common import finish
 from gradclip_jax.hyperparams import (
     Hyperparam,
     Hyperparams,
     mark_static,
 )
+from gradclip_jax.transforms import _stateful as _st
+from gradclip_jax.transforms._state_checks import check_state
+from gradclip_jax.transforms._stateful import finish
 
 
 @register_state
@@ -136,7 +136,7 @@ def zclip(
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from gradclip_jax.adaptive import zclip
+      >>> from gradclip_jax.transforms import zclip
       >>> tx = zclip(z_thresh=2.0, warmup_steps=2)
       >>> state = tx.init(jnp.zeros(1))
       >>> for g in (0.5, 1.5):  # warm-up: mean 1, std 0.5

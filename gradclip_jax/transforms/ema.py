@@ -27,13 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gradclip_jax import _stateful as _st
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.factors import clip_factor, normalize_factor
 from gradclip_jax._core.norms import OrdLike
 from gradclip_jax._core.state_registry import register_state
 from gradclip_jax._core.validation import check_bool, check_transform
-from gradclip_jax._states import check_state, check_tree
 from gradclip_jax.hyperparams import (
     Hyperparam,
     Hyperparams,
@@ -43,6 +41,8 @@ from gradclip_jax.hyperparams import (
     poison,
     resolve,
 )
+from gradclip_jax.transforms import _stateful as _st
+from gradclip_jax.transforms._state_checks import check_state, check_tree
 
 __all__ = [
     "NormByEMAState",
@@ -171,6 +171,33 @@ def _growth_limit(
     return c, jnp.where(over, allowed, e)
 
 
+def _limit_ema_growth(
+    ema: list[jax.Array], e: jax.Array, prev: jax.Array, first: jax.Array, v: dict, dt: Any,
+    tensorwise: bool, ok: jax.Array,
+) -> tuple[list[jax.Array], jax.Array]:
+    """The growth limit: ``(ema, e)`` with each EMA norm ``e`` grown by at most ``max_ema_growth``
+    over ``prev`` (floored at ``min_norm``), the stored EMA rescaled where the limit acted."""
+    c, e = _growth_limit(e, prev, first, v["max_ema_growth"].astype(dt), v["min_norm"].astype(dt))
+    cs = _st.unstack(c) if tensorwise else [c[0]] * len(ema)
+    limited = jnp.any(c > 1) & ok
+
+    def rescale(xs: list[jax.Array]) -> list[jax.Array]:
+        return [(x / ck.astype(x.dtype)).astype(x.dtype) for x, ck in zip(xs, cs, strict=True)]
+
+    return _st.unless_rare(limited, ema, rescale), e
+
+
+def _rescaling(
+    a: jax.Array, e: jax.Array, dt: Any, normalize: bool, ok: jax.Array, invalid: jax.Array | None,
+) -> tuple[jax.Array, jax.Array]:
+    """``(factors, flags)`` of the update's rescaling, ``a / max(e, eps)`` clamped (torchzero's
+    denominator): 1 on a step that does not count, NaN where a hyperparameter is invalid."""
+    bound = jnp.maximum(e, 2 * float(np.finfo(dt).tiny))
+    f = normalize_factor(a, bound) if normalize else clip_factor(a, bound)
+    flags = (f != 1) if normalize else (f < 1)
+    return poison(jnp.where(ok, f, jnp.ones_like(f)), invalid), flags
+
+
 def _norm_by_ema(
     fn: str,
     normalize: bool,
@@ -212,25 +239,11 @@ def _norm_by_ema(
         ema = [jnp.where(ok, _lerp(o, u, v["beta"]), o) for o, u in zip(old_ema, arrays, strict=True)]
         e, prev, old_clip = _measure(ema, state, spec, tensorwise, fn, dt)
 
-        limited = jnp.zeros((), bool)
         if max_ema_growth is not None:
-            c, e = _growth_limit(e, prev, first, v["max_ema_growth"].astype(dt), v["min_norm"].astype(dt))
-            cs = _st.unstack(c) if tensorwise else [c[0]] * len(ema)
-            limited = jnp.any(c > 1) & ok
-
-        # The update's rescaling: d = a / max(e, eps), clamped (torchzero's denominator).
-        bound = jnp.maximum(e, 2 * float(np.finfo(dt).tiny))
-        f = normalize_factor(a, bound) if normalize else clip_factor(a, bound)
-        flags = (f != 1) if normalize else (f < 1)
-        f = poison(jnp.where(ok, f, jnp.ones_like(f)), invalid)
+            ema, e = _limit_ema_growth(ema, e, prev, first, v, dt, tensorwise, ok)
+        f, flags = _rescaling(a, e, dt, normalize, ok, invalid)
         out_flat, inner_state = _st.run_inner(inner, updates, flat, state.inner_state, params, fn)
         out = _st.scale_all(out_flat, _st.unstack(f) if tensorwise else f[0])
-
-        def rescale(xs: list[jax.Array]) -> list[jax.Array]:
-            return [(x / ck.astype(x.dtype)).astype(x.dtype) for x, ck in zip(xs, cs, strict=True)]
-
-        if max_ema_growth is not None:
-            ema = _st.unless_rare(limited, ema, rescale)
 
         new_state = NormByEMAState(
             count=jnp.where(ok, increment(count), count),
@@ -299,7 +312,7 @@ def clip_norm_by_ema(
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from gradclip_jax.ema import clip_norm_by_ema
+      >>> from gradclip_jax.transforms.ema import clip_norm_by_ema
       >>> tx = clip_norm_by_ema(beta=0.5, tensorwise=False)
       >>> g = {'w': jnp.array([3.0, 4.0])}
       >>> state = tx.init(g)
@@ -356,7 +369,7 @@ def normalize_by_ema(
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from gradclip_jax.ema import normalize_by_ema
+      >>> from gradclip_jax.transforms.ema import normalize_by_ema
       >>> tx = normalize_by_ema(beta=0.5, tensorwise=False, max_ema_growth=None)
       >>> state = tx.init(jnp.zeros(2))
       >>> out, state = tx.update(jnp.array([3.0, 4.0]), state)  # EMA norm 2.5
@@ -385,6 +398,50 @@ def _clamp(w: jax.Array, bound: jax.Array) -> jax.Array:
         over = mag > bound
         return (w * _st.safe_div(bound, mag, over)).astype(w.dtype)
     return jnp.clip(w.astype(bound.dtype), -bound, bound).astype(w.dtype)
+
+
+def _value_ema(u: jax.Array, e: jax.Array, count: jax.Array, v: dict) -> jax.Array:
+    """The EMA of ``|u|`` after this step, from ``e`` (from ``init * |u|`` on the first step)."""
+    mag = jnp.abs(u).astype(e.dtype)
+    start = jnp.where(count == 0, v["init"].astype(e.dtype) * mag, e)
+    return _lerp(start, mag, v["beta"])
+
+
+def _screen_value_step(
+    arrays: list[jax.Array], old: list[jax.Array], count: jax.Array, v: dict, plain: bool, skip: bool,
+    ok: jax.Array,
+) -> tuple[jax.Array, list[jax.Array] | None]:
+    """``(ok, hits)``: whether the step counts, and (``plain``: no ``inner``, no ``exp_avg_tfm``)
+    where each leaf clips, else ``None``.
+
+    When the bound is the new EMA, one read-only pass per leaf finds both whether
+    the update is finite and whether it clips anything, so the step then makes two
+    more passes (new EMA, output), not three.
+    """
+    if not plain:
+        return (_st.all_finite(arrays) & ok if skip else ok), None
+    screens = [
+        _st.screen(lambda x, e: _exceeds(x, _value_ema(x, e, count, v)), u, e)
+        for u, e in zip(arrays, old, strict=True)
+    ]
+    if skip:
+        ok = _st.every([f for f, _ in screens]) & ok
+    return ok, [h for _, h in screens]
+
+
+def _value_bounds(
+    exp_avg_tfm: optax.GradientTransformation | None, bound_tree: Any, ema: list[jax.Array], tfm_state: Any,
+    params: Any, fn: str,
+) -> tuple[list[jax.Array], Any]:
+    """``(bounds, tfm_state)``: each leaf's clip bound, the kept EMA (``bound_tree``) passed through
+    ``exp_avg_tfm`` when given, in the EMA's dtype."""
+    if exp_avg_tfm is not None:
+        bound_tree, tfm_state = exp_avg_tfm.update(bound_tree, tfm_state, params)
+    bounds = [
+        jnp.asarray(b).astype(e.dtype)
+        for b, e in zip(_st.leaves_of(bound_tree, len(ema), fn, "exp_avg_tfm output"), ema, strict=True)
+    ]
+    return bounds, tfm_state
 
 
 @mark_static("inner", "exp_avg_tfm")
@@ -429,7 +486,7 @@ def clip_value_by_ema(
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from gradclip_jax.ema import clip_value_by_ema
+      >>> from gradclip_jax.transforms.ema import clip_value_by_ema
       >>> tx = clip_value_by_ema(beta=0.5, init=1.0)
       >>> state = tx.init(jnp.zeros(2))
       >>> out, state = tx.update(jnp.array([1.0, -2.0]), state)  # E = |u|
@@ -465,39 +522,14 @@ def clip_value_by_ema(
         old = _st.leaves_of(state.exp_avg, n, fn, "exp_avg")
         v, invalid = hps.at(count, _norms.tree_acc_dtype(arrays))
 
-        def ema_of(u: jax.Array, e: jax.Array) -> jax.Array:
-            mag = jnp.abs(u).astype(e.dtype)
-            start = jnp.where(count == 0, v["init"].astype(e.dtype) * mag, e)
-            return _lerp(start, mag, v["beta"])
-
-        hits: list[jax.Array] | None = None
-        ok = counts(invalid)
-        if inner is None and exp_avg_tfm is None:
-            # The bound is the new EMA: one read-only pass per leaf finds both whether
-            # the update is finite and whether it clips anything, so the step then
-            # makes two more passes (new EMA, output), not three.
-            screens = [
-                _st.screen(lambda x, e: _exceeds(x, ema_of(x, e)), u, e)
-                for u, e in zip(arrays, old, strict=True)
-            ]
-            hits = [h for _, h in screens]
-            if skip:
-                ok = _st.every([f for f, _ in screens]) & ok
-        elif skip:
-            ok = _st.all_finite(arrays) & ok
+        plain = inner is None and exp_avg_tfm is None
+        ok, hits = _screen_value_step(arrays, old, count, v, plain, skip, counts(invalid))
         # The kept EMA is computed in one pass and is both the new state and the
         # bound's source (a skipped step's output ignores the bound), so every
         # element of the state is read and written once.
-        ema = [jnp.where(ok, ema_of(u, e), e) for e, u in zip(old, arrays, strict=True)]
-
-        bound_tree = _st.like(state.exp_avg, ema)
-        tfm_state = state.exp_avg_tfm_state
-        if exp_avg_tfm is not None:
-            bound_tree, tfm_state = exp_avg_tfm.update(bound_tree, tfm_state, params)
-        bounds = [
-            jnp.asarray(b).astype(e.dtype)
-            for b, e in zip(_st.leaves_of(bound_tree, n, fn, "exp_avg_tfm output"), ema, strict=True)
-        ]
+        ema = [jnp.where(ok, _value_ema(u, e, count, v), e) for e, u in zip(old, arrays, strict=True)]
+        bounds, tfm_state = _value_bounds(
+            exp_avg_tfm, _st.like(state.exp_avg, ema), ema, state.exp_avg_tfm_state, params, fn)
 
         out_flat, inner_state = _st.run_inner(inner, updates, flat, state.inner_state, params, fn)
         outs, flags = [], []

@@ -8,13 +8,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gradclip_jax import _stateful as _st
 from gradclip_jax._core.state_registry import register_state
 from gradclip_jax._core.validation import check_transform
 from gradclip_jax.hyperparams import (
     increment,
     static_value,
 )
+from gradclip_jax.transforms import _stateful as _st
 
 
 @register_state
@@ -82,7 +82,7 @@ def skip_on_spike(
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from gradclip_jax.adaptive import skip_on_spike, zclip
+      >>> from gradclip_jax.transforms import skip_on_spike, zclip
       >>> tx = skip_on_spike(zclip(z_thresh=2.0, warmup_steps=2))
       >>> state = tx.init(jnp.zeros(1))
       >>> for g in (0.5, 1.5, 3.0):  # the third norm is a spike

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -12,11 +12,17 @@ import optax
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.factors import validate_shape_args
 from gradclip_jax._core.norms import DimLike
-from gradclip_jax._states import check_state
-from gradclip_jax.clipping._states import CentralizeState
+from gradclip_jax._core.state_registry import register_state
 from gradclip_jax.hyperparams import (
     mark_static,
 )
+from gradclip_jax.transforms._state_checks import check_state
+
+
+@register_state
+class CentralizeState(NamedTuple):
+    """State of :func:`centralize` (it measures no norm)."""
+
 
 
 @mark_static("dim", "inverse_dims", "min_size")

@@ -24,7 +24,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import gradclip_jax as gcx
-from gradclip_jax.adaptive import (
+from gradclip_jax.transforms import (
     AdaGCState,
     AutoClipState,
     QuantileClipState,
@@ -36,8 +36,8 @@ from gradclip_jax.adaptive import (
     skip_on_spike,
     zclip,
 )
-from gradclip_jax.ema import clip_norm_by_ema, clip_value_by_ema, normalize_by_ema
-from gradclip_jax.growth import clip_norm_growth, clip_value_growth
+from gradclip_jax.transforms.ema import clip_norm_by_ema, clip_value_by_ema, normalize_by_ema
+from gradclip_jax.transforms.growth import clip_norm_growth, clip_value_growth
 
 
 def _vec(norm: float) -> jax.Array:

@@ -8,14 +8,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gradclip_jax import _stateful as _st
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.control import cond
 from gradclip_jax._core.factors import clip_factor as _clip_factor
 from gradclip_jax._core.norms import OrdLike
 from gradclip_jax._core.state_registry import register_state
 from gradclip_jax._core.validation import check_bool, check_int
-from gradclip_jax._states import check_state, check_tree
 from gradclip_jax.hyperparams import (
     Hyperparam,
     Hyperparams,
@@ -24,6 +22,8 @@ from gradclip_jax.hyperparams import (
     mark_static,
     poison,
 )
+from gradclip_jax.transforms import _stateful as _st
+from gradclip_jax.transforms._state_checks import check_state, check_tree
 
 
 @register_state
@@ -47,6 +47,38 @@ class AdaGCState(NamedTuple):
     norm: Any
     clip_norm: Any
     clipped: Any
+
+
+def _warmup_step(
+    arrays: list[jax.Array], spec: _norms.NormSpec, n: jax.Array, gamma: jax.Array, in_warmup: jax.Array,
+    v: dict, sdt: Any, global_warmup: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(factor, bound, gamma)`` of a warm-up step: global clipping at ``warmup_max_norm`` (the
+    global norm is only computed during warm-up; none without ``global_warmup``), and each
+    leaf's ``gamma`` the smallest positive post-clip norm seen."""
+    if global_warmup:
+        total = cond(
+            in_warmup,
+            lambda: _norms.global_norm(arrays, spec, dtype=sdt),
+            lambda: jnp.zeros((), sdt),
+        )
+        bound_w = v["warmup_max_norm"]
+        fg = _clip_factor(total, bound_w)
+    else:
+        bound_w = jnp.full((), jnp.inf, sdt)
+        fg = jnp.ones((), sdt)
+    post = n * fg
+    return fg, bound_w, jnp.where(post > 0, jnp.minimum(gamma, post), gamma)
+
+
+def _adaptive_step(n: jax.Array, gamma: jax.Array, v: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(factors, bounds, gamma)`` after warm-up: each leaf clipped at ``clip_ratio * gamma``, and
+    ``gamma`` an EMA of the clipped norm."""
+    base = jnp.maximum(jnp.where(jnp.isinf(gamma), n, gamma), v["min_gamma"])
+    bound = v["clip_ratio"] * base
+    f = _clip_factor(n, bound)
+    b = v["beta"]
+    return f, bound, jnp.where(n > 0, b * base + (1 - b) * (n * f), gamma)
 
 
 @mark_static("warmup_steps", "ord")
@@ -105,7 +137,7 @@ def adagc(
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from gradclip_jax.adaptive import adagc
+      >>> from gradclip_jax.transforms import adagc
       >>> tx = adagc(clip_ratio=2.0, beta=0.5, warmup_steps=1, warmup_max_norm=None)
       >>> params = {'a': jnp.zeros(2), 'b': jnp.zeros(1)}
       >>> state = tx.init(params)
@@ -154,27 +186,9 @@ def adagc(
         old = _st.stack(_st.leaves_of(state.clip_norm, k, fn, "clip_norm"), sdt)
         n = _st.stack(_st.whole_leaf_norms(arrays, spec), sdt)
 
-        # Warm-up: global clipping (the global norm is only computed during warm-up).
-        if warmup_max_norm is not None and warm > 0:
-            total = cond(
-                in_warmup,
-                lambda: _norms.global_norm(arrays, spec, dtype=sdt),
-                lambda: jnp.zeros((), sdt),
-            )
-            bound_w = v["warmup_max_norm"]
-            fg = _clip_factor(total, bound_w)
-        else:
-            bound_w = jnp.full((), jnp.inf, sdt)
-            fg = jnp.ones((), sdt)
-        post = n * fg
-        gamma_w = jnp.where(post > 0, jnp.minimum(gamma, post), gamma)
-
-        # Adaptive: clip each leaf at clip_ratio * gamma; the EMA tracks the clipped norm.
-        base = jnp.maximum(jnp.where(jnp.isinf(gamma), n, gamma), v["min_gamma"])
-        bound = v["clip_ratio"] * base
-        f = _clip_factor(n, bound)
-        b = v["beta"]
-        gamma_a = jnp.where(n > 0, b * base + (1 - b) * (n * f), gamma)
+        global_warmup = warmup_max_norm is not None and warm > 0
+        fg, bound_w, gamma_w = _warmup_step(arrays, spec, n, gamma, in_warmup, v, sdt, global_warmup)
+        f, bound, gamma_a = _adaptive_step(n, gamma, v)
 
         ok = (_st.all_finite([n]) if skip else jnp.ones((), bool)) & counts(invalid)
         factors = poison(jnp.where(ok, jnp.where(in_warmup, fg, f), 1), invalid)

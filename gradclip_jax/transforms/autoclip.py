@@ -8,20 +8,20 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gradclip_jax import _stateful as _st
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.factors import clip_factor as _clip_factor
 from gradclip_jax._core.norms import OrdLike
 from gradclip_jax._core.state_registry import register_state
 from gradclip_jax._core.validation import check_bool, check_int
-from gradclip_jax._states import check_state
-from gradclip_jax.adaptive._common import finish
 from gradclip_jax.hyperparams import (
     Hyperparam,
     Hyperparams,
     counts,
     mark_static,
 )
+from gradclip_jax.transforms import _stateful as _st
+from gradclip_jax.transforms._state_checks import check_state
+from gradclip_jax.transforms._stateful import finish
 
 
 @register_state
@@ -114,7 +114,7 @@ def autoclip(
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from gradclip_jax.adaptive import autoclip
+      >>> from gradclip_jax.transforms import autoclip
       >>> tx = autoclip(percentile=50.0, history_size=4)
       >>> state = tx.init(jnp.zeros(2))
       >>> for scale in (1.0, 3.0):  # norms 5 and 15: median 10

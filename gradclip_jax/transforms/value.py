@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +17,7 @@ from gradclip_jax._core.factors import (
     tree_dtype,
 )
 from gradclip_jax._core.numerics import count0 as _count0
-from gradclip_jax._states import check_state, check_tree
-from gradclip_jax.clipping._states import ClipByBlockRmsState, ClipByValueState
+from gradclip_jax._core.state_registry import register_state
 from gradclip_jax.hyperparams import (
     Hyperparam,
     Hyperparams,
@@ -26,6 +25,34 @@ from gradclip_jax.hyperparams import (
     poison,
     resolve,
 )
+from gradclip_jax.transforms._state_checks import check_state, check_tree
+
+
+@register_state
+class ClipByValueState(NamedTuple):
+    """State of :func:`clip_by_value` / :func:`clip`.
+
+    Attributes:
+      count: number of updates so far (int32); drives a scheduled bound.
+    """
+
+    count: jax.Array  # type: ignore[assignment]  # NamedTuple field named like tuple.count, as in optax
+
+
+@register_state
+class ClipByBlockRmsState(NamedTuple):
+    """State of :func:`clip_by_block_rms`.
+
+    Attributes:
+      count: number of updates so far (int32).
+      norm: tree of each leaf's root-mean-square before clipping.
+      clipped: tree of bools, whether each leaf was scaled down.
+    """
+
+    count: jax.Array  # type: ignore[assignment]  # NamedTuple field named like tuple.count, as in optax
+    norm: Any
+    clipped: Any
+
 
 
 def clip_value_tree(

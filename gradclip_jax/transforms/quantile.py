@@ -8,14 +8,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gradclip_jax import _stateful as _st
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.factors import clip_factor as _clip_factor
 from gradclip_jax._core.norms import OrdLike
 from gradclip_jax._core.state_registry import register_state
 from gradclip_jax._core.validation import check_bool
-from gradclip_jax._states import check_state
-from gradclip_jax.adaptive._common import finish
 from gradclip_jax.hyperparams import (
     Hyperparam,
     Hyperparams,
@@ -23,6 +20,9 @@ from gradclip_jax.hyperparams import (
     mark_static,
     resolve,
 )
+from gradclip_jax.transforms import _stateful as _st
+from gradclip_jax.transforms._state_checks import check_state
+from gradclip_jax.transforms._stateful import finish
 
 
 @register_state
@@ -87,7 +87,7 @@ def quantile_clip(
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from gradclip_jax.adaptive import quantile_clip
+      >>> from gradclip_jax.transforms import quantile_clip
       >>> tx = quantile_clip(initial_norm=1.0)
       >>> state = tx.init(jnp.zeros(2))
       >>> out, state = tx.update(jnp.array([3.0, 4.0]), state)  # clipped to C = 1

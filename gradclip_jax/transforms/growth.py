@@ -18,6 +18,7 @@ passes through unchanged and leaves the state and ``count`` as they were.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -25,14 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gradclip_jax import _stateful as _st
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.factors import clip_factor
 from gradclip_jax._core.norms import OrdLike
 from gradclip_jax._core.state_registry import register_state
 from gradclip_jax._core.validation import check_bool
-from gradclip_jax._states import check_state, check_tree
 from gradclip_jax.hyperparams import Hyperparam, Hyperparams, counts, increment, mark_static, poison
+from gradclip_jax.transforms import _stateful as _st
+from gradclip_jax.transforms._state_checks import check_state, check_tree
 
 __all__ = [
     "ClipNormGrowthState",
@@ -104,6 +105,94 @@ def _hyperparams(fn: str, add: Any, mul: Any, min_value: Any, max_decay: Any) ->
     return hps
 
 
+@dataclasses.dataclass(frozen=True)
+class _GrowthSteps:
+    """The growth limits of :func:`clip_norm_growth` (on norms) and :func:`clip_value_growth`
+    (elementwise): which steps are on is known when the transform is built, their values
+    (``v``, the resolved hyperparameters) at each update."""
+
+    has_add: bool
+    has_mul: bool
+    has_min: bool
+    has_decay: bool
+
+    def norm_step(
+        self, nrm: jax.Array, prev: jax.Array, first: jax.Array, v: dict
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``(factors, bounds, tracked)`` of :func:`clip_norm_growth` for the norms ``nrm`` given
+        the tracked ones ``prev``: each norm is clipped to ``prev + add`` and ``mul * prev``,
+        and the tracked norm follows the clipped one, decaying by at most ``max_decay`` and
+        floored at ``min_value`` (the first step tracks the norm itself)."""
+        bound = jnp.full_like(nrm, jnp.inf)
+        if self.has_add:
+            bound = jnp.minimum(bound, prev + v["add"])
+        if self.has_mul:
+            bound = jnp.minimum(bound, prev * v["mul"])
+        # first step, or a NaN tracked norm (absorbed with skip_nonfinite=False): no
+        # bound, so the tracked norm recovers at the next finite update
+        bound = jnp.where(first | jnp.isnan(bound), jnp.inf, bound)
+        f = clip_factor(nrm, bound)
+        new = nrm * f  # the clipped norm, min(n, bound)
+        if self.has_decay:
+            md = v["max_decay"]
+            nonzero = prev != 0
+            ratio = nrm / jnp.where(nonzero, prev, jnp.ones_like(prev))
+            new = jnp.where(nonzero & (ratio < 1 / md), prev / md, new)
+        if self.has_min:
+            new = jnp.maximum(new, v["min_value"])
+        return f, bound, jnp.where(first, nrm, new)
+
+    def by_add(self, r: jax.Array, v: dict) -> jax.Array:
+        """The additive step's cap on ``|x|``, ``|r| + add``, in the state's dtype."""
+        return jnp.abs(r) + v["add"].astype(_norms.acc_dtype(r.dtype))
+
+    def limits(self, r: jax.Array, v: dict) -> tuple[jax.Array, jax.Array | None]:
+        """``(m, bound)`` for one leaf, in the state's dtype: the tracked magnitude with its
+        floor, and the magnitude bound on the update (``None`` when nothing bounds it).
+
+        The two bounds compose into one magnitude bound: the additive step caps
+        ``|x|`` at ``|r| + add`` and the multiplicative one then caps it at
+        ``mul * m``, so the output is ``x`` with its magnitude capped at the
+        smaller of the two. A NaN bound (a NaN in ``r``) clips nothing.
+        """
+        dt = _norms.acc_dtype(r.dtype)
+        ar = jnp.abs(r)
+        m = ar if not self.has_min else jnp.maximum(ar, v["min_value"].astype(dt))
+        bound = None
+        if self.has_add:
+            bound = self.by_add(r, v)
+        if self.has_mul:
+            by_mul = v["mul"].astype(dt) * m
+            bound = by_mul if bound is None else jnp.minimum(bound, by_mul)
+        return m, bound
+
+    def clip(self, x: jax.Array, r: jax.Array, v: dict) -> jax.Array:
+        """The clipped value of one leaf, in the state's dtype."""
+        x = x.astype(r.dtype)
+        bound = self.limits(r, v)[1]
+        return x if bound is None else jnp.where(jnp.abs(x) > bound, jnp.sign(x) * bound, x)
+
+    def hits(self, x: jax.Array, r: jax.Array, v: dict) -> jax.Array:
+        """Where :meth:`clip` changes ``x``: ``|x| > bound`` elementwise."""
+        bound = self.limits(r, v)[1]
+        if bound is None:
+            return jnp.zeros(x.shape, bool)
+        return jnp.abs(x.astype(r.dtype)) > bound
+
+    def decays(self, a: jax.Array, r: jax.Array, v: dict) -> jax.Array:
+        """Where the tracked value decays to ``r / max_decay`` instead of following the
+        output, from ``a = |x|`` after the additive step: ``max(a / m, 1e-8) < 1 / max_decay``,
+        without dividing by ``m`` (it may be 0)."""
+        dt = _norms.acc_dtype(r.dtype)
+        md = v["max_decay"].astype(dt)
+        return (a < self.limits(r, v)[0] / md) & (md * 1e-8 < 1)
+
+    def after_add(self, x: jax.Array, r: jax.Array, v: dict) -> jax.Array:
+        """``|x|`` after the additive step, in the state's dtype."""
+        ax = jnp.abs(x.astype(r.dtype))
+        return ax if not self.has_add else jnp.minimum(ax, self.by_add(r, v))
+
+
 @mark_static("ord", "tensorwise")
 def clip_norm_growth(
     add: Hyperparam | None = None,
@@ -155,7 +244,7 @@ def clip_norm_growth(
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from gradclip_jax.growth import clip_norm_growth
+      >>> from gradclip_jax.transforms.growth import clip_norm_growth
       >>> tx = clip_norm_growth(mul=2.0)
       >>> state = tx.init(jnp.zeros(2))
       >>> out, state = tx.update(jnp.array([0.3, 0.4]), state)  # norm 0.5: tracked
@@ -174,6 +263,8 @@ def clip_norm_growth(
     def init_fn(params: Any) -> ClipNormGrowthState:
         prev, norm, cap, no = _st.zero_norms(params, fn, tensorwise, slots=3)
         return ClipNormGrowthState(count=_st.count0(), prev_norm=prev, norm=norm, clip_norm=cap, clipped=no)
+
+    steps = _GrowthSteps(add is not None, mul is not None, min_value is not None, max_decay is not None)
 
     def update_fn(updates: Any, state: ClipNormGrowthState, params: Any = None) -> tuple:
         del params
@@ -198,24 +289,7 @@ def clip_norm_growth(
         nrm, prev = _st.stack(norm_list, dt), _st.stack(prev_list, dt)
         v, invalid = hps.at(count, dt)
 
-        bound = jnp.full_like(nrm, jnp.inf)
-        if add is not None:
-            bound = jnp.minimum(bound, prev + v["add"])
-        if mul is not None:
-            bound = jnp.minimum(bound, prev * v["mul"])
-        # first step, or a NaN tracked norm (absorbed with skip_nonfinite=False): no
-        # bound, so the tracked norm recovers at the next finite update
-        bound = jnp.where(first | jnp.isnan(bound), jnp.inf, bound)
-        f = clip_factor(nrm, bound)
-        new = nrm * f  # the clipped norm, min(n, bound)
-        if max_decay is not None:
-            md = v["max_decay"]
-            nonzero = prev != 0
-            ratio = nrm / jnp.where(nonzero, prev, jnp.ones_like(prev))
-            new = jnp.where(nonzero & (ratio < 1 / md), prev / md, new)
-        if min_value is not None:
-            new = jnp.maximum(new, v["min_value"])
-        tracked = jnp.where(first, nrm, new)
+        f, bound, tracked = steps.norm_step(nrm, prev, first, v)
 
         ok = (_st.all_finite([nrm]) if skip else jnp.ones((), bool)) & counts(invalid)
         f = poison(jnp.where(ok, f, jnp.ones_like(f)), invalid)
@@ -276,7 +350,7 @@ def clip_value_growth(
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from gradclip_jax.growth import clip_value_growth
+      >>> from gradclip_jax.transforms.growth import clip_value_growth
       >>> tx = clip_value_growth(mul=2.0)
       >>> state = tx.init(jnp.zeros(2))
       >>> out, state = tx.update(jnp.array([1.0, -1.0]), state)
@@ -304,55 +378,7 @@ def clip_value_growth(
         mul is None or _fixed_product(mul, max_decay) >= 1
     )
 
-    def by_add(r: jax.Array, v: dict) -> jax.Array:
-        """The additive step's cap on ``|x|``, ``|r| + add``, in the state's dtype."""
-        return jnp.abs(r) + v["add"].astype(_norms.acc_dtype(r.dtype))
-
-    def limits(r: jax.Array, v: dict) -> tuple[jax.Array, jax.Array | None]:
-        """``(m, bound)`` for one leaf, in the state's dtype: the tracked magnitude with its
-        floor, and the magnitude bound on the update (``None`` when nothing bounds it).
-
-        The two bounds compose into one magnitude bound: the additive step caps
-        ``|x|`` at ``|r| + add`` and the multiplicative one then caps it at
-        ``mul * m``, so the output is ``x`` with its magnitude capped at the
-        smaller of the two. A NaN bound (a NaN in ``r``) clips nothing.
-        """
-        dt = _norms.acc_dtype(r.dtype)
-        ar = jnp.abs(r)
-        m = ar if min_value is None else jnp.maximum(ar, v["min_value"].astype(dt))
-        bound = None
-        if add is not None:
-            bound = by_add(r, v)
-        if mul is not None:
-            by_mul = v["mul"].astype(dt) * m
-            bound = by_mul if bound is None else jnp.minimum(bound, by_mul)
-        return m, bound
-
-    def clip(x: jax.Array, r: jax.Array, v: dict) -> jax.Array:
-        """The clipped value of one leaf, in the state's dtype."""
-        x = x.astype(r.dtype)
-        bound = limits(r, v)[1]
-        return x if bound is None else jnp.where(jnp.abs(x) > bound, jnp.sign(x) * bound, x)
-
-    def hits(x: jax.Array, r: jax.Array, v: dict) -> jax.Array:
-        """Where :func:`clip` changes ``x``: ``|x| > bound`` elementwise."""
-        bound = limits(r, v)[1]
-        if bound is None:
-            return jnp.zeros(x.shape, bool)
-        return jnp.abs(x.astype(r.dtype)) > bound
-
-    def decays(a: jax.Array, r: jax.Array, v: dict) -> jax.Array:
-        """Where the tracked value decays to ``r / max_decay`` instead of following the
-        output, from ``a = |x|`` after the additive step: ``max(a / m, 1e-8) < 1 / max_decay``,
-        without dividing by ``m`` (it may be 0)."""
-        dt = _norms.acc_dtype(r.dtype)
-        md = v["max_decay"].astype(dt)
-        return (a < limits(r, v)[0] / md) & (md * 1e-8 < 1)
-
-    def after_add(x: jax.Array, r: jax.Array, v: dict) -> jax.Array:
-        """``|x|`` after the additive step, in the state's dtype."""
-        ax = jnp.abs(x.astype(r.dtype))
-        return ax if add is None else jnp.minimum(ax, by_add(r, v))
+    bounds = _GrowthSteps(add is not None, mul is not None, min_value is not None, max_decay is not None)
 
     def update_fn(updates: Any, state: ClipValueGrowthState, params: Any = None) -> tuple:
         del params
@@ -366,12 +392,12 @@ def clip_value_growth(
         v, invalid = hps.at(count, _norms.tree_acc_dtype(arrays))
         # One read-only pass per leaf finds whether the update is finite and whether it
         # clips anything, before the output and the new state are written.
-        screens = [_st.screen(lambda x, r: hits(x, r, v), u, r) for u, r in zip(arrays, prevs, strict=True)]
+        screens = [_st.screen(lambda x, r: bounds.hits(x, r, v), u, r) for u, r in zip(arrays, prevs, strict=True)]
         finite = _st.every([f for f, _ in screens])
         ok = (finite if skip else jnp.ones((), bool)) & counts(invalid)
         outs, new_prev, flags = [], [], []
         for u, r, (_, hit) in zip(arrays, prevs, screens, strict=True):
-            y = clip(u, r, v)
+            y = bounds.clip(u, r, v)
             out = jnp.where(first | ~ok, u, y.astype(u.dtype))
             same = u.dtype == r.dtype
             outs.append(poison(out, invalid))
@@ -381,8 +407,8 @@ def clip_value_growth(
             # over a donated `r` in place (else it copies `r`, two extra passes).
             tracked = out if same else jnp.where(first, u.astype(r.dtype), y)
             if max_decay is not None:
-                a = jnp.abs(out) if same and decay_from_output else after_add(u, r, v)
-                tracked = jnp.where(decays(a, r, v) & ~first, r / v["max_decay"].astype(r.dtype), tracked)
+                a = jnp.abs(out) if same and decay_from_output else bounds.after_add(u, r, v)
+                tracked = jnp.where(bounds.decays(a, r, v) & ~first, r / v["max_decay"].astype(r.dtype), tracked)
             new_prev.append(jnp.where(ok, tracked, r))
             flags.append(hit & ok & ~first)
         new_state = ClipValueGrowthState(

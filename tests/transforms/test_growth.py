@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gradclip_jax.ema import clip_value_by_ema
-from gradclip_jax.growth import (
+from gradclip_jax.transforms.ema import clip_value_by_ema
+from gradclip_jax.transforms.growth import (
     ClipNormGrowthState,
     ClipValueGrowthState,
     clip_norm_growth,

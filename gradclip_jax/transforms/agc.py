@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -11,8 +11,7 @@ import optax
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.factors import clip_factor, is_float, like_state, scale_leaf, tree_dtype
 from gradclip_jax._core.numerics import count0 as _count0
-from gradclip_jax._states import check_state, check_tree
-from gradclip_jax.clipping._states import AdaptiveGradClipState
+from gradclip_jax._core.state_registry import register_state
 from gradclip_jax.hyperparams import (
     Hyperparam,
     Hyperparams,
@@ -21,6 +20,23 @@ from gradclip_jax.hyperparams import (
     poison,
     static_value,
 )
+from gradclip_jax.transforms._state_checks import check_state, check_tree
+
+
+@register_state
+class AdaptiveGradClipState(NamedTuple):
+    """State of :func:`adaptive_grad_clip`.
+
+    Attributes:
+      count: number of updates so far (int32).
+      norm: tree of per-unit gradient norms before clipping (one per output unit).
+      clipped: tree of bools, whether any unit of each leaf was scaled down.
+    """
+
+    count: jax.Array  # type: ignore[assignment]  # NamedTuple field named like tuple.count, as in optax
+    norm: Any
+    clipped: Any
+
 
 
 def unit_axes(shape: tuple[int, ...], axis: Any, fn: str = "adaptive_grad_clip") -> tuple[int, ...]:
@@ -45,6 +61,30 @@ def unit_axes(shape: tuple[int, ...], axis: Any, fn: str = "adaptive_grad_clip")
     raise ValueError(
         f"{fn}: cannot infer the unit axes of a parameter of shape {shape}; pass axis="
     )
+
+
+def _paired_leaves(fn: str, updates: Any, params: Any, axis: Any) -> tuple[_norms.FlatTree, list[jax.Array], list]:
+    """``(updates flattened, the parameter arrays beside them, each leaf's unit axes)``.
+
+    Raises:
+      ValueError: when the updates and the parameters differ in structure or in a leaf's shape.
+    """
+    gflat = _norms.flatten(updates, fn)
+    pflat = _norms.flatten(params, fn)
+    if gflat.treedef != pflat.treedef:
+        raise ValueError(
+            f"{fn}: updates and params have different structures: "
+            f"{gflat.treedef} vs {pflat.treedef}"
+        )
+    axes = []
+    for path_i, g, p in zip(gflat.active, gflat.arrays, pflat.arrays):
+        if g.shape != p.shape:
+            raise ValueError(
+                f"{fn}: leaf {jax.tree_util.keystr(gflat.paths[path_i])} has update "
+                f"shape {g.shape} but parameter shape {p.shape}"
+            )
+        axes.append(unit_axes(g.shape, axis))
+    return gflat, pflat.arrays, axes
 
 
 @mark_static("axis")
@@ -130,22 +170,8 @@ def adaptive_grad_clip(
         check_tree(fn, "norm", state.norm, updates, shape_of=norm_shape)
         v, invalid = hps.at(state.count, tree_dtype(updates))
         lam, floor = v["clipping"], v["eps"]
-        gflat = _norms.flatten(updates, fn)
-        pflat = _norms.flatten(params, fn)
-        if gflat.treedef != pflat.treedef:
-            raise ValueError(
-                f"{fn}: updates and params have different structures: "
-                f"{gflat.treedef} vs {pflat.treedef}"
-            )
-        garr, parr = gflat.arrays, pflat.arrays
-        axes = []
-        for path_i, g, p in zip(gflat.active, garr, parr):
-            if g.shape != p.shape:
-                raise ValueError(
-                    f"{fn}: leaf {jax.tree_util.keystr(gflat.paths[path_i])} has update "
-                    f"shape {g.shape} but parameter shape {p.shape}"
-                )
-            axes.append(unit_axes(g.shape, axis))
+        gflat, parr, axes = _paired_leaves(fn, updates, params, axis)
+        garr = gflat.arrays
         gn = _norms.slice_norms(garr, axes, l2)
         pn = _norms.slice_norms(parr, axes, l2)
         new, reported, clipped = [], [], []

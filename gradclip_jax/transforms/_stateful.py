@@ -1,7 +1,7 @@
-"""Shared machinery of the stateful clippers (private).
+"""Shared machinery of the stateful clippers (private to :mod:`gradclip_jax.transforms`).
 
-The stateful transforms (:mod:`gradclip_jax.ema`, :mod:`gradclip_jax.growth`,
-:mod:`gradclip_jax.adaptive`) keep per-leaf statistics in trees shaped like the
+The stateful transforms (:mod:`~gradclip_jax.transforms.ema`, :mod:`~gradclip_jax.transforms.growth`
+and the adaptive clippers) keep per-leaf statistics in trees shaped like the
 parameters: the measured (floating-point) leaves hold arrays, every other leaf
 holds ``None``. These helpers build such trees at ``init``, read them back as flat
 lists aligned with :attr:`gradclip_jax._core.norms.FlatTree.arrays` at ``update``, and
@@ -24,6 +24,7 @@ from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.control import cond
 from gradclip_jax._core.factors import scale_leaf
 from gradclip_jax._core.numerics import count0 as count0
+from gradclip_jax.hyperparams import counts, increment, poison
 
 
 def scalar_dtype(params: Any) -> np.dtype:
@@ -69,7 +70,7 @@ def leaves_of(tree: Any, n: int, fn: str, what: str) -> list[Any]:
     """The per-leaf statistics of a state tree, checked against ``n`` measured leaves.
 
     (The tree itself is checked against the updates by
-    :func:`gradclip_jax._states.check_tree` first; this catches a transformation
+    :func:`gradclip_jax.transforms._state_checks.check_tree` first; this catches a transformation
     such as ``exp_avg_tfm`` that changes the number of leaves.)
     """
     leaves = jax.tree_util.tree_leaves(tree)
@@ -274,3 +275,26 @@ def run_inner(
 def init_inner(inner: optax.GradientTransformation | None, params: Any) -> Any:
     """The child's initial state, or :class:`optax.EmptyState` without a child."""
     return optax.EmptyState() if inner is None else inner.init(params)
+
+
+def finish(
+    flat: _norms.FlatTree, f: jax.Array, n: jax.Array, thr: jax.Array, state: Any, skip: bool,
+    invalid: jax.Array | None,
+) -> tuple[Any, jax.Array, dict[str, jax.Array]]:
+    """The shared ending of the global-norm clippers (autoclip, zclip, quantile_clip).
+
+    Scales the update by ``f`` (by 1 when ``skip`` and the norm ``n`` is not
+    finite; NaN when a hyperparameter is ``invalid``) and returns
+    ``(out, ok, fields)``: ``ok`` says whether the step counts, and ``fields`` are
+    the state's monitoring fields ``count``, ``norm``, ``clip_norm`` (``thr``, or
+    the previous one on a skipped step) and ``clipped``.
+    """
+    ok = (jnp.isfinite(n) if skip else jnp.ones((), bool)) & counts(invalid)
+    out = scale_all(flat, poison(jnp.where(ok, f, jnp.ones_like(f)), invalid))
+    fields = {
+        "count": jnp.where(ok, increment(state.count), state.count),
+        "norm": n,
+        "clip_norm": jnp.where(ok, thr, state.clip_norm),
+        "clipped": ok & (f < 1),
+    }
+    return out, ok, fields

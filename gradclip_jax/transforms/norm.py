@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -21,8 +22,7 @@ from gradclip_jax._core.factors import (
 )
 from gradclip_jax._core.norms import DimLike, OrdLike
 from gradclip_jax._core.numerics import count0 as _count0
-from gradclip_jax._states import check_state, check_tree
-from gradclip_jax.clipping._states import ClipByGlobalNormState, ClipByNormState, NormalizeState
+from gradclip_jax._core.state_registry import register_state
 from gradclip_jax.hyperparams import (
     Hyperparam,
     Hyperparams,
@@ -30,6 +30,52 @@ from gradclip_jax.hyperparams import (
     mark_static,
     poison,
 )
+from gradclip_jax.transforms._state_checks import check_state, check_tree
+
+
+@register_state
+class ClipByGlobalNormState(NamedTuple):
+    """State of :func:`clip_by_global_norm`.
+
+    Attributes:
+      count: number of updates so far (int32); drives schedules.
+      norm: the global norm of the last update before clipping (a scalar in the
+        accumulation dtype, 0 before the first update).
+      clipped: whether the last update was scaled down (what
+        :func:`gradclip_jax.skip_on_spike` reads with ``field='clipped'``).
+    """
+
+    count: jax.Array  # type: ignore[assignment]  # NamedTuple field named like tuple.count, as in optax
+    norm: jax.Array
+    clipped: jax.Array
+
+
+@register_state
+class ClipByNormState(NamedTuple):
+    """State of :func:`clip_by_norm`.
+
+    Attributes:
+      count: number of updates so far (int32).
+      norm: the pre-clip norms of the last update: a tree with one array of
+        per-slice norms per leaf (``None`` for leaves left alone), or a scalar when
+        ``dim='global'``.
+      clipped: whether the last update was scaled down: one bool per leaf (any
+        of its slices; ``None`` for leaves left alone), or a scalar when
+        ``dim='global'``.
+    """
+
+    count: jax.Array  # type: ignore[assignment]  # NamedTuple field named like tuple.count, as in optax
+    norm: Any
+    clipped: Any
+
+
+@register_state
+class NormalizeState(NamedTuple):
+    """State of :func:`normalize` (fields as in :class:`ClipByNormState`)."""
+
+    count: jax.Array  # type: ignore[assignment]  # NamedTuple field named like tuple.count, as in optax
+    norm: Any
+
 
 
 @mark_static("ord", "axis_name")
