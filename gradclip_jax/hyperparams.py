@@ -138,7 +138,7 @@ def mark_static(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any
 
 
 @dataclasses.dataclass(frozen=True)
-class Rule:
+class Range:
     """The valid range of a numeric hyperparameter (see :func:`check_scalar`)."""
 
     low: float | None = 0.0
@@ -177,11 +177,11 @@ class Hyperparams:
     def __init__(self, fn: str):
         self.fn = fn
         self.values: dict[str, Any] = {}
-        self.rules: dict[str, Rule] = {}
+        self.rules: dict[str, Range] = {}
         self.orders: list[tuple[str, str]] = []
 
     def add(self, name: str, value: Any, **rule: Any) -> None:
-        r = Rule(**rule)
+        r = Range(**rule)
         check_scalar(self.fn, name, value, **dataclasses.asdict(r))
         self.values[name] = value
         self.rules[name] = r

@@ -13,7 +13,7 @@ from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.norms import DimLike, OrdLike
 from gradclip_jax._core.numerics import bounded_factor
 from gradclip_jax._core.stored import certified_factors, stored_scale
-from gradclip_jax._core.validation import static_value
+from gradclip_jax._core.validation import is_int, static_value
 
 
 def scale_leaf(x: jax.Array, factor: jax.Array, settled: jax.Array | None = None) -> jax.Array:
@@ -211,7 +211,7 @@ def validate_shape_args(fn: str, ord: Any, dim: Any, inverse_dims: Any, min_size
         raise TypeError(f"{fn}: `inverse_dims` must be a bool, got {type(inv).__name__} {inv!r}")
     d = _norms.check_dim(dim, bool(inv), fn)
     ms = static_value(fn, "min_size", min_size)
-    if isinstance(ms, bool) or not isinstance(ms, (int, np.integer)):
+    if not is_int(ms):
         raise TypeError(f"{fn}: `min_size` must be a non-negative int, got {type(ms).__name__} {ms!r}")
     if ms < 0:
         raise ValueError(f"{fn}: `min_size` must be a non-negative int, got {ms!r}")

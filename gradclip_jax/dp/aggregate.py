@@ -49,10 +49,14 @@ from gradclip_jax.hyperparams import (
     poison,
     static_value,
 )
-from gradclip_jax.per_example._batch import batch_flatten, match_batch_sharding
-from gradclip_jax.per_example._config import clip_factors
-from gradclip_jax.per_example._measure import as_rows, unrow
-from gradclip_jax.per_example._sums import clip_and_sum
+from gradclip_jax.per_example.internal import (
+    as_rows,
+    batch_flatten,
+    clip_and_sum,
+    clip_factors,
+    match_batch_sharding,
+    unrow,
+)
 
 __all__ = [
     "DPAggregateState",

@@ -14,7 +14,7 @@ from jax import lax
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.backend import per_backend
 from gradclip_jax.dp.philox import philox_normal
-from gradclip_jax.per_example._batch import explicit_spec
+from gradclip_jax.per_example.internal import explicit_spec
 
 __all__ = ["NOISE_BLOCK_SIZE", "NOISE_STRATEGY", "add_gaussian_noise", "noised_leaves"]
 

@@ -71,7 +71,7 @@ from gradclip_jax.dp.batch_selection import BatchSampler, check_sampler
 from gradclip_jax.dp.noise import add_gaussian_noise
 from gradclip_jax.dp.sampling import PoissonSampler, _rate
 from gradclip_jax.per_example import ClippedGradFn, ClippedGradInfo, clipped_grad
-from gradclip_jax.per_example._config import Method
+from gradclip_jax.per_example.internal import Method
 
 __all__ = ["PrivacyBudgetError", "PrivacyBudgetWarning", "PrivateStepMetrics", "PrivateTraining", "make_private"]
 

@@ -51,11 +51,10 @@ except ImportError as err:  # pragma: no cover - exercised without the extra
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.factors import clip_factor
 from gradclip_jax._core.numerics import divide_or_zero, rounding_margin
-from gradclip_jax._core.validation import check_mask
+from gradclip_jax._core.validation import check_mask, is_int
 from gradclip_jax.hyperparams import check_scalar, is_traced, static_value
-from gradclip_jax.per_example._batch import batch_size_of
-from gradclip_jax.per_example._keys import example_keys
 from gradclip_jax.per_example.api import clipped_grad as _clipped_grad
+from gradclip_jax.per_example.internal import batch_size_of, example_keys
 
 __all__ = ["AuxiliaryOutput", "BoundedSensitivityCallable", "clip_pytree", "clipped_fun", "clipped_grad"]
 
@@ -165,9 +164,8 @@ def clip_pytree(
 
 def _argnums(fn: str, name: str, value: Any) -> tuple[int, ...]:
     """``value`` (an int or a sequence of ints) as a tuple of distinct non-negative ints."""
-    nums = (value,) if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else value
-    if not isinstance(nums, Sequence) or not all(
-            isinstance(n, (int, np.integer)) and not isinstance(n, bool) for n in nums):
+    nums = (value,) if is_int(value) else value
+    if not isinstance(nums, Sequence) or not all(is_int(n) for n in nums):
         raise TypeError(f"{fn}: `{name}` must be an int or a sequence of ints, got {value!r}")
     nums = tuple(int(n) for n in nums)
     if not nums:
@@ -184,7 +182,7 @@ def _prng_argnum(fn: str, value: Any, taken: dict[str, tuple[int, ...]]) -> int 
     value = static_value(fn, "prng_argnum", value)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    if not is_int(value):
         raise TypeError(f"{fn}: `prng_argnum` must be None or an int, got {value!r}")
     if value < 0:
         raise ValueError(f"{fn}: `prng_argnum`={value} must be >= 0 (the position of the key argument)")
@@ -376,7 +374,7 @@ def clipped_fun(
 
 def _microbatch(fn: str, mb: Any) -> int | None:
     mb = static_value(fn, "microbatch_size", mb)
-    if mb is not None and (isinstance(mb, bool) or not isinstance(mb, (int, np.integer)) or mb < 1):
+    if mb is not None and (not is_int(mb) or mb < 1):
         raise ValueError(f"{fn}: microbatch_size must be None or a positive int, got {mb!r}")
     return None if mb is None else int(mb)
 

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
 from gradclip_jax._core.norms._spec import Axes, DimLike
-from gradclip_jax._core.validation import static_value
+from gradclip_jax._core.validation import is_int, static_value
 
 
 def check_dim(dim: DimLike, inverse_dims: bool, fn: str, allow_global: bool = True) -> DimLike:
@@ -27,13 +25,13 @@ def check_dim(dim: DimLike, inverse_dims: bool, fn: str, allow_global: bool = Tr
                 "there would be no axis left to reduce"
             )
         return None
-    if isinstance(dim, (int, np.integer)) and not isinstance(dim, bool):
+    if is_int(dim):
         return (int(dim),)
     try:
         dims = tuple(static_value(fn, "dim", d) for d in dim)  # type: ignore[union-attr]
     except TypeError as err:
         raise TypeError(f"{fn}: dim must be None, an int or a tuple of ints, got {dim!r}") from err
-    if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) for d in dims):
+    if not all(is_int(d) for d in dims):
         raise TypeError(f"{fn}: dim must be None, an int or a tuple of ints, got {dim!r}")
     return tuple(int(d) for d in dims)
 

@@ -23,7 +23,7 @@ from gradclip_jax.per_example._batch import (
     one_example_loss,
 )
 from gradclip_jax.per_example._config import ClipConfig
-from gradclip_jax.per_example._measure import (
+from gradclip_jax.per_example._example_norms import (
     as_rows,
     combine_l2,
     combine_l2_stacked,

@@ -19,15 +19,15 @@ from gradclip_jax.per_example._batch import (
     one_example_loss,
     vary_like,
 )
+from gradclip_jax.per_example._clip_sum import fused_sums, scan_weighted_sum
 from gradclip_jax.per_example._config import ClipConfig
-from gradclip_jax.per_example._measure import as_rows, unrow
+from gradclip_jax.per_example._example_norms import as_rows, unrow
 from gradclip_jax.per_example._products import (
     as_measured,
     rounds_to_tf32,
     tf32_passes,
     tf32_weighted,
 )
-from gradclip_jax.per_example._sums import fused_sums, scan_weighted_sum
 from gradclip_jax.per_example.ghost._analysis import Traced
 from gradclip_jax.per_example.ghost._jaxpr import widen
 from gradclip_jax.per_example.ghost._measure import Pass, apply_site, each_step

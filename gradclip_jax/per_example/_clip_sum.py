@@ -20,7 +20,7 @@ from gradclip_jax.per_example._batch import (
     vary_like,
 )
 from gradclip_jax.per_example._config import clip_factors
-from gradclip_jax.per_example._measure import Measured, guarded_factor, measure
+from gradclip_jax.per_example._example_norms import Measured, guarded_factor, measure
 from gradclip_jax.per_example._products import product_precision
 
 FactorFn = Callable[[jax.Array, Any], jax.Array]
