@@ -68,7 +68,7 @@ def clip_grad_norm(
     hps.add("eps", eps)
     spec = _norms.parse_ord(ord, fn)
     flat = _norms.flatten(grads, fn)
-    _norms.check_complex(flat, spec, fn)
+    _norms.check_complex(fn, flat, spec)
     total = _norms.global_norm(flat.arrays, spec)
     v, invalid = hps.at(jnp.zeros((), jnp.int32), total.dtype)
     coef = poison(jnp.minimum(v["max_norm"] / (total + v["eps"]), 1.0), invalid)

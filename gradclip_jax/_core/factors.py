@@ -135,7 +135,7 @@ def rescale_tree(
     """
     spec = _norms.parse_ord(ord, fn)
     flat = _norms.flatten(tree, fn)
-    _norms.check_complex(flat, spec, fn)
+    _norms.check_complex(fn, flat, spec)
     arrays = flat.arrays
     if dim == "global":
         norm = _norms.global_norm(arrays, spec, axis_name, dtype=norm_dtype)
@@ -209,7 +209,7 @@ def validate_shape_args(fn: str, ord: Any, dim: Any, inverse_dims: Any, min_size
     inv = static_value(fn, "inverse_dims", inverse_dims)
     if not isinstance(inv, (bool, np.bool_)):
         raise TypeError(f"{fn}: `inverse_dims` must be a bool, got {type(inv).__name__} {inv!r}")
-    d = _norms.check_dim(dim, bool(inv), fn)
+    d = _norms.check_dim(fn, dim, bool(inv))
     ms = static_value(fn, "min_size", min_size)
     if not is_int(ms):
         raise TypeError(f"{fn}: `min_size` must be a non-negative int, got {type(ms).__name__} {ms!r}")

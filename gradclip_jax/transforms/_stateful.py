@@ -246,7 +246,7 @@ def measured(updates: Any, spec: _norms.NormSpec | None, fn: str) -> _norms.Flat
     """Flattens and validates ``updates`` for the engine (complex ``'sum'`` is rejected)."""
     flat = _norms.flatten(updates, fn)
     if spec is not None:
-        _norms.check_complex(flat, spec, fn)
+        _norms.check_complex(fn, flat, spec)
     return flat
 
 

@@ -46,7 +46,7 @@ def tree_norm(tree: Any, ord: OrdLike = 2, *, axis_name: Any = None) -> jax.Arra
     """
     spec = parse_ord(ord, "tree_norm")
     flat = flatten(tree, "tree_norm")
-    check_complex(flat, spec, "tree_norm")
+    check_complex("tree_norm", flat, spec)
     return global_norm(flat.arrays, spec, axis_name)
 
 
@@ -82,9 +82,9 @@ def leaf_norms(
       {'w': Array([5., 1.], dtype=float32)}
     """
     spec = parse_ord(ord, "leaf_norms")
-    d = check_dim(dim, inverse_dims, "leaf_norms", allow_global=False)
+    d = check_dim("leaf_norms", dim, inverse_dims, allow_global=False)
     flat = flatten(tree, "leaf_norms")
-    check_complex(flat, spec, "leaf_norms")
+    check_complex("leaf_norms", flat, spec)
     check_axes_exist("leaf_norms", [x.shape for x in flat.arrays], d)
     arrays, axes, where = [], [], []
     for pos, x in enumerate(flat.arrays):

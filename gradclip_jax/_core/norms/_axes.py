@@ -8,7 +8,7 @@ from gradclip_jax._core.norms._spec import Axes, DimLike
 from gradclip_jax._core.validation import is_int, static_value
 
 
-def check_dim(dim: DimLike, inverse_dims: bool, fn: str, allow_global: bool = True) -> DimLike:
+def check_dim(fn: str, dim: DimLike, inverse_dims: bool, allow_global: bool = True) -> DimLike:
     """Validates ``dim`` / ``inverse_dims`` at construction and normalises ``dim``."""
     dim = static_value(fn, "dim", dim)
     if isinstance(dim, str):

@@ -301,7 +301,7 @@ def _keep_shape(x: jax.Array, axes: Any) -> tuple[int, ...]:
     return tuple(1 if d in red else n for d, n in enumerate(x.shape))
 
 
-def check_complex(flat: FlatTree, spec: NormSpec, fn: str) -> None:
+def check_complex(fn: str, flat: FlatTree, spec: NormSpec) -> None:
     """A signed ``'sum'`` has no meaning for complex leaves: raise naming the leaf."""
     if spec.kind != "sum":
         return

@@ -39,7 +39,7 @@ def is_numeric_leaf(x: Any) -> bool:
     return not _is_float0(x)
 
 
-def check_float_leaf(path: Any, x: Any, fn: str) -> jax.Array:
+def check_float_leaf(fn: str, path: Any, x: Any) -> jax.Array:
     """Returns ``x`` as an array, or raises ``TypeError`` naming the leaf's path."""
     if not hasattr(x, "dtype"):
         if isinstance(x, bool) or not isinstance(x, (int, float, complex)):
@@ -127,7 +127,7 @@ def flatten(tree: Any, fn: str) -> FlatTree:
     for i, (path, x) in enumerate(pairs):
         if _is_float0(x):
             continue
-        leaves[i] = check_float_leaf(path, x, fn)
+        leaves[i] = check_float_leaf(fn, path, x)
         active.append(i)
     return FlatTree(treedef=treedef, leaves=leaves, paths=paths, active=active)
 
