@@ -25,6 +25,8 @@ from gradclip_jax.hyperparams import (
 from gradclip_jax.transforms import _stateful as _st
 from gradclip_jax.transforms._state_checks import check_state, check_tree
 
+__all__ = ["AdaGCState", "adagc"]
+
 
 @register_state
 class AdaGCState(NamedTuple):

@@ -22,6 +22,8 @@ from gradclip_jax.hyperparams import (
 )
 from gradclip_jax.transforms._state_checks import check_state, check_tree
 
+__all__ = ["AdaptiveGradClipState", "adaptive_grad_clip", "unit_axes"]
+
 
 @register_state
 class AdaptiveGradClipState(NamedTuple):

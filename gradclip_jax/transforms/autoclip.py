@@ -23,6 +23,8 @@ from gradclip_jax.transforms import _stateful as _st
 from gradclip_jax.transforms._state_checks import check_state
 from gradclip_jax.transforms._stateful import finish
 
+__all__ = ["AutoClipState", "autoclip"]
+
 
 @register_state
 class AutoClipState(NamedTuple):

@@ -18,6 +18,8 @@ from gradclip_jax.hyperparams import (
 )
 from gradclip_jax.transforms._state_checks import check_state
 
+__all__ = ["CentralizeState", "centralize"]
+
 
 @register_state
 class CentralizeState(NamedTuple):

@@ -32,6 +32,8 @@ from gradclip_jax.hyperparams import (
 )
 from gradclip_jax.transforms._state_checks import check_state, check_tree
 
+__all__ = ["ClipByGlobalNormState", "ClipByNormState", "NormalizeState", "clip_by_global_norm", "clip_by_norm", "normalize"]
+
 
 @register_state
 class ClipByGlobalNormState(NamedTuple):

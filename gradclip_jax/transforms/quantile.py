@@ -24,6 +24,8 @@ from gradclip_jax.transforms import _stateful as _st
 from gradclip_jax.transforms._state_checks import check_state
 from gradclip_jax.transforms._stateful import finish
 
+__all__ = ["QuantileClipState", "quantile_clip"]
+
 
 @register_state
 class QuantileClipState(NamedTuple):

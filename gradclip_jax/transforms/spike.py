@@ -16,6 +16,8 @@ from gradclip_jax.hyperparams import (
 )
 from gradclip_jax.transforms import _stateful as _st
 
+__all__ = ["SkipOnSpikeState", "skip_on_spike"]
+
 
 @register_state
 class SkipOnSpikeState(NamedTuple):

@@ -27,6 +27,8 @@ from gradclip_jax.hyperparams import (
 )
 from gradclip_jax.transforms._state_checks import check_state, check_tree
 
+__all__ = ["ClipByValueState", "ClipByBlockRmsState", "clip_by_value", "clip", "clip_by_block_rms"]
+
 
 @register_state
 class ClipByValueState(NamedTuple):

@@ -22,6 +22,8 @@ from gradclip_jax.transforms import _stateful as _st
 from gradclip_jax.transforms._state_checks import check_state
 from gradclip_jax.transforms._stateful import finish
 
+__all__ = ["ZClipState", "zclip"]
+
 
 @register_state
 class ZClipState(NamedTuple):
