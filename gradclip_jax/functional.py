@@ -19,8 +19,9 @@ from gradclip_jax._core.factors import (
     scale_leaf,
     validate_shape_args,
 )
+from gradclip_jax._core.hyperparam_rules import Hyperparams, poison
 from gradclip_jax._core.norms import DimLike, OrdLike, leaf_norms, tree_norm
-from gradclip_jax.hyperparams import Hyperparams, check_scalar, poison
+from gradclip_jax._core.validation import check_scalar
 from gradclip_jax.transforms.value import clip_value_tree
 
 __all__ = ["clip_grad_norm", "clip_grad_value", "normalize_grads", "tree_norm", "leaf_norms"]

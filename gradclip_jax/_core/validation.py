@@ -278,7 +278,7 @@ class StaticDefault:
         return hash(self.value)
 
 
-# public function name -> its structural arguments (filled by hyperparams.mark_static)
+# public function name -> its structural arguments (filled by hyperparam_rules.mark_static)
 STATIC_ARGS: dict[str, tuple[str, ...]] = {}
 
 

@@ -51,8 +51,7 @@ except ImportError as err:  # pragma: no cover - exercised without the extra
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.factors import clip_factor
 from gradclip_jax._core.numerics import divide_or_zero, rounding_margin
-from gradclip_jax._core.validation import check_mask, is_int
-from gradclip_jax.hyperparams import check_scalar, is_traced, static_value
+from gradclip_jax._core.validation import check_mask, check_scalar, is_int, is_traced, static_value
 from gradclip_jax.per_example.api import clipped_grad as _clipped_grad
 from gradclip_jax.per_example.internal import batch_size_of, example_keys
 

@@ -23,8 +23,8 @@ from jax import lax
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.control import cond
 from gradclip_jax._core.factors import scale_leaf
+from gradclip_jax._core.hyperparam_rules import counts, increment, poison
 from gradclip_jax._core.numerics import count0 as count0
-from gradclip_jax.hyperparams import counts, increment, poison
 
 
 def scalar_dtype(params: Any) -> np.dtype:

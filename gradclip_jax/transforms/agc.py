@@ -10,16 +10,16 @@ import optax
 
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.factors import clip_factor, is_float, like_state, scale_leaf, tree_dtype
-from gradclip_jax._core.numerics import count0 as _count0
-from gradclip_jax._core.state_registry import register_state
-from gradclip_jax.hyperparams import (
+from gradclip_jax._core.hyperparam_rules import (
     Hyperparam,
     Hyperparams,
     increment,
     mark_static,
     poison,
-    static_value,
 )
+from gradclip_jax._core.numerics import count0 as _count0
+from gradclip_jax._core.state_registry import register_state
+from gradclip_jax._core.validation import static_value
 from gradclip_jax.transforms._state_checks import check_state, check_tree
 
 __all__ = ["AdaptiveGradClipState", "adaptive_grad_clip", "unit_axes"]

@@ -11,11 +11,9 @@ import optax
 
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.factors import validate_shape_args
+from gradclip_jax._core.hyperparam_rules import mark_static
 from gradclip_jax._core.norms import DimLike
 from gradclip_jax._core.state_registry import register_state
-from gradclip_jax.hyperparams import (
-    mark_static,
-)
 from gradclip_jax.transforms._state_checks import check_state
 
 __all__ = ["CentralizeState", "centralize"]

@@ -29,10 +29,7 @@ import optax
 
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.factors import clip_factor, normalize_factor
-from gradclip_jax._core.norms import OrdLike
-from gradclip_jax._core.state_registry import register_state
-from gradclip_jax._core.validation import check_bool, check_transform
-from gradclip_jax.hyperparams import (
+from gradclip_jax._core.hyperparam_rules import (
     Hyperparam,
     Hyperparams,
     counts,
@@ -41,6 +38,9 @@ from gradclip_jax.hyperparams import (
     poison,
     resolve,
 )
+from gradclip_jax._core.norms import OrdLike
+from gradclip_jax._core.state_registry import register_state
+from gradclip_jax._core.validation import check_bool, check_transform
 from gradclip_jax.transforms import _stateful as _st
 from gradclip_jax.transforms._state_checks import check_state, check_tree
 

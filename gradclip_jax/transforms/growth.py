@@ -28,10 +28,17 @@ import optax
 
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.factors import clip_factor
+from gradclip_jax._core.hyperparam_rules import (
+    Hyperparam,
+    Hyperparams,
+    counts,
+    increment,
+    mark_static,
+    poison,
+)
 from gradclip_jax._core.norms import OrdLike
 from gradclip_jax._core.state_registry import register_state
 from gradclip_jax._core.validation import check_bool
-from gradclip_jax.hyperparams import Hyperparam, Hyperparams, counts, increment, mark_static, poison
 from gradclip_jax.transforms import _stateful as _st
 from gradclip_jax.transforms._state_checks import check_state, check_tree
 

@@ -20,16 +20,16 @@ from gradclip_jax._core.factors import (
     tree_dtype,
     validate_shape_args,
 )
-from gradclip_jax._core.norms import DimLike, OrdLike
-from gradclip_jax._core.numerics import count0 as _count0
-from gradclip_jax._core.state_registry import register_state
-from gradclip_jax.hyperparams import (
+from gradclip_jax._core.hyperparam_rules import (
     Hyperparam,
     Hyperparams,
     increment,
     mark_static,
     poison,
 )
+from gradclip_jax._core.norms import DimLike, OrdLike
+from gradclip_jax._core.numerics import count0 as _count0
+from gradclip_jax._core.state_registry import register_state
 from gradclip_jax.transforms._state_checks import check_state, check_tree
 
 __all__ = ["ClipByGlobalNormState", "ClipByNormState", "NormalizeState", "clip_by_global_norm", "clip_by_norm", "normalize"]

@@ -10,16 +10,10 @@ import optax
 
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.factors import clip_factor as _clip_factor
+from gradclip_jax._core.hyperparam_rules import Hyperparam, Hyperparams, mark_static, resolve
 from gradclip_jax._core.norms import OrdLike
 from gradclip_jax._core.state_registry import register_state
-from gradclip_jax._core.validation import check_bool
-from gradclip_jax.hyperparams import (
-    Hyperparam,
-    Hyperparams,
-    check_scalar,
-    mark_static,
-    resolve,
-)
+from gradclip_jax._core.validation import check_bool, check_scalar
 from gradclip_jax.transforms import _stateful as _st
 from gradclip_jax.transforms._state_checks import check_state
 from gradclip_jax.transforms._stateful import finish

@@ -8,12 +8,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from gradclip_jax._core.hyperparam_rules import increment
 from gradclip_jax._core.state_registry import register_state
-from gradclip_jax._core.validation import check_transform
-from gradclip_jax.hyperparams import (
-    increment,
-    static_value,
-)
+from gradclip_jax._core.validation import check_transform, static_value
 from gradclip_jax.transforms import _stateful as _st
 
 __all__ = ["SkipOnSpikeState", "skip_on_spike"]

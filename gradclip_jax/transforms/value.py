@@ -16,15 +16,9 @@ from gradclip_jax._core.factors import (
     rescale_tree,
     tree_dtype,
 )
+from gradclip_jax._core.hyperparam_rules import Hyperparam, Hyperparams, increment, poison, resolve
 from gradclip_jax._core.numerics import count0 as _count0
 from gradclip_jax._core.state_registry import register_state
-from gradclip_jax.hyperparams import (
-    Hyperparam,
-    Hyperparams,
-    increment,
-    poison,
-    resolve,
-)
 from gradclip_jax.transforms._state_checks import check_state, check_tree
 
 __all__ = ["ClipByValueState", "ClipByBlockRmsState", "clip_by_value", "clip", "clip_by_block_rms"]
