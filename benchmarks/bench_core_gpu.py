@@ -10,7 +10,7 @@ Rows (ratio = ours / optax in this process, so < 1 is better), for fp32 and bf16
 * compiled temporaries of the clip ``update`` (``memory_analysis``, MiB);
 * the clip alone again with the engine's global-mode packing of small leaves
   switched on (the CPU strategy), to check the per-backend choice in
-  :data:`gradclip_jax.norms.GLOBAL_PACK_MAX_SIZE`.
+  :data:`gradclip_jax._core.norms.GLOBAL_PACK_MAX_SIZE`.
 
 The tree has GPT-2-XL's shapes: 48 layers of width 1600, a 50257 x 1600 token
 and a 1024 x 1600 position embedding, 580 leaves and 1.56B parameters. Without a
@@ -37,7 +37,7 @@ import optax
 
 import gradclip_jax as gcx
 from benchmarks.common import chain_step_ms, interleaved_ms, num_params, row
-from gradclip_jax import norms as _norms
+from gradclip_jax._core import norms as _norms
 
 GROUP = "core-gpu"
 

@@ -111,7 +111,7 @@ import optax
 import gradclip_jax as gcx
 from benchmarks.bench_dp import CLIP, _jax_privacy
 from benchmarks.common import interleaved_ms, memory_mb, num_params, row
-from gradclip_jax._backend import backend_setting
+from gradclip_jax._core.backend import backend_setting
 
 NOISE_MULTIPLIER = 1.0
 LEARNING_RATE = 1e-4
@@ -330,7 +330,7 @@ def _nonprivate_step(losses: Callable, opt: optax.GradientTransformation) -> Cal
 def _traced_within(step: Callable, context: Callable[[], contextlib.AbstractContextManager]) -> Callable:
     """``step`` traced inside ``context()``: every matmul at ``Precision.HIGHEST`` (what the
     full-precision products of the book-kept sums and ghost norms cost on this device), or
-    another ``PRODUCT_PRECISION`` (:func:`gradclip_jax._backend.backend_setting`)."""
+    another ``PRODUCT_PRECISION`` (:func:`gradclip_jax._core.backend.backend_setting`)."""
 
     def run(state: Any, batch: Any) -> Any:
         with context():

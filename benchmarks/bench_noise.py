@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 import gradclip_jax as gcx
 from benchmarks.common import interleaved_ms, memory_mb, row
-from gradclip_jax._backend import backend_setting
+from gradclip_jax._core.backend import backend_setting
 
 
 def gpt2_tree(width: int = 768, vocab: int = 50257, layers: int = 12, positions: int = 1024) -> dict[str, Any]:

@@ -34,9 +34,9 @@ import jax
 import optax
 
 from benchmarks.common import transformer_tree
-from gradclip_jax.adaptive import adagc, autoclip, quantile_clip, skip_on_spike, zclip
-from gradclip_jax.ema import clip_norm_by_ema, clip_value_by_ema, normalize_by_ema
-from gradclip_jax.growth import clip_norm_growth, clip_value_growth
+from gradclip_jax.transforms import adagc, autoclip, quantile_clip, skip_on_spike, zclip
+from gradclip_jax.transforms.ema import clip_norm_by_ema, clip_value_by_ema, normalize_by_ema
+from gradclip_jax.transforms.growth import clip_norm_growth, clip_value_growth
 
 GROUP = "stateful"
 

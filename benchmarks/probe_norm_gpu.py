@@ -21,8 +21,8 @@ per dtype, one ``chain(clip, adamw) + apply_updates`` step against optax's.
 
 Rows are printed as soon as they are measured; a deadline (``--budget``, default
 270 s) skips what would not finish. The winner goes into
-``SUMSQ_STRATEGY["gpu"/"cuda"]`` (``gradclip_jax/norms/_engine.py``) and
-``GLOBAL_PACK_MAX_SIZE["gpu"/"cuda"]`` (``gradclip_jax/norms/_reduce.py``); the summary
+``SUMSQ_STRATEGY["gpu"/"cuda"]`` (``gradclip_jax/_core/norms/_engine.py``) and
+``GLOBAL_PACK_MAX_SIZE["gpu"/"cuda"]`` (``gradclip_jax/_core/norms/_reduce.py``); the summary
 line says which.
 
 Run: ``python -m benchmarks.probe_norm_gpu`` (``--small`` on a CPU).
@@ -43,7 +43,7 @@ import optax
 import gradclip_jax as gcx
 from benchmarks.bench_core_gpu import gpt2_tree
 from benchmarks.common import interleaved_ms
-from gradclip_jax import norms as _norms
+from gradclip_jax._core import norms as _norms
 
 # (name, SUMSQ_STRATEGY value, pack small leaves?) in the order they are tried
 VARIANTS = (
@@ -201,7 +201,7 @@ def main() -> None:
         if full:
             win = min(full, key=lambda n: max(r["ratio"] for r in by_variant[n]))
             strategy, pack = next((s, p) for n, s, p in VARIANTS if n == win)
-            _print(f"winner (best worst-case runtime ratio): {win} -> in gradclip_jax/norms/ set "
+            _print(f"winner (best worst-case runtime ratio): {win} -> in gradclip_jax/_core/norms/ set "
                    f"SUMSQ_STRATEGY['gpu'] = SUMSQ_STRATEGY['cuda'] = {strategy!r} and "
                    f"GLOBAL_PACK_MAX_SIZE['gpu'] = GLOBAL_PACK_MAX_SIZE['cuda'] = "
                    f"{'PACK_MAX_SIZE' if pack else 0}")

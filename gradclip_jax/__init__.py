@@ -11,36 +11,6 @@ Example:
 """
 
 from gradclip_jax import dp, ghost, interop, norms, privacy
-from gradclip_jax.adaptive import (
-    AdaGCState,
-    AutoClipState,
-    QuantileClipState,
-    SkipOnSpikeState,
-    ZClipState,
-    adagc,
-    autoclip,
-    quantile_clip,
-    skip_on_spike,
-    zclip,
-)
-from gradclip_jax.clipping import (
-    AdaptiveGradClipState,
-    CentralizeState,
-    ClipByBlockRmsState,
-    ClipByGlobalNormState,
-    ClipByNormState,
-    ClipByValueState,
-    NormalizeState,
-    adaptive_grad_clip,
-    centralize,
-    clip,
-    clip_by_block_rms,
-    clip_by_global_norm,
-    clip_by_norm,
-    clip_by_value,
-    normalize,
-    unit_axes,
-)
 from gradclip_jax.dp import (
     BatchOverflowError,
     DPAggregateState,
@@ -60,21 +30,8 @@ from gradclip_jax.dp import (
     noise_multiplier_for_gradient,
 )
 from gradclip_jax.dp.accounting import PrivacyAccountant
-from gradclip_jax.ema import (
-    ClipValueByEMAState,
-    NormByEMAState,
-    clip_norm_by_ema,
-    clip_value_by_ema,
-    normalize_by_ema,
-)
 from gradclip_jax.functional import clip_grad_norm, clip_grad_value, normalize_grads
 from gradclip_jax.ghost import GhostFallbackWarning, GhostReport, ghost_report
-from gradclip_jax.growth import (
-    ClipNormGrowthState,
-    ClipValueGrowthState,
-    clip_norm_growth,
-    clip_value_growth,
-)
 from gradclip_jax.hyperparams import inject_hyperparams
 from gradclip_jax.monitor import norms_from_state
 from gradclip_jax.norms import NormSpec, leaf_norms, parse_ord, tree_norm
@@ -85,6 +42,43 @@ from gradclip_jax.per_example import (
     per_example_global_norm_clip,
     per_example_layer_norm_clip,
     per_example_norms,
+)
+from gradclip_jax.transforms import (
+    AdaGCState,
+    AdaptiveGradClipState,
+    AutoClipState,
+    CentralizeState,
+    ClipByBlockRmsState,
+    ClipByGlobalNormState,
+    ClipByNormState,
+    ClipByValueState,
+    ClipNormGrowthState,
+    ClipValueByEMAState,
+    ClipValueGrowthState,
+    NormalizeState,
+    NormByEMAState,
+    QuantileClipState,
+    SkipOnSpikeState,
+    ZClipState,
+    adagc,
+    adaptive_grad_clip,
+    autoclip,
+    centralize,
+    clip,
+    clip_by_block_rms,
+    clip_by_global_norm,
+    clip_by_norm,
+    clip_by_value,
+    clip_norm_by_ema,
+    clip_norm_growth,
+    clip_value_by_ema,
+    clip_value_growth,
+    normalize,
+    normalize_by_ema,
+    quantile_clip,
+    skip_on_spike,
+    unit_axes,
+    zclip,
 )
 
 __version__ = "0.1.0"

@@ -12,16 +12,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gradclip_jax import norms as _norms
-from gradclip_jax.clipping._factors import (
+from gradclip_jax._core import norms as _norms
+from gradclip_jax._core.factors import (
     normalize_factor,
     rescale_tree,
     scale_leaf,
     validate_shape_args,
 )
-from gradclip_jax.clipping._value import clip_value_tree
-from gradclip_jax.hyperparams import Hyperparams, check_scalar, poison
-from gradclip_jax.norms import DimLike, OrdLike, leaf_norms, tree_norm
+from gradclip_jax._core.hyperparam_rules import Hyperparams, poison
+from gradclip_jax._core.norms import DimLike, OrdLike, leaf_norms, tree_norm
+from gradclip_jax._core.validation import check_scalar
+from gradclip_jax.transforms.value import clip_value_tree
 
 __all__ = ["clip_grad_norm", "clip_grad_value", "normalize_grads", "tree_norm", "leaf_norms"]
 
@@ -68,7 +69,7 @@ def clip_grad_norm(
     hps.add("eps", eps)
     spec = _norms.parse_ord(ord, fn)
     flat = _norms.flatten(grads, fn)
-    _norms.check_complex(flat, spec, fn)
+    _norms.check_complex(fn, flat, spec)
     total = _norms.global_norm(flat.arrays, spec)
     v, invalid = hps.at(jnp.zeros((), jnp.int32), total.dtype)
     coef = poison(jnp.minimum(v["max_norm"] / (total + v["eps"]), 1.0), invalid)

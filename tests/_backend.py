@@ -32,7 +32,7 @@ import jax
 import numpy as np
 import pytest
 
-from gradclip_jax._backend import backend_setting
+from gradclip_jax._core.backend import backend_setting
 from gradclip_jax.per_example import PRODUCT_PRECISION
 from gradclip_jax.per_example._products import DEFAULT_PRODUCT_PRECISION
 from gradclip_jax.per_example.ghost._analysis import backward_refusal

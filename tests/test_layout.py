@@ -1,5 +1,7 @@
-"""The package layout: no import cycle, modules import on their own, and one trace
-of the loss per clipped_grad call."""
+"""The package layout: no import cycle, modules import on their own, one trace of the loss
+per clipped_grad call, and one home per idea: packages meet through explicit APIs, module and
+class names are unique, the foundations (``_core``) import no feature package, primitive names
+live under the ghost rules, and few functions are long."""
 
 from __future__ import annotations
 
@@ -62,7 +64,7 @@ def test_no_import_cycle():
 def test_imports_flow_one_way():
     """Strategies may import the lower layers, never the api; the lower layers never a strategy."""
     graph = {name: _imports(name, path) for name, path in MODULES.items()}
-    lower = {"_batch", "_measure", "_sums", "_chunks", "_config"}
+    lower = {"_batch", "_example_norms", "_clip_sum", "_chunks", "_config"}
     for name, deps in graph.items():
         if name.startswith("gradclip_jax.per_example.") and name != "gradclip_jax.per_example.api":
             assert "gradclip_jax.per_example.api" not in deps, name
@@ -70,8 +72,9 @@ def test_imports_flow_one_way():
             assert not any("ghost" in d or d.endswith("_vmap") for d in deps), (name, deps)
 
 
-@pytest.mark.parametrize("module", ["gradclip_jax.per_example.ghost.rules.dense", "gradclip_jax.per_example._sums",
-                                    "gradclip_jax.dp.aggregate", "gradclip_jax.ghost"])
+@pytest.mark.parametrize("module", ["gradclip_jax.per_example.ghost.rules.dense", "gradclip_jax.per_example._clip_sum",
+                                    "gradclip_jax.dp.aggregate", "gradclip_jax.ghost", "gradclip_jax._core.factors",
+                                    "gradclip_jax.transforms.growth", "gradclip_jax.per_example.internal"])
 def test_module_imports_in_isolation(module):
     subprocess.run([sys.executable, "-c", f"import {module}"], check=True, cwd=ROOT.parent)
 
@@ -159,3 +162,187 @@ def test_internal_reads_are_found():
               "'num_consts'", "get_bind_params", "manager"):
         assert r in reads, r
     assert _internal_reads(ast.parse("loss(call.params, batch)\nf(params['w'])")) == []
+
+
+# ---------------------------------------------------------------------------
+# One home per idea (issue 30): packages talk through their explicit APIs
+# ---------------------------------------------------------------------------
+
+CORE = "gradclip_jax._core"
+
+
+def _all_imports(path: pathlib.Path) -> set[str]:
+    """Every module of the package that ``path`` imports, at module level or inside a function."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                out.add(sub if sub in MODULES else node.module)
+    return {m for m in out if m in MODULES}
+
+
+def _package_of(name: str) -> str:
+    """The top-level package a module belongs to (``gradclip_jax.dp``, ``gradclip_jax._core``, ...);
+    the package root itself for a top-level module (``gradclip_jax.monitor``)."""
+    parts = name.split(".")
+    if len(parts) == 2 and MODULES[name].name != "__init__.py":
+        return parts[0]
+    return ".".join(parts[:2])
+
+
+def _private_across(importer: str, imported: str) -> bool:
+    """Whether ``imported`` is a private module (a component starting with ``_`` other than the
+    foundations package ``_core`` itself) of a package other than ``importer``'s."""
+    home = _package_of(importer)
+    if imported == home or (imported.startswith(home + ".") and home != "gradclip_jax"):
+        return False
+    return any(p.startswith("_") and f"gradclip_jax.{p}" != CORE for p in imported.split(".")[1:])
+
+
+def test_no_import_of_another_packages_private_module():
+    """A package reaches another through that package's explicit API (its ``__init__`` or a
+    non-underscore module such as ``per_example.internal``), never through a private module."""
+    offenders = sorted((name, m) for name, path in MODULES.items() for m in _all_imports(path)
+                       if _private_across(name, m))
+    assert offenders == []
+
+
+def test_private_import_check_finds_offenders():
+    assert _private_across("gradclip_jax.dp.aggregate", "gradclip_jax.per_example._batch")
+    assert _private_across("gradclip_jax.functional", "gradclip_jax.transforms._stateful")
+    assert _private_across("gradclip_jax.dp.noise", "gradclip_jax._core.norms._reduce")
+    assert not _private_across("gradclip_jax.per_example.ghost._strategy", "gradclip_jax.per_example._batch")
+    assert not _private_across("gradclip_jax.dp.aggregate", "gradclip_jax._core.factors")
+    assert not _private_across("gradclip_jax.dp.aggregate", "gradclip_jax.per_example.internal")
+
+
+def test_module_names_are_unique():
+    """No two modules of the package share a file name (``__init__`` aside), and none shadows a
+    module of the standard library."""
+    stems: dict[str, list[str]] = {}
+    for name, path in MODULES.items():
+        if path.name != "__init__.py":
+            stems.setdefault(path.stem, []).append(name)
+    assert {s: ns for s, ns in stems.items() if len(ns) > 1} == {}
+    assert sorted(s for s in stems if s in sys.stdlib_module_names) == []
+
+
+def test_class_names_are_unique():
+    classes: dict[str, list[str]] = {}
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                classes.setdefault(node.name, []).append(name)
+    assert {c: ns for c, ns in classes.items() if len(ns) > 1} == {}
+
+
+def test_core_imports_no_feature_package():
+    """The foundations (``_core``) import nothing of the package outside ``_core``, so every
+    other package may use them and imports flow one way."""
+    offenders = {name: sorted(m for m in _all_imports(path) if not m.startswith(CORE))
+                 for name, path in MODULES.items() if name.startswith(CORE)}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def _primitive_names() -> set[str]:
+    """The names of JAX's primitives (every ``Primitive`` object of the loaded jax modules)."""
+    import jax._src.lax.control_flow  # noqa: F401  (loads the control-flow primitives)
+    from jax.extend.core import Primitive
+
+    names = set()
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").startswith("jax"):
+            names |= {v.name for v in list(vars(mod).values()) if isinstance(v, Primitive)}
+    return names
+
+
+def _primitive_name_uses(tree: ast.AST, names: set[str]) -> list[str]:
+    """Primitive names a module acts on: string constants that are primitive names, compared
+    with a primitive's name (``eqn.primitive.name == 'x'``, ``name in (...)``, ``prim != 'x'``)
+    or held in a set literal (a table of primitives)."""
+    def strings(node: ast.AST) -> list[str]:
+        return [n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and n.value in names]
+
+    def names_a_primitive(node: ast.AST) -> bool:
+        text = ast.unparse(node)
+        return "prim" in text or text == "name" or text.endswith(".name")
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and any(names_a_primitive(x) for x in [node.left, *node.comparators]):
+            found += [s for x in [node.left, *node.comparators] for s in strings(x)]
+        if isinstance(node, ast.Set):
+            found += strings(node)
+    return found
+
+
+def test_primitive_names_live_under_the_ghost_rules():
+    """Every JAX primitive the package acts on by name is named under ``per_example/ghost/rules``
+    (or read in ``_core/jaxcompat.py``): the rest of the package uses those names through them."""
+    names = _primitive_names()
+    allowed = (ROOT / "per_example" / "ghost" / "rules", ROOT / "_core" / "jaxcompat.py")
+    offenders = {str(p.relative_to(ROOT)): uses for p in ROOT.rglob("*.py")
+                 if not any(p == a or a in p.parents for a in allowed)
+                 and (uses := _primitive_name_uses(ast.parse(p.read_text()), names))}
+    assert offenders == {}
+
+
+def test_primitive_name_uses_are_found():
+    names = {"gather", "slice", "add", "cond"}
+    src = ("if eqn.primitive.name == 'gather': pass\nif name in ('slice', 'x'): pass\n"
+           "OPS = frozenset({'add'})\nif spec.kind == 'cond': pass\nhps.add('add', 1)\n")
+    assert sorted(_primitive_name_uses(ast.parse(src), names)) == ["add", "gather", "slice"]
+
+
+def _lines_of_code(path: pathlib.Path) -> dict[str, int]:
+    """Lines of code of every function of a module (``module:qualified.name``): its lines, nested
+    functions included, that are neither blank, nor a comment, nor part of a docstring."""
+    src = path.read_text()
+    tree = ast.parse(src)
+    docs: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Module)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(
+                    first.value.value, str):
+                docs.update(range(first.lineno, (first.end_lineno or first.lineno) + 1))
+    code = {i for i, line in enumerate(src.splitlines(), 1)
+            if line.strip() and not line.strip().startswith("#")} - docs
+    out = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                start = min([d.lineno for d in child.decorator_list] + [child.lineno])
+                name = f"{prefix}{child.name}"
+                out[name] = sum(1 for i in code if start <= i <= (child.end_lineno or start))
+                visit(child, name + ".")
+            else:
+                visit(child, f"{prefix}{child.name}." if isinstance(child, ast.ClassDef) else prefix)
+
+    visit(tree, f"{path.relative_to(ROOT)}:")
+    return out
+
+
+LONG_FUNCTION = 60
+MAX_LONG_FUNCTIONS = 5
+
+
+def test_few_long_functions():
+    """At most five functions over 60 lines of code: a transform's ``update`` reads as its math,
+    with its steps in named helpers."""
+    sizes = {k: v for p in ROOT.rglob("*.py") for k, v in _lines_of_code(p).items()}
+    long = sorted(((n, k) for k, n in sizes.items() if n > LONG_FUNCTION), reverse=True)
+    assert len(long) <= MAX_LONG_FUNCTIONS, long
+
+
+def test_every_loaded_module_comes_from_this_tree():
+    """No module of the package is loaded from elsewhere (a stale import of a moved module that an
+    installed copy of the package would still answer)."""
+    foreign = {name: getattr(mod, "__file__", None) for name, mod in list(sys.modules.items())
+               if (name == "gradclip_jax" or name.startswith("gradclip_jax."))
+               and getattr(mod, "__file__", None) and ROOT not in pathlib.Path(mod.__file__).parents}
+    assert foreign == {}

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import jax
 import jax.numpy as jnp
@@ -128,6 +128,16 @@ def check_number(fn: str, name: str, value: Any, **bounds: Any) -> float:
         raise TypeError(f"{fn}: `{name}` must be a number, got {value!r}")
     check_scalar(fn, name, value, **bounds)
     return float(np.asarray(value).reshape(()))
+
+
+def is_int(value: Any) -> TypeGuard[int | np.integer]:
+    """Whether ``value`` is a Python or numpy int and not a bool (``True`` is not the count 1).
+
+    Example:
+      >>> is_int(3), is_int(np.int32(3)), is_int(True), is_int(3.0)
+      (True, True, False, False)
+    """
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def check_int(fn: str, name: str, value: Any, low: int | None = None) -> int:
@@ -268,7 +278,7 @@ class StaticDefault:
         return hash(self.value)
 
 
-# public function name -> its structural arguments (filled by hyperparams.mark_static)
+# public function name -> its structural arguments (filled by hyperparam_rules.mark_static)
 STATIC_ARGS: dict[str, tuple[str, ...]] = {}
 
 

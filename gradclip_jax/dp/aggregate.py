@@ -33,26 +33,34 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gradclip_jax import norms as _norms
-from gradclip_jax._core.state_registry import register_state
-from gradclip_jax._core.validation import check_int, check_mask, clip_norm_arg
-from gradclip_jax._numerics import count0 as _count0
-from gradclip_jax.dp._guards import refuse_update_averaging
-from gradclip_jax.dp.noise import noised_leaves
-from gradclip_jax.hyperparams import (
+from gradclip_jax._core import norms as _norms
+from gradclip_jax._core.hyperparam_rules import (
     Hyperparam,
     Hyperparams,
     as_scalar,
-    check_scalar,
     increment,
-    is_traced,
     poison,
+)
+from gradclip_jax._core.numerics import count0 as _count0
+from gradclip_jax._core.state_registry import register_state
+from gradclip_jax._core.validation import (
+    check_int,
+    check_mask,
+    check_scalar,
+    clip_norm_arg,
+    is_traced,
     static_value,
 )
-from gradclip_jax.per_example._batch import batch_flatten, match_batch_sharding
-from gradclip_jax.per_example._config import clip_factors
-from gradclip_jax.per_example._measure import as_rows, unrow
-from gradclip_jax.per_example._sums import clip_and_sum
+from gradclip_jax.dp._guards import refuse_update_averaging
+from gradclip_jax.dp.noise import noised_leaves
+from gradclip_jax.per_example.internal import (
+    as_rows,
+    batch_flatten,
+    clip_and_sum,
+    clip_factors,
+    match_batch_sharding,
+    unrow,
+)
 
 __all__ = [
     "DPAggregateState",

@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gradclip_jax import norms as _norms
-from gradclip_jax._backend import per_backend
+from gradclip_jax._core import norms as _norms
+from gradclip_jax._core.backend import per_backend
 from gradclip_jax.dp.philox import philox_normal
-from gradclip_jax.per_example._batch import explicit_spec
+from gradclip_jax.per_example.internal import explicit_spec
 
 __all__ = ["NOISE_BLOCK_SIZE", "NOISE_STRATEGY", "add_gaussian_noise", "noised_leaves"]
 

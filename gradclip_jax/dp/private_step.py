@@ -64,14 +64,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gradclip_jax import norms as _norms
+from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.validation import check_int, check_mask, check_number, clip_norm_arg
 from gradclip_jax.dp.accounting import PrivacyAccountant, _dp_accounting, calibrate
 from gradclip_jax.dp.batch_selection import BatchSampler, check_sampler
 from gradclip_jax.dp.noise import add_gaussian_noise
 from gradclip_jax.dp.sampling import PoissonSampler, _rate
 from gradclip_jax.per_example import ClippedGradFn, ClippedGradInfo, clipped_grad
-from gradclip_jax.per_example._config import Method
+from gradclip_jax.per_example.internal import Method
 
 __all__ = ["PrivacyBudgetError", "PrivacyBudgetWarning", "PrivateStepMetrics", "PrivateTraining", "make_private"]
 

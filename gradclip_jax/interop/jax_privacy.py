@@ -60,15 +60,13 @@ except ImportError as err:  # pragma: no cover - exercised without the extra
         "pip install 'gradclip_jax[jax-privacy]'"
     ) from err
 
-from gradclip_jax import norms as _norms
-from gradclip_jax._core.validation import check_mask
-from gradclip_jax._numerics import bounded_factor, divide_or_zero
-from gradclip_jax._stored import certified_factors, stored_scale
-from gradclip_jax.clipping._factors import clip_factor
-from gradclip_jax.hyperparams import check_scalar, is_traced, static_value
-from gradclip_jax.per_example._batch import batch_size_of
-from gradclip_jax.per_example._keys import example_keys
+from gradclip_jax._core import norms as _norms
+from gradclip_jax._core.factors import clip_factor
+from gradclip_jax._core.numerics import bounded_factor, divide_or_zero
+from gradclip_jax._core.stored import certified_factors, stored_scale
+from gradclip_jax._core.validation import check_mask, check_scalar, is_int, is_traced, static_value
 from gradclip_jax.per_example.api import clipped_grad as _clipped_grad
+from gradclip_jax.per_example.internal import batch_size_of, example_keys
 
 __all__ = ["AuxiliaryOutput", "BoundedSensitivityCallable", "clip_pytree", "clipped_fun", "clipped_grad"]
 
@@ -98,7 +96,7 @@ def _scale_factor(norm: jax.Array, clip_norm: Any, rescale: bool) -> jax.Array:
 
 def _stored_factors(leaves: list[jax.Array], f: jax.Array, bound: Any, rescale: bool) -> list[jax.Array]:
     """Each leaf's factor to store with: ``f`` itself where the stored tree provably has norm
-    ``<= bound`` (:func:`gradclip_jax._stored.certified_factors`, exact arithmetic), else ``f``
+    ``<= bound`` (:func:`gradclip_jax._core.stored.certified_factors`, exact arithmetic), else ``f``
     lowered by the measured excess, else by the rounding margin.
 
     Without ``rescale`` a factor of 1 (nothing clipped) stores the input as it is. With it, the
@@ -108,7 +106,7 @@ def _stored_factors(leaves: list[jax.Array], f: jax.Array, bound: Any, rescale: 
     stores the same values (a power of two scales exactly, and the stored output, of norm about 1,
     bounds the scaled leaves: they cannot overflow).
 
-    A tree with a 16-bit leaf takes the margin (:func:`gradclip_jax._numerics.bounded_factor`)
+    A tree with a 16-bit leaf takes the margin (:func:`gradclip_jax._core.numerics.bounded_factor`)
     and no exact check: such a tree's norm is commonly measured in 16-bit arithmetic
     (``optax.global_norm``, jax-privacy's own tests), whose rounding (``2**-11`` relative in
     float16) exceeds the few units of float32 the check saves, and the margin keeps that
@@ -142,7 +140,7 @@ def clip_pytree(
     16-bit leaves, no overflow for finite elements). The output's norm, as stored and
     measured exactly, is at most the bound (``clip_norm``, or 1 with
     ``rescale_to_unit_norm``): jax-privacy's scale is kept where the exact check of
-    :func:`gradclip_jax._stored.certified_factors` proves that, else lowered by the
+    :func:`gradclip_jax._core.stored.certified_factors` proves that, else lowered by the
     measured excess, else by a few units in the last place (always so for a tree
     with 16-bit leaves).
 
@@ -208,9 +206,8 @@ def clip_pytree(
 
 def _argnums(fn: str, name: str, value: Any) -> tuple[int, ...]:
     """``value`` (an int or a sequence of ints) as a tuple of distinct non-negative ints."""
-    nums = (value,) if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else value
-    if not isinstance(nums, Sequence) or not all(
-            isinstance(n, (int, np.integer)) and not isinstance(n, bool) for n in nums):
+    nums = (value,) if is_int(value) else value
+    if not isinstance(nums, Sequence) or not all(is_int(n) for n in nums):
         raise TypeError(f"{fn}: `{name}` must be an int or a sequence of ints, got {value!r}")
     nums = tuple(int(n) for n in nums)
     if not nums:
@@ -227,7 +224,7 @@ def _prng_argnum(fn: str, value: Any, taken: dict[str, tuple[int, ...]]) -> int 
     value = static_value(fn, "prng_argnum", value)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    if not is_int(value):
         raise TypeError(f"{fn}: `prng_argnum` must be None or an int, got {value!r}")
     if value < 0:
         raise ValueError(f"{fn}: `prng_argnum`={value} must be >= 0 (the position of the key argument)")
@@ -419,7 +416,7 @@ def clipped_fun(
 
 def _microbatch(fn: str, mb: Any) -> int | None:
     mb = static_value(fn, "microbatch_size", mb)
-    if mb is not None and (isinstance(mb, bool) or not isinstance(mb, (int, np.integer)) or mb < 1):
+    if mb is not None and (not is_int(mb) or mb < 1):
         raise ValueError(f"{fn}: microbatch_size must be None or a positive int, got {mb!r}")
     return None if mb is None else int(mb)
 

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gradclip_jax import norms as _norms
 from gradclip_jax._core import jaxcompat as jc
+from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.validation import check_mask
 
 

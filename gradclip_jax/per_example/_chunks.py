@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gradclip_jax import norms as _norms
-from gradclip_jax._numerics import rounding_margin
+from gradclip_jax._core import norms as _norms
+from gradclip_jax._core.numerics import rounding_margin
 from gradclip_jax.per_example._batch import (
     Call,
     batch_axis_sharding,

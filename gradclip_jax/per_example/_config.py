@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gradclip_jax import norms as _norms
-from gradclip_jax._numerics import bounded_factor, divide_or_zero
-from gradclip_jax.clipping._factors import clip_factor
-from gradclip_jax.hyperparams import is_traced
+from gradclip_jax._core import norms as _norms
+from gradclip_jax._core.factors import clip_factor
+from gradclip_jax._core.numerics import bounded_factor, divide_or_zero
+from gradclip_jax._core.validation import is_traced
 from gradclip_jax.per_example._products import product_margin
 
 

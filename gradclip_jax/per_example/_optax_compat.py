@@ -9,15 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gradclip_jax._core.validation import clip_norm_arg
-from gradclip_jax._numerics import count0
-from gradclip_jax._stored import certified_factors
-from gradclip_jax.hyperparams import check_scalar, static_value
-from gradclip_jax.norms import promote_ints
+from gradclip_jax._core.norms import promote_ints
+from gradclip_jax._core.numerics import count0
+from gradclip_jax._core.stored import certified_factors
+from gradclip_jax._core.validation import check_scalar, clip_norm_arg, static_value
 from gradclip_jax.per_example._batch import batch_flatten
+from gradclip_jax.per_example._clip_sum import clip_and_sum
 from gradclip_jax.per_example._config import plain_clip_factors
-from gradclip_jax.per_example._measure import as_rows, example_norms, layer_budgets, unrow
-from gradclip_jax.per_example._sums import clip_and_sum
+from gradclip_jax.per_example._example_norms import as_rows, example_norms, layer_budgets, unrow
 
 __all__ = ["per_example_global_norm_clip", "per_example_layer_norm_clip", "per_example_norms"]
 

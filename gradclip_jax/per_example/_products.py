@@ -62,7 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gradclip_jax._backend import per_backend
+from gradclip_jax._core.backend import per_backend
 
 __all__ = [
     "DEFAULT_PRODUCT_PRECISION",

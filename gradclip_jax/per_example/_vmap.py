@@ -7,16 +7,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gradclip_jax import norms as _norms
+from gradclip_jax._core import norms as _norms
 from gradclip_jax.per_example._batch import (
     Call,
     match_batch_sharding,
     one_example_loss,
 )
 from gradclip_jax.per_example._chunks import run_chunks
+from gradclip_jax.per_example._clip_sum import clip_and_sum, clip_flags
 from gradclip_jax.per_example._config import ClipConfig, ClippedGradInfo
-from gradclip_jax.per_example._measure import as_rows, clip_budgets, unrow
-from gradclip_jax.per_example._sums import clip_and_sum, clip_flags
+from gradclip_jax.per_example._example_norms import as_rows, clip_budgets, unrow
 from gradclip_jax.per_example.ghost._analysis import check_per_example, loss_crossing
 
 

@@ -12,8 +12,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from gradclip_jax._core.validation import check_int, clip_norm_arg
-from gradclip_jax.hyperparams import check_scalar, is_traced, static_value
+from gradclip_jax._core.validation import (
+    check_int,
+    check_scalar,
+    clip_norm_arg,
+    is_traced,
+    static_value,
+)
 from gradclip_jax.per_example._batch import (
     BATCHNORM_REMEDY,
     batchnorm_in_loss,

@@ -1,7 +1,7 @@
 """Ghost clipping: per-example gradient norms without per-example gradients.
 
-The public face is :mod:`gradclip_jax.ghost` (its module doc describes the
-method). Here: ``_jaxpr`` (tracing and evaluation), ``_analysis`` (the plan:
+The public names are also reachable as :mod:`gradclip_jax.ghost`; the method
+is told in the guide "Ghost clipping: how it works" (``docs/guides/ghost-clipping.md``). Here: ``_jaxpr`` (tracing and evaluation), ``_analysis`` (the plan:
 which leaf is measured how), ``rules`` (one file per primitive family, one
 table), ``_measure`` and ``_sums`` (norms and clipped sums), ``_strategy`` (the
 ``clipped_grad`` implementation).

@@ -16,14 +16,13 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from gradclip_jax import norms as _norms
 from gradclip_jax._core import jaxcompat as jc
+from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.jaxcompat import is_literal, open_jaxpr, shape, sub_jaxprs
 from gradclip_jax.per_example._batch import LOSS_CONTRACT, batch_size_of, check_loss_out, keystr
 from gradclip_jax.per_example._config import ClipConfig, GhostSum, Method
 from gradclip_jax.per_example._products import product_setting, rounds_to_tf32
 from gradclip_jax.per_example.ghost._jaxpr import (
-    CHAIN_OPS,
     MAX_UNROLL,
     concrete_operand,
     const_values,
@@ -44,6 +43,7 @@ from gradclip_jax.per_example.ghost.rules import (
     State,
     Use,
     is_row_lookup,
+    names,
     row_rule,
     rule_for,
     unmerged,
@@ -52,7 +52,6 @@ from gradclip_jax.per_example.ghost.rules.calls import scan_body_states
 from gradclip_jax.per_example.ghost.rules.unsupported import REASONS
 
 # Operations that keep a value in the leaf's own coordinates (a later slice's box is the leaf's).
-_PLAIN = frozenset({"convert_element_type", "copy", "copy_p"})
 
 AUTO_MIN_ELEMENTS = 2**20
 """``method='auto'`` uses ghost clipping when the per-example gradients of the
@@ -161,7 +160,7 @@ def _classify(use: Use, n_aliased: int) -> Site | str:
 def _const_lookup(eqn: Any, aliased: list, consts: dict[Any, Any]) -> bool:
     """A row lookup of a parameter table at constant positions (a position embedding):
     a chain step, since the gradient flows back through it to the table alone."""
-    return (eqn.primitive.name == "gather" and len(aliased) == 1 and aliased[0][0] == 0
+    return (eqn.primitive.name == names.GATHER and len(aliased) == 1 and aliased[0][0] == 0
             and concrete_operand(eqn.invars[1], consts) is not None and is_row_lookup(eqn))
 
 
@@ -201,11 +200,11 @@ def _walk_from(jaxpr: Any, states: dict[Any, State], alias: dict[Any, _Alias], b
         in_states = [state(v) for v in eqn.invars]
         aliased = [(pos, alias[v]) for pos, v in enumerate(eqn.invars) if not is_literal(v) and v in alias]
         lookup = _const_lookup(eqn, aliased, consts)
-        if ((name in CHAIN_OPS or name == "slice") and len(eqn.invars) == 1 and aliased) or lookup:
+        if ((name in names.CHAIN_OPS or name == names.SLICE) and len(eqn.invars) == 1 and aliased) or lookup:
             a = aliased[0][1]
-            box = OPAQUE if lookup else _slice_box(eqn, a) if name == "slice" else a.box
-            alias[eqn.outvars[0]] = _Alias(a.leaf, [*a.chain, k], a.bcast or name == "broadcast_in_dim", box,
-                                           a.plain and name in _PLAIN)
+            box = OPAQUE if lookup else _slice_box(eqn, a) if name == names.SLICE else a.box
+            alias[eqn.outvars[0]] = _Alias(a.leaf, [*a.chain, k], a.bcast or name == names.BROADCAST, box,
+                                           a.plain and name in names.CASTS)
             states[eqn.outvars[0]] = CONST
             continue
         try:
@@ -218,7 +217,7 @@ def _walk_from(jaxpr: Any, states: dict[Any, State], alias: dict[Any, _Alias], b
                 crossings.append((k, name))
         for v, s in zip(eqn.outvars, out_states, strict=True):
             states[v] = s
-            if isinstance(s, (int, Merged)) and name not in CHAIN_OPS:
+            if isinstance(s, (int, Merged)) and name not in names.CHAIN_OPS:
                 act_elems += math.prod(shape(v))
         body = _stacked_scan(eqn, k, in_states, aliased, bsize) if scan_length is None else None
         if body is not None:  # the stacked leaves' uses, inside the loop
@@ -303,11 +302,11 @@ _CUSTOM = (" (a parameter inside a function with a custom derivative: its gradie
            "which ghost clipping cannot see; custom functions of activations are measured)")
 _WHY = {
     **REASONS,
-    "scan": f" (a scan is measured inside the loop when its only parameters are leaves stacked on "
+    names.SCAN: f" (a scan is measured inside the loop when its only parameters are leaves stacked on "
             f"axis 0, read one layer per step; one that reads a parameter otherwise is unrolled for "
             f"the analysis when it runs at most MAX_UNROLL={MAX_UNROLL} steps)",
-    "custom_vjp_call": _CUSTOM,
-    "custom_jvp_call": _CUSTOM,
+    names.CUSTOM_VJP: _CUSTOM,
+    names.CUSTOM_JVP: _CUSTOM,
 }
 
 

@@ -16,10 +16,9 @@ import jax.numpy as jnp
 from gradclip_jax._core import jaxcompat as jc
 from gradclip_jax.per_example._products import product_einsum, product_error
 from gradclip_jax.per_example.ghost._gram import GramTerm, gram_norm, self_gram_rows
-from gradclip_jax.per_example.ghost.rules import Factor, Site
+from gradclip_jax.per_example.ghost.rules import Factor, Site, names
 
 # Chain operations a factored use may go through (anything else: no factors).
-_CAST = frozenset({"convert_element_type", "copy", "copy_p"})
 
 
 def _chain_perm(closed: Any, chain: Sequence[int]) -> list[int] | None:
@@ -27,9 +26,9 @@ def _chain_perm(closed: Any, chain: Sequence[int]) -> list[int] | None:
     perm = [0, 1]
     for k in chain:
         e = closed.jaxpr.eqns[k]
-        if e.primitive.name == "transpose":
+        if e.primitive.name == names.TRANSPOSE:
             perm = [perm[p] for p in jc.param(e, "permutation")]
-        elif e.primitive.name not in _CAST:
+        elif e.primitive.name not in names.CASTS:
             return None
     return perm
 

@@ -31,8 +31,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from gradclip_jax._backend import per_backend
-from gradclip_jax._numerics import sqrt_nonneg
+from gradclip_jax._core.backend import per_backend
+from gradclip_jax._core.numerics import sqrt_nonneg
 from gradclip_jax.per_example._products import ROUNDING_SIGMAS, product_einsum
 
 __all__ = ["DIAGONAL_FROM", "GramTerm", "gram_norm", "self_gram_rows"]

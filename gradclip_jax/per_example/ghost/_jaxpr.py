@@ -17,13 +17,7 @@ from jax import lax
 from gradclip_jax._core import jaxcompat as jc
 from gradclip_jax._core.jaxcompat import is_literal, open_jaxpr, shape, sub_jaxpr
 from gradclip_jax.per_example._products import product_precision
-
-# Inlined: the sub-jaxpr runs once on the operands. ``checkpoint`` (remat) loses
-# its rematerialization on the ghost path: a parameter used inside it must be
-# seen by the analysis, and the activations are held for the norms anyway.
-# ``xla_metadata_call`` (jax 0.11) only attaches XLA metadata to the calls it wraps.
-_INLINE = frozenset({"pjit", "jit", "closed_call", "core_call", "remat2", "checkpoint", "remat",
-                     "xla_metadata_call"})
+from gradclip_jax.per_example.ghost.rules import names
 
 MAX_UNROLL = 128
 """A ``lax.scan`` that reads a parameter otherwise than as a stacked leaf sliced
@@ -34,15 +28,6 @@ parameters on the vmap path. A scan over stacked layers (``nn.scan``,
 ``nnx.scan``, a ``lax.scan`` over ``eqx.filter_vmap``-built stacks) whose
 parameters are only those stacked leaves stays a loop, measured inside."""
 
-# One-operand operations allowed between a parameter and its use (the analysis's chains):
-# casts, copies, transposes and reshapes keep the gradient's norm (the gradient with respect
-# to the parameter is a permutation, reshape or cast of that with respect to the result); a
-# broadcast is a bias broadcast over the batch or positions.
-CHAIN_OPS = frozenset({"convert_element_type", "transpose", "reshape", "squeeze", "copy", "copy_p",
-                       "broadcast_in_dim"})
-# Through these and static slices a value stays a view of a parameter: a scan reading
-# such a value as a constant or carry is unrolled, not kept as a loop.
-_VIEWS = CHAIN_OPS | {"slice"}
 
 
 def narrower(dtype: Any, acc: Any) -> bool:
@@ -141,20 +126,20 @@ def _rewritten(eqn: Any, invals: Sequence[Any]) -> list[Any] | None:
     three is three blocks, as with ``W[:, :d]``); ``tile`` along size-1 axes as a broadcast,
     which a parameter's chain passes through. ``None`` for any other equation."""
     name = eqn.primitive.name
-    if name == "split":
+    if name == names.SPLIT:
         axis, x = int(jc.param(eqn, "axis")), invals[0]
         outs, start = [], 0
         for size in jc.param(eqn, "sizes"):
             outs.append(lax.slice_in_dim(x, start, start + int(size), axis=axis))
             start += int(size)
         return outs
-    if name == "tile":  # copies along size-1 axes (a class token over the batch): a broadcast
+    if name == names.TILE:  # copies along size-1 axes (a class token over the batch): a broadcast
         x, reps = invals[0], tuple(int(r) for r in jc.param(eqn, "reps"))
         if all(r == 1 or d == 1 for r, d in zip(reps, np.shape(x), strict=True)):
             out = tuple(d * r for d, r in zip(np.shape(x), reps, strict=True))
             return [lax.broadcast_in_dim(x, out, tuple(range(len(out))))]
         return None
-    if name == "dynamic_slice":
+    if name == names.DYNAMIC_SLICE:
         x, sizes = invals[0], tuple(int(n) for n in jc.param(eqn, "slice_sizes"))
         starts = [_concrete_index(i) for i in invals[1:]]
         if len(starts) != len(sizes) or any(i is None for i in starts):
@@ -172,16 +157,10 @@ of a parameter table at constant positions (a position embedding) shows its
 indices to the analysis."""
 
 
-# Pure index arithmetic only (no collectives, no sharding casts, no calls).
-_FOLDABLE = frozenset({
-    "iota", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "convert_element_type", "concatenate",
-    "slice", "add", "sub", "mul", "neg", "rem", "max", "min", "clamp", "select_n", "lt", "le", "gt", "ge",
-    "eq", "ne", "and", "or", "not",
-})
 
 
 def _folds(eqn: Any, invals: Sequence[Any]) -> bool:
-    if eqn.primitive.name not in _FOLDABLE or any(jc.is_tracer(x) for x in invals):
+    if eqn.primitive.name not in names.FOLDABLE or any(jc.is_tracer(x) for x in invals):
         return False
     outs = [v.aval for v in eqn.outvars]
     return all((jnp.issubdtype(a.dtype, jnp.integer) or a.dtype == jnp.bool_)
@@ -260,7 +239,7 @@ def _inline_eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
         in_deps = [read_dep(v) for v in eqn.invars]
         in_direct = [not is_literal(v) and v in direct for v in eqn.invars]
         in_views = [not is_literal(v) and v in views for v in eqn.invars]
-        sub = sub_jaxpr(eqn) if eqn.primitive.name in _INLINE else None
+        sub = sub_jaxpr(eqn) if eqn.primitive.name in names.INLINE else None
         j, sub_consts = open_jaxpr(sub) if sub is not None else (None, None)
         if j is not None and (sub_consts is not None or not j.constvars):
             outs, out_deps = _inline_eval(j, sub_consts or [], invals, in_deps, in_direct)
@@ -282,15 +261,11 @@ def _inline_eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
             out_deps = [any(in_deps)] * len(outs)
         env.update(zip(eqn.outvars, outs, strict=True))
         dep.update(zip(eqn.outvars, out_deps, strict=True))
-        if eqn.primitive.name in _VIEWS and len(eqn.invars) == 1 and in_views[0]:
+        if eqn.primitive.name in names.VIEWS and len(eqn.invars) == 1 and in_views[0]:
             views.update(eqn.outvars)
     return [_read(env, v) for v in jaxpr.outvars], [read_dep(v) for v in jaxpr.outvars]
 
 
-# Top-level primitives that the re-trace rewrites: unrolled scans, folded index
-# arithmetic (``iota``), splits and dynamic slices at known indices as static slices,
-# tiles along size-1 axes as broadcasts.
-_RETRACED = frozenset({"scan", "iota", "split", "dynamic_slice", "tile"})
 
 
 def trace(loss: Callable[..., Any], params: Any, batch: Any, args: Sequence[Any]) -> Any:
@@ -302,7 +277,7 @@ def trace(loss: Callable[..., Any], params: Any, batch: Any, args: Sequence[Any]
     ``loss`` is called exactly once (the inlining re-traces the jaxpr, not ``loss``).
     """
     closed = jax.make_jaxpr(loss)(params, batch, tuple(args))
-    if not any(e.primitive.name in _INLINE or e.primitive.name in _RETRACED for e in closed.jaxpr.eqns):
+    if not any(e.primitive.name in names.INLINE or e.primitive.name in names.RETRACED for e in closed.jaxpr.eqns):
         return closed
     n_params = len(jax.tree_util.tree_leaves(params))
     deps = [i < n_params for i in range(len(closed.jaxpr.invars))]
@@ -382,7 +357,7 @@ def site_jaxpr(closed: Any, site: Any) -> Any:
 def _for_one_example(e: Any, bsize: int) -> Any:
     """A chain's broadcast of the parameter over the batch (a class token copied to every example,
     ``(1, 1, d)`` to ``(B, 1, d)``) made for one example; any other equation as it is."""
-    if e.primitive.name != "broadcast_in_dim":
+    if e.primitive.name != names.BROADCAST:
         return e
     out, dims = tuple(jc.param(e, "shape")), tuple(jc.param(e, "broadcast_dimensions"))
     if not out or out[0] != bsize or (0 in dims and shape(e.invars[0])[dims.index(0)] != 1):

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gradclip_jax import norms as _norms
-from gradclip_jax.norms._reduce import SLICE_PACK_MAX_SIZE
+from gradclip_jax._core import norms as _norms
+from gradclip_jax._core.norms import SLICE_PACK_MAX_SIZE
 from gradclip_jax.per_example._batch import (
     Call,
     explicit_spec,
@@ -23,7 +23,7 @@ from gradclip_jax.per_example._batch import (
     one_example_loss,
 )
 from gradclip_jax.per_example._config import ClipConfig
-from gradclip_jax.per_example._measure import (
+from gradclip_jax.per_example._example_norms import (
     as_rows,
     combine_l2,
     combine_l2_stacked,

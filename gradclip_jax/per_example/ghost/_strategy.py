@@ -18,9 +18,9 @@ from gradclip_jax.per_example._batch import (
     vary_like,
 )
 from gradclip_jax.per_example._chunks import run_chunks
+from gradclip_jax.per_example._clip_sum import Weights, clip_flags, weigh
 from gradclip_jax.per_example._config import ClipConfig, ClippedGradInfo, GhostSum
-from gradclip_jax.per_example._measure import clip_budgets, from_leaf_norms
-from gradclip_jax.per_example._sums import Weights, clip_flags, weigh
+from gradclip_jax.per_example._example_norms import clip_budgets, from_leaf_norms
 from gradclip_jax.per_example._vmap import run_vmap
 from gradclip_jax.per_example.ghost._analysis import (
     Traced,

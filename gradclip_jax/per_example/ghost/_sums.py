@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gradclip_jax import norms as _norms
-from gradclip_jax._control import cond
+from gradclip_jax._core import norms as _norms
+from gradclip_jax._core.control import cond
 from gradclip_jax.per_example._batch import (
     Call,
     batch_axis_sharding,
@@ -19,8 +19,9 @@ from gradclip_jax.per_example._batch import (
     one_example_loss,
     vary_like,
 )
+from gradclip_jax.per_example._clip_sum import fused_sums, scan_weighted_sum
 from gradclip_jax.per_example._config import ClipConfig
-from gradclip_jax.per_example._measure import as_rows, unrow
+from gradclip_jax.per_example._example_norms import as_rows, unrow
 from gradclip_jax.per_example._products import (
     as_measured,
     rounds_to_tf32,
@@ -28,7 +29,6 @@ from gradclip_jax.per_example._products import (
     tf32_weighted,
     tf32_weighted_once,
 )
-from gradclip_jax.per_example._sums import fused_sums, scan_weighted_sum
 from gradclip_jax.per_example.ghost._analysis import Traced
 from gradclip_jax.per_example.ghost._jaxpr import widen
 from gradclip_jax.per_example.ghost._measure import Pass, apply_site, each_step, sums_once

@@ -7,7 +7,8 @@ from gradclip_jax.per_example.ghost.rules import (
     dense,
     elementwise,
     gather,
-    random,
+    names,
+    prng,
     structural,
     unsupported,
 )
@@ -33,4 +34,4 @@ from gradclip_jax.per_example.ghost.rules._registry import (
 from gradclip_jax.per_example.ghost.rules.gather import is_row_lookup
 
 __all__ = ["CONST", "MIXED", "OPAQUE", "ROW", "RULES", "Box", "Factor", "Merged", "RowCtx", "RowNorms", "Rule", "Site", "State", "Use", "row_rule", "rule_for", "unmerged", "is_row_lookup",
-           "calls", "conv", "dense", "elementwise", "gather", "random", "structural", "unsupported"]
+           "calls", "conv", "dense", "elementwise", "gather", "names", "prng", "structural", "unsupported"]

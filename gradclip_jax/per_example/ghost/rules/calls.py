@@ -19,7 +19,9 @@ from gradclip_jax.per_example.ghost.rules._registry import (
 )
 
 
-class Call(Rule):
+class NestedCall(Rule):
+    """Nested calls (jit, closed_call, custom_jvp/vjp, checkpoint, ...): the row states of their body."""
+
     primitives = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
                   "custom_vjp_call_jaxpr", "remat", "checkpoint", "remat2", "xla_metadata_call", "compute_on")
 
@@ -33,7 +35,7 @@ class Call(Rule):
         return row_states(jaxpr, c.states, c.bsize)
 
 
-register(Call())
+register(NestedCall())
 
 
 def scan_body_states(eqn: Any, states: Sequence[State], bsize: int) -> tuple[list[State], list[State]] | None:

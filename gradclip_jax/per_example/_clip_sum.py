@@ -1,0 +1,199 @@
+"""Clip and sum, written once: factors from measured norms, the guard for
+unmeasurable norms, which examples are kept, and the weighted sums."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from gradclip_jax._core import norms as _norms
+from gradclip_jax._core.control import cond
+from gradclip_jax.per_example._batch import (
+    batch_axis_sharding,
+    explicit_spec,
+    match_batch_sharding,
+    vary_like,
+)
+from gradclip_jax.per_example._config import clip_factors
+from gradclip_jax.per_example._example_norms import Measured, guarded_factor, measure
+from gradclip_jax.per_example._products import product_precision
+
+FactorFn = Callable[[jax.Array, Any], jax.Array]
+
+
+def _row_dot(w: jax.Array, r: jax.Array, acc: np.dtype) -> jax.Array:
+    """``sum_i w_i r_i`` over axis 0 as one ``dot_general`` with full-precision accumulation.
+
+    The products run at :func:`product_precision` (``Precision.HIGHEST`` unless
+    ``PRODUCT_PRECISION`` says otherwise: no bf16/TF32 passes), so the clipping
+    bound holds as computed. When the batch axis is explicitly sharded the output
+    sharding is given, which is where ``tensordot`` raises ``ShardingTypeError``.
+    """
+    spec = explicit_spec(r)
+    out_sharding = None if spec is None else jax.sharding.PartitionSpec(*spec[1:])
+    return lax.dot_general(
+        w.astype(acc),
+        r.astype(acc),
+        (((0,), (0,)), ((), ())),
+        precision=product_precision(acc, acc),
+        preferred_element_type=acc,
+        out_sharding=out_sharding,
+    )
+
+
+def _bcast(v: jax.Array, x: jax.Array) -> jax.Array:
+    """``v`` of shape ``(B,)`` reshaped to broadcast against ``x`` of shape ``(B, ...)``."""
+    return jnp.reshape(v, v.shape + (1,) * (x.ndim - 1))
+
+
+def scan_weighted_sum(
+    init: list[jax.Array], keep: jax.Array, weights: Sequence[jax.Array], xs: Any,
+    rows_of: Callable[[Any], Sequence[jax.Array]],
+) -> list[jax.Array]:
+    """``sum_b [keep_b] w_{l,b} rows_of(x_b)[l]`` one example at a time in a ``lax.scan``.
+
+    A dropped example contributes exactly zero even when its rows hold NaN or
+    inf, and no second copy of the per-example rows is formed.
+    """
+    accs = [c.dtype for c in init]
+
+    def body(carry: list, step: tuple) -> tuple:
+        k, ws, x = step
+        new = [
+            c + jnp.where(k, w.astype(a) * r.astype(a), jnp.zeros((), a))
+            for c, w, r, a in zip(carry, ws, rows_of(x), accs, strict=True)
+        ]
+        return new, None
+
+    out, _ = lax.scan(body, init, (keep, list(weights), xs))
+    return out  # type: ignore[no-any-return]
+
+
+def fused_sums(
+    rows: Sequence[jax.Array],
+    factors: Sequence[jax.Array],
+    keep: jax.Array | None = None,
+    finite: jax.Array | None = None,
+) -> list[jax.Array]:
+    """``sum_i factors[l]_i * rows[l]_i`` for every leaf ``l``, in the accumulation dtype.
+
+    Rows where ``keep`` is False contribute exactly zero, even if they hold NaN or
+    inf. Without ``finite`` (small rows: the leaves ghost clipping forms) the rows
+    are zeroed by an elementwise select the sum reads, with no loop and no
+    conditional (on a GPU a conditional costs a round trip to the host). With
+    ``finite`` (every example's gradient formed: a zeroed copy would double them)
+    their weight is simply 0 when every dropped row is finite, the common case;
+    otherwise one ``lax.cond`` takes a path that zeroes the rows one example at a
+    time. Each sum is a single ``dot_general`` over the batch axis.
+
+    Returns:
+      The sums, each of shape ``row.shape[1:]``.
+    """
+    accs = [_norms.sum_dtype(r.dtype) for r in rows]
+    if keep is None:
+        return [_row_dot(f, r, a) for r, f, a in zip(rows, factors, accs, strict=True)]
+    keep = match_batch_sharding(keep, rows[0])
+    weights = [jnp.where(keep, f, jnp.zeros_like(f)) for f in factors]
+
+    def fast(rs: Sequence[jax.Array]) -> list[jax.Array]:
+        return [_row_dot(w, r, a) for r, w, a in zip(rs, weights, accs, strict=True)]
+
+    def safe(rs: Sequence[jax.Array]) -> list[jax.Array]:
+        if batch_axis_sharding(rs[0])[0] is not None:
+            zeroed = [jnp.where(_bcast(keep, r), r, jnp.zeros((), r.dtype)) for r in rs]
+            return fast(zeroed)
+        init = [vary_like(jnp.zeros(r.shape[1:], a), r) for r, a in zip(rs, accs, strict=True)]
+        return scan_weighted_sum(init, keep, weights, list(rs), lambda x: x)
+
+    if finite is None:
+        return fast([jnp.where(_bcast(keep, r), r, jnp.zeros((), r.dtype)) for r in rows])
+    ok = jnp.all(keep | finite)
+    return cond(ok, fast, safe, list(rows))  # type: ignore[no-any-return]
+
+
+class Weights(NamedTuple):
+    """The clip step of one batch: per-leaf ``(B,)`` factors, the kept examples, the norms.
+
+    ``factors`` holds one entry per leaf (the same array for every leaf under
+    global clipping); ``keep`` is ``None`` when every example is kept.
+    """
+
+    factors: list[jax.Array]
+    keep: jax.Array | None
+    norms: Any
+    finite: jax.Array
+
+
+def weigh(
+    meas: Measured, clips: Any, n_leaves: int, *, factor_fn: FactorFn = clip_factors,
+    valid: jax.Array | None = None, nan_safe: bool = False,
+) -> Weights:
+    """Factors from measured norms (guarded where a norm was not representable) and kept examples.
+
+    ``clips`` is the clip norm (global clipping: ``meas.norms`` of shape ``(B,)``)
+    or a list of per-leaf clip norms (``meas.norms`` a list). ``valid`` marks real
+    examples (sharded like the norms); with ``nan_safe`` non-finite examples
+    are dropped too.
+    """
+    per_leaf = isinstance(clips, list)
+    norms = meas.norms if per_leaf else [meas.norms]
+    cs = clips if per_leaf else [clips]
+    unmeasured = meas.unmeasured if per_leaf and meas.unmeasured is not None else [meas.unmeasured] * len(norms)
+    scales = meas.bound_scale if per_leaf and meas.bound_scale is not None else [meas.bound_scale] * len(norms)
+    fs = []
+    for n, c, bad, sc in zip(norms, cs, unmeasured, scales, strict=True):
+        f = factor_fn(n, c)
+        fs.append(f if bad is None else guarded_factor(f, bad, sc, c))
+    if not per_leaf:
+        fs = fs * n_leaves
+    keep = valid
+    if nan_safe:
+        keep = meas.finite if keep is None else keep & meas.finite
+    return Weights(fs, keep, meas.norms, meas.finite)
+
+
+def clip_and_sum(
+    rows: Sequence[jax.Array], clips: Any, *, factor_fn: FactorFn = clip_factors,
+    valid: jax.Array | None = None, nan_safe: bool = False,
+    settle: Callable[[list[jax.Array]], list[jax.Array]] | None = None,
+) -> tuple[list[jax.Array], Weights]:
+    """Measure, factor, guard, keep, sum: the clipped sum of per-example rows ``(B, D)``.
+
+    ``settle`` maps the per-leaf factors to the ones the sum is formed with (the
+    exact stored-bound check of the optax-named functions); ``weights`` keeps them.
+
+    Returns:
+      ``(sums, weights)``: the per-leaf sums (accumulation dtype, shape
+      ``row.shape[1:]``) and the :class:`Weights` they were formed with.
+    """
+    meas = measure(rows, per_leaf=isinstance(clips, list))
+    if valid is not None:
+        valid = match_batch_sharding(valid, rows[0])
+    w = weigh(meas, clips, len(rows), factor_fn=factor_fn, valid=valid, nan_safe=nan_safe)
+    if settle is not None:
+        w = w._replace(factors=settle(w.factors))
+    keep = w.keep
+    finite = meas.finite if keep is not None else None
+    return fused_sums(rows, w.factors, keep, finite), w
+
+
+def clip_flags(w: Weights, valid: jax.Array | None, per_layer: bool) -> tuple[Any, Any]:
+    """``(clipped flags, norms)`` of one chunk: padding examples are not clipped and get norm 0.
+
+    Global clipping: one ``(B,)`` flag array and norms; per-layer: one per leaf (lists).
+    """
+    if not per_layer:
+        flags, ns = w.factors[0] < 1, w.norms
+        if valid is not None:
+            flags, ns = flags & valid, jnp.where(valid, ns, jnp.zeros_like(ns))
+        return flags, ns
+    flag_list, ns = [f < 1 for f in w.factors], w.norms
+    if valid is not None:
+        flag_list = [fl & valid for fl in flag_list]
+        ns = [jnp.where(valid, v, jnp.zeros_like(v)) for v in ns]
+    return flag_list, ns

@@ -1,0 +1,207 @@
+"""Per-example norms: measuring rows with the norm engine, combining per-leaf
+norms, and the per-leaf clip budgets."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gradclip_jax._core import norms as _norms
+from gradclip_jax._core.numerics import sqrt_safe
+from gradclip_jax.per_example._batch import explicit_spec
+from gradclip_jax.per_example._config import ClipConfig, LayerMode
+
+_L2 = _norms.NormSpec(kind="pow", p=2.0, label="2")
+_LINF = _norms.NormSpec(kind="max", p=math.inf, label="inf")
+# A reported norm below max|x| by more than this factor was lost to rounding.
+_TOL = 1.0 - 2.0**-10
+
+
+def as_rows(x: jax.Array) -> jax.Array:
+    """``x`` of shape ``(B, ...)`` as one row per example, shape ``(B, D)``.
+
+    Measuring and summing the same 2-D array lets XLA materialize each per-example
+    gradient once, in one layout (the N-D form makes it keep two copies). A leaf
+    whose non-batch axes are explicitly sharded is returned unchanged.
+    """
+    spec = explicit_spec(x)
+    if x.ndim == 2 or (spec is not None and any(a is not None for a in spec[1:])):
+        return x
+    return jnp.reshape(x, (x.shape[0], math.prod(x.shape[1:])))
+
+
+def unrow(sums: Sequence[jax.Array], like: Sequence[jax.Array]) -> list[jax.Array]:
+    """Reshapes per-leaf sums of rows back to the per-example shape of each leaf."""
+    return [jnp.reshape(s, x.shape[1:]) for s, x in zip(sums, like, strict=True)]
+
+
+def combine_l2(leaf_norms: Sequence[jax.Array]) -> jax.Array:
+    """Combines per-leaf L2 norms (each of shape ``(B,)``) into per-example global norms.
+
+    ``sqrt(sum_l n_l**2)``, computed directly when that is exact and otherwise as
+    ``s * sqrt(sum_l (n_l / s)**2)`` with ``s = max_l n_l`` (times ``2**-8`` when
+    it is above 1, so that ``1 / s`` is never subnormal: XLA turns the division
+    into a multiplication by the reciprocal, and CPUs flush subnormals to zero).
+    Norms near the overflow or underflow threshold of the dtype stay finite and
+    accurate; a norm too large for the dtype is ``inf``; NaN and inf propagate.
+    """
+    dtype = np.dtype(jnp.result_type(*[n.dtype for n in leaf_norms]))
+    return combine_l2_stacked(jnp.stack([x.astype(dtype) for x in leaf_norms]))
+
+
+def combine_l2_stacked(n: jax.Array) -> jax.Array:
+    """:func:`combine_l2` of the ``K`` rows of ``n``, ``(K, B)`` (norms already stacked)."""
+    dtype = np.dtype(n.dtype)
+    direct = sqrt_safe(jnp.sum(n * n, axis=0))
+    m = jnp.max(n, axis=0)
+    ok = jnp.isfinite(m) & (m > 0)
+    safe_m = jnp.where(ok, m, jnp.ones_like(m))
+    scale = jnp.where(safe_m > 1, safe_m * jnp.asarray(2.0**-8, dtype), safe_m)
+    r = n / scale
+    scaled = jnp.where(ok, scale * sqrt_safe(jnp.sum(r * r, axis=0)), m)
+    info = jnp.finfo(dtype)
+    lo = float(np.sqrt(info.tiny) / info.eps)
+    fast = jnp.isfinite(direct) & (m >= lo)
+    return jnp.where(fast, direct, scaled)
+
+
+def _per_example(arrays: Sequence[jax.Array], spec: _norms.NormSpec, branch_free: bool = False) -> list[jax.Array]:
+    """Per-example norm ``spec`` of each leaf: a list of ``(B,)`` arrays (accumulation dtype)."""
+    if not arrays:
+        return []
+    measured = _norms.slice_norms(arrays, [tuple(range(1, x.ndim)) for x in arrays], spec, branch_free=branch_free)
+    return [jnp.reshape(nrm, (x.shape[0],)) for nrm, x in zip(measured, arrays, strict=True)]
+
+
+def leaf_example_norms(arrays: Sequence[jax.Array], branch_free: bool = False) -> list[jax.Array]:
+    """Per-example L2 norm of each leaf: a list of ``(B,)`` arrays (accumulation dtype).
+
+    ``branch_free``: without the engine's overflow conditional (Blue's algorithm),
+    for norms taken inside a loop body.
+    """
+    return _per_example(arrays, _L2, branch_free)
+
+
+class Measured(NamedTuple):
+    """Per-example measurements of per-example gradients (see :func:`measure`).
+
+    Attributes:
+      norms: the L2 norms, ``(B,)`` (global) or one ``(B,)`` array per leaf
+        (per-layer); ``inf`` where the elements are finite but the norm cannot
+        be represented in the accumulation dtype.
+      finite: ``(B,)`` bool: every element of the example is finite.
+      unmeasured: like ``norms``: bool, the norm could not be represented
+        (``None`` when the norms were not measured from rows: nothing to guard).
+      bound_scale: like ``norms``: ``1 / (max|x| * sqrt(D))`` where unmeasured
+        (``max|x| sqrt(D)`` bounds the norm from above), else 0.
+    """
+
+    norms: Any
+    finite: jax.Array
+    unmeasured: Any = None
+    bound_scale: Any = None
+
+
+def _bound_scale(m: jax.Array, size: int, bad: jax.Array) -> jax.Array:
+    safe = jnp.where(bad & (m > 0), m, jnp.ones_like(m))
+    return jnp.where(bad, (1.0 / safe) / jnp.asarray(math.sqrt(max(size, 1)), m.dtype), 0.0)
+
+
+def measure(rows: Sequence[jax.Array], per_leaf: bool = False) -> Measured:
+    """Measures per-example gradients (rows ``(B, ...)``) for clipping, with the norm engine.
+
+    Besides the L2 norms this takes each example's ``max |x|`` (the engine's
+    ``ord=inf``), which guards the privacy bound at the edge of the float range:
+    :math:`\\max|x| \\le \\|x\\|_2 \\le \\sqrt{D} \\max|x|` always holds, so where
+    the reported norm is not finite, or is below ``max|x|`` (the true norm does
+    not fit in the dtype), the example is marked ``unmeasured`` and clipped with
+    the upper bound :math:`\\sqrt{D}\\max|x|` instead: its contribution stays
+    within the clip norm.
+    """
+    leaf_n = leaf_example_norms(rows)
+    leaf_m = _per_example(rows, _LINF)
+    sizes = [math.prod(r.shape[1:]) for r in rows]
+    leaf_fin = [jnp.isfinite(m) for m in leaf_m]
+    finite = jnp.all(jnp.stack(leaf_fin), axis=0)
+    leaf_bad = [
+        f & ~(jnp.isfinite(n) & (n >= m * _TOL)) for n, m, f in zip(leaf_n, leaf_m, leaf_fin, strict=True)
+    ]
+    if per_leaf:
+        norms = [jnp.where(b, jnp.inf, n) for n, b in zip(leaf_n, leaf_bad, strict=True)]
+        scales = [_bound_scale(m, d, b) for m, d, b in zip(leaf_m, sizes, leaf_bad, strict=True)]
+        return Measured(norms, finite, leaf_bad, scales)
+    n = combine_l2(leaf_n)
+    m = jnp.max(jnp.stack([v.astype(n.dtype) for v in leaf_m]), axis=0)
+    # A global norm is at least every leaf's: anything else means it was lost.
+    consistent = jnp.isfinite(n) & (n >= m * _TOL)
+    bad = jnp.any(jnp.stack(leaf_bad), axis=0) | (finite & ~consistent)
+    return Measured(jnp.where(bad, jnp.inf, n), finite, bad, _bound_scale(m, sum(sizes), bad))
+
+
+def from_leaf_norms(leaf_norms: Sequence[jax.Array], per_leaf: bool) -> Measured:
+    """:class:`Measured` of per-leaf norms computed elsewhere (ghost): a non-finite norm is non-finite."""
+    if per_leaf:
+        return Measured(list(leaf_norms), jnp.all(jnp.stack([jnp.isfinite(n) for n in leaf_norms]), axis=0))
+    n = combine_l2(leaf_norms)
+    return Measured(n, jnp.isfinite(n))
+
+
+def guarded_factor(factor: jax.Array, measured_bad: jax.Array, bound_scale: jax.Array, clip: Any) -> jax.Array:
+    """``factor``, replaced by ``min(1, C / (sqrt(D) max|x|))`` for unmeasured examples."""
+    c = jnp.asarray(clip, factor.dtype)
+    return jnp.where(measured_bad, jnp.minimum(1.0, c * bound_scale.astype(factor.dtype)), factor)
+
+
+def example_norms(arrays: Sequence[jax.Array], batch: int) -> jax.Array:
+    """Per-example global L2 norms of per-example leaves, shape ``(B,)`` (inf if unrepresentable)."""
+    if not arrays:
+        return jnp.zeros((batch,), jnp.float32)
+    return measure(arrays).norms  # type: ignore[no-any-return]
+
+
+# ----------------------------------------------------------------------------
+# Per-leaf clip budgets
+# ----------------------------------------------------------------------------
+
+
+def layer_budgets(arrays: Sequence[Any], clip: Any, uniform: bool) -> list[Any]:
+    """Per-leaf clip norms summing (in squares) to ``clip**2``: ``C/sqrt(K)`` or ``C*sqrt(D_k/D)``.
+
+    ``arrays`` are per-example leaves (batch on axis 0).
+    """
+    k = len(arrays)
+    if uniform:
+        return [clip * (1.0 / k) ** 0.5 for _ in arrays]
+    sizes = [math.prod(x.shape[1:]) for x in arrays]
+    total = sum(sizes)
+    return [clip * (d / total) ** 0.5 if total else clip * 0.0 for d in sizes]
+
+
+def _match_clip_tree(clip_tree: Any, params: Any, fn: str) -> list[Any]:
+    """The per-leaf clip norms of ``clip_tree``, one per leaf of ``params`` (same structure)."""
+    p_def = jax.tree_util.tree_structure(params)
+    c_leaves, c_def = jax.tree_util.tree_flatten(clip_tree)
+    if p_def != c_def:  # type: ignore[operator]
+        raise ValueError(
+            f"{fn}: the per-layer l2_clip_norm tree must have the structure of params; "
+            f"got {c_def} for params {p_def}"
+        )
+    return c_leaves
+
+
+def clip_budgets(config: ClipConfig, params: Any, pflat: _norms.FlatTree) -> list[Any] | None:
+    """The clip norm of each active leaf (per-layer clipping), ``None`` for global clipping."""
+    if config.layer_mode is LayerMode.GLOBAL:
+        return None
+    if config.layer_mode is LayerMode.TREE:
+        budgets = _match_clip_tree(config.l2_clip_norm, params, config.fn)
+        return [budgets[i] for i in pflat.active]
+    shapes = [jnp.zeros((1, *x.shape), jnp.float32) for x in pflat.arrays]
+    if not shapes:
+        return []
+    return layer_budgets(shapes, config.l2_clip_norm, config.layer_mode is LayerMode.UNIFORM)

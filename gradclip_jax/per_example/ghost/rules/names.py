@@ -1,0 +1,48 @@
+"""The primitive names the tracing (``_jaxpr``) and the analysis (``_analysis``) act on by
+name, outside a rule: every JAX primitive name of the package lives under ``rules/``."""
+
+from __future__ import annotations
+
+SLICE = "slice"
+SPLIT = "split"
+TILE = "tile"
+DYNAMIC_SLICE = "dynamic_slice"
+BROADCAST = "broadcast_in_dim"
+TRANSPOSE = "transpose"
+GATHER = "gather"
+SCAN = "scan"
+CUSTOM_JVP = "custom_jvp_call"
+CUSTOM_VJP = "custom_vjp_call"
+
+INLINE = frozenset({"pjit", "jit", "closed_call", "core_call", "remat2", "checkpoint", "remat",
+                    "xla_metadata_call"})
+"""Inlined: the sub-jaxpr runs once on the operands. ``checkpoint`` (remat) loses its
+rematerialization on the ghost path: a parameter used inside it must be seen by the
+analysis, and the activations are held for the norms anyway. ``xla_metadata_call``
+(jax 0.11) only attaches XLA metadata to the calls it wraps."""
+
+CASTS = frozenset({"convert_element_type", "copy", "copy_p"})
+"""Casts and copies: the value is the operand's, in another dtype or buffer."""
+
+CHAIN_OPS = CASTS | {"transpose", "reshape", "squeeze", BROADCAST}
+"""One-operand operations allowed between a parameter and its use (the analysis's chains):
+casts, copies, transposes and reshapes keep the gradient's norm (the gradient with respect
+to the parameter is a permutation, reshape or cast of that with respect to the result); a
+broadcast is a bias broadcast over the batch or positions."""
+
+VIEWS = CHAIN_OPS | {SLICE}
+"""Through these and static slices a value stays a view of a parameter: a scan reading
+such a value as a constant or carry is unrolled, not kept as a loop."""
+
+FOLDABLE = frozenset({
+    "iota", BROADCAST, "reshape", "squeeze", "expand_dims", "convert_element_type", "concatenate",
+    SLICE, "add", "sub", "mul", "neg", "rem", "max", "min", "clamp", "select_n", "lt", "le", "gt", "ge",
+    "eq", "ne", "and", "or", "not",
+})
+"""Pure index arithmetic only (no collectives, no sharding casts, no calls): folded while
+tracing when computed from constants alone."""
+
+RETRACED = frozenset({SCAN, "iota", SPLIT, DYNAMIC_SLICE, TILE})
+"""Top-level primitives that the re-trace rewrites: unrolled scans, folded index arithmetic
+(``iota``), splits and dynamic slices at known indices as static slices, tiles along size-1
+axes as broadcasts."""
