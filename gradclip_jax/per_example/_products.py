@@ -46,7 +46,7 @@ at ``HIGHEST``. A reduced-pass product is within
 (relative to ``|a| |b|``), and the clip norm is lowered by that much
 (:func:`product_margin`), so a contribution formed at that precision keeps the
 rounding allowance it has at ``"highest"`` (see
-:func:`gradclip_jax._numerics.rounding_margin`). At ``"tf32x3"`` that lowers
+:func:`gradclip_jax._core.numerics.rounding_margin`). At ``"tf32x3"`` that lowers
 :math:`C` by ``2**-17`` (about 8e-6). The GPU benchmark
 (``benchmarks/bench_ghost_gpu.py``) measures how far each setting moves the
 per-example norms and the clipped sum from ``"highest"``.

@@ -308,7 +308,7 @@ def test_clip_pytree_rescaled_output_is_within_the_unit_bound_as_stored_when_jus
 def test_clip_pytree_stores_within_the_bound_exactly_and_keeps_the_plain_factor_where_that_is_within(rescale):
     """Clipped trees of random norms: the stored norm, in exact arithmetic, is at most the bound
     (C, or 1 rescaled); where jax-privacy's plain factor already stores within it, ours is the same
-    tree, bit for bit, unless the two norms rounded apart (the exact check of gradclip_jax._stored keeps
+    tree, bit for bit, unless the two norms rounded apart (the exact check of gradclip_jax._core.stored keeps
     the factor unlowered there). jax-privacy's own outputs exceed the bound in about half the trees."""
     rng = np.random.default_rng(1)
     ours_clip, jp_clip = jax.jit(ours.clip_pytree, static_argnums=2), jax.jit(jp.clip_pytree, static_argnums=2)
