@@ -93,7 +93,7 @@ def add_gaussian_noise(tree: Any, stddev: Any, key: jax.Array) -> Any:
     arrays = [x.astype(_norms.sum_dtype(x.dtype)) for x in flat.arrays]
     if not arrays:
         return tree
-    check_key_varies(arrays, key, "add_gaussian_noise", [jax.tree_util.keystr(flat.paths[i]) for i in flat.active])
+    check_key_varies("add_gaussian_noise", arrays, key, [jax.tree_util.keystr(flat.paths[i]) for i in flat.active])
     block_key, *keys = jax.random.split(key, len(arrays) + 1)
     strategy = _noise_strategy()
     blocked = strategy == "blocks"
@@ -126,7 +126,7 @@ def _varying(x: Any) -> frozenset:
     return frozenset(getattr(t, "vma", ()))  # older jax
 
 
-def check_key_varies(arrays: Sequence[Any], key: Any, fn: str, paths: Sequence[str] | None = None) -> None:
+def check_key_varies(fn: str, arrays: Sequence[Any], key: Any, paths: Sequence[str] | None = None) -> None:
     """Raises when a leaf is a per-device shard (inside ``shard_map``) and the key is the same on every device.
 
     Every device would then draw the same noise for its own shard: the shards'
@@ -209,7 +209,7 @@ def noised_leaves(
     variance (``jax.random.normal`` of a complex dtype gives each half).
     """
     if keys:
-        check_key_varies(arrays, keys[0], fn)  # keys split from one key vary alike
+        check_key_varies(fn, arrays, keys[0])  # keys split from one key vary alike
     out = []
     for x, k in zip(arrays, keys, strict=True):
         real = _real(x.dtype)

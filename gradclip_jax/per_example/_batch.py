@@ -67,7 +67,7 @@ def batch_size_of(batch: Any, fn: str) -> int:
     return size
 
 
-def check_loss_out(out: Any, bsize: int, has_aux: bool, fn: str) -> Any:
+def check_loss_out(fn: str, out: Any, bsize: int, has_aux: bool) -> Any:
     """The losses of ``loss_fn``'s output (abstract or traced), checked to be of shape ``(B,)``."""
     if has_aux:
         if not (isinstance(out, tuple) and len(out) == 2):
@@ -131,8 +131,8 @@ def batchnorm_in_loss(loss_fn: Callable[..., Any], params: Any, batch: Any, args
     return next((n for n in _names_in(closed.jaxpr) if any(s in n.lower() for s in _BATCHNORM_SIGNS)), None)
 
 
-def check_one_example(loss_fn: Callable[..., Any], has_aux: bool, params: Any, batch: Any, args: Sequence[Any],
-                      fn: str) -> None:
+def check_one_example(fn: str, loss_fn: Callable[..., Any], has_aux: bool, params: Any, batch: Any,
+                      args: Sequence[Any]) -> None:
     """Traces ``loss_fn`` (shapes only) on the first example as a batch of one; ValueError stating
     the contract when that fails or does not give one loss."""
     # Abstract and unsharded: slicing one row of a batch sharded on axis 0 is refused.

@@ -56,8 +56,8 @@ def run_vmap(config: ClipConfig, call: Call, *, checked: bool = False) -> tuple[
     """``(grads, info)`` by the vmap strategy; ``checked``: the loss's shape is already known to be ``(B,)``."""
     params = call.params
     if not checked:  # one trace of the whole batch: losses of shape (B,), no example combined with another
-        check_per_example(loss_crossing(config.loss_fn, config.has_aux, config.fn, call.params, call.batch,
-                                        call.args, call.bsize), config.fn)
+        check_per_example(config.fn, loss_crossing(config.loss_fn, config.has_aux, config.fn, call.params,
+                                                   call.batch, call.args, call.bsize))
     if config.pre_clipping_transform is not None:  # clip (and sum) what the transform returns
         shapes = jax.eval_shape(config.pre_clipping_transform, call.params)
         template = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)

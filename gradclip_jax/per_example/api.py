@@ -105,7 +105,7 @@ def _grad_fn(config: ClipConfig) -> Callable[..., tuple[Any, ClippedGradInfo]]:
             # Diagnosed only on failure: a check up front would trace the loss once
             # more on every call. Raises a ValueError stating the per-example
             # contract when the loss cannot run on one example; else the original.
-            check_one_example(cfg.loss_fn, cfg.has_aux, call.params, call.batch, call.args, cfg.fn)
+            check_one_example(cfg.fn, cfg.loss_fn, cfg.has_aux, call.params, call.batch, call.args)
             raise
 
     return grad_fn

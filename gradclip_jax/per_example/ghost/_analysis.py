@@ -409,13 +409,13 @@ def _flat_loss(loss_fn: Callable[..., Any], has_aux: bool, fn: str, bsize: int, 
     def flat_loss(p: Any, b: Any, a: Any) -> Any:
         out = loss_fn(p, b, *a)
         if check:
-            return check_loss_out(out, bsize, has_aux, fn)
+            return check_loss_out(fn, out, bsize, has_aux)
         return out[0] if has_aux else out
 
     return flat_loss
 
 
-def check_per_example(crossing: str | None, fn: str) -> None:
+def check_per_example(fn: str, crossing: str | None) -> None:
     """ValueError when the loss certainly combines examples (``crossing`` names where)."""
     if crossing is not None:
         raise ValueError(

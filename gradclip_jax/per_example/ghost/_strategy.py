@@ -151,7 +151,7 @@ def run_ghost(config: ClipConfig, call: Call) -> tuple[Any, ClippedGradInfo]:
     """``(grads, info)`` by ghost clipping, or by the vmap strategy when no leaf can be measured
     without materializing (or ``method='auto'`` finds ghost clipping not worth it)."""
     traced = _trace(config, call, call.batch, check=True)
-    check_per_example(traced.plan.crossing, config.fn)
+    check_per_example(config.fn, traced.plan.crossing)
     check_sum_precision(config, traced.plan, call.pflat)
     warn_fallback(traced.plan, call.pflat, call.bsize, config.method, config.fn, config.origin)
     if not use_ghost(traced.plan, call.pflat, call.bsize, config.method):
