@@ -1,0 +1,292 @@
+"""Ghost clipping on the code that real libraries' models run (and on plain-JAX reductions of
+it): each case is checked against ``method='vmap'`` (per-example gradients formed), to 1e-5
+relative in float32. The library models are ``tools.coverage_real``'s builders; each test
+skips when its library is not installed."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gradclip_jax.ghost import ghost_report
+from gradclip_jax.per_example import clipped_grad
+from tests.per_example.ghost.test_scan import D, _data, _w
+from tests.per_example.models import xent
+from tools import coverage_real as cr
+
+
+def _median_clip(loss, params, data):
+    info = jax.jit(clipped_grad(loss, 1e30, method="vmap"))(params, data)[1]
+    return float(np.median(np.asarray(info.norms)))
+
+
+def ghost_equals_vmap(loss, params, data, **kw):
+    """Ghost and vmap at the median per-example norm: norms and clipped sums to 1e-5 relative."""
+    clip = _median_clip(loss, params, data)
+    want, want_info = jax.jit(clipped_grad(loss, clip, method="vmap", **kw))(params, data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a fallback warning: the report below says which
+        got, got_info = jax.jit(clipped_grad(loss, clip, method="ghost", **kw))(params, data)
+    nv = np.asarray(want_info.norms, np.float64)
+    np.testing.assert_allclose(np.asarray(got_info.norms), nv, rtol=1e-5, atol=1e-5 * nv.max())
+    scale = max(float(np.max(np.abs(np.asarray(x)))) for x in jax.tree.leaves(want))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5 * scale)
+
+
+def _model(name):
+    model = next(m for m in cr.MODELS if m.name == name)
+    try:
+        return model.build()
+    except ImportError as err:
+        pytest.skip(f"{name}: {err}")
+
+
+# ----------------------------------------------------------------------------
+# A leaf used several times with the batch on axis 1 of its products (jax.vmap of W @ x)
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ghost_sum", ["backward", "bookkeeping"])
+def test_tied_leaf_whose_products_carry_the_batch_on_axis_1(ghost_sum):
+    """``jax.vmap`` of ``W @ x`` (equinox's ``Linear``) puts the batch on axis 1 of the product; a
+    leaf used twice so has its per-example gradients formed from those uses, mapped over axis 1
+    (they were mapped over axis 0: "vmap got inconsistent sizes")."""
+    r = np.random.default_rng(0)
+    params = {"w": _w(r, D, D), "head": _w(r, D, 4)}
+
+    def loss(p, b):
+        h = jax.vmap(lambda x: p["w"] @ jnp.tanh(p["w"] @ x))(jnp.mean(b["x"], axis=1))
+        return xent(h @ p["head"], b["y"])
+
+    data = _data(0)
+    assert dict(ghost_report(loss, params, data).ghost)["['w']"] == "tied:dense+dense"
+    ghost_equals_vmap(loss, params, data, ghost_sum=ghost_sum)
+
+
+def test_equinox_gru_under_scan():
+    loss, params, data = _model("eqx-gru-scan")
+    ghost_equals_vmap(loss, params, data)
+
+
+# ----------------------------------------------------------------------------
+# Flattened tokens whose rows move to another axis (keras-hub Mixtral's experts and routing)
+# ----------------------------------------------------------------------------
+
+E = 3  # experts
+
+
+def _moe_setup(seed=1, mix=False):
+    """keras-hub Mixtral's sparse block written out: tokens flattened to ``(B * T, D)``, routing
+    weights transposed to ``(E, B * T)``, every expert at once by ``einsum('th,ehm->etm')`` (the
+    rows on axis 1), weighted and summed over the experts, reshaped back to ``(B, T, D)``. With
+    ``mix``, the routing weights are also averaged over all rows (over the batch)."""
+    r = np.random.default_rng(seed)
+    params = {"gate": _w(r, D, E), "up": _w(r, E, D, 2 * D), "down": _w(r, 2 * D, D), "head": _w(r, D, 4)}
+
+    def loss(p, b):
+        n, t, _ = b["x"].shape
+        x = b["x"].reshape(-1, D)
+        routing = jnp.transpose(jax.nn.softmax(x @ p["gate"], axis=-1), (1, 0))  # (E, B*T)
+        if mix:
+            routing = routing - jnp.mean(routing, axis=1, keepdims=True)
+        h = jax.nn.gelu(jnp.einsum("th,ehm->etm", x, p["up"]))
+        out = jnp.sum(jnp.einsum("etm,mh->eth", h, p["down"]) * routing[:, :, None], axis=0)
+        return xent(jnp.mean(out.reshape(n, t, D), axis=1) @ p["head"], b["y"])
+
+    return loss, params, _data(seed)
+
+
+def test_mixture_of_experts_on_flattened_tokens_keeps_the_ghost_path():
+    loss, params, data = _moe_setup()
+    report = ghost_report(loss, params, data)
+    assert report.fallback == [] and dict(report.ghost)["['up']"] == "dense"
+    ghost_equals_vmap(loss, params, data)
+
+
+def test_a_reduction_over_the_moved_rows_combines_examples():
+    loss, params, data = _moe_setup(mix=True)
+    with pytest.raises(ValueError, match="combines examples at 'reduce_sum'"):
+        clipped_grad(loss, 1.0, method="ghost")(params, data)
+
+
+@pytest.mark.slow  # keras-hub: about a minute to trace and compile on 2 cores
+def test_keras_hub_mixtral():
+    loss, params, data = _model("keras-hub-mixtral")
+    report = ghost_report(loss, params, data)
+    assert len(report.fallback) <= 2, report.fallback  # the experts' output projection (batch dims)
+    ghost_equals_vmap(loss, params, data)
+
+
+# ----------------------------------------------------------------------------
+# BatchNorm statistics: the clear error, naming BatchNorm and the remedies
+# ----------------------------------------------------------------------------
+
+_REMEDIES = r"BatchNorm.*GroupNorm or LayerNorm.*use_running_average=True"
+
+
+@pytest.mark.parametrize("scope", ["conv1_bn", "stack0_block0_1_bn", "batch_normalization"])
+def test_batch_statistics_in_a_keras_named_layer_are_named_batchnorm(scope):
+    """Keras names a BatchNormalization layer ``batch_normalization`` and keras-hub's ResNet
+    ``conv1_bn``: a batch mean inside such a name scope gets the BatchNorm error."""
+    r = np.random.default_rng(2)
+    params = {"w": _w(r, D, 4)}
+
+    def loss(p, b):
+        h = b["x"] @ p["w"]
+        with jax.named_scope(scope):
+            h = h - jnp.mean(h, axis=0)
+        return xent(jnp.mean(h, axis=1), b["y"])
+
+    with pytest.raises(ValueError, match=f"BatchNorm layer '{scope}'.*GroupNorm or LayerNorm"):
+        clipped_grad(loss, 1.0, method="ghost")(params, _data(2))
+
+
+def test_a_scope_merely_containing_bn_is_not_named_batchnorm():
+    r = np.random.default_rng(2)
+    params = {"w": _w(r, D, 4)}
+
+    def loss(p, b):
+        with jax.named_scope("cbnet_embedding"):
+            h = b["x"] @ p["w"]
+        return xent(jnp.mean(h - jnp.mean(h, axis=0), axis=1), b["y"])
+
+    with pytest.raises(ValueError, match="combines examples at 'reduce_sum'"):
+        clipped_grad(loss, 1.0, method="ghost")(params, _data(2))
+
+
+@pytest.mark.parametrize("name", ["nnx-batchnorm", "linen-batchnorm", "haiku-resnet-train",
+                                  pytest.param("keras-hub-resnet-train", marks=pytest.mark.slow)])  # 27 s
+def test_batchnorm_in_training_mode_gets_the_clear_error(name):
+    """From clipped_grad (both methods) and from ghost_report (nnx's BatchStat update failed
+    there with flax's TraceContextError)."""
+    loss, params, data = _model(name)
+    for method in ("ghost", "vmap"):
+        with pytest.raises(ValueError, match=_REMEDIES):
+            clipped_grad(loss, 1.0, method=method)(params, data)
+    if name == "nnx-batchnorm":
+        with pytest.raises(ValueError, match=_REMEDIES):
+            ghost_report(loss, params, data)
+
+
+# ----------------------------------------------------------------------------
+# Parameters broadcast over the batch, computed with constants, or summed, before their use
+# ----------------------------------------------------------------------------
+
+
+def _bias_setup(seed=3, how="broadcast_to"):
+    r = np.random.default_rng(seed)
+    params = {"w": _w(r, D, D), "b": 0.1 * _w(r, D), "pos": 0.5 * _w(r, 8, D), "scale": 0.1 * _w(r, D),
+              "head": _w(r, D, 4)}
+    # frozen BatchNorm statistics, closed over: constants of the traced loss
+    mean, var = jnp.asarray(r.normal(size=D), jnp.float32), jnp.asarray(r.uniform(0.5, 2.0, size=D), jnp.float32)
+
+    def loss(p, b):
+        n, t, _ = b["x"].shape
+        if how == "broadcast_to":  # haiku's Linear, keras' PositionEmbedding
+            h = b["x"] @ p["w"] + jnp.broadcast_to(p["b"], (n, t, D))
+            h = h + jnp.broadcast_to(p["pos"][:t], (n, t, D))
+        else:  # the batch on axis 1 of the sum: (T, B, D) + b
+            h = jnp.einsum("btd,de->tbe", b["x"], p["w"]) + p["b"]
+            h = jnp.transpose(h, (1, 0, 2)) + p["pos"][:t]
+        h = jnp.tanh(h) * (1.0 + p["scale"])  # Gemma's RMSNorm scale
+        h = (h - mean) * (p["scale"] * jax.lax.rsqrt(var + 1e-5))  # a BatchNorm with frozen statistics
+        return xent(jnp.mean(h, axis=1) @ p["head"], b["y"])
+
+    return loss, params, _data(seed)
+
+
+@pytest.mark.parametrize("how", ["broadcast_to", "batch_on_axis_1"])
+@pytest.mark.parametrize("ghost_sum", ["backward", "bookkeeping"])
+def test_broadcast_and_computed_parameters_keep_the_ghost_path(how, ghost_sum):
+    """A bias or position table broadcast over the batch (``jnp.broadcast_to(b, out.shape)``), a
+    bias added with the batch on axis 1, ``1 + scale`` and ``scale * rsqrt(var + eps)`` with
+    constant statistics: each an elementwise site, the leaf's gradient pulled back through its
+    chain (they fell back: "used by 'add'", "used by 'mul'")."""
+    loss, params, data = _bias_setup(how=how)
+    report = ghost_report(loss, params, data)
+    assert report.fallback == []
+    assert dict(report.ghost)["['b']"] == "elementwise" and dict(report.ghost)["['scale']"] == "tied:elementwise+elementwise"
+    ghost_equals_vmap(loss, params, data, ghost_sum=ghost_sum)
+
+
+def test_a_dense_weight_computed_with_a_constant_has_its_gradients_formed():
+    """``x @ (2 * w)``: the dense rule would measure the gradient with respect to ``2 * w``, twice
+    the leaf's, so that leaf's per-example gradients are formed (pulled back through ``2 * w``)."""
+    r = np.random.default_rng(4)
+    params = {"w": _w(r, D, 4)}
+
+    def loss(p, b):
+        return xent(jnp.mean(b["x"], axis=1) @ (2.0 * p["w"]), b["y"])
+
+    data = _data(4)
+    assert dict(ghost_report(loss, params, data).ghost)["['w']"] == "formed:dense"
+    ghost_equals_vmap(loss, params, data)
+
+
+def test_a_bias_broadcast_over_as_many_positions_as_examples_keeps_the_ghost_path():
+    """A bias broadcast along the positions when there are as many positions as examples: only
+    the batch axis's broadcast is made for one example, so the use is measured at axis 0 alone."""
+    r = np.random.default_rng(5)
+    params = {"w": _w(r, D, D), "b": 0.1 * _w(r, D), "head": _w(r, D, 4)}
+    data = _data(5)
+    n = data["x"].shape[0]
+    data = {**data, "x": jnp.tile(data["x"], (1, 2, 1))[:, :n]}  # T == B
+
+    def loss(p, b):
+        m, t, _ = b["x"].shape  # (B, B, D) on the whole batch
+        h = b["x"] @ p["w"] + jnp.broadcast_to(p["b"], (m, t, D))  # both leading axes of length B
+        return xent(jnp.mean(jnp.tanh(h), axis=1) @ p["head"], b["y"])
+
+    assert ghost_report(loss, params, data).fallback == []
+    ghost_equals_vmap(loss, params, data)
+
+
+def _summed_leaves_setup(seed=6):
+    """keras' BatchNormalization with frozen statistics (``x * inv + (offset - mean * inv)``, the
+    offset added to a value of the scale), and flax's ``OptimizedLSTMCell`` (the gates' kernels and
+    biases joined by ``concatenate`` before one product)."""
+    r = np.random.default_rng(seed)
+    params = {"gamma": 1.0 + 0.1 * _w(r, D), "beta": 0.1 * _w(r, D), "k": [_w(r, D, D) for _ in range(3)],
+              "b": [0.1 * _w(r, D) for _ in range(3)], "head": _w(r, 3 * D, 4)}
+    mean, var = jnp.asarray(r.normal(size=D), jnp.float32), jnp.asarray(r.uniform(0.5, 2.0, size=D), jnp.float32)
+
+    def loss(p, b):
+        inv = jax.lax.rsqrt(var + 1e-3) * p["gamma"]
+        h = b["x"] * inv + (-mean * inv + p["beta"])
+        y = h @ jnp.concatenate(p["k"], axis=-1) + jnp.concatenate(p["b"], axis=-1)
+        return xent(jnp.mean(jnp.tanh(y), axis=1) @ p["head"], b["y"])
+
+    return loss, params, _data(seed)
+
+
+@pytest.mark.parametrize("ghost_sum", ["backward", "bookkeeping"])
+def test_leaves_summed_or_joined_before_their_use_keep_the_ghost_path(ghost_sum):
+    """Each leaf of a sum or concatenation of leaves' values is measured through it, the others'
+    values zeroed (every later step is linear in it); they fell back ("used by 'add'",
+    "used by 'concatenate'")."""
+    loss, params, data = _summed_leaves_setup()
+    report = ghost_report(loss, params, data)
+    assert report.fallback == []
+    kinds = dict(report.ghost)
+    assert kinds["['k'][0]"] == "formed:dense" and kinds["['b'][1]"] == "elementwise"
+    assert kinds["['gamma']"] == "tied:elementwise+elementwise" and kinds["['beta']"] == "elementwise"
+    ghost_equals_vmap(loss, params, data, ghost_sum=ghost_sum)
+
+
+def test_a_nonlinear_step_after_a_sum_of_leaves_falls_back():
+    """``exp(a + b)``: the gradient with respect to ``a`` depends on ``b``'s value, which the
+    replay of ``a``'s chain does not have."""
+    r = np.random.default_rng(7)
+    params = {"a": 0.1 * _w(r, D), "b": 0.1 * _w(r, D), "head": _w(r, D, 4)}
+
+    def loss(p, b):
+        return xent(jnp.mean(b["x"] * jnp.exp(p["a"] + p["b"]), axis=1) @ p["head"], b["y"])
+
+    data = _data(7)
+    assert {path for path, _ in ghost_report(loss, params, data).fallback} == {"['a']", "['b']"}
+    ghost_equals_vmap(loss, params, data)
