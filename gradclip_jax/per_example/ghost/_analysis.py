@@ -137,13 +137,12 @@ _THROUGH = frozenset({"add", "sub", "mul", "div", "neg", "dot_general", "exp", "
 _LINEAR = CHAIN_OPS | {"slice", "gather", "add", "sub", "neg", "mul", "dot_general", "concatenate"}
 
 
-def _partial(eqn: Any, aliased: list[tuple[int, _Alias]], fixed: set[Any], bsize: int) -> bool:
+def _partial(eqn: Any, aliased: list[tuple[int, _Alias]], fixed: set[Any]) -> bool:
     """``eqn`` adds, subtracts or joins values of several parameter leaves (and constants): a
     BatchNorm's ``-mean * inv + offset``, flax's LSTM gates' kernels joined into one. For each leaf
     the value is a chain step, the other leaves' operands zeroed when it is replayed: the step and
     every later one are linear in that leaf's operand (``_LINEAR``; every rule's operation is
-    linear in the parameter operand), so the leaf's gradient does not depend on their values.
-    Without any axis of length ``B`` (a zeroed operand is replayed at the shape it has here)."""
+    linear in the parameter operand), so the leaf's gradient does not depend on their values."""
     if eqn.primitive.name not in ("add", "sub", "add_any", "concatenate") or len(eqn.outvars) != 1:
         return False
     positions = {pos for pos, _ in aliased}
@@ -151,8 +150,7 @@ def _partial(eqn: Any, aliased: list[tuple[int, _Alias]], fixed: set[Any], bsize
         return False
     if not all(is_literal(v) or v in fixed or i in positions for i, v in enumerate(eqn.invars)):
         return False
-    out = eqn.outvars[0].aval
-    return bsize not in out.shape and bool(np.issubdtype(np.dtype(out.dtype), np.floating))
+    return bool(np.issubdtype(np.dtype(eqn.outvars[0].aval.dtype), np.floating))
 
 
 def _through(eqn: Any, aliased: list[tuple[int, _Alias]], fixed: set[Any]) -> bool:
@@ -171,31 +169,62 @@ def _through(eqn: Any, aliased: list[tuple[int, _Alias]], fixed: set[Any]) -> bo
     return bool(np.issubdtype(np.dtype(eqn.outvars[0].aval.dtype), np.floating))
 
 
-def _batch_axes(eqn: Any, k: int, a: _Alias, bsize: int) -> tuple[frozenset[int], int | None]:
-    """The axes along which the chain's value, after ``eqn`` (equation ``k``), is ``B`` copies of one
-    value, and the step that made them: the axes a broadcast creates (or stretches from size 1) with
-    ``B`` entries, kept by casts and copies. One example's replay of the chain makes one copy
-    there (:func:`~._jaxpr.replay`)."""
+_SAME_SHAPE = frozenset({"add", "sub", "mul", "div", "max", "min", "neg", "add_any", "exp", "log", "sqrt", "rsqrt",
+                         "tanh", "logistic", "square", "integer_pow", "abs", "log1p", "expm1"})
+
+
+def _copied_axes(eqn: Any, pos: int, mine: frozenset[int], uniform: Callable[[Any], frozenset[int] | None],
+                 bsize: int) -> frozenset[int]:
+    """The axes of length ``B`` along which ``eqn``'s output is copies of one value, given those of
+    its operand ``pos`` (``mine``) and of the others (``uniform``: ``None`` for a scalar literal).
+    A broadcast creates them (new axes, or stretched from size 1); casts, copies and transposes
+    keep or move them; an elementwise operation keeps those all its operands share; a product
+    keeps its operands' free ones."""
     name = eqn.primitive.name
+    out = shape(eqn.outvars[0])
     if name in _PLAIN:
-        return a.batch_axes, a.batch_step
-    if name != "broadcast_in_dim" or a.batch_axes:  # (a second broadcast: its replay is not cut)
-        return frozenset(), None
-    dims, src, out = tuple(jc.param(eqn, "broadcast_dimensions")), shape(eqn.invars[0]), shape(eqn.outvars[0])
-    axes = frozenset(j for j, n in enumerate(out) if n == bsize and (j not in dims or src[dims.index(j)] == 1))
-    return axes, (k if axes else None)
+        return mine
+    if name == "transpose":
+        perm = tuple(jc.param(eqn, "permutation"))
+        return frozenset(j for j, i in enumerate(perm) if i in mine)
+    if name == "slice":  # the axes it keeps whole
+        return frozenset(j for j in mine if shape(eqn.invars[0])[j] == out[j])
+    if name == "broadcast_in_dim":
+        dims, src = tuple(jc.param(eqn, "broadcast_dimensions")), shape(eqn.invars[0])
+        new = {j for j, n in enumerate(out) if n == bsize and (j not in dims or src[dims.index(j)] == 1)}
+        return frozenset(new | {dims[i] for i in mine})
+    ops = [mine if i == pos else uniform(v) for i, v in enumerate(eqn.invars)]
+    if name == "dot_general":
+        (lc, rc), (lb, rb) = jc.param(eqn, "dimension_numbers")
+        free = [[d for d in range(len(shape(v))) if d not in c and d not in b]
+                for v, c, b in zip(eqn.invars, (lc, rc), (lb, rb), strict=True)]
+        offsets = (len(lb), len(lb) + len(free[0]))
+        return frozenset(offsets[i] + free[i].index(d) for i in (0, 1) for d in (ops[i] or ()) if d in free[i])
+    if name in _SAME_SHAPE and all(o is None or len(shape(v)) == len(out) for o, v in zip(ops, eqn.invars, strict=True)):
+        common = frozenset(j for j, n in enumerate(out) if n == bsize)
+        for o, v in zip(ops, eqn.invars, strict=True):  # (an operand of size 1 on an axis is broadcast along it)
+            common = common if o is None else common & (o | {j for j, n in enumerate(shape(v)) if n == 1})
+        return common
+    return frozenset()
 
 
-def _extended(a: _Alias, eqn: Any, k: int, bsize: int, lookup: bool, through: bool,
-              zeroed_at: int | None = None) -> _Alias:
-    """``a``'s chain with equation ``k`` appended (``zeroed_at``: the leaf's operand of a step whose
-    other leaves' operands are zeroed when it is replayed)."""
+def _extended(a: _Alias, eqn: Any, k: int, pos: int, bsize: int, lookup: bool, through: bool,
+              uniform: Callable[[Any], frozenset[int] | None], zeroed: bool = False) -> _Alias:
+    """``a``'s chain with equation ``k`` appended, the leaf's value its operand ``pos`` (``zeroed``: a
+    step whose other leaves' operands are zeroed when it is replayed).
+
+    The axes of length ``B`` along which the value is copies of one value (:func:`_copied_axes`)
+    let a use on batched values measure it, one example's replay making one copy (see
+    :func:`~._jaxpr.replay`): at the broadcast that made them (``batch_step``) when only casts
+    and copies follow it, otherwise by slicing the chain's value."""
     name = eqn.primitive.name
     box = OPAQUE if lookup else _slice_box(eqn, a) if name == "slice" else a.box
-    axes, step = _batch_axes(eqn, k, a, bsize)
-    zeroed = a.zeroed if zeroed_at is None else (*a.zeroed, (k, zeroed_at))
+    axes = _copied_axes(eqn, pos, a.batch_axes, uniform, bsize)
+    step = (a.batch_step if name in _PLAIN else k if name == "broadcast_in_dim" and not a.batch_axes and axes
+            else None)
     return _Alias(a.leaf, [*a.chain, k], a.bcast or name == "broadcast_in_dim", box, a.plain and name in _PLAIN,
-                  a.through or through or zeroed_at is not None, axes, step, zeroed)
+                  a.through or through or zeroed, axes, step if axes else None,
+                  (*a.zeroed, (k, pos)) if zeroed else a.zeroed)
 
 
 def _slice_box(eqn: Any, a: _Alias) -> Box:
@@ -245,6 +274,8 @@ def _classify(use: Use, n_aliased: int) -> Site | str:
     if isinstance(site, Site) and use.through and site.kind not in _PULLED_BACK:
         # the rule would measure the gradient with respect to the computed value: form the leaf's
         return dataclasses.replace(site, rule=Formed(site.rule))
+    if isinstance(site, Site) and site.kind in _PULLED_BACK and use.batch_step is None and use.batch_axes:
+        return dataclasses.replace(site, cut_axes=use.batch_axes)  # its copies over the batch: see replay
     return site
 
 
@@ -293,6 +324,15 @@ def _walk_from(jaxpr: Any, states: dict[Any, State], alias: dict[Any, list[_Alia
     act_elems, mixing, unreadable = 0, None, None
     crossings: list[tuple[int, str]] = []  # equations that certainly combine examples, and where
     fixed = {v for v in jaxpr.constvars if v in consts}  # values computed from constants alone
+    copies: dict[Any, frozenset[int]] = {}  # their axes of length B holding copies (an RNN's zero state)
+
+    def uniform(v: Any) -> frozenset[int] | None:
+        """The axes of length ``B`` along which ``v`` is copies of one value (``None``: a scalar literal)."""
+        if is_literal(v):
+            return None if not shape(v) else frozenset()
+        if v in alias:
+            return frozenset.intersection(*(a.batch_axes for a in alias[v]))
+        return copies.get(v, frozenset())
 
     def state(v: Any) -> State:
         return CONST if is_literal(v) else states.get(v, CONST)
@@ -304,17 +344,22 @@ def _walk_from(jaxpr: Any, states: dict[Any, State], alias: dict[Any, list[_Alia
         name = eqn.primitive.name
         if not eqn.effects and not sub_jaxprs(eqn) and all(is_literal(v) or v in fixed for v in eqn.invars):
             fixed.update(eqn.outvars)
+            if len(eqn.outvars) == 1 and eqn.invars and name in (*_PLAIN, "broadcast_in_dim", "transpose"):
+                axes = _copied_axes(eqn, 0, uniform(eqn.invars[0]) or frozenset(), uniform, bsize)
+                if axes:
+                    copies[eqn.outvars[0]] = axes
         in_states = [state(v) for v in eqn.invars]
         aliased = [(pos, a) for pos, v in enumerate(eqn.invars) if not is_literal(v) and v in alias
                    for a in alias[v]]
         lookup = _const_lookup(eqn, aliased, consts)
         through = not lookup and _through(eqn, aliased, fixed)
         if ((name in CHAIN_OPS or name == "slice") and len(eqn.invars) == 1 and aliased) or lookup or through:
-            alias[eqn.outvars[0]] = [_extended(a, eqn, k, bsize, lookup, through) for _, a in aliased]
+            alias[eqn.outvars[0]] = [_extended(a, eqn, k, pos, bsize, lookup, through, uniform) for pos, a in aliased]
             states[eqn.outvars[0]] = CONST
             continue
-        if _partial(eqn, aliased, fixed, bsize):
-            alias[eqn.outvars[0]] = [_extended(a, eqn, k, bsize, False, False, pos) for pos, a in aliased]
+        if _partial(eqn, aliased, fixed):
+            alias[eqn.outvars[0]] = [_extended(a, eqn, k, pos, bsize, False, False, uniform, zeroed=True)
+                                     for pos, a in aliased]
             states[eqn.outvars[0]] = CONST
             continue
         try:
@@ -439,11 +484,10 @@ def _leaf_verdict(u: list[Site | str]) -> tuple[list[Site], bool, str | None]:
                            "block per step is measured inside the loop)")
     if _disjoint([x.box for x in sites]):  # stacked layers: one block per use
         return sites, True, None
-    # tied: every use reads the whole leaf (its batch on any axis: the local pull-backs and the
-    # dense factors read each use's batch axis)
-    if all(x.box is None for x in sites):
-        return sites, False, None
-    return [], False, f"used {len(sites)} times on overlapping parts"
+    # tied: measured from factors when every use reads the whole leaf through transposes and casts
+    # (_factored), else from the sum of its uses' per-example gradients, each pulled back through
+    # its chain (slices of any parts, its batch on any axis): the gradient adds over the uses
+    return sites, False, None
 
 
 def _narrow_dtype(eqn: Any, acc: Any) -> Any | None:

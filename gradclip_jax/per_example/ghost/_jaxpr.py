@@ -414,12 +414,14 @@ def fixed_value(jaxpr: Any, v: Any, consts: dict[Any, Any], memo: dict[Any, Any]
 
 def replay(closed: Any, eqn: int, chain: Sequence[int], vals: Sequence[Any], pos: int, param: jax.Array,
            acc: Any = None, precision: Any = None, example_of: int | None = None, example_axis: int = 0,
-           batch_step: int | None = None, zeroed: Sequence[tuple[int, int]] = ()) -> jax.Array:
+           batch_step: int | None = None, zeroed: Sequence[tuple[int, int]] = (),
+           cut_axes: frozenset[int] = frozenset()) -> jax.Array:
     """Equation ``eqn`` on ``vals``, with ``param`` passed through the equations ``chain`` as operand ``pos``
     (with ``acc``: every step evaluated in ``acc``, see :func:`bind`; ``precision``: that of
     equation ``eqn``'s product; ``example_of``: the batch size, when ``vals`` hold one example
     and the chain's step ``batch_step``, a broadcast over the batch on ``example_axis``, must
-    make one copy).
+    make one copy, or, when ``example_axis`` is in ``cut_axes`` (the chain's value is copies of one
+    value along it, made otherwise), the value is sliced to its first copy).
 
     A chain step's other operands are constants (literals, the closed jaxpr's constants, or
     values computed from those alone), computed again here; the parameter's operand is the one
@@ -445,6 +447,8 @@ def replay(closed: Any, eqn: int, chain: Sequence[int], vals: Sequence[Any], pos
             ops = [jnp.zeros(shape(v), v.aval.dtype) if o is None else o for o, v in zip(ops, e.invars, strict=True)]
         ops[at] = x
         x = bind(e, ops, acc)[0]
+    if example_of is not None and example_axis in cut_axes and np.shape(x)[example_axis] == example_of:
+        x = lax.slice_in_dim(x, 0, 1, axis=example_axis)
     v = list(vals)
     v[pos] = x
     return bind(closed.jaxpr.eqns[eqn], v, acc, precision)[0]  # type: ignore[no-any-return]

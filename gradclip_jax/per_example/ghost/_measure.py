@@ -102,7 +102,7 @@ def apply_site(closed: Any, site: Site, vals: Sequence[Any], param: jax.Array, a
     ``precision`` when given); ``example_of``: the batch size, when ``vals`` hold one example (on
     the output's batch axis)."""
     return replay(closed, site.eqn, site.chain, vals, site.pos, param, acc, precision, example_of, site.out_axis,
-                  site.batch_step, site.zeroed)
+                  site.batch_step, site.zeroed, site.cut_axes)
 
 
 def steps_as_batch(x: jax.Array, axis: int, merged: int = 1) -> jax.Array:

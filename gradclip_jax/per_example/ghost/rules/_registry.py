@@ -166,6 +166,9 @@ class Site:
     # (those replayed as zeros: see ``_jaxpr.replay``).
     batch_step: int | None = None
     zeroed: tuple[tuple[int, int], ...] = ()
+    # The axes along which the chain's value is B copies of one value, when no single broadcast
+    # made them (an RNN's weight on its zero initial state): one example's replay slices one copy.
+    cut_axes: frozenset[int] = frozenset()
 
 
 class Rule:
