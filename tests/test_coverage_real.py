@@ -20,7 +20,7 @@ def test_writes_the_table_and_json(tmp_path):
     # BatchNorm statistics in training: the clear error, which the model is expected to give
     assert rows["linen-batchnorm"]["status"] == "expected error" and "GroupNorm" in rows["linen-batchnorm"]["error"]
     table = (tmp_path / "coverage.md").read_text()
-    assert "| eqx-mlp | equinox | 6 | 6 | 0 | ok |" in table
+    assert "| eqx-mlp | equinox | 6 | 6 | 0 | 0 | ok |" in table
     assert "Leaves on the fallback: 0 of 6 (0.0%)" in table  # the refused model is not counted
 
 

@@ -6,7 +6,8 @@ keras 3 on the JAX backend and keras-hub), gives each a per-example loss, and
 reports for each:
 
 * how many parameter leaves there are, how many :func:`gradclip_jax.ghost.ghost_report`
-  puts on the ghost path and how many fall back to per-example gradients, and why;
+  puts on the ghost path (and how many of those have their per-example gradients formed for
+  that leaf alone, ``formed:`` kinds) and how many fall back to per-example gradients, and why;
 * whether :func:`gradclip_jax.per_example.clipped_grad` crashes (the error's text), or
   gives the error the model is expected to give (BatchNorm statistics in training);
 * the largest difference between ``method='ghost'`` and ``method='vmap'``, relative to the
@@ -649,6 +650,9 @@ def measure(model: Model) -> dict[str, Any]:
             report = ghost_report(loss, params, data)
             row["ghost"], row["fallback"] = len(report.ghost), len(report.fallback)
             row["kinds"] = dict(report.ghost)
+            # on the ghost path with their per-example gradients formed for that leaf alone (a leaf
+            # computed with before its use; see ghost_report's 'formed:' kinds)
+            row["formed"] = sum("formed:" in kind for kind in row["kinds"].values())
             row["reasons"] = dict(report.fallback)
             stage = "clipped_grad"
             row["error_rel"] = relative_errors(loss, params, data)
@@ -679,12 +683,14 @@ def measure(model: Model) -> dict[str, Any]:
 
 def markdown(rows: Sequence[dict[str, Any]]) -> str:
     """The table (one row per model), then the fallback reasons and errors, model by model."""
-    head = ("model", "library", "leaves", "ghost", "fallback", "status", "norms rel. err", "sum rel. err", "s")
+    head = ("model", "library", "leaves", "ghost", "of which formed", "fallback", "status", "norms rel. err",
+            "sum rel. err", "s")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     totals = [0, 0]
     for r in rows:
         err = r.get("error_rel", {})
-        cells = [r["name"], r["library"], r.get("leaves", ""), r.get("ghost", ""), r.get("fallback", ""), r["status"],
+        cells = [r["name"], r["library"], r.get("leaves", ""), r.get("ghost", ""), r.get("formed", ""),
+                 r.get("fallback", ""), r["status"],
                  f"{err['norms']:.1e}" if err else "", f"{err['sum']:.1e}" if err else "", r.get("seconds", "")]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
         if "fallback" in r and r["status"] not in ("expected error", "skipped"):
