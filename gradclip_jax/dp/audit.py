@@ -412,6 +412,29 @@ def _run_batches(sampler: BatchSampler, fn: str) -> tuple[np.ndarray, np.ndarray
     return indices, masks
 
 
+def _epoch_block(fn: str, steps: int, epoch_steps: Any) -> int:
+    """The steps scored as one block: ``epoch_steps`` (checked to divide ``steps``), else all."""
+    block = steps if epoch_steps is None else check_int(fn, "epoch_steps", epoch_steps, 1)
+    if steps % block:
+        raise ValueError(f"{fn}: `epoch_steps` ({block}) must divide the sampler's steps ({steps})")
+    return block
+
+
+def _draw_runs(fn: str, first: Any, sampler_for_seed: Callable[[int], Any], seed: int,
+               runs: range) -> tuple[np.ndarray, np.ndarray]:
+    """The batch indices and masks of ``runs`` (run ``r`` by the sampler of seed ``seed + r``; run 0
+    by ``first``), stacked; every run's sampler must have ``first``'s sizes."""
+    sizes = (int(first.dataset_size), int(first.steps), int(first.max_batch_size))
+    drawn = []
+    for r in runs:
+        sampler = first if r == 0 else check_sampler(fn, sampler_for_seed(seed + r))
+        if (int(sampler.dataset_size), int(sampler.steps), int(sampler.max_batch_size)) != sizes:
+            raise ValueError(f"{fn}: every seed's sampler must have the same dataset_size, steps and "
+                             "max_batch_size")
+        drawn.append(_run_batches(sampler, fn))
+    return np.stack([d[0] for d in drawn]), np.stack([d[1] for d in drawn])
+
+
 def audit_sampling(
     sampler_for_seed: Callable[[int], BatchSampler],
     *,
@@ -508,9 +531,7 @@ def audit_sampling(
     n, steps = int(first.dataset_size), int(first.steps)
     if n < 2 or steps < 1:
         raise ValueError(f"{fn}: the sampler needs at least 2 rows and 1 step, got {n} rows and {steps} steps")
-    block = steps if epoch_steps is None else check_int(fn, "epoch_steps", epoch_steps, 1)
-    if steps % block:
-        raise ValueError(f"{fn}: `epoch_steps` ({block}) must divide the sampler's steps ({steps})")
+    block = _epoch_block(fn, steps, epoch_steps)
     if getattr(first, "process_count", 1) != 1:
         raise ValueError(f"{fn}: the sampler must give the whole batch (process_count=1)")
     priv = make_private(
@@ -538,16 +559,7 @@ def audit_sampling(
     scores: dict[bool, list[np.ndarray]] = {True: [], False: []}
     for start in range(0, runs, chunk_size):
         stop = min(start + chunk_size, runs)
-        drawn = []
-        for r in range(start, stop):
-            sampler = first if r == 0 else check_sampler(fn, sampler_for_seed(seed + r))
-            if (int(sampler.dataset_size), int(sampler.steps), int(sampler.max_batch_size)) != (
-                n, steps, int(first.max_batch_size)):
-                raise ValueError(f"{fn}: every seed's sampler must have the same dataset_size, steps and "
-                                 "max_batch_size")
-            drawn.append(_run_batches(sampler, fn))
-        indices = np.stack([d[0] for d in drawn])
-        masks = np.stack([d[1] for d in drawn])
+        indices, masks = _draw_runs(fn, first, sampler_for_seed, seed, range(start, stop))
         for side in (True, False):
             scores[side].append(np.asarray(scores_of(data[side], indices, masks, keys[side][start:stop])))
     in_scores, out_scores = np.concatenate(scores[True]), np.concatenate(scores[False])

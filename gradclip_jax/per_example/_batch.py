@@ -4,6 +4,7 @@ the one-example loss wrapper."""
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -100,7 +101,15 @@ BATCHNORM_REMEDY = (
     "and no mutable=['batch_stats']; flax nnx: model.eval() or "
     "nnx.BatchNorm(use_running_average=True); haiku: is_training=False with the state as an input)"
 )
-_BATCHNORM_SIGNS = ("batchstat", "batch_stats", "batchnorm", "batch_norm")
+_BATCHNORM_SIGNS = ("batchstat", "batch_stats", "batchnorm", "batch_norm", "batch_normalization")
+# A name-scope part "bn" or ending in "_bn" (keras-hub's ResNet names its BatchNormalization
+# layers "conv1_bn", "stack0_block0_1_bn"; torchvision-style ports "bn1").
+_BN_SCOPE = re.compile(r"(^|[/_.-])bn\d*($|[/.-])")
+
+
+def _names_batchnorm(text: str) -> bool:
+    low = text.lower()
+    return any(sign in low for sign in _BATCHNORM_SIGNS) or _BN_SCOPE.search(low) is not None
 
 
 def batchnorm_error(err: BaseException, fn: str) -> ValueError | None:
@@ -108,7 +117,7 @@ def batchnorm_error(err: BaseException, fn: str) -> ValueError | None:
     ``err`` (flax nnx ``TraceContextError`` on a ``BatchStat``, linen's immutable ``batch_stats``
     collection, haiku's ``batch_norm`` state); ``None`` when ``err`` is not about them."""
     text = f"{type(err).__name__}: {err}"
-    if not any(sign in text.lower() for sign in _BATCHNORM_SIGNS):
+    if not any(sign in text.lower() for sign in _BATCHNORM_SIGNS):  # not _BN_SCOPE: error texts name no scopes
         return None
     return ValueError(f"{fn}: loss_fn updates BatchNorm statistics ({text.splitlines()[0]}); {BATCHNORM_REMEDY}")
 
@@ -128,7 +137,7 @@ def batchnorm_in_loss(loss_fn: Callable[..., Any], params: Any, batch: Any, args
         closed = jax.make_jaxpr(lambda p, b: loss_fn(p, b, *args))(params, abstract)
     except Exception:
         return None
-    return next((n for n in _names_in(closed.jaxpr) if any(s in n.lower() for s in _BATCHNORM_SIGNS)), None)
+    return next((n for n in _names_in(closed.jaxpr) if _names_batchnorm(n)), None)
 
 
 def check_one_example(fn: str, loss_fn: Callable[..., Any], has_aux: bool, params: Any, batch: Any,

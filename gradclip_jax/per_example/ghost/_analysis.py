@@ -19,7 +19,13 @@ import numpy as np
 from gradclip_jax._core import jaxcompat as jc
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.jaxcompat import is_literal, open_jaxpr, shape, sub_jaxprs
-from gradclip_jax.per_example._batch import LOSS_CONTRACT, batch_size_of, check_loss_out, keystr
+from gradclip_jax.per_example._batch import (
+    LOSS_CONTRACT,
+    batch_size_of,
+    batchnorm_error,
+    check_loss_out,
+    keystr,
+)
 from gradclip_jax.per_example._config import ClipConfig, GhostSum, Method
 from gradclip_jax.per_example._products import product_setting, rounds_to_tf32
 from gradclip_jax.per_example.ghost._jaxpr import (
@@ -37,6 +43,7 @@ from gradclip_jax.per_example.ghost.rules import (
     ROW,
     RULES,
     Box,
+    Formed,
     Merged,
     RowCtx,
     Site,
@@ -103,13 +110,104 @@ class _Walk(NamedTuple):
 
 
 class _Alias(NamedTuple):
-    """A value that is a parameter leaf seen through a chain of one-operand operations."""
+    """A value that is a parameter leaf seen through a chain of operations on it alone (and on
+    constants)."""
 
     leaf: int
     chain: list[int]
     bcast: bool  # the chain broadcasts the leaf
     box: Box  # the block of the leaf the chain selects
     plain: bool  # the chain so far only casts or copies (the value is in the leaf's coordinates)
+    through: bool = False  # the chain computes with the leaf (see _through): its norm is not the leaf's
+    batch_axes: frozenset[int] = frozenset()  # axes the chain's last step copies the value along, B times
+    batch_step: int | None = None  # that step
+    zeroed: tuple[tuple[int, int], ...] = ()  # steps adding or joining other leaves' values (see _partial)
+
+
+def _partial(eqn: Any, aliased: list[tuple[int, _Alias]], fixed: set[Any]) -> bool:
+    """``eqn`` adds, subtracts or joins values of several parameter leaves (and constants): a
+    BatchNorm's ``-mean * inv + offset``, flax's LSTM gates' kernels joined into one. For each leaf
+    the value is a chain step, the other leaves' operands zeroed when it is replayed: the step and
+    every later one are linear in that leaf's operand (``names.LINEAR``; every rule's operation is
+    linear in the parameter operand), so the leaf's gradient does not depend on their values."""
+    if eqn.primitive.name not in names.JOINS or len(eqn.outvars) != 1:
+        return False
+    positions = {pos for pos, _ in aliased}
+    if len(positions) < 2:  # (what each leaf's chain computed before does not matter: it is its own)
+        return False
+    if not all(is_literal(v) or v in fixed or i in positions for i, v in enumerate(eqn.invars)):
+        return False
+    return bool(np.issubdtype(np.dtype(eqn.outvars[0].aval.dtype), np.floating))
+
+
+def _through(eqn: Any, aliased: list[tuple[int, _Alias]], fixed: set[Any]) -> bool:
+    """``eqn`` computes a floating value from one parameter operand and constants alone (``fixed``:
+    values computed from the closed jaxpr's constants and literals): that value is then a function
+    of the leaf alone, the same for every example, and a chain step. Its gradient is pulled back
+    through the equation, replayed with the same constants (:func:`~._jaxpr.replay`), so only rules
+    that form the leaf's per-example gradient by that pull-back measure such a use."""
+    if eqn.primitive.name not in names.THROUGH or len({pos for pos, _ in aliased}) != 1 or len(eqn.outvars) != 1:
+        return False
+    pos = aliased[0][0]
+    if not all(is_literal(v) or v in fixed for i, v in enumerate(eqn.invars) if i != pos):
+        return False
+    if any(a.zeroed for _, a in aliased) and eqn.primitive.name not in names.LINEAR:
+        return False  # (after other leaves' values were zeroed: see _partial)
+    return bool(np.issubdtype(np.dtype(eqn.outvars[0].aval.dtype), np.floating))
+
+
+def _copied_axes(eqn: Any, pos: int, mine: frozenset[int], uniform: Callable[[Any], frozenset[int] | None],
+                 bsize: int) -> frozenset[int]:
+    """The axes of length ``B`` along which ``eqn``'s output is copies of one value, given those of
+    its operand ``pos`` (``mine``) and of the others (``uniform``: ``None`` for a scalar literal).
+    A broadcast creates them (new axes, or stretched from size 1); casts, copies and transposes
+    keep or move them; an elementwise operation keeps those all its operands share; a product
+    keeps its operands' free ones."""
+    name = eqn.primitive.name
+    out = shape(eqn.outvars[0])
+    if name in names.CASTS:
+        return mine
+    if name == names.TRANSPOSE:
+        perm = tuple(jc.param(eqn, "permutation"))
+        return frozenset(j for j, i in enumerate(perm) if i in mine)
+    if name == names.SLICE:  # the axes it keeps whole
+        return frozenset(j for j in mine if shape(eqn.invars[0])[j] == out[j])
+    if name == names.BROADCAST:
+        dims, src = tuple(jc.param(eqn, "broadcast_dimensions")), shape(eqn.invars[0])
+        new = {j for j, n in enumerate(out) if n == bsize and (j not in dims or src[dims.index(j)] == 1)}
+        return frozenset(new | {dims[i] for i in mine})
+    ops = [mine if i == pos else uniform(v) for i, v in enumerate(eqn.invars)]
+    if name == names.DOT_GENERAL:
+        (lc, rc), (lb, rb) = jc.param(eqn, "dimension_numbers")
+        free = [[d for d in range(len(shape(v))) if d not in c and d not in b]
+                for v, c, b in zip(eqn.invars, (lc, rc), (lb, rb), strict=True)]
+        offsets = (len(lb), len(lb) + len(free[0]))
+        return frozenset(offsets[i] + free[i].index(d) for i in (0, 1) for d in (ops[i] or ()) if d in free[i])
+    if name in names.SAME_SHAPE and all(o is None or len(shape(v)) == len(out) for o, v in zip(ops, eqn.invars, strict=True)):
+        common = frozenset(j for j, n in enumerate(out) if n == bsize)
+        for o, v in zip(ops, eqn.invars, strict=True):  # (an operand of size 1 on an axis is broadcast along it)
+            common = common if o is None else common & (o | {j for j, n in enumerate(shape(v)) if n == 1})
+        return common
+    return frozenset()
+
+
+def _extended(a: _Alias, eqn: Any, k: int, pos: int, bsize: int, lookup: bool, through: bool,
+              uniform: Callable[[Any], frozenset[int] | None], zeroed: bool = False) -> _Alias:
+    """``a``'s chain with equation ``k`` appended, the leaf's value its operand ``pos`` (``zeroed``: a
+    step whose other leaves' operands are zeroed when it is replayed).
+
+    The axes of length ``B`` along which the value is copies of one value (:func:`_copied_axes`)
+    let a use on batched values measure it, one example's replay making one copy (see
+    :func:`~._jaxpr.replay`): at the broadcast that made them (``batch_step``) when only casts
+    and copies follow it, otherwise by slicing the chain's value."""
+    name = eqn.primitive.name
+    box = OPAQUE if lookup else _slice_box(eqn, a) if name == names.SLICE else a.box
+    axes = _copied_axes(eqn, pos, a.batch_axes, uniform, bsize)
+    step = (a.batch_step if name in names.CASTS else k if name == names.BROADCAST and not a.batch_axes and axes
+            else None)
+    return _Alias(a.leaf, [*a.chain, k], a.bcast or name == names.BROADCAST, box, a.plain and name in names.CASTS,
+                  a.through or through or zeroed, axes, step if axes else None,
+                  (*a.zeroed, (k, pos)) if zeroed else a.zeroed)
 
 
 def _slice_box(eqn: Any, a: _Alias) -> Box:
@@ -133,19 +231,38 @@ _MERGED_KINDS = frozenset({"dense", "elementwise"})
 
 def _classify_merged(use: Use, merged: Merged) -> Site | str:
     """A use on values whose batch is merged with each example's positions (``x.reshape(-1, d) @ w``):
-    classified as at a batch of ``B * per_example`` rows, kept if its rule regroups the rows by example."""
+    classified as at a batch of ``B * per_example`` rows, kept if its rule regroups the rows by example
+    (a dense use, whose views take each example's rows as more positions, on any axis; an
+    elementwise use with the rows on axis 0)."""
     name = use.eqn.primitive.name
     rows = unmerged(use.in_states, 1)
-    if rows is None:
+    if rows is None or not all(isinstance(s, Merged) and s.per_example == merged.per_example
+                               for s in use.out_states):
         return name
-    outs: list[State] = [ROW] * len(use.out_states)
+    outs: list[State] = [s.axis if isinstance(s, Merged) else s for s in use.out_states]
     site = rule_for(name).classify(dataclasses.replace(use, in_states=rows[0], out_states=outs))
-    if site is None or site.kind not in _MERGED_KINDS or site.axis != 0 or site.out_axis != 0:
+    if (site is None or site.kind not in _MERGED_KINDS
+            or (site.kind != "dense" and (site.axis != 0 or site.out_axis != 0))):
         return f"{name} on rows merged across positions"
     return dataclasses.replace(site, merged=merged.per_example)
 
 
+# Site kinds whose leaf's per-example gradient is formed by pulling the cotangent back through
+# the site's operation and the leaf's chain: measured through any chain (see _through).
+_PULLED_BACK = frozenset({"elementwise", names.CONCATENATE})  # the kinds of those rules
+
+
 def _classify(use: Use, n_aliased: int) -> Site | str:
+    site = _classify_use(use, n_aliased)
+    if isinstance(site, Site) and use.through and site.kind not in _PULLED_BACK:
+        # the rule would measure the gradient with respect to the computed value: form the leaf's
+        return dataclasses.replace(site, rule=Formed(site.rule))
+    if isinstance(site, Site) and site.kind in _PULLED_BACK and use.batch_step is None and use.batch_axes:
+        return dataclasses.replace(site, cut_axes=use.batch_axes)  # its copies over the batch: see replay
+    return site
+
+
+def _classify_use(use: Use, n_aliased: int) -> Site | str:
     name = use.eqn.primitive.name
     if n_aliased == 1 and isinstance(use.out_states[0], Merged) and not _complex_values(use.eqn):
         return _classify_merged(use, use.out_states[0])
@@ -160,7 +277,7 @@ def _classify(use: Use, n_aliased: int) -> Site | str:
 def _const_lookup(eqn: Any, aliased: list, consts: dict[Any, Any]) -> bool:
     """A row lookup of a parameter table at constant positions (a position embedding):
     a chain step, since the gradient flows back through it to the table alone."""
-    return (eqn.primitive.name == names.GATHER and len(aliased) == 1 and aliased[0][0] == 0
+    return (eqn.primitive.name == names.GATHER and {pos for pos, _ in aliased} == {0}
             and concrete_operand(eqn.invars[1], consts) is not None and is_row_lookup(eqn))
 
 
@@ -176,18 +293,29 @@ def _walk(jaxpr: Any, n_params: int, n_batch: int, bsize: int, consts: dict[Any,
     invars = jaxpr.invars
     states: dict[Any, State] = {v: ROW if n_params <= i < n_params + n_batch else CONST
                                 for i, v in enumerate(invars)}
-    alias: dict[Any, _Alias] = {invars[i]: _Alias(i, [], False, None, True) for i in range(n_params)}
+    alias: dict[Any, list[_Alias]] = {invars[i]: [_Alias(i, [], False, None, True)] for i in range(n_params)}
     return _walk_from(jaxpr, states, alias, bsize, consts or {}, jaxpr.outvars[:1])
 
 
-def _walk_from(jaxpr: Any, states: dict[Any, State], alias: dict[Any, _Alias], bsize: int,
+def _walk_from(jaxpr: Any, states: dict[Any, State], alias: dict[Any, list[_Alias]], bsize: int,
                consts: dict[Any, Any], loss_outs: Sequence[Any], scan_length: int | None = None) -> _Walk:
     """:func:`_walk` from given row states and parameter aliases of the invars. ``loss_outs``:
     the outputs whose computation must not combine examples. ``scan_length``: ``jaxpr`` is the
-    body of a scan over stacked layers of that length (its uses are measured inside the loop)."""
-    uses: dict[int, list[Site | str]] = {a.leaf: [] for a in alias.values()}
+    body of a scan over stacked layers of that length (its uses are measured inside the loop).
+    ``alias``: per value, the parameter leaves it is a chain of (several: a sum of leaves' values)."""
+    uses: dict[int, list[Site | str]] = {a.leaf: [] for al in alias.values() for a in al}
     act_elems, mixing, unreadable = 0, None, None
     crossings: list[tuple[int, str]] = []  # equations that certainly combine examples, and where
+    fixed = {v for v in jaxpr.constvars if v in consts}  # values computed from constants alone
+    copies: dict[Any, frozenset[int]] = {}  # their axes of length B holding copies (an RNN's zero state)
+
+    def uniform(v: Any) -> frozenset[int] | None:
+        """The axes of length ``B`` along which ``v`` is copies of one value (``None``: a scalar literal)."""
+        if is_literal(v):
+            return None if not shape(v) else frozenset()
+        if v in alias:
+            return frozenset.intersection(*(a.batch_axes for a in alias[v]))
+        return copies.get(v, frozenset())
 
     def state(v: Any) -> State:
         return CONST if is_literal(v) else states.get(v, CONST)
@@ -197,14 +325,24 @@ def _walk_from(jaxpr: Any, states: dict[Any, State], alias: dict[Any, _Alias], b
         if k not in live:  # dead code (a leftover product): no use, and it mixes nothing
             continue
         name = eqn.primitive.name
+        if not eqn.effects and not sub_jaxprs(eqn) and all(is_literal(v) or v in fixed for v in eqn.invars):
+            fixed.update(eqn.outvars)
+            if len(eqn.outvars) == 1 and eqn.invars and name in (*names.CASTS, names.BROADCAST, names.TRANSPOSE):
+                axes = _copied_axes(eqn, 0, uniform(eqn.invars[0]) or frozenset(), uniform, bsize)
+                if axes:
+                    copies[eqn.outvars[0]] = axes
         in_states = [state(v) for v in eqn.invars]
-        aliased = [(pos, alias[v]) for pos, v in enumerate(eqn.invars) if not is_literal(v) and v in alias]
+        aliased = [(pos, a) for pos, v in enumerate(eqn.invars) if not is_literal(v) and v in alias
+                   for a in alias[v]]
         lookup = _const_lookup(eqn, aliased, consts)
-        if ((name in names.CHAIN_OPS or name == names.SLICE) and len(eqn.invars) == 1 and aliased) or lookup:
-            a = aliased[0][1]
-            box = OPAQUE if lookup else _slice_box(eqn, a) if name == names.SLICE else a.box
-            alias[eqn.outvars[0]] = _Alias(a.leaf, [*a.chain, k], a.bcast or name == names.BROADCAST, box,
-                                           a.plain and name in names.CASTS)
+        through = not lookup and _through(eqn, aliased, fixed)
+        if ((name in names.CHAIN_OPS or name == names.SLICE) and len(eqn.invars) == 1 and aliased) or lookup or through:
+            alias[eqn.outvars[0]] = [_extended(a, eqn, k, pos, bsize, lookup, through, uniform) for pos, a in aliased]
+            states[eqn.outvars[0]] = CONST
+            continue
+        if _partial(eqn, aliased, fixed):
+            alias[eqn.outvars[0]] = [_extended(a, eqn, k, pos, bsize, False, False, uniform, zeroed=True)
+                                     for pos, a in aliased]
             states[eqn.outvars[0]] = CONST
             continue
         try:
@@ -227,16 +365,19 @@ def _walk_from(jaxpr: Any, states: dict[Any, State], alias: dict[Any, _Alias], b
             if body.crossing is not None:
                 crossings.append((k, body.crossing))
             continue
+        n_aliased = len({pos for pos, _ in aliased})
         for pos, a in aliased:
-            use = Use(eqn, k, pos, a.leaf, a.chain, a.bcast, in_states, out_states, a.box)
-            site = _classify(use, len(aliased))
+            use = Use(eqn, k, pos, a.leaf, a.chain, a.bcast, in_states, out_states, a.box, a.through,
+                      a.batch_axes, a.batch_step, a.zeroed)
+            site = _classify(use, n_aliased)
             if scan_length is not None and isinstance(site, Site):
                 site = _in_loop(site, eqn, scan_length)
             uses[a.leaf].append(site)
     where = "an output of the loss" if scan_length is None else "an output of a scan's body"
     for v in jaxpr.outvars:
         if not is_literal(v) and v in alias:
-            uses[alias[v].leaf].append(where)
+            for a in alias[v]:
+                uses[a.leaf].append(where)
     needed = _needed(jaxpr, loss_outs) if crossings else set()
     crossing = next((n for k, n in crossings if k in needed), None)
     return _Walk(uses, state(jaxpr.outvars[0]) in (ROW, CONST), act_elems, mixing, crossing, unreadable)
@@ -257,7 +398,7 @@ def _stacked_scan(eqn: Any, k: int, in_states: list[State], aliased: list[tuple[
         return None
     body = open_jaxpr(info.body)[0]
     states = dict(zip(body.invars, res[0], strict=True))
-    alias = {body.invars[pos]: _Alias(a.leaf, [], False, None, True) for pos, a in aliased}
+    alias = {body.invars[pos]: [_Alias(a.leaf, [], False, None, True)] for pos, a in aliased}
     walk = _walk_from(body, states, alias, bsize, {}, body.outvars, scan_length=info.length)
     uses = {leaf: [dataclasses.replace(u, scan=k) if isinstance(u, Site) else u for u in us]
             for leaf, us in walk.uses.items()}
@@ -326,9 +467,10 @@ def _leaf_verdict(u: list[Site | str]) -> tuple[list[Site], bool, str | None]:
                            "block per step is measured inside the loop)")
     if _disjoint([x.box for x in sites]):  # stacked layers: one block per use
         return sites, True, None
-    if all(x.axis == 0 and x.box is None for x in sites):  # tied: every use reads the whole leaf
-        return sites, False, None
-    return [], False, f"used {len(sites)} times on overlapping parts"
+    # tied: measured from factors when every use reads the whole leaf through transposes and casts
+    # (_factored), else from the sum of its uses' per-example gradients, each pulled back through
+    # its chain (slices of any parts, its batch on any axis): the gradient adds over the uses
+    return sites, False, None
 
 
 def _narrow_dtype(eqn: Any, acc: Any) -> Any | None:
@@ -664,10 +806,17 @@ def ghost_report(loss_fn: Callable[..., Any], params: Any, batch: Any, *args: An
     fn = "ghost_report"
     pflat = _norms.flatten(params, fn)
     bsize = batch_size_of(batch, fn)
-    plan = trace_and_plan(loss_fn, has_aux, fn, params, pflat, batch, args, bsize, check=False).plan
+    try:
+        plan = trace_and_plan(loss_fn, has_aux, fn, params, pflat, batch, args, bsize, check=False).plan
+    except Exception as err:  # as clipped_grad: a loss updating BatchNorm statistics gets the remedies
+        bn = batchnorm_error(err, fn)
+        if bn is not None:
+            raise bn from err
+        raise
     by_leaf: dict[int, list[str]] = {}
     for site in plan.sites:
-        by_leaf.setdefault(site.leaf, []).append(site.kind if site.scan is None else f"scan:{site.kind}")
+        kind = f"formed:{site.kind}" if isinstance(site.rule, Formed) else site.kind
+        by_leaf.setdefault(site.leaf, []).append(kind if site.scan is None else f"scan:{kind}")
     kinds = {i: (k[0] if len(k) == 1 else ("stacked:" if i in plan.blocks else "tied:") + "+".join(k))
              for i, k in by_leaf.items()}
     ghost = [(keystr(pflat.paths[i]), kinds.get(i, "unused")) for i in pflat.active if i in plan.ghost]

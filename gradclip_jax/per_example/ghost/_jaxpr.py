@@ -354,30 +354,76 @@ def site_jaxpr(closed: Any, site: Any) -> Any:
     return closed if site.scan is None else jc.scan_info(closed.jaxpr.eqns[site.scan]).body
 
 
-def _for_one_example(e: Any, bsize: int) -> Any:
-    """A chain's broadcast of the parameter over the batch (a class token copied to every example,
-    ``(1, 1, d)`` to ``(B, 1, d)``) made for one example; any other equation as it is."""
+def _for_one_example(e: Any, bsize: int, axis: int) -> Any:
+    """A chain's broadcast of the parameter over the batch on ``axis`` (a class token copied to every
+    example, ``(1, 1, d)`` to ``(B, 1, d)``; a bias broadcast to ``(B, d)``) made for one example;
+    any other equation as it is."""
     if e.primitive.name != names.BROADCAST:
         return e
     out, dims = tuple(jc.param(e, "shape")), tuple(jc.param(e, "broadcast_dimensions"))
-    if not out or out[0] != bsize or (0 in dims and shape(e.invars[0])[dims.index(0)] != 1):
+    if len(out) <= axis or out[axis] != bsize or (axis in dims and shape(e.invars[0])[dims.index(axis)] != 1):
         return e
-    return jc.with_params(e, shape=(1, *out[1:]))
+    return jc.with_params(e, shape=(*out[:axis], 1, *out[axis + 1:]))
+
+
+def fixed_value(jaxpr: Any, v: Any, consts: dict[Any, Any], memo: dict[Any, Any] | None = None) -> Any | None:
+    """The value of ``v`` computed from the jaxpr's constants (``consts``) and literals alone, by
+    binding the equations that compute it (staged, under a trace); ``None`` when it depends on an
+    input of the jaxpr."""
+    memo = {} if memo is None else memo
+    if is_literal(v):
+        return v.val
+    if v in consts:
+        return consts[v]
+    if v in memo:
+        return memo[v]
+    eqn = next((e for e in jaxpr.eqns if v in e.outvars), None)
+    if eqn is None or eqn.effects:
+        return None
+    ins = [fixed_value(jaxpr, u, consts, memo) for u in eqn.invars]
+    if any(x is None for x in ins):
+        return None
+    memo.update(zip(eqn.outvars, bind(eqn, ins), strict=True))
+    return memo[v]
 
 
 def replay(closed: Any, eqn: int, chain: Sequence[int], vals: Sequence[Any], pos: int, param: jax.Array,
-           acc: Any = None, precision: Any = None, example_of: int | None = None) -> jax.Array:
+           acc: Any = None, precision: Any = None, example_of: int | None = None, example_axis: int = 0,
+           batch_step: int | None = None, zeroed: Sequence[tuple[int, int]] = (),
+           cut_axes: frozenset[int] = frozenset()) -> jax.Array:
     """Equation ``eqn`` on ``vals``, with ``param`` passed through the equations ``chain`` as operand ``pos``
     (with ``acc``: every step evaluated in ``acc``, see :func:`bind`; ``precision``: that of
     equation ``eqn``'s product; ``example_of``: the batch size, when ``vals`` hold one example
-    and the chain's broadcasts over the batch must make one copy)."""
+    and the chain's step ``batch_step``, a broadcast over the batch on ``example_axis``, must
+    make one copy, or, when ``example_axis`` is in ``cut_axes`` (the chain's value is copies of one
+    value along it, made otherwise), the value is sliced to its first copy).
+
+    A chain step's other operands are constants (literals, the closed jaxpr's constants, or
+    values computed from those alone), computed again here; the parameter's operand is the one
+    that is not, or, for a step ``k`` listed in ``zeroed`` as ``(k, operand)``, that operand (the
+    step adds or joins other leaves' values, replayed as zeros: the rest of the chain is linear
+    in the parameter's operand, so its gradient does not depend on them)."""
     x = param
     steps = [closed.jaxpr.eqns[k] for k in chain]
     if example_of is not None:
-        steps = [_for_one_example(e, example_of) for e in steps]
+        steps = [_for_one_example(e, example_of, example_axis) if k == batch_step else e
+                 for k, e in zip(chain, steps, strict=True)]
     consts = const_values(closed) if any(len(e.invars) > 1 for e in steps) else {}
-    for e in steps:  # the parameter is operand 0 of a chain equation; the others are constants
-        x = bind(e, [x, *[concrete_operand(v, consts) for v in e.invars[1:]]], acc)[0]
+    memo: dict[Any, Any] = {}
+    at_step = dict(zeroed)
+    for k, e in zip(chain, steps, strict=True):
+        ops = [fixed_value(closed.jaxpr, v, consts, memo) if len(e.invars) > 1 else None for v in e.invars]
+        at = at_step.get(k)
+        if at is None:
+            free = [i for i, o in enumerate(ops) if o is None]
+            assert len(free) == 1, "a chain step has one operand computed from the parameter"
+            at = free[0]
+        else:
+            ops = [jnp.zeros(shape(v), v.aval.dtype) if o is None else o for o, v in zip(ops, e.invars, strict=True)]
+        ops[at] = x
+        x = bind(e, ops, acc)[0]
+    if example_of is not None and example_axis in cut_axes and np.shape(x)[example_axis] == example_of:
+        x = lax.slice_in_dim(x, 0, 1, axis=example_axis)
     v = list(vals)
     v[pos] = x
     return bind(closed.jaxpr.eqns[eqn], v, acc, precision)[0]  # type: ignore[no-any-return]

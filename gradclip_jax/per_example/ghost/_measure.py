@@ -100,8 +100,10 @@ def apply_site(closed: Any, site: Site, vals: Sequence[Any], param: jax.Array, a
                precision: Any = None, example_of: int | None = None) -> jax.Array:
     """The site's one operation on ``vals``, with ``param`` (through its chain) as the parameter operand;
     with ``acc``, evaluated in ``acc`` (16-bit operands widened, products at full precision, or at
-    ``precision`` when given)."""
-    return replay(closed, site.eqn, site.chain, vals, site.pos, param, acc, precision, example_of)
+    ``precision`` when given); ``example_of``: the batch size, when ``vals`` hold one example (on
+    the output's batch axis)."""
+    return replay(closed, site.eqn, site.chain, vals, site.pos, param, acc, precision, example_of, site.out_axis,
+                  site.batch_step, site.zeroed, site.cut_axes)
 
 
 def steps_as_batch(x: jax.Array, axis: int, merged: int = 1) -> jax.Array:
@@ -206,19 +208,23 @@ def _local_grads(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any
         steps = each_step(lambda c, s, p, v, gl: _local_grads(c, s, p, v, gl, acc), closed, site, param, invals, g)
         return jnp.moveaxis(steps, 0, 1)
 
-    bsize = invals[site.rows[0]].shape[0]
+    # The batch axes: a dense use may carry the batch elsewhere than on axis 0 (``W @ x.T``, as
+    # ``jax.vmap`` of equinox's ``Linear`` gives: the output's batch on axis 1).
+    axis, out_axis = site.axis, site.out_axis
+    bsize = invals[site.rows[0]].shape[axis]
 
     def one(row_vals: list, gb: jax.Array) -> jax.Array:
         vals = list(invals)
         for r, x in zip(site.rows, row_vals, strict=True):
-            vals[r] = jnp.expand_dims(x, 0)
+            vals[r] = jnp.expand_dims(x, axis)
         out, pull = jax.vjp(lambda w: apply_site(closed, site, vals, w, acc, example_of=bsize),
                             param.astype(widen(param.dtype, acc)))
-        return pull(jnp.expand_dims(gb, 0).astype(out.dtype))[0]  # type: ignore[no-any-return]
+        return pull(jnp.expand_dims(gb, out_axis).astype(out.dtype))[0]  # type: ignore[no-any-return]
 
     ref = invals[site.rows[0]]
-    row_vals = [match_batch_sharding(invals[r], ref) for r in site.rows]  # vmap needs one batch sharding
-    per_row = jax.vmap(one)(row_vals, match_batch_sharding(g, ref))
+    row_vals = [invals[r] if axis else match_batch_sharding(invals[r], ref) for r in site.rows]  # one batch sharding
+    g = g if axis or out_axis else match_batch_sharding(g, ref)
+    per_row = jax.vmap(one, in_axes=([axis] * len(site.rows), out_axis))(row_vals, g)
     if site.merged == 1:
         return per_row  # type: ignore[no-any-return]
     # a merged batch: an example's gradient is the sum over its rows

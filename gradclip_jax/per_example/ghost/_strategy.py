@@ -62,16 +62,27 @@ def _forward(call: Call, traced: Traced, batch: Any, backward: bool) -> Pass:
     """
     closed, plan = traced
     ref = first_leaf(call.batch)
-    outs = [site_eqn(closed.jaxpr, s).outvars[0] for s in plan.sites]
+    # One probe per probed equation: the sites of several leaves summed before one use (a
+    # BatchNorm's scale and offset) share it, its operands and its cotangent.
+    slot: dict[tuple[int | None, int], int] = {}
+    owners: list[Any] = []
+    for s in plan.sites:
+        if (s.scan, s.eqn) not in slot:
+            slot[(s.scan, s.eqn)] = len(owners)
+            owners.append(s)
+    of_site = [slot[(s.scan, s.eqn)] for s in plan.sites]
+    outs = [site_eqn(closed.jaxpr, s).outvars[0] for s in owners]
     # a site in a scan's body: its probe (and so its cotangent) stacked over the steps
     probes = [vary_like(jnp.zeros((s.length, *shape(v)) if s.scan is not None else shape(v), v.aval.dtype), ref)
-              for s, v in zip(plan.sites, outs, strict=True)]
-    at = {s.eqn: j for j, s in enumerate(plan.sites) if s.scan is None}
+              for s, v in zip(owners, outs, strict=True)]
+    at = {s.eqn: j for j, s in enumerate(owners) if s.scan is None}
     inner: dict[int, dict[int, int]] = {}
-    for j, s in enumerate(plan.sites):
+    for j, s in enumerate(owners):
         if s.scan is not None:
             inner.setdefault(s.scan, {})[s.eqn] = j
-    kept = {j: s.rows for j, s in enumerate(plan.sites)}  # the batched operands leave the loop
+    kept: dict[int, tuple[int, ...]] = {}  # the batched operands leave the loop
+    for s, j in zip(plan.sites, of_site, strict=True):
+        kept[j] = tuple(sorted({*kept.get(j, ()), *s.rows}))
 
     def probed(p: Any, pr: list) -> tuple:
         res, operands = run_probed(closed, jax.tree_util.tree_leaves((p, batch, call.args)), at, pr, inner, kept)
@@ -81,9 +92,11 @@ def _forward(call: Call, traced: Traced, batch: Any, backward: bool) -> Pass:
     operands: list[Any]
     if backward:
         losses, pull, operands = jax.vjp(probed, call.params, probes, has_aux=True)
-        return Pass(losses, pull, operands, pull(jnp.ones_like(losses))[1])
-    losses, pull, operands = jax.vjp(lambda pr: probed(call.params, pr), probes, has_aux=True)
-    return Pass(losses, pull, operands, pull(jnp.ones_like(losses))[0])
+        cts = pull(jnp.ones_like(losses))[1]
+    else:
+        losses, pull, operands = jax.vjp(lambda pr: probed(call.params, pr), probes, has_aux=True)
+        cts = pull(jnp.ones_like(losses))[0]
+    return Pass(losses, pull, [operands[i] for i in of_site], [cts[i] for i in of_site])
 
 
 def _values_and_aux(config: ClipConfig, call: Call, batch: Any, losses: jax.Array) -> tuple[jax.Array, Any]:

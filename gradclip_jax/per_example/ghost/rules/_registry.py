@@ -30,11 +30,14 @@ class Tag(enum.Enum):
 
 @dataclass(frozen=True)
 class Merged:
-    """The batch merged into axis 0 with the positions of each example: ``B * per_example``
+    """The batch merged with the positions of each example into one axis: ``B * per_example``
     rows, those of example ``b`` contiguous and computed from it alone (a ``(B, T, V)``
-    value reshaped to ``(B * T, V)``, as a flattened cross-entropy does)."""
+    value reshaped to ``(B * T, V)``, as a flattened cross-entropy does). The merge happens on
+    axis 0; an operation may then move that axis (``axis``: a mixture of experts' routing
+    weights transposed to ``(E, B * T)``), and the rows stay in order along it."""
 
     per_example: int
+    axis: int = 0
 
 
 # A value's state: an int ``k`` (it carries the batch on axis ``k``, one example
@@ -114,6 +117,10 @@ class Use:
     in_states: list[State]
     out_states: list[State]
     box: Box = None  # the block of the leaf the chain selects
+    through: bool = False  # the chain computes with the leaf and constants (``1 + scale``, ``W @ h0``)
+    batch_axes: frozenset[int] = frozenset()  # axes the chain broadcasts its value along, B copies
+    batch_step: int | None = None  # the chain's equation making those copies
+    zeroed: tuple[tuple[int, int], ...] = ()  # (chain step, the leaf's operand): the other operands' leaves zeroed
 
     def row_operands(self) -> tuple[int, ...] | None:
         """Operand positions with the batch on axis 0, if the output and every batched operand has it there."""
@@ -154,6 +161,14 @@ class Site:
     # output cotangent are stacked over the ``length`` steps on a new leading axis.
     scan: int | None = None
     length: int = 1
+    # The chain's equation that copies the value over the batch (made for one example when the
+    # site's leaf gradients are formed), and its steps that add or join other leaves' values
+    # (those replayed as zeros: see ``_jaxpr.replay``).
+    batch_step: int | None = None
+    zeroed: tuple[tuple[int, int], ...] = ()
+    # The axes along which the chain's value is B copies of one value, when no single broadcast
+    # made them (an RNN's weight on its zero initial state): one example's replay slices one copy.
+    cut_axes: frozenset[int] = frozenset()
 
 
 class Rule:
@@ -176,7 +191,8 @@ class Rule:
         return None
 
     def site(self, use: Use, rows: tuple[int, ...], axis: int = 0, out_axis: int = 0) -> Site:
-        return Site(self.kind, self, use.leaf, use.k, use.pos, use.chain, rows, axis, out_axis, use.box)
+        return Site(self.kind, self, use.leaf, use.k, use.pos, use.chain, rows, axis, out_axis, use.box,
+                    batch_step=use.batch_step, zeroed=use.zeroed)
 
     def norm(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any) -> jax.Array | RowNorms | None:
         """Per-example norm of a once-used leaf's gradient, ``(B,)``, or :class:`RowNorms` to have
@@ -204,6 +220,17 @@ class Rule:
         ``perm[i]`` is the leaf axis that is axis ``i`` of the operand.
         """
         return None
+
+
+class Formed(Rule):
+    """A use measured by forming its leaf's per-example gradients (``_measure._local_grads``: the
+    pull-back of each example's cotangent through the use and the leaf's chain), not by its own
+    rule's norm or factors: the chain computes with the leaf (``x @ (2 * w)``, a concatenation of
+    leaves), so that norm would be the one of the gradient with respect to the computed value."""
+
+    def __init__(self, inner: Rule) -> None:
+        self.inner = inner
+        self.kind = inner.kind
 
 
 RULES: dict[str, Rule] = {}
@@ -247,29 +274,32 @@ def leading_batch(out_rows: int, bsize: int) -> State:
 
 def unmerged(states: Sequence[State], bsize: int) -> tuple[list[State], int, int] | None:
     """Operand states with one merged batch shared by every batched operand seen as a batch of
-    ``B * per_example`` rows: ``(states, B * per_example, per_example)``; ``None`` when the batched
-    operands do not share one merge (another merge, or a batch not merged)."""
+    ``B * per_example`` rows (on the merged axis): ``(states, B * per_example, per_example)``;
+    ``None`` when the batched operands do not share one merge (another merge or axis, or a batch
+    not merged)."""
     merged = {s for s in states if isinstance(s, Merged)}
     if len(merged) != 1 or any(isinstance(s, int) for s in states):
         return None
     n = next(iter(merged)).per_example
-    return [ROW if isinstance(s, Merged) else s for s in states], bsize * n, n
+    return [s.axis if isinstance(s, Merged) else s for s in states], bsize * n, n
 
 
 def _merged_rule(eqn: Any, states: list[State], bsize: int) -> list[State]:
     """Propagation through values with a merged batch: a reshape keeping the batch leading
     (to ``(B, ...)`` again, or another merge); any other equation whose batched operands share one
     merge is followed by the rules for a batch of ``B * per_example`` rows: rows computed from
-    their own rows alone are computed from their own example alone."""
+    their own rows alone are computed from their own example alone, wherever the rules move
+    the rows' axis (the rows keep their order along it)."""
     rows = unmerged(states, bsize)
     if rows is None:
         return [MIXED] * len(eqn.outvars)
     as_rows, n_rows, n = rows
-    if eqn.primitive.name == "reshape" and jc.param(eqn, "dimensions", None) is None:
+    if (eqn.primitive.name == "reshape" and jc.param(eqn, "dimensions", None) is None
+            and all(s == 0 for s in as_rows if isinstance(s, int))):
         out = shape(eqn.outvars[0])
         return [leading_batch(out[0], bsize) if out else MIXED]
     inner = row_rule(eqn, as_rows, n_rows)
-    return [Merged(n) if s == ROW else s if s == CONST else MIXED for s in inner]
+    return [Merged(n, s) if isinstance(s, int) else s if s == CONST else MIXED for s in inner]
 
 
 def row_states(jaxpr: Any, in_states: Sequence[State], bsize: int) -> list[State]:

@@ -9,6 +9,7 @@ Gram products may have taken off (:mod:`~gradclip_jax.per_example.ghost._gram`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -23,6 +24,7 @@ from gradclip_jax.per_example.ghost._gram import GramTerm, gram_norm, self_gram_
 from gradclip_jax.per_example.ghost.rules._registry import (
     CONST,
     Factor,
+    Formed,
     RowCtx,
     RowNorms,
     Rule,
@@ -83,14 +85,17 @@ class DotGeneral(Rule):
                    for s, contracted in zip(c.states[:2], (lc, rc), strict=True))
 
     def classify(self, use: Use) -> Site | None:
-        """The batch may be on any free axis of the other operand."""
-        (lc, rc), (lb, _) = jc.param(use.eqn, "dimension_numbers")
+        """The batch may be on any free axis of the other operand. With batch dimensions (one
+        weight per expert, ``einsum('etm,emh->eth')``), the leaf's per-example gradients are formed
+        (:class:`Formed`): the views here have no axis for them."""
+        (lc, rc), (lb, rb) = jc.param(use.eqn, "dimension_numbers")
         other = 1 - use.pos
         k = use.in_states[other]
-        contracted = lc if other == 0 else rc
-        if not use.bcast and isinstance(k, int) and not lb and k not in contracted:
-            return self.site(use, (other,), k, int(use.out_states[0]))  # type: ignore[arg-type]
-        return None
+        contracted, batched = (lc, lb) if other == 0 else (rc, rb)
+        if use.bcast or not isinstance(k, int) or k in contracted or k in batched:
+            return None
+        site = self.site(use, (other,), k, int(use.out_states[0]))  # type: ignore[arg-type]
+        return dataclasses.replace(site, rule=Formed(self)) if lb else site
 
     def norm(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any) -> jax.Array | RowNorms | None:
         """Per-example ``||a_b^T g_b||_F``: ``a``'s free axes other than the batch are ``T``,

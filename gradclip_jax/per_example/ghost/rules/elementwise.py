@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from gradclip_jax._core.jaxcompat import shape
 from gradclip_jax.per_example.ghost.rules._registry import (
-    ROW,
     RowCtx,
     Rule,
     Site,
@@ -45,18 +44,29 @@ class Elementwise(Rule):
 
 
 class AffineElementwise(Elementwise):
-    """``add``, ``sub``, ``mul``: a parameter (scalar or broadcast over the batch) is a site."""
+    """``add``, ``sub``, ``mul``: a parameter (scalar or broadcast over the batch) is a site.
+
+    The batch may be on any axis ``k`` of the output (``jax.vmap`` of ``W @ x + b`` puts it on
+    axis 1). The parameter operand is a scalar, has size 1 on axis ``k``, or is ``B`` copies of
+    one value along axis ``k`` (its chain's broadcast: haiku's ``jnp.broadcast_to(b, out.shape)``,
+    keras' position embeddings): row ``b`` of the output then depends on row ``b`` of the other
+    operand and on that one value alone, and the pull-back of the cotangent's row ``b`` through
+    the operation on row ``b``, the broadcast making one copy, is example ``b``'s gradient.
+    """
 
     primitives = ("add", "sub", "mul")
 
     def classify(self, use: Use) -> Site | None:
-        rows = use.row_operands()
-        if rows is None or len(use.eqn.invars) != 2 or use.in_states[1 - use.pos] != ROW:
+        k = use.out_states[0]
+        if not isinstance(k, int) or len(use.eqn.invars) != 2 or use.in_states[1 - use.pos] != k:
             return None
+        if any(isinstance(s, int) and s != k for s in use.in_states):
+            return None
+        rows = tuple(i for i, s in enumerate(use.in_states) if s == k)
         q = shape(use.eqn.invars[use.pos])
         out = shape(use.eqn.outvars[0])
-        if len(q) == 0 or (len(q) == len(out) and q[0] == 1):
-            return self.site(use, rows)
+        if len(q) == 0 or (len(q) == len(out) and (q[k] == 1 or k in use.batch_axes)):
+            return self.site(use, rows, k, k)
         return None
 
 

@@ -10,6 +10,8 @@ DYNAMIC_SLICE = "dynamic_slice"
 BROADCAST = "broadcast_in_dim"
 TRANSPOSE = "transpose"
 GATHER = "gather"
+DOT_GENERAL = "dot_general"
+CONCATENATE = "concatenate"
 SCAN = "scan"
 CUSTOM_JVP = "custom_jvp_call"
 CUSTOM_VJP = "custom_vjp_call"
@@ -46,3 +48,21 @@ RETRACED = frozenset({SCAN, "iota", SPLIT, DYNAMIC_SLICE, TILE})
 """Top-level primitives that the re-trace rewrites: unrolled scans, folded index arithmetic
 (``iota``), splits and dynamic slices at known indices as static slices, tiles along size-1
 axes as broadcasts."""
+
+THROUGH = frozenset({"add", "sub", "mul", "div", "neg", DOT_GENERAL, "exp", "log", "sqrt", "rsqrt",
+                     "tanh", "logistic", "square", "integer_pow", "abs", "max", "min", "log1p", "expm1"})
+"""Operations a parameter's chain may compute with, their other operands constants: ``scale * c``,
+``1 + scale`` (Gemma's RMSNorm), ``scale * rsqrt(var + eps)`` (a BatchNorm with frozen statistics),
+``W @ h0`` (a recurrent weight on a constant initial state), ``exp(log_scale)``."""
+
+JOINS = frozenset({"add", "sub", "add_any", CONCATENATE})
+"""Operations that add, subtract or join several values (several leaves' values: a chain step
+whose other leaves' operands are zeroed when it is replayed)."""
+
+LINEAR = CHAIN_OPS | {SLICE, GATHER, "add", "sub", "neg", "mul", DOT_GENERAL, CONCATENATE}
+"""Chain steps linear in the parameter's operand (its other operands constants): after a step
+that adds or joins other leaves' values, only these may follow."""
+
+SAME_SHAPE = frozenset({"add", "sub", "mul", "div", "max", "min", "neg", "add_any", "exp", "log", "sqrt",
+                        "rsqrt", "tanh", "logistic", "square", "integer_pow", "abs", "log1p", "expm1"})
+"""Elementwise operations whose output has their operands' shape (the axes of copies they keep)."""

@@ -120,7 +120,7 @@ class Concatenate(Rule):
     def classify(self, use: Use) -> Site | None:
         rows = use.row_operands()
         out = shape(use.eqn.outvars[0])
-        if (not rows or not use.bcast or jc.param(use.eqn, "dimension") == 0
+        if (not rows or 0 not in use.batch_axes or jc.param(use.eqn, "dimension") == 0
                 or shape(use.eqn.invars[use.pos])[:1] != out[:1]):
             return None
         return self.site(use, rows)
