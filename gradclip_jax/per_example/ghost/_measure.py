@@ -125,6 +125,19 @@ def each_step(f: Callable[..., jax.Array], closed: Any, site: Site, param: jax.A
     return jax.vmap(lambda p, v, gl: f(body, step_site, p, v, gl))(param, list(invals), g)  # type: ignore[no-any-return]
 
 
+def _steps_as_one_batch(site: Site, ops: Sequence[Any], g: jax.Array) -> dict[str, Any]:
+    """A site in a scan's body as the site in the body at a batch of ``B * L`` rows: the
+    ``site``, ``ops`` and ``g`` arguments of its rule's per-example measures."""
+    one = dataclasses.replace(site, scan=None, length=1)
+    flat = [steps_as_batch(o, one.axis, one.merged) if r in one.rows else o for r, o in enumerate(ops)]
+    return {"site": one, "ops": flat, "g": steps_as_batch(g, one.out_axis, one.merged)}
+
+
+def _combine_steps(x: jax.Array, length: int) -> jax.Array:
+    """Per-example values of ``B * L`` rows (example-major) combined in L2 over the ``L`` steps."""
+    return combine_l2_stacked(jnp.transpose(jnp.reshape(x, (-1, length))))
+
+
 def site_norm(closed: Any, site: Site, ops: Sequence[Any], g: jax.Array, acc: Any) -> jax.Array | RowNorms | None:
     """The site's rule's per-example norm (see :meth:`Rule.norm`). A site in a scan's body is
     measured once on the steps' operands taken as one batch of ``B * L`` rows; the blocks of
@@ -132,14 +145,12 @@ def site_norm(closed: Any, site: Site, ops: Sequence[Any], g: jax.Array, acc: An
     eqn = site_eqn(closed.jaxpr, site)
     if site.scan is None:
         return site.rule.norm(site, eqn, ops, g, acc)
-    one = dataclasses.replace(site, scan=None, length=1)  # the site in the body, at a batch of B * L rows
-    flat = [steps_as_batch(o, one.axis, one.merged) if r in one.rows else o for r, o in enumerate(ops)]
-    n = site.rule.norm(one, eqn, flat, steps_as_batch(g, one.out_axis, one.merged), acc)
+    n = site.rule.norm(eqn=eqn, acc=acc, **_steps_as_one_batch(site, ops, g))
     if n is None:
         return None
 
     def over_steps(x: jax.Array) -> jax.Array:
-        return combine_l2_stacked(jnp.transpose(jnp.reshape(x, (-1, site.length))))
+        return _combine_steps(x, site.length)
 
     if isinstance(n, RowNorms):
         combine = n.combine
@@ -158,10 +169,8 @@ def site_spread(closed: Any, site: Site, ops: Sequence[Any], g: jax.Array, acc: 
     eqn = site_eqn(closed.jaxpr, site)
     if site.scan is None:
         return site.rule.spread(site, eqn, ops, g, acc)
-    one = dataclasses.replace(site, scan=None, length=1)
-    flat = [steps_as_batch(o, one.axis, one.merged) if r in one.rows else o for r, o in enumerate(ops)]
-    s = site.rule.spread(one, eqn, flat, steps_as_batch(g, one.out_axis, one.merged), acc)
-    return None if s is None else combine_l2_stacked(jnp.transpose(jnp.reshape(s, (-1, site.length))))
+    s = site.rule.spread(eqn=eqn, acc=acc, **_steps_as_one_batch(site, ops, g))
+    return None if s is None else _combine_steps(s, site.length)
 
 
 def sums_once(site: Site, g: jax.Array, param: jax.Array) -> bool:
