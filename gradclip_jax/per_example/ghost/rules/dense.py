@@ -62,6 +62,17 @@ def dense_views(site: Site, eqn: Any, a: jax.Array, g: jax.Array, acc: Any) -> t
     return as_measured(a3), as_measured(g3)
 
 
+def _gram_form(t: int, dsz: int, psz: int) -> bool:
+    """Whether a dense site of ``T = t`` rows per example (``t > 1``) is measured in Gram form:
+    when the two ``(T, T)`` Grams are smaller than the ``(D, P)`` per-example gradient."""
+    return 2 * t * t < psz * dsz
+
+
+def _grams(a3: jax.Array, g3: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The per-example Grams :math:`a_b a_b^\\top` and :math:`g_b g_b^\\top`, ``(B, T, T)`` each."""
+    return product_einsum("btd,bsd->bts", a3, a3), product_einsum("btp,bsp->bts", g3, g3)
+
+
 class DotGeneral(Rule):
     primitives = ("dot_general",)
     kind = "dense"
@@ -106,19 +117,30 @@ class DotGeneral(Rule):
         if t == 1:  # 2-D views (a bitcast for the usual (B, D) operand, no copy of the activations)
             return RowNorms((jnp.reshape(a3, (bsz, dsz)), jnp.reshape(g3, (bsz, psz))),
                             lambda n: (n[0] * n[1]).astype(acc))
-        if 2 * t * t < psz * dsz:
-            aa = product_einsum("btd,bsd->bts", a3, a3)
-            gg = product_einsum("btp,bsp->bts", g3, g3)
+        if _gram_form(t, dsz, psz):
+            aa, gg = _grams(a3, g3)
             r = self_gram_rows(a3, aa) * self_gram_rows(g3, gg)
             return gram_norm([GramTerm(aa, gg, product_error(dsz, acc) + product_error(psz, acc), (r, r))])
         per_example = product_einsum("btd,btp->bdp", a3, g3)  # this layer's per-example gradients only
         return RowNorms((per_example,), lambda n: n[0])
 
     def spread(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any) -> jax.Array:
-        """:math:`\\sum_t \\|a_t\\| \\|g_t\\|` per example, over the rows of the views :meth:`norm` measures."""
+        """:math:`\\sum_t \\|a_t\\| \\|g_t\\|` per example, over the rows of the views :meth:`norm` measures,
+        raised by what rounding of the row norms may have taken off.
+
+        Where :meth:`norm` takes the Gram form, the row norms are those it reads (the Grams'
+        diagonals on GPUs, :func:`~gradclip_jax.per_example.ghost._gram.self_gram_rows`): the
+        same products, which XLA computes once, so the spread reads no activation again."""
         a3, g3 = dense_views(site, eqn, ops[1 - site.pos], g, acc)
-        rows = jnp.sqrt(jnp.sum(jnp.square(a3), axis=-1)) * jnp.sqrt(jnp.sum(jnp.square(g3), axis=-1))
-        return jnp.sum(rows, axis=-1)
+        _, t, dsz = a3.shape
+        psz = g3.shape[-1]
+        if t > 1 and _gram_form(t, dsz, psz):
+            aa, gg = _grams(a3, g3)
+            rows = self_gram_rows(a3, aa) * self_gram_rows(g3, gg)
+        else:
+            rows = jnp.sqrt(jnp.sum(jnp.square(a3), axis=-1)) * jnp.sqrt(jnp.sum(jnp.square(g3), axis=-1))
+        # each squared row norm is within product_error of its value (relative), its root within half that
+        return jnp.sum(rows, axis=-1) * (1.0 + product_error(dsz, acc) + product_error(psz, acc))
 
     def factors(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any,
                 perm: list[int]) -> tuple[Factor, Factor] | None:
