@@ -9,7 +9,8 @@
 #            temporaries, compile times;
 #   profile  the kernel-category profile of the same steps (benchmarks.profile_gpu, PROFILE_S),
 #            reusing the compiled programs through JAX's persistent compilation cache;
-#   noise    the noise draw of a GPT-2-small tree, threefry against Philox (bench_noise, NOISE_S);
+#   noise    the noise draw of a GPT-2-small tree, threefry against Philox, and its parts (memory
+#            floor, bits, uniforms, Box-Muller, one draw, JAX's threefry kernel) (bench_noise, NOISE_S);
 #   tests    the test suite on the GPU backend (the README's GPU command, with workers) for
 #            the time left, or the tests named in TESTS; stopped with SIGINT at the limit, so
 #            pytest still prints its summary and the failures' tracebacks (OUT_DIR/pytest.log).

@@ -1,0 +1,49 @@
+"""The noise benchmark's parts (``benchmarks/bench_noise.py``): each part draws what it says and
+is timed against optax's per-leaf normal draw in the same rounds."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks import bench_noise as bn
+
+
+def _tree():
+    return {"a": jnp.zeros((300, 7)), "b": {"c": jnp.zeros(11)}}
+
+
+def test_every_part_but_gpu_flags_gives_a_row_with_positive_times():
+    rows = bn.part_rows(_tree(), jax.random.key(0), "tiny tree", reps=2)
+    on_gpu = jax.default_backend() == "gpu"
+    expected = [n for n, (_, _, flags) in bn.PARTS.items() if on_gpu or not flags]
+    assert len(rows) == len(expected)
+    for r, name in zip(rows, expected, strict=True):
+        assert bn.PARTS[name][0] in r["name"] and r["group"] == "noise"
+        assert r["ours_ms"] > 0 and r["baseline_ms"] > 0 and math.isfinite(r["ratio"])
+
+
+@pytest.mark.parametrize("name", ["box_muller", "one_draw"])
+def test_normal_parts_draw_standard_normals(name):
+    tree = {"a": jnp.zeros((400, 50)), "b": jnp.zeros(1001)}
+    out = jax.jit(bn.PARTS[name][1])(tree, jax.random.key(3))
+    z = np.concatenate([np.ravel(x) for x in jax.tree.leaves(out)])
+    assert z.shape == (21001,)
+    assert abs(z.mean()) < 0.03 and abs(z.std() - 1.0) < 0.03
+    assert 0.02 < np.mean(z > 2.0) < 0.026  # P(Z > 2) = 0.0228
+
+
+def test_floor_part_only_adds_one():
+    out = jax.jit(bn.PARTS["floor"][1])(_tree(), jax.random.key(0))
+    assert all(bool(jnp.all(x == 1.0)) for x in jax.tree.leaves(out))
+
+
+def test_flags_are_restored():
+    before = jax.config.jax_threefry_gpu_kernel_lowering
+    with bn._flags({"jax_threefry_gpu_kernel_lowering": not before}):
+        assert jax.config.jax_threefry_gpu_kernel_lowering is (not before)
+    assert jax.config.jax_threefry_gpu_kernel_lowering is before
