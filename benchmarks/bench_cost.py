@@ -24,13 +24,16 @@ For each step it reads, without running it:
   at ``HIGHEST`` as full float32), and its ``stablehlo.while`` and
   ``stablehlo.case``/``if`` ops. Counts are static (an op in a loop body
   counts once) and a private function's ops count once per call;
-* the program **compiled for the CPU** (traced as on the CPU, what this
-  machine would run; compiled at backend optimization level 0, which leaves
-  the optimized HLO and its cost analysis as they are and halves the compile
-  time): ``cost_analysis()`` FLOPs and bytes accessed, the number of HLO
-  instructions of ``compiled.as_text()`` (fusion bodies included) and the
-  loops and conditionals it holds (``bench_ghost_gpu.control_flow``). XLA's
-  cost analysis counts a loop body once, whatever its trip count.
+* the same trace (the GPU's choices) **compiled for the CPU** (compiled at
+  backend optimization level 0, which leaves the optimized HLO and its cost
+  analysis as they are and halves the compile time): ``cost_analysis()`` FLOPs
+  and bytes accessed, the number of HLO instructions of ``compiled.as_text()``
+  (fusion bodies included) and the loops and conditionals it holds
+  (``bench_ghost_gpu.control_flow``), less the loops of JAX's random number
+  generation, which the CPU lowering rolls and a GPU's unrolls
+  (:func:`rng_loops`). XLA's cost analysis counts a loop body once, whatever
+  its trip count, and the bytes are those of XLA's CPU fusions: a GPU fuses
+  otherwise, so they steer by their differences, not their values.
 
 Rows (``python -m benchmarks --only cost``): one per model, DP step and
 measure, ``ours_ms`` the DP step's value and ``baseline_ms`` the non-private
@@ -152,14 +155,29 @@ def lowered_summary(text: str) -> dict[str, Any]:
             "lowered_ops": {k: v for k, v in sorted(counts.items())}}
 
 
+_RNG_LOOP = re.compile(r"jit\((?:_uniform|_threefry_split|_threefry_fold_in|_random_bits|_normal_real)\)/"
+                       r"(?:[^\"/]+/)*while\"")
+
+
+def rng_loops(text: str) -> int:
+    """The ``while`` ops of an optimized HLO text that JAX's random number generation emits: on the
+    CPU threefry's rounds are a rolled loop (``jax._src.random.threefry2x32``'s CPU lowering), on
+    GPUs they are unrolled; found by the op names of their metadata."""
+    return sum(1 for line in text.splitlines() if " while(" in line and _RNG_LOOP.search(line))
+
+
 def compiled_summary(compiled: Any) -> dict[str, Any]:
-    """FLOPs, bytes accessed, HLO instructions, loops and conditionals of a compiled program."""
+    """FLOPs, bytes accessed, HLO instructions, loops (less :func:`rng_loops`) and conditionals of
+    a compiled program."""
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):  # older jax: one dict per device program
         cost = cost[0]
     text = compiled.as_text()
+    flow = bg.control_flow(compiled)
+    if "loops" in flow:
+        flow["loops"] -= rng_loops(text)
     return {"flops": float(cost.get("flops", 0.0)), "bytes": float(cost.get("bytes accessed", 0.0)),
-            "instructions": len(_HLO_INSTRUCTION.findall(text)), **bg.control_flow(compiled)}
+            "instructions": len(_HLO_INSTRUCTION.findall(text)), **flow}
 
 
 @contextlib.contextmanager
@@ -186,8 +204,7 @@ def measure_step(step: Callable, state: Any, data: Any) -> dict[str, Any]:
     with traced_as_gpu():
         traced = _jit(step).trace(state, data)
     rec = lowered_summary(traced.lower(lowering_platforms=("cuda",)).as_text())
-    lowered = _jit(step).trace(state, data).lower()
-    compiled = lowered.compile(compiler_options={"xla_backend_optimization_level": 0})
+    compiled = traced.lower().compile(compiler_options={"xla_backend_optimization_level": 0})
     rec.update(compiled_summary(compiled))
     rec["seconds"] = time.perf_counter() - t0
     return rec
@@ -220,7 +237,7 @@ def _note(rec: dict[str, Any], base: dict[str, Any], key: str, label: str) -> st
         mine = ", ".join(f"{k} {v}" for k, v in rec["lowered_ops"].items())
         theirs = ", ".join(f"{k} {v}" for k, v in base["lowered_ops"].items())
         return f"{label}; lowered for CUDA, traced as on a GPU: {mine} (non-private: {theirs})"
-    return f"{label}; compiled for the CPU (traced as on the CPU), {rec['seconds']:.1f} s to read"
+    return f"{label}; traced as on a GPU, compiled for the CPU, {rec['seconds']:.1f} s to read"
 
 
 def rows_of(res: dict[str, Any]) -> list[dict]:

@@ -105,3 +105,20 @@ def test_quick_cost_report_of_tiny_wrn_counts_convolutions_by_precision() -> Non
     note = wrn[("ghost", "products_highest")]["note"]
     assert "convolution DEFAULT" in note and "convolution HIGHEST" not in note
     assert wrn[("ghost", "products_highest")]["ours_ms"] >= 1  # the formed rows' weighted sums
+
+
+def test_compiled_loops_leave_out_the_random_number_generators_rolled_loops():
+    import jax
+    import jax.numpy as jnp
+
+    def step(x, key):
+        noise = jax.random.normal(key, x.shape)  # the CPU rolls threefry's rounds into a loop
+        return jax.lax.fori_loop(0, x.shape[0], lambda i, c: c * 0.5 + x[i], noise)
+
+    x = jnp.ones((3, 4))
+    compiled = jax.jit(step).lower(x, jax.random.key(0)).compile()
+    text = compiled.as_text()
+    if jax.default_backend() == "cpu":
+        assert bc.rng_loops(text) >= 1
+    assert text.count(" while(") - bc.rng_loops(text) == 1  # the fori_loop only
+    assert bc.compiled_summary(compiled)["loops"] == 1
