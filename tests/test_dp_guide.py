@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.slow  # runs the whole DP guide (about 2 minutes)
+# runs the whole DP guide (about 2 minutes) once, in one worker (the fixture is module-scoped)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("dp_guide")]
 
 pytest.importorskip("dp_accounting")
 
