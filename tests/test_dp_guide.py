@@ -52,15 +52,42 @@ def train_accuracy(ns: dict) -> float:
     return float(jnp.mean(jnp.argmax(x @ p["w"] + p["b"], -1) == y))
 
 
+def _jit_to_completion(jit):
+    """``jax.jit`` whose functions return only once their results are computed."""
+
+    def jit_blocking(fn, *args, **kwargs):
+        compiled = jit(fn, *args, **kwargs)
+
+        def call(*a, **k):
+            return jax.block_until_ready(compiled(*a, **k))
+
+        return call
+
+    return jit_blocking
+
+
 @pytest.fixture(scope="module")
-def run_guide():
-    """Runs the sections in order; returns ``{heading: snapshot of the namespace after it}``."""
+def run_guide(monkeypatch_module):
+    """Runs the sections in order; returns ``{heading: snapshot of the namespace after it}``.
+
+    On XLA:CPU the tests' 8 simulated devices share one thread pool: a multi-device step
+    dispatched while the previous one still runs can hold the threads the previous one's
+    all-reduce waits for (XLA aborts the process after 40 s: "Termination timeout for all
+    reduce"), so the sections' jitted steps run to completion before the loop goes on.
+    """
     ns: dict = {"__name__": "dp_guide"}
     after = {}
+    monkeypatch_module.setattr(jax, "jit", _jit_to_completion(jax.jit))
     for heading, code in guide_sections().items():
         exec(compile(code, f"{GUIDE.name}: {heading}", "exec"), ns)
         after[heading] = dict(ns)
     return after
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
 
 
 def test_every_code_block_is_in_a_checked_section():
