@@ -66,7 +66,8 @@ import optax
 
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.validation import check_int, check_mask, check_number, clip_norm_arg
-from gradclip_jax.dp.accounting import PrivacyAccountant, _dp_accounting, calibrate
+from gradclip_jax.dp.accounting import PrivacyAccountant, calibrate
+from gradclip_jax.dp.accounting._accountants import _dp_accounting
 from gradclip_jax.dp.batch_selection import BatchSampler, check_sampler
 from gradclip_jax.dp.noise import add_gaussian_noise
 from gradclip_jax.dp.sampling import PoissonSampler, _rate
