@@ -95,5 +95,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # tests/dp/test_audit.py skip themselves); find_spec does not import it.
 collect_ignore = []
 if importlib.util.find_spec("jax_privacy") is None:
-    collect_ignore += ["gradclip_jax/interop/jax_privacy.py", "gradclip_jax/interop/correlated_noise.py",
+    collect_ignore += ["gradclip_jax/interop/jax_privacy", "gradclip_jax/interop/correlated_noise.py",
                        "gradclip_jax/dp/audit.py"]

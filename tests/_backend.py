@@ -39,7 +39,7 @@ from gradclip_jax.per_example.ghost._analysis import backward_refusal
 
 T = TypeVar("T")
 
-# The start of the library's message (gradclip_jax/per_example/ghost/_analysis.py, check_sum_precision).
+# The start of the library's message (gradclip_jax/per_example/ghost/_analysis/policy.py, check_sum_precision).
 BACKWARD_REFUSAL = r"ghost_sum='backward' cannot be used here: "
 
 # What conftest.py sets PRODUCT_PRECISION to for the session off the CPU: the norms' products

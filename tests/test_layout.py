@@ -1,7 +1,7 @@
 """The package layout: no import cycle, modules import on their own, one trace of the loss
 per clipped_grad call, and one home per idea: packages meet through explicit APIs, module and
 class names are unique, the foundations (``_core``) import no feature package, primitive names
-live under the ghost rules, and few functions are long."""
+live under the ghost rules, no module is long and few functions are."""
 
 from __future__ import annotations
 
@@ -337,6 +337,29 @@ def test_few_long_functions():
     sizes = {k: v for p in ROOT.rglob("*.py") for k, v in _lines_of_code(p).items()}
     long = sorted(((n, k) for k, n in sizes.items() if n > LONG_FUNCTION), reverse=True)
     assert len(long) <= MAX_LONG_FUNCTIONS, long
+
+
+MAX_MODULE_LINES = 600
+
+
+def _long_modules(paths: dict[str, pathlib.Path], limit: int = MAX_MODULE_LINES) -> dict[str, int]:
+    """The modules of ``paths`` over ``limit`` lines, with their line counts."""
+    counts = {name: len(path.read_text().splitlines()) for name, path in sorted(paths.items())}
+    return {name: n for name, n in counts.items() if n > limit}
+
+
+def test_no_module_is_long():
+    """No module is over 600 lines: a longer one (or one holding two ideas) becomes a package whose
+    files show the design, a folder per concern and a file per idea, named for what it does."""
+    long = _long_modules({str(p.relative_to(ROOT.parent)): p for p in MODULES.values()})
+    assert long == {}, f"modules over {MAX_MODULE_LINES} lines (split each into a package of its ideas): " + (
+        ", ".join(f"{name} ({n} lines)" for name, n in long.items()))
+
+
+def test_long_module_check_finds_offenders(tmp_path):
+    (tmp_path / "short.py").write_text("x = 1\n" * MAX_MODULE_LINES)
+    (tmp_path / "long.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    assert _long_modules({p.name: p for p in tmp_path.iterdir()}) == {"long.py": MAX_MODULE_LINES + 1}
 
 
 def test_every_loaded_module_comes_from_this_tree():

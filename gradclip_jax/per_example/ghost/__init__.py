@@ -2,7 +2,8 @@
 
 The public names are also reachable as :mod:`gradclip_jax.ghost`; the method
 is told in the guide "Ghost clipping: how it works" (``docs/guides/ghost-clipping.md``). Here: ``_jaxpr`` (tracing and evaluation), ``_analysis`` (the plan:
-which leaf is measured how), ``rules`` (one file per primitive family, one
+which leaf is measured how, and what follows from it: the path, the sum, the fallback
+warning and the report), ``rules`` (one file per primitive family, one
 table), ``_measure`` and ``_sums`` (norms and clipped sums), ``_strategy`` (the
 ``clipped_grad`` implementation).
 """

@@ -1,0 +1,64 @@
+"""A run's plan as plain values, saved in its state and checked against the run that resumes it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from gradclip_jax.dp.batch_selection import BatchSampler
+
+_STATE_FORMAT = "gradclip_jax.make_private/1"
+
+
+def _check_resume(state: Any, plan: dict[str, Any]) -> None:
+    """ValueError naming ``resume_from`` and the field, when ``state`` is not a state_dict of this plan.
+
+    ``plan`` may lack ``noise_multiplier`` (checked after calibration).
+    """
+    fn = "make_private"
+    keys = ("format", "plan", "accountant", "sampler")
+    if not isinstance(state, dict) or any(k not in state for k in keys):
+        raise ValueError(
+            f"{fn}: `resume_from` must be a dict from PrivateTraining.state_dict() (keys {keys}), "
+            f"got {type(state).__name__}"
+        )
+    if state["format"] != _STATE_FORMAT:
+        raise ValueError(f"{fn}: `resume_from` has format {state['format']!r}, expected {_STATE_FORMAT!r}")
+    saved = state["plan"]
+    for name, value in plan.items():
+        if name not in saved:
+            raise ValueError(f"{fn}: `resume_from` has no plan field {name!r}")
+        old = saved[name]
+        numeric = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+        same = (not isinstance(old, (str, bool)) and isinstance(old, (int, float, np.integer, np.floating))
+                and float(old) == float(value)) if numeric else old == value
+        if not same:
+            raise ValueError(
+                f"{fn}: `resume_from` was saved by another plan: {name}={old!r} there, {value!r} in this "
+                f"call. Resume with the arguments of the interrupted run (the same arguments calibrate "
+                "the same noise multiplier and draw the same batches)"
+            )
+    taken = state["sampler"].get("steps_taken") if isinstance(state["sampler"], dict) else None
+    recorded = sum(int(p[2]) for p in state["accountant"].get("phases", ()))
+    if taken != recorded or taken > plan["steps"]:
+        raise ValueError(
+            f"{fn}: `resume_from` is inconsistent: the sampler took {taken!r} steps, the accountant "
+            f"recorded {recorded} (plan: {plan['steps']} steps)"
+        )
+
+
+def _plan(sampler: BatchSampler, steps: int, target_epsilon: float, delta: float, clip: float,
+          accountant: str) -> dict[str, Any]:
+    """The run's plan (plain values) without the noise multiplier: checked on resume."""
+    return {
+        "dataset_size": int(sampler.dataset_size), "sample_rate": _sample_rate(sampler), "steps": int(steps),
+        "target_epsilon": float(target_epsilon), "delta": float(delta), "l2_clip_norm": float(clip),
+        "accountant": str(accountant).lower(), **sampler.plan(),
+    }
+
+
+def _sample_rate(sampler: BatchSampler) -> float:
+    """The sampler's rate: a Poisson sampler's own (exact, as saved in plans), else expected size / n."""
+    q = getattr(sampler, "sample_rate", None)
+    return float(sampler.expected_batch_size) / sampler.dataset_size if q is None else float(q)

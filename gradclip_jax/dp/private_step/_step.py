@@ -1,0 +1,77 @@
+"""The pure, jit-able functions of a private run: the clipped sum of a batch, the noised and
+averaged update, and the step that chains them (with its metrics)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from gradclip_jax._core import norms as _norms
+from gradclip_jax._core.validation import check_mask
+from gradclip_jax.dp.noise import add_gaussian_noise
+from gradclip_jax.per_example import ClippedGradFn, ClippedGradInfo
+
+
+class PrivateStepMetrics(NamedTuple):
+    """What the private step reports. **Not privatized**: do not release these.
+
+    Attributes:
+      loss: mean loss over the real (unmasked) examples of the batch.
+      num_clipped: the number of real examples whose gradient was clipped.
+      grad_norm: the L2 norm of the noised, averaged gradient (a function of
+        the released gradient only: this one may be released).
+    """
+
+    loss: jax.Array
+    num_clipped: jax.Array
+    grad_norm: jax.Array
+
+
+def _batch_rows(batch: Any) -> int:
+    leaves = jax.tree_util.tree_leaves(batch)
+    if not leaves or not all(getattr(x, "ndim", 0) >= 1 for x in leaves):
+        raise ValueError("make_private step: every leaf of `batch` needs a leading batch axis")
+    return int(leaves[0].shape[0])
+
+
+class _StepFunctions(NamedTuple):
+    init: Callable[[Any], Any]
+    step: Callable[..., tuple[Any, Any, PrivateStepMetrics]]
+    clipped_sum: Callable[..., tuple[Any, ClippedGradInfo]]
+    noisy_update: Callable[..., tuple[Any, Any, jax.Array]]
+
+
+def _step_functions(grad_fn: ClippedGradFn, optimizer: optax.GradientTransformation, std: float,
+                    divisor: float) -> _StepFunctions:
+    """The pure, jit-able functions of a run: noise of standard deviation ``std``, sum over ``divisor``."""
+
+    def init(params: Any) -> Any:
+        return optimizer.init(params)
+
+    def clipped_sum(params: Any, batch: Any, mask: Any) -> tuple[Any, ClippedGradInfo]:
+        if mask is None:  # the sampler's padding mask: a step without one would count padding rows
+            raise TypeError("make_private step: `mask` is required (the mask of the sampler's batch)")
+        mask = check_mask("make_private step", mask, _batch_rows(batch))
+        return grad_fn(params, batch, mask=mask)
+
+    def noisy_update(params: Any, opt_state: Any, summed: Any, key: jax.Array) -> tuple[Any, Any, jax.Array]:
+        noised = add_gaussian_noise(summed, std, key)
+        grads = jax.tree.map(
+            lambda g, p: (g / jnp.asarray(divisor, g.dtype)).astype(jnp.asarray(p).dtype), noised, params
+        )
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, _norms.tree_norm(grads)
+
+    def step(params: Any, opt_state: Any, batch: Any, mask: Any, key: jax.Array) -> tuple[Any, Any, PrivateStepMetrics]:
+        summed, info = clipped_sum(params, batch, mask)
+        params, opt_state, gnorm = noisy_update(params, opt_state, summed, key)
+        m = jnp.asarray(mask)
+        real = jnp.maximum(jnp.sum(m), 1)
+        loss = jnp.sum(jnp.where(m, info.values, 0)) / real
+        return params, opt_state, PrivateStepMetrics(loss=loss, num_clipped=info.num_clipped, grad_norm=gnorm)
+
+    return _StepFunctions(init, step, clipped_sum, noisy_update)

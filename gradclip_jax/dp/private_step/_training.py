@@ -1,0 +1,265 @@
+"""A private run on the host: its batches, each step recorded in the accountant before it is
+released (within the planned steps), its progress, plan and state for checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from gradclip_jax.dp.accounting import PrivacyAccountant
+from gradclip_jax.dp.batch_selection import BatchSampler
+from gradclip_jax.dp.private_step._resume import _STATE_FORMAT, _plan
+from gradclip_jax.dp.private_step._step import PrivateStepMetrics
+from gradclip_jax.per_example import ClippedGradFn, ClippedGradInfo
+
+
+class PrivacyBudgetError(RuntimeError):
+    """A step was to be recorded beyond the run :func:`make_private` calibrated: it would spend
+    more than the target epsilon. Pass ``allow_beyond_plan=True`` to record it anyway."""
+
+
+class PrivacyBudgetWarning(UserWarning):
+    """A step was recorded beyond the planned run (``allow_beyond_plan=True``); says the epsilon spent."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivateTraining:
+    """A private training setup from :func:`make_private` (see the module docstring).
+
+    Attributes:
+      noise_multiplier: the calibrated :math:`z`.
+      l2_clip_norm: :math:`C`.
+      sample_rate: :math:`q`.
+      expected_batch_size: :math:`qn` (the divisor of the noised sum).
+      steps: the number of (logical) steps the run was calibrated for.
+      target_epsilon, delta: the privacy target.
+      planned_epsilon: the :math:`\\varepsilon` at ``delta`` of ``steps`` steps
+        at ``noise_multiplier`` (at most ``target_epsilon``).
+      sampler: the :class:`gradclip_jax.dp.BatchSampler` (by default a
+        :class:`gradclip_jax.dp.PoissonSampler`).
+      accountant: the :class:`gradclip_jax.privacy.PrivacyAccountant`
+        (:meth:`batches` records into it).
+      optimizer: the optax optimizer applied to the privatized gradient.
+      grad_fn: the :func:`gradclip_jax.clipped_grad` function.
+      init: ``init(params) -> opt_state``.
+      step: ``step(params, opt_state, batch, mask, key) -> (params, opt_state,
+        metrics)``, with ``metrics`` a :class:`PrivateStepMetrics`.
+      clipped_sum: ``clipped_sum(params, batch, mask) -> (sum, info)``: the
+        clipped sum of a (piece of a) batch, for host-side accumulation.
+      noisy_update: ``noisy_update(params, opt_state, summed, key) ->
+        (params, opt_state, grad_norm)``: noise once, divide by the expected
+        batch size, apply the optimizer.
+      allow_beyond_plan: record steps beyond ``steps`` with a
+        :class:`PrivacyBudgetWarning` instead of a :class:`PrivacyBudgetError`.
+    """
+
+    noise_multiplier: float
+    l2_clip_norm: float
+    sample_rate: float
+    expected_batch_size: float
+    steps: int
+    target_epsilon: float
+    delta: float
+    planned_epsilon: float
+    sampler: BatchSampler
+    accountant: PrivacyAccountant
+    optimizer: optax.GradientTransformation
+    grad_fn: ClippedGradFn
+    init: Callable[[Any], Any]
+    step: Callable[..., tuple[Any, Any, PrivateStepMetrics]]
+    clipped_sum: Callable[..., tuple[Any, ClippedGradInfo]]
+    noisy_update: Callable[..., tuple[Any, Any, jax.Array]]
+    allow_beyond_plan: bool = False
+
+    def record_step(self) -> None:
+        """Records one step in the accountant (:meth:`batches` calls it for you).
+
+        Raises:
+          PrivacyBudgetError: when the planned ``steps`` are all recorded already (the run
+            was calibrated for that many), unless ``allow_beyond_plan``: then the step is
+            recorded with a :class:`PrivacyBudgetWarning` stating the epsilon spent.
+        """
+        done = self.accountant.steps
+        if done >= self.steps and not self.allow_beyond_plan:
+            raise PrivacyBudgetError(
+                f"make_private: step {done + 1} would go beyond the planned {self.steps} steps, calibrated "
+                f"for epsilon={self.target_epsilon:g} at delta={self.delta:g}: recording it would spend more. "
+                "Build a new run for more steps, or pass allow_beyond_plan=True to make_private to "
+                "record it anyway (then a warning reports the epsilon spent)"
+            )
+        self.accountant.step(self.noise_multiplier, **self.sampler.accounting())
+        if done >= self.steps:
+            warnings.warn(
+                f"make_private: {done + 1} steps recorded, beyond the planned {self.steps}: epsilon spent "
+                f"{self.epsilon():.4g} at delta={self.delta:g} (target {self.target_epsilon:g})",
+                PrivacyBudgetWarning, stacklevel=2,
+            )
+
+    def batches(self, data: Any = None, *, progress: bool = False) -> Iterator[Any]:
+        """The run's batches; records each step in the accountant as it is drawn.
+
+        A step is recorded **before** its batch is yielded, so the accountant
+        never reports less than what was released (a batch drawn but not used
+        is counted: conservative). The batches start after the steps the
+        accountant holds already and end with the planned ``steps``: iterating
+        again goes on where the last iteration stopped, and a spent plan yields
+        nothing.
+
+        Args:
+          data: ``None``, or a pytree of host arrays with the examples on axis 0
+            (indexed by the sampler's global indices): every leaf has
+            ``dataset_size`` rows.
+          progress: show a ``tqdm`` progress bar of the planned steps with the
+            epsilon spent so far (refreshed at most once a second, when that
+            costs at most a tenth of the time between refreshes, and when the
+            iteration ends).
+
+        Yields:
+          With ``data``: ``(batch, mask)``, numpy pytrees of this process's
+          piece (the sampler's ``gather(data, batch)`` where it has one: a
+          :class:`gradclip_jax.dp.UserPoissonSampler` gives a
+          :class:`gradclip_jax.dp.UserBatch` and the mask of its users). Without: the sampler's :class:`gradclip_jax.dp.SampledBatch`\\ es.
+
+        Raises:
+          ValueError: naming ``dataset_size`` and the leaf, when a leaf of ``data``
+            has another number of rows (rows past ``dataset_size`` would never be
+            sampled; fewer rows would fail at an index).
+          ImportError: with ``progress=True`` when ``tqdm`` is not installed.
+        """
+        if data is not None:
+            _check_rows(data, self.sampler.dataset_size)
+        bar = _EpsilonBar(self) if progress else None
+        try:
+            for t in range(self.accountant.steps, self.steps):
+                self.record_step()
+                b = self.sampler.batch(t)
+                if data is None:
+                    yield b
+                else:
+                    yield _gather(self.sampler, data, b)
+                if bar is not None:
+                    bar.update()
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def plan(self) -> dict[str, Any]:
+        """The run's plan: what :func:`make_private` was given and calibrated (plain Python values).
+
+        ``dataset_size``, ``sample_rate``, ``steps``, ``target_epsilon``,
+        ``delta``, ``l2_clip_norm``, ``accountant``, the sampler's ``plan()``
+        (a :class:`gradclip_jax.dp.PoissonSampler`'s: ``max_batch_size``,
+        ``on_overflow``, ``seed``) and the calibrated ``noise_multiplier``.
+        """
+        plan = _plan(self.sampler, self.steps, self.target_epsilon, self.delta, self.l2_clip_norm,
+                     self.accountant.accountant)
+        return {**plan, "noise_multiplier": float(self.noise_multiplier)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything besides ``params`` and ``opt_state`` needed to continue the run.
+
+        A dict of plain Python ints, floats, strings, lists and ``None``:
+
+        * ``'plan'``: :meth:`plan` (checked on resume: the same arguments give
+          the same calibrated noise multiplier);
+        * ``'accountant'``: the accountant's record
+          (:meth:`gradclip_jax.privacy.PrivacyAccountant.state_dict`: its phases);
+        * ``'sampler'``: ``{'seed': ..., 'steps_taken': ...}`` (step ``t``'s
+          batch is a function of ``(seed, t)``, so this is all of the sampler's
+          state).
+
+        It round-trips exactly through ``pickle`` and through JSON: save it with
+        ``orbax.checkpoint.args.JsonSave`` next to ``StandardSave(params,
+        opt_state)`` in a ``Composite`` (Python floats are written with all
+        their digits, so every float comes back bit for bit). Continue with
+        ``make_private(..., resume_from=state)``.
+
+        Example:
+          >>> import jax.numpy as jnp, optax, pickle
+          >>> from gradclip_jax.dp import make_private
+          >>> def loss_fn(w, batch):
+          ...     return (batch @ w) ** 2
+          >>> kw = dict(dataset_size=100, expected_batch_size=10, steps=4, target_epsilon=8.0,
+          ...           delta=1e-3, l2_clip_norm=1.0, process_index=0, process_count=1)
+          >>> priv = make_private(loss_fn, optax.sgd(0.1), **kw)
+          >>> for batch in priv.batches():
+          ...     if priv.accountant.steps == 2:
+          ...         break
+          >>> state = pickle.loads(pickle.dumps(priv.state_dict()))
+          >>> resumed = make_private(loss_fn, optax.sgd(0.1), **kw, resume_from=state)
+          >>> [b.step for b in resumed.batches()], resumed.epsilon() == priv.planned_epsilon
+          ([2, 3], True)
+        """
+        return {
+            "format": _STATE_FORMAT,
+            "plan": self.plan(),
+            "accountant": self.accountant.state_dict(),
+            "sampler": {"seed": self.sampler.plan().get("seed"), "steps_taken": int(self.accountant.steps)},
+        }
+
+    def epsilon(self, delta: float | None = None) -> float:
+        """The :math:`\\varepsilon` spent so far (recorded steps) at ``delta`` (default: the target's)."""
+        return self.accountant.epsilon(self.delta if delta is None else delta)
+
+
+def _gather(sampler: BatchSampler, data: Any, b: Any) -> tuple[Any, Any]:
+    """The sampler's layout of a step (``gather``), else ``data[indices]`` (a protocol sampler without one)."""
+    gather = getattr(sampler, "gather", None)
+    if gather is not None:
+        return gather(data, b)  # type: ignore[no-any-return]
+    return jax.tree.map(lambda x: np.asarray(x)[b.indices], data), b.mask
+
+
+class _EpsilonBar:
+    """A tqdm bar over the planned steps of a run, with the epsilon spent as its postfix."""
+
+    def __init__(self, priv: PrivateTraining):
+        try:
+            from tqdm.auto import tqdm
+        except ImportError as err:
+            raise ImportError(
+                "PrivateTraining.batches: `progress=True` needs tqdm: pip install tqdm "
+                '(or pip install "gradclip_jax[demo]"); or leave progress=False'
+            ) from err
+        self.priv = priv
+        self.bar = tqdm(total=priv.steps, initial=priv.accountant.steps, desc="private steps")
+        self.cost, self.last = 0.0, time.perf_counter()
+        self._show()
+
+    def _show(self) -> None:
+        t0 = time.perf_counter()
+        eps = self.priv.epsilon()
+        self.last = time.perf_counter()
+        self.cost = self.last - t0
+        self.bar.set_postfix_str(f"epsilon {eps:.3g} of {self.priv.target_epsilon:g}")
+
+    def update(self) -> None:
+        self.bar.update(1)
+        # the accountant's epsilon can take a fraction of a second: refreshed at most once a
+        # second and at most ~10% of the run's time; the last one when the bar closes
+        if time.perf_counter() - self.last >= max(1.0, 10 * self.cost):
+            self._show()
+
+    def close(self) -> None:
+        self._show()
+        self.bar.close()
+
+
+def _check_rows(data: Any, n: int) -> None:
+    """ValueError naming ``dataset_size`` and the leaf when a leaf of ``data`` has other than ``n`` rows."""
+    for path, x in jax.tree_util.tree_leaves_with_path(data):
+        rows = int(np.shape(x)[0]) if np.ndim(x) >= 1 else None
+        if rows != n:
+            raise ValueError(
+                f"make_private: `dataset_size`={n}, but leaf {jax.tree_util.keystr(path) or '(root)'} of "
+                f"`data` has {'no batch axis' if rows is None else f'{rows} rows'}: every leaf needs "
+                f"dataset_size rows on axis 0 (the sampler draws from indices 0..{n - 1}, and the "
+                "accounting assumes exactly those examples)"
+            )

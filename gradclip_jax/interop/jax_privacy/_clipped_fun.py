@@ -1,0 +1,168 @@
+""":func:`clipped_fun`: each example's output of a function clipped by :func:`clip_pytree`, and
+the clipped outputs summed (jax-privacy's return layout)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import optax
+from jax_privacy.clipping import BoundedSensitivityCallable
+
+from gradclip_jax._core.validation import is_int, static_value
+from gradclip_jax.interop.jax_privacy._arguments import (
+    _argnums,
+    _batch_size,
+    _check_callable,
+    _check_called,
+    _example_keys,
+    _expand,
+    _norm_bound,
+    _padding,
+    _prng_argnum,
+    _squeeze_axis_1,
+)
+from gradclip_jax.interop.jax_privacy._clip_pytree import clip_pytree
+
+
+def _one_group(fun: Callable[..., Any], has_aux: bool, batch_argnums: tuple[int, ...], keep_batch_dim: bool,
+               clip: Callable[..., tuple]) -> Callable[..., tuple]:
+    """``fun`` on one example (or group): its output clipped, its aux and output norm."""
+
+    def one(*args: Any, is_padding_example: Any, **kwargs: Any) -> tuple:
+        if keep_batch_dim:
+            args = tuple(_expand(a) if i in batch_argnums else a for i, a in enumerate(args))
+        out = fun(*args, **kwargs)
+        value, aux = out if has_aux else (out, ())
+        clipped, norm = clip(value, return_zero=is_padding_example)
+        return clipped, aux, norm
+
+    return one
+
+
+def clipped_fun(
+    fun: Callable[..., Any],
+    has_aux: bool = False,
+    *,
+    batch_argnums: int | Sequence[int] = 0,
+    keep_batch_dim: bool = True,
+    l2_clip_norm: float = 1.0,
+    rescale_to_unit_norm: bool = False,
+    normalize_by: float = 1.0,
+    return_norms: bool = False,
+    microbatch_size: int | None = None,
+    nan_safe: bool = True,
+    dtype: Any = None,
+    prng_argnum: int | None = None,
+    spmd_axis_name: str | None = None,
+) -> BoundedSensitivityCallable:
+    """Clips ``fun``'s output per example and sums it: ``jax_privacy.clipping.clipped_fun``.
+
+    Each example (slice of axis 0 of the ``batch_argnums`` arguments) goes through
+    ``fun`` alone, its output is clipped by :func:`clip_pytree` and the clipped
+    outputs are summed, so the sum's L2 sensitivity is ``l2_clip_norm`` (1 with
+    ``rescale_to_unit_norm``), divided by ``normalize_by``, for add/remove
+    neighbours, twice that for replace-one. The returned function takes ``fun``'s
+    arguments and an optional ``is_padding_example=`` ``(B,)`` bool array (padding
+    examples contribute zero); other keyword arguments are split over the batch.
+
+    Args:
+      fun: the function of one example (or of a batch of one with
+        ``keep_batch_dim``).
+      has_aux: ``fun`` returns ``(value, aux)``; only ``value`` is clipped, ``aux``
+        is returned per example.
+      batch_argnums: the argument(s) carrying the batch on axis 0.
+      keep_batch_dim: pass each example with a leading axis of size 1 (True) or
+        without it (False: ``fun`` of one example or, for a batch of groups, of one group).
+      l2_clip_norm: the clip norm.
+      rescale_to_unit_norm: divide each clipped output by ``l2_clip_norm``.
+      normalize_by: divide the sum by this (> 0).
+      return_norms: also return the per-example norms before clipping.
+      microbatch_size: examples per sequential chunk (must divide the batch size).
+      nan_safe: see :func:`clip_pytree`.
+      dtype: cast ``fun``'s output to this dtype before clipping and summing.
+      prng_argnum: the position of a PRNG key (or pytree of keys) split into one
+        key per example.
+      spmd_axis_name: passed to ``jax.vmap``.
+
+    Returns:
+      A :class:`~jax_privacy.clipping.BoundedSensitivityCallable` returning
+      ``value``; ``(value, aux)`` with ``has_aux``; ``(value, (aux, norms))`` with
+      both; with ``return_norms`` alone ``(value, ((), norms))``, as jax-privacy
+      2.0.0 returns it (its docstring says ``(value, norms)``).
+
+    Raises:
+      TypeError: a non-callable ``fun``, non-int argument positions.
+      ValueError: naming the argument, for an empty or negative ``batch_argnums``,
+        a negative or NaN ``l2_clip_norm``, ``normalize_by <= 0``, a bad
+        ``microbatch_size``; at call time, batch arguments of different sizes or a
+        bad ``is_padding_example``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from gradclip_jax.interop.jax_privacy import clipped_fun
+      >>> clipped_sum = clipped_fun(jnp.mean, l2_clip_norm=1.0)
+      >>> clipped_sum(jnp.array([0.0, 1.0, 2.0, 3.0, 4.0, 5.0]))  # 0 + 1 + 1 + 1 + 1 + 1
+      Array(5., dtype=float32)
+      >>> clipped_sum.sensitivity()
+      1.0
+    """
+    fn = "clipped_fun"
+    _check_callable(fn, "fun", fun)
+    batch = _argnums(fn, "batch_argnums", batch_argnums)
+    prng = _prng_argnum(fn, prng_argnum, {"batch_argnums": batch})
+    bound = _norm_bound(fn, l2_clip_norm, bool(rescale_to_unit_norm), normalize_by)
+    mb = _microbatch(fn, microbatch_size)
+    clip = functools.partial(clip_pytree, clip_norm=l2_clip_norm, rescale_to_unit_norm=rescale_to_unit_norm,
+                             nan_safe=nan_safe)
+
+    def cast_then_clip(value: Any, return_zero: Any) -> tuple:
+        return clip(optax.tree.cast(value, dtype), return_zero=return_zero)
+
+    one = _one_group(fun, has_aux, batch, keep_batch_dim, cast_then_clip)
+
+    def clipped_fn(*args: Any, is_padding_example: Any = None, **kwargs: Any) -> Any:
+        _check_called(fn, args, batch_argnums=batch, prng_argnum=prng)
+        bsize = _batch_size(fn, batch, args)
+        if mb is not None and bsize % mb:
+            raise ValueError(f"{fn}: microbatch_size={mb} must divide the batch size {bsize}")
+        split, axes = _split_keys(fn, args, batch, prng, bsize)
+        acc = optax.microbatching.AccumulationType
+        mapped = optax.microbatching.micro_vmap(
+            one, in_axes=axes, microbatch_size=mb, accumulator=(acc.SUM, acc.CONCAT, acc.CONCAT),
+            vmap_fn=functools.partial(jax.vmap, spmd_axis_name=spmd_axis_name))
+        value, aux, norms = mapped(*split, is_padding_example=_padding(fn, is_padding_example, bsize), **kwargs)
+        if keep_batch_dim:
+            aux = jax.tree.map(_squeeze_axis_1, aux)
+        value = jax.tree.map(lambda x: x / normalize_by, value)
+        return _fun_outputs(value, aux, norms, has_aux, return_norms)
+
+    return BoundedSensitivityCallable(clipped_fn, bound, has_aux or return_norms)
+
+
+def _microbatch(fn: str, mb: Any) -> int | None:
+    mb = static_value(fn, "microbatch_size", mb)
+    if mb is not None and (not is_int(mb) or mb < 1):
+        raise ValueError(f"{fn}: microbatch_size must be None or a positive int, got {mb!r}")
+    return None if mb is None else int(mb)
+
+
+def _split_keys(fn: str, args: Sequence[Any], batch: tuple[int, ...], prng: int | None,
+                bsize: int) -> tuple[list[Any], list[int | None]]:
+    """The arguments with the key argument split per example, and the vmap axes (batch and keys: 0)."""
+    out = list(args)
+    axes: list[int | None] = [0 if i in batch else None for i in range(len(out))]
+    if prng is not None:
+        out[prng] = _example_keys(fn, out[prng], bsize, prng)
+        axes[prng] = 0
+    return out, axes
+
+
+def _fun_outputs(value: Any, aux: Any, norms: Any, has_aux: bool, return_norms: bool) -> Any:
+    """jax-privacy 2.0.0's outputs: with ``return_norms`` and no aux, ``(value, ((), norms))``, as it
+    returns them (its docstring says ``(value, norms)``), so code written against it keeps working."""
+    if return_norms:
+        return value, (aux if has_aux else (), norms)
+    return (value, aux) if has_aux else value

@@ -1,0 +1,44 @@
+"""Which parameter leaves ghost clipping measures how: the loss is traced once per
+call and its jaxpr analysed once; the resulting :class:`Plan` is passed down.
+
+Here: ``walk`` (the walk over the jaxpr: row states, and each leaf's uses through its chain),
+``plan`` (the trace, the analysis and its :class:`Plan`), ``policy`` (ghost or vmap, book-keeping
+or a second backward pass), ``fallback`` (the warning naming the leaves that fall back) and
+``report`` (:func:`ghost_report`).
+"""
+
+from gradclip_jax.per_example.ghost._analysis.fallback import GhostFallbackWarning, warn_fallback
+from gradclip_jax.per_example.ghost._analysis.plan import (
+    Plan,
+    Traced,
+    check_per_example,
+    loss_crossing,
+    trace_and_plan,
+)
+from gradclip_jax.per_example.ghost._analysis.policy import (
+    AUTO_MIN_ELEMENTS,
+    BOOKKEEPING_MAX_SHARE,
+    backward_refusal,
+    check_sum_precision,
+    sum_mode,
+    use_ghost,
+)
+from gradclip_jax.per_example.ghost._analysis.report import GhostReport, ghost_report
+
+__all__ = [
+    "AUTO_MIN_ELEMENTS",
+    "BOOKKEEPING_MAX_SHARE",
+    "GhostFallbackWarning",
+    "GhostReport",
+    "Plan",
+    "Traced",
+    "backward_refusal",
+    "check_per_example",
+    "check_sum_precision",
+    "ghost_report",
+    "loss_crossing",
+    "sum_mode",
+    "trace_and_plan",
+    "use_ghost",
+    "warn_fallback",
+]

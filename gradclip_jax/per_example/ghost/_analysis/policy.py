@@ -1,0 +1,128 @@
+"""How a plan runs: the ghost or the vmap path (``method='auto'``), and the clipped sum by
+book-keeping or by a second backward pass (``ghost_sum``), which is refused where it would round
+below float32."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+
+from gradclip_jax._core import norms as _norms
+from gradclip_jax.per_example._batch import keystr
+from gradclip_jax.per_example._config import ClipConfig, GhostSum, Method
+from gradclip_jax.per_example._products import product_setting, rounds_to_tf32
+from gradclip_jax.per_example.ghost._analysis.plan import Plan, Traced
+
+AUTO_MIN_ELEMENTS = 2**20
+"""``method='auto'`` uses ghost clipping when the per-example gradients of the
+ghost-measurable leaves would hold at least this many elements (``B`` times their
+size) and those leaves hold at least half of the parameters; below that, the
+single backward pass of the vmap path is as cheap and exact to the last bit."""
+
+BOOKKEEPING_MAX_SHARE = 0.5
+"""``ghost_sum='auto'`` uses book-keeping when the output cotangents it holds
+(the elements of every recognised operation's output) are at most this share
+of the loss's batched intermediates (a proxy for the activations a backward
+pass keeps): then holding them costs little beside the activations, and it
+saves the second backward pass. Above it (plain MLPs, where the layer outputs
+are most of the activations) the second backward pass keeps the peak memory
+near a non-private step's."""
+
+
+def narrow_values(plan: Plan, pflat: _norms.FlatTree) -> str | None:
+    """What makes a backward pass round below the accumulation dtype (16-bit parameters or
+    activations), in words; ``None`` when nothing does."""
+    if plan.narrow_leaf is not None:
+        i = plan.narrow_leaf
+        return f"parameter leaf {keystr(pflat.paths[i])} is {np.dtype(pflat.leaves[i].dtype).name}"
+    if plan.narrow_op is not None:
+        return f"the loss computes {plan.narrow_op[1]} values from the parameters, first at {plan.narrow_op[0]!r}"
+    return None
+
+
+def reduced_matmul_precision() -> str | None:
+    """Why float32 products are not computed in full precision by default here (``None``: they are).
+
+    At ``Precision.DEFAULT`` NVIDIA GPUs from Ampere on multiply float32 in TF32
+    (10-bit mantissas) and TPUs in bfloat16 passes, unless
+    ``jax_default_matmul_precision`` asks for float32.
+    """
+    if str(getattr(jax.config, "jax_default_matmul_precision", None)).lower() in ("highest", "float32", "precision.highest"):
+        return None
+    backend = jax.default_backend()
+    if backend == "cpu":
+        return None
+    return (f"on the {backend} backend float32 products default to reduced precision (TF32 or "
+            "bfloat16 passes; jax_default_matmul_precision is not 'float32')")
+
+
+def tf32_products() -> str | None:
+    """Why a second backward pass cannot add what the norms measured at ``PRODUCT_PRECISION``
+    ``"tf32"`` (``None`` at any other setting): they measure the per-example gradients of the
+    TF32-rounded activations and cotangents, which only book-keeping adds."""
+    if not rounds_to_tf32(np.float32):
+        return None
+    return (f"gradclip_jax.per_example.PRODUCT_PRECISION is {product_setting()!r} for this backend (the norms measure "
+            "the per-example gradients of TF32-rounded activations and cotangents)")
+
+
+def backward_refusal() -> str | None:
+    """Why this backend refuses ``ghost_sum='backward'`` for float32 models, now (``None``: it
+    runs it): the products of the norms at ``PRODUCT_PRECISION`` ``"tf32"`` (:func:`tf32_products`),
+    or the model's float32 products at reduced precision (:func:`reduced_matmul_precision`).
+    16-bit parameters or activations are refused everywhere (:func:`check_sum_precision`)."""
+    return tf32_products() or reduced_matmul_precision()
+
+
+def check_sum_precision(config: ClipConfig, plan: Plan, pflat: _norms.FlatTree) -> None:
+    """ValueError for ``ghost_sum='backward'`` where its second pass would round below float32.
+
+    With 16-bit parameters or activations that pass carries every reweighted
+    cotangent :math:`c_b g_b` in 16 bits (each rounding up to ``2**-9`` relative in
+    bfloat16); on a backend whose float32 products default to TF32 or bfloat16
+    passes, it multiplies at that precision (up to ``2**-11`` relative). Either
+    way an example's clipped contribution could exceed :math:`C` by far more than
+    the stored-bound margin. Book-keeping forms the sum in float32 at full
+    precision, from the values whose norms were measured.
+    """
+    if config.per_layer or config.ghost_sum is not GhostSum.BACKWARD:
+        return
+    narrow, tf32 = narrow_values(plan, pflat), tf32_products()
+    why = narrow or backward_refusal()
+    if why is not None:
+        fix = ("" if narrow else ", or set PRODUCT_PRECISION[jax.default_backend()] = 'highest'" if tf32
+               else ", or set jax.config.update('jax_default_matmul_precision', 'float32')")
+        raise ValueError(
+            f"{config.fn}: ghost_sum='backward' cannot be used here: {why}, and a second backward "
+            "pass would round each example's clipped contribution at that precision (its norm could "
+            "exceed the clip norm). Use ghost_sum='bookkeeping' or 'auto' (book-keeping forms the sum "
+            f"in float32 at full precision from the stored activations and cotangents), method='vmap'{fix}."
+        )
+
+
+def sum_mode(config: ClipConfig, traced: Traced) -> GhostSum:
+    """``BACKWARD`` or ``BOOKKEEPING``: how the clipped sum is formed (per-layer clipping, 16-bit
+    parameters or activations, or a backend whose default float32 products are not full precision:
+    book-keeping, see :func:`check_sum_precision`)."""
+    closed, plan = traced
+    if config.per_layer or plan.narrow_leaf is not None or plan.narrow_op is not None:
+        return GhostSum.BOOKKEEPING
+    if config.ghost_sum is GhostSum.AUTO and backward_refusal() is not None:
+        return GhostSum.BOOKKEEPING
+    if config.ghost_sum is not GhostSum.AUTO:
+        return config.ghost_sum
+    share = plan.ct_elems(closed.jaxpr) <= BOOKKEEPING_MAX_SHARE * plan.act_elems
+    return GhostSum.BOOKKEEPING if share else GhostSum.BACKWARD
+
+
+def use_ghost(plan: Plan, pflat: _norms.FlatTree, bsize: int, method: Method) -> bool:
+    """Whether to take the ghost path (else the vmap path computes everything)."""
+    if not plan.row_wise or not plan.ghost:
+        return False
+    if method is Method.GHOST:
+        return True
+    sizes = {i: math.prod(np.shape(pflat.leaves[i])) for i in pflat.active}
+    ghost_size = sum(sizes[i] for i in plan.ghost)
+    return bsize * ghost_size >= AUTO_MIN_ELEMENTS and 2 * ghost_size >= sum(sizes.values())
