@@ -6,7 +6,8 @@
 #   bench    the DP training steps of the ghost-gpu suite (GPT-2 small B=8 for GPT2_S seconds,
 #            WRN-16-4 B=256 for WRN_S; steps GPT2_STEPS / WRN_STEPS, else GHOST_GPU_STEPS, default
 #            ghost,vmap,jax_privacy besides the non-private one, in that order): ratios,
-#            temporaries, compile times;
+#            temporaries, compile times; then, for EXTRA_S seconds (default 0: none), the configs
+#            of EXTRA_MODELS (default gpt2-b32,gpt2-bf16-b8) with EXTRA_STEPS (default ghost,vmap);
 #   profile  the kernel-category profile of the same steps (benchmarks.profile_gpu, PROFILE_S),
 #            reusing the compiled programs through JAX's persistent compilation cache;
 #   noise    the noise draw of a GPT-2-small tree, threefry against Philox, and its parts (memory
@@ -39,7 +40,11 @@ LOG="$OUT/bench.log"
 } > "$LOG" 2>&1
 if want bench; then
     DEFAULT_STEPS=${GHOST_GPU_STEPS:-ghost,vmap,jax_privacy}
-    for spec in gpt2-b8:${GPT2_S:-160}:${GPT2_STEPS:-$DEFAULT_STEPS} wrn-b256:${WRN_S:-90}:${WRN_STEPS:-$DEFAULT_STEPS}; do
+    SPECS="gpt2-b8:${GPT2_S:-160}:${GPT2_STEPS:-$DEFAULT_STEPS} wrn-b256:${WRN_S:-90}:${WRN_STEPS:-$DEFAULT_STEPS}"
+    if [ "${EXTRA_S:-0}" -gt 0 ]; then
+        SPECS="$SPECS ${EXTRA_MODELS:-gpt2-b32,gpt2-bf16-b8}:$EXTRA_S:${EXTRA_STEPS:-ghost,vmap}"
+    fi
+    for spec in $SPECS; do
         model=${spec%%:*}; rest=${spec#*:}; secs=${rest%%:*}; steps=${rest#*:}
         GHOST_GPU_STEPS=$steps GHOST_GPU_BUDGET_S=$((secs - 30)) \
             timeout "$((secs + 60))" python3 -m benchmarks --only ghost-gpu --models "$model" --out "$OUT" >> "$LOG" 2>&1
