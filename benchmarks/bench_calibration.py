@@ -1,6 +1,6 @@
 """Benchmark: noise calibration of :func:`gradclip_jax.dp.make_private` at targets from 0.1 to 1e6.
 
-The time :func:`gradclip_jax.privacy.calibrate` takes to find the smallest noise
+The time :func:`gradclip_jax.dp.accounting.calibrate` takes to find the smallest noise
 multiplier of a run (n=1500, expected batch 64, 100 steps, delta=1e-5) at
 ``target_epsilon`` 0.1, 1, 10, 1e3 and 1e6 (``quick``: 1 and 1e6), with the PLD
 accountant (``ours``, the default) and the RDP one (``baseline``), and the peak

@@ -123,7 +123,7 @@ def rescale_tree(
       norm_dtype: dtype of the reported norms (the state's), if fixed.
       bound: the norm the result must not exceed (the clip norm), if any. For
         2-norms and ``'rms'`` a factor below 1 is then kept as it is wherever the
-        values it stores provably satisfy the bound (:func:`gradclip_jax._core.stored.certify`,
+        values it stores provably satisfy the bound (:func:`gradclip_jax._core.stored.certified_factors`,
         exact arithmetic), and lowered by the rounding margin only where they do
         not; without a bound (or for other norms) it is always lowered.
 
