@@ -16,9 +16,11 @@ Then the parts of a draw (:data:`PARTS`), each added to every leaf of the same
 tree and timed against optax's per-leaf normal draw in the same rounds, to say
 where a draw's time goes on a backend: a pass that only reads and writes the
 tree (the memory floor), threefry bits, uniforms, normals by Box-Muller instead
-of ``erf_inv``, one draw for the whole tree cut into leaves, and (on GPUs) JAX's
-threefry kernel (``jax_threefry_gpu_kernel_lowering``) instead of threefry
-written in XLA ops. On an H100 the per-leaf draw of GPT-2 small's 124M values
+of ``erf_inv``, one draw for the whole tree cut into leaves, optax's draw made
+once per distinct leaf shape (the same values; GPT-2 small's 148 leaves have 9
+shapes) and (on GPUs) JAX's threefry kernel (``jax_threefry_gpu_kernel_lowering``)
+instead of threefry written in XLA ops; each also by the time it takes to lower
+and compile (one fusion per leaf draw is much code for a GPU compiler). On an H100 the per-leaf draw of GPT-2 small's 124M values
 took 4.6 ms where writing them takes about 0.3 ms.
 
 Run: ``python -m benchmarks --only noise``.
@@ -122,17 +124,48 @@ def _flags(flags: dict[str, Any]) -> Iterator[None]:
             jax.config.update(name, value)
 
 
+def _per_shape(tree: Any, key: jax.Array) -> Any:
+    """optax's per-leaf draw (the same keys, the same values), drawn once per distinct shape and
+    dtype: the leaves' keys of one shape stacked, one vmapped ``jax.random.normal`` (each key's
+    draw under ``vmap`` is the one it gives alone), then one row per leaf."""
+    leaves, treedef = jax.tree.flatten(tree)
+    keys = jax.random.split(key, len(leaves))
+    groups: dict[tuple, list[int]] = {}
+    for i, x in enumerate(leaves):
+        groups.setdefault((x.shape, np.dtype(x.dtype)), []).append(i)
+    out: list[Any] = [None] * len(leaves)
+    for (shape, dtype), idx in groups.items():
+        z = jax.vmap(lambda k, shape=shape, dtype=dtype: jax.random.normal(k, shape, dtype))(keys[np.asarray(idx)])
+        for j, i in enumerate(idx):
+            out[i] = leaves[i] + z[j]
+    return jax.tree.unflatten(treedef, out)
+
+
+PARTS["per_shape"] = ("optax's per-leaf draw (the same values), one vmapped draw per distinct shape", _per_shape, {})
+
+
 def part_rows(tree: Any, key: jax.Array, what: str, reps: int) -> list[dict]:
-    """One row per part of :data:`PARTS`: its time against optax's per-leaf normal draw."""
-    compiled = {"optax": jax.jit(lambda t, k: optax_way(t, 1.0, k)).lower(tree, key).compile()}
-    for name, (_, f, flags) in PARTS.items():
-        if flags and jax.default_backend() != "gpu":
-            continue  # a GPU lowering flag: the same program elsewhere
-        with _flags(flags):
-            compiled[name] = jax.jit(f).lower(tree, key).compile()
+    """Two rows per part of :data:`PARTS`, each against optax's per-leaf normal draw: its time, and
+    the time to lower and compile it (JAX's persistent compilation cache off, so that no program
+    is read back from an earlier process)."""
+    compiled, compile_s = {}, {}
+    with _flags({"jax_enable_compilation_cache": False}):
+        compiled["optax"], compile_s["optax"] = _compile(lambda t, k: optax_way(t, 1.0, k), tree, key)
+        for name, (_, f, flags) in PARTS.items():
+            if flags and jax.default_backend() != "gpu":
+                continue  # a GPU lowering flag: the same program elsewhere
+            with _flags(flags):
+                compiled[name], compile_s[name] = _compile(f, tree, key)
     ms = interleaved_ms({k: (lambda c=c: c(tree, key)) for k, c in compiled.items()}, reps=reps)
-    return [row("noise", f"noise parts: {PARTS[name][0]} vs optax per-leaf normal draw: time", ms[name],
-                ms["optax"], what) for name in compiled if name != "optax"]
+    rows = []
+    for name in compiled:
+        if name != "optax":
+            title = PARTS[name][0]
+            rows.append(row("noise", f"noise parts: {title} vs optax per-leaf normal draw: time", ms[name],
+                            ms["optax"], what))
+            rows.append(row("noise", f"noise parts: {title} vs optax per-leaf normal draw: lower+compile "
+                            "(ms)", compile_s[name] * 1e3, compile_s["optax"] * 1e3, what))
+    return rows
 
 
 def _compile(f: Callable[..., Any], *args: Any) -> tuple[Any, float]:

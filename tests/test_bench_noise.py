@@ -21,10 +21,21 @@ def test_every_part_but_gpu_flags_gives_a_row_with_positive_times():
     rows = bn.part_rows(_tree(), jax.random.key(0), "tiny tree", reps=2)
     on_gpu = jax.default_backend() == "gpu"
     expected = [n for n, (_, _, flags) in bn.PARTS.items() if on_gpu or not flags]
-    assert len(rows) == len(expected)
-    for r, name in zip(rows, expected, strict=True):
-        assert bn.PARTS[name][0] in r["name"] and r["group"] == "noise"
-        assert r["ours_ms"] > 0 and r["baseline_ms"] > 0 and math.isfinite(r["ratio"])
+    assert len(rows) == 2 * len(expected)  # time, lower+compile
+    for (t, c), name in zip(zip(rows[::2], rows[1::2], strict=True), expected, strict=True):
+        assert bn.PARTS[name][0] in t["name"] and t["name"].endswith("time") and t["group"] == "noise"
+        assert bn.PARTS[name][0] in c["name"] and "lower+compile" in c["name"]
+        for r in (t, c):
+            assert r["ours_ms"] > 0 and r["baseline_ms"] > 0 and math.isfinite(r["ratio"])
+
+
+def test_per_shape_draw_is_optax_per_leaf_draw():
+    tree = {"a": jnp.zeros((5, 3)), "b": jnp.zeros((5, 3)), "c": jnp.zeros(7), "d": {"e": jnp.zeros((5, 3))}}
+    key = jax.random.key(11)
+    ours = jax.jit(bn.PARTS["per_shape"][1])(tree, key)
+    theirs = jax.jit(lambda t, k: bn.optax_way(t, 1.0, k))(tree, key)
+    for x, y in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 @pytest.mark.parametrize("name", ["box_muller", "one_draw"])
