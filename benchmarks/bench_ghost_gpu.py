@@ -38,6 +38,9 @@ Every step is a full optimizer step, jitted with the training state donated:
 * ``ghost_tf32x2`` (``gpt2-b8``, ``gpt2-b32``, ``wrn-b256``): the ghost step with every book-kept
   sum in two exact TF32 passes (``PRODUCT_PRECISION`` ``"tf32x2"``), where ``"tf32"`` runs a dense
   layer's in one pass and clips by a norm widened by that pass's rounding;
+* ``ghost_noise_shapes`` (``gpt2-b8``, ``wrn-b256``): the ghost step with the noise drawn
+  once per distinct leaf shape (``NOISE_STRATEGY`` ``"shapes"``: the same draws, fewer and
+  larger fusions), to weigh its compile time and step time against one draw per leaf;
 * ``ghost_tf32x3`` / ``ghost_bf16x6`` (``gpt2-b8``, ``gpt2-b32``, ``wrn-b256``):
   the ghost step with the per-example products (Gram norms, formed and
   book-kept sums) at ``DotAlgorithmPreset.TF32_TF32_F32_X3`` (GPU only) or
@@ -120,13 +123,14 @@ RESULTS_JSON = "ghost_gpu.json"
 RESULTS_MD = "GHOST_GPU.md"
 
 STEPS = ("nonprivate", "ghost", "backward", "bookkeeping", "vmap", "jax_privacy", "nonprivate_highest",
-         "ghost_highest", "ghost_tf32x2", "ghost_tf32x3", "ghost_bf16x6")
+         "ghost_highest", "ghost_tf32x2", "ghost_tf32x3", "ghost_bf16x6", "ghost_noise_shapes")
 STEP_TITLES = {"nonprivate": "non-private", "ghost": "ghost (auto)", "backward": "ghost backward",
                "bookkeeping": "ghost bookkeeping", "vmap": "vmap", "jax_privacy": "jax-privacy",
                "nonprivate_highest": "non-private at HIGHEST", "ghost_highest": "ghost, products HIGHEST",
                "ghost_tf32x2": "ghost, book-kept sums in two exact TF32 passes",
                "ghost_tf32x3": "ghost, products 3xTF32",
-               "ghost_bf16x6": "ghost, products 6xBF16"}
+               "ghost_bf16x6": "ghost, products 6xBF16",
+               "ghost_noise_shapes": "ghost, noise drawn once per leaf shape"}
 GHOST_SUM = {"ghost": "auto", "backward": "backward", "bookkeeping": "bookkeeping"}
 # Ghost (auto) with the per-example products at another gcx.per_example.PRODUCT_PRECISION
 # setting than the backend's default ("tf32" on GPUs): HIGHEST, or a reduced-pass algorithm.
@@ -399,6 +403,10 @@ def _steps(cfg: Config, losses: Callable, batch_size: int, wanted: Sequence[str]
             out[name] = _traced_within(_dp_step(lambda p, b, f=grad_fn: f(p, b)[0], stddev, batch_size, opt),
                                        functools.partial(backend_setting, gcx.per_example.PRODUCT_PRECISION,
                                                          PRODUCT_STEPS[name]))
+        elif name == "ghost_noise_shapes":
+            grad_fn = gcx.clipped_grad(losses, CLIP, method="ghost")
+            out[name] = _traced_within(_dp_step(lambda p, b, f=grad_fn: f(p, b)[0], stddev, batch_size, opt),
+                                       functools.partial(backend_setting, gcx.privacy.NOISE_STRATEGY, "shapes"))
         elif name == "jax_privacy":
             jp = _jax_privacy(losses)
             out[name] = "skipped: jax_privacy is not importable" if jp is None else _dp_step(jp, stddev, batch_size, opt)

@@ -17,7 +17,7 @@ tree and timed against optax's per-leaf normal draw in the same rounds, to say
 where a draw's time goes on a backend: a pass that only reads and writes the
 tree (the memory floor), threefry bits, uniforms, normals by Box-Muller instead
 of ``erf_inv``, one draw for the whole tree cut into leaves, optax's draw made
-once per distinct leaf shape (the same values; GPT-2 small's 148 leaves have 9
+once per distinct leaf shape (the same random bits; GPT-2 small's 148 leaves have 9
 shapes) and (on GPUs) JAX's threefry kernel (``jax_threefry_gpu_kernel_lowering``)
 instead of threefry written in XLA ops; each also by the time it takes to lower
 and compile (one fusion per leaf draw is much code for a GPU compiler). On an H100 the per-leaf draw of GPT-2 small's 124M values
@@ -125,7 +125,7 @@ def _flags(flags: dict[str, Any]) -> Iterator[None]:
 
 
 def _per_shape(tree: Any, key: jax.Array) -> Any:
-    """optax's per-leaf draw (the same keys, the same values), drawn once per distinct shape and
+    """optax's per-leaf draw (the same keys and bits), drawn once per distinct shape and
     dtype: the leaves' keys of one shape stacked, one vmapped ``jax.random.normal`` (each key's
     draw under ``vmap`` is the one it gives alone), then one row per leaf."""
     leaves, treedef = jax.tree.flatten(tree)
@@ -141,7 +141,7 @@ def _per_shape(tree: Any, key: jax.Array) -> Any:
     return jax.tree.unflatten(treedef, out)
 
 
-PARTS["per_shape"] = ("optax's per-leaf draw (the same values), one vmapped draw per distinct shape", _per_shape, {})
+PARTS["per_shape"] = ("optax's per-leaf draw (the same bits), one vmapped draw per distinct shape", _per_shape, {})
 
 
 def part_rows(tree: Any, key: jax.Array, what: str, reps: int) -> list[dict]:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 pytest.importorskip("flax")
@@ -156,3 +157,13 @@ def test_runs_of_different_steps_merge_into_one_config(tmp_path: pathlib.Path) -
     # the --merge path folds files the same way
     again = bg.write_results(tmp_path / "m", meta, [first, second])
     assert again[0]["steps"] == steps
+
+
+def test_noise_shapes_step_draws_once_per_leaf_shape():
+    losses, params, data, _ = bg._gpt2(2, fused=True, dtype=jnp.float32, tiny=True, layers=2)
+    cfg = bg.Config("x", "gpt2", 2, ("nonprivate", "ghost", "ghost_noise_shapes"))
+    steps = bg._steps(cfg, losses, 2, bg.STEPS)
+    state = bg._fresh_state(params, 0)
+    draws = str(jax.make_jaxpr(steps["ghost_noise_shapes"])(state, data)).count("random_bits[")
+    shapes = {(x.shape, jnp.result_type(x, jnp.float32)) for x in jax.tree.leaves(params)}
+    assert draws == len(shapes) < len(jax.tree.leaves(params))

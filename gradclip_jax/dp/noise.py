@@ -30,6 +30,14 @@ __all__ = ["NOISE_BLOCK_SIZE", "NOISE_STRATEGY", "add_gaussian_noise", "noised_l
 #   148 leaves: 9.1 s of compile and 1.24 GiB of temporaries for the noise alone;
 #   in blocks 1.6 s and 0.48 GiB, the flat draw itself, at the same speed).
 #
+# * ``"shapes"``: the draws of ``"leaves"`` (the same keys and random bits), but
+#   made once per distinct shape and real dtype: the keys of the leaves of one
+#   shape are stacked and drawn by one vmapped ``jax.random.normal`` (each key's
+#   draw under vmap is the one it gives alone). GPT-2 small's 148 leaves have 9
+#   shapes: fewer, larger fusions for the compiler (on the CPU the noise alone
+#   compiled in 7.0 s instead of 14.3 s), at the price of the draws being
+#   stored before they are added. ``benchmarks/bench_ghost_gpu.py``'s
+#   ``ghost_noise_shapes`` step measures it on GPUs.
 # * ``"philox"``: one draw per leaf as ``"leaves"``, but a float32 leaf's bits
 #   come from the Philox4x32-10 generator (:mod:`gradclip_jax.dp.philox`, keyed
 #   by 64 bits of the leaf's key) instead of threefry2x32-20: about half the
@@ -41,7 +49,7 @@ __all__ = ["NOISE_BLOCK_SIZE", "NOISE_STRATEGY", "add_gaussian_noise", "noised_l
 # not listed draw per leaf. ``benchmarks/bench_noise.py`` compares ours with
 # optax's per-leaf draw.
 NOISE_STRATEGY = {"cpu": "blocks"}
-_NOISE_STRATEGIES = ("leaves", "blocks", "philox")
+_NOISE_STRATEGIES = ("leaves", "blocks", "shapes", "philox")
 # Elements per block of the blocked draw (4 bytes each in float32).
 NOISE_BLOCK_SIZE = 1 << 18
 
@@ -68,7 +76,8 @@ def add_gaussian_noise(tree: Any, stddev: Any, key: jax.Array) -> Any:
     ``jax.random.fold_in(jax.random.fold_in(k0, b), j)`` (CPU: one compiled loop
     for any number of leaves, and no temporaries beyond the noise itself). Either
     way every element gets its own standard normal draw, and the same key gives
-    the same noise on the same backend. With ``"philox"``, a float32 leaf ``i``
+    the same noise on the same backend. ``"shapes"`` makes the per-leaf draws
+    (the same bits) once per distinct leaf shape. With ``"philox"``, a float32 leaf ``i``
     gets ``philox_normal(k{i+1}, ...)`` (:mod:`gradclip_jax.dp.philox`): the same
     distribution from the Philox4x32-10 generator, cheaper to draw.
     An explicitly sharded leaf is always drawn on its own with threefry, so each
@@ -106,6 +115,10 @@ def add_gaussian_noise(tree: Any, stddev: Any, key: jax.Array) -> Any:
             by_dtype.setdefault(_real(x.dtype), []).append(i)
         else:
             single.append(i)
+    if strategy == "shapes":
+        for i, y in _noised_by_shape(arrays, keys, single, stddev).items():
+            out[i] = y
+        single = [i for i in single if out[i] is None]
     drawn = noised_leaves([arrays[i] for i in single], [keys[i] for i in single], stddev, philox=philox)
     for i, y in zip(single, drawn, strict=True):
         out[i] = y
@@ -189,6 +202,29 @@ def _blocked_noise(arrays: Sequence[jax.Array], key: jax.Array, stddev: Any, dty
         n = int(x.size) * _per_element(x)
         out.append(x + std * _shaped(lax.slice(z, (start,), (start + n,)), x))
         start += n
+    return out
+
+
+def _noised_by_shape(arrays: Sequence[jax.Array], keys: Sequence[jax.Array], idx: Sequence[int],
+                     stddev: Any) -> dict[int, jax.Array]:
+    """``x + stddev * jax.random.normal(k, x.shape)`` for the real, unsharded leaves among ``idx``
+    that share their shape and dtype with another: one vmapped draw per such group (the random
+    bits of the per-leaf draw). ``{index: noised leaf}``; the other leaves are left out."""
+    groups: dict[tuple[tuple[int, ...], np.dtype], list[int]] = {}
+    for i in idx:
+        x = arrays[i]
+        if not jnp.iscomplexobj(x) and explicit_spec(x) is None:
+            groups.setdefault((tuple(x.shape), np.dtype(x.dtype)), []).append(i)
+    out = {}
+    for (shape, dtype), members in groups.items():
+        if len(members) < 2:
+            continue
+        group = [arrays[i] for i in members]
+        check_key_varies("add_gaussian_noise", group, keys[members[0]])
+        z = jax.vmap(lambda k, shape=shape, dtype=dtype: jax.random.normal(k, shape, dtype))(
+            jnp.stack([keys[i] for i in members]))
+        std = jnp.asarray(stddev, dtype)
+        out.update({i: x + std * z[j] for j, (i, x) in enumerate(zip(members, group, strict=True))})
     return out
 
 

@@ -25,7 +25,7 @@ def _jitted():
     return jax.jit(lambda tree, std, key: privacy.add_gaussian_noise(tree, std, key))
 
 
-@pytest.fixture(params=["leaves", "blocks", "philox"])
+@pytest.fixture(params=["leaves", "blocks", "shapes", "philox"])
 def strategy(request, monkeypatch):
     monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, request.param)
     return request.param
@@ -44,6 +44,32 @@ def test_leaves_draw_is_documented(monkeypatch):
     _, ka, kb = jax.random.split(key, 3)
     assert_equal_on_cpu(out["a"], 1.0 + 2.0 * jax.random.normal(ka, (4, 3)))
     assert_equal_on_cpu(out["b"], 1.0 + 2.0 * jax.random.normal(kb, (5,)))
+
+
+def test_shapes_draw_is_the_leaves_draw(monkeypatch):
+    """Drawn once per distinct shape and dtype, the values are the per-leaf draws' (same keys, same
+    random bits; XLA may round the transform to normals differently by an ulp)."""
+    tree = {"a": jnp.ones((4, 3)), "b": jnp.ones(5), "c": jnp.ones((4, 3)), "d": jnp.ones((4, 3), jnp.bfloat16),
+            "e": jnp.ones(5), "f": jnp.ones((4, 3), jnp.complex64), "g": jnp.ones(()), "h": jnp.ones(7)}
+    key = jax.random.key(5)
+    outs = {}
+    for name in ("leaves", "shapes"):
+        monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, name)
+        outs[name] = _jitted()(tree, 1.5, key)
+    for path in tree:
+        # bfloat16 leaves are noised in float32; the complex leaf is drawn per leaf as before
+        np.testing.assert_allclose(np.asarray(outs["shapes"][path]), np.asarray(outs["leaves"][path]),
+                                   rtol=1e-6, atol=1e-6, err_msg=path)
+        assert outs["shapes"][path].dtype == outs["leaves"][path].dtype
+    # leaves of one shape get different draws
+    assert not np.allclose(outs["shapes"]["a"], outs["shapes"]["c"])
+
+
+def test_shapes_draw_is_one_draw_per_shape(monkeypatch):
+    monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, "shapes")
+    tree = {f"w{i}": jnp.zeros((8, 4)) for i in range(6)} | {f"b{i}": jnp.zeros(4) for i in range(6)}
+    jaxpr = str(jax.make_jaxpr(lambda t, k: privacy.add_gaussian_noise(t, 1.0, k))(tree, jax.random.key(0)))
+    assert jaxpr.count("random_bits") == 2  # one per shape, not one per leaf
 
 
 def test_philox_draw_is_documented(monkeypatch):
@@ -187,7 +213,7 @@ def _shard_mapped(f, n):
     return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x"))), g
 
 
-@pytest.mark.parametrize("strategy_name", ["leaves", "blocks"])
+@pytest.mark.parametrize("strategy_name", ["leaves", "blocks", "shapes"])
 def test_shards_inside_shard_map_need_their_own_keys(strategy_name, monkeypatch):
     """The same key on every device would give every shard the same noise (their differences
     noise-free): a ValueError naming the leaf and the axis, until the key varies too."""
