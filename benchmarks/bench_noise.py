@@ -16,12 +16,13 @@ Then the parts of a draw (:data:`PARTS`), each added to every leaf of the same
 tree and timed against optax's per-leaf normal draw in the same rounds, to say
 where a draw's time goes on a backend: a pass that only reads and writes the
 tree (the memory floor), threefry bits, uniforms, normals by Box-Muller instead
-of ``erf_inv``, one draw for the whole tree cut into leaves, optax's draw made
-once per distinct leaf shape (the same random bits; GPT-2 small's 148 leaves have 9
-shapes) and (on GPUs) JAX's threefry kernel (``jax_threefry_gpu_kernel_lowering``)
-instead of threefry written in XLA ops; each also by the time it takes to lower
-and compile (one fusion per leaf draw is much code for a GPU compiler). On an H100 the per-leaf draw of GPT-2 small's 124M values
-took 4.6 ms where writing them takes about 0.3 ms.
+of ``erf_inv``, one draw for the whole tree cut into leaves, ours made once per
+distinct leaf shape (``NOISE_STRATEGY`` ``"shapes"``; GPT-2 small's 148 leaves
+have 9 shapes) and (on GPUs) JAX's threefry kernel
+(``jax_threefry_gpu_kernel_lowering``) instead of threefry written in XLA ops;
+each also by the time it takes to lower and compile (one fusion per leaf draw
+is much code for a GPU compiler). On an H100 the per-leaf draw of GPT-2 small's
+124M values took 4.6 ms where writing them takes about 0.3 ms.
 
 Run: ``python -m benchmarks --only noise``.
 """
@@ -124,24 +125,15 @@ def _flags(flags: dict[str, Any]) -> Iterator[None]:
             jax.config.update(name, value)
 
 
-def _per_shape(tree: Any, key: jax.Array) -> Any:
-    """optax's per-leaf draw (the same keys and bits), drawn once per distinct shape and
-    dtype: the leaves' keys of one shape stacked, one vmapped ``jax.random.normal`` (each key's
-    draw under ``vmap`` is the one it gives alone), then one row per leaf."""
-    leaves, treedef = jax.tree.flatten(tree)
-    keys = jax.random.split(key, len(leaves))
-    groups: dict[tuple, list[int]] = {}
-    for i, x in enumerate(leaves):
-        groups.setdefault((x.shape, np.dtype(x.dtype)), []).append(i)
-    out: list[Any] = [None] * len(leaves)
-    for (shape, dtype), idx in groups.items():
-        z = jax.vmap(lambda k, shape=shape, dtype=dtype: jax.random.normal(k, shape, dtype))(keys[np.asarray(idx)])
-        for j, i in enumerate(idx):
-            out[i] = leaves[i] + z[j]
-    return jax.tree.unflatten(treedef, out)
+def _by_shape(tree: Any, key: jax.Array) -> Any:
+    """Ours with ``NOISE_STRATEGY`` ``"shapes"`` (read when traced): the per-leaf draws made once
+    per distinct leaf shape."""
+    with backend_setting(gcx.privacy.NOISE_STRATEGY, "shapes"):
+        return gcx.privacy.add_gaussian_noise(tree, 1.0, key)
 
 
-PARTS["per_shape"] = ("optax's per-leaf draw (the same bits), one vmapped draw per distinct shape", _per_shape, {})
+PARTS["per_shape"] = ("add_gaussian_noise with NOISE_STRATEGY 'shapes' (one vmapped draw per distinct shape)",
+                      _by_shape, {})
 
 
 def part_rows(tree: Any, key: jax.Array, what: str, reps: int) -> list[dict]:
