@@ -67,7 +67,7 @@ def _jit_to_completion(jit):
 
 
 @pytest.fixture(scope="module")
-def run_guide(monkeypatch_module):
+def run_guide():
     """Runs the sections in order; returns ``{heading: snapshot of the namespace after it}``.
 
     On XLA:CPU the tests' 8 simulated devices share one thread pool: a multi-device step
@@ -77,17 +77,12 @@ def run_guide(monkeypatch_module):
     """
     ns: dict = {"__name__": "dp_guide"}
     after = {}
-    monkeypatch_module.setattr(jax, "jit", _jit_to_completion(jax.jit))
-    for heading, code in guide_sections().items():
-        exec(compile(code, f"{GUIDE.name}: {heading}", "exec"), ns)
-        after[heading] = dict(ns)
-    return after
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
     with pytest.MonkeyPatch.context() as mp:
-        yield mp
+        mp.setattr(jax, "jit", _jit_to_completion(jax.jit))
+        for heading, code in guide_sections().items():
+            exec(compile(code, f"{GUIDE.name}: {heading}", "exec"), ns)
+            after[heading] = dict(ns)
+    return after
 
 
 def test_every_code_block_is_in_a_checked_section():
