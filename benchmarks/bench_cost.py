@@ -29,7 +29,9 @@ For each step it reads, without running it:
   analysis as they are and halves the compile time): ``cost_analysis()`` FLOPs
   and bytes accessed, the number of HLO instructions of ``compiled.as_text()``
   (fusion bodies included) and the loops and conditionals it holds
-  (``bench_ghost_gpu.control_flow``), less the loops of JAX's random number
+  (``bench_ghost_gpu.control_flow``) and its temporaries (``memory_analysis()``:
+  what the CPU's buffer assignment holds beside the arguments and outputs; a
+  GPU's schedule differs, so again a difference to steer by), less the loops of JAX's random number
   generation, which the CPU lowering rolls and a GPU's unrolls
   (:func:`rng_loops`). XLA's cost analysis counts a loop body once, whatever
   its trip count, and the bytes are those of XLA's CPU fusions: a GPU fuses
@@ -58,7 +60,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import bench_ghost_gpu as bg
-from benchmarks.common import row
+from benchmarks.common import memory_mb, row
 
 GROUP = "cost"
 STEPS = ("nonprivate", "ghost", "vmap")
@@ -71,6 +73,7 @@ MEASURES = (
     ("instructions", "HLO instructions (compiled for the CPU)", "count", 1.0),
     ("loops", "loops (compiled for the CPU)", "count", 1.0),
     ("conditionals", "conditionals (compiled for the CPU)", "count", 1.0),
+    ("temporaries", "temporaries (compiled for the CPU)", "MiB", 1.0),
     ("products_highest", "dot_general+convolution at HIGHEST (lowered for CUDA)", "count", 1.0),
     ("products_default", "dot_general+convolution at DEFAULT (lowered for CUDA)", "count", 1.0),
     ("while", "stablehlo.while (lowered for CUDA)", "count", 1.0),
@@ -167,8 +170,8 @@ def rng_loops(text: str) -> int:
 
 
 def compiled_summary(compiled: Any) -> dict[str, Any]:
-    """FLOPs, bytes accessed, HLO instructions, loops (less :func:`rng_loops`) and conditionals of
-    a compiled program."""
+    """FLOPs, bytes accessed, HLO instructions, loops (less :func:`rng_loops`), conditionals and
+    temporaries (MiB, :func:`~benchmarks.common.memory_mb`) of a compiled program."""
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):  # older jax: one dict per device program
         cost = cost[0]
@@ -177,7 +180,7 @@ def compiled_summary(compiled: Any) -> dict[str, Any]:
     if "loops" in flow:
         flow["loops"] -= rng_loops(text)
     return {"flops": float(cost.get("flops", 0.0)), "bytes": float(cost.get("bytes accessed", 0.0)),
-            "instructions": len(_HLO_INSTRUCTION.findall(text)), **flow}
+            "instructions": len(_HLO_INSTRUCTION.findall(text)), "temporaries": memory_mb(compiled)[0], **flow}
 
 
 @contextlib.contextmanager

@@ -81,6 +81,8 @@ def test_quick_cost_report_of_tiny_gpt2_reports_flops_and_precisions() -> None:
         assert flops["unit"] == "GFLOP" and flops["ours_ms"] > 0 and flops["baseline_ms"] > 0
         assert flops["ratio"] == pytest.approx(flops["ours_ms"] / flops["baseline_ms"])
         assert by[(step, "bytes")]["ours_ms"] > 0 and by[(step, "instructions")]["ours_ms"] > 0
+        temps = by[(step, "temporaries")]
+        assert temps["unit"] == "MiB" and temps["ours_ms"] > 0 and temps["baseline_ms"] > 0
     # the ghost path forms its per-example products at HIGHEST; the model's own matmuls stay at DEFAULT
     highest, default = by[("ghost", "products_highest")], by[("ghost", "products_default")]
     assert highest["ours_ms"] >= 1 and highest["baseline_ms"] == 0 and math.isnan(highest["ratio"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import jax
@@ -430,3 +431,53 @@ def test_conv_spread_bounds_the_patches_sum(stride, padding, lhs_dil, rhs_dil, g
         exact += np.sum(np.linalg.norm(pk, axis=-1) * np.linalg.norm(gk, axis=-1), axis=1)
     assert np.all(exact <= spread * (1 + 1e-6))
     assert np.all(exact >= spread * 0.05)  # a bound, not a blanket: within 20x here
+
+
+def _conv_eqn(x, k, **kw):
+    jaxpr = jax.make_jaxpr(lambda a, b: lax.conv_general_dilated(a, b, **kw))(x, k).jaxpr
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "conv_general_dilated"]
+    return eqn
+
+
+def test_input_views_wait_for_the_cotangent():
+    """The padded input the norms read is computed from the cotangent too (so that no schedule
+    makes it in the forward pass and holds it through the backward): it equals the rounded,
+    padded input, except for an example whose cotangent's first entry is not finite, whose
+    norm is not finite anyway; that example's input is NaN and no other example's changes."""
+    r = np.random.default_rng(0)
+    x = jnp.asarray(r.normal(size=(3, 2, 5, 5)), jnp.float32)  # NCHW
+    k = jnp.asarray(r.normal(size=(4, 2, 3, 3)), jnp.float32)  # OIHW
+    eqn = _conv_eqn(x, k, window_strides=(1, 1), padding=((1, 1), (1, 1)))
+    g = jnp.asarray(r.normal(size=(3, 4, 5, 5)), jnp.float32)
+    want = jnp.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1)))
+    np.testing.assert_array_equal(np.asarray(conv.ConvViews(eqn, x, g, jnp.float32).xp), np.asarray(want))
+    bad = conv.ConvViews(eqn, x, g.at[1, 0, 0, 0].set(jnp.inf), jnp.float32).xp
+    assert np.all(np.isnan(np.asarray(bad[1, :, 1:-1, 1:-1])))  # (the padding stays 0)
+    np.testing.assert_array_equal(np.asarray(bad[::2]), np.asarray(want[::2]))
+
+
+@pytest.mark.cpu_only(reason="the schedule compared is the CPU backend's")
+def test_conv_views_are_not_held_through_the_backward_pass(monkeypatch):
+    """A CNN's ghost step holds fewer temporaries with the input views tied to the cotangent than
+    without (XLA's CPU schedule made every tap's copy in the forward pass: on WRN-16-4, 3.5x
+    the non-private step's temporaries instead of 1.7x)."""
+    r = np.random.default_rng(1)
+    widths = (3, 16, 16, 16, 16)
+    params = {f"c{i}": jnp.asarray(r.normal(size=(3, 3, a, b)) / np.sqrt(9 * a), jnp.float32)
+              for i, (a, b) in enumerate(itertools.pairwise(widths))}
+    data = (jnp.asarray(r.normal(size=(8, 16, 16, 3)), jnp.float32), jnp.arange(8) % 10)
+
+    def loss(p, batch):
+        h, y = batch
+        for i in range(len(widths) - 1):
+            h = jax.nn.relu(lax.conv_general_dilated(h, p[f"c{i}"], (1, 1), "SAME",
+                                                     dimension_numbers=("NHWC", "HWIO", "NHWC")))
+        return xent(jnp.mean(h, axis=(1, 2))[:, :10], y)
+
+    def temporaries():
+        fn = jax.jit(clipped_grad(loss, 1.0, method="ghost"))
+        return fn.lower(params, data).compile().memory_analysis().temp_size_in_bytes
+
+    tied = temporaries()
+    monkeypatch.setattr(conv, "_after", lambda x, g: x)
+    assert tied < 0.8 * temporaries()  # (0.54 with jax 0.10.2)
