@@ -41,10 +41,10 @@ from gradclip_jax.per_example.ghost._measure import (
     weighting_excess,
 )
 from gradclip_jax.per_example.ghost._sums import (
-    COSTLY_TO_ZERO,
     backward_sums,
     bookkept_sums,
     clipped_sums,
+    costly_to_zero,
 )
 
 
@@ -135,9 +135,8 @@ def _chunk(config: ClipConfig, call: Call, traced: Traced, clips: Any, batch: An
             return backward_sums(config, fwd, ws)
         return bookkept_sums(traced, call.pflat, fwd, measured.rows, ws, keep)
 
-    costly = any(s.kind in COSTLY_TO_ZERO for s in traced.plan.sites)
     sums = clipped_sums(fast, config, call, batch, ws, w.keep, w.finite, zeroes_dropped=not backward,
-                        costly=costly)
+                        costly=not backward and costly_to_zero(traced, call.pflat, fwd))
     flags, ns = clip_flags(w, valid, clips is not None)
     return sums, ns, flags, vals, aux
 

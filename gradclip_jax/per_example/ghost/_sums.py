@@ -166,8 +166,23 @@ def _pulled(closed: Any, site: Site, vals: Sequence[Any], p0: jax.Array, acc: An
 
 # Site kinds whose dropped-example zeroing costs a pass over large activations the
 # sum cannot fuse (a convolution's input): a model with one keeps the NaN-safe
-# book-kept sums in a conditional, for the rare step that needs them.
+# book-kept sums in a conditional, for the rare step that needs them (see
+# :func:`costly_to_zero`).
 COSTLY_TO_ZERO = frozenset({"conv"})
+
+
+def costly_to_zero(traced: Traced, pflat: _norms.FlatTree, fwd: Pass) -> bool:
+    """Whether zeroing the dropped examples' values in the book-kept sums costs a pass of its own:
+    at a :data:`COSTLY_TO_ZERO` site whose sum reads its operands in place. Where the sum runs on
+    TF32-rounded operands (``PRODUCT_PRECISION`` ``"tf32"``, ``"tf32x2"``: GPUs' default) it reads a
+    rounded copy of the input, which a convolution cannot fuse, and the zeroing joins the pass
+    that makes the copy: then the sums zero the dropped examples on every step, with no
+    conditional (on a GPU a conditional stops the host until its predicate is copied back)."""
+    for s, g in zip(traced.plan.sites, fwd.cts, strict=True):
+        acc = _norms.acc_dtype(pflat.leaves[s.leaf].dtype)
+        if s.kind in COSTLY_TO_ZERO and not rounds_to_tf32(widen(g.dtype, acc)):
+            return True
+    return False
 
 
 def bookkept_sums(traced: Traced, pflat: _norms.FlatTree, fwd: Pass, rows: dict[int, jax.Array],

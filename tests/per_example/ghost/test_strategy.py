@@ -9,7 +9,7 @@ import pytest
 from jax import lax
 
 from gradclip_jax.ghost import ghost_report
-from gradclip_jax.per_example import clipped_grad
+from gradclip_jax.per_example import PRODUCT_PRECISION, clipped_grad
 from gradclip_jax.per_example.ghost import _gram
 from tests._backend import refuses_backward
 from tests.per_example.models import B, cnn_setup, embed_setup, mlp_setup, xent
@@ -285,15 +285,38 @@ def test_nan_example_is_dropped(model, ghost_sum):
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(g))
 
 
+@pytest.mark.parametrize("products", ["tf32", "tf32x2"])
+def test_nan_example_is_dropped_on_tf32_operands_without_a_conditional(products, monkeypatch):
+    # On TF32-rounded operands the convolution's book-kept sum zeroes the dropped examples'
+    # rounded copies on every step: the NaN example adds nothing, and the step equals the one
+    # that masks that example out.
+    monkeypatch.setitem(PRODUCT_PRECISION, jax.default_backend(), products)
+    loss, params, data = MODELS["cnn"]()
+    bad_data = {**data, "img": data["img"].at[2, 3, 3, 0].set(jnp.nan)}
+    grad_fn = jax.jit(clipped_grad(loss, 1.0, method="ghost", ghost_sum="bookkeeping"))
+    g, i = grad_fn(params, bad_data)
+    bad = ~np.isfinite(np.asarray(i.norms))
+    assert bad.tolist() == [k == 2 for k in range(B)]
+    ref, ref_info = grad_fn(params, data, mask=jnp.asarray(~bad))
+    _close(g, ref, 1e-6, 1e-7)
+    np.testing.assert_allclose(np.asarray(i.norms)[~bad], np.asarray(ref_info.norms)[~bad], rtol=1e-6)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(g))
+
+
 @pytest.mark.cpu_only(reason="counts the conditionals of XLA:CPU's optimized program; other backends' "
                             "compilers keep, merge or remove conditionals their own way")
-@pytest.mark.parametrize("model, conditionals", [("mlp", 1), ("seq_gram", 1), ("embed_seq", 1), ("cnn", 2)])
-def test_bookkeeping_holds_a_conditional_only_for_convolutions(model, conditionals):
+@pytest.mark.parametrize("model, products, conditionals", [
+    ("mlp", "highest", 1), ("seq_gram", "highest", 1), ("embed_seq", "highest", 1), ("cnn", "highest", 2),
+    ("mlp", "tf32", 1), ("cnn", "tf32", 1), ("cnn", "tf32x2", 1)])
+def test_bookkeeping_holds_a_conditional_only_for_convolutions_read_in_place(model, products, conditionals,
+                                                                               monkeypatch):
     # NaN-safe book-keeping zeroes the dropped examples' values in the one sum where that is
     # cheap: the step keeps only the norm engine's overflow conditional. Zeroing a
-    # convolution's input is a pass of its own, so there the zeroed sums stay in a branch.
+    # convolution's input read in place is a pass of its own, so there the zeroed sums stay in
+    # a branch; on TF32-rounded operands (GPUs' default) the zeroing joins the rounded copy.
     # The small formed rows (biases) are zeroed by a select, not summed one example at a time:
     # no loop over the examples either.
+    monkeypatch.setitem(PRODUCT_PRECISION, jax.default_backend(), products)
     loss, params, data = MODELS[model]()
     f = jax.jit(clipped_grad(loss, 1.0, method="ghost", ghost_sum="bookkeeping"))
     text = f.lower(params, data).compile().as_text()
