@@ -126,3 +126,61 @@ def test_unknown_strategy_is_a_value_error_naming_the_setting(monkeypatch):
     monkeypatch.setitem(norms.SUMSQ_STRATEGY, jax.default_backend(), "fast")
     with pytest.raises(ValueError, match="SUMSQ_STRATEGY"):
         gcx.tree_norm([jnp.ones(3)])
+
+
+# ----------------------------------------------------------------------------
+# joint_row_norms: each example's slices of several arrays, one norm (Blue's sums added, one finish)
+# ----------------------------------------------------------------------------
+
+
+def _rows(arrays):
+    return [np.asarray(x, np.float64).reshape(x.shape[0], -1) for x in arrays]
+
+
+def _exact_rows(arrays):
+    return np.sqrt(sum(np.sum(np.square(r), axis=1) for r in _rows(arrays)))
+
+
+def _row_case(scale_a, scale_b, dtype=jnp.float32):
+    r = np.random.default_rng(0)
+    a = r.normal(size=(5, 3, 4)) * np.array([scale_a, 1.0, scale_b, 1e-3, 0.0])[:, None, None]
+    b = r.normal(size=(5, 7)) * np.array([1.0, scale_b, scale_a, 2.0, 0.0])[:, None]
+    return [jnp.asarray(a, dtype), jnp.asarray(b, dtype)]
+
+
+@pytest.mark.parametrize(("scale_a", "scale_b"), [(1.0, 1.0), (1e25, 1e-25), (1e-30, 1e20), (3e18, 3e18)])
+def test_joint_row_norms_are_each_examples_norm_for_every_range(scale_a, scale_b):
+    arrays = _row_case(scale_a, scale_b)
+    got = np.asarray(jax.jit(norms.joint_row_norms)(arrays), np.float64)
+    np.testing.assert_allclose(got, _exact_rows(arrays), rtol=2e-6)
+    assert got[-1] == 0.0  # an example of zeros
+
+
+def test_joint_row_norms_take_16_bit_rows_in_float32_without_a_conditional():
+    arrays = [x.astype(jnp.bfloat16) for x in _row_case(1e30, 1.0)] + [jnp.full((5, 3), 300.0, jnp.float16)]
+    f = jax.jit(norms.joint_row_norms)
+    got = f(arrays)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got, np.float64), _exact_rows(arrays), rtol=2e-6)
+    assert " conditional(" not in f.lower(arrays).compile().as_text()
+
+
+def test_joint_row_norms_propagate_nan_and_inf_per_example():
+    a, b = _row_case(1.0, 1.0)
+    got = np.asarray(norms.joint_row_norms([a.at[1, 0, 0].set(jnp.nan), b.at[2, 3].set(jnp.inf)]))
+    assert np.isnan(got[1]) and got[2] == np.inf
+    np.testing.assert_allclose(got[[0, 3]], _exact_rows([a, b])[[0, 3]], rtol=2e-6)
+
+
+@pytest.mark.parametrize(("scale_a", "scale_b"), [(1.0, 1.0), (1e25, 1e-25)])
+def test_joint_row_norms_derivative_is_x_over_norm(scale_a, scale_b):
+    arrays = _row_case(scale_a, scale_b)
+    w = jnp.asarray(np.random.default_rng(1).normal(size=5), jnp.float32)
+    grads = jax.jit(jax.grad(lambda xs: jnp.sum(w * norms.joint_row_norms(xs))))(arrays)
+    n = _exact_rows(arrays)
+    for g, x in zip(grads, arrays, strict=True):
+        want = np.asarray(w, np.float64).reshape((-1,) + (1,) * (x.ndim - 1)) * np.asarray(x, np.float64)
+        want = np.where(n.reshape(want.shape[:1] + (1,) * (x.ndim - 1)) > 0,
+                        want / np.maximum(n, 1e-300).reshape((-1,) + (1,) * (x.ndim - 1)), 0.0)
+        assert np.all(np.isfinite(np.asarray(g)))
+        np.testing.assert_allclose(np.asarray(g, np.float64), want, rtol=1e-5, atol=1e-30)

@@ -8,6 +8,7 @@ from gradclip_jax._core.norms._api import leaf_norms, tree_norm
 from gradclip_jax._core.norms._axes import check_axes_exist as check_axes_exist
 from gradclip_jax._core.norms._axes import check_dim as check_dim
 from gradclip_jax._core.norms._axes import reduction_axes as reduction_axes
+from gradclip_jax._core.norms._blue import joint_row_norms as joint_row_norms
 from gradclip_jax._core.norms._engine import SUMSQ_STRATEGY as SUMSQ_STRATEGY
 from gradclip_jax._core.norms._engine import check_complex as check_complex
 from gradclip_jax._core.norms._engine import global_norm as global_norm

@@ -33,7 +33,7 @@ from jax import lax
 
 from gradclip_jax._core import jaxcompat as jc
 from gradclip_jax._core.jaxcompat import shape
-from gradclip_jax.per_example._example_norms import combine_l2, leaf_example_norms
+from gradclip_jax._core.norms import joint_row_norms
 from gradclip_jax.per_example._products import as_measured, product_einsum, product_error
 from gradclip_jax.per_example.ghost._gram import GramTerm, gram_norm, self_gram_rows
 from gradclip_jax.per_example.ghost.rules._registry import (
@@ -151,12 +151,10 @@ def formed_norms(views: ConvViews) -> jax.Array:
     The taps' blocks of the gradient are disjoint, so their squared norms add: each
     block is measured as it is formed.
     """
-    per_tap = []
-    for off in views.offsets:
-        block = product_einsum("bgct,bgtp->bgcp", views.tap(off), views.g)
-        # branch-free: no overflow conditional per tap (each a host round trip on GPUs)
-        per_tap.append(leaf_example_norms([block], branch_free=True)[0])
-    return combine_l2(per_tap)
+    blocks = [product_einsum("bgct,bgtp->bgcp", views.tap(off), views.g) for off in views.offsets]
+    # branch-free (no overflow conditional: a host round trip on GPUs), and finished once for
+    # all taps: each block is reduced to its example's three partial sums as it is formed
+    return joint_row_norms(blocks)
 
 
 class Conv(Rule):
