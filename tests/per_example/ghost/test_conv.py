@@ -145,10 +145,39 @@ def test_conv_matches_vmap_float64(name, forms, monkeypatch):
         # a GPU runs float64 convolutions by the algorithm its autotuner picks (FFT-based ones
         # too): errors of order 1e-15 of the largest value, not of each value
         rtol, atol = by_backend((1e-10, 1e-12), (1e-9, 1e-10))
-        for form, ratio in FORMS.items():  # both formulations, forced
+        # both formulations, forced; the Gram form's patch Gram from the taps and from the input
+        for form, ratio, from_input in [("gram", math.inf, False), ("gram", math.inf, True), ("formed", 0.0, None)]:
             monkeypatch.setattr(conv, "GRAM_RATIO", ratio)
+            monkeypatch.setattr(conv, "_input_gram_is_cheaper", lambda views, v=from_input: v)
             _compare(loss, params, data, rtol=rtol, atol=atol, ref=ref)
             assert forms.pop() == form and not forms  # measured by the rule, in that form
+
+
+def test_patch_gram_from_the_input_equals_the_taps_and_is_taken_where_cheaper():
+    """The patches' Gram read from the input's Gram equals the sum of the taps' Grams (every
+    geometry), and is taken for stride 1 on a small image but not with stride 2 or where its
+    matrix would outgrow the gradient it stands for."""
+    r = np.random.default_rng(2)
+    for name, (in_shape, k_shape, dn, kw) in GEOMETRIES.items():
+        x = jnp.asarray(r.normal(size=(2, *in_shape)), jnp.float32)
+        w = jnp.asarray(r.normal(size=k_shape), jnp.float32)
+        eqn = _conv_eqn(x, w, dimension_numbers=dn, **kw)
+        g = jnp.asarray(r.normal(size=tuple(eqn.outvars[0].aval.shape)), jnp.float32)
+        views = conv.ConvViews(eqn, x, g, jnp.float32)
+        np.testing.assert_allclose(np.asarray(conv._input_gram(views)), np.asarray(conv._tap_gram(views)),
+                                   rtol=1e-5, atol=1e-5, err_msg=name)
+
+    def cheaper(size, cin, cout, stride):
+        x = jnp.zeros((2, size, size, cin), jnp.float32)
+        w = jnp.zeros((3, 3, cin, cout), jnp.float32)
+        eqn = _conv_eqn(x, w, window_strides=(stride, stride), padding="SAME",
+                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        g = jnp.zeros(tuple(eqn.outvars[0].aval.shape), jnp.float32)
+        return conv._input_gram_is_cheaper(conv.ConvViews(eqn, x, g, jnp.float32))
+
+    assert cheaper(8, 256, 256, 1) and cheaper(16, 128, 128, 1)  # WRN-16-4's last two groups
+    assert not cheaper(16, 64, 128, 2)  # a strided convolution's outputs are sparser than its input
+    assert not cheaper(16, 4, 4, 1)  # (18^2)^2 > 9 * 4 * 4: the matrix would outgrow the gradient
 
 
 @pytest.mark.parametrize("name", ["nchw_oihw_stride2_explicit", "depthwise", "grouped"])

@@ -12,12 +12,14 @@ is :math:`P_b^\\top G_b` and
 with ``X_bk`` (``(T, Cin/groups)``) the input seen by tap ``k``: one strided window
 of the padded (and, for ``lhs_dilation``, dilated) input. The groups' squared
 norms add. Per group and example, the Gram form costs ``T^2 (D + P)``
-multiply-adds and two ``(T, T)`` matrices; forming the gradient
-:math:`\\sum_k X_{bk}^\\top G_b` (one batched matmul per tap) costs ``T D P``
-and ``D P`` values: the multiply-adds and memory of the fallback (the
+multiply-adds and two ``(T, T)`` matrices, or, with the patches' Gram read from
+the Gram of the whole padded input (``T_in`` positions), ``T_in^2 C + T^2 P``
+and a ``(T_in, T_in)`` matrix (cheaper for stride 1 on small images); forming
+the gradient :math:`\\sum_k X_{bk}^\\top G_b` (one batched matmul per tap) costs
+``T D P`` and ``D P`` values: the multiply-adds and memory of the fallback (the
 per-example gradient by a vmapped one-example convolution VJP), but as matmuls.
-The taps are read one at a time (a scan), so the ``K`` times larger patches are
-never formed: neither form is costlier than the fallback, whatever the input size.
+The taps are read one at a time, so the ``K`` times larger patches are never
+formed: neither form is costlier than the fallback, whatever the input size.
 """
 
 from __future__ import annotations
@@ -48,9 +50,10 @@ from gradclip_jax.per_example.ghost.rules._registry import (
     register,
 )
 
-# The Gram form when its multiply-adds per group and example, T^2 (D + P), are
-# below GRAM_RATIO times those of forming the gradient, T D P (tests set 0 or inf).
-# At 1 this also bounds its memory: T < DP / (D + P) gives 2 T^2 <= DP / 2.
+# The Gram form when its multiply-adds per group and example (T^2 (D + P) from the
+# taps' Grams) are below GRAM_RATIO times those of forming the gradient, T D P
+# (tests set 0 or inf). At 1 this also bounds its memory: T < DP / (D + P) gives
+# 2 T^2 <= DP / 2 (the input's Gram is taken only where its T_in^2 <= DP).
 GRAM_RATIO = 1.0
 
 
@@ -124,24 +127,69 @@ class ConvViews:
         return jnp.reshape(jnp.reshape(x, (self.bsz, -1, self.t)), (self.bsz, self.groups, -1, self.t))
 
 
-def gram_norms(views: ConvViews) -> jax.Array:
-    """:math:`\\sqrt{\\sum_g \\langle \\sum_k X_{bgk} X_{bgk}^\\top, G_{bg} G_{bg}^\\top\\rangle}`, ``(B,)``,
-    raised by what rounding of its products may have taken off
-    (:func:`~gradclip_jax.per_example.ghost._gram.gram_norm`)."""
+def _tap_gram(views: ConvViews) -> jax.Array:
+    """:math:`P_b P_b^\\top = \\sum_k X_{bk} X_{bk}^\\top`, ``(B, groups, T, T)``, one tap's
+    window at a time, each a static slice (no loop in the program: a loop's ``K``
+    sequential iterations, each a small product, run slowly on GPUs)."""
 
     def gram(x: jax.Array) -> jax.Array:
         return product_einsum("bgct,bgcs->bgts", x, x)
 
-    # one window at a time, each a static slice: no loop in the program (a loop's K sequential
-    # iterations, each a small product, run slowly on GPUs)
     pp = gram(views.tap(views.offsets[0]))
     for off in views.offsets[1:]:
         pp = pp + gram(views.tap(off))
+    return pp
+
+
+def _input_gram(views: ConvViews) -> jax.Array:
+    """:math:`P_b P_b^\\top` from the Gram of the whole padded input, ``F_b = X_b X_b^\\top``
+    over its ``T_in`` positions: entry ``(t, s)`` is :math:`\\sum_k F_b[\\sigma(t) + o_k,
+    \\sigma(s) + o_k]` (``sigma`` the output position's start, ``o_k`` tap ``k``'s offset), ``K``
+    strided slices of ``F_b``. One product of ``T_in^2 C`` multiply-adds and no copy of the
+    input per tap, where the taps' Grams take ``K T^2 C`` and ``K`` copies."""
+    b, g = views.bsz, views.groups
+    padded = views.xp.shape[2:]
+    x = jnp.reshape(views.xp, (b, g, -1, math.prod(padded)))
+    f = jnp.reshape(product_einsum("bgcu,bgcv->bguv", x, x), (b, g, *padded, *padded))
+    pp = None
+    for off in views.offsets:
+        start = (0, 0, *off, *off)
+        limit = (b, g, *(o + e for o, e in zip(off, views.extent[2:], strict=True)),
+                 *(o + e for o, e in zip(off, views.extent[2:], strict=True)))
+        block = lax.slice(f, start, limit, (1, 1, *views.strides, *views.strides))
+        pp = block if pp is None else pp + block
+    assert pp is not None
+    return jnp.reshape(pp, (b, g, views.t, views.t))
+
+
+def _input_gram_is_cheaper(views: ConvViews) -> bool:
+    """Whether :func:`_input_gram` does fewer multiply-adds than :func:`_tap_gram`, ``T_in^2 <
+    K T^2`` (stride 1 and little padding; not with strides, whose outputs are sparser than the
+    input), with a matrix no larger than the gradient it stands for, ``T_in^2 <= K C P``."""
+    t, k, c, q, _ = views.dims
+    tin2 = math.prod(views.xp.shape[2:]) ** 2
+    return tin2 < k * t * t and tin2 <= k * c * q
+
+
+def gram_norms(views: ConvViews) -> jax.Array:
+    """:math:`\\sqrt{\\sum_g \\langle \\sum_k X_{bgk} X_{bgk}^\\top, G_{bg} G_{bg}^\\top\\rangle}`, ``(B,)``,
+    raised by what rounding of its products may have taken off
+    (:func:`~gradclip_jax.per_example.ghost._gram.gram_norm`). The patches' Gram comes from
+    the input's Gram or the taps', whichever is cheaper."""
+    pp = _input_gram(views) if _input_gram_is_cheaper(views) else _tap_gram(views)
     gg = product_einsum("bgtp,bgsp->bgts", views.g, views.g)
     _, k, c, q, _ = views.dims
-    # pp adds the K taps' Grams (its diagonal is read, not formed again): K c terms per entry
+    # each entry of pp adds K c products (in K sums of c, or one of K c) (its diagonal is read,
+    # not formed again)
     r = self_gram_rows(None, pp) * self_gram_rows(views.g, gg)
     return gram_norm([GramTerm(pp, gg, product_error(k * c, pp.dtype) + product_error(q, gg.dtype), (r, r))])
+
+
+def _gram_cost(views: ConvViews) -> int:
+    """Multiply-adds of :func:`gram_norms` per group and example."""
+    t, k, c, q, _ = views.dims
+    patches = math.prod(views.xp.shape[2:]) ** 2 * c if _input_gram_is_cheaper(views) else k * t * t * c
+    return patches + t * t * q
 
 
 def formed_norms(views: ConvViews) -> jax.Array:
@@ -183,8 +231,7 @@ class Conv(Rule):
             return None
         views = ConvViews(eqn, ops[0], g, acc)
         t, k, c, q, _ = views.dims
-        d = k * c
-        if t * t * (d + q) < GRAM_RATIO * t * d * q:
+        if _gram_cost(views) < GRAM_RATIO * t * k * c * q:
             return gram_norms(views)
         return formed_norms(views)
 
