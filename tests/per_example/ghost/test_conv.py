@@ -361,10 +361,14 @@ def test_cnn_setup_microbatched_per_layer(forms):
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 @pytest.mark.slow  # a whole model (or 8 devices): long to compile on 2 cores
-def test_sharded_batch():
+@pytest.mark.parametrize(("ratio", "from_input"), [(math.inf, False), (math.inf, True), (0.0, None)],
+                         ids=["gram-taps", "gram-input", "formed"])
+def test_sharded_batch(ratio, from_input, monkeypatch):
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    monkeypatch.setattr(conv, "GRAM_RATIO", ratio)
+    monkeypatch.setattr(conv, "_input_gram_is_cheaper", lambda views: from_input)
     loss, params, data = wrn_setup(batch=16)
     ref, ref_i = clipped_grad(loss, 0.5, method="vmap")(params, data)
     grad_fn = clipped_grad(loss, 0.5, method="ghost")

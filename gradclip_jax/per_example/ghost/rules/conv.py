@@ -149,8 +149,10 @@ def _input_gram(views: ConvViews) -> jax.Array:
     input per tap, where the taps' Grams take ``K T^2 C`` and ``K`` copies."""
     b, g = views.bsz, views.groups
     padded = views.xp.shape[2:]
-    x = jnp.reshape(views.xp, (b, g, -1, math.prod(padded)))
-    f = jnp.reshape(product_einsum("bgcu,bgcv->bguv", x, x), (b, g, *padded, *padded))
+    # (merging and splitting axes in one reshape has no sharding rule: two reshapes)
+    x = jnp.reshape(jnp.reshape(views.xp, (b, -1, math.prod(padded))), (b, g, -1, math.prod(padded)))
+    f = product_einsum("bgcu,bgcv->bguv", x, x)
+    f = jnp.reshape(jnp.reshape(f, (b, g, *padded, f.shape[-1])), (b, g, *padded, *padded))  # (one axis at a time)
     pp = None
     for off in views.offsets:
         start = (0, 0, *off, *off)
@@ -159,7 +161,7 @@ def _input_gram(views: ConvViews) -> jax.Array:
         block = lax.slice(f, start, limit, (1, 1, *views.strides, *views.strides))
         pp = block if pp is None else pp + block
     assert pp is not None
-    return jnp.reshape(pp, (b, g, views.t, views.t))
+    return jnp.reshape(jnp.reshape(pp, (*pp.shape[:2 + len(padded)], views.t)), (b, g, views.t, views.t))
 
 
 def _input_gram_is_cheaper(views: ConvViews) -> bool:
