@@ -1,6 +1,6 @@
 """Benchmark: ghost clipping (``clipped_grad(..., method='ghost')``).
 
-Two models, float32, per-example losses:
+Three models, float32, per-example losses:
 
 * the MLP 784-512-512-10 (669,706 parameters, softmax cross-entropy) at batch
   sizes 32, 128 and 512 (32 and 128 with ``quick=True``); bar: ghost <= 1.5x
@@ -8,7 +8,11 @@ Two models, float32, per-example losses:
 * a small pre-LN transformer LM (2 layers, width 128, 4 heads, sequence 64,
   vocabulary 256, plain JAX: token and position embeddings, attention, MLP,
   layer norms and an output head; mean token cross-entropy) at batch sizes 32,
-  128 and 512 (32 with ``quick``); bar: ghost <= 2x the non-private step at B=32.
+  128 and 512 (32 with ``quick``); bar: ghost <= 2x the non-private step at B=32;
+* WRN-16-4 with GroupNorm on 32x32x3 (flax linen, the model of
+  ``bench_ghost_gpu``; 2.7M parameters, every kernel a ``conv`` site) at B=32,
+  not with ``quick`` (skipped without flax): what the convolutions' norms and
+  sums cost on this backend.
 
 For each model and batch size it times, interleaved (one call of each function
 per round, medians over rounds, ``block_until_ready``, compile excluded):
@@ -140,6 +144,23 @@ def _model_rows(label: str, bar: str, model: Callable[..., Any], batch: int, rep
     return rows
 
 
+def _wrn(seed: int, batch: int) -> tuple[Callable[..., Any], Any, Any]:
+    from benchmarks.bench_ghost_gpu import _wrn as wrn
+
+    losses, params, data, _ = wrn(batch, tiny=False, seed=seed)
+    return losses, params, data
+
+
+def _cnn_rows(reps: int, max_s: float, env: str) -> list[dict]:
+    """The WRN-16-4 rows at B=32 (none without flax)."""
+    try:
+        import flax  # noqa: F401
+    except ImportError:
+        return []
+    return _model_rows("WRN-16-4 GroupNorm 32x32", "no bar (the GPU's is <= 1.5x at B=256)", _wrn, 32,
+                       max(3, reps // 4), max_s, env)
+
+
 def _compile_s(step: Callable[..., Any], *args: Any, reps: int = 3) -> float:
     """Median seconds to trace, lower and compile a fresh ``jax.jit(step)`` for ``args``."""
     times = []
@@ -220,6 +241,8 @@ def run(quick: bool = False) -> list[dict]:
         rows += _model_rows("MLP 784-512-512-10", "bar <= 1.5x at B=128", _mlp, batch, reps, max_s, env)
     for batch in (32,) if quick else (32, 128, 512):
         rows += _model_rows("transformer 2x128 T=64", "bar <= 2x at B=32", _transformer, batch, reps, max_s, env)
+    if not quick:
+        rows += _cnn_rows(reps, max_s, env)
     rows += compile_rows(env)
     return rows
 
