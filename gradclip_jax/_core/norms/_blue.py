@@ -172,19 +172,12 @@ def joint_row_norms(arrays: Sequence[jax.Array]) -> jax.Array:
     def jvp(primals: tuple, tangents: tuple) -> tuple:
         (xs,), (ts,) = primals, tangents
         out = f(xs)
-        ok = (out > 0) & jnp.isfinite(out)
-        p2 = jnp.where(ok, _power_of_two(out), jnp.ones_like(out))
-        c = out / p2
-        dot = jnp.zeros_like(out)
+        d = jnp.zeros_like(out)
         for x, t, j in zip(xs, ts, jobs, strict=True):
-            q = jnp.reshape(p2, (rows,) + (1,) * (x.ndim - 1)).astype(j.acc)
-            if jnp.iscomplexobj(x):
-                prod = (jnp.real(x).astype(j.acc) / q) * jnp.real(t).astype(j.acc) + (
-                    jnp.imag(x).astype(j.acc) / q) * jnp.imag(t).astype(j.acc)
-            else:
-                prod = (x.astype(j.acc) / q) * t.astype(j.acc)
-            dot = dot + jnp.reshape(j.sum(prod), (rows,)).astype(out.dtype)
-        d = dot / jnp.where(ok, c, jnp.ones_like(c))
+            # each array's sum(x t) / norm, scaled as for one norm (the joint one, per example)
+            part, _ = _dot_over_norm(x, t, jnp.reshape(out, (rows,) + (1,) * (x.ndim - 1)), _Job(x, j.axes, True))
+            d = d + jnp.reshape(part, (rows,))
+        ok = (out > 0) & jnp.isfinite(out)
         return out, jnp.where(ok, d, jnp.where(out == 0, jnp.zeros_like(out), jnp.full_like(out, jnp.nan)))
 
     f.defjvp(jvp)

@@ -136,7 +136,7 @@ def _chunk(config: ClipConfig, call: Call, traced: Traced, clips: Any, batch: An
         return bookkept_sums(traced, call.pflat, fwd, measured.rows, ws, keep)
 
     sums = clipped_sums(fast, config, call, batch, ws, w.keep, w.finite, zeroes_dropped=not backward,
-                        costly=not backward and costly_to_zero(traced, call.pflat, fwd))
+                        costly=costly_to_zero(traced, call.pflat, fwd))
     flags, ns = clip_flags(w, valid, clips is not None)
     return sums, ns, flags, vals, aux
 

@@ -146,8 +146,8 @@ def test_conv_matches_vmap_float64(name, forms, monkeypatch):
         # too): errors of order 1e-15 of the largest value, not of each value
         rtol, atol = by_backend((1e-10, 1e-12), (1e-9, 1e-10))
         # both formulations, forced; the Gram form's patch Gram from the taps and from the input
-        for form, ratio, from_input in [("gram", math.inf, False), ("gram", math.inf, True), ("formed", 0.0, None)]:
-            monkeypatch.setattr(conv, "GRAM_RATIO", ratio)
+        for form, from_input in [("gram", False), ("gram", True), ("formed", None)]:
+            monkeypatch.setattr(conv, "GRAM_RATIO", FORMS[form])
             monkeypatch.setattr(conv, "_input_gram_is_cheaper", lambda views, v=from_input: v)
             _compare(loss, params, data, rtol=rtol, atol=atol, ref=ref)
             assert forms.pop() == form and not forms  # measured by the rule, in that form
@@ -361,13 +361,13 @@ def test_cnn_setup_microbatched_per_layer(forms):
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 @pytest.mark.slow  # a whole model (or 8 devices): long to compile on 2 cores
-@pytest.mark.parametrize(("ratio", "from_input"), [(math.inf, False), (math.inf, True), (0.0, None)],
+@pytest.mark.parametrize(("form", "from_input"), [("gram", False), ("gram", True), ("formed", None)],
                          ids=["gram-taps", "gram-input", "formed"])
-def test_sharded_batch(ratio, from_input, monkeypatch):
+def test_sharded_batch(form, from_input, monkeypatch):
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    monkeypatch.setattr(conv, "GRAM_RATIO", ratio)
+    monkeypatch.setattr(conv, "GRAM_RATIO", FORMS[form])
     monkeypatch.setattr(conv, "_input_gram_is_cheaper", lambda views: from_input)
     loss, params, data = wrn_setup(batch=16)
     ref, ref_i = clipped_grad(loss, 0.5, method="vmap")(params, data)
@@ -464,12 +464,6 @@ def test_conv_spread_bounds_the_patches_sum(stride, padding, lhs_dil, rhs_dil, g
         exact += np.sum(np.linalg.norm(pk, axis=-1) * np.linalg.norm(gk, axis=-1), axis=1)
     assert np.all(exact <= spread * (1 + 1e-6))
     assert np.all(exact >= spread * 0.05)  # a bound, not a blanket: within 20x here
-
-
-def _conv_eqn(x, k, **kw):
-    jaxpr = jax.make_jaxpr(lambda a, b: lax.conv_general_dilated(a, b, **kw))(x, k).jaxpr
-    (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "conv_general_dilated"]
-    return eqn
 
 
 def test_input_views_wait_for_the_cotangent():

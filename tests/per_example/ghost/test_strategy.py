@@ -286,10 +286,11 @@ def test_nan_example_is_dropped(model, ghost_sum):
 
 
 @pytest.mark.parametrize("products", ["tf32", "tf32x2"])
-def test_nan_example_is_dropped_on_tf32_operands_without_a_conditional(products, monkeypatch):
+def test_nan_example_is_dropped_on_tf32_operands(products, monkeypatch):
     # On TF32-rounded operands the convolution's book-kept sum zeroes the dropped examples'
-    # rounded copies on every step: the NaN example adds nothing, and the step equals the one
-    # that masks that example out.
+    # rounded copies on every step, with no conditional (counted below, in
+    # test_bookkeeping_holds_a_conditional_only_for_convolutions_read_in_place): the NaN
+    # example adds nothing, and the step equals the one that masks that example out.
     monkeypatch.setitem(PRODUCT_PRECISION, jax.default_backend(), products)
     loss, params, data = MODELS["cnn"]()
     bad_data = {**data, "img": data["img"].at[2, 3, 3, 0].set(jnp.nan)}
