@@ -26,16 +26,20 @@ For each step it reads, without running it:
   counts once) and a private function's ops count once per call;
 * the same trace (the GPU's choices) **compiled for the CPU** (compiled at
   backend optimization level 0, which leaves the optimized HLO and its cost
-  analysis as they are and halves the compile time): ``cost_analysis()`` FLOPs
-  and bytes accessed, the number of HLO instructions of ``compiled.as_text()``
-  (fusion bodies included) and the loops and conditionals it holds
-  (``bench_ghost_gpu.control_flow``) and its temporaries (``memory_analysis()``:
+  analysis as they are and halves the compile time) as a GPU compiles it in
+  two ways: optimization barriers kept through fusion
+  (:data:`CPU_AS_GPU_OPTIONS`) and threefry's rounds unrolled into the fusions
+  that read the draw (``gpu_threefry_on_cpu``; the CPU's own lowering rolls
+  them into a loop): ``cost_analysis()`` FLOPs and bytes accessed, the number
+  of HLO instructions of ``compiled.as_text()`` (fusion bodies included), the
+  loops and conditionals it holds (``bench_ghost_gpu.control_flow``) less any
+  loops of JAX's random number generation (:func:`rng_loops`: on a JAX whose
+  CPU rule could not be swapped), and its temporaries (``memory_analysis()``:
   what the CPU's buffer assignment holds beside the arguments and outputs; a
-  GPU's schedule differs, so again a difference to steer by), less the loops of JAX's random number
-  generation, which the CPU lowering rolls and a GPU's unrolls
-  (:func:`rng_loops`). XLA's cost analysis counts a loop body once, whatever
-  its trip count, and the bytes are those of XLA's CPU fusions: a GPU fuses
-  otherwise, so they steer by their differences, not their values.
+  GPU's schedule differs, so again a difference to steer by). XLA's cost
+  analysis counts a loop body once, whatever its trip count, and the bytes are
+  those of XLA's CPU fusions: a GPU fuses otherwise, so they steer by their
+  differences, not their values.
 
 Rows (``python -m benchmarks --only cost``): one per model, DP step and
 measure, ``ours_ms`` the DP step's value and ``baseline_ms`` the non-private
@@ -61,6 +65,7 @@ import jax.numpy as jnp
 
 from benchmarks import bench_ghost_gpu as bg
 from benchmarks.common import memory_mb, row
+from gradclip_jax._core.jaxcompat import gpu_threefry_on_cpu
 
 GROUP = "cost"
 STEPS = ("nonprivate", "ghost", "vmap")
@@ -201,13 +206,21 @@ def _jit(step: Callable) -> Any:
     return jax.jit(fresh, donate_argnums=0)
 
 
+# Level 0 leaves the optimized HLO and its cost analysis as they are and halves the compile
+# time; the barrier expander is the CPU's pass that removes optimization barriers before
+# fusion, which a GPU runs only after scheduling: disabled, the CPU's fusions respect the
+# barriers as a GPU's do (the noise's, gradclip_jax.dp.noise._stored).
+CPU_AS_GPU_OPTIONS = {"xla_backend_optimization_level": 0, "xla_disable_hlo_passes": "cse_barrier_expander"}
+
+
 def measure_step(step: Callable, state: Any, data: Any) -> dict[str, Any]:
     """One step's record: the CUDA lowering's counts and the CPU compilation's costs."""
     t0 = time.perf_counter()
     with traced_as_gpu():
         traced = _jit(step).trace(state, data)
     rec = lowered_summary(traced.lower(lowering_platforms=("cuda",)).as_text())
-    compiled = traced.lower().compile(compiler_options={"xla_backend_optimization_level": 0})
+    with gpu_threefry_on_cpu():
+        compiled = traced.lower().compile(compiler_options=CPU_AS_GPU_OPTIONS)
     rec.update(compiled_summary(compiled))
     rec["seconds"] = time.perf_counter() - t0
     return rec

@@ -10,7 +10,10 @@ ours to optax's way in this process: the time of one jitted call (median of
 interleaved runs), the time to lower and compile it, and its compiled
 temporaries. On the CPU ours draws in blocks (``gcx.privacy.NOISE_STRATEGY``).
 A fourth row times ours drawing by ``"philox"`` (Philox4x32-10 bits instead of
-threefry's) against the same per-leaf threefry draw.
+threefry's) against the same per-leaf threefry draw. Two more time and compile
+each draw followed by adamw's update, as a DP step reads its noise
+(:func:`adamw_rows`: XLA's GPU fusion recomputes an unstored draw in each
+fusion that reads it; ours stores each noised leaf).
 
 Then the parts of a draw (:data:`PARTS`), each added to every leaf of the same
 tree and timed against optax's per-leaf normal draw in the same rounds, to say
@@ -160,6 +163,42 @@ def part_rows(tree: Any, key: jax.Array, what: str, reps: int) -> list[dict]:
     return rows
 
 
+def _then_adamw(noise: Callable[[Any, jax.Array], Any]) -> Callable[..., Any]:
+    """``noise`` followed by adamw's update of the tree by the noised tree, as a DP step reads its
+    noise: adamw reads each gradient leaf in more than one fusion (see :func:`adamw_rows`)."""
+    import optax
+
+    opt = optax.adamw(1e-4)
+
+    def f(tree: Any, state: Any, key: jax.Array) -> Any:
+        updates, state = opt.update(noise(tree, key), state, tree)
+        return optax.apply_updates(tree, updates), state
+
+    return f
+
+
+def adamw_rows(tree: Any, key: jax.Array, what: str, reps: int) -> list[dict]:
+    """Ours then adamw against optax's per-leaf draw then adamw: time, and lower+compile.
+
+    Without a stored draw XLA's GPU fusion recomputes a leaf's whole draw in each
+    fusion that reads it (on an H100, GPT-2 small's tied embedding took three
+    1.1-1.5 ms fusions in a DP step); ours stores each noised leaf
+    (``gradclip_jax.dp.noise._stored``)."""
+    import optax
+
+    state = optax.adamw(1e-4).init(tree)
+    fns = {"ours": _then_adamw(lambda t, k: gcx.privacy.add_gaussian_noise(t, 1.0, k)),
+           "optax": _then_adamw(lambda t, k: optax_way(t, 1.0, k))}
+    compiled, compile_s = {}, {}
+    with _flags({"jax_enable_compilation_cache": False}):
+        for name, f in fns.items():
+            compiled[name], compile_s[name] = _compile(f, tree, state, key)
+    ms = interleaved_ms({k: (lambda c=c: c(tree, state, key)) for k, c in compiled.items()}, reps=reps)
+    title = "add_gaussian_noise then adamw's update vs optax per-leaf draw then adamw's update"
+    return [row("noise", f"{title}: time", ms["ours"], ms["optax"], what),
+            row("noise", f"{title}: lower+compile (ms)", compile_s["ours"] * 1e3, compile_s["optax"] * 1e3, what)]
+
+
 def _compile(f: Callable[..., Any], *args: Any) -> tuple[Any, float]:
     t0 = time.perf_counter()
     compiled = jax.jit(f).lower(*args).compile()
@@ -192,6 +231,7 @@ def run(quick: bool = False) -> list[dict]:
             temp["optax"], what),
         row("noise", "add_gaussian_noise drawing by 'philox' vs optax per-leaf draw (threefry): time",
             ms["philox"], ms["optax"], what.split(", ours draws")[0]),
+        *adamw_rows(tree, key, what, reps=5 if quick else 15),
         *part_rows(tree, key, what.split(", ours draws")[0], reps=5 if quick else 15),
     ]
 

@@ -55,3 +55,22 @@ def test_flags_are_restored():
     with bn._flags({"jax_threefry_gpu_kernel_lowering": not before}):
         assert jax.config.jax_threefry_gpu_kernel_lowering is (not before)
     assert jax.config.jax_threefry_gpu_kernel_lowering is before
+
+
+def test_adamw_rows_time_and_compile_both_draws_followed_by_adamw():
+    rows = bn.adamw_rows(_tree(), jax.random.key(0), "tiny tree", reps=2)
+    assert [r["name"].rsplit(": ", 1)[1] for r in rows] == ["time", "lower+compile (ms)"]
+    for r in rows:
+        assert "then adamw's update" in r["name"] and r["group"] == "noise"
+        assert r["ours_ms"] > 0 and r["baseline_ms"] > 0 and math.isfinite(r["ratio"])
+
+
+def test_then_adamw_updates_by_the_noised_tree():
+    import optax
+
+    tree = _tree()
+    state = optax.adamw(1e-4).init(tree)
+    new, _ = jax.jit(bn._then_adamw(lambda t, k: jax.tree.map(jnp.ones_like, t)))(tree, state, jax.random.key(0))
+    # adamw's first step moves every parameter by -lr * sign(gradient) (bias-corrected moments)
+    for x in jax.tree.leaves(new):
+        np.testing.assert_allclose(np.asarray(x), -1e-4, rtol=1e-3)

@@ -17,6 +17,10 @@ JAX release that changes a layout is handled here once:
   a jaxpr is closed when it carries a value for each of its ``constvars``
   (``is_closed``), and ``.jaxpr`` of a closed jaxpr is the jaxpr itself.
   :func:`open_jaxpr` reads either.
+- **threefry's CPU lowering** (every version so far): the CPU lowers
+  ``threefry2x32`` as a rolled loop, GPUs and TPUs unrolled (the default rule).
+  :func:`gpu_threefry_on_cpu` swaps the CPU's rule out for a while, so the CPU
+  compiles a GPU trace's random draws as a GPU's fusions see them.
 
 A parameter that a future release renames or removes is a :class:`LayoutError`
 naming the primitive, the parameter and the JAX version, which the ghost
@@ -25,15 +29,17 @@ analysis turns into a per-leaf fallback with that reason, never a crash.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 from jax.extend import core as _jcore
+from jax.extend import random as _jrandom
 
 __all__ = [
-    "LayoutError", "Params", "ScanInfo", "bind", "is_literal", "is_tracer", "jax_version", "name_stack", "open_jaxpr", "param",
+    "LayoutError", "Params", "ScanInfo", "bind", "gpu_threefry_on_cpu", "is_literal", "is_tracer", "jax_version", "name_stack", "open_jaxpr", "param",
     "params", "scan_info", "scan_or_none", "shape", "sub_jaxpr", "sub_jaxprs", "with_params",
 ]
 
@@ -206,3 +212,26 @@ def bind(eqn: Any, invals: Sequence[Any], eqn_params: Mapping[str, Any] | None =
     with eqn.ctx.manager:
         ans = eqn.primitive.bind(*subfuns, *invals, **bound)
     return list(ans) if eqn.primitive.multiple_results else [ans]
+
+
+@contextlib.contextmanager
+def gpu_threefry_on_cpu() -> Iterator[bool]:
+    """Inside, programs lowered for the CPU draw random bits as on a GPU: threefry's 20 rounds
+    unrolled into elementwise ops, which XLA fuses into the draw's consumers, instead of the
+    CPU's rolled loop. Yields whether it could (``False``: this JAX keeps its rules elsewhere,
+    and nothing changed). For reading, on the CPU, how a GPU's compiler sees a program's noise
+    (``benchmarks/bench_cost.py``); programs lowered inside and run on the CPU give the same bits.
+    """
+    try:
+        from jax._src.interpreters import mlir
+        cpu_rules = mlir._platform_specific_lowerings["cpu"]
+    except (ImportError, AttributeError, KeyError):
+        yield False
+        return
+    prim = _jrandom.threefry2x32_p
+    saved = cpu_rules.pop(prim, None)
+    try:
+        yield saved is not None
+    finally:
+        if saved is not None:
+            cpu_rules[prim] = saved

@@ -280,3 +280,19 @@ def test_bind_takes_both_forms_of_get_bind_params(monkeypatch):
     old = eqn.replace(primitive=OldPrimitive(eqn.primitive))
     np.testing.assert_allclose(jc.bind(old, [x])[0], jnp.sin(x))
     np.testing.assert_allclose(jc.bind(eqn, [x])[0], jnp.sin(x))
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="swaps the CPU's lowering of threefry")
+def test_gpu_threefry_on_cpu_unrolls_the_rounds_for_a_while_and_draws_the_same_bits():
+    def draw(key):
+        return jax.random.normal(key, (40, 3))
+
+    key = jax.random.key(7)
+    rolled = jax.jit(draw).lower(key).compile()
+    with jc.gpu_threefry_on_cpu() as swapped:
+        assert swapped
+        unrolled = jax.jit(lambda k: draw(k)).lower(key).compile()  # a new function: a new lowering
+    again = jax.jit(lambda k: draw(k)).lower(key).compile()
+    assert " while(" in rolled.as_text() and " while(" in again.as_text()
+    assert " while(" not in unrolled.as_text() and unrolled.as_text().count(" xor(") >= 20
+    np.testing.assert_array_equal(np.asarray(unrolled(key)), np.asarray(rolled(key)))

@@ -13,6 +13,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gradclip_jax import privacy
+from gradclip_jax._core.jaxcompat import gpu_threefry_on_cpu
 from gradclip_jax.dp import noise as noise_mod
 from gradclip_jax.dp.philox import philox_normal
 from tests._backend import assert_equal_on_cpu
@@ -188,6 +189,69 @@ def test_blocked_draw_compiles_one_loop_and_holds_only_the_noise(monkeypatch):
         temp = compiled.memory_analysis().temp_size_in_bytes
         assert temp <= 1.25 * nbytes + (1 << 20)  # the flat draw plus one block, not uint32 copies per leaf
     assert loops[0] == loops[1]  # the loop count does not grow with the leaves
+
+
+def _fusions_drawing(text: str) -> int:
+    """Fused computations of an optimized HLO text that draw floats: they run a counter-based
+    generator's rounds (threefry: 20 of add, rotate, xor; philox: 10 of two multiplies and xors)
+    and return floats (a key's derivation returns integers)."""
+    bodies = re.split(r"\n(?=\S.*\{\n)", text)
+    return sum(1 for b in bodies if b.startswith("%fused") and b.count(" xor(") >= 20
+               and re.search(r"-> \(?f32", b.split("\n")[0]))
+
+
+def _adamw_step(noise_fn):
+    import optax
+
+    opt = optax.adamw(1e-3)
+
+    def step(params, state, grads, key):
+        updates, state = opt.update(noise_fn(grads, key), state, params)
+        return optax.apply_updates(params, updates), state
+
+    params = {"w": jnp.zeros((64, 48)), "b": jnp.zeros(48)}
+    return step, (params, opt.init(params), params, jax.random.key(0))
+
+
+def _draw_fusions(noise_fn) -> int:
+    """The generator's fusions in an adamw step on noised gradients, compiled for the CPU as a GPU
+    compiles it: rounds unrolled, optimization barriers kept through fusion."""
+    step, args = _adamw_step(noise_fn)
+    with gpu_threefry_on_cpu() as swapped:
+        if not swapped:
+            pytest.skip("this JAX keeps threefry's CPU lowering where gpu_threefry_on_cpu cannot swap it")
+        compiled = jax.jit(step).lower(*args).compile(
+            compiler_options={"xla_disable_hlo_passes": "cse_barrier_expander"})
+    return _fusions_drawing(compiled.as_text())
+
+
+@pytest.mark.skipif(BACKEND != "cpu", reason="reads the CPU's fusions of a GPU-style draw")
+@pytest.mark.parametrize("strategy_name", ["leaves", "shapes", "philox", "blocks"])
+def test_each_leaf_is_drawn_once_however_many_times_the_optimizer_reads_it(strategy_name, monkeypatch):
+    """adamw reads its gradient in several fusions; without the barrier XLA fuses the whole draw
+    into each of them (checked first, on optax's way of drawing), with it each leaf's draw runs once."""
+    def unstored(grads, key):  # optax's per-leaf draw, nothing stored
+        keys = jax.random.split(key, 2)
+        return {k: g + jax.random.normal(kk, g.shape) for (k, g), kk in zip(sorted(grads.items()), keys)}
+
+    if _draw_fusions(unstored) <= 2:
+        pytest.skip("this XLA does not fuse a draw into each of its readers")
+    monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, strategy_name)
+    monkeypatch.setattr(noise_mod, "NOISE_BLOCK_SIZE", 1 << 10)  # a loop of 4 blocks, not one inlined
+    draws = _draw_fusions(lambda grads, key: privacy.add_gaussian_noise(grads, 1.0, key))
+    assert draws == (1 if strategy_name == "blocks" else 2)  # per leaf; "blocks": one, in its loop
+
+
+def test_noised_leaves_are_stored_on_every_path(strategy):
+    """Each noised leaf leaves add_gaussian_noise (and dp_aggregate's draw) behind an optimization
+    barrier, whatever the strategy, under jit, vmap and grad alike."""
+    tree = {"a": jnp.ones((6, 5)), "b": jnp.ones(5), "c": jnp.ones((6, 5))}
+    jaxpr = jax.make_jaxpr(lambda t, k: privacy.add_gaussian_noise(t, 1.0, k))(tree, jax.random.key(0))
+    assert str(jaxpr).count("optimization_barrier") == 3
+    grads = jax.grad(lambda t: sum(jnp.sum(v) for v in privacy.add_gaussian_noise(t, 1.0, jax.random.key(0)).values()))
+    assert all(np.all(np.asarray(g) == 1.0) for g in grads(tree).values())
+    batched = jax.vmap(lambda k: privacy.add_gaussian_noise(tree, 0.0, k))(jax.random.split(jax.random.key(1), 2))
+    np.testing.assert_array_equal(batched["a"], np.ones((2, 6, 5)))
 
 
 def test_explicitly_sharded_leaf_is_drawn_on_its_own(monkeypatch):
