@@ -16,7 +16,7 @@ from gradclip_jax._core.backend import per_backend
 from gradclip_jax.dp.philox import philox_normal
 from gradclip_jax.per_example.internal import explicit_spec
 
-__all__ = ["NOISE_BLOCK_SIZE", "NOISE_STRATEGY", "add_gaussian_noise", "noised_leaves"]
+__all__ = ["NOISE_BLOCK_SIZE", "NOISE_STRATEGY", "add_gaussian_noise", "noised_leaves", "split_stored"]
 
 # Per backend, how :func:`add_gaussian_noise` draws the noise of a tree:
 #
@@ -105,7 +105,7 @@ def add_gaussian_noise(tree: Any, stddev: Any, key: jax.Array) -> Any:
     if not arrays:
         return tree
     check_key_varies("add_gaussian_noise", arrays, key, [jax.tree_util.keystr(flat.paths[i]) for i in flat.active])
-    block_key, *keys = jax.random.split(key, len(arrays) + 1)
+    block_key, *keys = split_stored(key, len(arrays) + 1)
     strategy = _noise_strategy()
     blocked = strategy == "blocks"
     philox = strategy == "philox"
@@ -257,6 +257,15 @@ def noised_leaves(
         noised = x + jnp.asarray(stddev, real).astype(x.dtype) * z
         out.append(_stored(noised if divisor is None else noised / jnp.asarray(divisor, x.dtype)))
     return out
+
+
+def split_stored(key: jax.Array, num: int) -> list[jax.Array]:
+    """``list(jax.random.split(key, num))``, the split stored (see :func:`_stored`): each leaf's
+    draw reads its key instead of deriving it again inside its own fusion. On a GPU that
+    derivation (threefry's unrolled rounds) was a third of a GPT-2 DP step's HLO instructions,
+    and as it sliced its own key each leaf's draw was a kernel of its own; reading its key as
+    an operand, the draws of leaves of one shape are one kernel XLA compiles once."""
+    return list(lax.optimization_barrier(jax.random.split(key, num)))
 
 
 def _stored(noised: jax.Array) -> jax.Array:

@@ -16,7 +16,7 @@ from gradclip_jax._core.state_registry import register_state
 from gradclip_jax._core.validation import clip_norm_arg, static_value
 from gradclip_jax.dp._guards import refuse_update_averaging
 from gradclip_jax.dp.aggregate._shared import _clip_sum, _divisor, _key, _lowest
-from gradclip_jax.dp.noise import noised_leaves
+from gradclip_jax.dp.noise import noised_leaves, split_stored
 from gradclip_jax.per_example.internal import batch_flatten
 
 
@@ -147,7 +147,7 @@ def _aggregate(
         refuse_update_averaging(fn)
         flat, batch = batch_flatten(updates, fn)
         arrays = flat.arrays
-        new_key, *keys = jax.random.split(state.rng_key, len(arrays) + 1)
+        new_key, *keys = split_stored(state.rng_key, len(arrays) + 1)
         if not arrays or batch is None:
             return updates, DPAggregateState(rng_key=new_key, count=increment(state.count))
         acc = _norms.tree_acc_dtype(arrays)
@@ -287,7 +287,7 @@ def dp_noise(
         refuse_update_averaging(fn)
         flat = _norms.flatten(updates, fn)
         arrays = flat.arrays
-        new_key, *keys = jax.random.split(state.rng_key, len(arrays) + 1)
+        new_key, *keys = split_stored(state.rng_key, len(arrays) + 1)
         if arrays:
             acc = _norms.tree_acc_dtype(arrays)
             v, invalid = hps.at(state.count, acc)

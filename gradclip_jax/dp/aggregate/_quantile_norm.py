@@ -18,7 +18,7 @@ from gradclip_jax._core.state_registry import register_state
 from gradclip_jax._core.validation import check_mask, check_scalar, is_traced, static_value
 from gradclip_jax.dp._guards import refuse_update_averaging
 from gradclip_jax.dp.aggregate._shared import _clip_sum, _divisor, _key, _lowest
-from gradclip_jax.dp.noise import noised_leaves
+from gradclip_jax.dp.noise import noised_leaves, split_stored
 from gradclip_jax.per_example.internal import batch_flatten, match_batch_sharding
 
 
@@ -202,7 +202,7 @@ def dp_quantile_aggregate(
         refuse_update_averaging(fn)
         flat, batch = batch_flatten(updates, fn)
         arrays = flat.arrays
-        new_key, count_key, *keys = jax.random.split(state.rng_key, len(arrays) + 2)
+        new_key, count_key, *keys = split_stored(state.rng_key, len(arrays) + 2)
         if not arrays or batch is None:
             return updates, state._replace(rng_key=new_key, count=increment(state.count))
         acc = np.dtype(jnp.result_type(_norms.tree_acc_dtype(arrays), state.clip_norm.dtype))
