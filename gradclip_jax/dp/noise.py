@@ -83,7 +83,10 @@ def add_gaussian_noise(tree: Any, stddev: Any, key: jax.Array) -> Any:
     gets ``philox_normal(k{i+1}, ...)`` (:mod:`gradclip_jax.dp.philox`): the same
     distribution from the Philox4x32-10 generator, cheaper to draw.
     An explicitly sharded leaf is always drawn on its own with threefry, so each
-    device draws only its shard.
+    device draws only its shard. Each noised leaf is returned behind an
+    optimization barrier: the compiler stores it once rather than repeating its
+    draw in every kernel that reads it (an optimizer such as adamw reads its
+    gradient in several).
 
     Args:
       tree: a pytree of floating-point arrays (e.g. the sum from ``clipped_grad``).
