@@ -41,6 +41,13 @@ Every step is a full optimizer step, jitted with the training state donated:
 * ``ghost_noise_shapes`` (``gpt2-b8``, ``wrn-b256``): the ghost step with the noise drawn
   once per distinct leaf shape (``NOISE_STRATEGY`` ``"shapes"``: the same draws, fewer and
   larger fusions), to weigh its compile time and step time against one draw per leaf;
+* ``nonprivate_noise`` (``gpt2-b8``, ``wrn-b256``): ``jax.grad`` of the summed loss (no
+  clipping) with the DP step's noise, division and adamw: the noise's own share of a DP step;
+* ``ghost_noise_unstored`` (``gpt2-b8``, ``wrn-b256``): the ghost step with the noise drawn as
+  ``optax.contrib.differentially_private_aggregate`` draws it (one ``jax.random.normal`` per
+  leaf, nothing stored), against which ``ghost`` shows what storing each noised leaf and the
+  leaves' keys saves (XLA's GPU fusion otherwise draws a leaf again in each optimizer kernel
+  that reads it);
 * ``ghost_tf32x3`` / ``ghost_bf16x6`` (``gpt2-b8``, ``gpt2-b32``, ``wrn-b256``):
   the ghost step with the per-example products (Gram norms, formed and
   book-kept sums) at ``DotAlgorithmPreset.TF32_TF32_F32_X3`` (GPU only) or
@@ -113,6 +120,7 @@ import optax
 
 import gradclip_jax as gcx
 from benchmarks.bench_dp import CLIP, _jax_privacy
+from benchmarks.bench_noise import optax_way
 from benchmarks.common import interleaved_ms, memory_mb, num_params, row
 from gradclip_jax._core.backend import backend_setting
 
@@ -123,14 +131,17 @@ RESULTS_JSON = "ghost_gpu.json"
 RESULTS_MD = "GHOST_GPU.md"
 
 STEPS = ("nonprivate", "ghost", "backward", "bookkeeping", "vmap", "jax_privacy", "nonprivate_highest",
-         "ghost_highest", "ghost_tf32x2", "ghost_tf32x3", "ghost_bf16x6", "ghost_noise_shapes")
+         "ghost_highest", "ghost_tf32x2", "ghost_tf32x3", "ghost_bf16x6", "ghost_noise_shapes",
+         "nonprivate_noise", "ghost_noise_unstored")
 STEP_TITLES = {"nonprivate": "non-private", "ghost": "ghost (auto)", "backward": "ghost backward",
                "bookkeeping": "ghost bookkeeping", "vmap": "vmap", "jax_privacy": "jax-privacy",
                "nonprivate_highest": "non-private at HIGHEST", "ghost_highest": "ghost, products HIGHEST",
                "ghost_tf32x2": "ghost, book-kept sums in two exact TF32 passes",
                "ghost_tf32x3": "ghost, products 3xTF32",
                "ghost_bf16x6": "ghost, products 6xBF16",
-               "ghost_noise_shapes": "ghost, noise drawn once per leaf shape"}
+               "ghost_noise_shapes": "ghost, noise drawn once per leaf shape",
+               "nonprivate_noise": "non-private sum with the DP noise",
+               "ghost_noise_unstored": "ghost, noise drawn as optax draws it (not stored)"}
 GHOST_SUM = {"ghost": "auto", "backward": "backward", "bookkeeping": "bookkeeping"}
 # Ghost (auto) with the per-example products at another gcx.per_example.PRODUCT_PRECISION
 # setting than the backend's default ("tf32" on GPUs): HIGHEST, or a reduced-pass algorithm.
@@ -370,13 +381,16 @@ def product_accuracy(losses: Callable, params: Any, data: Any, settings: Sequenc
     return out
 
 
-def _dp_step(summed_grad: Callable, stddev: float, batch_size: int, opt: optax.GradientTransformation) -> Callable:
-    """Clipped sum, Gaussian noise, division by the batch size, adamw."""
+def _dp_step(summed_grad: Callable, stddev: float, batch_size: int, opt: optax.GradientTransformation,
+             noise: Callable[[Any, Any, Any], Any] | None = None) -> Callable:
+    """Clipped sum, Gaussian noise (``noise(tree, stddev, key)``, by default
+    ``gcx.privacy.add_gaussian_noise``), division by the batch size, adamw."""
+    add_noise = gcx.privacy.add_gaussian_noise if noise is None else noise
 
     def step(state: Any, batch: Any) -> Any:
         params, opt_state, key = state
         key, noise_key = jax.random.split(key)
-        noisy = gcx.privacy.add_gaussian_noise(summed_grad(params, batch), stddev, noise_key)
+        noisy = add_noise(summed_grad(params, batch), stddev, noise_key)
         grads = jax.tree.map(lambda g, p: (g / batch_size).astype(p.dtype), noisy, params)
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, key
@@ -407,6 +421,11 @@ def _steps(cfg: Config, losses: Callable, batch_size: int, wanted: Sequence[str]
             grad_fn = gcx.clipped_grad(losses, CLIP, method="ghost")
             out[name] = _traced_within(_dp_step(lambda p, b, f=grad_fn: f(p, b)[0], stddev, batch_size, opt),
                                        functools.partial(backend_setting, gcx.privacy.NOISE_STRATEGY, "shapes"))
+        elif name == "nonprivate_noise":
+            out[name] = _dp_step(jax.grad(lambda p, b: jnp.sum(losses(p, b))), stddev, batch_size, opt)
+        elif name == "ghost_noise_unstored":
+            grad_fn = gcx.clipped_grad(losses, CLIP, method="ghost")
+            out[name] = _dp_step(lambda p, b, f=grad_fn: f(p, b)[0], stddev, batch_size, opt, noise=optax_way)
         elif name == "jax_privacy":
             jp = _jax_privacy(losses)
             out[name] = "skipped: jax_privacy is not importable" if jp is None else _dp_step(jp, stddev, batch_size, opt)

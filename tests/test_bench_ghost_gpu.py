@@ -8,6 +8,7 @@ import os
 import pathlib
 import subprocess
 import sys
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,8 @@ import pytest
 pytest.importorskip("flax")
 import gradclip_jax as gcx
 from benchmarks import bench_ghost_gpu as bg
+from gradclip_jax._core import jaxcompat as jc
+from gradclip_jax._core.backend import backend_setting
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 on_gpu = jax.default_backend() == "gpu"
@@ -167,3 +170,33 @@ def test_noise_shapes_step_draws_once_per_leaf_shape():
     draws = str(jax.make_jaxpr(steps["ghost_noise_shapes"])(state, data)).count("random_bits[")
     shapes = {(x.shape, jnp.result_type(x, jnp.float32)) for x in jax.tree.leaves(params)}
     assert draws == len(shapes) < len(jax.tree.leaves(params))
+
+
+def _count_primitives(jaxpr, counts: Counter) -> None:
+    """Adds the primitives of ``jaxpr`` and of every jaxpr nested in it, once per call site."""
+    for eqn in jaxpr.eqns:
+        counts[eqn.primitive.name] += 1
+        for sub in jc.sub_jaxprs(eqn):
+            _count_primitives(sub, counts)
+
+
+def test_noise_steps_add_the_noise_to_the_unclipped_sum_or_draw_it_unstored():
+    losses, params, data, _ = bg._gpt2(2, fused=True, dtype=jnp.float32, tiny=True, layers=2)
+    names = ("nonprivate", "ghost", "nonprivate_noise", "ghost_noise_unstored")
+    steps = bg._steps(bg.Config("x", "gpt2", 2, names), losses, 2, bg.STEPS)
+    with backend_setting(gcx.privacy.NOISE_STRATEGY, "leaves"):  # a draw per leaf, as on GPUs
+        jaxprs = {n: jax.make_jaxpr(steps[n])(bg._fresh_state(params, 0), data).jaxpr for n in names}
+    leaves = len(jax.tree.leaves(params))
+    count = {n: Counter() for n in names}
+    for n, j in jaxprs.items():
+        _count_primitives(j, count[n])
+    # ours stores every noised leaf and the leaves' keys; optax's draw stores nothing
+    assert count["ghost"]["optimization_barrier"] == count["nonprivate_noise"]["optimization_barrier"] == leaves + 1
+    assert count["ghost_noise_unstored"]["optimization_barrier"] == 0
+    for n in ("ghost", "nonprivate_noise", "ghost_noise_unstored"):
+        assert count[n]["random_bits"] == leaves, n
+    assert count["nonprivate"]["random_bits"] == 0
+    # the same key gives the same training state: only the noise's values differ between the draws
+    outs = {n: jax.jit(steps[n])(bg._fresh_state(params, 0), data) for n in ("ghost", "ghost_noise_unstored")}
+    for a, b in zip(jax.tree.leaves(outs["ghost"][0]), jax.tree.leaves(outs["ghost_noise_unstored"][0]), strict=True):
+        assert a.shape == b.shape and bool(jnp.all(jnp.isfinite(b)))
