@@ -19,7 +19,8 @@ Then the parts of a draw (:data:`PARTS`), each added to every leaf of the same
 tree and timed against optax's per-leaf normal draw in the same rounds, to say
 where a draw's time goes on a backend: a pass that only reads and writes the
 tree (the memory floor), threefry bits, uniforms, normals by Box-Muller instead
-of ``erf_inv``, one draw for the whole tree cut into leaves, ours made once per
+of ``erf_inv``, one draw for the whole tree cut into leaves, normals from both
+words of each threefry hash (JAX's draw keeps one word per hash), ours made once per
 distinct leaf shape (``NOISE_STRATEGY`` ``"shapes"``; GPT-2 small's 148 leaves
 have 9 shapes) and (on GPUs) JAX's threefry kernel
 (``jax_threefry_gpu_kernel_lowering``) instead of threefry written in XLA ops;
@@ -40,10 +41,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.extend.random import threefry2x32_p
 
 import gradclip_jax as gcx
 from benchmarks.common import interleaved_ms, memory_mb, row
 from gradclip_jax._core.backend import backend_setting
+from gradclip_jax.dp.philox import normal_from_bits
 
 
 def gpt2_tree(width: int = 768, vocab: int = 50257, layers: int = 12, positions: int = 1024) -> dict[str, Any]:
@@ -94,6 +98,20 @@ def _per_leaf(draw: Callable[[jax.Array, jax.Array], jax.Array]) -> Callable[[An
     return f
 
 
+def _pairs_normal(k: jax.Array, x: jax.Array) -> jax.Array:
+    """Standard normals from both words of each threefry2x32 hash: ``ceil(n / 2)`` hashes of
+    the counters ``0, 1, ...`` under ``k``'s two words, the words stored (an optimization barrier:
+    one fusion computes each hash once and writes both), then transformed as ``jax.random.normal``
+    transforms its bits. JAX's own draw (partitionable threefry) hashes once per value and keeps
+    the xor of the two words; whether a GPU's fusion keeps both words of one hash is what this
+    part measures."""
+    n = x.size
+    counters = jnp.arange(-(-n // 2), dtype=jnp.uint32)
+    k1, k2 = jax.random.key_data(k)
+    words = lax.optimization_barrier(threefry2x32_p.bind(k1, k2, jnp.zeros_like(counters), counters))
+    return jnp.reshape(normal_from_bits(jnp.concatenate(words)[:n]), x.shape).astype(x.dtype)
+
+
 def _one_draw(tree: Any, key: jax.Array) -> Any:
     """One normal draw of the whole tree's size, cut into the leaves."""
     leaves, treedef = jax.tree.flatten(tree)
@@ -111,6 +129,8 @@ PARTS: dict[str, tuple[str, Callable[[Any, jax.Array], Any], dict[str, Any]]] = 
     "uniform": ("tree + uniforms per leaf", _per_leaf(lambda k, x: jax.random.uniform(k, x.shape, x.dtype)), {}),
     "box_muller": ("tree + Box-Muller normals per leaf", _per_leaf(_box_muller), {}),
     "one_draw": ("tree + one normal draw of the whole tree, cut into leaves", _one_draw, {}),
+    "pairs": ("tree + normals from both words of each threefry hash (words stored, then transformed)",
+              _per_leaf(_pairs_normal), {}),
     "threefry_kernel": ("optax per-leaf draw with JAX's threefry GPU kernel (jax_threefry_gpu_kernel_lowering)",
                         lambda t, k: optax_way(t, 1.0, k), {"jax_threefry_gpu_kernel_lowering": True}),
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.extend.random
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -35,7 +36,7 @@ def test_per_shape_part_draws_once_per_shape_whatever_the_backends_strategy():
     assert jaxpr.count("random_bits[") == 2  # (5, 3) and (7,)
 
 
-@pytest.mark.parametrize("name", ["box_muller", "one_draw", "per_shape"])
+@pytest.mark.parametrize("name", ["box_muller", "one_draw", "per_shape", "pairs"])
 def test_normal_parts_draw_standard_normals(name):
     tree = {"a": jnp.zeros((400, 50)), "b": jnp.zeros(1001)}
     out = jax.jit(bn.PARTS[name][1])(tree, jax.random.key(3))
@@ -74,3 +75,15 @@ def test_then_adamw_updates_by_the_noised_tree():
     # adamw's first step moves every parameter by -lr * sign(gradient) (bias-corrected moments)
     for x in jax.tree.leaves(new):
         np.testing.assert_allclose(np.asarray(x), -1e-4, rtol=1e-3)
+
+
+def test_pairs_part_hashes_half_the_counters_and_uses_both_words():
+    x = jnp.zeros((7, 3))
+    key = jax.random.key(4)
+    z = bn._pairs_normal(key, x)
+    # 11 hashes for 21 values: the first 11 from each hash's first word, the rest from the second
+    words = jax.extend.random.threefry2x32_p.bind(*jax.random.key_data(key), jnp.zeros(11, jnp.uint32),
+                                                  jnp.arange(11, dtype=jnp.uint32))
+    expect = bn.normal_from_bits(jnp.concatenate(words)[:21]).reshape(7, 3)
+    np.testing.assert_array_equal(np.asarray(z), np.asarray(expect))
+    assert len(set(np.ravel(np.asarray(z)).tolist())) == 21  # every value its own

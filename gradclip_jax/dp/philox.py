@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["philox4x32", "philox_normal"]
+__all__ = ["normal_from_bits", "philox4x32", "philox_normal"]
 
 _MUL = (0xD2511F53, 0xCD9E8D57)  # the round multipliers
 _BUMP = (0x9E3779B9, 0xBB67AE85)  # the key schedule's increments (golden ratio, sqrt(3) - 1)
@@ -87,7 +87,16 @@ def philox_normal(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     zero = jnp.zeros((), jnp.uint32)
     words = philox4x32((_counters(counts), zero, zero, zero), (k0, k1))
     bits = jnp.stack(words, axis=-1).reshape(*counts[:-1], 4 * counts[-1])[..., : full[-1]]
+    return normal_from_bits(bits).reshape(shape)
+
+
+def normal_from_bits(bits: jax.Array) -> jax.Array:
+    """float32 standard normals from uint32 random words, by ``jax.random.normal``'s transform.
+
+    Each word becomes a uniform ``u`` in ``(-1, 1)`` from its top 23 bits, and the
+    draw is ``sqrt(2) erfinv(u)``.
+    """
     unit = lax.bitcast_convert_type((bits >> 9) | jnp.uint32(0x3F800000), jnp.float32) - 1.0  # [0, 1)
     lo = np.nextafter(np.float32(-1.0), np.float32(0.0))
     u = jnp.maximum(lo, unit * 2.0 - 1.0)  # (-1, 1): erfinv(-1) would be -inf
-    return (np.float32(np.sqrt(2.0)) * lax.erf_inv(u)).reshape(shape)
+    return np.float32(np.sqrt(2.0)) * lax.erf_inv(u)
