@@ -264,10 +264,9 @@ def noised_leaves(
 
 def split_stored(key: jax.Array, num: int) -> list[jax.Array]:
     """``list(jax.random.split(key, num))``, the split stored (see :func:`_stored`): each leaf's
-    draw reads its key instead of deriving it again inside its own fusion. On a GPU that
-    derivation (threefry's unrolled rounds) was a third of a GPT-2 DP step's HLO instructions,
-    and as it sliced its own key each leaf's draw was a kernel of its own; reading its key as
-    an operand, the draws of leaves of one shape are one kernel XLA compiles once."""
+    draw reads its key instead of deriving it again inside its own fusion (threefry's unrolled
+    rounds once more per leaf: a third of the HLO instructions of the 2-block GPT-2 DP step of
+    ``benchmarks/bench_cost.py``, read as a GPU compiles it)."""
     return list(lax.optimization_barrier(jax.random.split(key, num)))
 
 
