@@ -8,7 +8,6 @@ import os
 import pathlib
 import subprocess
 import sys
-from collections import Counter
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +16,8 @@ import pytest
 pytest.importorskip("flax")
 import gradclip_jax as gcx
 from benchmarks import bench_ghost_gpu as bg
-from gradclip_jax._core import jaxcompat as jc
 from gradclip_jax._core.backend import backend_setting
+from tests.jaxprs import primitive_counts
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 on_gpu = jax.default_backend() == "gpu"
@@ -172,14 +171,6 @@ def test_noise_shapes_step_draws_once_per_leaf_shape():
     assert draws == len(shapes) < len(jax.tree.leaves(params))
 
 
-def _count_primitives(jaxpr, counts: Counter) -> None:
-    """Adds the primitives of ``jaxpr`` and of every jaxpr nested in it, once per call site."""
-    for eqn in jaxpr.eqns:
-        counts[eqn.primitive.name] += 1
-        for sub in jc.sub_jaxprs(eqn):
-            _count_primitives(sub, counts)
-
-
 def test_noise_steps_add_the_noise_to_the_unclipped_sum_or_draw_it_unstored():
     losses, params, data, _ = bg._gpt2(2, fused=True, dtype=jnp.float32, tiny=True, layers=2)
     names = ("nonprivate", "ghost", "nonprivate_noise", "ghost_noise_unstored")
@@ -187,9 +178,7 @@ def test_noise_steps_add_the_noise_to_the_unclipped_sum_or_draw_it_unstored():
     with backend_setting(gcx.privacy.NOISE_STRATEGY, "leaves"):  # a draw per leaf, as on GPUs
         jaxprs = {n: jax.make_jaxpr(steps[n])(bg._fresh_state(params, 0), data).jaxpr for n in names}
     leaves = len(jax.tree.leaves(params))
-    count = {n: Counter() for n in names}
-    for n, j in jaxprs.items():
-        _count_primitives(j, count[n])
+    count = {n: primitive_counts(j) for n, j in jaxprs.items()}
     # ours stores every noised leaf and the leaves' keys; optax's draw stores nothing
     assert count["ghost"]["optimization_barrier"] == count["nonprivate_noise"]["optimization_barrier"] == leaves + 1
     assert count["ghost_noise_unstored"]["optimization_barrier"] == 0

@@ -36,7 +36,12 @@ __all__ = ["NOISE_BLOCK_SIZE", "NOISE_STRATEGY", "add_gaussian_noise", "noised_l
 #   draw under vmap is the one it gives alone). GPT-2 small's 148 leaves have 9
 #   shapes: fewer, larger fusions for the compiler (on the CPU the noise alone
 #   compiled in 7.0 s instead of 14.3 s), at the price of the draws being
-#   stored before they are added. ``benchmarks/bench_ghost_gpu.py``'s
+#   stored before they are added (each group's draw behind a barrier, so a GPU
+#   compiles one draw kernel per group instead of copying the draw's code into
+#   each leaf's kernel: the 2-block GPT-2 DP step of
+#   ``benchmarks/bench_cost.py``, read as a GPU compiles it, has 10,900 HLO
+#   instructions with it and 15,948 with ``"leaves"``).
+#   ``benchmarks/bench_ghost_gpu.py``'s
 #   ``ghost_noise_shapes`` step measures it on GPUs.
 # * ``"philox"``: one draw per leaf as ``"leaves"``, but a float32 leaf's bits
 #   come from the Philox4x32-10 generator (:mod:`gradclip_jax.dp.philox`, keyed
@@ -54,6 +59,8 @@ NOISE_STRATEGY = {"cpu": "blocks"}
 _NOISE_STRATEGIES = ("leaves", "blocks", "shapes", "philox")
 # Elements per block of the blocked draw (4 bytes each in float32).
 NOISE_BLOCK_SIZE = 1 << 18
+# At most this many elements in one stored draw of the "shapes" strategy (256 MiB in float32).
+_SHAPES_DRAW_MAX = 1 << 26
 
 
 def _noise_strategy() -> str:
@@ -214,7 +221,9 @@ def _noised_by_shape(arrays: Sequence[jax.Array], keys: Sequence[jax.Array], idx
                      stddev: Any) -> dict[int, jax.Array]:
     """``x + stddev * jax.random.normal(k, x.shape)`` for the real, unsharded leaves among ``idx``
     that share their shape and dtype with another: one vmapped draw per such group (the random
-    bits of the per-leaf draw). ``{index: noised leaf}``; the other leaves are left out."""
+    bits of the per-leaf draw), stored, in chunks of at most :data:`_SHAPES_DRAW_MAX` elements
+    (a group as large as a big model's MLP matrices would hold gigabytes at once).
+    ``{index: noised leaf}``; the other leaves are left out."""
     groups: dict[tuple[tuple[int, ...], np.dtype], list[int]] = {}
     for i in idx:
         x = arrays[i]
@@ -224,12 +233,15 @@ def _noised_by_shape(arrays: Sequence[jax.Array], keys: Sequence[jax.Array], idx
     for (shape, dtype), members in groups.items():
         if len(members) < 2:
             continue
-        group = [arrays[i] for i in members]
-        # the caller checked its key against every leaf: keys split from it vary alike
-        z = jax.vmap(lambda k, shape=shape, dtype=dtype: jax.random.normal(k, shape, dtype))(
-            jnp.stack([keys[i] for i in members]))
+        per = max(1, _SHAPES_DRAW_MAX // max(1, int(np.prod(shape, dtype=np.int64))))
         std = jnp.asarray(stddev, dtype)
-        out.update({i: _stored(x + std * z[j]) for j, (i, x) in enumerate(zip(members, group, strict=True))})
+        for c in range(0, len(members), per):
+            chunk = members[c:c + per]
+            # the caller checked its key against every leaf: keys split from it vary alike
+            z = jax.vmap(lambda k, shape=shape, dtype=dtype: jax.random.normal(k, shape, dtype))(
+                jnp.stack([keys[i] for i in chunk]))
+            z = _stored(z)  # one kernel draws the chunk, not a copy of the draw's code in each leaf's
+            out.update({i: _stored(arrays[i] + std * z[j]) for j, i in enumerate(chunk)})
     return out
 
 

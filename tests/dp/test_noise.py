@@ -17,6 +17,7 @@ from gradclip_jax._core.jaxcompat import gpu_threefry_on_cpu
 from gradclip_jax.dp import noise as noise_mod
 from gradclip_jax.dp.philox import philox_normal
 from tests._backend import assert_equal_on_cpu
+from tests.jaxprs import primitive_counts
 
 BACKEND = jax.default_backend()
 
@@ -250,7 +251,8 @@ def test_noised_leaves_are_stored_on_every_path(strategy):
     barrier, whatever the strategy, under jit, vmap and grad alike."""
     tree = {"a": jnp.ones((6, 5)), "b": jnp.ones(5), "c": jnp.ones((6, 5))}
     jaxpr = jax.make_jaxpr(lambda t, k: privacy.add_gaussian_noise(t, 1.0, k))(tree, jax.random.key(0))
-    assert str(jaxpr).count("optimization_barrier") == 3 + 1  # the leaves and their keys' split
+    # the leaves and their keys' split ("shapes": and the draw of the two (6, 5) leaves)
+    assert str(jaxpr).count("optimization_barrier") == 3 + 1 + (strategy == "shapes")
     grads = jax.grad(lambda t: sum(jnp.sum(v) for v in privacy.add_gaussian_noise(t, 1.0, jax.random.key(0)).values()))
     assert all(np.all(np.asarray(g) == 1.0) for g in grads(tree).values())
     batched = jax.vmap(lambda k: privacy.add_gaussian_noise(tree, 0.0, k))(jax.random.split(jax.random.key(1), 2))
@@ -331,3 +333,20 @@ def test_unknown_strategy_is_a_value_error_naming_the_setting(monkeypatch):
     monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, "fast")
     with pytest.raises(ValueError, match=r"NOISE_STRATEGY: unknown strategy 'fast'"):
         privacy.add_gaussian_noise({"a": jnp.zeros(3)}, 1.0, jax.random.key(0))
+
+
+def test_shapes_draw_is_chunked_and_each_chunk_is_the_leaves_draw(monkeypatch):
+    """A group larger than the stored-draw limit is drawn in chunks: the same values as the
+    per-leaf draw, in ceil(members / per-chunk) draws."""
+    tree = {f"w{i}": jnp.ones((6, 5)) for i in range(5)}
+    key = jax.random.key(9)
+    monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, "leaves")
+    leaves = _jitted()(tree, 0.5, key)
+    monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, "shapes")
+    monkeypatch.setattr(noise_mod, "_SHAPES_DRAW_MAX", 2 * 30)  # two leaves per stored draw
+    counts = primitive_counts(jax.make_jaxpr(lambda t, k: privacy.add_gaussian_noise(t, 0.5, k))(tree, key).jaxpr)
+    assert counts["random_bits"] == 3  # chunks of 2, 2 and 1 leaves
+    assert counts["optimization_barrier"] == 5 + 1 + 3  # the leaves, their keys, the chunks' draws
+    shapes = _jitted()(tree, 0.5, key)
+    for name in tree:
+        np.testing.assert_allclose(np.asarray(shapes[name]), np.asarray(leaves[name]), rtol=1e-6, atol=1e-6)

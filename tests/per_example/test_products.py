@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 from jax import lax
 
-from gradclip_jax._core.jaxcompat import sub_jaxprs
 from gradclip_jax.per_example import (
     PRODUCT_PRECISION,
     _products,
@@ -25,6 +24,7 @@ from gradclip_jax.per_example._products import (
     tf32_weighted,
 )
 from tests._backend import backend_default_precision, refuses_backward
+from tests.jaxprs import equations
 from tests.per_example.models import (
     assert_tree_close,
     cnn_setup,
@@ -63,18 +63,9 @@ def _precisions(fn, *args, primitive=lax.dot_general_p) -> list:
     """The ``precision`` of every ``primitive`` equation in ``fn``'s jaxpr (nested jaxprs included),
     traced at the backend's default precision: the model's own products are left at ``None``
     (under the suite's full precision on a GPU they would read ``HIGHEST`` too)."""
-    found: list = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive is primitive:
-                found.append(eqn.params["precision"])
-            for sub in sub_jaxprs(eqn):
-                walk(sub)
-
     with backend_default_precision():
-        walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
+        jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    return [eqn.params["precision"] for eqn in equations(jaxpr) if eqn.primitive is primitive]
 
 
 def _algorithms(fn, *args) -> list[str]:
