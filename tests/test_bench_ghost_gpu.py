@@ -185,7 +185,3 @@ def test_noise_steps_add_the_noise_to_the_unclipped_sum_or_draw_it_unstored():
     for n in ("ghost", "nonprivate_noise", "ghost_noise_unstored"):
         assert count[n]["random_bits"] == leaves, n
     assert count["nonprivate"]["random_bits"] == 0
-    # the same key gives the same training state: only the noise's values differ between the draws
-    outs = {n: jax.jit(steps[n])(bg._fresh_state(params, 0), data) for n in ("ghost", "ghost_noise_unstored")}
-    for a, b in zip(jax.tree.leaves(outs["ghost"][0]), jax.tree.leaves(outs["ghost_noise_unstored"][0]), strict=True):
-        assert a.shape == b.shape and bool(jnp.all(jnp.isfinite(b)))
