@@ -121,7 +121,7 @@ import optax
 import gradclip_jax as gcx
 from benchmarks.bench_dp import CLIP, _jax_privacy
 from benchmarks.bench_noise import optax_way
-from benchmarks.common import interleaved_ms, memory_mb, num_params, row
+from benchmarks.common import interleaved_ms, memory_mb, num_params, row, same_measurement
 from gradclip_jax._core.backend import backend_setting
 
 NOISE_MULTIPLIER = 1.0
@@ -705,13 +705,14 @@ def merge_config(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
 
 def write_results(out: pathlib.Path, meta: dict[str, Any], configs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Merges ``configs`` into ``out/ghost_gpu.json`` (by config name, then by step: see
-    :func:`merge_config`) and rewrites both files."""
+    :func:`merge_config`) when its sizes and device match (:func:`~benchmarks.common.same_measurement`),
+    and rewrites both files."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / RESULTS_JSON
     known: dict[str, dict[str, Any]] = {}
     if path.exists():
         old = json.loads(path.read_text())
-        if old.get("meta", {}).get("sizes") == meta["sizes"]:
+        if same_measurement(old.get("meta", {}), meta):
             known = {c["config"]: c for c in old.get("configs", [])}
     for c in configs:
         known[c["config"]] = merge_config(known[c["config"]], c) if c["config"] in known else c

@@ -75,6 +75,13 @@ def row(group: str, name: str, ours_ms: float, baseline_ms: float, note: str = "
             "ratio": ours_ms / baseline_ms if baseline_ms else float("nan"), "note": note, **extra}
 
 
+def same_measurement(old_meta: dict[str, Any], meta: dict[str, Any]) -> bool:
+    """Whether results saved under ``old_meta`` may be merged with new ones under ``meta``:
+    the same model sizes on the same kind of device (an H100's steps beside an H200's would
+    read as one machine's)."""
+    return all(old_meta.get(k) == meta.get(k) for k in ("sizes", "device"))
+
+
 def memory_mb(compiled: Any) -> tuple[float, float]:
     """``(temporaries, peak)`` of a compiled executable's ``memory_analysis()``, in MiB.
 

@@ -38,7 +38,9 @@ configs already there) and ``OUT/PROFILE_GPU.md``.
 Without a GPU it prints why and does nothing unless ``--tiny`` or
 ``--force-cpu`` asks for a smoke run of the tiny models on the CPU.
 ``PROFILE_GPU_BUDGET_S`` (default 540) stops compiling new steps once that
-many seconds would be spent.
+many seconds would be spent. ``PROFILE_GPU_STEPS`` (comma-separated steps of
+``bench_ghost_gpu``, default ``ghost,vmap``) picks the steps profiled beside
+the non-private one, which is always profiled first (the ratios are to it).
 
 Run: ``python -m benchmarks.profile_gpu --models gpt2-b8,wrn-b256 --out DIR`` or
 ``python -m benchmarks --only profile-gpu --out DIR``.
@@ -63,7 +65,7 @@ from typing import Any
 import jax
 
 from benchmarks import bench_ghost_gpu as bg
-from benchmarks.common import num_params, row
+from benchmarks.common import num_params, row, same_measurement
 
 GROUP = "profile-gpu"
 RESULTS_JSON = "profile_gpu.json"
@@ -415,14 +417,23 @@ def profile_step(step: Callable, params: Any, data: Any, seed: int, *, warmup: i
             **bg.control_flow(compiled)}
 
 
+def chosen_steps(wanted: str | None) -> tuple[str, ...]:
+    """The steps to profile: ``nonprivate`` first, then those of ``wanted`` (default :data:`STEPS`)."""
+    names = [s.strip() for s in wanted.split(",") if s.strip()] if wanted else list(STEPS)
+    unknown = set(names) - set(bg.STEPS)
+    if unknown:
+        raise ValueError(f"PROFILE_GPU_STEPS: unknown steps {sorted(unknown)}; known: {', '.join(bg.STEPS)}")
+    return ("nonprivate", *dict.fromkeys(n for n in names if n != "nonprivate"))
+
+
 def measure(cfg: bg.Config, *, tiny: bool, warmup: int, steps: int, trace_root: pathlib.Path,
-            deadline: float, clock: dict[str, float]) -> dict[str, Any]:
-    """Profiles the ``nonprivate``, ``ghost`` and ``vmap`` steps of one config."""
+            deadline: float, clock: dict[str, float], names: Sequence[str] = STEPS) -> dict[str, Any]:
+    """Profiles the steps ``names`` (``nonprivate`` among them) of one config."""
     losses, params, data, label, batch = bg.build(cfg, tiny)
-    fns = bg._steps(dataclasses.replace(cfg, steps=STEPS), losses, batch, STEPS)
+    fns = bg._steps(dataclasses.replace(cfg, steps=tuple(names)), losses, batch, tuple(names))
     res: dict[str, Any] = {"config": cfg.name, "label": label, "batch": batch, "params": num_params(params),
                            "steps": {}}
-    for i, name in enumerate(STEPS):
+    for i, name in enumerate(names):
         if time.perf_counter() + clock.get("max_s", 0.0) > deadline:
             res["steps"][name] = {"skipped": "skipped: time budget (PROFILE_GPU_BUDGET_S) would be spent"}
             continue
@@ -501,13 +512,14 @@ def markdown(meta: dict[str, Any], configs: Sequence[dict[str, Any]]) -> str:
 
 
 def write_results(out: pathlib.Path, meta: dict[str, Any], configs: Sequence[dict[str, Any]]) -> list[dict]:
-    """Merges ``configs`` (by name) into ``out/profile_gpu.json`` when its sizes match; rewrites both files."""
+    """Merges ``configs`` (by name) into ``out/profile_gpu.json`` when its sizes and device match
+    (:func:`~benchmarks.common.same_measurement`); rewrites both files."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / RESULTS_JSON
     known: dict[str, dict[str, Any]] = {}
     if path.exists():
         old = json.loads(path.read_text())
-        if old.get("meta", {}).get("sizes") == meta["sizes"]:
+        if same_measurement(old.get("meta", {}), meta):
             known = {c["config"]: c for c in old.get("configs", [])}
     known.update({c["config"]: c for c in configs})
     merged = list(known.values())
@@ -556,13 +568,15 @@ def run(quick: bool = False, *, out: str | pathlib.Path | None = None, models: s
     configs = bg.select(models or DEFAULT_MODELS)
     out_dir = pathlib.Path(out) if out is not None else pathlib.Path(__file__).parent / "results"
     deadline = time.perf_counter() + float(os.environ.get("PROFILE_GPU_BUDGET_S", DEFAULT_BUDGET_S))
+    names = chosen_steps(os.environ.get("PROFILE_GPU_STEPS"))
     done: list[dict[str, Any]] = []
     rows: list[dict] = []
     clock: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="profile_gpu_") as tmp:
         root = pathlib.Path(trace_dir) if trace_dir is not None else pathlib.Path(tmp)
         for cfg in configs:
-            res = measure(cfg, tiny=tiny, warmup=warmup, steps=steps, trace_root=root, deadline=deadline, clock=clock)
+            res = measure(cfg, tiny=tiny, warmup=warmup, steps=steps, trace_root=root, deadline=deadline, clock=clock,
+                          names=names)
             done.append(res)
             rows += rows_of(res)
             classifiers = {r["classifier"] for c in done for r in c["steps"].values() if "classifier" in r}

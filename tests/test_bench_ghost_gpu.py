@@ -159,6 +159,10 @@ def test_runs_of_different_steps_merge_into_one_config(tmp_path: pathlib.Path) -
     # the --merge path folds files the same way
     again = bg.write_results(tmp_path / "m", meta, [first, second])
     assert again[0]["steps"] == steps
+    # another device's run replaces the file: its steps are not kept beside this one's
+    other = bg.write_results(tmp_path, {**meta, "device": "H200"}, [second])
+    assert "ghost" not in {k for k, r in other[0]["steps"].items() if "skipped" not in r}
+    assert "earlier run" not in (tmp_path / bg.RESULTS_MD).read_text()
 
 
 def test_noise_shapes_step_draws_once_per_leaf_shape():

@@ -186,6 +186,14 @@ def test_wired_into_the_suite_runner_and_skips_without_gpu(tmp_path: pathlib.Pat
     assert list(tmp_path.iterdir()) == []
 
 
+def test_steps_are_chosen_with_the_nonprivate_step_first() -> None:
+    assert pg.chosen_steps(None) == pg.STEPS
+    assert pg.chosen_steps("ghost_noise_unstored, ghost,nonprivate,ghost") == ("nonprivate", "ghost_noise_unstored",
+                                                                                "ghost")
+    with pytest.raises(ValueError, match="PROFILE_GPU_STEPS: unknown steps \\['ghots'\\]"):
+        pg.chosen_steps("ghost,ghots")
+
+
 @pytest.mark.slow
 def test_tiny_cpu_run_writes_both_files(tmp_path: pathlib.Path) -> None:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}

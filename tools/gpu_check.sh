@@ -9,8 +9,9 @@
 #            ghost_noise_unstored weigh the noise and what storing it saves): ratios,
 #            temporaries, compile times; then, for EXTRA_S seconds (default 0: none), the configs
 #            of EXTRA_MODELS (default gpt2-b32,gpt2-bf16-b8) with EXTRA_STEPS (default ghost,vmap);
-#   profile  the kernel-category profile of the same steps (benchmarks.profile_gpu, PROFILE_S),
-#            reusing the compiled programs through JAX's persistent compilation cache;
+#   profile  the kernel-category profile of the non-private step and PROFILE_GPU_STEPS (default
+#            ghost,vmap) (benchmarks.profile_gpu, PROFILE_S), reusing the programs the bench
+#            part compiled through JAX's persistent compilation cache;
 #   noise    the noise draw of a GPT-2-small tree, threefry against Philox, and its parts (memory
 #            floor, bits, uniforms, Box-Muller, one draw, JAX's threefry kernel) (bench_noise, NOISE_S);
 #   tests    the test suite on the GPU backend (the README's GPU command, with workers) for

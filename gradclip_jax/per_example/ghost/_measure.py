@@ -318,14 +318,16 @@ def leaf_norms(config: ClipConfig, call: Call, traced: Traced, batch: Any, fwd: 
     fb = [i for i in pflat.active if i not in plan.ghost]
     if fb:
         rows.update(zip(fb, _pin(_fallback_rows(config, call, fb, batch), acc), strict=True))
-    # The formed rows and every RowNorms request in one call: one overflow conditional per step.
+    # The formed rows and every RowNorms request in one call, by Blue's algorithm: no overflow
+    # conditional in the step (on a GPU a conditional copies its predicate to the host, and the
+    # host can no longer queue the kernels after it ahead of the device).
     requests = [n for n in site_norms if isinstance(n, RowNorms)]
     groups = [] if config.per_layer else _joint_groups(rows)
     grouped = {i for g in groups for i in g}
     own = [i for i in rows if i not in grouped]
     together = [jnp.concatenate([rows[i] for i in g], axis=1) for g in groups]
     measured = iter(leaf_example_norms([*together, *[rows[i] for i in own],
-                                        *[a for r in requests for a in r.arrays]]))
+                                        *[a for r in requests for a in r.arrays]], branch_free=True))
     joint = [next(measured).astype(acc) for _ in together]
     norms.update((i, next(measured)) for i in own)
     resolved = {r: r.combine([next(measured) for _ in r.arrays]) for r in requests}  # keyed by identity
