@@ -28,12 +28,15 @@ each also by the time it takes to lower and compile (one fusion per leaf draw
 is much code for a GPU compiler). On an H100 the per-leaf draw of GPT-2 small's
 124M values took 4.6 ms where writing them takes about 0.3 ms.
 
-Run: ``python -m benchmarks --only noise``.
+Run: ``python -m benchmarks --only noise`` (``NOISE_BUDGET_S=SECONDS`` leaves out what
+would run past it; each row is printed as it is measured).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -48,6 +51,9 @@ import gradclip_jax as gcx
 from benchmarks.common import interleaved_ms, memory_mb, row
 from gradclip_jax._core.backend import backend_setting
 from gradclip_jax.dp.philox import normal_from_bits
+
+
+BUDGET_ENV = "NOISE_BUDGET_S"
 
 
 def gpt2_tree(width: int = 768, vocab: int = 50257, layers: int = 12, positions: int = 1024) -> dict[str, Any]:
@@ -125,12 +131,12 @@ def _one_draw(tree: Any, key: jax.Array) -> Any:
 PARTS: dict[str, tuple[str, Callable[[Any, jax.Array], Any], dict[str, Any]]] = {
     "floor": ("tree + 1 per leaf (a read and a write of the tree: the memory floor)",
               lambda t, k: jax.tree.map(lambda x: x + 1.0, t), {}),
+    "pairs": ("tree + normals from both words of each threefry hash (words stored, then transformed)",
+              _per_leaf(_pairs_normal), {}),
     "bits": ("tree + threefry bits per leaf", _per_leaf(_bits_as_float), {}),
     "uniform": ("tree + uniforms per leaf", _per_leaf(lambda k, x: jax.random.uniform(k, x.shape, x.dtype)), {}),
     "box_muller": ("tree + Box-Muller normals per leaf", _per_leaf(_box_muller), {}),
     "one_draw": ("tree + one normal draw of the whole tree, cut into leaves", _one_draw, {}),
-    "pairs": ("tree + normals from both words of each threefry hash (words stored, then transformed)",
-              _per_leaf(_pairs_normal), {}),
     "threefry_kernel": ("optax per-leaf draw with JAX's threefry GPU kernel (jax_threefry_gpu_kernel_lowering)",
                         lambda t, k: optax_way(t, 1.0, k), {"jax_threefry_gpu_kernel_lowering": True}),
 }
@@ -159,16 +165,21 @@ PARTS["per_shape"] = ("add_gaussian_noise with NOISE_STRATEGY 'shapes' (one vmap
                       _by_shape, {})
 
 
-def part_rows(tree: Any, key: jax.Array, what: str, reps: int) -> list[dict]:
+def part_rows(tree: Any, key: jax.Array, what: str, reps: int, deadline: float = math.inf) -> list[dict]:
     """Two rows per part of :data:`PARTS`, each against optax's per-leaf normal draw: its time, and
     the time to lower and compile it (JAX's persistent compilation cache off, so that no program
-    is read back from an earlier process)."""
+    is read back from an earlier process). Parts whose compile would end past ``deadline``
+    (``time.perf_counter()``'s clock, judged by the longest compile so far) are left out, in
+    :data:`PARTS`' order."""
     compiled, compile_s = {}, {}
     with _flags({"jax_enable_compilation_cache": False}):
         compiled["optax"], compile_s["optax"] = _compile(lambda t, k: optax_way(t, 1.0, k), tree, key)
         for name, (_, f, flags) in PARTS.items():
             if flags and jax.default_backend() != "gpu":
                 continue  # a GPU lowering flag: the same program elsewhere
+            if time.perf_counter() + max(compile_s.values()) > deadline:
+                print(f"[noise] parts from {name!r} on left out: {BUDGET_ENV} would be spent", flush=True)
+                break
             with _flags(flags):
                 compiled[name], compile_s[name] = _compile(f, tree, key)
     ms = interleaved_ms({k: (lambda c=c: c(tree, key)) for k, c in compiled.items()}, reps=reps)
@@ -225,7 +236,22 @@ def _compile(f: Callable[..., Any], *args: Any) -> tuple[Any, float]:
     return compiled, time.perf_counter() - t0
 
 
+def _said(rows: list[dict]) -> list[dict]:
+    """``rows``, printed as they are made: a run stopped at its time limit keeps what it measured."""
+    for r in rows:
+        print(f"[noise] {r['name']}: {r['ours_ms']:.2f} vs {r['baseline_ms']:.2f} -> {r['ratio']:.3f}", flush=True)
+    return rows
+
+
 def run(quick: bool = False) -> list[dict]:
+    """The rows of the module's docstring: the draws, then with adamw, then the parts.
+
+    ``NOISE_BUDGET_S`` (seconds; default: none) skips what would run past it: the adamw rows
+    when the first rows took longer than what is left, the parts one by one
+    (:func:`part_rows`). On a GPU each draw of GPT-2 small's tree takes tens of seconds to compile.
+    """
+    start = time.perf_counter()
+    deadline = start + float(os.environ.get(BUDGET_ENV, "inf"))
     tree = gpt2_tree(width=128, vocab=4096) if quick else gpt2_tree()
     leaves = jax.tree.leaves(tree)
     n = sum(x.size for x in leaves)
@@ -243,7 +269,7 @@ def run(quick: bool = False) -> list[dict]:
     strategy = gcx.privacy.NOISE_STRATEGY.get(backend, "leaves")
     what = f"{len(leaves)} leaves, {n / 1e6:.1f}M params (GPT-2{' shapes at width 128' if quick else ' small'}), " \
            f"{backend}, ours draws by {strategy!r}"
-    return [
+    rows = _said([
         row("noise", "add_gaussian_noise vs optax per-leaf draw: time", ms["ours"], ms["optax"], what),
         row("noise", "add_gaussian_noise vs optax per-leaf draw: lower+compile (ms)", compile_s["ours"] * 1e3,
             compile_s["optax"] * 1e3, what),
@@ -251,11 +277,14 @@ def run(quick: bool = False) -> list[dict]:
             temp["optax"], what),
         row("noise", "add_gaussian_noise drawing by 'philox' vs optax per-leaf draw (threefry): time",
             ms["philox"], ms["optax"], what.split(", ours draws")[0]),
-        *adamw_rows(tree, key, what, reps=5 if quick else 15),
-        *part_rows(tree, key, what.split(", ours draws")[0], reps=5 if quick else 15),
-    ]
+    ])
+    if time.perf_counter() + (time.perf_counter() - start) < deadline:
+        rows += _said(adamw_rows(tree, key, what, reps=5 if quick else 15))
+    else:
+        print(f"[noise] adamw rows left out: {BUDGET_ENV} would be spent", flush=True)
+    return rows + _said(part_rows(tree, key, what.split(", ours draws")[0], reps=5 if quick else 15,
+                                  deadline=deadline))
 
 
 if __name__ == "__main__":
-    for r in run():
-        print(f"{r['name']}: {r['ours_ms']:.2f} vs {r['baseline_ms']:.2f} -> {r['ratio']:.3f}  ({r['note']})")
+    run()

@@ -4,6 +4,7 @@ is timed against optax's per-leaf normal draw in the same rounds."""
 from __future__ import annotations
 
 import math
+import time
 
 import jax
 import jax.extend.random
@@ -28,6 +29,22 @@ def test_every_part_but_gpu_flags_gives_a_row_with_positive_times():
         assert bn.PARTS[name][0] in c["name"] and "lower+compile" in c["name"]
         for r in (t, c):
             assert r["ours_ms"] > 0 and r["baseline_ms"] > 0 and math.isfinite(r["ratio"])
+
+
+def test_parts_past_the_deadline_are_left_out_and_said(capsys):
+    rows = bn.part_rows(_tree(), jax.random.key(0), "tiny tree", reps=2, deadline=time.perf_counter())
+    assert rows == []
+    assert "parts from 'floor' on left out: NOISE_BUDGET_S would be spent" in capsys.readouterr().out
+
+
+def test_run_under_a_spent_budget_keeps_the_draw_rows_and_prints_them(monkeypatch, capsys):
+    monkeypatch.setenv(bn.BUDGET_ENV, "0")
+    monkeypatch.setattr(bn, "gpt2_tree", lambda **kw: _tree())
+    rows = bn.run(quick=True)
+    assert len(rows) == 4 and all("then adamw" not in r["name"] and "parts" not in r["name"] for r in rows)
+    out = capsys.readouterr().out
+    assert "adamw rows left out" in out and "parts from 'floor' on left out" in out
+    assert all(f"[noise] {r['name']}: " in out for r in rows)
 
 
 def test_per_shape_part_draws_once_per_shape_whatever_the_backends_strategy():
