@@ -52,7 +52,6 @@ from benchmarks.common import interleaved_ms, memory_mb, row
 from gradclip_jax._core.backend import backend_setting
 from gradclip_jax.dp.philox import normal_from_bits
 
-
 BUDGET_ENV = "NOISE_BUDGET_S"
 
 
