@@ -210,7 +210,8 @@ def _jit(step: Callable) -> Any:
 # time; the barrier expander is the CPU's pass that removes optimization barriers before
 # fusion, which a GPU runs only after scheduling: disabled, the CPU's fusions respect the
 # barriers as a GPU's do (the noise's, gradclip_jax.dp.noise._stored).
-CPU_AS_GPU_OPTIONS = {"xla_backend_optimization_level": 0, "xla_disable_hlo_passes": "cse_barrier_expander"}
+COMPILE_OPTIONS = {"xla_backend_optimization_level": 0}
+CPU_AS_GPU_OPTIONS = {**COMPILE_OPTIONS, "xla_disable_hlo_passes": "cse_barrier_expander"}
 
 
 def measure_step(step: Callable, state: Any, data: Any) -> dict[str, Any]:
@@ -220,7 +221,7 @@ def measure_step(step: Callable, state: Any, data: Any) -> dict[str, Any]:
         traced = _jit(step).trace(state, data)
     rec = lowered_summary(traced.lower(lowering_platforms=("cuda",)).as_text())
     # on another backend (the suite's GPU runs) the program is compiled as that backend compiles it
-    options = CPU_AS_GPU_OPTIONS if jax.default_backend() == "cpu" else {"xla_backend_optimization_level": 0}
+    options = CPU_AS_GPU_OPTIONS if jax.default_backend() == "cpu" else COMPILE_OPTIONS
     with gpu_threefry_on_cpu():
         compiled = traced.lower().compile(compiler_options=options)
     rec.update(compiled_summary(compiled))

@@ -44,6 +44,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax import lax
 from jax.extend.random import threefry2x32_p
 
@@ -196,8 +197,6 @@ def part_rows(tree: Any, key: jax.Array, what: str, reps: int, deadline: float =
 def _then_adamw(noise: Callable[[Any, jax.Array], Any]) -> Callable[..., Any]:
     """``noise`` followed by adamw's update of the tree by the noised tree, as a DP step reads its
     noise: adamw reads each gradient leaf in more than one fusion (see :func:`adamw_rows`)."""
-    import optax
-
     opt = optax.adamw(1e-4)
 
     def f(tree: Any, state: Any, key: jax.Array) -> Any:
@@ -214,8 +213,6 @@ def adamw_rows(tree: Any, key: jax.Array, what: str, reps: int) -> list[dict]:
     fusion that reads it (on an H100, GPT-2 small's tied embedding took three
     1.1-1.5 ms fusions in a DP step); ours stores each noised leaf
     (``gradclip_jax.dp.noise._stored``)."""
-    import optax
-
     state = optax.adamw(1e-4).init(tree)
     fns = {"ours": _then_adamw(lambda t, k: gcx.privacy.add_gaussian_noise(t, 1.0, k)),
            "optax": _then_adamw(lambda t, k: optax_way(t, 1.0, k))}

@@ -65,6 +65,7 @@ def test_product_precision(line: str, precision: str) -> None:
     assert bc.product_precision(line) == precision
 
 
+@pytest.mark.slow
 @pytest.mark.cpu_only(reason="the cost report compiles the steps for the CPU backend (on a GPU run the suite "
                              "has JAX_PLATFORMS=cuda); its CUDA lowering is read on the CPU")
 def test_quick_cost_report_of_tiny_gpt2_reports_flops_and_precisions() -> None:

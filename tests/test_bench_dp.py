@@ -37,6 +37,7 @@ def test_dropin_row_times_both_calls_and_reports_their_ratio_and_agreement():
     assert f"{diff:.1e}" in row["note"]
 
 
+@pytest.mark.slow
 def test_dropin_rows_cover_both_cpu_models_of_the_benchmarks(monkeypatch):
     """run() asks for the drop-in rows on the MLP (each batch size) and on bench_ghost's transformer."""
     asked = []

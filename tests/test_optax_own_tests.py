@@ -67,6 +67,7 @@ def _shim() -> types.ModuleType:
     return shim
 
 
+@pytest.mark.slow
 def test_optax_clipping_tests_fail_no_more_on_ours():
     path = _test_file()
     if path is None:

@@ -46,6 +46,7 @@ def test_global_clip_bounds_norm_keeps_direction_and_identity_below(tree, bound,
     np.testing.assert_allclose(float(state.norm), before, rtol=1e-6)
 
 
+@pytest.mark.slow
 @given(trees, bounds, st.sampled_from([None, 0, -1, (0, 1)]), ords)
 def test_per_slice_clip_bounds_every_slice(tree, bound, dim, ord_):
     g = _jnp(tree)
@@ -117,6 +118,7 @@ def test_dtype_is_kept(make, dtype):
     assert jax.tree_util.tree_map(lambda x: x.dtype, out) == {"w": dtype, "b": dtype}
 
 
+@pytest.mark.slow
 @given(trees, bounds)
 def test_jit_equals_eager(tree, bound):
     g = _jnp(tree)

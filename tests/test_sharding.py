@@ -125,6 +125,7 @@ def test_shard_map_axis_name_equals_global_norm(ord_):
     _check(out, ref)
 
 
+@pytest.mark.slow
 def test_shard_map_without_axis_name_uses_local_norms():
     """Documented behaviour: without axis_name each shard sees only its own part."""
     g = {"w": jnp.ones((8, 2))}

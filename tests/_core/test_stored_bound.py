@@ -45,6 +45,7 @@ def test_the_reported_case():
     assert _norm64(out) > 1.0 - 2**-7  # and nothing much was lost
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(mixed_trees())
 def test_clip_by_global_norm(case):
@@ -67,6 +68,7 @@ def test_clip_by_norm_each_leaf(case):
         assert _norm64(x) <= clip
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None)
 @given(mixed_trees(batch=3))
 def test_per_example_clippers_single_example(case):
@@ -82,6 +84,7 @@ def test_per_example_clippers_single_example(case):
     assert _norm64(out) <= clip
 
 
+@pytest.mark.slow
 @settings(max_examples=15, deadline=None)
 @given(mixed_trees(batch=1), st.sampled_from([None, jnp.bfloat16, jnp.float16]), st.booleans())
 def test_clipped_grad_contribution(case, dtype, unit):

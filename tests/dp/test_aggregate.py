@@ -146,6 +146,7 @@ def test_dp_noise_after_clipped_grad():
 # ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_dp_aggregate_mask_and_nan():
     g = _grads(2)
     mask = jnp.array([True, True, False, True, True, False, True, True])

@@ -114,6 +114,7 @@ def _mean_loss(loss):
     return lambda p, b: jnp.mean(loss(p, b))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ghost", "vmap"])
 def test_noised_sum_is_our_clipped_sum(method):
     """noisy(g) - noisy(0) (same noise state) is gradclip_jax's clipped sum / B, and jax-privacy's."""
@@ -132,6 +133,7 @@ def test_noised_sum_is_our_clipped_sum(method):
     assert_tree_close(grads, theirs(params, data, is_padding_example=padding), rtol=2e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_ghost_and_vmap_plans_give_the_same_noisy_gradient():
     loss, params, data = mlp_setup()
     out = {}
@@ -191,6 +193,7 @@ def test_with_gradclip_bad_arguments():
         cn.with_gradclip(config).clipped_grad(lambda p, x: p * x, l2_clip_norm=3.0)
 
 
+@pytest.mark.slow
 def test_guide_runs():
     """docs/guides/correlated-noise.md: its python blocks, run in order, train at the target epsilon."""
     guide = pathlib.Path(__file__).resolve().parents[2] / "docs" / "guides" / "correlated-noise.md"

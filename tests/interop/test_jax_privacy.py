@@ -85,6 +85,7 @@ def test_returns_jax_privacy_types():
     assert not plain.has_aux and jax.tree.structure(plain(params, data)) == jax.tree.structure(params)
 
 
+@pytest.mark.slow
 def test_ghost_and_vmap_agree():
     loss, params, data = cnn_setup()
     kw = {"l2_clip_norm": 0.5, "return_grad_norms": True}
@@ -287,6 +288,7 @@ def _exact_sq_norm(tree):
     return sum(Fraction(float(v)) ** 2 for x in jax.tree.leaves(tree) for v in np.asarray(x, np.float64).ravel())
 
 
+@pytest.mark.slow
 def test_clip_pytree_rescaled_output_is_within_the_unit_bound_as_stored_when_just_below_the_clip_norm():
     """rescale_to_unit_norm with a norm just below the clip norm: nothing is clipped, the output x / C
     has norm n / C < 1, but each element's rounding could push the stored norm above 1 (it did in 15

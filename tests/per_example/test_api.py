@@ -346,6 +346,7 @@ def test_bad_construction_errors():
 needs_8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 
 
+@pytest.mark.slow
 @needs_8
 def test_explicit_sharding_matches_single_device():
     loss, params, data = mlp_setup(batch=16)

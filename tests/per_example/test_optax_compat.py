@@ -91,6 +91,7 @@ def test_per_example_functions_on_dicts_and_empty():
     assert empty == [] and int(n0) == 0
 
 
+@pytest.mark.slow
 def test_per_example_clip_is_differentiable_at_zero():
     grads = [jnp.zeros((3, 4)), jnp.zeros((3,))]
 

@@ -153,6 +153,7 @@ def test_conv_matches_vmap_float64(name, forms, monkeypatch):
             assert forms.pop() == form and not forms  # measured by the rule, in that form
 
 
+@pytest.mark.slow
 def test_patch_gram_from_the_input_equals_the_taps_and_is_taken_where_cheaper():
     """The patches' Gram read from the input's Gram equals the sum of the taps' Grams (every
     geometry), and is taken for stride 1 on a small image but not with stride 2 or where its

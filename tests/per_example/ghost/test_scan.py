@@ -86,6 +86,7 @@ def test_matches_vmap(ghost_sum, per_layer):
     _compare(loss, params, data, clip=0.5, ghost_sum=ghost_sum, per_layer=per_layer)
 
 
+@pytest.mark.slow
 def test_reversed_scan_and_microbatches():
     loss, params, data = stacked_transformer(seed=2, reverse=True)
     _compare(loss, params, data, clip=0.5)
@@ -118,6 +119,7 @@ def test_dropped_non_finite_example_adds_nothing():
     _close(np.asarray(info.norms)[kept], np.asarray(want_info.norms)[kept])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_16bit_stacked_layers_keep_the_ghost_path(dtype):
     """16-bit stacked leaves are measured inside the loop with norms accumulated in float32:
@@ -135,6 +137,7 @@ def test_16bit_stacked_layers_keep_the_ghost_path(dtype):
     _close(got, ref, rtol=2e-2, atol=2e-3)
 
 
+@pytest.mark.slow
 def test_stacked_convolutions():
     """Residual conv blocks stacked on axis 0 (kernels ``(L, 3, 3, C, C)``), run by a scan."""
     r = np.random.default_rng(5)
@@ -208,6 +211,7 @@ def test_equinox_filter_vmap_stack():
     _compare(loss, params, data, clip=0.5)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 def test_sharded_batch_matches_single_device():
     """The steps' operands leave the loop with the batch still sharded; measured as one batch of

@@ -427,6 +427,7 @@ def test_auto_uses_ghost_above_threshold(monkeypatch):
     _close(g, ref, 1e-5, 1e-6)
 
 
+@pytest.mark.slow
 def test_flax_model_unchanged():
     nn = pytest.importorskip("flax.linen")
 
