@@ -10,8 +10,9 @@
 #            temporaries, compile times; then, for EXTRA_S seconds (default 0: none), the configs
 #            of EXTRA_MODELS (default gpt2-b32,gpt2-bf16-b8) with EXTRA_STEPS (default ghost,vmap);
 #   profile  the kernel-category profile of the non-private step and PROFILE_GPU_STEPS (default
-#            ghost,vmap) (benchmarks.profile_gpu, PROFILE_S), reusing the programs the bench
-#            part compiled through JAX's persistent compilation cache;
+#            ghost,vmap) of the configs PROFILE_MODELS (default gpt2-b8,wrn-b256)
+#            (benchmarks.profile_gpu, PROFILE_S), reusing the programs the bench part
+#            compiled through JAX's persistent compilation cache;
 #   noise    the noise draw of a GPT-2-small tree, threefry against Philox, and its parts (memory
 #            floor, pairs, bits, uniforms, Box-Muller, one draw, JAX's threefry kernel) (bench_noise,
 #            NOISE_S; what would run past it less 45 s is left out);
@@ -56,7 +57,7 @@ if want bench; then
 fi
 if want profile; then
     PROFILE_GPU_BUDGET_S=${PROFILE_S:-100} timeout $(( ${PROFILE_S:-100} + 60 )) \
-        python3 -m benchmarks --only profile-gpu --models gpt2-b8,wrn-b256 --out "$OUT" >> "$LOG" 2>&1
+        python3 -m benchmarks --only profile-gpu --models "${PROFILE_MODELS:-gpt2-b8,wrn-b256}" --out "$OUT" >> "$LOG" 2>&1
     echo "== profile-gpu: exit $?, $(left) s left" >> "$LOG"
 fi
 if want noise; then

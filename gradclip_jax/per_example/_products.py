@@ -36,7 +36,11 @@ and the weighted sums (book-kept or over formed rows). They run at
   (NVIDIA GPUs from Ampere on; XLA's CPU backend rejects it).
 
 Only products of two float32 operands use a reduced-pass algorithm; float64 and
-complex products stay at ``HIGHEST``. Convolutions take no dot algorithm: at
+complex products stay at ``HIGHEST``. Operands of one 16-bit float type (a bfloat16
+or float16 layer's activations and cotangents, :func:`exact_in_float32`) are
+multiplied as they are, into float32: their products are exact in float32 and
+summed there, so a 16-bit layer's Gram norms need no widened copy and run on
+16-bit tensor cores on GPUs, whatever the setting. Convolutions take no dot algorithm: at
 ``"tf32x3"`` a convolution whose result is a clipped sum runs as the same three
 passes written out (:func:`tf32_passes`: both operands split into a TF32 head
 and a float32 tail, the tail x tail pass dropped, each pass at
@@ -72,6 +76,7 @@ __all__ = [
     "PRODUCT_UNITS",
     "ROUNDING_SIGMAS",
     "as_measured",
+    "exact_in_float32",
     "product_einsum",
     "product_error",
     "product_margin",
@@ -233,9 +238,30 @@ def tf32_weighted_once(x: jax.Array, w: jax.Array) -> jax.Array:
     return tf32_round(_tf32_trunc(w.astype(jnp.float32)) * tf32_round(x))
 
 
+# 16-bit floats whose products are exact in float32: 8 x 8 (bfloat16) and 11 x 11 (float16)
+# significant bits, with exponents float32 holds as it holds those of the widened operands.
+_EXACT_IN_FLOAT32 = frozenset({np.dtype(jnp.bfloat16), np.dtype(jnp.float16)})
+
+
+def exact_in_float32(*dtypes: Any) -> bool:
+    """Whether products of operands of ``dtypes`` (one 16-bit float type: bfloat16 or float16)
+    are exact in float32: then :func:`product_einsum` multiplies them as they are, with float32
+    accumulation, instead of widening them first (on GPUs, 16-bit tensor cores at twice the TF32
+    rate, and no widened copy of the operands)."""
+    return len({np.dtype(d) for d in dtypes}) == 1 and np.dtype(dtypes[0]) in _EXACT_IN_FLOAT32
+
+
 def product_einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     """``jnp.einsum`` of two operands at :func:`product_precision` (float32 result for float32);
-    at ``"tf32"``, of both rounded to TF32 at ``Precision.DEFAULT`` (exact products)."""
+    at ``"tf32"``, of both rounded to TF32 at ``Precision.DEFAULT`` (exact products). Operands
+    of one 16-bit float type (:func:`exact_in_float32`) are multiplied as they are, at
+    ``Precision.DEFAULT`` with a float32 result: exact products, float32 accumulation, the
+    values their float32 widening gives at ``"highest"`` up to the order of the sum."""
+    if exact_in_float32(a.dtype, b.dtype):
+        return jnp.einsum(spec, a, b, precision=lax.Precision.DEFAULT, preferred_element_type=jnp.float32)
+    if a.dtype != b.dtype:  # a 16-bit view beside a wider one: both widened, then as for those
+        wide = jnp.promote_types(a.dtype, b.dtype)
+        a, b = a.astype(wide), b.astype(wide)
     if rounds_to_tf32(a.dtype, b.dtype):
         return jnp.einsum(spec, tf32_round(a), tf32_round(b), precision=lax.Precision.DEFAULT,
                           preferred_element_type=jnp.float32)

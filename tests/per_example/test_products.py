@@ -16,6 +16,7 @@ from gradclip_jax.per_example import (
 )
 from gradclip_jax.per_example._products import (
     PRODUCT_UNITS,
+    exact_in_float32,
     product_einsum,
     product_margin,
     product_precision,
@@ -202,6 +203,26 @@ def _tf32_exact(x) -> bool:
     """Every value of ``x`` has at most 11 significant bits (a TF32 value)."""
     m, _ = np.frexp(np.asarray(x, np.float64))
     return bool(np.all(m * 2.0**11 == np.round(m * 2.0**11)))
+
+
+@pytest.mark.parametrize("dt", [jnp.bfloat16, jnp.float16])
+def test_16bit_products_are_exact_with_float32_accumulation(dt):
+    """Operands of one 16-bit type are multiplied as they are, with a float32 result: the exact
+    products summed in float32, as their float32 widening at full precision gives; beside a
+    float32 operand they are widened first, as before."""
+    r = np.random.default_rng(4)
+    a = jnp.asarray(r.normal(size=(3, 7, 40)) * 10.0 ** r.integers(-2, 3, (3, 7, 1)), dt)
+    assert exact_in_float32(dt, dt) and not exact_in_float32(dt, jnp.float32)
+    assert not exact_in_float32(jnp.bfloat16, jnp.float16)
+    got = product_einsum("btd,bsd->bts", a, a)
+    assert got.dtype == jnp.float32
+    a64 = np.asarray(a.astype(jnp.float32), np.float64)
+    exact = np.einsum("btd,bsd->bts", a64, a64)
+    size = np.einsum("btd,bsd->bts", np.abs(a64), np.abs(a64))
+    assert np.all(np.abs(np.asarray(got, np.float64) - exact) <= 40 * 2.0**-24 * size)  # float32 sums only
+    b = jnp.asarray(r.normal(size=(3, 7, 40)), jnp.float32)
+    np.testing.assert_array_equal(product_einsum("btd,bsd->bts", a, b),
+                                  product_einsum("btd,bsd->bts", a.astype(jnp.float32), b))
 
 
 def test_tf32_round_keeps_ten_mantissa_bits_and_makes_products_exact():

@@ -16,6 +16,7 @@ from jax import lax
 from gradclip_jax.ghost import GhostFallbackWarning, ghost_report
 from gradclip_jax.per_example import clipped_grad
 from tests._backend import backend_default_precision, library_default_products, refuses_backward
+from tests.jaxprs import equations
 from tests.per_example.models import B, cnn_setup, mlp_setup, xent
 
 # Unit roundoff of each 16-bit dtype.
@@ -182,6 +183,20 @@ def test_norms_and_sums(model, dt):
     np.testing.assert_allclose(info.norms, info_vmap.norms, rtol=16 * u)
     assert int(info.num_clipped) == int(info_vmap.num_clipped)
     assert _dist64(g, g_vmap) <= 8 * u * _budget(info_vmap.norms, clip)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_16bit_layers_are_measured_on_their_own_values(dt):
+    """A 16-bit layer's Gram norms multiply its 16-bit activations and cotangents as they are
+    (their products are exact in float32) into float32 Grams: no widened copy of either, and on
+    a GPU 16-bit tensor cores. Every dense layer of the block (qkv, proj, up, down) is in Gram
+    form here (T = 6), two Grams each."""
+    loss, params, data = lm16(dt)
+    jaxpr = jax.make_jaxpr(clipped_grad(loss, 1.0, method="ghost"))(params, data).jaxpr
+    grams = [e for e in equations(jaxpr) if e.primitive is lax.dot_general_p
+             and all(v.aval.dtype == dt for v in e.invars)
+             and e.params["preferred_element_type"] == jnp.float32]
+    assert len(grams) >= 8
 
 
 @pytest.mark.parametrize(("model", "dt"), CASES, ids=IDS)

@@ -16,10 +16,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from gradclip_jax._core import jaxcompat as jc
 from gradclip_jax._core.jaxcompat import shape
-from gradclip_jax.per_example._products import as_measured, product_einsum, product_error
+from gradclip_jax.per_example._products import (
+    as_measured,
+    exact_in_float32,
+    product_einsum,
+    product_error,
+)
 from gradclip_jax.per_example.ghost._gram import GramTerm, gram_norm, self_gram_rows
 from gradclip_jax.per_example.ghost.rules._registry import (
     CONST,
@@ -57,8 +63,11 @@ def dense_views(site: Site, eqn: Any, a: jax.Array, g: jax.Array, acc: Any) -> t
     dsz = math.prod(a.shape[d] for d in ca)
     # a merged batch: each example's rows are contiguous, so they regroup as more positions
     m = site.merged
-    a3 = jnp.reshape(jnp.transpose(a, (k, *seq, *ca)), (bsz // m, m * t, dsz)).astype(acc)
-    g3 = jnp.reshape(jnp.transpose(g, g_perm), (bsz // m, m * t, -1)).astype(acc)
+    # Operands of one 16-bit type stay as they are: their products are exact in float32
+    # (product_einsum accumulates them there), so widening them first would only cost a copy.
+    view = a.dtype if exact_in_float32(a.dtype, g.dtype) and np.dtype(acc) == np.float32 else acc
+    a3 = jnp.reshape(jnp.transpose(a, (k, *seq, *ca)), (bsz // m, m * t, dsz)).astype(view)
+    g3 = jnp.reshape(jnp.transpose(g, g_perm), (bsz // m, m * t, -1)).astype(view)
     return as_measured(a3), as_measured(g3)
 
 
@@ -138,6 +147,7 @@ class DotGeneral(Rule):
             aa, gg = _grams(a3, g3)
             rows = self_gram_rows(a3, aa) * self_gram_rows(g3, gg)
         else:
+            a3, g3 = a3.astype(acc), g3.astype(acc)  # an upper bound: no 16-bit sums of squares
             rows = jnp.sqrt(jnp.sum(jnp.square(a3), axis=-1)) * jnp.sqrt(jnp.sum(jnp.square(g3), axis=-1))
         # each squared row norm is within product_error of its value (relative), its root within half that
         return jnp.sum(rows, axis=-1) * (1.0 + product_error(dsz, acc) + product_error(psz, acc))
