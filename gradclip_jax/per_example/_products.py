@@ -89,6 +89,7 @@ __all__ = [
     "tf32_round",
     "tf32_weighted",
     "tf32_weighted_once",
+    "view_dtype",
 ]
 
 # Backend name -> one of _ALGORITHMS' keys; a backend not listed uses "highest".
@@ -249,6 +250,14 @@ def exact_in_float32(*dtypes: Any) -> bool:
     accumulation, instead of widening them first (on GPUs, 16-bit tensor cores at twice the TF32
     rate, and no widened copy of the operands)."""
     return len({np.dtype(d) for d in dtypes}) == 1 and np.dtype(dtypes[0]) in _EXACT_IN_FLOAT32
+
+
+def view_dtype(x: Any, g: Any, acc: Any) -> Any:
+    """The dtype a site's views take for its per-example products: the operand's and cotangent's
+    own 16-bit type where both share it and the accumulation dtype ``acc`` is float32
+    (:func:`exact_in_float32`: the products lose nothing, and widening would only cost a copy),
+    else ``acc``."""
+    return np.dtype(x) if exact_in_float32(x, g) and np.dtype(acc) == np.float32 else acc
 
 
 def product_einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:

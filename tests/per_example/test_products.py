@@ -23,6 +23,7 @@ from gradclip_jax.per_example._products import (
     tf32_passes,
     tf32_round,
     tf32_weighted,
+    view_dtype,
 )
 from tests._backend import backend_default_precision, refuses_backward
 from tests.jaxprs import equations
@@ -214,6 +215,8 @@ def test_16bit_products_are_exact_with_float32_accumulation(dt):
     a = jnp.asarray(r.normal(size=(3, 7, 40)) * 10.0 ** r.integers(-2, 3, (3, 7, 1)), dt)
     assert exact_in_float32(dt, dt) and not exact_in_float32(dt, jnp.float32)
     assert not exact_in_float32(jnp.bfloat16, jnp.float16)
+    assert view_dtype(dt, dt, jnp.float32) == dt  # a 16-bit site's views stay 16-bit
+    assert view_dtype(dt, jnp.float32, jnp.float32) == jnp.float32
     got = product_einsum("btd,bsd->bts", a, a)
     assert got.dtype == jnp.float32
     a64 = np.asarray(a.astype(jnp.float32), np.float64)

@@ -36,7 +36,12 @@ from jax import lax
 from gradclip_jax._core import jaxcompat as jc
 from gradclip_jax._core.jaxcompat import shape
 from gradclip_jax._core.norms import joint_row_norms
-from gradclip_jax.per_example._products import as_measured, product_einsum, product_error
+from gradclip_jax.per_example._products import (
+    as_measured,
+    product_einsum,
+    product_error,
+    view_dtype,
+)
 from gradclip_jax.per_example.ghost._gram import GramTerm, gram_norm, self_gram_rows
 from gradclip_jax.per_example.ghost.rules._registry import (
     CONST,
@@ -99,9 +104,10 @@ class ConvViews:
         gt = jnp.reshape(jnp.transpose(g, (out_spec[0], *out_spec[2:], out_spec[1])), (self.bsz, self.t, -1))
         # a group's output channels, like its input channels, are contiguous (merging and
         # splitting axes in one reshape has no sharding rule: two reshapes)
-        gt = jnp.reshape(as_measured(gt.astype(acc)), (self.bsz, self.t, self.groups, -1))
+        view = view_dtype(x.dtype, g.dtype, acc)  # 16-bit operands stay 16-bit: exact products
+        gt = jnp.reshape(as_measured(gt.astype(view)), (self.bsz, self.t, self.groups, -1))
         self.g = jnp.transpose(gt, (0, 2, 1, 3))
-        xc = as_measured(jnp.transpose(x, lhs_spec).astype(acc))  # (B, C, *spatial): the input, not the patches, is moved
+        xc = as_measured(jnp.transpose(x, lhs_spec).astype(view))  # (B, C, *spatial): the input, not the patches, is moved
         pads = [(0, 0, 0), (0, 0, 0)]
         pads += [(lo, hi, d - 1) for (lo, hi), d in zip(p["padding"], p["lhs_dilation"], strict=True)]
         # the input as the convolution reads it, copied once the cotangent exists

@@ -16,15 +16,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from gradclip_jax._core import jaxcompat as jc
 from gradclip_jax._core.jaxcompat import shape
 from gradclip_jax.per_example._products import (
     as_measured,
-    exact_in_float32,
     product_einsum,
     product_error,
+    view_dtype,
 )
 from gradclip_jax.per_example.ghost._gram import GramTerm, gram_norm, self_gram_rows
 from gradclip_jax.per_example.ghost.rules._registry import (
@@ -63,9 +62,7 @@ def dense_views(site: Site, eqn: Any, a: jax.Array, g: jax.Array, acc: Any) -> t
     dsz = math.prod(a.shape[d] for d in ca)
     # a merged batch: each example's rows are contiguous, so they regroup as more positions
     m = site.merged
-    # Operands of one 16-bit type stay as they are: their products are exact in float32
-    # (product_einsum accumulates them there), so widening them first would only cost a copy.
-    view = a.dtype if exact_in_float32(a.dtype, g.dtype) and np.dtype(acc) == np.float32 else acc
+    view = view_dtype(a.dtype, g.dtype, acc)  # 16-bit operands stay 16-bit: exact products
     a3 = jnp.reshape(jnp.transpose(a, (k, *seq, *ca)), (bsz // m, m * t, dsz)).astype(view)
     g3 = jnp.reshape(jnp.transpose(g, g_perm), (bsz // m, m * t, -1)).astype(view)
     return as_measured(a3), as_measured(g3)
