@@ -50,6 +50,7 @@ if want bench; then
     fi
     for spec in $SPECS; do
         model=${spec%%:*}; rest=${spec#*:}; secs=${rest%%:*}; steps=${rest#*:}
+        [ "$secs" -gt 0 ] || continue  # GPT2_S=0 or WRN_S=0: that config is not run
         GHOST_GPU_STEPS=$steps GHOST_GPU_BUDGET_S=$((secs - 30)) \
             timeout "$((secs + 60))" python3 -m benchmarks --only ghost-gpu --models "$model" --out "$OUT" >> "$LOG" 2>&1
         echo "== ghost-gpu $model: exit $?, $(left) s left" >> "$LOG"
