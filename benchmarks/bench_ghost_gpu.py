@@ -672,6 +672,16 @@ def markdown(meta: dict[str, Any], configs: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def parse_steps(wanted: str | None, variable: str, default: Sequence[str] = STEPS) -> tuple[str, ...]:
+    """The steps named in ``wanted`` (comma-separated, as the environment variable ``variable``
+    gives them), else ``default``; a ValueError naming ``variable`` for a step not in :data:`STEPS`."""
+    steps = tuple(s.strip() for s in wanted.split(",")) if wanted else tuple(default)
+    unknown = set(steps) - set(STEPS)
+    if unknown:
+        raise ValueError(f"{variable}: unknown steps {sorted(unknown)}; known: {', '.join(STEPS)}")
+    return steps
+
+
 def _meta(tiny: bool) -> dict[str, Any]:
     import flax
 
@@ -763,11 +773,7 @@ def run(quick: bool = False, *, out: str | pathlib.Path | None = None, models: s
         return []
     tiny = not _has_gpu() or _env_flag("GHOST_GPU_TINY")
     configs = select(models if models is not None else os.environ.get("GHOST_GPU_MODELS"))
-    wanted = os.environ.get("GHOST_GPU_STEPS")
-    steps = tuple(s.strip() for s in wanted.split(",")) if wanted else STEPS
-    unknown = set(steps) - set(STEPS)
-    if unknown:
-        raise ValueError(f"GHOST_GPU_STEPS: unknown steps {sorted(unknown)}; known: {', '.join(STEPS)}")
+    steps = parse_steps(os.environ.get("GHOST_GPU_STEPS"), "GHOST_GPU_STEPS")
     budget = float(os.environ.get("GHOST_GPU_BUDGET_S", DEFAULT_BUDGET_S))
     deadline = time.perf_counter() + budget
     reps, max_s = (5, 20.0) if quick else (20, 120.0)

@@ -419,10 +419,7 @@ def profile_step(step: Callable, params: Any, data: Any, seed: int, *, warmup: i
 
 def chosen_steps(wanted: str | None) -> tuple[str, ...]:
     """The steps to profile: ``nonprivate`` first, then those of ``wanted`` (default :data:`STEPS`)."""
-    names = [s.strip() for s in wanted.split(",") if s.strip()] if wanted else list(STEPS)
-    unknown = set(names) - set(bg.STEPS)
-    if unknown:
-        raise ValueError(f"PROFILE_GPU_STEPS: unknown steps {sorted(unknown)}; known: {', '.join(bg.STEPS)}")
+    names = bg.parse_steps(wanted, "PROFILE_GPU_STEPS", STEPS)
     return ("nonprivate", *dict.fromkeys(n for n in names if n != "nonprivate"))
 
 

@@ -133,6 +133,13 @@ def test_product_steps_trace_with_their_setting_and_tf32_needs_a_gpu():
     assert {c.name for c in bg.CONFIGS if "ghost_tf32x3" in c.steps} == {"gpt2-b8", "gpt2-b32", "wrn-b256"}
 
 
+def test_steps_are_parsed_from_the_variable_and_an_unknown_one_is_named():
+    assert bg.parse_steps(None, "GHOST_GPU_STEPS") == bg.STEPS
+    assert bg.parse_steps(" ghost,vmap", "GHOST_GPU_STEPS") == ("ghost", "vmap")
+    with pytest.raises(ValueError, match="GHOST_GPU_STEPS: unknown steps \\['', 'ghots'\\]"):
+        bg.parse_steps("ghots,,vmap", "GHOST_GPU_STEPS")
+
+
 def test_runs_of_different_steps_merge_into_one_config(tmp_path: pathlib.Path) -> None:
     meta = {"jax": "0", "flax": "0", "optax": "0", "backend": "gpu", "device": "H100", "machine": "m",
             "sizes": "full", "date": "d"}
