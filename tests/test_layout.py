@@ -106,9 +106,10 @@ def test_loss_traced_once_per_call(method, nan_safe, ghost_sum, expected):
     assert len(calls) == expected
 
 
-def test_ghost_falling_back_traces_twice():
-    """A loss ghost clipping cannot follow (a Cholesky factorization, which has no rule): the one
-    analysis trace, then the vmap strategy's trace."""
+def test_ghost_through_the_one_example_program_traces_three_times():
+    """A loss the rules lose the batch in (a Cholesky factorization, which has no rule): the
+    batched analysis trace, then the one-example program's two (at ``B`` and ``B + 1``
+    examples), whose jaxpr the probed passes use; no trace for a fallback."""
     loss, params, data = mlp_setup()
 
     def factored(x):  # per example, but through a primitive the analysis does not know
@@ -116,6 +117,20 @@ def test_ghost_falling_back_traces_twice():
         return jnp.diagonal(jnp.linalg.cholesky(spd), axis1=-2, axis2=-1)
 
     counted, calls = _counting(lambda p, b: loss(p, {**b, "x": factored(b["x"])}))
+    jax.make_jaxpr(clipped_grad(counted, 1.0, method="ghost", nan_safe=False))(params, data)
+    assert len(calls) == 3
+
+
+def test_ghost_falling_back_traces_twice():
+    """A loss the rules find mixing examples (rows regrouped across the batch): the one
+    analysis trace, then the vmap strategy's trace."""
+    loss, params, data = mlp_setup()
+
+    def regrouped(p, b):
+        n = b["x"].shape[0]
+        return jnp.mean(jnp.reshape(loss(p, b)[:, None] * jnp.ones((n, 2)), (2, n)), axis=0)
+
+    counted, calls = _counting(regrouped)
     jax.make_jaxpr(clipped_grad(counted, 1.0, method="ghost", nan_safe=False))(params, data)
     assert len(calls) == 2
 

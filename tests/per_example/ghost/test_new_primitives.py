@@ -185,17 +185,3 @@ def test_every_lax_primitive_of_the_installed_jax_has_a_rule_or_a_reason():
     missing = sorted(n for n in names if n not in RULES and n not in REASONS)
     assert missing == []
     assert not set(RULES) & set(REASONS)
-
-
-def test_unsupported_primitives_give_their_reason_in_the_report():
-    r = np.random.default_rng(6)
-    params = {"w": _w(r, D, 4), "v": _w(r, D, 4)}
-
-    def loss(p, b):
-        h = b["x"].mean(axis=1)
-        s = (h @ p["w"]).at[:, jnp.array([0, 0])].add(h @ p["v"][:, :2])  # a scatter-add
-        return xent(s, b["y"])
-
-    report = ghost_report(loss, params, _data(6))
-    why = dict(report.fallback)
-    assert "'scatter-add'" in why["['w']"] and "where each update lands" in why["['w']"]

@@ -2,7 +2,8 @@
 call and its jaxpr analysed once; the resulting :class:`Plan` is passed down.
 
 Here: ``walk`` (the walk over the jaxpr: row states, and each leaf's uses through its chain),
-``plan`` (the trace, the analysis and its :class:`Plan`), ``policy`` (ghost or vmap, book-keeping
+``plan`` (the trace, the analysis and its :class:`Plan`), ``one_example`` (the loss on one
+example, vmapped, read where the rules lose the batch in the batched loss), ``policy`` (ghost or vmap, book-keeping
 or a second backward pass), ``fallback`` (the warning naming the leaves that fall back) and
 ``report`` (:func:`ghost_report`).
 """

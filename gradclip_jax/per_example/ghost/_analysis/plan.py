@@ -14,6 +14,7 @@ import numpy as np
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.jaxcompat import is_literal, shape, sub_jaxprs
 from gradclip_jax.per_example._batch import LOSS_CONTRACT, check_loss_out
+from gradclip_jax.per_example.ghost._analysis.one_example import batch_states, vmapped_loss
 from gradclip_jax.per_example.ghost._analysis.walk import _walk
 from gradclip_jax.per_example.ghost._jaxpr import (
     MAX_UNROLL,
@@ -37,6 +38,8 @@ class Plan:
     crossing: str | None = None  # the first primitive that certainly combines examples
     narrow_leaf: int | None = None  # the first active leaf narrower than the accumulation dtype (16-bit)
     narrow_op: tuple[str, str] | None = None  # (primitive, dtype): the first narrower value computed from params
+    one_example: bool = False  # analysed (and run) as the one-example program vmapped (see one_example)
+    unknown: str | None = None  # where the rules lost the batch: a primitive with no rule, an unreadable layout
 
     def ct_elems(self, jaxpr: Any) -> int:
         """Elements of the site output cotangents that book-keeping holds at once."""
@@ -131,18 +134,32 @@ def _not_row_wise(mixing: str | None, unreadable: str | None = None) -> str:
             "that changes its length)")
 
 
+def _unknown_primitive(jaxpr: Any) -> str | None:
+    """The first primitive of ``jaxpr`` (or of a jaxpr nested in it: a scan's body) no rule knows."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name not in RULES:
+            return str(eqn.primitive.name)
+        inner = next((n for j in sub_jaxprs(eqn) if (n := _unknown_primitive(j)) is not None), None)
+        if inner is not None:
+            return inner
+    return None
+
+
 def analyse(jaxpr: Any, n_params: int, active: Sequence[int], n_batch: int, bsize: int,
-            consts: dict[Any, Any] | None = None) -> Plan:
+            consts: dict[Any, Any] | None = None, known: dict[Any, Any] | None = None) -> Plan:
     """Classifies every active parameter leaf of the top-level ``jaxpr``.
 
     ``jaxpr.invars`` are the flattened ``(params, batch, args)``; the first output
-    is the per-example loss.
+    is the per-example loss. ``known``: every value's state, read from the program
+    (:func:`~.one_example.batch_states`), instead of the rules' propagation.
     """
-    walk = _walk(jaxpr, n_params, n_batch, bsize, consts)
+    walk = _walk(jaxpr, n_params, n_batch, bsize, consts, known)
     acc = _norms.tree_acc_dtype([jaxpr.invars[i].aval for i in active])
     narrow_leaf = next((i for i in active if narrower(jaxpr.invars[i].aval.dtype, acc)), None)
+    unknown = walk.unreadable if walk.unreadable is not None else _unknown_primitive(jaxpr)
     plan = Plan(walk.row_wise, [], set(), {}, act_elems=walk.act_elems, crossing=walk.crossing,
-                narrow_leaf=narrow_leaf, narrow_op=_narrow_op(jaxpr, n_params, acc))
+                narrow_leaf=narrow_leaf, narrow_op=_narrow_op(jaxpr, n_params, acc),
+                unknown=None if walk.row_wise else unknown)
     for leaf in active:
         if not walk.row_wise:
             plan.reasons[leaf] = _not_row_wise(walk.mixing, walk.unreadable)
@@ -161,12 +178,41 @@ def analyse(jaxpr: Any, n_params: int, active: Sequence[int], n_batch: int, bsiz
 def trace_and_plan(loss_fn: Callable[..., Any], has_aux: bool, fn: str, params: Any, pflat: _norms.FlatTree,
                    batch: Any, args: Sequence[Any], bsize: int, check: bool = True) -> Traced:
     """Traces ``loss_fn`` once (checking, with ``check``, that it returns losses of shape ``(B,)``)
-    and analyses the jaxpr once."""
+    and analyses the jaxpr once.
+
+    Where the rules lose the batch in the batched loss (at a primitive no rule knows, or one
+    whose parameters they cannot read) and nothing in it certainly combines examples, the
+    one-example program is analysed instead (:mod:`.one_example`), and its plan kept when it
+    measures more leaves. A loss the rules find mixing examples (a reshape regrouping them, a
+    loop over them) keeps its batched plan: every leaf falls back, and the warning says where."""
 
     closed = trace(_flat_loss(loss_fn, has_aux, fn, bsize, check), params, batch, args)
     n_batch = len(jax.tree_util.tree_leaves(batch))
-    return Traced(closed, analyse(closed.jaxpr, len(pflat.leaves), pflat.active, n_batch, bsize,
-                                  const_values(closed)))
+    plan = analyse(closed.jaxpr, len(pflat.leaves), pflat.active, n_batch, bsize, const_values(closed))
+    if plan.unknown is None or plan.crossing is not None:
+        return Traced(closed, plan)
+    one = _one_example(loss_fn, has_aux, params, pflat, batch, args, bsize)
+    return one if one is not None and len(one.plan.ghost) > len(plan.ghost) else Traced(closed, plan)
+
+
+def _one_example(loss_fn: Callable[..., Any], has_aux: bool, params: Any, pflat: _norms.FlatTree, batch: Any,
+                 args: Sequence[Any], bsize: int) -> Traced | None:
+    """The one-example program traced at ``B`` and ``B + 1`` examples and analysed with the
+    states read from the two (``None`` when they differ in more than their shapes, or the loss
+    fails on one example: the batched plan stands, and the path it takes reports that)."""
+    loss = vmapped_loss(loss_fn, has_aux)
+    more = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct((bsize + 1, *x.shape[1:]), x.dtype), batch)
+    try:
+        closed = trace(loss, params, batch, args)
+        known = batch_states(closed.jaxpr, trace(loss, params, more, args).jaxpr, bsize, bsize + 1)
+    except Exception:  # any error of the user's loss on one example
+        return None
+    if known is None:
+        return None
+    n_batch = len(jax.tree_util.tree_leaves(batch))
+    plan = analyse(closed.jaxpr, len(pflat.leaves), pflat.active, n_batch, bsize, const_values(closed), known)
+    plan.one_example = True
+    return Traced(closed, plan)
 
 
 def _flat_loss(loss_fn: Callable[..., Any], has_aux: bool, fn: str, bsize: int, check: bool) -> Callable[..., Any]:

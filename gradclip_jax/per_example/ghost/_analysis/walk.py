@@ -223,21 +223,27 @@ def _as_rows(eqn: Any, states: list[State], bsize: int) -> RowCtx:
     return RowCtx(eqn, states, bsize) if rows is None else RowCtx(eqn, rows[0], rows[1])
 
 
-def _walk(jaxpr: Any, n_params: int, n_batch: int, bsize: int, consts: dict[Any, Any] | None = None) -> _Walk:
-    """Row states of every value, and every use of every parameter leaf (through its chain)."""
+def _walk(jaxpr: Any, n_params: int, n_batch: int, bsize: int, consts: dict[Any, Any] | None = None,
+          known: dict[Any, State] | None = None) -> _Walk:
+    """Row states of every value, and every use of every parameter leaf (through its chain).
+
+    ``known``: the state of every value, read from the program itself (the one-example program's,
+    :mod:`.one_example`), instead of the rules' row-wise propagation."""
     invars = jaxpr.invars
     states: dict[Any, State] = {v: ROW if n_params <= i < n_params + n_batch else CONST
                                 for i, v in enumerate(invars)}
     alias: dict[Any, list[_Alias]] = {invars[i]: [_Alias(i, [], False, None, True)] for i in range(n_params)}
-    return _walk_from(jaxpr, states, alias, bsize, consts or {}, jaxpr.outvars[:1])
+    return _walk_from(jaxpr, states, alias, bsize, consts or {}, jaxpr.outvars[:1], known=known)
 
 
 def _walk_from(jaxpr: Any, states: dict[Any, State], alias: dict[Any, list[_Alias]], bsize: int,
-               consts: dict[Any, Any], loss_outs: Sequence[Any], scan_length: int | None = None) -> _Walk:
+               consts: dict[Any, Any], loss_outs: Sequence[Any], scan_length: int | None = None,
+               known: dict[Any, State] | None = None) -> _Walk:
     """:func:`_walk` from given row states and parameter aliases of the invars. ``loss_outs``:
     the outputs whose computation must not combine examples. ``scan_length``: ``jaxpr`` is the
     body of a scan over stacked layers of that length (its uses are measured inside the loop).
-    ``alias``: per value, the parameter leaves it is a chain of (several: a sum of leaves' values)."""
+    ``alias``: per value, the parameter leaves it is a chain of (several: a sum of leaves' values).
+    ``known``: see :func:`_walk`."""
     uses: dict[int, list[Site | str]] = {a.leaf: [] for al in alias.values() for a in al}
     act_elems, mixing, unreadable = 0, None, None
     crossings: list[tuple[int, str]] = []  # equations that certainly combine examples, and where
@@ -280,10 +286,13 @@ def _walk_from(jaxpr: Any, states: dict[Any, State], alias: dict[Any, list[_Alia
                                      for pos, a in aliased]
             states[eqn.outvars[0]] = CONST
             continue
-        try:
-            out_states = row_rule(eqn, in_states, bsize)
-        except jc.LayoutError as err:  # a JAX release changed this primitive's parameters
-            out_states, unreadable = [MIXED] * len(eqn.outvars), unreadable or str(err)
+        if known is not None:
+            out_states = [known.get(v, MIXED) for v in eqn.outvars]
+        else:
+            try:
+                out_states = row_rule(eqn, in_states, bsize)
+            except jc.LayoutError as err:  # a JAX release changed this primitive's parameters
+                out_states, unreadable = [MIXED] * len(eqn.outvars), unreadable or str(err)
         if MIXED in out_states and MIXED not in in_states:
             mixing = mixing or name
             if rule_for(name).crosses(_as_rows(eqn, in_states, bsize)):
@@ -292,7 +301,7 @@ def _walk_from(jaxpr: Any, states: dict[Any, State], alias: dict[Any, list[_Alia
             states[v] = s
             if isinstance(s, (int, Merged)) and name not in names.CHAIN_OPS:
                 act_elems += math.prod(shape(v))
-        body = _stacked_scan(eqn, k, in_states, aliased, bsize) if scan_length is None else None
+        body = _stacked_scan(eqn, k, in_states, aliased, bsize, known) if scan_length is None else None
         if body is not None:  # the stacked leaves' uses, inside the loop
             for leaf, u in body.uses.items():
                 uses[leaf].extend(u)
@@ -319,22 +328,27 @@ def _walk_from(jaxpr: Any, states: dict[Any, State], alias: dict[Any, list[_Alia
 
 
 def _stacked_scan(eqn: Any, k: int, in_states: list[State], aliased: list[tuple[int, _Alias]],
-                  bsize: int) -> _Walk | None:
+                  bsize: int, known: dict[Any, State] | None = None) -> _Walk | None:
     """The walk of the body of a scan over stacked layers (parameter leaves as ``xs``, read one
     layer per step; no other operand a parameter), its sites tagged with the scan; ``None``
-    for any other equation."""
+    for any other equation. ``known``: see :func:`_walk`."""
     info = jc.scan_or_none(eqn)
     if info is None or not aliased:
         return None
     if any(pos < info.n_fixed or a.chain or a.box is not None for pos, a in aliased):
         return None
-    res = scan_body_states(eqn, in_states, bsize)
-    if res is None:
-        return None
     body = open_jaxpr(info.body)[0]
-    states = dict(zip(body.invars, res[0], strict=True))
+    if known is None:
+        res = scan_body_states(eqn, in_states, bsize)
+        if res is None:
+            return None
+        states = dict(zip(body.invars, res[0], strict=True))
+    elif any(not is_literal(v) and known.get(v) == ROW for v in eqn.invars[info.n_fixed:]):
+        return None  # (a scan over the batch axis: not one of stacked layers)
+    else:
+        states = {v: known.get(v, MIXED) for v in body.invars}
     alias = {body.invars[pos]: [_Alias(a.leaf, [], False, None, True)] for pos, a in aliased}
-    walk = _walk_from(body, states, alias, bsize, {}, body.outvars, scan_length=info.length)
+    walk = _walk_from(body, states, alias, bsize, {}, body.outvars, scan_length=info.length, known=known)
     uses = {leaf: [dataclasses.replace(u, scan=k) if isinstance(u, Site) else u for u in us]
             for leaf, us in walk.uses.items()}
     return walk._replace(uses=uses, act_elems=walk.act_elems * info.length)
