@@ -40,7 +40,9 @@ __all__ = ["NOISE_BLOCK_SIZE", "NOISE_STRATEGY", "add_gaussian_noise", "noised_l
 #   compiles one draw kernel per group instead of copying the draw's code into
 #   each leaf's kernel: the 2-block GPT-2 DP step of
 #   ``benchmarks/bench_cost.py``, read as a GPU compiles it, has 10,900 HLO
-#   instructions with it and 15,948 with ``"leaves"``).
+#   instructions with it and 15,948 with ``"leaves"``; the 12-block model's
+#   39,915 and 77,202, its CPU compile 10.8 s and 18.6 s, the same temporaries:
+#   each group's draw waits for its leaves, see :func:`_once_ready`).
 #   ``benchmarks/bench_ghost_gpu.py``'s
 #   ``ghost_noise_shapes`` step measures it on GPUs.
 # * ``"philox"``: one draw per leaf as ``"leaves"``, but a float32 leaf's bits
@@ -238,11 +240,21 @@ def _noised_by_shape(arrays: Sequence[jax.Array], keys: Sequence[jax.Array], idx
         for c in range(0, len(members), per):
             chunk = members[c:c + per]
             # the caller checked its key against every leaf: keys split from it vary alike
-            z = jax.vmap(lambda k, shape=shape, dtype=dtype: jax.random.normal(k, shape, dtype))(
-                jnp.stack([keys[i] for i in chunk]))
+            ks = _once_ready(jnp.stack([keys[i] for i in chunk]), [arrays[i] for i in chunk])
+            z = jax.vmap(lambda k, shape=shape, dtype=dtype: jax.random.normal(k, shape, dtype))(ks)
             z = _stored(z)  # one kernel draws the chunk, not a copy of the draw's code in each leaf's
             out.update({i: _stored(arrays[i] + std * z[j]) for j, i in enumerate(chunk)})
     return out
+
+
+def _once_ready(keys: jax.Array, leaves: Sequence[jax.Array]) -> jax.Array:
+    """``keys``, available only once ``leaves`` are: a stored draw from them is then made just
+    before it is added. A draw depends on its keys alone, so XLA's schedulers would otherwise
+    make every group's draw early (during the backward pass) and hold them all until the
+    gradients exist: on the 12-block GPT-2 DP step of ``benchmarks/bench_cost.py``'s kind
+    (compiled for the CPU as a GPU compiles it) 324 MiB of temporaries beside the per-leaf
+    draw's, whatever the chunk size."""
+    return lax.optimization_barrier((keys, tuple(leaves)))[0]
 
 
 def noised_leaves(

@@ -13,7 +13,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gradclip_jax import privacy
-from gradclip_jax._core.jaxcompat import gpu_threefry_on_cpu
+from gradclip_jax._core.jaxcompat import gpu_threefry_on_cpu, is_literal
 from gradclip_jax.dp import noise as noise_mod
 from gradclip_jax.dp.philox import philox_normal
 from tests._backend import assert_equal_on_cpu
@@ -72,6 +72,20 @@ def test_shapes_draw_is_one_draw_per_shape(monkeypatch):
     tree = {f"w{i}": jnp.zeros((8, 4)) for i in range(6)} | {f"b{i}": jnp.zeros(4) for i in range(6)}
     jaxpr = str(jax.make_jaxpr(lambda t, k: privacy.add_gaussian_noise(t, 1.0, k))(tree, jax.random.key(0)))
     assert jaxpr.count("random_bits") == 2  # one per shape, not one per leaf
+
+
+def test_shapes_draw_waits_for_its_leaves(monkeypatch):
+    """A group's draw depends on its keys alone; it is tied to the group's leaves, so that XLA
+    makes it just before the addition instead of early, holding every group's draw at once."""
+    monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, "shapes")
+    tree = {"a": jnp.ones((6, 5)), "c": jnp.ones((6, 5))}
+    jaxpr = jax.make_jaxpr(lambda t, k: privacy.add_gaussian_noise(t, 1.0, k))(tree, jax.random.key(0)).jaxpr
+    deps = {v: {i} for i, v in enumerate(jaxpr.invars)}
+    for eqn in jaxpr.eqns:
+        got = set().union(*(deps.get(v, set()) for v in eqn.invars if not is_literal(v)))
+        deps.update({v: got for v in eqn.outvars})
+    draws = [v for e in jaxpr.eqns for v in e.outvars if v.aval.shape == (2, 6, 5)]
+    assert draws and all(deps[v] == {0, 1, 2} for v in draws)  # both leaves (0, 1) and the key (2)
 
 
 def test_philox_draw_is_documented(monkeypatch):
@@ -251,8 +265,9 @@ def test_noised_leaves_are_stored_on_every_path(strategy):
     barrier, whatever the strategy, under jit, vmap and grad alike."""
     tree = {"a": jnp.ones((6, 5)), "b": jnp.ones(5), "c": jnp.ones((6, 5))}
     jaxpr = jax.make_jaxpr(lambda t, k: privacy.add_gaussian_noise(t, 1.0, k))(tree, jax.random.key(0))
-    # the leaves and their keys' split ("shapes": and the draw of the two (6, 5) leaves)
-    assert str(jaxpr).count("optimization_barrier") == 3 + 1 + (strategy == "shapes")
+    # the leaves and their keys' split ("shapes": and the draw of the two (6, 5) leaves, and its
+    # keys held until those leaves exist)
+    assert str(jaxpr).count("optimization_barrier") == 3 + 1 + 2 * (strategy == "shapes")
     grads = jax.grad(lambda t: sum(jnp.sum(v) for v in privacy.add_gaussian_noise(t, 1.0, jax.random.key(0)).values()))
     assert all(np.all(np.asarray(g) == 1.0) for g in grads(tree).values())
     batched = jax.vmap(lambda k: privacy.add_gaussian_noise(tree, 0.0, k))(jax.random.split(jax.random.key(1), 2))
@@ -346,7 +361,8 @@ def test_shapes_draw_is_chunked_and_each_chunk_is_the_leaves_draw(monkeypatch):
     monkeypatch.setattr(noise_mod, "_SHAPES_DRAW_MAX", 2 * 30)  # two leaves per stored draw
     counts = primitive_counts(jax.make_jaxpr(lambda t, k: privacy.add_gaussian_noise(t, 0.5, k))(tree, key).jaxpr)
     assert counts["random_bits"] == 3  # chunks of 2, 2 and 1 leaves
-    assert counts["optimization_barrier"] == 5 + 1 + 3  # the leaves, their keys, the chunks' draws
+    # the leaves, their keys, the chunks' draws and their keys held until their leaves exist
+    assert counts["optimization_barrier"] == 5 + 1 + 3 + 3
     shapes = _jitted()(tree, 0.5, key)
     for name in tree:
         np.testing.assert_allclose(np.asarray(shapes[name]), np.asarray(leaves[name]), rtol=1e-6, atol=1e-6)
