@@ -231,7 +231,8 @@ def test_loss_combining_examples_in_a_jax_011_scan_is_an_error(jax_011_scans):
 
 def test_an_unreadable_layout_falls_back_with_the_reason(monkeypatch):
     """A scan laid out as no supported JAX does (here: its counts renamed, as a future release
-    might): every leaf falls back, saying why; nothing crashes, and the vmap path still runs."""
+    might): its parameter falls back, saying why; the head, outside it, is measured on the
+    one-example program; nothing crashes, and the result is the vmap path's."""
     make_jaxpr, bind = jax.make_jaxpr, jc.bind
     # both supported layouts renamed (jax <= 0.10's counts, jax >= 0.11's FlatTrees)
     future = {"num_consts": "consts_count", "num_carry": "carry_count", "ft_in": "groups_in", "ft_out": "groups_out"}
@@ -253,7 +254,7 @@ def test_an_unreadable_layout_falls_back_with_the_reason(monkeypatch):
     monkeypatch.setattr(jc, "bind", bind_future)
     loss, params, data = _rnn()
     report = ghost_report(loss, params, data)
-    assert {p for p, _ in report.fallback} == {"['head']", "['w']"}
+    assert {p for p, _ in report.fallback} == {"['w']"} and dict(report.ghost) == {"['head']": "dense"}
     assert all("could not be analysed" in why and "num_consts" in why for _, why in report.fallback)
     with pytest.warns(UserWarning, match="could not be analysed"):
         got = clipped_grad(loss, 1.0, method="ghost")(params, data)

@@ -93,7 +93,7 @@ def test_a_parameter_read_by_such_a_primitive_falls_back_alone():
     _ghost_equals_vmap(loss, params, data)
 
 
-@pytest.mark.parametrize("removed", [("stack",), ("split", "reshape")])
+@pytest.mark.parametrize("removed", [("stack",), pytest.param(("split", "reshape"), marks=pytest.mark.slow)])
 def test_a_jax_release_adding_primitives_does_not_send_a_model_to_the_fallback(monkeypatch, removed):
     """As jax 0.10 made ``jnp.stack`` a primitive: with the rules of the rotary embedding's
     ``stack`` (or of ``split`` and ``reshape``) removed, the rules cannot follow the batched loss;

@@ -165,6 +165,8 @@ def analyse(jaxpr: Any, n_params: int, active: Sequence[int], n_batch: int, bsiz
             plan.reasons[leaf] = _not_row_wise(walk.mixing, walk.unreadable)
             continue
         sites, blocks, reason = _leaf_verdict(walk.uses[leaf])
+        if reason is not None and walk.unreadable is not None and names.SCAN in walk.uses[leaf]:
+            reason = f"used by a scan that could not be analysed: {walk.unreadable}"
         if reason is None:
             plan.sites.extend(sites)
             plan.ghost.add(leaf)

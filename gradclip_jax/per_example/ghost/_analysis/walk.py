@@ -288,6 +288,8 @@ def _walk_from(jaxpr: Any, states: dict[Any, State], alias: dict[Any, list[_Alia
             continue
         if known is not None:
             out_states = [known.get(v, MIXED) for v in eqn.outvars]
+            if name == names.SCAN and jc.scan_or_none(eqn) is None:  # its parameters' uses are not read
+                unreadable = unreadable or _layout_error(eqn)
         else:
             try:
                 out_states = row_rule(eqn, in_states, bsize)
@@ -325,6 +327,15 @@ def _walk_from(jaxpr: Any, states: dict[Any, State], alias: dict[Any, list[_Alia
     needed = _needed(jaxpr, loss_outs) if crossings else set()
     crossing = next((n for k, n in crossings if k in needed), None)
     return _Walk(uses, state(jaxpr.outvars[0]) in (ROW, CONST), act_elems, mixing, crossing, unreadable)
+
+
+def _layout_error(eqn: Any) -> str:
+    """Why a scan's parameters could not be read (a JAX release laid them out anew)."""
+    try:
+        jc.scan_info(eqn)
+    except jc.LayoutError as err:
+        return str(err)
+    return "its layout is not one of a supported JAX version"
 
 
 def _stacked_scan(eqn: Any, k: int, in_states: list[State], aliased: list[tuple[int, _Alias]],
