@@ -237,3 +237,19 @@ def test_a_loss_the_rules_find_mixing_keeps_its_warning():
     plan = _plan(loss, params, data)
     assert not plan.one_example and plan.unknown is None and not plan.row_wise
     assert "mixes examples" in ghost_report(loss, params, data).fallback[0][1]
+
+
+def test_a_primitive_without_a_rule_elsewhere_does_not_hide_mixing():
+    """The rules find the examples mixed (rows regrouped across the batch); a primitive with no
+    rule on the parameters alone (a Cholesky factor of a weight's Gram) is not where they lost
+    the batch: the batched plan and its reason stand."""
+    params, data = _head_params(8), _data(8)
+
+    def loss(p, b):
+        w = p["w"] @ jnp.linalg.cholesky(p["w"].T @ p["w"] + jnp.eye(D))
+        h = jnp.tanh(b["x"] @ w) @ p["head"]  # (B, T, 4)
+        return jnp.mean(h.reshape(-1, B), axis=0)
+
+    assert {"cholesky"} <= _primitives(jax.make_jaxpr(loss)(params, data).jaxpr) - set(RULES)
+    plan = _plan(loss, params, data)
+    assert not plan.one_example and plan.unknown is None and not plan.row_wise

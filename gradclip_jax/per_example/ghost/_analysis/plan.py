@@ -134,17 +134,6 @@ def _not_row_wise(mixing: str | None, unreadable: str | None = None) -> str:
             "that changes its length)")
 
 
-def _unknown_primitive(jaxpr: Any) -> str | None:
-    """The first primitive of ``jaxpr`` (or of a jaxpr nested in it: a scan's body) no rule knows."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name not in RULES:
-            return str(eqn.primitive.name)
-        inner = next((n for j in sub_jaxprs(eqn) if (n := _unknown_primitive(j)) is not None), None)
-        if inner is not None:
-            return inner
-    return None
-
-
 def analyse(jaxpr: Any, n_params: int, active: Sequence[int], n_batch: int, bsize: int,
             consts: dict[Any, Any] | None = None, known: dict[Any, Any] | None = None) -> Plan:
     """Classifies every active parameter leaf of the top-level ``jaxpr``.
@@ -156,7 +145,8 @@ def analyse(jaxpr: Any, n_params: int, active: Sequence[int], n_batch: int, bsiz
     walk = _walk(jaxpr, n_params, n_batch, bsize, consts, known)
     acc = _norms.tree_acc_dtype([jaxpr.invars[i].aval for i in active])
     narrow_leaf = next((i for i in active if narrower(jaxpr.invars[i].aval.dtype, acc)), None)
-    unknown = walk.unreadable if walk.unreadable is not None else _unknown_primitive(jaxpr)
+    # where the rules lost the batch, if they did (not where they found examples mixed)
+    unknown = walk.unreadable if walk.unreadable is not None else walk.unknown
     plan = Plan(walk.row_wise, [], set(), {}, act_elems=walk.act_elems, crossing=walk.crossing,
                 narrow_leaf=narrow_leaf, narrow_op=_narrow_op(jaxpr, n_params, acc),
                 unknown=None if walk.row_wise else unknown)

@@ -19,6 +19,7 @@ from gradclip_jax.per_example.ghost.rules import (
     MIXED,
     OPAQUE,
     ROW,
+    RULES,
     Box,
     Formed,
     Merged,
@@ -42,6 +43,7 @@ class _Walk(NamedTuple):
     mixing: str | None  # the first primitive that mixed examples, if any
     crossing: str | None  # the first primitive that certainly combines examples, if any
     unreadable: str | None = None  # why the first equation whose parameters JAX laid out unknowingly was not read
+    unknown: str | None = None  # the first primitive no rule knows applied to values carrying the batch
 
 
 class _Alias(NamedTuple):
@@ -245,7 +247,7 @@ def _walk_from(jaxpr: Any, states: dict[Any, State], alias: dict[Any, list[_Alia
     ``alias``: per value, the parameter leaves it is a chain of (several: a sum of leaves' values).
     ``known``: see :func:`_walk`."""
     uses: dict[int, list[Site | str]] = {a.leaf: [] for al in alias.values() for a in al}
-    act_elems, mixing, unreadable = 0, None, None
+    act_elems, mixing, unreadable, unknown = 0, None, None, None
     crossings: list[tuple[int, str]] = []  # equations that certainly combine examples, and where
     fixed = {v for v in jaxpr.constvars if v in consts}  # values computed from constants alone
     copies: dict[Any, frozenset[int]] = {}  # their axes of length B holding copies (an RNN's zero state)
@@ -273,6 +275,8 @@ def _walk_from(jaxpr: Any, states: dict[Any, State], alias: dict[Any, list[_Alia
                 if axes:
                     copies[eqn.outvars[0]] = axes
         in_states = [state(v) for v in eqn.invars]
+        if unknown is None and any(s != CONST for s in in_states):
+            unknown = _unknown_in(eqn)
         aliased = [(pos, a) for pos, v in enumerate(eqn.invars) if not is_literal(v) and v in alias
                    for a in alias[v]]
         lookup = _const_lookup(eqn, aliased, consts)
@@ -326,7 +330,14 @@ def _walk_from(jaxpr: Any, states: dict[Any, State], alias: dict[Any, list[_Alia
                 uses[a.leaf].append(where)
     needed = _needed(jaxpr, loss_outs) if crossings else set()
     crossing = next((n for k, n in crossings if k in needed), None)
-    return _Walk(uses, state(jaxpr.outvars[0]) in (ROW, CONST), act_elems, mixing, crossing, unreadable)
+    return _Walk(uses, state(jaxpr.outvars[0]) in (ROW, CONST), act_elems, mixing, crossing, unreadable, unknown)
+
+
+def _unknown_in(eqn: Any) -> str | None:
+    """The first primitive no rule knows: ``eqn``'s own, or one in a jaxpr nested in it (a scan's body)."""
+    if eqn.primitive.name not in RULES:
+        return str(eqn.primitive.name)
+    return next((n for j in sub_jaxprs(eqn) for e in j.eqns if (n := _unknown_in(e)) is not None), None)
 
 
 def _layout_error(eqn: Any) -> str:
