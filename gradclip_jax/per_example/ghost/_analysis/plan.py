@@ -183,12 +183,12 @@ def trace_and_plan(loss_fn: Callable[..., Any], has_aux: bool, fn: str, params: 
     plan = analyse(closed.jaxpr, len(pflat.leaves), pflat.active, n_batch, bsize, const_values(closed))
     if plan.unknown is None or plan.crossing is not None:
         return Traced(closed, plan)
-    one = _one_example(loss_fn, has_aux, params, pflat, batch, args, bsize)
+    one = _one_example(loss_fn, has_aux, params, pflat, batch, args, bsize, n_batch)
     return one if one is not None and len(one.plan.ghost) > len(plan.ghost) else Traced(closed, plan)
 
 
 def _one_example(loss_fn: Callable[..., Any], has_aux: bool, params: Any, pflat: _norms.FlatTree, batch: Any,
-                 args: Sequence[Any], bsize: int) -> Traced | None:
+                 args: Sequence[Any], bsize: int, n_batch: int) -> Traced | None:
     """The one-example program traced at ``B`` and ``B + 1`` examples and analysed with the
     states read from the two (``None`` when they differ in more than their shapes, or the loss
     fails on one example: the batched plan stands, and the path it takes reports that)."""
@@ -201,7 +201,6 @@ def _one_example(loss_fn: Callable[..., Any], has_aux: bool, params: Any, pflat:
         return None
     if known is None:
         return None
-    n_batch = len(jax.tree_util.tree_leaves(batch))
     plan = analyse(closed.jaxpr, len(pflat.leaves), pflat.active, n_batch, bsize, const_values(closed), known)
     plan.one_example = True
     return Traced(closed, plan)

@@ -292,8 +292,11 @@ def _walk_from(jaxpr: Any, states: dict[Any, State], alias: dict[Any, list[_Alia
             continue
         if known is not None:
             out_states = [known.get(v, MIXED) for v in eqn.outvars]
-            if name == names.SCAN and jc.scan_or_none(eqn) is None:  # its parameters' uses are not read
-                unreadable = unreadable or _layout_error(eqn)
+            if name == names.SCAN:  # a scan whose layout is not read has its parameters' uses unread
+                try:
+                    jc.scan_info(eqn)
+                except jc.LayoutError as err:
+                    unreadable = unreadable or str(err)
         else:
             try:
                 out_states = row_rule(eqn, in_states, bsize)
@@ -338,15 +341,6 @@ def _unknown_in(eqn: Any) -> str | None:
     if eqn.primitive.name not in RULES:
         return str(eqn.primitive.name)
     return next((n for j in sub_jaxprs(eqn) for e in j.eqns if (n := _unknown_in(e)) is not None), None)
-
-
-def _layout_error(eqn: Any) -> str:
-    """Why a scan's parameters could not be read (a JAX release laid them out anew)."""
-    try:
-        jc.scan_info(eqn)
-    except jc.LayoutError as err:
-        return str(err)
-    return "its layout is not one of a supported JAX version"
 
 
 def _stacked_scan(eqn: Any, k: int, in_states: list[State], aliased: list[tuple[int, _Alias]],
