@@ -90,6 +90,10 @@ configs, ``gpt2-qkv`` = both separate-q/k/v ones, ``wrn``). ``GHOST_GPU_STEPS``
 restricts the variants and orders them (``nonprivate`` is always run, first). ``GHOST_GPU_BUDGET_S``
 (default 540) bounds the run: once that many seconds have passed, steps not yet
 compiled are skipped and marked so, leaving what was measured in the results.
+``GHOST_GPU_COMPILE_SPLIT=1`` compiles each program a second time with XLA's
+autotuning off (``xla_gpu_autotune_level=0``, where the budget allows): the
+notes then give both times, so one run tells how much of a step's compile time
+is autotuning the gemm fusions and convolutions it adds, and how much is the rest.
 
 Run: ``python -m benchmarks --only ghost-gpu [--models gpt2-b8,gpt2-b32] --out DIR``
 or ``python -m benchmarks.bench_ghost_gpu`` with the same flags.
@@ -447,6 +451,18 @@ class _Runner:
         return self.state[2]
 
 
+# XLA's GPU autotuning (of gemm fusions' tilings, cuBLAS algorithms and convolutions) off: a
+# second compile with it says how much of a step's compile time is autotuning.
+NO_AUTOTUNE = {"xla_gpu_autotune_level": 0}
+
+
+def _compile_seconds(lowered: Any, options: dict[str, Any]) -> float:
+    """Seconds to compile ``lowered`` with the XLA ``options`` (the executable is dropped)."""
+    t0 = time.perf_counter()
+    lowered.compile(compiler_options=options)
+    return time.perf_counter() - t0
+
+
 def _fresh_state(params: Any, seed: int) -> Any:
     p = jax.tree.map(lambda x: x.copy(), params)
     return p, optax.adamw(LEARNING_RATE).init(p), jax.random.key(seed)
@@ -476,12 +492,14 @@ def _error(err: BaseException) -> str:
 
 def measure(cfg: Config, *, tiny: bool, reps: int, max_s: float, deadline: float,
             wanted: Sequence[str] = STEPS, clock: dict[str, float] | None = None,
-            on_update: Callable[[dict[str, Any]], Any] | None = None) -> dict[str, Any]:
+            on_update: Callable[[dict[str, Any]], Any] | None = None, split_compile: bool = False) -> dict[str, Any]:
     """Builds, compiles (once each) and times every step of one config; returns its result record.
 
     A step is skipped when the longest compile seen so far (``clock['max_compile_s']``,
     shared across configs) would end past ``deadline``. ``on_update(record)`` is
     called after each compile, so a run killed from outside keeps what it measured.
+    With ``split_compile`` each program is compiled a second time without autotuning
+    (:data:`NO_AUTOTUNE`), where the budget allows: ``xla_noautotune_s``.
     """
     clock = {} if clock is None else clock
 
@@ -526,6 +544,8 @@ def measure(cfg: Config, *, tiny: bool, reps: int, max_s: float, deadline: float
                 compiled = lowered.compile()
                 xla_s = time.perf_counter() - t0
                 compiled_by_text[digest] = (name, compiled, xla_s)
+                if split_compile and time.perf_counter() + xla_s < deadline:
+                    rec["xla_noautotune_s"] = _compile_seconds(lowered, NO_AUTOTUNE)
             rec["xla_compile_s"] = xla_s
             rec["compile_s"] = rec["lower_s"] + xla_s
             clock["max_compile_s"] = max(clock.get("max_compile_s", 0.0), rec["compile_s"])
@@ -656,6 +676,8 @@ def markdown(meta: dict[str, Any], configs: Sequence[dict[str, Any]]) -> str:
                 extra.append(f"{rec['conditionals']} conditionals, {rec['loops']} loops in the compiled program")
             if "lower_s" in rec:
                 extra.append(f"trace+lower {rec['lower_s']:.1f} s, XLA {rec['xla_compile_s']:.1f} s")
+            if "xla_noautotune_s" in rec:
+                extra.append(f"XLA without autotuning {rec['xla_noautotune_s']:.1f} s")
             if "rounds" in rec:
                 extra.append(f"{rec['rounds']} rounds")
             lines.append(f"  - {STEP_TITLES[s]}: " + "; ".join(extra))
@@ -787,7 +809,8 @@ def run(quick: bool = False, *, out: str | pathlib.Path | None = None, models: s
     clock: dict[str, float] = {}
     for cfg in configs:
         res = measure(cfg, tiny=tiny, reps=reps, max_s=max_s, deadline=deadline, wanted=steps, clock=clock,
-                      on_update=lambda partial: write_results(out_dir, meta, [*done, partial]))
+                      on_update=lambda partial: write_results(out_dir, meta, [*done, partial]),
+                      split_compile=_env_flag("GHOST_GPU_COMPILE_SPLIT"))
         done.append(res)
         rows += rows_of(res)
         merged = write_results(out_dir, meta, done)

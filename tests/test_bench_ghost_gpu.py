@@ -75,6 +75,7 @@ def test_tiny_cpu_run_writes_and_merges_results(tmp_path: pathlib.Path, monkeypa
     rows = bg.run(quick=True, out=tmp_path, models="gpt2-qkv-b8", force=True)
     assert [r["group"] for r in rows] == ["ghost-gpu"]
     assert rows[0]["ours_ms"] > 0 and rows[0]["baseline_ms"] > 0 and rows[0]["temp_mb"] > 0
+    monkeypatch.setenv("GHOST_GPU_COMPILE_SPLIT", "1")  # the second run also compiles without autotuning
     bg.run(quick=True, out=tmp_path, models="wrn", force=True)
     doc = json.loads((tmp_path / bg.RESULTS_JSON).read_text())
     assert doc["meta"]["sizes"] == "tiny (smoke)"
@@ -89,8 +90,12 @@ def test_tiny_cpu_run_writes_and_merges_results(tmp_path: pathlib.Path, monkeypa
         assert steps["vmap"]["skipped"].startswith("skipped: not selected")
         report = c["ghost_report"]
         assert report["ghost"] + report["fallback"] == report["leaves"] > 0
+    compiled = [s for s in configs["wrn-b256"]["steps"].values() if "xla_compile_s" in s]
+    assert len(compiled) == 2 and all(s["xla_noautotune_s"] > 0 for s in compiled)
+    assert not any("xla_noautotune_s" in s for s in configs["gpt2-qkv-b8"]["steps"].values())
     md = (tmp_path / bg.RESULTS_MD).read_text()
     assert "| gpt2-qkv-b8 |" in md and "| wrn-b256 |" in md and "ghost_report:" in md
+    assert md.count("XLA without autotuning") == 2  # wrn's two steps
 
 
 @pytest.mark.cpu_only(reason="counts in XLA:CPU's optimized program; a GPU compiler may unroll the 3-step loop")

@@ -7,7 +7,8 @@
 #            WRN-16-4 B=256 for WRN_S; steps GPT2_STEPS / WRN_STEPS, else GHOST_GPU_STEPS, default
 #            ghost,vmap,jax_privacy besides the non-private one, in that order; nonprivate_noise and
 #            ghost_noise_unstored weigh the noise and what storing it saves): ratios,
-#            temporaries, compile times; then, for EXTRA_S seconds (default 0: none), the configs
+#            temporaries, compile times (with GHOST_GPU_COMPILE_SPLIT=1 also each step's compile
+#            time without XLA's autotuning); then, for EXTRA_S seconds (default 0: none), the configs
 #            of EXTRA_MODELS (default gpt2-b32,gpt2-bf16-b8) with EXTRA_STEPS (default ghost,vmap);
 #   profile  the kernel-category profile of the non-private step and PROFILE_GPU_STEPS (default
 #            ghost,vmap) of the configs PROFILE_MODELS (default gpt2-b8,wrn-b256)
