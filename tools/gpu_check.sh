@@ -20,7 +20,7 @@
 #   tests    the test suite on the GPU backend (the README's GPU command, with workers) for
 #            the time left, or the tests named in TESTS; stopped with SIGINT at the limit, so
 #            pytest still prints its summary and the failures' tracebacks (OUT_DIR/pytest.log).
-# Wheels in .whl/ (jax-privacy, dp-accounting and what they need, where the machine lacks
+# Wheels in .whl/ (made by tools/gpu_wheels.sh: jax-privacy, dp-accounting and what they need, where the machine lacks
 # them) are installed first into /tmp/site.
 set -uo pipefail
 cd "$(dirname "$0")/.."
