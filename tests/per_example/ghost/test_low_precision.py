@@ -201,6 +201,18 @@ def test_16bit_layers_are_measured_on_their_own_values(model, least, dt):
     assert len(products) >= least
 
 
+@pytest.mark.parametrize("dt", DTYPES)
+def test_a_16bit_tied_table_is_measured_on_its_own_values(dt):
+    """The tied table's norm from factors takes Grams of the lookup's cotangents with themselves
+    and with the head's activations: 16-bit values as they are, as for every other Gram of the
+    16-bit transformer (none multiplies a float32 copy)."""
+    loss, params, data = MODELS["transformer"](dt)
+    jaxpr = jax.make_jaxpr(clipped_grad(loss, 1.0, method="ghost"))(params, data).jaxpr
+    grams = [e for e in equations(jaxpr) if e.primitive is lax.dot_general_p
+             and e.outvars[0].aval.shape == (B, 6, 6)]  # (B, T, T): the model's attention and ghost's Grams
+    assert len(grams) >= 12 and all(v.aval.dtype == dt for e in grams for v in e.invars)
+
+
 @pytest.mark.parametrize(("model", "dt"), CASES, ids=IDS)
 def test_clipped_contribution_within_clip_norm(model, dt):
     """One example at a time (the others masked out), clipped hard: the float32 sum has norm <= C."""

@@ -16,7 +16,7 @@ from jax import lax
 
 from gradclip_jax._core import jaxcompat as jc
 from gradclip_jax._core.jaxcompat import shape
-from gradclip_jax.per_example._products import as_measured, product_einsum, product_error
+from gradclip_jax.per_example._products import as_measured, product_einsum, product_error, view_dtype
 from gradclip_jax.per_example.ghost._gram import GramTerm, gram_norm, self_gram_rows
 from gradclip_jax.per_example.ghost.rules._registry import (
     ROW,
@@ -84,15 +84,17 @@ def embedding_views(eqn: Any, idx: jax.Array, g: jax.Array, acc: Any) -> tuple[j
     """``(ids, g3)`` of a row lookup: in-range ids ``(B, T)`` and cotangents ``(B, T, d)``.
 
     Out-of-range ids get no gradient (their cotangent rows are zeroed) under
-    ``FILL_OR_DROP``; otherwise they are clipped, as the lookup did.
+    ``FILL_OR_DROP``; otherwise they are clipped, as the lookup did. A 16-bit cotangent
+    stays 16-bit (:func:`~gradclip_jax.per_example._products.view_dtype`): its products
+    are exact in float32, and a tied head's Gram with it runs on 16-bit tensor cores.
     """
     bsz = idx.shape[0]
     ids = jnp.reshape(idx[..., _row_index(eqn)], (bsz, -1))
-    g3 = as_measured(jnp.reshape(g, (bsz, ids.shape[1], -1)).astype(acc))
+    g3 = as_measured(jnp.reshape(g, (bsz, ids.shape[1], -1)).astype(view_dtype(g.dtype, g.dtype, acc)))
     rows = shape(eqn.invars[0])[0]
     if jc.param(eqn, "mode") == lax.GatherScatterMode.FILL_OR_DROP:
         ok = (ids >= 0) & (ids < rows)
-        g3 = jnp.where(ok[:, :, None], g3, jnp.zeros((), acc))
+        g3 = jnp.where(ok[:, :, None], g3, jnp.zeros((), g3.dtype))
     return jnp.clip(ids, 0, rows - 1), g3
 
 
