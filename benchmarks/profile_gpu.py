@@ -31,8 +31,11 @@ compiled program says that op holds, :func:`hlo_hints`):
 
 Each step gets: the total time per training step (device time, or on the CPU
 host-op time summed over the threads that ran ops), the wall time per step
-while traced, the time and share of each category, and the 15 kernels that
-took longest. Results: ``OUT/profile_gpu.json`` (merged by config with the
+while traced, the time and share of each category, the time by source (which
+part of the step wrote each kernel: the model's forward and backward pass, the
+per-example norms, the clipped sum, the noise or the optimizer, read from the
+compiled program, :func:`benchmarks.hlo_program.hlo_phases`) with its
+difference to the non-private step's, and the 15 kernels that took longest. Results: ``OUT/profile_gpu.json`` (merged by config with the
 configs already there) and ``OUT/PROFILE_GPU.md``.
 
 Without a GPU it prints why and does nothing unless ``--tiny`` or
@@ -66,6 +69,7 @@ import jax
 
 from benchmarks import bench_ghost_gpu as bg
 from benchmarks.common import num_params, row, same_measurement
+from benchmarks.hlo_program import PHASES, hlo_hints, hlo_phases
 
 GROUP = "profile-gpu"
 RESULTS_JSON = "profile_gpu.json"
@@ -140,128 +144,6 @@ def categorize(name: str, args: dict[str, Any]) -> str:
     return "other"
 
 
-# ----------------------------------------------------------------------------- the compiled program
-
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][a-z0-9\-]*)\((.*)$")
-_CALLED = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
-_CALLED_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
-_COPY_LIKE = {"parameter", "constant", "bitcast", "copy", "transpose", "reshape", "broadcast", "tuple",
-              "get-tuple-element", "slice", "dynamic-slice", "dynamic-update-slice", "concatenate", "pad",
-              "copy-start", "copy-done", "iota"}
-
-
-def _precision(rest: str) -> str:
-    """The precision of an HLO dot or convolution from its attributes (or a gemm's backend config)."""
-    low = rest.lower()
-    algo = re.search(r"algorithm[\"=:]+\"?(?:alg_)?(?:dot_)?([a-z0-9_]+)", low)
-    if algo and algo.group(1) not in ("unset", "alg_unset"):
-        name = algo.group(1)
-        for key, label in (("tf32_tf32_f32_x3", "3xtf32"), ("bf16_bf16_f32_x6", "6xbf16"),
-                           ("bf16_bf16_f32_x3", "3xbf16"), ("tf32_tf32_f32", "tf32"), ("bf16_bf16_f32", "bf16"),
-                           ("f32_f32_f32", "highest")):
-            if key in name:
-                return label
-        return name
-    prec = re.search(r"operand_precision[\"=:\s]*[\[{]([^\]}]*)[\]}]", low)
-    settings = re.findall(r"highest|high|default", prec.group(1)) if prec else []
-    return "highest" if "highest" in settings else "high" if "high" in settings else "default"
-
-
-def _parse_hlo(text: str) -> tuple[dict[str, list[tuple[str, str, str]]], dict[str, str]]:
-    """Computations of an HLO module, each a list of ``(instruction, opcode, rest of line)``,
-    and the computation each instruction belongs to."""
-    comps: dict[str, list[tuple[str, str, str]]] = {}
-    owner: dict[str, str] = {}
-    current = None
-    for line in text.splitlines():
-        if not line.startswith((" ", "\t")) and not line.startswith("HloModule"):
-            head = _COMPUTATION.match(line)
-            current = head.group(1) if head else None
-            if current is not None:
-                comps[current] = []
-            continue
-        instr = _INSTRUCTION.match(line) if current is not None else None
-        if instr:
-            comps[current].append(instr.groups())  # type: ignore[index]
-            owner[instr.group(1)] = current  # type: ignore[assignment]
-    return comps, owner
-
-
-def _called(rest: str) -> list[str]:
-    names = [m.group(2) for m in _CALLED.finditer(rest)]
-    for group in _CALLED_LIST.findall(rest):
-        names += [s.strip().lstrip("%") for s in group.split(",") if s.strip()]
-    return names
-
-
-def _loop_computations(comps: dict[str, list[tuple[str, str, str]]]) -> set[str]:
-    """Computations run inside a while op: bodies and conditions, and all they call."""
-    todo = [m.group(2) for body in comps.values() for _, opcode, rest in body if opcode == "while"
-            for m in _CALLED.finditer(rest) if m.group(1) in ("body", "condition")]
-    seen: set[str] = set()
-    while todo:
-        comp = todo.pop()
-        if comp in seen or comp not in comps:
-            continue
-        seen.add(comp)
-        todo += [c for _, _, rest in comps[comp] for c in _called(rest)]
-    return seen
-
-
-def _contents(comp: str, comps: dict[str, list[tuple[str, str, str]]], memo: dict[str, str]) -> str:
-    """What a fused (or called) computation does, in the words of :func:`categorize`'s hints."""
-    if comp in memo:
-        return memo[comp]
-    memo[comp] = "elementwise"  # guards a cycle
-    kinds = []
-    for _, opcode, rest in comps.get(comp, []):
-        kinds.append(_hint_of(opcode, rest, comps, memo))
-    for kind in ("convolution", "dot", "reduce"):
-        hit = next((k for k in kinds if k.startswith(kind)), None)
-        if hit:
-            memo[comp] = hit
-            return hit
-    memo[comp] = "copy" if kinds and all(k in _COPY_LIKE or k == "copy" for k in kinds) else "elementwise"
-    return memo[comp]
-
-
-def _hint_of(opcode: str, rest: str, comps: dict[str, list[tuple[str, str, str]]], memo: dict[str, str]) -> str:
-    if opcode in ("dot", "convolution"):
-        return f"{opcode} {_precision(rest)}"
-    if opcode == "custom-call":
-        target = rest.lower()
-        if re.search(r"custom_call_target=\"[^\"]*(gemm|matmul)", target):
-            return f"dot {_precision(rest)}"
-        if re.search(r"custom_call_target=\"[^\"]*conv", target):
-            return f"convolution {_precision(rest)}"
-        return "custom-call"
-    if opcode in ("fusion", "call", "async-start"):
-        inner = [_contents(c, comps, memo) for c in _called(rest)]
-        return inner[0] if inner else "elementwise"
-    if opcode in ("reduce", "reduce-window"):
-        return "reduce"
-    if opcode in ("copy", "transpose", "copy-start", "copy-done"):
-        return "copy"
-    return opcode
-
-
-def hlo_hints(text: str) -> dict[str, str]:
-    """For each instruction of a compiled HLO module (``compiled.as_text()``), what it holds:
-    ``"dot <precision>"``, ``"convolution <precision>"``, ``"reduce"``, ``"copy"``,
-    ``"elementwise"``, ``"while"``, ``"conditional"`` or its opcode, with ``" in_while"`` added
-    when it runs inside a while body or condition (see :func:`categorize`)."""
-    comps, owner = _parse_hlo(text)
-    loops = _loop_computations(comps)
-    memo: dict[str, str] = {}
-    hints = {}
-    for body in comps.values():
-        for name, opcode, rest in body:
-            hint = _hint_of(opcode, rest, comps, memo)
-            hints[name] = f"{hint} in_while" if owner[name] in loops else hint
-    return hints
-
-
 # ----------------------------------------------------------------------------- the trace
 
 
@@ -299,10 +181,11 @@ def _select(events: list[dict]) -> tuple[list[dict], str, str]:
     return chosen, "host", f"{note}XLA ops (events with an hlo_op) on host threads: {', '.join(lines) or 'none'}"
 
 
-def _nest(evs: list[dict], thread: str, hints: dict[str, str]) -> list[tuple[str, dict[str, Any], float]]:
+def _nest(evs: list[dict], thread: str, hints: dict[str, str],
+          phases: dict[str, str]) -> list[tuple[str, dict[str, Any], float]]:
     """``(name, args, self time in us)`` of the events of one thread: each event's duration less
-    its nested children's, with ``thread``, ``hlo`` and ``in_while`` (inside a while op's event)
-    added to its args."""
+    its nested children's, with ``thread``, ``hlo``, ``phase`` (:func:`~benchmarks.hlo_program.hlo_phases`)
+    and ``in_while`` (inside a while op's event) added to its args."""
     out: list[tuple[str, dict[str, Any], float]] = []
     stack: list[list[Any]] = []  # [end, name, args, self time, children run in a loop]
     for e in sorted(evs, key=lambda e: (float(e["ts"]), -float(e["dur"]))):
@@ -311,24 +194,26 @@ def _nest(evs: list[dict], thread: str, hints: dict[str, str]) -> list[tuple[str
             _, name, args, self_us, _ = stack.pop()
             out.append((name, args, max(self_us, 0.0)))
         name = str(e.get("name", ""))
-        hint = hints.get(str(e.get("args", {}).get("hlo_op", name)), hints.get(name, ""))
+        op = str(e.get("args", {}).get("hlo_op", name))
+        hint = hints.get(op, hints.get(name, ""))
+        phase = phases.get(op, phases.get(name, "unattributed"))
         in_loop = bool(stack and stack[-1][4])
         if stack:
             stack[-1][3] -= dur
         is_while = bool(_WHILE_NAME.match(name.lower())) or hint.startswith("while")
-        args = {**e.get("args", {}), "thread": thread, "hlo": hint, "in_while": in_loop}
+        args = {**e.get("args", {}), "thread": thread, "hlo": hint, "phase": phase, "in_while": in_loop}
         stack.append([ts + dur, name, args, dur, in_loop or is_while])
     out += [(name, args, max(self_us, 0.0)) for _, name, args, self_us, _ in reversed(stack)]
     return out
 
 
-def _self_times(events: list[dict], threads: dict[tuple[Any, Any], str],
-                hints: dict[str, str]) -> list[tuple[str, dict[str, Any], float]]:
+def _self_times(events: list[dict], threads: dict[tuple[Any, Any], str], hints: dict[str, str],
+                phases: dict[str, str]) -> list[tuple[str, dict[str, Any], float]]:
     """:func:`_nest` over the events of each thread."""
     by_thread: dict[tuple[Any, Any], list[dict]] = defaultdict(list)
     for e in events:
         by_thread[(e["pid"], e.get("tid"))].append(e)
-    return [t for key, evs in by_thread.items() for t in _nest(evs, threads.get(key, ""), hints)]
+    return [t for key, evs in by_thread.items() for t in _nest(evs, threads.get(key, ""), hints, phases)]
 
 
 def _in_while(name: str, args: dict[str, Any]) -> bool:
@@ -337,27 +222,35 @@ def _in_while(name: str, args: dict[str, Any]) -> bool:
                 or _WHILE_SCOPE.search(scope) or _WHILE_NAME.search(name.lower()))
 
 
-def summarize(trace_json: dict[str, Any], steps: int, hints: dict[str, str] | None = None) -> dict[str, Any]:
+def summarize(trace_json: dict[str, Any], steps: int, hints: dict[str, str] | None = None,
+              phases: dict[str, str] | None = None) -> dict[str, Any]:
     """Per training step, from a Chrome-format trace of ``steps`` steps: ``ms_per_step``,
     ``categories`` (ms per step by :func:`categorize`'s category, largest first), ``shares``,
-    ``in_while_ms``, ``top`` (the :data:`TOP_KERNELS_JSON` longest kernels: name, category, ms and
-    calls per step, share), ``classifier`` (``device`` or ``host``), ``source`` and ``events``.
+    ``phases`` (ms per step by the part of the DP step that wrote each op, in the order of
+    :data:`~benchmarks.hlo_program.PHASES`),
+    ``in_while_ms``, ``top`` (the :data:`TOP_KERNELS_JSON` longest kernels: name, category, source
+    (the part of the step), ms and calls per step, share), ``classifier`` (``device`` or ``host``), ``source`` and ``events``.
 
-    ``hints`` (:func:`hlo_hints` of the compiled step) tell what each HLO op holds.
+    ``hints`` (:func:`~benchmarks.hlo_program.hlo_hints` of the compiled step) tell what each HLO
+    op holds, ``phases`` (:func:`~benchmarks.hlo_program.hlo_phases`) which part of the step wrote it.
     """
     events = trace_json.get("traceEvents", [])
     chosen, classifier, where = _select(events)
     _, threads = _names(events)
-    timed = _self_times(chosen, threads, hints or {})
+    timed = _self_times(chosen, threads, hints or {}, phases or {})
     categories: dict[str, float] = defaultdict(float)
+    by_phase: dict[str, float] = defaultdict(float)
     kernels: dict[str, list[Any]] = {}
     in_while = 0.0
     for name, args, us in timed:
         cat = categorize(name, args)
         categories[cat] += us
-        k = kernels.setdefault(name, [cat, 0.0, 0])
+        by_phase[args["phase"]] += us
+        k = kernels.setdefault(name, [cat, 0.0, 0, args["phase"]])
         k[1] += us
         k[2] += 1
+        if k[3] != args["phase"]:  # one library kernel (a cuBLAS gemm) run for ops of several parts
+            k[3] = "mixed"
         in_while += us if _in_while(name, args) else 0.0
     total = sum(categories.values())
     per = 1e-3 / max(steps, 1)  # us over the trace -> ms per step
@@ -367,9 +260,10 @@ def summarize(trace_json: dict[str, Any], steps: int, hints: dict[str, str] | No
         "ms_per_step": total * per,
         "categories": {c: v * per for c, v in sorted(categories.items(), key=lambda cv: -cv[1])},
         "shares": {c: (v / total if total else 0.0) for c, v in sorted(categories.items(), key=lambda cv: -cv[1])},
+        "phases": {p: by_phase[p] * per for p in PHASES if p in by_phase},
         "in_while_ms": in_while * per,
-        "top": [{"name": n, "category": c, "ms": us * per, "calls": calls / max(steps, 1),
-                 "share": us / total if total else 0.0} for n, (c, us, calls) in top],
+        "top": [{"name": n, "category": c, "source": src, "ms": us * per, "calls": calls / max(steps, 1),
+                 "share": us / total if total else 0.0} for n, (c, us, calls, src) in top],
     }
 
 
@@ -408,12 +302,13 @@ def profile_step(step: Callable, params: Any, data: Any, seed: int, *, warmup: i
     state = bg._fresh_state(params, seed)
     compiled = jax.jit(step, donate_argnums=0).lower(state, data).compile()
     compile_s = time.perf_counter() - t0
-    hints = hlo_hints(compiled.as_text())
+    text = compiled.as_text()
+    hints, phases = hlo_hints(text), hlo_phases(text)
     runner = bg._Runner(compiled, state, data)
     for _ in range(warmup):
         runner()
     trace, wall_ms = trace_steps(runner, logdir, steps)
-    return {**summarize(trace, steps, hints), "wall_ms": wall_ms, "compile_s": compile_s,
+    return {**summarize(trace, steps, hints, phases), "wall_ms": wall_ms, "compile_s": compile_s,
             **bg.control_flow(compiled)}
 
 
@@ -473,18 +368,35 @@ def _config_lines(c: dict[str, Any]) -> list[str]:
         cells = [_cell(r["categories"].get(k), r["shares"].get(k)) for k in cats]
         lines.append(f"| {s} | {r['ms_per_step']:.2f} | {r.get('time_x', float('nan')):.2f} | {r['wall_ms']:.2f} | "
                      f"{r['in_while_ms']:.2f} | " + " | ".join(cells) + " |")
-    lines.append("")
+    lines += ["", *_phase_lines(c["config"], recs)]
     for s, r in recs.items():
         lines += [f"### {c['config']} {s}: top {len(r['top'][:TOP_KERNELS])} kernels ({r['classifier']}: {r['source']}; "
                   f"{r.get('conditionals', '?')} conditionals, {r.get('loops', '?')} loops in the compiled program)",
-                  "", "| # | kernel | category | ms/step | calls/step | share |", "|---:|---|---|---:|---:|---:|"]
+                  "", "| # | kernel | category | source | ms/step | calls/step | share |", "|---:|---|---|---|---:|---:|---:|"]
         for i, k in enumerate(r["top"][:TOP_KERNELS], 1):
             name = k["name"].replace("|", "\\|")
             name = name if len(name) <= 110 else name[:107] + "..."
-            lines.append(f"| {i} | `{name}` | {k['category']} | {k['ms']:.3f} | {k['calls']:g} | "
+            lines.append(f"| {i} | `{name}` | {k['category']} | {k.get('source', '-')} | {k['ms']:.3f} | {k['calls']:g} | "
                          f"{100 * k['share']:.1f}% |")
         lines.append("")
     return lines
+
+
+def _phase_lines(config: str, recs: dict[str, dict[str, Any]]) -> list[str]:
+    """The steps' time by the part of the step that wrote each kernel, and each part's difference
+    to the non-private step's (a record without ``phases``, from an older run, is left out)."""
+    recs = {s: r for s, r in recs.items() if "phases" in r}
+    if not recs:
+        return []
+    cols = [p for p in PHASES if any(p in r["phases"] for r in recs.values())]
+    base = recs.get("nonprivate", {}).get("phases", {})
+    lines = [f"### {config}: time by source (ms/step; in brackets, the difference to the non-private step)", "",
+             "| step | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+    for s, r in recs.items():
+        cells = [f"{r['phases'].get(p, 0.0):.2f}" + ("" if s == "nonprivate" else
+                 f" ({r['phases'].get(p, 0.0) - base.get(p, 0.0):+.2f})") for p in cols]
+        lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
 
 
 def markdown(meta: dict[str, Any], configs: Sequence[dict[str, Any]]) -> str:
@@ -500,7 +412,10 @@ def markdown(meta: dict[str, Any], configs: Sequence[dict[str, Any]]) -> str:
         "wall ms/step is the host's clock over the traced steps. Categories: matmul_<p> by the kernel "
         "name where it tells the arithmetic (f32, tf32, bf16, fp16), else by the HLO dot's precision "
         "(highest; default: float32 on the CPU, TF32 on NVIDIA GPUs from Ampere on; 3xtf32, 6xbf16); "
-        "loop = whatever else runs in a while body; transfer = memcpy between host and device.",
+        "loop = whatever else runs in a while body; transfer = memcpy between host and device. "
+        "Sources: each kernel by the code that wrote its (root) operation (benchmarks.hlo_program.PHASES): "
+        "model (forward and backward, the ghost path's replay of them, the step's own code), norms "
+        "(per-example norms and clip factors), clipped sum, noise, optimizer.",
         "",
     ]
     for c in configs:
