@@ -65,6 +65,7 @@ import jax.numpy as jnp
 
 from benchmarks import bench_ghost_gpu as bg
 from benchmarks.common import memory_mb, row
+from benchmarks.hlo_program import PHASES, hlo_phases
 from gradclip_jax._core.jaxcompat import gpu_threefry_on_cpu
 
 GROUP = "cost"
@@ -90,6 +91,7 @@ _CALL = re.compile(r"\bcall @([\w.$-]+)\(")
 _OP = re.compile(r"\bstablehlo\.(dot_general|convolution|while|case|if)\b")
 _ALGORITHM = re.compile(r"algorithm = (?:#stablehlo\.dot_algorithm)?<([^>]*)>")
 _HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s", re.M)
+_HLO_NAMED = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s", re.M)
 
 
 # --------------------------------------------------------------------------- reading programs
@@ -174,9 +176,19 @@ def rng_loops(text: str) -> int:
     return sum(1 for line in text.splitlines() if " while(" in line and _RNG_LOOP.search(line))
 
 
+def instructions_by_source(text: str) -> dict[str, int]:
+    """The HLO instructions of a compiled program (fused bodies included) by the part of the DP
+    step that wrote them (:func:`benchmarks.hlo_program.hlo_phases`; ``unattributed`` where no
+    source is recorded), in the order of :data:`~benchmarks.hlo_program.PHASES`."""
+    phases = hlo_phases(text)
+    counts = Counter(phases.get(m.group(1), "unattributed") for m in _HLO_NAMED.finditer(text))
+    return {p: counts[p] for p in PHASES if counts[p]}
+
+
 def compiled_summary(compiled: Any) -> dict[str, Any]:
-    """FLOPs, bytes accessed, HLO instructions, loops (less :func:`rng_loops`), conditionals and
-    temporaries (MiB, :func:`~benchmarks.common.memory_mb`) of a compiled program."""
+    """FLOPs, bytes accessed, HLO instructions (and :func:`instructions_by_source`), loops (less
+    :func:`rng_loops`), conditionals and temporaries (MiB, :func:`~benchmarks.common.memory_mb`)
+    of a compiled program."""
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):  # older jax: one dict per device program
         cost = cost[0]
@@ -185,7 +197,8 @@ def compiled_summary(compiled: Any) -> dict[str, Any]:
     if "loops" in flow:
         flow["loops"] -= rng_loops(text)
     return {"flops": float(cost.get("flops", 0.0)), "bytes": float(cost.get("bytes accessed", 0.0)),
-            "instructions": len(_HLO_INSTRUCTION.findall(text)), "temporaries": memory_mb(compiled)[0], **flow}
+            "instructions": len(_HLO_INSTRUCTION.findall(text)), "by_source": instructions_by_source(text),
+            "temporaries": memory_mb(compiled)[0], **flow}
 
 
 @contextlib.contextmanager
@@ -256,7 +269,12 @@ def _note(rec: dict[str, Any], base: dict[str, Any], key: str, label: str) -> st
         mine = ", ".join(f"{k} {v}" for k, v in rec["lowered_ops"].items())
         theirs = ", ".join(f"{k} {v}" for k, v in base["lowered_ops"].items())
         return f"{label}; lowered for CUDA, traced as on a GPU: {mine} (non-private: {theirs})"
-    return f"{label}; traced as on a GPU, compiled for the CPU, {rec['seconds']:.1f} s to read"
+    note = f"{label}; traced as on a GPU, compiled for the CPU, {rec['seconds']:.1f} s to read"
+    if key == "instructions" and "by_source" in rec:
+        mine = ", ".join(f"{k} {v}" for k, v in rec["by_source"].items())
+        theirs = ", ".join(f"{k} {v}" for k, v in base.get("by_source", {}).items())
+        note += f"; by source: {mine} (non-private: {theirs})"
+    return note
 
 
 def rows_of(res: dict[str, Any]) -> list[dict]:

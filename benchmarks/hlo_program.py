@@ -151,7 +151,7 @@ model's forward and backward pass (the user's code, a library's layers, and the 
 replay of the model's operations) and the step's own code; ``norms``, the per-example norms
 and clip factors (ghost's Gram norms, formed rows and their norms, the clip weights); ``clipped
 sum``, the weighted sum of the per-example gradients (book-kept or of formed rows); ``noise``,
-the Gaussian noise; ``optimizer``, optax's update; ``unattributed``, an instruction that records
+the Gaussian noise and all random number generation (a non-private step's own key split too); ``optimizer``, optax's update; ``unattributed``, an instruction that records
 no source (a parameter, a copy the compiler added)."""
 
 _NOISE_FILES = re.compile(r"gradclip_jax/dp/(noise|philox)\.py$")
@@ -225,6 +225,10 @@ def _chain(frame: int, frames: dict[int, tuple[str, str, int]]) -> list[tuple[st
 
 
 _FRAME_ID = re.compile(r"\bstack_frame_id=(\d+)")
+# JAX's random number generation runs in jitted functions it caches with the source frames of
+# their first trace (the key split of another step, say): their ops are told by their names.
+_RNG_OP = re.compile(r'op_name="[^"]*jit\((?:_threefry_split|_threefry_fold_in|_threefry_random_bits|_random_bits|'
+                     r'_uniform|_normal|_normal_real|_split|_fold_in)\)')
 # ops whose cost a fused kernel's other ops ride along with: the kernel is theirs
 _HEAVY = ("dot", "convolution", "custom-call")
 
@@ -254,9 +258,11 @@ def _fused_phase(comp: str, comps: dict[str, list[tuple[str, str, str]]], own: d
 
 def hlo_phases(text: str) -> dict[str, str]:
     """For each instruction of a compiled HLO module, the part of the DP step that wrote it
-    (:data:`PHASES`): from the source frames it records (:func:`phase_of`); a fusion (or call)
-    by what its fused ops do (its products', else its noise draw's, else most of its ops'). An
-    instruction with no attributed source is left out (a caller reads it as ``unattributed``)."""
+    (:data:`PHASES`): from the source frames it records (:func:`phase_of`), the ops of JAX's
+    random number generation (by their names) the noise's; a fusion (or call)
+    by what its fused ops do (its products', else its noise draw's, else most of its ops'), and
+    so are its fused ops that record none. An instruction with no attributed source is left out
+    (a caller reads it as ``unattributed``)."""
     frames = _frames(text)
     comps, _ = _parse_hlo(text)
     by_frame: dict[int, str] = {}
@@ -264,7 +270,9 @@ def hlo_phases(text: str) -> dict[str, str]:
     for body in comps.values():
         for name, _, rest in body:
             m = _FRAME_ID.search(rest)
-            if m:
+            if _RNG_OP.search(rest):
+                own[name] = "noise"
+            elif m:
                 fid = int(m.group(1))
                 if fid not in by_frame:
                     by_frame[fid] = phase_of(_chain(fid, frames))
@@ -277,4 +285,6 @@ def hlo_phases(text: str) -> dict[str, str]:
                 inner = next((q for c in _called(rest) if (q := _fused_phase(c, comps, own, memo)) is not None), None)
                 if inner is not None:
                     out[name] = inner
+                    for c in _called(rest):  # the fused ops that record no source (parameters) are the kernel's
+                        out.update((n, inner) for n, _, _ in comps.get(c, []) if n not in own)
     return out

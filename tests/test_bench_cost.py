@@ -93,6 +93,12 @@ def test_quick_cost_report_of_tiny_gpt2_reports_flops_and_precisions() -> None:
     assert "dot_general HIGHEST" not in steps["nonprivate"]["lowered_ops"]
     assert steps["ghost"]["lowered_ops"]["dot_general HIGHEST"] == highest["ours_ms"]
     assert "dot_general HIGHEST" in highest["note"]
+    # the instructions by source: the ghost step's noise and clipping, none of them in the non-private step
+    mine, theirs = steps["ghost"]["by_source"], steps["nonprivate"]["by_source"]
+    assert sum(mine.values()) == steps["ghost"]["instructions"]
+    assert mine["noise"] > 0 and mine["norms"] > 0 and mine["clipped sum"] > 0 and mine["model"] > 0
+    assert theirs.get("norms", 0) == theirs.get("clipped sum", 0) == 0 and mine["noise"] > theirs.get("noise", 0)
+    assert "by source: model" in by[("ghost", "instructions")]["note"]
 
 
 @pytest.mark.slow

@@ -107,3 +107,13 @@ def test_hlo_phases_attribute_each_part_of_a_ghost_dp_step() -> None:
     comps, _ = hp._parse_hlo(text)
     draws = [n for body in comps.values() for n, op, _ in body if op in ("rng-bit-generator", "rng")]
     assert all(phases.get(n) == "noise" for n in draws)
+
+
+def test_the_ops_of_random_number_generation_are_the_noise() -> None:
+    """JAX caches its key split as a jitted function carrying the source frames of its first trace
+    (whichever step that was): its ops are told by their names, not by those frames."""
+    def split_twice(key):
+        return jax.random.split(jax.random.fold_in(key, 1), 3)
+
+    text = jax.jit(split_twice).lower(jax.random.key(0)).compile().as_text()
+    assert set(hp.hlo_phases(text).values()) == {"noise"}

@@ -41,8 +41,9 @@ __all__ = ["NOISE_BLOCK_SIZE", "NOISE_STRATEGY", "add_gaussian_noise", "noised_l
 #   each leaf's kernel: the 2-block GPT-2 DP step of
 #   ``benchmarks/bench_cost.py``, read as a GPU compiles it, has 10,900 HLO
 #   instructions with it and 15,948 with ``"leaves"``; the 12-block model's
-#   39,915 and 77,202, its CPU compile 10.8 s and 18.6 s, the same temporaries:
-#   each group's draw waits for its leaves, see :func:`_once_ready`).
+#   32,783 and 70,070 (1.97x and 4.22x the non-private step's; 2026-11-28), the
+#   same temporaries: each group's draw waits for its leaves, see
+#   :func:`_once_ready`).
 #   ``benchmarks/bench_ghost_gpu.py``'s
 #   ``ghost_noise_shapes`` step measures it on GPUs.
 # * ``"philox"``: one draw per leaf as ``"leaves"``, but a float32 leaf's bits

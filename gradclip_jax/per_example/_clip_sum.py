@@ -149,11 +149,14 @@ def weigh(
     for n, c, bad, sc in zip(norms, cs, unmeasured, scales, strict=True):
         f = factor_fn(n, c)
         fs.append(f if bad is None else guarded_factor(f, bad, sc, c))
-    if not per_leaf:
-        fs = fs * n_leaves
     keep = valid
     if nan_safe:
         keep = meas.finite if keep is None else keep & meas.finite
+    if not per_leaf:
+        # One factor and mask for every leaf, stored once: XLA would otherwise repeat their
+        # computation (the norms' combination) in each leaf's kernels, which compiles slowly.
+        f, keep = lax.optimization_barrier((fs[0], keep))
+        fs = [f] * n_leaves
     return Weights(fs, keep, meas.norms, meas.finite)
 
 

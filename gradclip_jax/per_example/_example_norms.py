@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.numerics import sqrt_safe
@@ -51,7 +52,9 @@ def combine_l2(leaf_norms: Sequence[jax.Array]) -> jax.Array:
     accurate; a norm too large for the dtype is ``inf``; NaN and inf propagate.
     """
     dtype = np.dtype(jnp.result_type(*[n.dtype for n in leaf_norms]))
-    return combine_l2_stacked(jnp.stack([x.astype(dtype) for x in leaf_norms]))
+    # stored once: each reduction over the stack would otherwise fuse in the whole stack (K
+    # operands per kernel, several kernels), which compiles slowly for many leaves
+    return combine_l2_stacked(lax.optimization_barrier(jnp.stack([x.astype(dtype) for x in leaf_norms])))
 
 
 def combine_l2_stacked(n: jax.Array) -> jax.Array:

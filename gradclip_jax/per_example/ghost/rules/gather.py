@@ -16,7 +16,12 @@ from jax import lax
 
 from gradclip_jax._core import jaxcompat as jc
 from gradclip_jax._core.jaxcompat import shape
-from gradclip_jax.per_example._products import as_measured, product_einsum, product_error, view_dtype
+from gradclip_jax.per_example._products import (
+    as_measured,
+    product_einsum,
+    product_error,
+    view_dtype,
+)
 from gradclip_jax.per_example.ghost._gram import GramTerm, gram_norm, self_gram_rows
 from gradclip_jax.per_example.ghost.rules._registry import (
     ROW,
