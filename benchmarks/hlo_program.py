@@ -14,7 +14,10 @@ events name (their ``hlo_op``):
   the optimizer. A fused kernel is attributed by its root instruction's source.
 
 Both are plain text parsing, tested on XLA:CPU's programs; a GPU's program has
-the same form.
+the same form. JAX keeps the trace of a jitted helper (``jnp.where``'s, say) for
+later calls with the source of its first trace, so a few of a step's ops may be
+attributed to wherever that helper was first traced; the random number
+generation, whose cached traces are large, is read by its ops' names instead.
 """
 
 from __future__ import annotations
