@@ -90,6 +90,10 @@ def main() -> None:
     parser.add_argument("--force-cpu", action="store_true",
                         help="ghost-gpu, profile-gpu: tiny smoke run without a GPU")
     args = parser.parse_args()
+    # The suites time compilations: a program read back from JAX's persistent cache (a user's or
+    # CI's JAX_COMPILATION_CACHE_DIR) would time the read. JAX decides once, at the first compile,
+    # whether it uses the cache, so this is set before any.
+    jax.config.update("jax_enable_compilation_cache", False)
     rows: list[dict] = []
     names = [n.strip() for n in args.only.split(",") if n.strip()]
     for name in names:
