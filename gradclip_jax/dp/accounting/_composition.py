@@ -26,6 +26,7 @@ from gradclip_jax.dp.accounting._accountants import (
 )
 
 Phases = list[tuple[Any, int]]  # (the DpEvent of one step, how many steps), in composition order
+_MAX_COARSE_INTERVAL = 64.0
 _MAX_EXTEND_PIECES = 3  # grow a kept composition by at most this many compositions, else self-compose
 
 
@@ -116,11 +117,15 @@ class Composition:
       name: ``'pld'`` or ``'rdp'``.
       neighboring: ``'add_or_remove'`` or ``'replace'``.
       fn: the public function's name, for errors.
+      coarsen: a factor on the PLD grid (default 1: the accountant's): a
+        coarser grid is cheaper and its epsilon a looser bound, for a search
+        whose answer is checked on the accountant's grid.
     """
 
-    def __init__(self, name: str, neighboring: str, fn: str):
+    def __init__(self, name: str, neighboring: str, fn: str, coarsen: float = 1.0):
         _accountant(name, fn)  # validates the name
         self.name, self.neighboring, self.fn = str(name).lower(), neighboring, fn
+        self.coarsen = coarsen
         self._kept: dict[tuple[Any, float], tuple[int, Any]] = {}  # (event, interval) -> (T, PLD of T steps)
         self._powers: dict[tuple[Any, float], list[Any]] = {}  # (event, interval) -> [PLD of 2**j steps]
 
@@ -166,6 +171,8 @@ class Composition:
     def pld(self, phases: Phases, noise_multiplier: float) -> Any:
         """The PLD of ``phases`` composed in order (``None`` when a step has no noise)."""
         interval = pld_interval(noise_multiplier, loss_std(phases))
+        # coarsened up to a loss of 64 a grid step: dp-accounting takes exp() of the interval
+        interval = max(interval, min(interval * self.coarsen, _MAX_COARSE_INTERVAL))
         # compositions on another grid (fewer steps, before the grid coarsened) are not reused
         self._kept = {k: v for k, v in self._kept.items() if k[1] == interval}
         self._powers = {k: v for k, v in self._powers.items() if k[1] == interval}
