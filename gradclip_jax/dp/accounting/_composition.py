@@ -108,7 +108,7 @@ class Composition:
     step's PLD composed :math:`2^j` times for the binary digits of :math:`d`
     (each power built once by squaring). The result equals dp-accounting's
     ``self_compose(T')`` up to rounding (the same convolutions in another
-    order; relative differences near 1e-11) and is pessimistic as it is.
+    order; relative differences below 1e-7) and is pessimistic as it is.
     The grid is :func:`pld_interval` at the smallest noise multiplier and the
     total number of steps, so a :class:`PrivacyAccountant` reports at the
     planned number of steps the epsilon the calibration planned.

@@ -212,6 +212,13 @@ class PrivacyAccountant:
     def epsilon(self, delta: float) -> float:
         """The :math:`\\varepsilon` spent so far at ``delta``.
 
+        Each step's PLD (or RDP curve) is built once and each phase's
+        composition is kept: a call after new steps composes the kept one with
+        the new steps (dp-accounting's ``compose``, by powers of two), a few
+        milliseconds at any number of steps, and equals dp-accounting's
+        composition from scratch on the same grid up to rounding (relative
+        differences below 1e-7).
+
         Args:
           delta: :math:`\\delta \\in (0, 1)`.
 
