@@ -1,5 +1,6 @@
 """dp-accounting's accountants as the accounting uses them: imported when first needed, kept
-quiet, made on the PLD grid of :func:`pld_interval`, and asked the epsilon of an event."""
+quiet, and the PLD grid of :func:`pld_interval` (which follows a run's loss spread,
+:func:`step_loss_std`)."""
 
 from __future__ import annotations
 
