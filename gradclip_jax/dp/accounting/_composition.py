@@ -110,8 +110,9 @@ class Composition:
     ``self_compose(T')`` up to rounding (the same convolutions in another
     order; relative differences below 1e-7) and is pessimistic as it is.
     The grid is :func:`pld_interval` at the smallest noise multiplier and the
-    total number of steps, so a :class:`PrivacyAccountant` reports at the
-    planned number of steps the epsilon the calibration planned.
+    spread of the whole record's loss (:func:`loss_std`), so a
+    :class:`PrivacyAccountant` reports at the planned number of steps the
+    epsilon the calibration planned.
 
     Args:
       name: ``'pld'`` or ``'rdp'``.
