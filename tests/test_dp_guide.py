@@ -243,8 +243,13 @@ def test_user_level_section(run_guide):
     priv, users = ns["user_priv"], ns["users"]
     q = 25 / users.num_users
     assert users.sample_rate == pytest.approx(q) and priv.expected_batch_size == pytest.approx(25)
-    acc = dp_accounting.pld.PLDAccountant()
-    acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(priv.noise_multiplier)), 200)
+    from gradclip_jax.dp.accounting import pld_interval
+    from gradclip_jax.dp.accounting._composition import loss_std
+
+    event = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(priv.noise_multiplier))
+    grid = pld_interval(priv.noise_multiplier, loss_std([(event, 200)]))  # the accountant's PLD grid
+    acc = dp_accounting.pld.PLDAccountant(value_discretization_interval=grid)
+    acc.compose(event, 200)
     assert priv.accountant.steps == 200 and priv.epsilon() == pytest.approx(acc.get_epsilon(1e-5), rel=1e-6)
     assert priv.epsilon() <= 3.0 + 1e-9
     batch, mask = ns["batch"], ns["mask"]

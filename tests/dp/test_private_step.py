@@ -399,8 +399,12 @@ def test_resume_from_another_plan_names_the_field(change, field):
 
 def test_resume_from_a_changed_calibration_or_a_bad_state_is_an_error():
     state = _priv(steps=4).state_dict()
-    state["plan"]["noise_multiplier"] += 1e-9
-    with pytest.raises(ValueError, match=r"another plan: noise_multiplier="):
+    state["plan"]["noise_multiplier"] *= 0.9  # less noise than calibrated: spends more than the target
+    with pytest.warns(UserWarning, match=r"`resume_from`'s noise_multiplier=.* above `target_epsilon`=3"):
+        resumed = _priv(steps=4, resume_from=state)
+    assert resumed.noise_multiplier == state["plan"]["noise_multiplier"] and resumed.planned_epsilon > 3.0
+    state["plan"]["noise_multiplier"] = -1.0
+    with pytest.raises(ValueError, match=r"no positive plan field 'noise_multiplier'"):
         _priv(steps=4, resume_from=state)
     with pytest.raises(ValueError, match=r"`resume_from` must be a dict from PrivateTraining.state_dict"):
         _priv(steps=4, resume_from={"plan": {}})
@@ -423,6 +427,49 @@ def test_progress_bar_shows_the_live_epsilon(capsys):
     for _ in resumed.batches(progress=True):  # starts where the accountant stands
         pass
     assert "1/4" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("accountant", ["pld", "rdp"])
+def test_resume_reuses_the_calibration(monkeypatch, accountant):
+    """make_private(resume_from=...) takes the saved noise multiplier: no search runs, and the run,
+    its planned epsilon and the epsilon spent are those of the calibrated run."""
+    import gradclip_jax.dp.private_step._make_private as mp
+
+    priv = _priv(steps=40, accountant=accountant)
+    for _ in priv.batches():
+        if priv.accountant.steps == 25:
+            break
+    state = priv.state_dict()
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("calibration ran on resume")
+
+    monkeypatch.setattr(mp, "calibrate", no_search)
+    resumed = _priv(steps=40, accountant=accountant, resume_from=state)
+    assert resumed.noise_multiplier == priv.noise_multiplier
+    assert resumed.planned_epsilon == priv.planned_epsilon
+    assert resumed.epsilon() == pytest.approx(priv.epsilon(), rel=1e-12)
+    with pytest.raises(AssertionError, match="calibration ran"):
+        _priv(steps=40, accountant=accountant)  # a fresh run does search
+
+
+def test_progress_bar_is_at_most_one_percent_of_the_plan_behind(monkeypatch):
+    """The bar's epsilon is refreshed every 1% of the planned steps (the issue's bar showed
+    step 177 of 200 with the epsilon of a much earlier step)."""
+    pytest.importorskip("tqdm")
+    priv = _priv(steps=300)
+    epsilon, asked_at = priv.accountant.epsilon, []
+
+    def spy(delta):
+        asked_at.append(priv.accountant.steps)
+        return epsilon(delta)
+
+    monkeypatch.setattr(priv.accountant, "epsilon", spy)
+    for _ in priv.batches(progress=True):
+        # the bar's last epsilon is of a step at most 3 (1% of 300) before this one
+        assert priv.accountant.steps - asked_at[-1] <= 3
+    assert asked_at[0] == 0 and asked_at[-1] == 300
+    assert len(asked_at) <= 102  # about once every 1%: not at every step
 
 
 def test_progress_without_tqdm_names_it(monkeypatch):

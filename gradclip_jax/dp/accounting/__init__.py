@@ -18,7 +18,8 @@ Another batch selection is accounted through its sampler
 step, which :func:`calibrate` and :class:`PrivacyAccountant` compose.
 
 Here: ``_accountants`` (dp-accounting's accountants, imported when first needed, and the
-epsilon of an event), ``_dpsgd`` (Poisson-sampled DP-SGD in one call: :func:`epsilon`,
+epsilon of an event), ``_composition`` (a run's epsilon from each step's PLD or RDP built once,
+its composition kept and extended), ``_dpsgd`` (Poisson-sampled DP-SGD in one call: :func:`epsilon`,
 :func:`calibrate_noise_multiplier`), ``_calibration`` (:func:`calibrate`, the search for the
 noise multiplier) and ``_privacy_accountant`` (:class:`PrivacyAccountant`, step by step).
 """

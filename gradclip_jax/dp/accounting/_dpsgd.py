@@ -7,13 +7,9 @@ import math
 from typing import Any
 
 from gradclip_jax._core.validation import check_int, check_number
-from gradclip_jax.dp.accounting._accountants import (
-    _accountant,
-    _dp_accounting,
-    _event_epsilon,
-    _quiet,
-)
+from gradclip_jax.dp.accounting._accountants import _accountant, _dp_accounting, _quiet
 from gradclip_jax.dp.accounting._calibration import calibrate
+from gradclip_jax.dp.accounting._composition import Composition
 
 
 def sampled_gaussian_event(
@@ -103,13 +99,13 @@ def epsilon(
     q = check_number(fn, "sample_rate", sample_rate, low=0.0, high=1.0, low_inclusive=False)
     t = check_int(fn, "steps", steps, 0)
     d = check_number(fn, "delta", delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
-    _accountant(accountant, fn)  # validates the name
+    comp = Composition(accountant, "add_or_remove", fn)  # validates the name
     if t == 0:
         return 0.0
     if z == 0.0:
         return math.inf
     with _quiet():
-        return _event_epsilon(accountant, dp_sgd_event(z, q, t), d, z, fn)
+        return comp.epsilon([(sampled_gaussian_event(z, q), t)], d, z)
 
 
 def calibrate_noise_multiplier(
@@ -123,8 +119,10 @@ def calibrate_noise_multiplier(
 ) -> float:
     """The smallest noise multiplier whose DP-SGD run spends at most ``target_epsilon``.
 
-    Inverts :func:`epsilon` in :math:`z` (Brent's method, see :func:`calibrate`); the result :math:`z` satisfies
-    ``epsilon(z, ...) <= target_epsilon`` and is within ``tol`` of the exact root.
+    Inverts :func:`epsilon` in :math:`z` (secant steps and Brent's method on :math:`\\log z`, see
+    :func:`calibrate`); the result :math:`z` satisfies ``epsilon(z, ...) <= target_epsilon``, and
+    spends at least :math:`(1 - \\text{tol})` ``target_epsilon`` or is within a factor
+    :math:`1 + \\text{tol}` of the exact root.
 
     Args:
       target_epsilon: :math:`\\varepsilon > 0`.
@@ -132,7 +130,7 @@ def calibrate_noise_multiplier(
       steps: :math:`T \\ge 1`.
       delta: :math:`\\delta \\in (0, 1)`.
       accountant: ``'pld'`` (default, as :func:`epsilon`) or ``'rdp'``.
-      tol: absolute tolerance on :math:`z` (default 1e-4).
+      tol: relative tolerance (default 1e-4), on epsilon or on :math:`z` (above).
 
     Returns:
       :math:`z` as a Python float.

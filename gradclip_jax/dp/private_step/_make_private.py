@@ -14,7 +14,7 @@ from gradclip_jax._core.validation import check_int, check_number, clip_norm_arg
 from gradclip_jax.dp.accounting import PrivacyAccountant, calibrate
 from gradclip_jax.dp.accounting._accountants import _dp_accounting
 from gradclip_jax.dp.batch_selection import BatchSampler, check_sampler
-from gradclip_jax.dp.private_step._resume import _check_resume, _plan, _sample_rate
+from gradclip_jax.dp.private_step._resume import _check_resume, _plan, _resumed_noise, _sample_rate
 from gradclip_jax.dp.private_step._step import _step_functions
 from gradclip_jax.dp.private_step._training import PrivateTraining
 from gradclip_jax.dp.sampling import PoissonSampler, _rate
@@ -62,6 +62,17 @@ def _given_sampler(fn: str, sampler: Any, a: dict[str, Any]) -> BatchSampler:
             raise ValueError(f"{fn}: `{name}`={a[name]!r}, but the sampler's is {getattr(sampler, name)!r}")
     check_int(fn, "sampler.steps", sampler.steps, 1)
     return sampler  # type: ignore[no-any-return]
+
+
+def _calibrated(sampler: BatchSampler, t: int, target_epsilon: float, delta: float, accountant: str,
+                fn: str) -> float:
+    """The smallest noise multiplier whose ``t`` steps of the sampler's event meet the target."""
+    compose = _dp_accounting().SelfComposedDpEvent
+
+    def event(z: float) -> Any:  # the whole run: the sampler's step, T times
+        return compose(sampler.dp_event(z), t)
+
+    return calibrate(event, target_epsilon, delta, accountant, fn=fn, neighboring=sampler.neighboring)
 
 
 def make_private(
@@ -123,8 +134,9 @@ def make_private(
         epsilon spent); by default such a step is a :class:`PrivacyBudgetError`.
       resume_from: a :meth:`PrivateTraining.state_dict` of an interrupted run:
         its plan must equal this call's (a ``ValueError`` names the differing
-        field), its accountant record is restored, and
-        :meth:`PrivateTraining.batches` goes on with the next step. With the
+        field), its accountant record is restored, its noise multiplier is used as
+        calibrated (no search; a warning when its planned epsilon is above the target),
+        and :meth:`PrivateTraining.batches` goes on with the next step. With the
         saved ``params`` and ``opt_state`` (and the same noise keys per step),
         the resumed run is the uninterrupted one.
       sampler: ``None`` (default: a :class:`gradclip_jax.dp.PoissonSampler`
@@ -170,7 +182,7 @@ def make_private(
     if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
         raise TypeError(f"{fn}: `optimizer` must be an optax GradientTransformation, got {optimizer!r}")
     methods = tuple(m.value for m in Method)
-    if method not in methods:  # before the calibration, which can take seconds
+    if method not in methods:  # before the calibration
         raise ValueError(f"{fn}: `method` must be one of {methods}, got {method!r}")
     args = {k: v for k, v in locals().items() if k in _POISSON_ARGS}
     sampler = _poisson_sampler(fn, args) if sampler is None else _given_sampler(fn, sampler, args)
@@ -191,22 +203,24 @@ def make_private(
     if physical_batch_size is not None:
         physical_batch_size = check_int(fn, "physical_batch_size", physical_batch_size, 1)
     plan = _plan(sampler, t, target_epsilon, delta, l2_clip_norm, accountant)
-    if resume_from is not None:
-        _check_resume(resume_from, plan)  # before the calibration, which can take seconds
-
-    compose = _dp_accounting().SelfComposedDpEvent
-
-    def event(z: float) -> Any:  # the whole run: the sampler's step, T times
-        return compose(sampler.dp_event(z), t)
-
     rel = sampler.neighboring
-    z = calibrate(event, float(target_epsilon), float(delta), accountant, fn=fn, neighboring=rel)
+    if resume_from is None:
+        z = _calibrated(sampler, t, float(target_epsilon), float(delta), accountant, fn)
+    else:
+        _check_resume(resume_from, plan)
+        z = _resumed_noise(resume_from)  # the interrupted run's calibration: no search
     planned = PrivacyAccountant(accountant, rel)
     planned.step(z, **sampler.accounting(), steps=t)
     planned_eps = planned.epsilon(delta)
+    if not planned_eps <= target_epsilon:  # a state saved under another accounting (version), or edited
+        warnings.warn(
+            f"{fn}: `resume_from`'s noise_multiplier={z!r} spends epsilon={planned_eps:.6g} over the planned "
+            f"{t} steps under this accounting, above `target_epsilon`={target_epsilon:g}; the accountant "
+            "reports what is spent",
+            UserWarning, stacklevel=2,
+        )
     acc = PrivacyAccountant(accountant, rel)
     if resume_from is not None:
-        _check_resume(resume_from, {**plan, "noise_multiplier": z})
         acc.load_state_dict(resume_from["accountant"], sampler=sampler)
 
     grad_fn = clipped_grad(loss_fn, l2_clip_norm, microbatch_size=physical_batch_size, method=method)

@@ -14,7 +14,7 @@ _STATE_FORMAT = "gradclip_jax.make_private/1"
 def _check_resume(state: Any, plan: dict[str, Any]) -> None:
     """ValueError naming ``resume_from`` and the field, when ``state`` is not a state_dict of this plan.
 
-    ``plan`` may lack ``noise_multiplier`` (checked after calibration).
+    ``plan`` lacks ``noise_multiplier``: the resumed run takes the state's (:func:`_resumed_noise`).
     """
     fn = "make_private"
     keys = ("format", "plan", "accountant", "sampler")
@@ -46,6 +46,14 @@ def _check_resume(state: Any, plan: dict[str, Any]) -> None:
             f"{fn}: `resume_from` is inconsistent: the sampler took {taken!r} steps, the accountant "
             f"recorded {recorded} (plan: {plan['steps']} steps)"
         )
+
+
+def _resumed_noise(state: dict[str, Any]) -> float:
+    """The noise multiplier the interrupted run calibrated (its plan's), checked to be a positive number."""
+    z = state["plan"].get("noise_multiplier")
+    if isinstance(z, bool) or not isinstance(z, (int, float, np.integer, np.floating)) or not float(z) > 0.0:
+        raise ValueError(f"make_private: `resume_from` has no positive plan field 'noise_multiplier' (got {z!r})")
+    return float(z)
 
 
 def _plan(sampler: BatchSampler, steps: int, target_epsilon: float, delta: float, clip: float,

@@ -4,7 +4,6 @@ released (within the planned steps), its progress, plan and state for checkpoint
 from __future__ import annotations
 
 import dataclasses
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -117,9 +116,8 @@ class PrivateTraining:
             (indexed by the sampler's global indices): every leaf has
             ``dataset_size`` rows.
           progress: show a ``tqdm`` progress bar of the planned steps with the
-            epsilon spent so far (refreshed at most once a second, when that
-            costs at most a tenth of the time between refreshes, and when the
-            iteration ends).
+            epsilon spent so far (refreshed every 1% of the planned steps, so it
+            is never more than that behind, and when the iteration ends).
 
         Yields:
           With ``data``: ``(batch, mask)``, numpy pytrees of this process's
@@ -230,21 +228,20 @@ class _EpsilonBar:
             ) from err
         self.priv = priv
         self.bar = tqdm(total=priv.steps, initial=priv.accountant.steps, desc="private steps")
-        self.cost, self.last = 0.0, time.perf_counter()
+        # the epsilon shown is at most 1% of the planned steps behind: the accountant extends its
+        # composition by the new steps (milliseconds), so this costs about 100 epsilons a run
+        self.lag = max(1, priv.steps // 100)
+        self.shown_at = -1
         self._show()
 
     def _show(self) -> None:
-        t0 = time.perf_counter()
         eps = self.priv.epsilon()
-        self.last = time.perf_counter()
-        self.cost = self.last - t0
+        self.shown_at = self.priv.accountant.steps
         self.bar.set_postfix_str(f"epsilon {eps:.3g} of {self.priv.target_epsilon:g}")
 
     def update(self) -> None:
         self.bar.update(1)
-        # the accountant's epsilon can take a fraction of a second: refreshed at most once a
-        # second and at most ~10% of the run's time; the last one when the bar closes
-        if time.perf_counter() - self.last >= max(1.0, 10 * self.cost):
+        if self.priv.accountant.steps - self.shown_at >= self.lag:
             self._show()
 
     def close(self) -> None:
