@@ -10,9 +10,11 @@ import random
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from scipy import stats
 
+from gradclip_jax.dp import PoissonSampler, make_private
 from gradclip_jax.dp import hardened as h
 from gradclip_jax.dp.hardened import _discrete_gaussian as dg
 
@@ -180,7 +182,7 @@ def test_from_grid_and_sensitivity():
     np.testing.assert_array_equal(h.from_grid({"w": jnp.array([512, -64], jnp.int32)}, 256.0, 2.0)["w"], [1.0, -0.125])
     assert h.grid_sensitivity(1.5, 1024.0) == 1536.0 and h.grid_sensitivity(1.5, 1024.0, "replace") == 3072.0
     assert h.grid_noise_multiplier(3072.0, 1.5, 1024.0) == 2.0
-    with pytest.raises(ValueError, match="neighboring"):
+    with pytest.raises(ValueError, match="neighbouring relation"):
         h.grid_sensitivity(1.0, 2.0, "swap")
 
 
@@ -198,3 +200,146 @@ def test_sum_of_normals_is_standard_normal_and_keeps_the_signal():
     np.testing.assert_allclose(again["a"], out["a"], rtol=1e-6)
     other = h.add_sum_of_normals_noise(x, 2.0, h.os_key())
     assert not np.allclose(other["a"], out["a"])
+
+
+# --- accounting of the discrete mechanism ------------------------------------------------------
+
+def _log_pmf(sigma: float, y: np.ndarray, mu: float = 0.0) -> np.ndarray:
+    logw = -((y - mu) ** 2) / (2 * sigma**2)
+    return logw - np.logaddexp.reduce(-(y.astype(float)) ** 2 / (2 * sigma**2))
+
+
+@pytest.mark.parametrize("q,shift,sigma", [(1.0, 4, 5.0), (0.1, 4, 5.0), (0.01, 3, 2.4), (0.3, 1, 0.9)])
+def test_discrete_mechanisms_renyi_divergences_are_below_dp_accountings_gaussian_rdp(q, shift, sigma):
+    """Both directions of the Poisson-subsampled discrete Gaussian's Renyi divergence (1-D,
+    integer shift, computed exactly over the integers) stay below dp-accounting's RDP of the
+    subsampled Gaussian at noise multiplier sigma / shift: what ``accountant='rdp'`` records."""
+    dp_accounting = pytest.importorskip("dp_accounting")
+    orders = np.arange(2, 33)
+    acc = dp_accounting.rdp.RdpAccountant(orders=list(map(float, orders)))
+    acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma / shift)))
+    gaussian = np.asarray(acc._rdp)
+    y = np.arange(-int(80 * sigma) - shift, int(80 * sigma) + 2 * shift).astype(float)
+    lp0 = _log_pmf(sigma, y)
+    lp1 = _log_pmf(sigma, y, shift)
+    lm = np.logaddexp(np.log1p(-q) + lp0, np.log(q) + lp1) if q < 1 else lp1
+    for a, bound in zip(orders, gaussian, strict=True):
+        up = np.logaddexp.reduce(lp0 + a * (lm - lp0)) / (a - 1)
+        down = np.logaddexp.reduce(a * lp0 + (1 - a) * lm) / (a - 1)
+        assert max(up, down) <= bound * (1 + 1e-9) + 1e-12, (a, up, down, bound)
+
+
+def test_hardened_discrete_run_records_the_gaussian_rdp_at_its_noise_multiplier():
+    priv = _run("discrete")
+    sigma = priv.noise_multiplier * 256.0 * 1.0
+    assert priv.accountant.accountant == "rdp"
+    assert priv.epsilon() == 0.0 and priv.planned_epsilon <= 4.0
+    np.testing.assert_allclose(h.grid_noise_multiplier(sigma, 1.0, 256.0), priv.noise_multiplier)
+
+
+# --- make_private(hardened=...) ------------------------------------------------------------------
+
+def _loss(w, batch):
+    return 0.5 * (batch["x"] @ w - batch["y"]) ** 2
+
+
+def _data(n=200):
+    x = np.random.default_rng(0).normal(size=(n, 3)).astype(np.float32)
+    return {"x": x, "y": x @ np.array([1.0, -2.0, 0.5], np.float32)}
+
+
+def _run(hardened=True, **kw):
+    args = dict(dataset_size=200, expected_batch_size=20, steps=5, target_epsilon=4.0, delta=1e-4,
+                l2_clip_norm=1.0, process_index=0, process_count=1, hardened=hardened)
+    if hardened == "discrete":
+        args.update(grid_scale=256.0, accountant="rdp")
+    return make_private(_loss, optax.sgd(0.1), **{**args, **kw})
+
+
+def test_hardened_runs_seed_their_sampler_from_the_os_and_differ():
+    a, b = _run(), _run()
+    assert a.plan()["seed"] != b.plan()["seed"]
+    assert max(a.plan()["seed"], b.plan()["seed"]) >= 2**64  # 128-bit seeds (both below: probability 2**-128)
+    assert a.plan()["hardened"] == "sum_of_normals" and "hardened" not in _run(False).plan()
+    ia, ib = a.sampler.batch(0).indices, b.sampler.batch(0).indices
+    assert not np.array_equal(ia, ib)
+    assert not np.array_equal(jax.random.key_data(a.noise_key()), jax.random.key_data(a.noise_key()))
+
+
+def test_hardened_run_draws_its_seed_from_secrets_never_a_user_int(monkeypatch):
+    drawn = []
+
+    class Spy:
+        def getrandbits(self, k):
+            drawn.append(k)
+            return 987654321
+
+    monkeypatch.setattr("gradclip_jax.dp.hardened._entropy._SYSTEM", Spy())
+    priv = _run()
+    assert drawn == [128] and priv.plan()["seed"] == 987654321
+    priv.noise_key()
+    assert drawn[1:] == [32] * jax.random.key_data(jax.random.key(0)).size
+
+
+def test_a_given_generator_makes_a_hardened_run_reproducible():
+    a, b = _run(rng=random.Random(3)), _run(rng=random.Random(3))
+    assert a.plan()["seed"] == b.plan()["seed"]
+    np.testing.assert_array_equal(jax.random.key_data(a.noise_key()), jax.random.key_data(b.noise_key()))
+
+
+@pytest.mark.parametrize("mode", [True, "discrete"])
+def test_hardened_step_trains_and_its_noise_has_the_calibrated_scale(mode):
+    priv = _run(mode)
+    params = jnp.zeros(3)
+    state = priv.init(params)
+    step = jax.jit(priv.step)
+    for batch, mask in priv.batches(_data()):
+        params, state, metrics = step(params, state, batch, mask, priv.noise_key())
+    assert np.all(np.isfinite(np.asarray(params))) and int(metrics.num_clipped) >= 0
+    # the noise alone: zero sum, sgd(0.1) -> update = -0.1 * noise / expected batch size
+    zero = jnp.zeros(4000, jnp.int32) if mode == "discrete" else jnp.zeros(4000)
+    p0 = jnp.zeros(4000)
+    new, _, _ = jax.jit(priv.noisy_update)(p0, priv.optimizer.init(p0), zero, priv.noise_key())
+    noise = -np.asarray(new) / 0.1 * priv.expected_batch_size
+    assert abs(noise.std() / priv.noise_multiplier - 1.0) < 0.06
+    if mode == "discrete":  # on the grid: multiples of 1/256
+        np.testing.assert_allclose(noise * 256.0, np.round(noise * 256.0), atol=1e-3)
+
+
+def test_hardened_resume_keeps_the_os_drawn_seed():
+    priv = _run()
+    it = priv.batches()
+    next(it)
+    state = priv.state_dict()
+    resumed = _run(resume_from=state)
+    assert resumed.plan()["seed"] == priv.plan()["seed"]
+    np.testing.assert_array_equal(next(resumed.batches()).indices, priv.sampler.batch(1).indices)
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(seed=0), ValueError, "`seed`"),
+    (dict(seed=7), ValueError, "`seed`"),
+    (dict(rng=0), TypeError, "`rng`"),
+    (dict(rng=np.random.default_rng(0)), TypeError, "`rng`"),
+    (dict(hardened="yes"), ValueError, "`hardened`"),
+    (dict(hardened=1), ValueError, "`hardened`"),
+    (dict(hardened=False, rng=random.Random(0)), ValueError, "`rng`"),
+    (dict(hardened=False, grid_scale=4.0), ValueError, "`grid_scale`"),
+    (dict(grid_scale=4.0), ValueError, "`grid_scale`"),
+    (dict(hardened="discrete", grid_scale=None), ValueError, "`grid_scale`"),
+    (dict(hardened="discrete", accountant="pld"), ValueError, "accountant"),
+    (dict(hardened="discrete", grid_scale=3.0, accountant="rdp"), ValueError, "grid_scale"),
+    (dict(hardened="discrete", grid_scale=2.0**20, accountant="rdp"), ValueError, "grid_scale"),
+    (dict(hardened="discrete", grid_scale=4.0, accountant="rdp", physical_batch_size=4), ValueError,
+     "physical_batch_size"),
+    (dict(hardened="discrete", grid_scale=4.0, accountant="rdp", method="ghost"), ValueError, "`method`"),
+])
+def test_bad_hardened_arguments_are_named(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        _run(**kw)
+
+
+def test_hardened_refuses_a_given_sampler():
+    sampler = PoissonSampler(200, steps=5, expected_batch_size=20, seed=1, process_index=0, process_count=1)
+    with pytest.raises(ValueError, match="`sampler`"):
+        _run(sampler=sampler, dataset_size=None, expected_batch_size=None, process_index=None, process_count=None)

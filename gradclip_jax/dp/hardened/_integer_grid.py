@@ -14,7 +14,13 @@ from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.validation import check_mask, check_number
 from gradclip_jax.dp.hardened._discrete_gaussian import check_sigma, discrete_gaussian
 from gradclip_jax.dp.noise import check_key_varies, split_stored
-from gradclip_jax.per_example.internal import as_rows, batch_flatten, clip_and_sum, unrow
+from gradclip_jax.per_example.internal import (
+    as_rows,
+    batch_flatten,
+    clip_and_sum,
+    sensitivity_factor,
+    unrow,
+)
 
 # The clipped integer sum of a batch may use at most this much of int32's range; the rest is
 # for the noise (at most 13.3 sigma <= 2**20 on a table) with room to spare.
@@ -33,22 +39,24 @@ def check_grid_scale(fn: str, grid_scale: Any) -> float:
 
 
 def grid_sensitivity(l2_clip_norm: float, grid_scale: float, neighboring: str = "add_remove") -> float:
-    """The L2 sensitivity of :func:`grid_clipped_sum` on the grid: :math:`\\gamma C` (``'replace'``: :math:`2\\gamma C`).
+    """The L2 sensitivity of :func:`grid_clipped_sum` on the grid: :math:`\\gamma C` (replace-one: :math:`2\\gamma C`).
+
+    ``neighboring`` is any relation :func:`gradclip_jax.clipped_grad`'s ``sensitivity`` takes
+    (``'add_remove'``, ``'replace'``, ...).
 
     Truncation toward zero never grows a coordinate's magnitude, and scaling by a power of two
     is exact, so each example's integer vector :math:`r_i = \\operatorname{trunc}(\\gamma c_i)`
     has :math:`\\|r_i\\|_2 \\le \\gamma \\|c_i\\|_2 \\le \\gamma C` exactly, with no rounding
-    slack: unlike randomized rounding, whose norm bound :math:`\\gamma C + \\sqrt{d}/2`-ish (Kairouz
-    et al. 2021, "The Distributed Discrete Gaussian Mechanism") grows with the dimension
-    :math:`d`. The price is a bias toward zero of less than :math:`1/\\gamma` per coordinate and
+    slack: unlike randomized rounding, whose norm bound grows with the dimension :math:`d`
+    (any rounding: :math:`\\gamma C + \\sqrt d`; Kairouz et al. 2021, "The Distributed Discrete
+    Gaussian Mechanism", conditional randomized rounding: :math:`\\sqrt{\\gamma^2C^2 + d/4 +
+    \\sqrt{2\\log(1/\\beta)}(\\gamma C + \\sqrt d/2)}`, retried until it holds). The price is a bias toward zero of less than :math:`1/\\gamma` per coordinate and
     example.
     """
     fn = "grid_sensitivity"
     c = check_number(fn, "l2_clip_norm", l2_clip_norm, low=0.0, low_inclusive=False, allow_inf=False)
     g = check_grid_scale(fn, grid_scale)
-    if neighboring not in ("add_remove", "replace"):
-        raise ValueError(f"{fn}: `neighboring` must be 'add_remove' or 'replace', got {neighboring!r}")
-    return (2.0 if neighboring == "replace" else 1.0) * g * c
+    return sensitivity_factor(neighboring, fn) * g * c
 
 
 def grid_noise_multiplier(sigma: float, l2_clip_norm: float, grid_scale: float,
@@ -66,7 +74,7 @@ def grid_noise_multiplier(sigma: float, l2_clip_norm: float, grid_scale: float,
 
 
 def grid_clipped_sum(per_example_grads: Any, l2_clip_norm: float, grid_scale: float, *, mask: Any = None,
-                     nan_safe: bool = True) -> Any:
+                     nan_safe: bool = True, with_norms: bool = False) -> Any:
     """The exact int32 sum of the clipped per-example gradients on the grid of step :math:`1/\\gamma`.
 
     .. math:: S = \\sum_{i:\\ \\text{mask}_i} \\operatorname{trunc}\\Big(\\gamma\\, g_i
@@ -85,9 +93,11 @@ def grid_clipped_sum(per_example_grads: Any, l2_clip_norm: float, grid_scale: fl
         is required (no int32 overflow, with room for the noise).
       mask: ``None`` or a bool ``(B,)`` array of the real examples (padding contributes 0).
       nan_safe: an example with a non-finite gradient contributes 0 (default True).
+      with_norms: also return the per-example norms before clipping (not private).
 
     Returns:
-      The int32 tree of sums (each leaf shaped like a leaf without its batch axis).
+      The int32 tree of sums (each leaf shaped like a leaf without its batch axis); with
+      ``with_norms``, ``(sums, norms)`` with the ``(B,)`` norms (0 for masked examples).
 
     Raises:
       ValueError: naming ``grid_scale`` (not a power of two, or :math:`B\\gamma C > 2^{30}`),
@@ -104,7 +114,7 @@ def grid_clipped_sum(per_example_grads: Any, l2_clip_norm: float, grid_scale: fl
     g = check_grid_scale(fn, grid_scale)
     flat, batch = batch_flatten(per_example_grads, fn)
     if batch is None:
-        return per_example_grads
+        return (per_example_grads, jnp.zeros((0,))) if with_norms else per_example_grads
     if batch * g * c > SUM_LIMIT:
         raise ValueError(
             f"{fn}: `grid_scale`={g:g} is too fine for a batch of {batch} at clip norm {c:g}: the integer "
@@ -116,7 +126,8 @@ def grid_clipped_sum(per_example_grads: Any, l2_clip_norm: float, grid_scale: fl
     _, w = clip_and_sum(rows, c, valid=valid, nan_safe=nan_safe)  # its float sums go unused (dead code)
     keep = jnp.ones((batch,), bool) if w.keep is None else w.keep
     sums = [_integer_rows(r, f, keep, g).sum(axis=0, dtype=jnp.int32) for r, f in zip(rows, w.factors, strict=True)]
-    return flat.rebuild(unrow(sums, flat.arrays))
+    out = flat.rebuild(unrow(sums, flat.arrays))
+    return (out, w.norms) if with_norms else out
 
 
 def _integer_rows(rows: jax.Array, factors: jax.Array, keep: jax.Array, grid_scale: float) -> jax.Array:

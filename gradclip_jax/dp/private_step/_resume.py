@@ -49,9 +49,13 @@ def _check_resume(state: Any, plan: dict[str, Any]) -> None:
 
 
 def _plan(sampler: BatchSampler, steps: int, target_epsilon: float, delta: float, clip: float,
-          accountant: str) -> dict[str, Any]:
-    """The run's plan (plain values) without the noise multiplier: checked on resume."""
-    return {
+          accountant: str, hardened: str | None = None) -> dict[str, Any]:
+    """The run's plan (plain values) without the noise multiplier: checked on resume.
+
+    A hardened run's plan also holds its mode (``'hardened'``); a default run's has no such field.
+    """
+    extra = {} if hardened is None else {"hardened": hardened}
+    return {**extra,
         "dataset_size": int(sampler.dataset_size), "sample_rate": _sample_rate(sampler), "steps": int(steps),
         "target_epsilon": float(target_epsilon), "delta": float(delta), "l2_clip_norm": float(clip),
         "accountant": str(accountant).lower(), **sampler.plan(),
