@@ -343,3 +343,19 @@ def test_hardened_refuses_a_given_sampler():
     sampler = PoissonSampler(200, steps=5, expected_batch_size=20, seed=1, process_index=0, process_count=1)
     with pytest.raises(ValueError, match="`sampler`"):
         _run(sampler=sampler, dataset_size=None, expected_batch_size=None, process_index=None, process_count=None)
+
+
+@pytest.mark.parametrize("sigma", [0.3, 2.0, 50.0, 1024.0])
+def test_guided_search_is_the_full_inversion_on_every_boundary(sigma):
+    """Uniforms at each table row and one above it: the guided search returns the smallest k with
+    u <= row k, as a plain search of the whole table (numpy, exact integers) does."""
+    table = dg.cdf_table(sigma)
+    rows = table[:: max(1, len(table) // 300)]
+    t = np.array([(int(a) << 64) + (int(b) << 32) + int(c) for a, b, c in table], dtype=object)
+    us = sorted({int(v) + d for a, b, c in rows for v in [(int(a) << 64) + (int(b) << 32) + int(c)]
+                 for d in (0, 1) if int(v) + d < 2**96} | {0, 2**96 - 1})
+    words = np.array([[(u >> s) & 0xFFFFFFFF for u in us] for s in (64, 32, 0)], np.uint32)
+    lo_b, hi_b = dg._guide(sigma)
+    got = np.asarray(dg._magnitudes(jnp.asarray(table), (jnp.asarray(lo_b), jnp.asarray(hi_b)), jnp.asarray(words)))
+    want = [int(np.argmax(t >= u)) for u in us]
+    np.testing.assert_array_equal(got, want)

@@ -21,8 +21,11 @@ CDF_BITS = 96
 MAX_SIGMA = float(1 << 16)
 # Mass left out of the table: |y| is cut where exp(-y^2 / (2 sigma^2)) < 2**-TAIL_BITS.
 TAIL_BITS = 128
-# Elements drawn per block (each draws four uint32 words): bounds the temporaries of a big draw.
-BLOCK = 1 << 16
+# Elements drawn per block (each draws four uint32 words): bounds the temporaries of a big draw,
+# and each block searches only as many steps as its widest guide bucket needs (see _guide).
+BLOCK = 1 << 12
+# The guide table is indexed by the top GUIDE_BITS of the 96-bit uniform.
+GUIDE_BITS = 16
 
 
 def check_sigma(fn: str, sigma: Any, name: str = "sigma") -> float:
@@ -94,9 +97,21 @@ def sampler_tv_bound(sigma: float) -> float:
     return float(n * 2.0 ** -CDF_BITS + 2.0 ** -TAIL_BITS * (1.0 + 2.0 * s * s))
 
 
-def _search(table: jax.Array, u: jax.Array) -> jax.Array:
-    """The smallest ``k`` with ``u <= table[k]`` (96-bit words, most significant first), per column of ``u``."""
-    n = table.shape[0]
+@functools.lru_cache(maxsize=8)
+def _guide(sigma: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(lo, hi)``: for each value ``b`` of the uniform's top :data:`GUIDE_BITS`, the answer lies in
+    ``[lo[b], hi[b]]`` (row ``k``'s top bits are nondecreasing in ``k``). Most buckets hold one to
+    a few rows; only the far tail's are wide, and few draws land there."""
+    top = cdf_table(sigma)[:, 0] >> (32 - GUIDE_BITS)
+    b = np.arange(1 << GUIDE_BITS)
+    lo = np.searchsorted(top, b, "left")
+    hi = np.minimum(np.searchsorted(top, b + 1, "left"), len(top) - 1)
+    return lo.astype(np.int32), hi.astype(np.int32)
+
+
+def _search(table: jax.Array, u: jax.Array, lo: jax.Array, hi: jax.Array, steps: Any) -> jax.Array:
+    """The smallest ``k`` in ``[lo, hi]`` with ``u <= table[k]`` (96-bit words, most significant first),
+    per column of ``u``, by ``steps`` halvings (enough when ``hi - lo < 2**steps``; may be traced)."""
 
     def step(_: Any, bounds: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         lo, hi = bounds
@@ -106,10 +121,19 @@ def _search(table: jax.Array, u: jax.Array) -> jax.Array:
         le = (a[0] < b[0]) | ((a[0] == b[0]) & ((a[1] < b[1]) | ((a[1] == b[1]) & (a[2] <= b[2]))))
         return jnp.where(le, lo, mid + 1), jnp.where(le, mid, hi)
 
-    m = u.shape[1]
-    lo, hi = jnp.zeros((m,), jnp.int32), jnp.full((m,), n - 1, jnp.int32)
-    lo, _ = lax.fori_loop(0, max(1, math.ceil(math.log2(n))), step, (lo, hi))
+    lo, _ = lax.fori_loop(0, steps, step, (lo, hi))
     return lo
+
+
+def _magnitudes(table: jax.Array, guide: tuple[jax.Array, jax.Array], u: jax.Array) -> jax.Array:
+    """:math:`|Y|` for the 96-bit uniforms ``u`` (3, m): searched from the guide's buckets, with as
+    many halvings as the block's widest bucket needs (:math:`\\lceil \\log_2 \\text{width} \\rceil`)."""
+    lo_b, hi_b = guide
+    b = (u[0] >> (32 - GUIDE_BITS)).astype(jnp.int32)
+    lo, hi = lo_b[b], hi_b[b]
+    widest = jnp.max(hi - lo).astype(jnp.uint32)  # width - 1
+    steps = (32 - lax.clz(widest)).astype(jnp.int32)  # ceil(log2(width)); 0 when every width is 1
+    return _search(table, u, lo, hi, steps)
 
 
 def discrete_gaussian(key: jax.Array, shape: tuple[int, ...], sigma: float) -> jax.Array:
@@ -121,8 +145,9 @@ def discrete_gaussian(key: jax.Array, shape: tuple[int, ...], sigma: float) -> j
     (Canonne, Kamath and Steinke 2020, "The Discrete Gaussian for Differential Privacy").
     Each draw takes 96 random bits :math:`U` and one sign bit from ``jax.random.bits``:
     :math:`|Y|` is the smallest :math:`k` with :math:`U < c_k`, the fixed-point CDF of
-    :func:`cdf_table` (found by a branch-free binary search of :math:`\\lceil \\log_2 N \\rceil`
-    steps), and the sign bit negates it. No floating-point number is formed: the output is an
+    :func:`cdf_table`, found by a binary search that starts from a guide table of the 16 top
+    bits of :math:`U` (a block of draws takes as many steps as its widest bucket needs: a few,
+    more only when one of its draws falls in the far tail), and the sign bit negates it. No floating-point number is formed: the output is an
     integer, and its distribution is within :func:`sampler_tv_bound` (below
     :math:`10^{-23}` for :math:`\\sigma \\le 2^{16}`) of the exact one in total variation.
     The table is computed on the host, once per ``sigma`` (cached), so ``sigma`` is a Python
@@ -149,12 +174,14 @@ def discrete_gaussian(key: jax.Array, shape: tuple[int, ...], sigma: float) -> j
     if s == 0.0 or size == 0:
         return jnp.zeros(shape, jnp.int32)
     table = jnp.asarray(cdf_table(s))
+    lo_b, hi_b = _guide(s)
+    guide = (jnp.asarray(lo_b), jnp.asarray(hi_b))
     block = min(BLOCK, size)
     count = -(-size // block)
 
     def draw(j: jax.Array) -> jax.Array:
         bits = jax.random.bits(jax.random.fold_in(key, j), (4, block), jnp.uint32)
-        k = _search(table, bits[:3])
+        k = _magnitudes(table, guide, bits[:3])
         return jnp.where((bits[3] & 1) == 1, -k, k)  # k = 0 either way: its weight is w_0 alone
 
     y = lax.map(draw, jnp.arange(count, dtype=jnp.uint32)) if count > 1 else draw(jnp.uint32(0))[None]
