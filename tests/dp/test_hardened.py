@@ -359,3 +359,23 @@ def test_guided_search_is_the_full_inversion_on_every_boundary(sigma):
     got = np.asarray(dg._magnitudes(jnp.asarray(table), (jnp.asarray(lo_b), jnp.asarray(hi_b)), jnp.asarray(words)))
     want = [int(np.argmax(t >= u)) for u in us]
     np.testing.assert_array_equal(got, want)
+
+
+# --- the guide -----------------------------------------------------------------------------------
+
+def test_the_guides_code_runs_as_written(capsys):
+    """docs/guides/hardened-noise.md's python blocks, in order in one namespace: both hardened runs
+    train (the discrete one to the right weights within its noise) and spend at most their target."""
+    import pathlib
+    import re
+    guide = pathlib.Path(__file__).resolve().parents[2] / "docs" / "guides" / "hardened-noise.md"
+    blocks = re.findall(r"```python\n(.*?)```", guide.read_text(), re.S)
+    assert len(blocks) == 3
+    ns: dict = {}
+    for block in blocks:
+        exec(compile(block, str(guide), "exec"), ns)  # the guide's own code
+    out = capsys.readouterr().out
+    assert "sum_of_normals epsilon" in out
+    assert ns["priv"].epsilon() <= 2.0 and ns["priv"].accountant.accountant == "rdp"
+    np.testing.assert_allclose(np.asarray(ns["w"]), [1.0, -2.0, 0.5], atol=0.2)
+    assert ns["ints"]["w"].dtype == jnp.int32 and ns["update"]["w"].dtype == jnp.float32
