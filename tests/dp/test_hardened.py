@@ -379,3 +379,20 @@ def test_the_guides_code_runs_as_written(capsys):
     assert ns["priv"].epsilon() <= 2.0 and ns["priv"].accountant.accountant == "rdp"
     np.testing.assert_allclose(np.asarray(ns["w"]), [1.0, -2.0, 0.5], atol=0.2)
     assert ns["ints"]["w"].dtype == jnp.int32 and ns["update"]["w"].dtype == jnp.float32
+
+
+# --- the audit -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw", [dict(hardened=True), dict(hardened="discrete", grid_scale=256.0, accountant="rdp")])
+def test_audit_of_a_hardened_run_stays_below_its_epsilon(kw):
+    """The one-run canary audit (gradclip_jax.dp.audit) of a hardened run: its empirical lower
+    bound is below the accountant's epsilon (a small run: the audit's power is low here; the
+    docs' slow audit is the default run's)."""
+    pytest.importorskip("jax_privacy.auditing")
+    from gradclip_jax.dp.audit import audit_epsilon
+    x = np.arange(150, dtype=np.float32).reshape(50, 3) / 100
+    res = audit_epsilon(_loss, jnp.zeros(3), {"x": x, "y": np.ones(50, np.float32)}, num_canaries=200,
+                        target_epsilon=2.0, delta=1e-4, l2_clip_norm=1.0, expected_batch_size=25, steps=10,
+                        process_index=0, process_count=1, **kw)
+    assert res.claimed_epsilon <= 2.0 + 1e-9
+    assert 0.0 <= res.epsilon_lower_bound < res.claimed_epsilon and not res.falsified
