@@ -10,11 +10,13 @@ floating-point attacks, and an integer-grid mechanism with discrete Gaussian noi
   (:func:`discrete_gaussian`: Canonne, Kamath and Steinke 2020, from an exact 96-bit CDF) and
   :func:`from_grid`. Accounting: for integer shifts :math:`\\mu - \\nu` the Rényi divergence of
   the discrete Gaussians is at most the continuous ones', :math:`\\alpha \\|\\mu -
-  \\nu\\|_2^2 / 2\\sigma^2` (CKS20, Prop. 5 / Thm. 15 for the multivariate product), so RDP at noise
+  \\nu\\|_2^2 / 2\\sigma^2` (CKS20; per coordinate, and additive over the product), so RDP at noise
   multiplier :func:`grid_noise_multiplier` bounds it; for Poisson sampling, the sampled mixture's
   moments :math:`E_{P}[((1-q) + q\\,Q/P)^\\alpha]` at integer :math:`\\alpha` expand binomially into
-  the base mechanism's :math:`e^{(k-1) D_k}`, each at most the Gaussian's. Use ``accountant='rdp'``,
-  and add :func:`sampler_tv_bound` (times the draws, times :math:`1 + e^\\varepsilon`) to delta.
+  the base mechanism's :math:`e^{(k-1) D_k}`, each at most the Gaussian's (that direction; the
+  other is checked numerically in one dimension by the tests, not proven). Use
+  ``accountant='rdp'``, and add :func:`sampler_tv_bound` (times the draws, times
+  :math:`1 + e^\\varepsilon`) to delta.
 
 See the guide's "Hardened noise" section (docs/guides/dp-sgd.md) for the threat, what this
 defends and what it does not (timing, the host, the accelerator's generator).
