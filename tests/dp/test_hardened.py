@@ -396,3 +396,16 @@ def test_audit_of_a_hardened_run_stays_below_its_epsilon(kw):
                         process_index=0, process_count=1, **kw)
     assert res.claimed_epsilon <= 2.0 + 1e-9
     assert 0.0 <= res.epsilon_lower_bound < res.claimed_epsilon and not res.falsified
+
+
+def test_constant_time_search_gives_the_same_draws_in_a_fixed_number_of_steps():
+    k = jax.random.key(9)
+    fast = h.discrete_gaussian(k, (5000,), 700.0)
+    fixed = h.discrete_gaussian(k, (5000,), 700.0, constant_time=True)
+    np.testing.assert_array_equal(fast, fixed)
+    def jaxpr(ct):
+        return str(jax.make_jaxpr(lambda kk: h.discrete_gaussian(kk, (100,), 700.0, constant_time=ct))(k))
+    assert "while[" in jaxpr(False) and "while[" not in jaxpr(True)  # a fixed trip count: no data-dependent loop
+    zero = {"w": jnp.zeros(5000, jnp.int32)}
+    noised = h.add_discrete_gaussian_noise(zero, 700.0, k, constant_time=True)
+    np.testing.assert_array_equal(noised["w"], h.add_discrete_gaussian_noise(zero, 700.0, k)["w"])

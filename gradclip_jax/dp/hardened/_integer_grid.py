@@ -137,7 +137,7 @@ def _integer_rows(rows: jax.Array, factors: jax.Array, keep: jax.Array, grid_sca
     return jnp.where(keep[:, None], jnp.trunc(jnp.where(keep[:, None], scaled, 0)), 0).astype(jnp.int32)
 
 
-def add_discrete_gaussian_noise(tree: Any, sigma: float, key: jax.Array) -> Any:
+def add_discrete_gaussian_noise(tree: Any, sigma: float, key: jax.Array, *, constant_time: bool = False) -> Any:
     """Adds independent :math:`\\mathcal{N}_{\\mathbb{Z}}(0, \\sigma^2)` draws (:func:`discrete_gaussian`) to an integer tree.
 
     Leaf ``i`` gets ``discrete_gaussian(k{i+1}, leaf.shape, sigma)`` with
@@ -148,6 +148,7 @@ def add_discrete_gaussian_noise(tree: Any, sigma: float, key: jax.Array) -> Any:
       sigma: :math:`\\sigma` on the grid, a Python number in :math:`[0, 2^{16}]`: for noise
         multiplier :math:`z`, ``z * grid_sensitivity(C, grid_scale)``.
       key: a ``jax.random`` key (in a hardened run, from :func:`os_key`).
+      constant_time: :func:`discrete_gaussian`'s (the draw's time independent of the values drawn).
 
     Returns:
       The noised int32 tree.
@@ -173,7 +174,9 @@ def add_discrete_gaussian_noise(tree: Any, sigma: float, key: jax.Array) -> Any:
         return tree
     check_key_varies(fn, leaves, key)
     _, *keys = split_stored(key, len(leaves) + 1)
-    return jax.tree.unflatten(treedef, [x + discrete_gaussian(k, x.shape, s) for x, k in zip(leaves, keys, strict=True)])
+    noised = [x + discrete_gaussian(k, x.shape, s, constant_time=constant_time)
+              for x, k in zip(leaves, keys, strict=True)]
+    return jax.tree.unflatten(treedef, noised)
 
 
 def from_grid(tree: Any, grid_scale: float, divisor: Any = 1.0) -> Any:

@@ -131,6 +131,7 @@ def grid_functions(loss_fn: Callable[..., Any], clip: float, grid_scale: float, 
 
     def noise(summed: Any, stddev: Any, key: jax.Array) -> Any:
         del stddev  # the float Gaussian's; the grid's sigma is above
-        return from_grid(add_discrete_gaussian_noise(summed, sigma, key), grid_scale)
+        # constant time: the draw's duration must not tell the noise (Jin et al. 2022's timing channel)
+        return from_grid(add_discrete_gaussian_noise(summed, sigma, key, constant_time=True), grid_scale)
 
     return GridFunctions(clipped_sum, noise)
