@@ -234,6 +234,9 @@ def test_hardened_discrete_run_records_the_gaussian_rdp_at_its_noise_multiplier(
     sigma = priv.noise_multiplier * 256.0 * 1.0
     assert priv.accountant.accountant == "rdp"
     assert priv.epsilon() == 0.0 and priv.planned_epsilon <= 4.0
+    assert priv.plan()["grid_scale"] == 256.0 and priv.plan()["hardened"] == "discrete"
+    with pytest.raises(ValueError, match="grid_scale"):  # resumed on another grid
+        _run("discrete", grid_scale=512.0, resume_from=priv.state_dict())
     np.testing.assert_allclose(h.grid_noise_multiplier(sigma, 1.0, 256.0), priv.noise_multiplier)
 
 

@@ -147,7 +147,7 @@ def make_private(
         under its ``neighboring`` relation. It replaces ``expected_batch_size``,
         ``sample_rate``, ``epochs``, ``max_batch_size``, ``on_overflow``,
         ``seed`` and the process arguments (a ``ValueError`` names any given).
-      hardened: opt-in protection of the randomness (see "Hardened noise" in the DP-SGD guide):
+      hardened: opt-in protection of the randomness (see the guide "Hardened noise and randomness"):
         ``False`` (default); ``True`` or ``'sum_of_normals'``: the sampler's seed from the OS's
         entropy (:func:`gradclip_jax.dp.hardened.os_seed`) and the noise as
         :math:`\\sigma(Z_1+Z_2+Z_3+Z_4)/2` (:func:`~gradclip_jax.dp.hardened.add_sum_of_normals_noise`:
@@ -222,7 +222,7 @@ def make_private(
         )
     if physical_batch_size is not None:
         physical_batch_size = check_int(fn, "physical_batch_size", physical_batch_size, 1)
-    plan = _plan(sampler, t, target_epsilon, delta, l2_clip_norm, accountant, hard.mode)
+    plan = _plan(sampler, t, target_epsilon, delta, l2_clip_norm, accountant, hard.mode, hard.grid_scale)
     if resume_from is not None:
         _check_resume(resume_from, plan)  # before the calibration, which can take seconds
 
@@ -259,4 +259,5 @@ def make_private(
         sampler=sampler, accountant=acc, optimizer=optimizer, grad_fn=grad_fn,
         init=init, step=step, clipped_sum=clipped_sum, noisy_update=noisy_update,
         allow_beyond_plan=bool(allow_beyond_plan), hardened=hard.mode, rng=hard.rng,
+        grid_scale=hard.grid_scale,
     )

@@ -61,6 +61,7 @@ class PrivateTraining:
         :class:`PrivacyBudgetWarning` instead of a :class:`PrivacyBudgetError`.
       hardened: ``None``, or the hardened mode (``'sum_of_normals'``, ``'discrete'``).
       rng: a hardened run's generator (``None``: the OS's entropy), read by :meth:`noise_key`.
+      grid_scale: ``hardened='discrete'``'s grid scale (else ``None``).
     """
 
     noise_multiplier: float
@@ -82,6 +83,7 @@ class PrivateTraining:
     allow_beyond_plan: bool = False
     hardened: str | None = None
     rng: BitGenerator | None = None
+    grid_scale: float | None = None
 
     def noise_key(self) -> jax.Array:
         """A fresh noise key for one ``step``, its bits from the OS's entropy (or the run's ``rng``).
@@ -182,7 +184,7 @@ class PrivateTraining:
         ``on_overflow``, ``seed``) and the calibrated ``noise_multiplier``.
         """
         plan = _plan(self.sampler, self.steps, self.target_epsilon, self.delta, self.l2_clip_norm,
-                     self.accountant.accountant, self.hardened)
+                     self.accountant.accountant, self.hardened, self.grid_scale)
         return {**plan, "noise_multiplier": float(self.noise_multiplier)}
 
     def state_dict(self) -> dict[str, Any]:
