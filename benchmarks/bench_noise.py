@@ -25,7 +25,8 @@ distinct leaf shape (``NOISE_STRATEGY`` ``"shapes"``; GPT-2 small's 148 leaves
 have 9 shapes) and (on GPUs) JAX's threefry kernel
 (``jax_threefry_gpu_kernel_lowering``) instead of threefry written in XLA ops;
 each also by the time it takes to lower and compile (one fusion per leaf draw
-is much code for a GPU compiler). On an H100 the per-leaf draw of GPT-2 small's
+is much code for a GPU compiler). Two rows time the hardened noise of
+``gcx.dp.hardened`` against ours (:func:`hardened_rows`). On an H100 the per-leaf draw of GPT-2 small's
 124M values took 4.6 ms where writing them takes about 0.3 ms.
 
 Run: ``python -m benchmarks --only noise`` (``NOISE_BUDGET_S=SECONDS`` leaves out what
@@ -226,6 +227,53 @@ def adamw_rows(tree: Any, key: jax.Array, what: str, reps: int) -> list[dict]:
             row("noise", f"{title}: lower+compile (ms)", compile_s["ours"] * 1e3, compile_s["optax"] * 1e3, what)]
 
 
+def hardened_rows(tree: Any, key: jax.Array, what: str, reps: int) -> list[dict]:
+    """The hardened noise (``gcx.dp.hardened``) against ``add_gaussian_noise``, each jitted on ``tree``:
+    the sum of four normals over two, and the integer grid's discrete Gaussian (sigma 1024, int32
+    leaves of the same shapes) added to an int32 tree and read back as float32 (``from_grid``)."""
+    hd = gcx.dp.hardened
+    ints = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.int32), tree)
+    fns = {"default": (lambda t, k: gcx.privacy.add_gaussian_noise(t, 1.0, k), tree),
+           "sum_of_normals": (lambda t, k: hd.add_sum_of_normals_noise(t, 1.0, k), tree),
+           "discrete": (lambda t, k: hd.from_grid(hd.add_discrete_gaussian_noise(t, 1024.0, k), 1024.0), ints)}
+    compiled = {name: _compile(f, x, key)[0] for name, (f, x) in fns.items()}
+    ms = interleaved_ms({n: (lambda c=c, x=fns[n][1]: c(x, key)) for n, c in compiled.items()}, reps=reps)
+    title = "hardened noise (gcx.dp.hardened) vs add_gaussian_noise: time"
+    return [row("noise", f"{title}, sum of four normals", ms["sum_of_normals"], ms["default"], what),
+            row("noise", f"{title}, discrete Gaussian on the int32 grid (sigma 1024)", ms["discrete"],
+                ms["default"], what)]
+
+
+def hardened_step_rows(reps: int, batch: int = 64) -> list[dict]:
+    """The step of ``make_private`` hardened against the default step (same model, batch and target):
+    an MLP 784-256-10 on random data, ``expected_batch_size=batch``; ``'discrete'`` at grid 2**10
+    (its per-example gradients by ``jax.vmap``, as the default's ``method='auto'`` picks here)."""
+    rng = np.random.default_rng(0)
+    params = {"w1": jnp.asarray(rng.normal(size=(784, 256)) * 0.05, jnp.float32), "b1": jnp.zeros(256),
+              "w2": jnp.asarray(rng.normal(size=(256, 10)) * 0.05, jnp.float32), "b2": jnp.zeros(10)}
+    data = {"x": jnp.asarray(rng.normal(size=(batch, 784)), jnp.float32), "y": jnp.asarray(rng.integers(0, 10, batch))}
+
+    def losses(p: Any, b: Any) -> jax.Array:
+        h = jax.nn.relu(b["x"] @ p["w1"] + p["b1"])
+        return optax.softmax_cross_entropy_with_integer_labels(h @ p["w2"] + p["b2"], b["y"])
+
+    kw = dict(dataset_size=60_000, expected_batch_size=batch, steps=1000, target_epsilon=8.0, delta=1e-5,
+              l2_clip_norm=1.0, accountant="rdp", process_index=0, process_count=1)
+    modes = {"default": {}, "sum_of_normals": {"hardened": True},
+             "discrete": {"hardened": "discrete", "grid_scale": 1024.0}}
+    mask = jnp.ones((batch,), bool)
+    thunks = {}
+    for name, extra in modes.items():
+        priv = gcx.dp.make_private(losses, optax.sgd(0.1), **kw, **extra)
+        step, state, k = jax.jit(priv.step), priv.init(params), priv.noise_key()
+        thunks[name] = lambda step=step, state=state, k=k: step(params, state, data, mask, k)
+    ms = interleaved_ms(thunks, reps=reps)
+    what = f"make_private step, MLP 784-256-10 ({784 * 256 + 256 + 2570} params), batch {batch}, {jax.default_backend()}"
+    title = "make_private step hardened vs default: time"
+    return [row("noise", f"{title}, hardened=True (sum of normals)", ms["sum_of_normals"], ms["default"], what),
+            row("noise", f"{title}, hardened='discrete' (grid 2**10)", ms["discrete"], ms["default"], what)]
+
+
 def _compile(f: Callable[..., Any], *args: Any) -> tuple[Any, float]:
     t0 = time.perf_counter()
     compiled = jax.jit(f).lower(*args).compile()
@@ -276,8 +324,10 @@ def run(quick: bool = False) -> list[dict]:
     ])
     if time.perf_counter() + (time.perf_counter() - start) < deadline:
         rows += _said(adamw_rows(tree, key, what, reps=5 if quick else 15))
+        rows += _said(hardened_rows(tree, key, what.split(", ours draws")[0], reps=5 if quick else 15))
+        rows += _said(hardened_step_rows(reps=5 if quick else 15))
     else:
-        print(f"[noise] adamw rows left out: {BUDGET_ENV} would be spent", flush=True)
+        print(f"[noise] adamw rows left out, and the hardened rows: {BUDGET_ENV} would be spent", flush=True)
     return rows + _said(part_rows(tree, key, what.split(", ours draws")[0], reps=5 if quick else 15,
                                   deadline=deadline))
 

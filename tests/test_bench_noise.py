@@ -104,3 +104,10 @@ def test_pairs_part_hashes_half_the_counters_and_uses_both_words():
     expect = bn.normal_from_bits(jnp.concatenate(words)[:21]).reshape(7, 3)
     np.testing.assert_array_equal(np.asarray(z), np.asarray(expect))
     assert len(set(np.ravel(np.asarray(z)).tolist())) == 21  # every value its own
+
+
+def test_hardened_rows_time_both_hardened_noises_against_ours():
+    rows = bn.hardened_rows(_tree(), jax.random.key(0), "tiny tree", reps=2)
+    assert [("sum of four normals" in r["name"], "discrete Gaussian" in r["name"]) for r in rows] == [
+        (True, False), (False, True)]
+    assert all(r["group"] == "noise" and r["ours_ms"] > 0 and r["baseline_ms"] > 0 for r in rows)

@@ -18,11 +18,15 @@
   :func:`user_loss`).
 * :mod:`gradclip_jax.dp.private_step`: the whole private step in one call
   (:func:`make_private`).
+* :mod:`gradclip_jax.dp.hardened`: opt-in hardened randomness and noise (OS-seeded keys, the
+  sum-of-normals Gaussian, the integer grid with discrete Gaussian noise); ``make_private(...,
+  hardened=True)`` uses it.
 * :mod:`gradclip_jax.dp.audit`: an empirical lower bound on a run's epsilon
   from gradient canaries (the bound needs jax-privacy, imported when used).
 """
 
 from gradclip_jax.dp import audit as audit  # the submodule, as gcx.dp.audit
+from gradclip_jax.dp import hardened as hardened  # the submodule, as gcx.dp.hardened
 from gradclip_jax.dp.aggregate import (
     DPAggregateState,
     DPNoiseState,
@@ -34,6 +38,13 @@ from gradclip_jax.dp.aggregate import (
     noise_multiplier_for_gradient,
 )
 from gradclip_jax.dp.batch_selection import BatchSampler, IndexSampler, SampledBatch
+from gradclip_jax.dp.hardened import (
+    add_discrete_gaussian_noise,
+    add_sum_of_normals_noise,
+    discrete_gaussian,
+    grid_clipped_sum,
+    os_key,
+)
 from gradclip_jax.dp.private_step import (
     PrivacyBudgetError,
     PrivacyBudgetWarning,
@@ -67,4 +78,9 @@ __all__ = [
     "dp_quantile_aggregate",
     "dpsgd",
     "noise_multiplier_for_gradient",
+    "add_discrete_gaussian_noise",
+    "add_sum_of_normals_noise",
+    "discrete_gaussian",
+    "grid_clipped_sum",
+    "os_key",
 ]

@@ -244,7 +244,8 @@ def audit_epsilon(
       target_epsilon, delta, l2_clip_norm, expected_batch_size, steps: as
         :func:`gradclip_jax.dp.make_private`.
       optimizer: default ``optax.sgd(0.1)``.
-      seed: seeds the coin flips, the sampler and the noise.
+      seed: seeds the coin flips, the sampler and the noise (with ``hardened`` in
+        ``make_private_kwargs``: the coin flips only; the run draws its own from the OS).
       significance: the probability that the bound exceeds the true epsilon.
       **make_private_kwargs: passed on (e.g. ``method``, ``accountant``).
 
@@ -264,10 +265,12 @@ def audit_epsilon(
     """
     canaries = GradientCanaries.draw(num_canaries, l2_clip_norm, seed)
     audited = canaries.wrap_data(data)
+    # a hardened run refuses a seed: its sampler and noise come from the OS (see _train)
+    seeded: dict[str, Any] = {} if make_private_kwargs.get("hardened") else {"seed": seed}
     priv = make_private(
         canaries.wrap_loss(loss_fn), optimizer or optax.sgd(0.1),
         dataset_size=int(audited["canary"].shape[0]), target_epsilon=target_epsilon, delta=delta,
-        l2_clip_norm=l2_clip_norm, expected_batch_size=expected_batch_size, steps=steps, seed=seed,
+        l2_clip_norm=l2_clip_norm, expected_batch_size=expected_batch_size, steps=steps, **seeded,
         **make_private_kwargs,
     )
     start = canaries.wrap_params(params)
@@ -280,10 +283,12 @@ def audit_epsilon(
 
 
 def _train(priv: PrivateTraining, params: Any, data: Any, key: jax.Array) -> Any:
-    """The run of ``priv`` over ``data`` from ``params`` (one noise key per step)."""
+    """The run of ``priv`` over ``data`` from ``params`` (one noise key per step: from ``key``, or a
+    hardened run's :meth:`~gradclip_jax.dp.PrivateTraining.noise_key`)."""
     opt_state, step = priv.init(params), jax.jit(priv.step)
     for t, (batch, mask) in enumerate(priv.batches(data)):
-        params, opt_state, _ = step(params, opt_state, batch, mask, jax.random.fold_in(key, t))
+        k = priv.noise_key() if priv.hardened else jax.random.fold_in(key, t)
+        params, opt_state, _ = step(params, opt_state, batch, mask, k)
     return params
 
 

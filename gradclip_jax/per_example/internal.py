@@ -12,7 +12,7 @@ from gradclip_jax.per_example._batch import (
     match_batch_sharding,
 )
 from gradclip_jax.per_example._clip_sum import clip_and_sum
-from gradclip_jax.per_example._config import Method, clip_factors
+from gradclip_jax.per_example._config import Method, clip_factors, sensitivity_factor
 from gradclip_jax.per_example._example_norms import as_rows, unrow
 from gradclip_jax.per_example._keys import example_keys
 
@@ -26,5 +26,6 @@ __all__ = [
     "example_keys",
     "explicit_spec",
     "match_batch_sharding",
+    "sensitivity_factor",
     "unrow",
 ]

@@ -14,6 +14,13 @@ from gradclip_jax._core.validation import check_int, check_number, clip_norm_arg
 from gradclip_jax.dp.accounting import PrivacyAccountant, calibrate
 from gradclip_jax.dp.accounting._accountants import _dp_accounting
 from gradclip_jax.dp.batch_selection import BatchSampler, check_sampler
+from gradclip_jax.dp.hardened import BitGenerator
+from gradclip_jax.dp.private_step._hardened import (
+    gaussian_noise,
+    grid_functions,
+    hardening,
+    sampler_seed,
+)
 from gradclip_jax.dp.private_step._resume import _check_resume, _plan, _resumed_noise, _sample_rate
 from gradclip_jax.dp.private_step._step import _step_functions
 from gradclip_jax.dp.private_step._training import PrivateTraining
@@ -43,7 +50,7 @@ def _poisson_sampler(fn: str, a: dict[str, Any]) -> PoissonSampler:
             f"truncated Poisson sampling), got accountant={a['accountant']!r}"
         )
     return PoissonSampler(
-        n, steps=t, sample_rate=q, seed=a["seed"], max_batch_size=a["max_batch_size"],
+        n, steps=t, sample_rate=q, seed=a["sampler_seed"], max_batch_size=a["max_batch_size"],
         on_overflow=a["on_overflow"], process_index=a["process_index"], process_count=a["process_count"],
     )
 
@@ -52,8 +59,9 @@ def _given_sampler(fn: str, sampler: Any, a: dict[str, Any]) -> BatchSampler:
     """A ``sampler=`` checked against the Poisson arguments, which it replaces."""
     check_sampler(fn, sampler)
     defaults = {"expected_batch_size": None, "sample_rate": None, "epochs": None, "max_batch_size": None,
-                "process_index": None, "process_count": None, "on_overflow": "raise", "seed": 0}
-    clash = [k for k, v in defaults.items() if a[k] != v]
+                "process_index": None, "process_count": None, "on_overflow": "raise", "seed": None}
+    # seed=0 was the default before hardening made it optional: still accepted with a sampler
+    clash = [k for k, v in defaults.items() if a[k] != v and not (k == "seed" and a[k] == 0)]
     if clash:
         raise ValueError(f"{fn}: with `sampler`, leave {', '.join(f'`{k}`' for k in clash)} out: the sampler "
                          "decides its rate, size, seed and processes")
@@ -87,7 +95,7 @@ def make_private(
     sample_rate: float | None = None,
     steps: int | None = None,
     epochs: float | None = None,
-    seed: int = 0,
+    seed: int | None = None,
     max_batch_size: int | None = None,
     physical_batch_size: int | None = None,
     on_overflow: str = "raise",
@@ -99,6 +107,9 @@ def make_private(
     allow_beyond_plan: bool = False,
     resume_from: dict[str, Any] | None = None,
     sampler: BatchSampler | None = None,
+    hardened: bool | str = False,
+    rng: BitGenerator | None = None,
+    grid_scale: float | None = None,
 ) -> PrivateTraining:
     """Calibrates and builds a private training run (see the module docstring).
 
@@ -116,7 +127,8 @@ def make_private(
       steps: the number of logical steps :math:`T` (give this or ``epochs``;
         with ``sampler``: optional, the sampler's ``steps``).
       epochs: passes over the data set, :math:`T = \\lceil \\text{epochs}/q \\rceil`.
-      seed: the sampler's seed (the noise key is an argument of ``step``).
+      seed: the sampler's seed (default 0; the noise key is an argument of ``step``). Not with
+        ``hardened``, which draws it from the OS.
       max_batch_size, on_overflow: the padded size and overflow rule of the
         :class:`gradclip_jax.dp.PoissonSampler` (default: the overflow
         probability of the whole run is at most 1e-9, and an overflow raises).
@@ -147,6 +159,23 @@ def make_private(
         under its ``neighboring`` relation. It replaces ``expected_batch_size``,
         ``sample_rate``, ``epochs``, ``max_batch_size``, ``on_overflow``,
         ``seed`` and the process arguments (a ``ValueError`` names any given).
+      hardened: opt-in protection of the randomness (see the guide "Hardened noise and randomness"):
+        ``False`` (default); ``True`` or ``'sum_of_normals'``: the sampler's seed from the OS's
+        entropy (:func:`gradclip_jax.dp.hardened.os_seed`) and the noise as
+        :math:`\\sigma(Z_1+Z_2+Z_3+Z_4)/2` (:func:`~gradclip_jax.dp.hardened.add_sum_of_normals_noise`:
+        the Gaussian mechanism, accounted as before); ``'discrete'``: also each example's clipped
+        gradient truncated onto the grid of step ``1/grid_scale``, summed exactly in int32, with
+        discrete Gaussian noise of sigma ``z * grid_scale * sensitivity``
+        (:func:`~gradclip_jax.dp.hardened.grid_clipped_sum`), accounted by RDP (needs
+        ``accountant='rdp'``; per-example gradients by ``jax.vmap``). Either way pass
+        :meth:`PrivateTraining.noise_key` as each step's ``key``. ``seed`` and ``sampler`` cannot
+        be given with it (a ``ValueError`` names them).
+      rng: a hardened run's source of randomness: ``None`` (the OS's, through :mod:`secrets`) or a
+        generator with ``getrandbits`` (``secrets.SystemRandom()``; ``random.Random(0)`` only in
+        tests: it is predictable). Seeds the sampler and :meth:`PrivateTraining.noise_key`.
+      grid_scale: ``hardened='discrete'``'s :math:`\\gamma`, a power of two (e.g. ``2.0**10 / l2_clip_norm``
+        rounded to one): finer is less bias (under :math:`1/\\gamma` per coordinate and example),
+        coarser keeps :math:`B\\gamma C \\le 2^{30}` and the noise's sigma :math:`\\le 2^{16}`.
 
     Returns:
       A :class:`PrivateTraining`.
@@ -185,6 +214,9 @@ def make_private(
     if method not in methods:  # before the calibration
         raise ValueError(f"{fn}: `method` must be one of {methods}, got {method!r}")
     args = {k: v for k, v in locals().items() if k in _POISSON_ARGS}
+    hard = hardening(fn, {**args, "hardened": hardened, "rng": rng, "grid_scale": grid_scale, "sampler": sampler,
+                          "physical_batch_size": physical_batch_size, "method": method})
+    args["sampler_seed"] = sampler_seed(hard, {**args, "resume_from": resume_from})
     sampler = _poisson_sampler(fn, args) if sampler is None else _given_sampler(fn, sampler, args)
     n, t, divisor = sampler.dataset_size, sampler.steps, float(sampler.expected_batch_size)
     for name, v in (("target_epsilon", target_epsilon), ("l2_clip_norm", l2_clip_norm)):
@@ -202,7 +234,7 @@ def make_private(
         )
     if physical_batch_size is not None:
         physical_batch_size = check_int(fn, "physical_batch_size", physical_batch_size, 1)
-    plan = _plan(sampler, t, target_epsilon, delta, l2_clip_norm, accountant)
+    plan = _plan(sampler, t, target_epsilon, delta, l2_clip_norm, accountant, hard.mode, hard.grid_scale)
     rel = sampler.neighboring
     if resume_from is None:
         z = _calibrated(sampler, t, float(target_epsilon), float(delta), accountant, fn)
@@ -226,7 +258,13 @@ def make_private(
     grad_fn = clipped_grad(loss_fn, l2_clip_norm, microbatch_size=physical_batch_size, method=method)
     std = z * float(grad_fn.sensitivity(rel))
 
-    init, step, clipped_sum, noisy_update = _step_functions(grad_fn, optimizer, std, divisor)
+    grid = None
+    if hard.mode == "discrete":
+        assert hard.grid_scale is not None  # checked by hardening()
+        grid = grid_functions(loss_fn, float(l2_clip_norm), hard.grid_scale, float(grad_fn.sensitivity(rel)), z, fn)
+    init, step, clipped_sum, noisy_update = _step_functions(
+        grad_fn, optimizer, std, divisor, noise=gaussian_noise(hard) if grid is None else grid.noise,
+        summed_by=None if grid is None else grid.clipped_sum)
 
     return PrivateTraining(
         noise_multiplier=z, l2_clip_norm=float(l2_clip_norm), sample_rate=_sample_rate(sampler),
@@ -234,5 +272,6 @@ def make_private(
         steps=t, target_epsilon=float(target_epsilon), delta=float(delta), planned_epsilon=planned_eps,
         sampler=sampler, accountant=acc, optimizer=optimizer, grad_fn=grad_fn,
         init=init, step=step, clipped_sum=clipped_sum, noisy_update=noisy_update,
-        allow_beyond_plan=bool(allow_beyond_plan),
+        allow_beyond_plan=bool(allow_beyond_plan), hardened=hard.mode, rng=hard.rng,
+        grid_scale=hard.grid_scale,
     )

@@ -57,9 +57,16 @@ def _resumed_noise(state: dict[str, Any]) -> float:
 
 
 def _plan(sampler: BatchSampler, steps: int, target_epsilon: float, delta: float, clip: float,
-          accountant: str) -> dict[str, Any]:
-    """The run's plan (plain values) without the noise multiplier: checked on resume."""
-    return {
+          accountant: str, hardened: str | None = None, grid_scale: float | None = None) -> dict[str, Any]:
+    """The run's plan (plain values) without the noise multiplier: checked on resume.
+
+    A hardened run's plan also holds its mode (``'hardened'``) and, on the integer grid, its
+    ``'grid_scale'``; a default run's has neither field.
+    """
+    extra: dict[str, Any] = {} if hardened is None else {"hardened": hardened}
+    if grid_scale is not None:
+        extra["grid_scale"] = float(grid_scale)
+    return {**extra,
         "dataset_size": int(sampler.dataset_size), "sample_rate": _sample_rate(sampler), "steps": int(steps),
         "target_epsilon": float(target_epsilon), "delta": float(delta), "l2_clip_norm": float(clip),
         "accountant": str(accountant).lower(), **sampler.plan(),

@@ -46,8 +46,15 @@ class _StepFunctions(NamedTuple):
 
 
 def _step_functions(grad_fn: ClippedGradFn, optimizer: optax.GradientTransformation, std: float,
-                    divisor: float) -> _StepFunctions:
-    """The pure, jit-able functions of a run: noise of standard deviation ``std``, sum over ``divisor``."""
+                    divisor: float, noise: Callable[..., Any] | None = None,
+                    summed_by: Callable[..., tuple[Any, ClippedGradInfo]] | None = None) -> _StepFunctions:
+    """The pure, jit-able functions of a run: noise of standard deviation ``std``, sum over ``divisor``.
+
+    ``noise(summed, stddev, key)`` adds the noise (default :func:`add_gaussian_noise`); ``summed_by``
+    replaces ``grad_fn`` for the clipped sum (the hardened integer grid: its ``noise`` ignores ``std``).
+    """
+    add_noise = add_gaussian_noise if noise is None else noise
+    sum_fn = grad_fn if summed_by is None else summed_by
 
     def init(params: Any) -> Any:
         return optimizer.init(params)
@@ -56,10 +63,10 @@ def _step_functions(grad_fn: ClippedGradFn, optimizer: optax.GradientTransformat
         if mask is None:  # the sampler's padding mask: a step without one would count padding rows
             raise TypeError("make_private step: `mask` is required (the mask of the sampler's batch)")
         mask = check_mask("make_private step", mask, _batch_rows(batch))
-        return grad_fn(params, batch, mask=mask)
+        return sum_fn(params, batch, mask=mask)
 
     def noisy_update(params: Any, opt_state: Any, summed: Any, key: jax.Array) -> tuple[Any, Any, jax.Array]:
-        noised = add_gaussian_noise(summed, std, key)
+        noised = add_noise(summed, std, key)
         grads = jax.tree.map(
             lambda g, p: (g / jnp.asarray(divisor, g.dtype)).astype(jnp.asarray(p).dtype), noised, params
         )

@@ -14,6 +14,7 @@ import optax
 
 from gradclip_jax.dp.accounting import PrivacyAccountant
 from gradclip_jax.dp.batch_selection import BatchSampler
+from gradclip_jax.dp.hardened import BitGenerator, os_key
 from gradclip_jax.dp.private_step._resume import _STATE_FORMAT, _plan
 from gradclip_jax.dp.private_step._step import PrivateStepMetrics
 from gradclip_jax.per_example import ClippedGradFn, ClippedGradInfo
@@ -57,6 +58,9 @@ class PrivateTraining:
         batch size, apply the optimizer.
       allow_beyond_plan: record steps beyond ``steps`` with a
         :class:`PrivacyBudgetWarning` instead of a :class:`PrivacyBudgetError`.
+      hardened: ``None``, or the hardened mode (``'sum_of_normals'``, ``'discrete'``).
+      rng: a hardened run's generator (``None``: the OS's entropy), read by :meth:`noise_key`.
+      grid_scale: ``hardened='discrete'``'s grid scale (else ``None``).
     """
 
     noise_multiplier: float
@@ -76,6 +80,27 @@ class PrivateTraining:
     clipped_sum: Callable[..., tuple[Any, ClippedGradInfo]]
     noisy_update: Callable[..., tuple[Any, Any, jax.Array]]
     allow_beyond_plan: bool = False
+    hardened: str | None = None
+    rng: BitGenerator | None = None
+    grid_scale: float | None = None
+
+    def noise_key(self) -> jax.Array:
+        """A fresh noise key for one ``step``, its bits from the OS's entropy (or the run's ``rng``).
+
+        Call it on the host once per step (outside ``jax.jit``) and pass it as ``step``'s ``key``:
+        the noise is then never derived from an integer anyone chose.
+
+        Example:
+          >>> import jax.numpy as jnp, optax
+          >>> from gradclip_jax.dp import make_private
+          >>> priv = make_private(lambda w, b: (b @ w) ** 2, optax.sgd(0.1), dataset_size=100,
+          ...                     expected_batch_size=10, steps=2, target_epsilon=8.0, delta=1e-3,
+          ...                     l2_clip_norm=1.0, hardened=True, process_index=0, process_count=1)
+          >>> key = priv.noise_key()
+          >>> priv.plan()['hardened'], priv.plan()['seed'] != 0
+          ('sum_of_normals', True)
+        """
+        return os_key(self.rng)
 
     def record_step(self) -> None:
         """Records one step in the accountant (:meth:`batches` calls it for you).
@@ -157,7 +182,7 @@ class PrivateTraining:
         ``on_overflow``, ``seed``) and the calibrated ``noise_multiplier``.
         """
         plan = _plan(self.sampler, self.steps, self.target_epsilon, self.delta, self.l2_clip_norm,
-                     self.accountant.accountant)
+                     self.accountant.accountant, self.hardened, self.grid_scale)
         return {**plan, "noise_multiplier": float(self.noise_multiplier)}
 
     def state_dict(self) -> dict[str, Any]:
