@@ -372,7 +372,7 @@ def run(
 
             def dp_step(p, s, x, y, b, mask, t, priv=priv, noise_key=noise_key):
                 batch = {"x": x[b], "y": y[b]}
-                p, s, m = priv.step(p, s, batch, mask, jax.random.fold_in(noise_key, t))
+                p, s, m = priv.step(p, s, batch, mask, priv.step_key(noise_key, t))
                 real = jnp.maximum(jnp.sum(mask), 1).astype(jnp.float32)
                 return p, s, m.loss, m.num_clipped.astype(jnp.float32) / real
 

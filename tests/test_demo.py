@@ -218,3 +218,27 @@ def test_bad_arguments():
         demo.run(steps=5, batch_size=0, out=None, progress=False)
     with pytest.raises(ValueError, match="unknown run"):
         demo.run(steps=5, out=None, progress=False, methods=("sgd",))
+
+
+GUIDE = Path(__file__).resolve().parent.parent / "docs" / "guides" / "demo.md"
+
+
+def _without_times(table: str) -> list[list[str]]:
+    """The table's rows as words, the ms/step column (machine-dependent) left out."""
+    rows = []
+    for line in table.strip().splitlines():
+        words = line.split()
+        if words and words[0] in ("none", "global", "dp-sgd"):
+            words = words[:4] + words[5:]
+        rows.append(words)
+    return rows
+
+
+@pytest.mark.slow
+def test_demo_guide_shows_what_the_demo_prints(tmp_path):
+    """docs/guides/demo.md's measured output is the default demo's (`python -m gradclip_jax.demo`)."""
+    block = re.search(r"## Measured output\n.*?```text\n(.*?)\n```", GUIDE.read_text(), flags=re.S)
+    assert block, "no measured output in the demo guide"
+    res = demo.run(out=str(tmp_path / "demo.png"), seed=0, progress=False)
+    printed = demo.format_table(res)
+    assert _without_times(block.group(1)) == _without_times(printed)

@@ -24,6 +24,7 @@ pytest.importorskip("dp_accounting")
 
 GUIDE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "guides" / "dp-sgd.md"
 SECTIONS = [
+    "DP-SGD in five minutes",
     "1. The whole loop in one call: `make_private`",
     "2. The same loop, piece by piece",
     "3. Accounting: PLD or RDP",
@@ -93,8 +94,18 @@ def test_every_code_block_is_in_a_checked_section():
     assert "```python" not in text.split("\n## ")[0]
 
 
+def test_five_minutes(run_guide):
+    """The quick start trained, checkpointed at step 50, resumed and spent the target."""
+    ns = run_guide["DP-SGD in five minutes"]
+    priv = ns["priv"]
+    assert priv.accountant.steps == 100 == priv.steps
+    assert 2.9 < priv.epsilon() <= 3.0 + 1e-9
+    assert ns["saved"]["run"]["sampler"]["steps_taken"] == 50
+    assert train_accuracy(ns) >= 0.9
+
+
 def test_make_private_loop(run_guide):
-    ns = run_guide[SECTIONS[0]]
+    ns = run_guide[SECTIONS[1]]
     priv = ns["priv"]
     assert priv.accountant.steps == 200 == priv.steps
     assert priv.epsilon() == priv.accountant.epsilon(1e-5)
@@ -103,7 +114,7 @@ def test_make_private_loop(run_guide):
 
 
 def test_piece_by_piece_loop(run_guide):
-    ns = run_guide[SECTIONS[1]]
+    ns = run_guide[SECTIONS[2]]
     acc, priv, sampler = ns["accountant"], ns["priv"], ns["sampler"]
     assert acc.steps == 200 and len(acc.phases) == 1
     assert acc.phases[0].sample_rate == sampler.sample_rate == pytest.approx(0.05)
@@ -114,7 +125,7 @@ def test_piece_by_piece_loop(run_guide):
 
 
 def test_accounting_section(run_guide):
-    ns = run_guide[SECTIONS[2]]
+    ns = run_guide[SECTIONS[3]]
     from gradclip_jax import privacy
 
     z, q, steps, delta = ns["z"], ns["q"], ns["steps"], ns["delta"]
@@ -127,7 +138,7 @@ def test_accounting_section(run_guide):
 
 
 def test_overflow_section(run_guide):
-    ns = run_guide[SECTIONS[3]]
+    ns = run_guide[SECTIONS[4]]
     sampler, small = ns["sampler"], ns["small"]
     assert sampler.overflow_probability <= 1e-9
     assert sampler.max_batch_size > sampler.expected_batch_size
@@ -140,7 +151,7 @@ def test_overflow_section(run_guide):
 
 
 def test_large_logical_batches(run_guide):
-    ns = run_guide[SECTIONS[4]]
+    ns = run_guide[SECTIONS[5]]
     big = ns["big"]
     assert big.sampler.max_batch_size % 100 == 0
     assert big.accountant.steps == 20
@@ -150,7 +161,7 @@ def test_large_logical_batches(run_guide):
 
 def test_host_accumulation_equals_one_step(run_guide):
     # summing the pieces' clipped sums and noising once is the builder's own step
-    ns = run_guide[SECTIONS[4]]
+    ns = run_guide[SECTIONS[5]]
     big, data, piece = ns["big"], ns["data"], ns["piece"]
     params = {"w": jnp.ones((8, 2)) * 0.1, "b": jnp.zeros(2)}
     b = big.sampler.batch(0)
@@ -167,7 +178,7 @@ def test_host_accumulation_equals_one_step(run_guide):
 
 
 def test_sharded_section(run_guide):
-    ns = run_guide[SECTIONS[5]]
+    ns = run_guide[SECTIONS[6]]
     dist = ns["dist"]
     assert dist.sampler.max_batch_size % jax.device_count() == 0
     assert dist.accountant.steps == 50
@@ -176,16 +187,22 @@ def test_sharded_section(run_guide):
 
 
 def test_nnx_equinox_and_resumed_run(run_guide):
-    """The NNX model learned privately; the Equinox run stopped after 10 steps, checkpointed with
-    orbax and resumed is the uninterrupted run: its batches, epsilon and parameters, bit for bit."""
-    ns = run_guide[SECTIONS[6]]
+    """The NNX and Equinox runs each stopped after 10 steps, checkpointed with orbax and resumed
+    are the uninterrupted runs: their batches, epsilon and parameters, bit for bit."""
+    ns = run_guide[SECTIONS[7]]
     from flax import nnx
 
     gcx, eqx, optax = ns["gcx"], ns["eqx"], ns["optax"]
     x, y = ns["x"], ns["data"]["y"]
-    assert ns["priv_nnx"].accountant.steps == 20 and ns["priv_nnx"].epsilon() <= 3.0 + 1e-9
+    assert ns["priv_nnx"].accountant.steps == 10 and ns["resumed_nnx"].accountant.steps == 20
+    assert ns["resumed_nnx"].epsilon() <= 3.0 + 1e-9
     assert float(jnp.mean(jnp.argmax(ns["model"](x), -1) == y)) >= 0.8
     assert isinstance(ns["nnx_params"], nnx.State)
+    whole_nnx = gcx.make_private(ns["nnx_loss"], optax.adam(1e-2), **ns["plan"])
+    _, state = nnx.split(ns["MLP"](nnx.Rngs(0)))
+    state, _ = ns["train"](whole_nnx, state, whole_nnx.init(state))
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ns["nnx_params"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     resumed = ns["resumed"]
     assert resumed.accountant.steps == 20 and ns["priv_eqx"].accountant.steps == 10
     plan = ns["plan"]
@@ -203,7 +220,7 @@ def test_custom_sampler_section(run_guide):
     dp-accounting's for its own event (sampling without replacement, replace-one), at the target."""
     import dp_accounting
 
-    ns = run_guide[SECTIONS[7]]
+    ns = run_guide[SECTIONS[8]]
     fixed = ns["fixed"]
     acc = dp_accounting.rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
     one = dp_accounting.SampledWithoutReplacementDpEvent(1000, 50, dp_accounting.GaussianDpEvent(fixed.noise_multiplier))
@@ -216,7 +233,7 @@ def test_audit_section_passes_the_honest_run_and_catches_the_missing_noise(run_g
     """The audit of the honest make_private run stays below its epsilon; the loop that forgot the
     noise gets a lower bound above the same claim (tests/dp/test_audit.py has the full table)."""
     pytest.importorskip("jax_privacy.auditing")
-    ns = run_guide[SECTIONS[8]]
+    ns = run_guide[SECTIONS[9]]
     audit = ns["audit"]
     assert audit.claimed_epsilon <= 4.0 + 1e-9 and not audit.falsified
     assert audit.epsilon_lower_bound < 2.0
@@ -229,7 +246,7 @@ def test_audit_section_catches_shuffled_batches_reported_as_poisson(run_guide):
     bound above its claimed epsilon (tests/dp/test_audit.py runs it with 20,000 runs a side, and the
     honest Poisson sampler at the same settings)."""
     pytest.importorskip("jax_privacy.auditing")
-    res = run_guide[SECTIONS[8]]["shuffle_audit"]
+    res = run_guide[SECTIONS[9]]["shuffle_audit"]
     assert res.runs == 5000 and res.claimed_epsilon == pytest.approx(1.0, rel=1e-3)
     assert res.noise_multiplier < 1.0 and res.falsified
 
@@ -239,7 +256,7 @@ def test_user_level_section(run_guide):
     target; every user has at most k examples in a step; the model learned; ghost keeps every leaf."""
     import dp_accounting
 
-    ns = run_guide[SECTIONS[9]]
+    ns = run_guide[SECTIONS[10]]
     priv, users = ns["user_priv"], ns["users"]
     q = 25 / users.num_users
     assert users.sample_rate == pytest.approx(q) and priv.expected_batch_size == pytest.approx(25)

@@ -62,12 +62,62 @@ def test_notebook_badge(path):
 def test_notebook_install_cell(path):
     install = cells(path, "code")[0]
     assert f'REPO = "{URL}"' in install
-    # from the repository in a fresh runtime, from this checkout inside the repository
+    # the released package by name; from the repository before the first release (or when
+    # asked); from this checkout inside the repository
+    assert 'requirement = ["gradclip_jax[dp,demo]"]' in install
     assert 'f"gradclip_jax[dp,demo] @ git+{REPO}"' in install
+    assert "FROM_REPOSITORY = False" in install
     assert '"-e", f"{root}[dp,demo]"' in install
     assert "sys.path.insert(0, str(root))" in install
     extras = set(PYPROJECT["project"]["optional-dependencies"])
     assert {"dp", "demo"} <= extras
+
+
+def install_cell_functions() -> dict:
+    """The install cell's helper functions (its code before it acts), defined in a fresh namespace."""
+    code = cells(NOTEBOOKS[0], "code")[0]
+    ns: dict = {}
+    exec(code[: code.index("\nroot = _checkout()")], ns)
+    return ns
+
+
+def test_install_cell_sees_a_clone_folder_as_not_installed(tmp_path, monkeypatch):
+    """A clone's folder beside the notebook imports as an empty namespace package: not installed."""
+    ns = install_cell_functions()
+    (tmp_path / "gcx_clone_probe").mkdir()  # a folder without __init__.py, as a clone's root
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib.util
+
+    assert importlib.util.find_spec("gcx_clone_probe") is not None  # found, as a namespace
+    assert not ns["_installed"]("gcx_clone_probe")
+    assert not ns["_installed"]("gcx_no_such_module")
+    assert ns["_installed"]("json")
+
+
+def test_install_cell_reports_a_jax_replacement(monkeypatch):
+    """The cell warns when pip's plan (its --dry-run report) replaces the installed jax or jaxlib."""
+    import importlib.metadata
+    import subprocess
+    import types
+
+    ns = install_cell_functions()
+    have = importlib.metadata.version("jax")
+    report = {"install": [{"metadata": {"name": "jax", "version": "99.0"}},
+                          {"metadata": {"name": "jaxlib", "version": importlib.metadata.version("jaxlib")}},
+                          {"metadata": {"name": "gradclip_jax", "version": "0.1.0"}}]}
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        return types.SimpleNamespace(returncode=0, stdout=json.dumps(report))
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    assert ns["_jax_changes"](["gradclip_jax[dp,demo]"]) == {"jax": (have, "99.0")}
+    assert "--dry-run" in calls[0] and "--report" in calls[0]
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: types.SimpleNamespace(returncode=1, stdout=""))
+    assert ns["_jax_changes"](["gradclip_jax[dp,demo]"]) is None  # unresolvable: not on PyPI yet
+    code = cells(NOTEBOOKS[0], "code")[0]
+    assert "warnings.warn(" in code and "CUDA plugin" in code
 
 
 def test_notebooks_share_one_install_cell():
@@ -95,7 +145,8 @@ def test_every_notebook_has_a_figure_count():
 
 def test_readme_install_and_badges():
     readme = (ROOT / "README.md").read_text()
-    assert f'pip install "gradclip_jax[dp,demo] @ git+{URL}"' in readme  # user install
+    assert 'pip install "gradclip_jax[dp,demo]"' in readme  # user install, once released
+    assert f'pip install "gradclip_jax[dp,demo] @ git+{URL}"' in readme  # before the first release
     assert 'pip install -e ".[test,dp,demo]"' in readme  # developer install
     assert "python -m gradclip_jax.demo" in readme  # the main job
     for path in NOTEBOOKS:
@@ -123,3 +174,21 @@ def test_no_other_repository_address():
             found += 1
             assert m.group(1) == owner_repo, f"{f.relative_to(ROOT)}: {m.group(0)}"
     assert found >= 2 * len(NOTEBOOKS)
+
+
+def test_readme_five_minutes_is_the_dp_guides():
+    """The README's DP quick start is the DP guide's, which tests/test_dp_guide.py runs."""
+
+    def five_minutes(text: str) -> str:
+        m = re.search(r"^## DP-SGD in five minutes\n.*?^```python\n(.*?)^```", text, flags=re.S | re.M)
+        assert m, "no 'DP-SGD in five minutes' section with code"
+        return m.group(1)
+
+    readme = five_minutes((ROOT / "README.md").read_text())
+    assert readme == five_minutes((ROOT / "docs" / "guides" / "dp-sgd.md").read_text())
+    assert "make_private" in readme and "resume_from" in readme and "epsilon()" in readme
+
+
+def test_readme_troubleshoots_the_namespace_package():
+    readme = (ROOT / "README.md").read_text()
+    assert "has no attribute 'clip_by_global_norm'" in readme and "namespace package" in readme

@@ -288,8 +288,9 @@ def clipped_grad(
     units in the last place of the output dtype.
 
     Returns:
-      A :class:`ClippedGradFn`: ``grad_fn(params, batch, *args, mask=None) ->
-      (grads, info)`` with ``info`` a :class:`ClippedGradInfo`, and
+      A :class:`ClippedGradFn`, called as
+      ``grad_fn(params, batch, *args, mask=None) -> (grads, info)``
+      with ``info`` a :class:`ClippedGradInfo`, and
       ``grad_fn.sensitivity(relation='add_or_remove')``. ``mask`` is an optional
       ``(B,)`` bool array: examples where it is False (padding) contribute
       nothing, are not counted and get norm 0 in ``info``.

@@ -83,7 +83,7 @@ def autoclip(
 
     .. math::
 
-        H_t &= H_{t-1} \\cup \\{n_t\\} \\quad \\text{(the last ``history_size`` recorded norms)} \\\\
+        H_t &= H_{t-1} \\cup \\{n_t\\} \\quad \\text{(the last } \\texttt{history\\_size} \\text{ recorded norms)} \\\\
         \\eta_t &= \\max(\\operatorname{percentile}_p(H_t), \\text{min\\_clip\\_norm}) \\\\
         g_t &\\leftarrow g_t \\cdot \\min(1, \\eta_t / n_t)
 

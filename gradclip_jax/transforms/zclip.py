@@ -85,7 +85,7 @@ def zclip(
 
         z &= (n - \\mu) / (\\sigma' + \\text{eps}), \\qquad \\text{spike} = z > z_{thr} \\\\
         \\tau &= \\text{clip\\_factor} \\cdot (\\mu + z_{thr}^2 \\sigma' / z) \\quad
-              \\text{(``'adaptive_scaling'``; ``'mean'``: } \\tau = \\mu) \\\\
+              \\text{(}\\texttt{'adaptive\\_scaling'}\\text{; }\\texttt{'mean'}\\text{: } \\tau = \\mu) \\\\
         \\tau_{eff} &= \\min(\\tau \\text{ if spike else } n,\\; \\text{max\\_grad\\_norm}) \\\\
         g &\\leftarrow g \\cdot \\min(1, \\tau_{eff} / n) \\\\
         x &= \\tau \\text{ if spike else } n, \\quad

@@ -486,3 +486,63 @@ def test_progress_without_tqdm_names_it(monkeypatch):
     priv = _priv(steps=4)
     with pytest.raises(ImportError, match=r"`progress=True` needs tqdm: pip install tqdm"):
         next(priv.batches(progress=True))
+
+
+def test_metrics_count_the_dropped_nonfinite_examples():
+    """A NaN example is dropped from the clipped sum (parameters stay finite) and counted."""
+    priv = _priv()
+    batch, mask = next(priv.batches(_lin_data()))
+    real = np.flatnonzero(mask)
+    bad = {k: v.copy() for k, v in batch.items()}
+    bad["x"][real[0]] = np.nan  # a NaN example
+    bad["y"][real[1]] = np.inf  # an inf example
+    bad["x"][np.flatnonzero(~mask)[:1]] = np.nan  # padding: neither used nor counted
+    w = jnp.array([0.3, -0.1, 0.2, 0.0])
+    step = jax.jit(priv.step)
+    new_w, _, metrics = step(w, priv.init(w), bad, mask, jax.random.key(0))
+    assert int(metrics.num_nonfinite) == 2
+    assert np.isnan(float(metrics.loss))  # the loss shows it; the update does not
+    assert np.all(np.isfinite(np.asarray(new_w)))
+    # the update is the one without the two examples
+    m2 = mask.copy()
+    m2[real[:2]] = False
+    ref_w, _, ref_metrics = step(w, priv.init(w), batch, m2, jax.random.key(0))
+    np.testing.assert_allclose(np.asarray(new_w), np.asarray(ref_w), rtol=1e-6, atol=1e-7)
+    assert int(ref_metrics.num_nonfinite) == 0
+
+
+def test_batches_give_each_step_its_noise_key_and_a_resume_draws_the_same():
+    d, key = _lin_data(), jax.random.key(7)
+
+    def run(priv, w, state, stop_after=None):
+        step, keys = jax.jit(priv.step), []
+        for batch, mask, k in priv.batches(d, noise_key=key):
+            keys.append(jax.random.key_data(k))
+            w, state, _ = step(w, state, batch, mask, k)
+            if priv.accountant.steps == stop_after:
+                break
+        return w, state, keys
+
+    w0 = jnp.array([0.3, -0.1, 0.2, 0.0])
+    whole = _priv(steps=8)
+    w_all, _, keys_all = run(whole, w0, whole.init(w0))
+    # the old idiom's keys, fold_in(noise_key, accountant.steps - 1) inside the loop, are the same
+    old = _priv(steps=8)
+    old_keys = [jax.random.key_data(jax.random.fold_in(key, old.accountant.steps - 1)) for _ in old.batches()]
+    for a, b in zip(old_keys, keys_all, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    first = _priv(steps=8)
+    w_half, s_half, keys_a = run(first, w0, first.init(w0), stop_after=3)
+    resumed = _priv(steps=8, resume_from=first.state_dict())
+    w_end, _, keys_b = run(resumed, w_half, s_half)
+    for a, b in zip(keys_a + keys_b, keys_all, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_equal_on_cpu(np.asarray(w_end), np.asarray(w_all), rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(np.asarray(jax.random.key_data(resumed.step_key(key))),
+                                  np.asarray(keys_all[-1]))  # the last recorded step's
+    with pytest.raises(ValueError, match="no step recorded"):
+        _priv(steps=8).step_key(key)
+    # without data: (sampled batch, key)
+    b, k = next(_priv(steps=8).batches(noise_key=key))
+    assert b.step == 0
+    np.testing.assert_array_equal(np.asarray(jax.random.key_data(k)), np.asarray(keys_all[0]))

@@ -89,8 +89,9 @@ def dp_aggregate(
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs` with state
-      :class:`DPAggregateState`. ``update(per_example_grads, state, params=None,
-      mask=None)``: ``mask`` (shape ``(B,)``, bool) marks real examples; padding
+      :class:`DPAggregateState`, called as
+      ``update(per_example_grads, state, params=None, mask=None)``:
+      ``mask`` (shape ``(B,)``, bool) marks real examples; padding
       rows contribute nothing (still divided by ``batch_size``).
 
     Example:

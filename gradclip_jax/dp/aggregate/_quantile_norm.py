@@ -145,8 +145,8 @@ def dp_quantile_aggregate(
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs` with state
-      :class:`DPQuantileAggregateState`; ``update(per_example_grads, state,
-      params=None, mask=None)``.
+      :class:`DPQuantileAggregateState`, called as
+      ``update(per_example_grads, state, params=None, mask=None)``.
 
     Example:
       >>> import jax.numpy as jnp

@@ -47,7 +47,8 @@ once from the (replicated) ``key``: every device and process adds the same
 noise, as in a single-process run.
 
 Nothing is hidden: the step's state is ``params`` and ``opt_state`` (pytrees)
-and the ``key`` you pass; the accountant is a host-side record.
+and the ``key`` you pass (:meth:`PrivateTraining.batches` with ``noise_key=``
+gives each step's, the same after a resume); the accountant is a host-side record.
 """
 
 # _make_private: make_private; _step: the jit-able step functions and their metrics; _training: the

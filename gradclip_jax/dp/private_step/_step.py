@@ -24,11 +24,26 @@ class PrivateStepMetrics(NamedTuple):
       num_clipped: the number of real examples whose gradient was clipped.
       grad_norm: the L2 norm of the noised, averaged gradient (a function of
         the released gradient only: this one may be released).
+      num_nonfinite: the number of real examples whose gradient norm is NaN
+        or inf. Such an example is **dropped**: it adds nothing to the
+        clipped sum (``clipped_grad``'s ``nan_safe``), so the parameters stay
+        finite while ``loss`` can show NaN; the divisor is still the expected
+        batch size. An example whose elements are finite but whose norm
+        overflows the float32 range counts here too, though it is kept
+        (clipped with an upper bound of its norm).
     """
 
     loss: jax.Array
     num_clipped: jax.Array
     grad_norm: jax.Array
+    num_nonfinite: jax.Array
+
+
+def _num_nonfinite(norms: Any, mask: jax.Array) -> jax.Array:
+    """The real examples (``mask``) with a non-finite norm in any leaf of ``norms`` (``(B,)`` arrays)."""
+    finite = [jnp.isfinite(n) for n in jax.tree_util.tree_leaves(norms)]
+    bad = ~jnp.all(jnp.stack(finite), axis=0) if finite else jnp.zeros(mask.shape, bool)
+    return jnp.sum(bad & mask).astype(jnp.int32)
 
 
 def _batch_rows(batch: Any) -> int:
@@ -76,9 +91,10 @@ def _step_functions(grad_fn: ClippedGradFn, optimizer: optax.GradientTransformat
     def step(params: Any, opt_state: Any, batch: Any, mask: Any, key: jax.Array) -> tuple[Any, Any, PrivateStepMetrics]:
         summed, info = clipped_sum(params, batch, mask)
         params, opt_state, gnorm = noisy_update(params, opt_state, summed, key)
-        m = jnp.asarray(mask)
+        m = jnp.asarray(mask).astype(bool)
         real = jnp.maximum(jnp.sum(m), 1)
         loss = jnp.sum(jnp.where(m, info.values, 0)) / real
-        return params, opt_state, PrivateStepMetrics(loss=loss, num_clipped=info.num_clipped, grad_norm=gnorm)
+        return params, opt_state, PrivateStepMetrics(
+            loss=loss, num_clipped=info.num_clipped, grad_norm=gnorm, num_nonfinite=_num_nonfinite(info.norms, m))
 
     return _StepFunctions(init, step, clipped_sum, noisy_update)

@@ -126,7 +126,8 @@ class PrivateTraining:
                 PrivacyBudgetWarning, stacklevel=2,
             )
 
-    def batches(self, data: Any = None, *, progress: bool = False) -> Iterator[Any]:
+    def batches(self, data: Any = None, *, progress: bool = False,
+                noise_key: jax.Array | None = None) -> Iterator[Any]:
         """The run's batches; records each step in the accountant as it is drawn.
 
         A step is recorded **before** its batch is yielded, so the accountant
@@ -143,12 +144,19 @@ class PrivateTraining:
           progress: show a ``tqdm`` progress bar of the planned steps with the
             epsilon spent so far (refreshed every 1% of the planned steps, so it
             is never more than that behind, and when the iteration ends).
+          noise_key: the run's noise key (a ``jax.random`` key): each item
+            then ends with its step's key, :meth:`step_key` of its step. The
+            keys are a function of the step's number, so a run resumed at
+            step ``k`` (``resume_from``) draws the noise of the uninterrupted
+            run. Pass the same key after a restart.
 
         Yields:
           With ``data``: ``(batch, mask)``, numpy pytrees of this process's
           piece (the sampler's ``gather(data, batch)`` where it has one: a
           :class:`gradclip_jax.dp.UserPoissonSampler` gives a
-          :class:`gradclip_jax.dp.UserBatch` and the mask of its users). Without: the sampler's :class:`gradclip_jax.dp.SampledBatch`\\ es.
+          :class:`gradclip_jax.dp.UserBatch` and the mask of its users). Without: the
+          sampler's :class:`gradclip_jax.dp.SampledBatch`\\ es. With ``noise_key``:
+          ``(batch, mask, key)``, or ``(sampled_batch, key)`` without ``data``.
 
         Raises:
           ValueError: naming ``dataset_size`` and the leaf, when a leaf of ``data``
@@ -163,15 +171,34 @@ class PrivateTraining:
             for t in range(self.accountant.steps, self.steps):
                 self.record_step()
                 b = self.sampler.batch(t)
-                if data is None:
-                    yield b
-                else:
-                    yield _gather(self.sampler, data, b)
+                item = b if data is None else _gather(self.sampler, data, b)
+                if noise_key is not None:
+                    key = self.step_key(noise_key, t)
+                    item = (item, key) if data is None else (*item, key)
+                yield item
                 if bar is not None:
                     bar.update()
         finally:
             if bar is not None:
                 bar.close()
+
+    def step_key(self, noise_key: jax.Array, step: int | None = None) -> jax.Array:
+        """The noise key of ``step`` (default: the step last recorded, whose batch is in use).
+
+        ``jax.random.fold_in(noise_key, step)``: a function of the step's number
+        only, so the same after a resume. :meth:`batches` gives it with each
+        batch when passed ``noise_key``; this is the same key as the older idiom
+        ``fold_in(noise_key, priv.accountant.steps - 1)`` inside the loop.
+
+        Raises:
+          ValueError: without ``step`` before any step is recorded.
+        """
+        if step is None:
+            if self.accountant.steps == 0:
+                raise ValueError("PrivateTraining.step_key: no step recorded yet; pass `step`, or call it "
+                                 "inside the loop over batches()")
+            step = self.accountant.steps - 1
+        return jax.random.fold_in(noise_key, step)
 
     def plan(self) -> dict[str, Any]:
         """The run's plan: what :func:`make_private` was given and calibrated (plain Python values).
