@@ -284,6 +284,17 @@ def test_hardened_run_draws_its_seed_from_secrets_never_a_user_int(monkeypatch):
     assert drawn[1:] == [32] * jax.random.key_data(jax.random.key(0)).size
 
 
+def test_a_hardened_run_takes_no_caller_chosen_noise_key():
+    # batches(noise_key=) and step_key derive each step's key from the caller's key: in a
+    # hardened run that would bring back the user-chosen seed the OS keys replace
+    priv = _run()
+    with pytest.raises(ValueError, match="priv.noise_key\\(\\) for each step instead of passing `noise_key`"):
+        next(priv.batches(_data(), noise_key=jax.random.key(0)))
+    assert priv.accountant.steps == 0  # refused before a step was recorded
+    with pytest.raises(ValueError, match="`noise_key`"):
+        priv.step_key(jax.random.key(0), 0)
+
+
 def test_a_given_generator_makes_a_hardened_run_reproducible():
     a, b = _run(rng=random.Random(3)), _run(rng=random.Random(3))
     assert a.plan()["seed"] == b.plan()["seed"]

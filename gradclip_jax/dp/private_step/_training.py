@@ -166,6 +166,8 @@ class PrivateTraining:
         """
         if data is not None:
             _check_rows(data, self.sampler.dataset_size)
+        if noise_key is not None:
+            self._check_caller_key()  # before a step is recorded
         bar = _EpsilonBar(self) if progress else None
         try:
             for t in range(self.accountant.steps, self.steps):
@@ -182,6 +184,11 @@ class PrivateTraining:
             if bar is not None:
                 bar.close()
 
+    def _check_caller_key(self) -> None:
+        if self.hardened is not None:
+            raise ValueError("PrivateTraining: a hardened run's noise keys come from the OS: call "
+                             "priv.noise_key() for each step instead of passing `noise_key`")
+
     def step_key(self, noise_key: jax.Array, step: int | None = None) -> jax.Array:
         """The noise key of ``step`` (default: the step last recorded, whose batch is in use).
 
@@ -191,8 +198,11 @@ class PrivateTraining:
         ``fold_in(noise_key, priv.accountant.steps - 1)`` inside the loop.
 
         Raises:
-          ValueError: without ``step`` before any step is recorded.
+          ValueError: without ``step`` before any step is recorded; in a hardened
+            run, whose keys come from the OS (:meth:`noise_key`), not from a
+            key the caller chose.
         """
+        self._check_caller_key()
         if step is None:
             if self.accountant.steps == 0:
                 raise ValueError("PrivateTraining.step_key: no step recorded yet; pass `step`, or call it "
