@@ -288,7 +288,7 @@ def test_a_hardened_run_takes_no_caller_chosen_noise_key():
     # batches(noise_key=) and step_key derive each step's key from the caller's key: in a
     # hardened run that would bring back the user-chosen seed the OS keys replace
     priv = _run()
-    with pytest.raises(ValueError, match="priv.noise_key\\(\\) for each step instead of passing `noise_key`"):
+    with pytest.raises(ValueError, match=r"priv\.noise_key\(\) for each step instead of passing `noise_key`"):
         next(priv.batches(_data(), noise_key=jax.random.key(0)))
     assert priv.accountant.steps == 0  # refused before a step was recorded
     with pytest.raises(ValueError, match="`noise_key`"):
