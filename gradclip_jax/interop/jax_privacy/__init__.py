@@ -53,5 +53,7 @@ except ImportError as err:  # pragma: no cover - exercised without the extra
 from gradclip_jax.interop.jax_privacy._clip_pytree import clip_pytree
 from gradclip_jax.interop.jax_privacy._clipped_fun import clipped_fun
 from gradclip_jax.interop.jax_privacy._clipped_grad import clipped_grad
+from gradclip_jax.interop.jax_privacy._grid import clip_and_round_to_grid
 
-__all__ = ["AuxiliaryOutput", "BoundedSensitivityCallable", "clip_pytree", "clipped_fun", "clipped_grad"]
+__all__ = ["AuxiliaryOutput", "BoundedSensitivityCallable", "clip_and_round_to_grid", "clip_pytree", "clipped_fun",
+           "clipped_grad"]

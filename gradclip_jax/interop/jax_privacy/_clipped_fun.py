@@ -19,12 +19,13 @@ from gradclip_jax.interop.jax_privacy._arguments import (
     _check_called,
     _example_keys,
     _expand,
-    _norm_bound,
     _padding,
     _prng_argnum,
     _squeeze_axis_1,
 )
-from gradclip_jax.interop.jax_privacy._clip_pytree import clip_pytree
+from gradclip_jax.interop.jax_privacy._clip_norms import PyTree, is_per_layer, norm_bound
+from gradclip_jax.interop.jax_privacy._clip_pytree import clip_per_layer, clip_pytree
+from gradclip_jax.interop.jax_privacy._grid import clip_and_round_to_grid
 
 
 def _one_group(fun: Callable[..., Any], has_aux: bool, batch_argnums: tuple[int, ...], keep_batch_dim: bool,
@@ -48,7 +49,7 @@ def clipped_fun(
     *,
     batch_argnums: int | Sequence[int] = 0,
     keep_batch_dim: bool = True,
-    l2_clip_norm: float = 1.0,
+    l2_clip_norm: float | PyTree = 1.0,
     rescale_to_unit_norm: bool = False,
     normalize_by: float = 1.0,
     return_norms: bool = False,
@@ -57,6 +58,7 @@ def clipped_fun(
     dtype: Any = None,
     prng_argnum: int | None = None,
     spmd_axis_name: str | None = None,
+    grid_scale: int | None = None,
 ) -> BoundedSensitivityCallable:
     """Clips ``fun``'s output per example and sums it: ``jax_privacy.clipping.clipped_fun``.
 
@@ -76,7 +78,9 @@ def clipped_fun(
       batch_argnums: the argument(s) carrying the batch on axis 0.
       keep_batch_dim: pass each example with a leading axis of size 1 (True) or
         without it (False: ``fun`` of one example or, for a batch of groups, of one group).
-      l2_clip_norm: the clip norm.
+      l2_clip_norm: the clip norm, or a pytree of clip norms that is a prefix of
+        ``fun``'s output (per-layer: each subtree clipped to its norm; the
+        sensitivity is ``sqrt(sum C_i**2)``, ``sqrt(K)`` rescaled, over ``normalize_by``).
       rescale_to_unit_norm: divide each clipped output by ``l2_clip_norm``.
       normalize_by: divide the sum by this (> 0).
       return_norms: also return the per-example norms before clipping.
@@ -86,6 +90,10 @@ def clipped_fun(
       prng_argnum: the position of a PRNG key (or pytree of keys) split into one
         key per example.
       spmd_axis_name: passed to ``jax.vmap``.
+      grid_scale: None, or a positive int: each clipped output is rounded onto
+        the integer grid of :func:`clip_and_round_to_grid` and the int64 outputs
+        are summed exactly; the sensitivity is ``grid_scale``. Needs 64-bit mode,
+        one clip norm, ``normalize_by=1`` and no ``rescale_to_unit_norm``.
 
     Returns:
       A :class:`~jax_privacy.clipping.BoundedSensitivityCallable` returning
@@ -96,8 +104,9 @@ def clipped_fun(
     Raises:
       TypeError: a non-callable ``fun``, non-int argument positions.
       ValueError: naming the argument, for an empty or negative ``batch_argnums``,
-        a negative or NaN ``l2_clip_norm``, ``normalize_by <= 0``, a bad
-        ``microbatch_size``; at call time, batch arguments of different sizes or a
+        a negative or NaN ``l2_clip_norm`` (or leaf of it), ``normalize_by <= 0``, a bad
+        ``microbatch_size`` or ``grid_scale`` (or what it excludes); a per-layer
+        ``l2_clip_norm`` that is not a prefix of the output; at call time, batch arguments of different sizes or a
         bad ``is_padding_example``.
 
     Example:
@@ -113,10 +122,9 @@ def clipped_fun(
     _check_callable(fn, "fun", fun)
     batch = _argnums(fn, "batch_argnums", batch_argnums)
     prng = _prng_argnum(fn, prng_argnum, {"batch_argnums": batch})
-    bound = _norm_bound(fn, l2_clip_norm, bool(rescale_to_unit_norm), normalize_by)
+    bound = norm_bound(fn, l2_clip_norm, bool(rescale_to_unit_norm), normalize_by, grid_scale)
     mb = _microbatch(fn, microbatch_size)
-    clip = functools.partial(clip_pytree, clip_norm=l2_clip_norm, rescale_to_unit_norm=rescale_to_unit_norm,
-                             nan_safe=nan_safe)
+    clip = _clip_one(l2_clip_norm, rescale_to_unit_norm, nan_safe, grid_scale)
 
     def cast_then_clip(value: Any, return_zero: Any) -> tuple:
         return clip(optax.tree.cast(value, dtype), return_zero=return_zero)
@@ -136,10 +144,22 @@ def clipped_fun(
         value, aux, norms = mapped(*split, is_padding_example=_padding(fn, is_padding_example, bsize), **kwargs)
         if keep_batch_dim:
             aux = jax.tree.map(_squeeze_axis_1, aux)
-        value = jax.tree.map(lambda x: x / normalize_by, value)
+        if grid_scale is None:  # an integer sum stays integer (normalize_by is 1 then)
+            value = jax.tree.map(lambda x: x / normalize_by, value)
         return _fun_outputs(value, aux, norms, has_aux, return_norms)
 
     return BoundedSensitivityCallable(clipped_fn, bound, has_aux or return_norms)
+
+
+def _clip_one(l2_clip_norm: Any, rescale: Any, nan_safe: Any, grid_scale: int | None) -> Callable[..., tuple]:
+    """One example's clip: :func:`clip_pytree`, or :func:`clip_and_round_to_grid` with ``grid_scale``."""
+    if grid_scale is not None:
+        return functools.partial(clip_and_round_to_grid, l2_clip_norm=l2_clip_norm, grid_scale=grid_scale,
+                                 nan_safe=nan_safe)
+    if is_per_layer(l2_clip_norm):  # errors name clipped_fun's argument
+        return functools.partial(clip_per_layer, clip_norm=l2_clip_norm, rescale=rescale, nan_safe=nan_safe,
+                                 fn="clipped_fun", name="l2_clip_norm")
+    return functools.partial(clip_pytree, clip_norm=l2_clip_norm, rescale_to_unit_norm=rescale, nan_safe=nan_safe)
 
 
 def _microbatch(fn: str, mb: Any) -> int | None:
