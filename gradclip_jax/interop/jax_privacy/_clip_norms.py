@@ -20,8 +20,8 @@ PyTree = Any
 def is_per_layer(clip_norm: Any) -> bool:
     """A tree of clip norms (per-layer clipping) rather than one number: jax-privacy's
     ``not jnp.isscalar(clip_norm)``, for containers (dicts, lists, tuples, ...)."""
-    treedef = jax.tree_util.tree_structure(clip_norm)
-    return clip_norm is not None and not (treedef.num_leaves == 1 and treedef.num_nodes == 1)
+    leaves = jax.tree_util.tree_leaves(clip_norm)
+    return clip_norm is not None and not (len(leaves) == 1 and leaves[0] is clip_norm)
 
 
 def clip_norm_leaves(fn: str, name: str, clip_norm: Any) -> list[Any]:
