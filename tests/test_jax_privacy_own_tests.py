@@ -7,7 +7,10 @@ copied here: ``GRADCLIP_JAX_PRIVACY_TESTS`` names them (``os.pathsep``-separated
 (``git show v2.0.0:tests/clipping_test.py``, the release commit 03294e2) and the current
 source's. Without it the test is skipped. Each file is executed with an ``__import__`` that
 answers its ``from jax_privacy import clipping`` with our module; every other import is the
-real one. ``python -m tests.test_jax_privacy_own_tests FILE...`` prints each file's failures.
+real one. The drop-in follows the installed jax-privacy where 2.0.0 and later versions differ
+(``_version.AFTER_2_0_0``); a file inside a checkout (``<checkout>/tests/clipping_test.py``) runs
+as if that checkout's version were installed, as its users have it.
+``python -m tests.test_jax_privacy_own_tests FILE...`` prints each file's failures.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import builtins
 import os
 import pathlib
+import re
 import sys
 import types
 import unittest
@@ -28,11 +32,6 @@ BY_DESIGN = {
     "test_clip_pytree_clip_norm_zero_rescale":
         "asks norm 1.0 to 7 places for {a: [3, 0], b: [0, 4]} divided by its norm; no float32 factor "
         "gives that within the bound, and ours stores within it (0.9999998)",
-    "test_clipped_grad_empty_batch_argnums":
-        "matches jax-privacy 2.0.0's error message for an empty batch_argnums; ours names the argument",
-    "test_return_norms_without_aux_matches_documented_signature":
-        "the current source returns (value, norms) for return_norms alone; the drop-in keeps 2.0.0's "
-        "(value, ((), norms)), which the installed jax-privacy 2.0.0 returns",
     "test_adjusted_clip_norm":
         "calls jax-privacy's private clipping._adjusted_clip_norm, which the drop-in does not copy",
     "test_adjusted_clip_norm_too_small_grid_raises":
@@ -43,14 +42,32 @@ BY_DESIGN = {
 def _method(test_id: str) -> str:
     """``module.Class.test_x3`` -> ``test_x``: the method name as written (absl's parameterized
     tests add the case's index)."""
-    name = test_id.split(".")[-1]
+    name = test_id.split(" ")[0].split(".")[-1]  # absl adds the case's parameters after a space
     return name.rstrip("0123456789") if name.rstrip("0123456789") in BY_DESIGN else name
+
+
+def checkout_version(path: pathlib.Path) -> str | None:
+    """The ``__version__`` of the jax-privacy checkout ``path`` (``<checkout>/tests/x.py``) is in."""
+    init = path.resolve().parent.parent / "jax_privacy" / "__init__.py"
+    found = re.search(r"__version__\s*=\s*['\"]([^'\"]+)", init.read_text()) if init.is_file() else None
+    return found.group(1) if found else None
 
 
 def run_file(path: pathlib.Path) -> tuple[int, dict[str, str]]:
     """``(tests run, {test id: first line of its error})`` of jax-privacy's test file ``path``
-    with ``jax_privacy.clipping`` answered by our drop-in."""
+    with ``jax_privacy.clipping`` answered by our drop-in, as beside its checkout's version."""
     from gradclip_jax.interop import jax_privacy as ours
+    from gradclip_jax.interop.jax_privacy import _version
+
+    version, installed = checkout_version(path), _version.AFTER_2_0_0
+    _version.AFTER_2_0_0 = installed if version is None else _version.after_2_0_0(version)
+    try:
+        return _run(path, ours)
+    finally:
+        _version.AFTER_2_0_0 = installed
+
+
+def _run(path: pathlib.Path, ours: Any) -> tuple[int, dict[str, str]]:
 
     package = types.SimpleNamespace(clipping=ours)
 
@@ -91,6 +108,7 @@ def test_jax_privacy_clipping_tests_fail_only_by_design(path):
 if __name__ == "__main__":  # pragma: no cover - a report for the guide
     for arg in sys.argv[1:]:
         n, fails = run_file(pathlib.Path(arg))
-        print(f"{arg}: {n} run, {n - len(fails)} pass, {len(fails)} fail")
+        print(f"{arg} (as jax-privacy {checkout_version(pathlib.Path(arg))}): {n} run, {n - len(fails)} pass, "
+              f"{len(fails)} fail")
         for test_id, err in sorted(fails.items()):
             print(f"  {test_id}: {err}" + ("" if _method(test_id) not in BY_DESIGN else "  [by design]"))

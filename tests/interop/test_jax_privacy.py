@@ -508,6 +508,48 @@ def test_grid_scale_rounds_ties_to_even_and_sums_exactly():
             assert out.dtype == jnp.int64 and np.sum(np.asarray(out) ** 2) <= 1000**2
 
 
+@pytest.fixture
+def later_jax_privacy(monkeypatch):
+    """The drop-in as beside a jax-privacy after 2.0.0 (its GitHub source)."""
+    from gradclip_jax.interop.jax_privacy import _version
+
+    monkeypatch.setattr(_version, "AFTER_2_0_0", True)
+
+
+def test_installed_version_is_read():
+    import jax_privacy
+
+    from gradclip_jax.interop.jax_privacy import _version
+
+    assert _version.after_2_0_0(jax_privacy.__version__) == _version.AFTER_2_0_0
+    assert not _version.after_2_0_0("2.0.0") and _version.after_2_0_0("2.0.1") and _version.after_2_0_0("2.3.0.dev0")
+
+
+def test_beside_a_later_jax_privacy_return_norms_and_nan_safe_follow_it(later_jax_privacy):
+    """A later jax-privacy returns (value, norms) for return_norms alone, its clip_pytree has no
+    nan_safe step (a non-finite input: a non-finite norm), and clipped_fun drops an example whose norm
+    is not finite (2.0.0: zeroes its non-finite elements)."""
+    cf = ours.clipped_fun(jnp.square, keep_batch_dim=False, l2_clip_norm=jnp.inf, return_norms=True)
+    value, norms = cf(jnp.array([1.0, 2.0, 3.0]))
+    assert float(value) == 14.0 and norms.shape == (3,)
+    _, norm = ours.clip_pytree(jnp.array([3.0, jnp.nan]), 1.0)
+    assert not np.isfinite(float(norm))
+    add = ours.clipped_fun(lambda x: x, keep_batch_dim=False, l2_clip_norm=10.0)
+    data = jnp.array([[1.0, 2.0], [jnp.nan, 5.0], [3.0, 4.0]])
+    np.testing.assert_array_equal(add(data), [4.0, 6.0])  # the example with a NaN contributes nothing
+
+
+def test_beside_jax_privacy_2_0_0_nan_safe_zeroes_elements():
+    from gradclip_jax.interop.jax_privacy import _version
+
+    if _version.AFTER_2_0_0:
+        pytest.skip("a later jax-privacy is installed")
+    add = ours.clipped_fun(lambda x: x, keep_batch_dim=False, l2_clip_norm=10.0)
+    np.testing.assert_array_equal(add(jnp.array([[1.0, 2.0], [jnp.nan, 5.0]])), [1.0, 7.0])
+    _, (_, norms) = ours.clipped_fun(jnp.square, keep_batch_dim=False, return_norms=True)(jnp.ones(3))
+    assert norms.shape == (3,)
+
+
 _GRID_ERRORS = [
     ({"grid_scale": 0}, ValueError, "`grid_scale` must be >= 1"),
     ({"grid_scale": 2.5}, TypeError, "`grid_scale` must be an int"),

@@ -14,6 +14,14 @@ gradients come from :func:`gradclip_jax.clipped_grad`, by default with
 ``method='auto'`` (ghost clipping, which never forms per-example gradients, where it
 applies); ``clipped_grad(..., method='vmap' | 'ghost')`` picks the method.
 
+jax-privacy's current source (GitHub, ``2.3.0.dev0``) is accepted too: ``l2_clip_norm``
+may be a pytree that is a prefix of the clipped tree (per-layer clipping: each subtree
+clipped jointly to its norm, on the ghost and vmap paths, sensitivity
+``sqrt(sum C_i**2) / normalize_by``, ``sqrt(K) / normalize_by`` rescaled), and
+``grid_scale`` rounds each clipped example onto an integer grid (its rule and rounding,
+:func:`clip_and_round_to_grid`) for an exact int64 sum of sensitivity ``grid_scale``.
+``clipped_fun``'s ``return_norms`` layout stays 2.0.0's (see its docstring).
+
 Where the results differ from jax-privacy 2.0's (each keeps the sensitivity bound):
 
 * ``nan_safe=True`` (default): an example whose gradient has a NaN or inf
@@ -44,7 +52,7 @@ try:
     from jax_privacy.clipping import AuxiliaryOutput, BoundedSensitivityCallable
 except ImportError as err:  # pragma: no cover - exercised without the extra
     raise ImportError(
-        "gradclip_jax.interop.jax_privacy needs jax-privacy 2.0: "
+        "gradclip_jax.interop.jax_privacy needs jax-privacy 2.0 or later: "
         "pip install 'gradclip_jax[jax-privacy]'"
     ) from err
 

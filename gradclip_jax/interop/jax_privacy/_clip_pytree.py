@@ -14,6 +14,7 @@ from gradclip_jax._core.factors import clip_factor
 from gradclip_jax._core.numerics import bounded_factor, divide_or_zero
 from gradclip_jax._core.stored import certified_factors, stored_scale
 from gradclip_jax._core.validation import check_scalar, static_value
+from gradclip_jax.interop.jax_privacy import _version
 from gradclip_jax.interop.jax_privacy._clip_norms import (
     PyTree,
     clip_norm_leaves,
@@ -75,7 +76,7 @@ def clip_pytree(
     pytree: PyTree,
     clip_norm: float | PyTree,
     rescale_to_unit_norm: bool = False,
-    nan_safe: bool = True,
+    nan_safe: bool | None = None,
     return_zero: bool = False,
 ) -> tuple[PyTree, Any]:
     """Clips a pytree to global L2 norm ``clip_norm``: ``jax_privacy.clipping.clip_pytree``.
@@ -112,7 +113,9 @@ def clip_pytree(
       rescale_to_unit_norm: also divide by ``clip_norm`` (output norm at most 1).
         A Python bool.
       nan_safe: set NaN and +-inf elements to 0 first (the bound then holds for any
-        input). With False, NaNs stay and infs become NaN. A Python bool.
+        input). With False, NaNs stay and infs become NaN, and the norm is not
+        finite. A Python bool; None (default): the installed jax-privacy's
+        behaviour, True for 2.0.0, False for a later one (which has no such step).
       return_zero: return zeros of the same structure (a bool, traced too), as
         jax-privacy does for padding examples.
 
@@ -137,6 +140,8 @@ def clip_pytree(
       (Array([ True], dtype=bool), Array([ True], dtype=bool))
     """
     fn = "clip_pytree"
+    if nan_safe is None:
+        nan_safe = not _version.AFTER_2_0_0
     if is_per_layer(clip_norm):
         return clip_per_layer(pytree, clip_norm, rescale_to_unit_norm, nan_safe, return_zero)
     check_scalar(fn, "clip_norm", clip_norm)

@@ -8,10 +8,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax_privacy.clipping import BoundedSensitivityCallable
 
 from gradclip_jax._core.validation import is_int, static_value
+from gradclip_jax.interop.jax_privacy import _version
 from gradclip_jax.interop.jax_privacy._arguments import (
     _argnums,
     _batch_size,
@@ -85,7 +87,9 @@ def clipped_fun(
       normalize_by: divide the sum by this (> 0).
       return_norms: also return the per-example norms before clipping.
       microbatch_size: examples per sequential chunk (must divide the batch size).
-      nan_safe: see :func:`clip_pytree`.
+      nan_safe: an example's non-finite output cannot break the bound: with
+        jax-privacy 2.0.0 installed its NaN and inf elements are zeroed (see
+        :func:`clip_pytree`), with a later one the example contributes zero.
       dtype: cast ``fun``'s output to this dtype before clipping and summing.
       prng_argnum: the position of a PRNG key (or pytree of keys) split into one
         key per example.
@@ -98,8 +102,8 @@ def clipped_fun(
     Returns:
       A :class:`~jax_privacy.clipping.BoundedSensitivityCallable` returning
       ``value``; ``(value, aux)`` with ``has_aux``; ``(value, (aux, norms))`` with
-      both; with ``return_norms`` alone ``(value, ((), norms))``, as jax-privacy
-      2.0.0 returns it (its docstring says ``(value, norms)``).
+      both; with ``return_norms`` alone ``(value, ((), norms))`` where jax-privacy
+      2.0.0 is installed (as it returns it), ``(value, norms)`` with a later one.
 
     Raises:
       TypeError: a non-callable ``fun``, non-int argument positions.
@@ -124,10 +128,16 @@ def clipped_fun(
     prng = _prng_argnum(fn, prng_argnum, {"batch_argnums": batch})
     bound = norm_bound(fn, l2_clip_norm, bool(rescale_to_unit_norm), normalize_by, grid_scale)
     mb = _microbatch(fn, microbatch_size)
-    clip = _clip_one(l2_clip_norm, rescale_to_unit_norm, nan_safe, grid_scale)
+    # a later jax-privacy drops an example whose norm is not finite (2.0.0: its non-finite elements)
+    whole = bool(nan_safe) and _version.AFTER_2_0_0
+    clip = _clip_one(l2_clip_norm, rescale_to_unit_norm, nan_safe and not whole, grid_scale)
 
     def cast_then_clip(value: Any, return_zero: Any) -> tuple:
-        return clip(optax.tree.cast(value, dtype), return_zero=return_zero)
+        clipped, norm = clip(optax.tree.cast(value, dtype), return_zero=return_zero)
+        if whole:
+            finite = functools.reduce(jnp.logical_and, [jnp.isfinite(n) for n in jax.tree.leaves(norm)])
+            clipped = jax.tree.map(lambda x: jnp.where(finite, x, jnp.zeros_like(x)), clipped)
+        return clipped, norm
 
     one = _one_group(fun, has_aux, batch, keep_batch_dim, cast_then_clip)
 
@@ -181,8 +191,11 @@ def _split_keys(fn: str, args: Sequence[Any], batch: tuple[int, ...], prng: int 
 
 
 def _fun_outputs(value: Any, aux: Any, norms: Any, has_aux: bool, return_norms: bool) -> Any:
-    """jax-privacy 2.0.0's outputs: with ``return_norms`` and no aux, ``(value, ((), norms))``, as it
-    returns them (its docstring says ``(value, norms)``), so code written against it keeps working."""
+    """The installed jax-privacy's outputs: with ``return_norms`` and no aux, 2.0.0 returns
+    ``(value, ((), norms))`` (its docstring says ``(value, norms)``), a later one ``(value, norms)``;
+    code written against either keeps working."""
     if return_norms:
+        if not has_aux and _version.AFTER_2_0_0:
+            return value, norms
         return value, (aux if has_aux else (), norms)
     return (value, aux) if has_aux else value
