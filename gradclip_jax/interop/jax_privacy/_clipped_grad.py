@@ -276,7 +276,7 @@ def _check_no_zero_layer(fn: str, l2_clip_norm: PyTree) -> None:
     then normalizes that subtree, which gradclip_jax's per-layer clipping does not do)."""
     for path, c in jax.tree_util.tree_flatten_with_path(l2_clip_norm)[0]:
         if not is_traced(c) and float(np.asarray(c)) == 0.0:
-            raise ValueError(f"clipped_grad: `l2_clip_norm{jax.tree_util.keystr(path)}` is 0 with "
+            raise ValueError(f"{fn}: `l2_clip_norm{jax.tree_util.keystr(path)}` is 0 with "
                              "rescale_to_unit_norm=True (normalizing a layer) is not supported per layer; "
                              "give it a positive clip norm")
 
