@@ -20,12 +20,15 @@ clipped jointly to its norm, on the ghost and vmap paths, sensitivity
 ``sqrt(sum C_i**2) / normalize_by``, ``sqrt(K) / normalize_by`` rescaled), and
 ``grid_scale`` rounds each clipped example onto an integer grid (its rule and rounding,
 :func:`clip_and_round_to_grid`) for an exact int64 sum of sensitivity ``grid_scale``.
-``clipped_fun``'s ``return_norms`` layout stays 2.0.0's (see its docstring).
+Where the two versions' contracts conflict (``clipped_fun``'s output with ``return_norms``
+alone, ``nan_safe`` in ``clipped_fun`` and ``clip_pytree``) the drop-in follows the
+jax-privacy installed beside it.
 
 Where the results differ from jax-privacy 2.0's (each keeps the sensitivity bound):
 
-* ``nan_safe=True`` (default): an example whose gradient has a NaN or inf
-  contributes zero; jax-privacy zeroes only its non-finite elements and clips the rest.
+* ``nan_safe=True`` (default): in ``clipped_grad`` an example whose gradient has a NaN
+  or inf contributes zero, as in jax-privacy's current source; 2.0.0 zeroes only its
+  non-finite elements and clips the rest.
 * padding examples get ``grad_norms`` 0 (jax-privacy reports their norms).
 * with ``pre_clipping_transform``, ``grad_norms`` are the norms of the transformed
   gradients, the ones clipped (jax-privacy reports the untransformed norms).
