@@ -21,6 +21,7 @@ from gradclip_jax.per_example._batch import (
     vary_like,
 )
 from gradclip_jax.per_example._config import ClipConfig, ClippedGradInfo
+from gradclip_jax.per_example._example_norms import per_layer_tree
 
 # chunk(batch, valid) -> (sums, norms, flags, values, aux) for the examples of ``batch``
 Chunk = Callable[[Any, "jax.Array | None"], tuple]
@@ -120,8 +121,8 @@ def run_chunks(chunk: Chunk, config: ClipConfig, call: Call) -> tuple[Any, Clipp
         sums, ns, flags, vals, aux = scan_chunks(cast_chunk, init, call.batch, call.valid, call.bsize, mb)
     sums = finish_sums(config, sums, carry, [config.acc_dtype(x.dtype) for x in pflat.arrays])
     if config.per_layer:
-        num_clipped: Any = pflat.rebuild([jnp.sum(fl).astype(jnp.int32) for fl in flags], fill=None)
-        ns = pflat.rebuild(ns, fill=None)
+        num_clipped: Any = per_layer_tree(config, pflat, [jnp.sum(fl).astype(jnp.int32) for fl in flags])
+        ns = per_layer_tree(config, pflat, ns)
     else:
         num_clipped = jnp.sum(flags).astype(jnp.int32)
     grads = pflat.rebuild(sums, fill=None)

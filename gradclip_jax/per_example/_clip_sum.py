@@ -20,7 +20,13 @@ from gradclip_jax.per_example._batch import (
     vary_like,
 )
 from gradclip_jax.per_example._config import clip_factors
-from gradclip_jax.per_example._example_norms import Measured, guarded_factor, measure
+from gradclip_jax.per_example._example_norms import (
+    LeafGroups,
+    Measured,
+    combine_l2,
+    guarded_factor,
+    measure,
+)
 from gradclip_jax.per_example._products import product_precision
 
 FactorFn = Callable[[jax.Array, Any], jax.Array]
@@ -120,13 +126,16 @@ class Weights(NamedTuple):
     """The clip step of one batch: per-leaf ``(B,)`` factors, the kept examples, the norms.
 
     ``factors`` holds one entry per leaf (the same array for every leaf under
-    global clipping); ``keep`` is ``None`` when every example is kept.
+    global clipping); ``keep`` is ``None`` when every example is kept. With clip
+    norms for groups of leaves (:class:`LeafGroups`), ``norms`` and ``group_factors``
+    hold one entry per group.
     """
 
     factors: list[jax.Array]
     keep: jax.Array | None
     norms: Any
     finite: jax.Array
+    group_factors: list[jax.Array] | None = None
 
 
 def weigh(
@@ -140,6 +149,8 @@ def weigh(
     examples (sharded like the norms); with ``nan_safe`` non-finite examples
     are dropped too.
     """
+    if isinstance(clips, LeafGroups):
+        return _weigh_groups(meas, clips, n_leaves, factor_fn=factor_fn, valid=valid, nan_safe=nan_safe)
     per_leaf = isinstance(clips, list)
     norms = meas.norms if per_leaf else [meas.norms]
     cs = clips if per_leaf else [clips]
@@ -160,6 +171,32 @@ def weigh(
     return Weights(fs, keep, meas.norms, meas.finite)
 
 
+def _upper_norms(meas: Measured) -> list[jax.Array]:
+    """Per-leaf norms, each unmeasured one (not representable) replaced by its upper bound
+    ``sqrt(D) max|x|`` (inf where that overflows too: the example then contributes zero)."""
+    if meas.unmeasured is None:
+        return list(meas.norms)
+    return [jnp.where(bad, 1.0 / jnp.where(bad, sc, 1.0), n)
+            for n, bad, sc in zip(meas.norms, meas.unmeasured, meas.bound_scale, strict=True)]
+
+
+def _weigh_groups(meas: Measured, groups: LeafGroups, n_leaves: int, *, factor_fn: FactorFn,
+                  valid: jax.Array | None, nan_safe: bool) -> Weights:
+    """:func:`weigh` for clip norms of groups of leaves: each group's norm is its leaves' norms
+    combined, its factor scales each of its leaves (so each group's contribution is within its
+    clip norm)."""
+    leaf_norms = _upper_norms(meas)
+    zero = jnp.zeros_like(leaf_norms[0])
+    norms = [combine_l2([leaf_norms[j] for j in m]) if m else zero for m in groups.members]
+    per_group = weigh(Measured(norms, meas.finite), list(groups.budgets), len(norms), factor_fn=factor_fn,
+                      valid=valid, nan_safe=nan_safe)
+    factors: list[Any] = [None] * n_leaves
+    for k, m in enumerate(groups.members):
+        for j in m:
+            factors[j] = per_group.factors[k]
+    return per_group._replace(factors=factors, group_factors=per_group.factors)
+
+
 def clip_and_sum(
     rows: Sequence[jax.Array], clips: Any, *, factor_fn: FactorFn = clip_factors,
     valid: jax.Array | None = None, nan_safe: bool = False,
@@ -174,7 +211,7 @@ def clip_and_sum(
       ``(sums, weights)``: the per-leaf sums (accumulation dtype, shape
       ``row.shape[1:]``) and the :class:`Weights` they were formed with.
     """
-    meas = measure(rows, per_leaf=isinstance(clips, list))
+    meas = measure(rows, per_leaf=isinstance(clips, (list, LeafGroups)))
     if valid is not None:
         valid = match_batch_sharding(valid, rows[0])
     w = weigh(meas, clips, len(rows), factor_fn=factor_fn, valid=valid, nan_safe=nan_safe)
@@ -195,7 +232,8 @@ def clip_flags(w: Weights, valid: jax.Array | None, per_layer: bool) -> tuple[An
         if valid is not None:
             flags, ns = flags & valid, jnp.where(valid, ns, jnp.zeros_like(ns))
         return flags, ns
-    flag_list, ns = [f < 1 for f in w.factors], w.norms
+    units = w.factors if w.group_factors is None else w.group_factors
+    flag_list, ns = [f < 1 for f in units], w.norms
     if valid is not None:
         flag_list = [fl & valid for fl in flag_list]
         ns = [jnp.where(valid, v, jnp.zeros_like(v)) for v in ns]

@@ -152,7 +152,8 @@ class ClippedGradInfo(NamedTuple):
         down (``factor < 1``); with per-layer clipping, a tree of per-leaf counts.
       norms: per-example global L2 norms of the gradients before clipping, shape
         ``(B,)`` (float32 for 16-bit params; 0 for masked examples); with
-        per-layer clipping, a tree of per-leaf ``(B,)`` norms.
+        per-layer clipping, a tree of per-leaf ``(B,)`` norms (per clip norm, in
+        the clip tree's structure, when it is a prefix of params).
       values: the per-example losses, shape ``(B,)``.
       aux: with ``has_aux=True``, the auxiliary output of each example, stacked
         over the batch (see :func:`clipped_grad`); otherwise ``None``.

@@ -185,26 +185,59 @@ def layer_budgets(arrays: Sequence[Any], clip: Any, uniform: bool) -> list[Any]:
     return [clip * (d / total) ** 0.5 if total else clip * 0.0 for d in sizes]
 
 
-def _match_clip_tree(clip_tree: Any, params: Any, fn: str) -> list[Any]:
-    """The per-leaf clip norms of ``clip_tree``, one per leaf of ``params`` (same structure)."""
-    p_def = jax.tree_util.tree_structure(params)
+class LeafGroups(NamedTuple):
+    """Per-layer clip norms given as a prefix of the params tree (jax-privacy's layout): each
+    clip norm covers a subtree, whose leaves are clipped jointly (one factor per example and group).
+
+    Attributes:
+      budgets: the clip norm of each group, in the clip tree's leaf order.
+      members: for each group, the positions (among the active leaves) of its leaves.
+      treedef: the clip tree's structure (the per-group norms and counts are returned in it).
+    """
+
+    budgets: list[Any]
+    members: list[list[int]]
+    treedef: Any
+
+
+def _clip_groups(clip_tree: Any, params: Any, fn: str) -> tuple[list[Any], list[int], Any]:
+    """``(clip norms, group of each leaf of params, clip treedef)``: ``clip_tree`` must be a prefix
+    of ``params`` (the same structure: one clip norm per leaf)."""
     c_leaves, c_def = jax.tree_util.tree_flatten(clip_tree)
-    if p_def != c_def:  # type: ignore[operator]
+    try:
+        subtrees = c_def.flatten_up_to(params)  # type: ignore[attr-defined]
+    except (ValueError, TypeError):
         raise ValueError(
-            f"{fn}: the per-layer l2_clip_norm tree must have the structure of params; "
-            f"got {c_def} for params {p_def}"
-        )
-    return c_leaves
+            f"{fn}: the per-layer l2_clip_norm tree must be a prefix of the structure of params "
+            f"(one clip norm per leaf or per subtree); got {c_def} for params "
+            f"{jax.tree_util.tree_structure(params)}"
+        ) from None
+    return c_leaves, [k for k, sub in enumerate(subtrees) for _ in jax.tree_util.tree_leaves(sub)], c_def
 
 
-def clip_budgets(config: ClipConfig, params: Any, pflat: _norms.FlatTree) -> list[Any] | None:
-    """The clip norm of each active leaf (per-layer clipping), ``None`` for global clipping."""
+def clip_budgets(config: ClipConfig, params: Any, pflat: _norms.FlatTree) -> list[Any] | LeafGroups | None:
+    """The clip norm of each active leaf (per-layer clipping), ``None`` for global clipping, or the
+    :class:`LeafGroups` of a clip tree that is a strict prefix of ``params``."""
     if config.layer_mode is LayerMode.GLOBAL:
         return None
     if config.layer_mode is LayerMode.TREE:
-        budgets = _match_clip_tree(config.l2_clip_norm, params, config.fn)
-        return [budgets[i] for i in pflat.active]
+        budgets, group_of, c_def = _clip_groups(config.l2_clip_norm, params, config.fn)
+        active = [group_of[i] for i in pflat.active]
+        if c_def == pflat.treedef:  # one clip norm per leaf
+            return [budgets[g] for g in active]
+        members = [[j for j, g in enumerate(active) if g == k] for k in range(len(budgets))]
+        return LeafGroups(budgets, members, c_def)
     shapes = [jnp.zeros((1, *x.shape), jnp.float32) for x in pflat.arrays]
     if not shapes:
         return []
     return layer_budgets(shapes, config.l2_clip_norm, config.layer_mode is LayerMode.UNIFORM)
+
+
+def per_layer_tree(config: ClipConfig, pflat: _norms.FlatTree, values: list[Any]) -> Any:
+    """Per-layer results (norms, counts) as a tree: params' structure, or the clip tree's when the
+    clip norms are a strict prefix of params (one value per group)."""
+    if config.layer_mode is LayerMode.TREE:
+        c_def = jax.tree_util.tree_structure(config.l2_clip_norm)
+        if c_def != pflat.treedef:
+            return jax.tree_util.tree_unflatten(c_def, values)
+    return pflat.rebuild(values, fill=None)

@@ -214,9 +214,11 @@ def clipped_grad(
         whose leaves carry the batch on axis 0; ``args`` are shared by all
         examples (they are not split).
       l2_clip_norm: the clip norm :math:`C \\ge 0` (number or array, traced
-        too), or a pytree of per-leaf clip norms with the structure of ``params``
-        (per-layer clipping: leaf :math:`l` of every example is clipped to
-        :math:`C_l` and the sensitivity is :math:`\\sqrt{\\sum_l C_l^2}`).
+        too), or a pytree of per-layer clip norms whose structure is ``params``'
+        or a prefix of it (per-layer clipping: the leaf or subtree :math:`l` of
+        every example that clip norm :math:`C_l` covers is clipped jointly to
+        :math:`C_l`, and the sensitivity is :math:`\\sqrt{\\sum_l C_l^2}`;
+        jax-privacy's layout).
       has_aux: ``loss_fn`` returns ``(losses, aux)``. ``info.aux`` stacks the aux
         of each example over the batch: a leaf that has a leading axis of size 1
         for a one-example batch (a per-example output) comes back with shape
@@ -303,8 +305,8 @@ def clipped_grad(
         ``microbatch_size``, ``gamma`` or ``method``; at call time, naming the leaf
         or argument, for batch leaves without a batch axis or with different
         batch sizes, a loss that is not of shape ``(B,)`` or that combines
-        examples, a bad ``mask``, a per-layer clip-norm tree that does not
-        match ``params``, or ``ghost_sum='backward'`` (with ``method='ghost'``
+        examples, a bad ``mask``, a per-layer clip-norm tree that is not a
+        prefix of ``params``, or ``ghost_sum='backward'`` (with ``method='ghost'``
         or ``'auto'``) for 16-bit parameters or activations or on a backend whose
         float32 products default to reduced precision.
 

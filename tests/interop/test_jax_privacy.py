@@ -394,6 +394,231 @@ def test_clipped_fun_prng_and_dtype():
 
 
 # ----------------------------------------------------------------------------
+# jax-privacy's current source (GitHub): per-layer clip norms, grid_scale
+# ----------------------------------------------------------------------------
+
+LAYERS = {"l1": 0.5, "l2": 2.0}  # a prefix of mlp_setup's params: each layer's w and b clipped jointly
+
+
+def _layer_loop(loss, params, data, clips, rescale=False):
+    """Per-example loop in float64: each layer (subtree) of each gradient clipped to its own norm
+    (divided by it when rescaled), summed; and the layers' norms."""
+    total = jax.tree.map(lambda x: np.zeros(x.shape), params)
+    norms = {k: [] for k in clips}
+    for i in range(jax.tree.leaves(data)[0].shape[0]):
+        g = jax.grad(_scalar(loss))(params, jax.tree.map(lambda x: x[i:i + 1], data))
+        for k, c in clips.items():
+            n = np.sqrt(sum(np.sum(np.asarray(v, np.float64) ** 2) for v in jax.tree.leaves(g[k])))
+            f = min(1.0, c / n) / (c if rescale else 1.0)
+            total[k] = jax.tree.map(lambda t, v, f=f: t + f * np.asarray(v, np.float64), total[k], g[k])
+            norms[k].append(n)
+    return total, norms
+
+
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+@pytest.mark.parametrize("rescale", [False, True])
+def test_per_layer_prefix_clips_each_subtree_to_its_norm(method, rescale):
+    """A clip-norm tree that stops at each layer: the layer's leaves are clipped jointly (jax-privacy's
+    prefix semantics), on both paths; grad_norms is a tree of the layers' norms; the sensitivity is
+    sqrt(sum C_i**2) / normalize_by (sqrt(K) / normalize_by rescaled)."""
+    loss, params, data = mlp_setup()
+    g = ours.clipped_grad(_scalar(loss), l2_clip_norm=LAYERS, rescale_to_unit_norm=rescale, normalize_by=2.0,
+                          return_grad_norms=True, method=method)
+    got, aux = jax.jit(g)(params, data)
+    want, norms = _layer_loop(loss, params, data, LAYERS, rescale)
+    _close(got, jax.tree.map(lambda x: x / 2.0, want), atol=1e-5)
+    assert jax.tree.structure(aux.grad_norms) == jax.tree.structure(LAYERS)
+    for k in LAYERS:
+        _close(aux.grad_norms[k], np.array(norms[k]), rtol=1e-5)
+        assert min(norms[k]) < LAYERS[k] < max(norms[k])  # some clipped, some not, in every layer
+    want_bound = (np.sqrt(2.0) if rescale else np.sqrt(0.5**2 + 2.0**2)) / 2.0
+    assert g.sensitivity() == pytest.approx(want_bound) and g.l2_norm_bound == pytest.approx(want_bound)
+    assert g.sensitivity(REL.REPLACE_ONE) == pytest.approx(2 * want_bound)
+
+
+def test_per_layer_ghost_equals_vmap_and_full_tree_equals_per_leaf():
+    """Ghost == vmap with a prefix tree on a CNN; a full tree (one clip norm per leaf) clips each leaf
+    alone: the same as the prefix whose subtrees are single leaves."""
+    loss, params, data = cnn_setup()
+    prefix = {k: 0.3 for k in params}
+    go = ours.clipped_grad(_scalar(loss), l2_clip_norm=prefix, method="ghost")(params, data)
+    gv = ours.clipped_grad(_scalar(loss), l2_clip_norm=prefix, method="vmap")(params, data)
+    _close(go, gv, atol=1e-5)
+    full = jax.tree.map(lambda _: 0.2, params)
+    per_leaf = ours.clipped_grad(_scalar(loss), l2_clip_norm=full, method="ghost")(params, data)
+    got = {jax.tree_util.keystr(p): g for p, g in jax.tree_util.tree_flatten_with_path(per_leaf)[0]}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        def leaf_loss(q, b, path=path):  # the loss as a function of this leaf alone
+            return _scalar(loss)(jax.tree_util.tree_map_with_path(lambda p, x: q if p == path else x, params), b)
+
+        alone = ours.clipped_grad(leaf_loss, l2_clip_norm=0.2, method="vmap")(leaf, data)
+        _close(got[jax.tree_util.keystr(path)], alone, atol=1e-5)
+
+
+def test_clip_pytree_and_clipped_fun_per_layer_prefix():
+    """clip_pytree with a prefix tree clips each subtree as a whole tree; clipped_fun sums those."""
+    tree = {"layer1": {"w": jnp.array([0.0, 3.0]), "b": jnp.array([4.0])},
+            "layer2": {"w": jnp.array([0.0, 8.0]), "b": jnp.array([6.0])}}
+    clips = {"layer1": 2.0, "layer2": 5.0}
+    out, norms = ours.clip_pytree(tree, clips)
+    for k, c in clips.items():
+        alone, n = ours.clip_pytree(tree[k], c)
+        assert jax.tree.all(jax.tree.map(np.array_equal, out[k], alone)) and float(norms[k]) == float(n)
+    scales = {"layer1": 0.4, "layer2": 0.5}  # 2 / 5 and 5 / 10
+    _close(out, {k: jax.tree.map(lambda v, k=k: v * scales[k], tree[k]) for k in tree}, rtol=1e-6)
+    cf = ours.clipped_fun(lambda x: jax.tree.map(lambda v: v * x, tree), keep_batch_dim=False, l2_clip_norm=clips,
+                          return_norms=True, normalize_by=4.0)
+    value, (_, per_example) = cf(jnp.array([1.0, 2.0, 3.0]))  # x times the layer: the same clipped layer, 3 times
+    _close(value, {k: jax.tree.map(lambda v, k=k: v * 3 * scales[k] / 4.0, tree[k]) for k in tree}, rtol=1e-6)
+    _close(per_example, {"layer1": np.array([5.0, 10.0, 15.0]), "layer2": np.array([10.0, 20.0, 30.0])})
+    assert cf.sensitivity() == pytest.approx(np.sqrt(4 + 25) / 4)
+    rescaled = ours.clipped_fun(jnp.square, keep_batch_dim=False, l2_clip_norm={"a": 1.0, "b": 2.0, "c": 3.0},
+                                rescale_to_unit_norm=True, normalize_by=5.0)
+    assert rescaled.sensitivity() == pytest.approx(np.sqrt(3) / 5)
+
+
+def test_grid_scale_rounds_ties_to_even_and_sums_exactly():
+    """clip_and_round_to_grid: clip to C - sqrt(d) C / (2 s), scale by s / C, round to nearest (ties to
+    even, as jax-privacy's jnp.round), int64; clipped_grad / clipped_fun sum those exactly."""
+    with jax.enable_x64(True):
+        x = {"w": jnp.array([12.5, 13.5, -2.5, 700.0], jnp.float32) / 1024}  # exact halves on the grid
+        rounded, norm = ours.clip_and_round_to_grid(x, 1.0, 1024)
+        assert rounded["w"].dtype == jnp.int64 and float(norm) == pytest.approx(np.linalg.norm(x["w"]), rel=1e-6)
+        np.testing.assert_array_equal(rounded["w"], [12, 14, -2, 700])
+        big = {"w": jnp.asarray(np.random.default_rng(0).normal(size=50) * 10, jnp.float32)}
+        r, _ = ours.clip_and_round_to_grid(big, 2.0, 300)
+        adjusted = 2.0 - np.sqrt(50) * (2.0 / 300) * 0.5
+        clipped, _ = ours.clip_pytree(big, adjusted)
+        np.testing.assert_array_equal(r["w"], np.round(np.asarray(clipped["w"]) * np.float32(300 / 2.0)))
+        assert np.sum(np.asarray(r["w"], np.int64) ** 2) <= 300**2
+
+        loss = lambda p, d: jnp.mean((d - p) ** 2)  # noqa: E731
+        data = jax.random.normal(jax.random.key(0), (10, 4)) * 3
+        pad = jnp.arange(10) >= 8
+        g = ours.clipped_grad(loss, l2_clip_norm=1.0, grid_scale=1000, return_grad_norms=True)
+        total, aux = jax.jit(g)(jnp.zeros(4), data, is_padding_example=pad)
+        per_example = [ours.clip_and_round_to_grid(jax.grad(loss)(jnp.zeros(4), data[i:i + 1]), 1.0, 1000)[0]
+                       for i in range(8)]
+        assert total.dtype == jnp.int64
+        np.testing.assert_array_equal(total, np.sum(np.stack(per_example), axis=0))
+        assert g.sensitivity() == 1000.0 and g.sensitivity(REL.REPLACE_ONE) == 2000.0
+        assert aux.grad_norms.shape == (10,)
+        cf = ours.clipped_fun(lambda v: v * 3.0, keep_batch_dim=False, l2_clip_norm=1.0, grid_scale=1000)
+        for i in range(5):
+            out = cf(jax.random.normal(jax.random.key(i), (1, 20)))
+            assert out.dtype == jnp.int64 and np.sum(np.asarray(out) ** 2) <= 1000**2
+
+
+@pytest.fixture
+def later_jax_privacy(monkeypatch):
+    """The drop-in as beside a jax-privacy after 2.0.0 (its GitHub source)."""
+    from gradclip_jax.interop.jax_privacy import _version
+
+    monkeypatch.setattr(_version, "AFTER_2_0_0", True)
+
+
+def test_installed_version_is_read():
+    import jax_privacy
+
+    from gradclip_jax.interop.jax_privacy import _version
+
+    assert _version.after_2_0_0(jax_privacy.__version__) == _version.AFTER_2_0_0
+    assert not _version.after_2_0_0("2.0.0") and _version.after_2_0_0("2.0.1") and _version.after_2_0_0("2.3.0.dev0")
+
+
+def test_beside_a_later_jax_privacy_return_norms_and_nan_safe_follow_it(later_jax_privacy):
+    """A later jax-privacy returns (value, norms) for return_norms alone, its clip_pytree has no
+    nan_safe step (a non-finite input: a non-finite norm), and clipped_fun drops an example whose norm
+    is not finite (2.0.0: zeroes its non-finite elements)."""
+    cf = ours.clipped_fun(jnp.square, keep_batch_dim=False, l2_clip_norm=jnp.inf, return_norms=True)
+    value, norms = cf(jnp.array([1.0, 2.0, 3.0]))
+    assert float(value) == 14.0 and norms.shape == (3,)
+    _, norm = ours.clip_pytree(jnp.array([3.0, jnp.nan]), 1.0)
+    assert not np.isfinite(float(norm))
+    add = ours.clipped_fun(lambda x: x, keep_batch_dim=False, l2_clip_norm=10.0)
+    data = jnp.array([[1.0, 2.0], [jnp.nan, 5.0], [3.0, 4.0]])
+    np.testing.assert_array_equal(add(data), [4.0, 6.0])  # the example with a NaN contributes nothing
+
+
+def test_beside_jax_privacy_2_0_0_nan_safe_zeroes_elements():
+    from gradclip_jax.interop.jax_privacy import _version
+
+    if _version.AFTER_2_0_0:
+        pytest.skip("a later jax-privacy is installed")
+    add = ours.clipped_fun(lambda x: x, keep_batch_dim=False, l2_clip_norm=10.0)
+    np.testing.assert_array_equal(add(jnp.array([[1.0, 2.0], [jnp.nan, 5.0]])), [1.0, 7.0])
+    _, (_, norms) = ours.clipped_fun(jnp.square, keep_batch_dim=False, return_norms=True)(jnp.ones(3))
+    assert norms.shape == (3,)
+
+
+_GRID_ERRORS = [
+    ({"grid_scale": 0}, ValueError, "`grid_scale` must be >= 1"),
+    ({"grid_scale": 2.5}, TypeError, "`grid_scale` must be an int"),
+    ({"grid_scale": True}, TypeError, "`grid_scale` must be an int"),
+    ({"grid_scale": 100, "rescale_to_unit_norm": True}, ValueError, "grid_scale=100 cannot be combined with resc"),
+    ({"grid_scale": 100, "normalize_by": 2.0}, ValueError, "grid_scale=100 needs normalize_by=1"),
+    ({"grid_scale": 100, "l2_clip_norm": {"a": 1.0}}, ValueError, "grid_scale needs one clip norm"),
+    ({"grid_scale": 100, "l2_clip_norm": 0.0}, ValueError, "`l2_clip_norm` must be > 0"),
+    ({"grid_scale": 100, "l2_clip_norm": np.inf}, ValueError, "`l2_clip_norm` must be finite"),
+]
+
+
+@pytest.mark.parametrize("kw,err,match", _GRID_ERRORS)
+def test_grid_scale_bad_arguments(kw, err, match):
+    with jax.enable_x64(True):
+        for make in (lambda **k: ours.clipped_grad(_f, **k), lambda **k: ours.clipped_fun(jnp.square, **k)):
+            with pytest.raises(err, match=match):
+                make(**{"l2_clip_norm": 1.0, **kw})
+
+
+def test_grid_scale_needs_x64_per_example_gradients_and_a_fine_enough_grid():
+    with pytest.raises(ValueError, match="grid_scale needs 64-bit mode"):
+        ours.clipped_grad(_f, l2_clip_norm=1.0, grid_scale=100)
+    with jax.enable_x64(True):
+        with pytest.raises(ValueError, match=r"grid_scale rounds each example's gradient.*method='ghost'"):
+            ours.clipped_grad(_f, l2_clip_norm=1.0, grid_scale=100, method="ghost")
+        with pytest.raises(ValueError, match=r"grid_scale=3 is too small for 100 parameters.*grid_scale > 5"):
+            ours.clip_and_round_to_grid(jnp.ones(100), 1.0, 3)
+        with pytest.raises(ValueError, match="grid_scale=3 is too small"):
+            ours.clipped_grad(_f, l2_clip_norm=1.0, grid_scale=3)(jnp.zeros(100), jnp.zeros((2, 100)))
+
+
+@pytest.mark.parametrize("clips,match", [
+    ({"l1": 1.0, "l3": 1.0}, "must be a prefix of the structure of params"),
+    ({"l1": 1.0, "l2": {"w": 1.0, "b": 1.0, "c": 1.0}}, "must be a prefix of the structure of params"),
+])
+def test_per_layer_tree_that_is_not_a_prefix(clips, match):
+    loss, params, data = mlp_setup()
+    for method in ("vmap", "ghost"):
+        with pytest.raises(ValueError, match=match):
+            ours.clipped_grad(_scalar(loss), l2_clip_norm=clips, method=method)(params, data)
+    with pytest.raises(ValueError, match="clip_pytree: `clip_norm` must be a prefix"):
+        ours.clip_pytree(params, clips)
+    with pytest.raises(ValueError, match="clipped_fun: `l2_clip_norm` must be a prefix"):
+        ours.clipped_fun(lambda x: jax.tree.map(lambda p: p * jnp.sum(x), params), l2_clip_norm=clips)(data["x"])
+
+
+@pytest.mark.parametrize("clips,err,match", [
+    ({"a": 1.0, "b": -1.0}, ValueError, r"`l2_clip_norm\['b'\]` must be >= 0"),
+    ({"a": 1.0, "b": float("nan")}, ValueError, r"`l2_clip_norm\['b'\]` must not be NaN"),
+    ({"a": "1"}, TypeError, r"`l2_clip_norm\['a'\]` must be a number"),
+    ({}, ValueError, "`l2_clip_norm` is an empty tree"),
+])
+def test_per_layer_bad_clip_norms_name_the_leaf(clips, err, match):
+    for make in (lambda: ours.clipped_grad(_f, l2_clip_norm=clips), lambda: ours.clipped_fun(jnp.square,
+                                                                                             l2_clip_norm=clips)):
+        with pytest.raises(err, match=match):
+            make()
+    with pytest.raises(err, match=match.replace("l2_clip_norm", "clip_norm")):
+        ours.clip_pytree({"a": jnp.ones(2), "b": jnp.ones(2)}, clips)
+
+
+def test_per_layer_rescale_with_a_zero_layer_is_refused():
+    with pytest.raises(ValueError, match=r"`l2_clip_norm\['b'\]` is 0 with rescale_to_unit_norm"):
+        ours.clipped_grad(_f, l2_clip_norm={"a": 1.0, "b": 0.0}, rescale_to_unit_norm=True)
+
+
+# ----------------------------------------------------------------------------
 # Bad inputs: clear errors naming the argument
 # ----------------------------------------------------------------------------
 

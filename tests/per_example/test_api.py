@@ -134,8 +134,26 @@ def test_per_layer_tree_of_norms():
     ref, _, _ = loop_reference(loss, params, data, None, layer_clips=jax.tree.leaves(clips))
     assert_tree_close(grads, ref)
     assert grad_fn.sensitivity() == pytest.approx(math.sqrt(0.25 + 0.04 + 1.0 + 0.01))
-    with pytest.raises(ValueError, match="structure of params"):
-        clipped_grad(loss, {"l1": 1.0, "l2": 1.0})(params, data)
+    with pytest.raises(ValueError, match="must be a prefix of the structure of params"):
+        clipped_grad(loss, {"l1": 1.0, "l3": 1.0})(params, data)
+
+
+def test_per_layer_prefix_tree_clips_each_subtree_jointly():
+    """A clip tree that stops at a subtree (jax-privacy's prefix layout) clips that subtree's leaves
+    jointly: the same as clipping the subtree alone, on both paths; norms and counts per subtree."""
+    loss, params, data = mlp_setup()
+    clips = {"l1": 0.5, "l2": 1.0}
+    for method in ("vmap", "ghost"):
+        grads, info = jax.jit(clipped_grad(loss, clips, method=method))(params, data)
+        for name, c in clips.items():
+            def sub_loss(q, b, name=name):
+                return loss({**params, name: q}, b)
+
+            want, want_info = clipped_grad(sub_loss, c, method="vmap")(params[name], data)
+            assert_tree_close(grads[name], want)
+            np.testing.assert_allclose(info.norms[name], want_info.norms, rtol=1e-5)
+            assert int(info.num_clipped[name]) == int(want_info.num_clipped)
+    assert clipped_grad(loss, clips).sensitivity() == pytest.approx(math.sqrt(0.25 + 1.0))
 
 
 @pytest.mark.parametrize("microbatch_size", [None, 3])

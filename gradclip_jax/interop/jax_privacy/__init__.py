@@ -14,10 +14,21 @@ gradients come from :func:`gradclip_jax.clipped_grad`, by default with
 ``method='auto'`` (ghost clipping, which never forms per-example gradients, where it
 applies); ``clipped_grad(..., method='vmap' | 'ghost')`` picks the method.
 
+jax-privacy's current source (GitHub, ``2.3.0.dev0``) is accepted too: ``l2_clip_norm``
+may be a pytree that is a prefix of the clipped tree (per-layer clipping: each subtree
+clipped jointly to its norm, on the ghost and vmap paths, sensitivity
+``sqrt(sum C_i**2) / normalize_by``, ``sqrt(K) / normalize_by`` rescaled), and
+``grid_scale`` rounds each clipped example onto an integer grid (its rule and rounding,
+:func:`clip_and_round_to_grid`) for an exact int64 sum of sensitivity ``grid_scale``.
+Where the two versions' contracts conflict (``clipped_fun``'s output with ``return_norms``
+alone, ``nan_safe`` in ``clipped_fun`` and ``clip_pytree``) the drop-in follows the
+jax-privacy installed beside it.
+
 Where the results differ from jax-privacy 2.0's (each keeps the sensitivity bound):
 
-* ``nan_safe=True`` (default): an example whose gradient has a NaN or inf
-  contributes zero; jax-privacy zeroes only its non-finite elements and clips the rest.
+* ``nan_safe=True`` (default): in ``clipped_grad`` an example whose gradient has a NaN
+  or inf contributes zero, as in jax-privacy's current source; 2.0.0 zeroes only its
+  non-finite elements and clips the rest.
 * padding examples get ``grad_norms`` 0 (jax-privacy reports their norms).
 * with ``pre_clipping_transform``, ``grad_norms`` are the norms of the transformed
   gradients, the ones clipped (jax-privacy reports the untransformed norms).
@@ -44,7 +55,7 @@ try:
     from jax_privacy.clipping import AuxiliaryOutput, BoundedSensitivityCallable
 except ImportError as err:  # pragma: no cover - exercised without the extra
     raise ImportError(
-        "gradclip_jax.interop.jax_privacy needs jax-privacy 2.0: "
+        "gradclip_jax.interop.jax_privacy needs jax-privacy 2.0 or later: "
         "pip install 'gradclip_jax[jax-privacy]'"
     ) from err
 
@@ -53,5 +64,7 @@ except ImportError as err:  # pragma: no cover - exercised without the extra
 from gradclip_jax.interop.jax_privacy._clip_pytree import clip_pytree
 from gradclip_jax.interop.jax_privacy._clipped_fun import clipped_fun
 from gradclip_jax.interop.jax_privacy._clipped_grad import clipped_grad
+from gradclip_jax.interop.jax_privacy._grid import clip_and_round_to_grid
 
-__all__ = ["AuxiliaryOutput", "BoundedSensitivityCallable", "clip_pytree", "clipped_fun", "clipped_grad"]
+__all__ = ["AuxiliaryOutput", "BoundedSensitivityCallable", "clip_and_round_to_grid", "clip_pytree", "clipped_fun",
+           "clipped_grad"]

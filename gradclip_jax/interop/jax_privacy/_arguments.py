@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gradclip_jax._core.validation import check_mask, check_scalar, is_int, static_value
+from gradclip_jax._core.validation import check_mask, is_int, static_value
 from gradclip_jax.per_example.internal import batch_size_of, example_keys
 
 
@@ -97,9 +97,3 @@ def _check_callable(fn: str, name: str, value: Any) -> None:
     if not callable(value):
         raise TypeError(f"{fn}: `{name}` must be callable, got {value!r}")
 
-
-def _norm_bound(fn: str, l2_clip_norm: Any, rescale: bool, normalize_by: Any) -> Any:
-    """The add/remove sensitivity ``(1 or C) / normalize_by``, with both checked."""
-    check_scalar(fn, "l2_clip_norm", l2_clip_norm)
-    check_scalar(fn, "normalize_by", normalize_by, low_inclusive=False)
-    return (1.0 if rescale else l2_clip_norm) / normalize_by

@@ -14,8 +14,13 @@ from gradclip_jax._core.factors import clip_factor
 from gradclip_jax._core.numerics import bounded_factor, divide_or_zero
 from gradclip_jax._core.stored import certified_factors, stored_scale
 from gradclip_jax._core.validation import check_scalar, static_value
-
-PyTree = Any
+from gradclip_jax.interop.jax_privacy import _version
+from gradclip_jax.interop.jax_privacy._clip_norms import (
+    PyTree,
+    clip_norm_leaves,
+    is_per_layer,
+    per_group,
+)
 
 
 def _finite_or_zero(x: Any) -> Any:
@@ -69,12 +74,17 @@ def _stored_factors(leaves: list[jax.Array], f: jax.Array, bound: Any, rescale: 
 
 def clip_pytree(
     pytree: PyTree,
-    clip_norm: float,
+    clip_norm: float | PyTree,
     rescale_to_unit_norm: bool = False,
-    nan_safe: bool = True,
+    nan_safe: bool | None = None,
     return_zero: bool = False,
-) -> tuple[PyTree, jax.Array]:
+) -> tuple[PyTree, Any]:
     """Clips a pytree to global L2 norm ``clip_norm``: ``jax_privacy.clipping.clip_pytree``.
+
+    ``clip_norm`` may also be a pytree that is a prefix of ``pytree`` (per-layer
+    clipping, jax-privacy's current source): each subtree that one of its clip norms
+    covers is clipped as a whole tree to that norm (rescaled by it), and the norms
+    come back as a tree of ``clip_norm``'s structure.
 
     The norm comes from :func:`gradclip_jax.tree_norm` (float32 accumulation for
     16-bit leaves, no overflow for finite elements). The output's norm, as stored and
@@ -98,20 +108,25 @@ def clip_pytree(
 
     Args:
       pytree: a pytree of floating-point arrays.
-      clip_norm: the largest L2 norm of the output (a number or traced scalar).
+      clip_norm: the largest L2 norm of the output (a number or traced scalar), or
+        a pytree of them, a prefix of ``pytree`` (per-layer clipping).
       rescale_to_unit_norm: also divide by ``clip_norm`` (output norm at most 1).
         A Python bool.
       nan_safe: set NaN and +-inf elements to 0 first (the bound then holds for any
-        input). With False, NaNs stay and infs become NaN. A Python bool.
+        input). With False, NaNs stay and infs become NaN, and the norm is not
+        finite. A Python bool; None (default): the installed jax-privacy's
+        behaviour, True for 2.0.0, False for a later one (which has no such step).
       return_zero: return zeros of the same structure (a bool, traced too), as
         jax-privacy does for padding examples.
 
     Returns:
       ``(clipped, norm)``: the clipped pytree (same structure and dtypes) and the
-      float32 L2 norm of the input (after ``nan_safe``).
+      float32 L2 norm of the input (after ``nan_safe``); per-layer, a tree of the
+      subtrees' norms.
 
     Raises:
-      ValueError: a negative or NaN static ``clip_norm``.
+      ValueError: a negative or NaN static ``clip_norm`` (naming the leaf of a tree),
+        a ``clip_norm`` tree that is not a prefix of ``pytree``.
       TypeError: a ``clip_norm`` that is not a number, a traced
         ``rescale_to_unit_norm`` or ``nan_safe``, integer leaves.
 
@@ -125,6 +140,10 @@ def clip_pytree(
       (Array([ True], dtype=bool), Array([ True], dtype=bool))
     """
     fn = "clip_pytree"
+    if nan_safe is None:
+        nan_safe = not _version.AFTER_2_0_0
+    if is_per_layer(clip_norm):
+        return clip_per_layer(pytree, clip_norm, rescale_to_unit_norm, nan_safe, return_zero)
     check_scalar(fn, "clip_norm", clip_norm)
     rescale = bool(static_value(fn, "rescale_to_unit_norm", rescale_to_unit_norm))
     if static_value(fn, "nan_safe", nan_safe):
@@ -137,3 +156,17 @@ def clip_pytree(
     factors = _stored_factors(leaves, f, bound, rescale)
     out = [jnp.where(return_zero, jnp.zeros_like(x), stored_scale(x, fx)) for x, fx in zip(leaves, factors, strict=True)]
     return flat.rebuild(out), norm.astype(jnp.float32)
+
+
+def clip_per_layer(pytree: PyTree, clip_norm: PyTree, rescale: Any, nan_safe: Any, return_zero: Any, *,
+                   fn: str = "clip_pytree", name: str = "clip_norm") -> tuple[PyTree, PyTree]:
+    """:func:`clip_pytree` of each subtree of ``pytree`` that a clip norm of the tree ``clip_norm``
+    covers; the clipped subtrees and their norms put back in ``clip_norm``'s structure. Errors name
+    ``fn`` and the argument ``name``."""
+    clip_norm_leaves(fn, name, clip_norm)
+    parts = per_group(fn, name, clip_norm, pytree,
+                      lambda sub, c: clip_pytree(sub, c, rescale, nan_safe, return_zero))
+    c_def = jax.tree_util.tree_structure(clip_norm)
+    # the clip tree with each clip norm replaced by its clipped subtree is pytree's structure again
+    clipped = jax.tree_util.tree_unflatten(c_def, [out for out, _ in parts])
+    return clipped, jax.tree_util.tree_unflatten(c_def, [norm for _, norm in parts])

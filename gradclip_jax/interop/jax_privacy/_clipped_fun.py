@@ -8,10 +8,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax_privacy.clipping import BoundedSensitivityCallable
 
 from gradclip_jax._core.validation import is_int, static_value
+from gradclip_jax.interop.jax_privacy import _version
 from gradclip_jax.interop.jax_privacy._arguments import (
     _argnums,
     _batch_size,
@@ -19,12 +21,13 @@ from gradclip_jax.interop.jax_privacy._arguments import (
     _check_called,
     _example_keys,
     _expand,
-    _norm_bound,
     _padding,
     _prng_argnum,
     _squeeze_axis_1,
 )
-from gradclip_jax.interop.jax_privacy._clip_pytree import clip_pytree
+from gradclip_jax.interop.jax_privacy._clip_norms import PyTree, is_per_layer, norm_bound
+from gradclip_jax.interop.jax_privacy._clip_pytree import clip_per_layer, clip_pytree
+from gradclip_jax.interop.jax_privacy._grid import clip_and_round_to_grid
 
 
 def _one_group(fun: Callable[..., Any], has_aux: bool, batch_argnums: tuple[int, ...], keep_batch_dim: bool,
@@ -48,7 +51,7 @@ def clipped_fun(
     *,
     batch_argnums: int | Sequence[int] = 0,
     keep_batch_dim: bool = True,
-    l2_clip_norm: float = 1.0,
+    l2_clip_norm: float | PyTree = 1.0,
     rescale_to_unit_norm: bool = False,
     normalize_by: float = 1.0,
     return_norms: bool = False,
@@ -57,6 +60,7 @@ def clipped_fun(
     dtype: Any = None,
     prng_argnum: int | None = None,
     spmd_axis_name: str | None = None,
+    grid_scale: int | None = None,
 ) -> BoundedSensitivityCallable:
     """Clips ``fun``'s output per example and sums it: ``jax_privacy.clipping.clipped_fun``.
 
@@ -76,28 +80,37 @@ def clipped_fun(
       batch_argnums: the argument(s) carrying the batch on axis 0.
       keep_batch_dim: pass each example with a leading axis of size 1 (True) or
         without it (False: ``fun`` of one example or, for a batch of groups, of one group).
-      l2_clip_norm: the clip norm.
+      l2_clip_norm: the clip norm, or a pytree of clip norms that is a prefix of
+        ``fun``'s output (per-layer: each subtree clipped to its norm; the
+        sensitivity is ``sqrt(sum C_i**2)``, ``sqrt(K)`` rescaled, over ``normalize_by``).
       rescale_to_unit_norm: divide each clipped output by ``l2_clip_norm``.
       normalize_by: divide the sum by this (> 0).
       return_norms: also return the per-example norms before clipping.
       microbatch_size: examples per sequential chunk (must divide the batch size).
-      nan_safe: see :func:`clip_pytree`.
+      nan_safe: an example's non-finite output cannot break the bound: with
+        jax-privacy 2.0.0 installed its NaN and inf elements are zeroed (see
+        :func:`clip_pytree`), with a later one the example contributes zero.
       dtype: cast ``fun``'s output to this dtype before clipping and summing.
       prng_argnum: the position of a PRNG key (or pytree of keys) split into one
         key per example.
       spmd_axis_name: passed to ``jax.vmap``.
+      grid_scale: None, or a positive int: each clipped output is rounded onto
+        the integer grid of :func:`clip_and_round_to_grid` and the int64 outputs
+        are summed exactly; the sensitivity is ``grid_scale``. Needs 64-bit mode,
+        one clip norm, ``normalize_by=1`` and no ``rescale_to_unit_norm``.
 
     Returns:
       A :class:`~jax_privacy.clipping.BoundedSensitivityCallable` returning
       ``value``; ``(value, aux)`` with ``has_aux``; ``(value, (aux, norms))`` with
-      both; with ``return_norms`` alone ``(value, ((), norms))``, as jax-privacy
-      2.0.0 returns it (its docstring says ``(value, norms)``).
+      both; with ``return_norms`` alone ``(value, ((), norms))`` where jax-privacy
+      2.0.0 is installed (as it returns it), ``(value, norms)`` with a later one.
 
     Raises:
       TypeError: a non-callable ``fun``, non-int argument positions.
       ValueError: naming the argument, for an empty or negative ``batch_argnums``,
-        a negative or NaN ``l2_clip_norm``, ``normalize_by <= 0``, a bad
-        ``microbatch_size``; at call time, batch arguments of different sizes or a
+        a negative or NaN ``l2_clip_norm`` (or leaf of it), ``normalize_by <= 0``, a bad
+        ``microbatch_size`` or ``grid_scale`` (or what it excludes); a per-layer
+        ``l2_clip_norm`` that is not a prefix of the output; at call time, batch arguments of different sizes or a
         bad ``is_padding_example``.
 
     Example:
@@ -113,13 +126,18 @@ def clipped_fun(
     _check_callable(fn, "fun", fun)
     batch = _argnums(fn, "batch_argnums", batch_argnums)
     prng = _prng_argnum(fn, prng_argnum, {"batch_argnums": batch})
-    bound = _norm_bound(fn, l2_clip_norm, bool(rescale_to_unit_norm), normalize_by)
+    bound = norm_bound(fn, l2_clip_norm, bool(rescale_to_unit_norm), normalize_by, grid_scale)
     mb = _microbatch(fn, microbatch_size)
-    clip = functools.partial(clip_pytree, clip_norm=l2_clip_norm, rescale_to_unit_norm=rescale_to_unit_norm,
-                             nan_safe=nan_safe)
+    # a later jax-privacy drops an example whose norm is not finite (2.0.0: its non-finite elements)
+    whole = bool(nan_safe) and _version.AFTER_2_0_0
+    clip = _clip_one(l2_clip_norm, rescale_to_unit_norm, nan_safe and not whole, grid_scale)
 
     def cast_then_clip(value: Any, return_zero: Any) -> tuple:
-        return clip(optax.tree.cast(value, dtype), return_zero=return_zero)
+        clipped, norm = clip(optax.tree.cast(value, dtype), return_zero=return_zero)
+        if whole:
+            finite = functools.reduce(jnp.logical_and, [jnp.isfinite(n) for n in jax.tree.leaves(norm)])
+            clipped = jax.tree.map(lambda x: jnp.where(finite, x, jnp.zeros_like(x)), clipped)
+        return clipped, norm
 
     one = _one_group(fun, has_aux, batch, keep_batch_dim, cast_then_clip)
 
@@ -136,10 +154,22 @@ def clipped_fun(
         value, aux, norms = mapped(*split, is_padding_example=_padding(fn, is_padding_example, bsize), **kwargs)
         if keep_batch_dim:
             aux = jax.tree.map(_squeeze_axis_1, aux)
-        value = jax.tree.map(lambda x: x / normalize_by, value)
+        if grid_scale is None:  # an integer sum stays integer (normalize_by is 1 then)
+            value = jax.tree.map(lambda x: x / normalize_by, value)
         return _fun_outputs(value, aux, norms, has_aux, return_norms)
 
     return BoundedSensitivityCallable(clipped_fn, bound, has_aux or return_norms)
+
+
+def _clip_one(l2_clip_norm: Any, rescale: Any, nan_safe: Any, grid_scale: int | None) -> Callable[..., tuple]:
+    """One example's clip: :func:`clip_pytree`, or :func:`clip_and_round_to_grid` with ``grid_scale``."""
+    if grid_scale is not None:
+        return functools.partial(clip_and_round_to_grid, l2_clip_norm=l2_clip_norm, grid_scale=grid_scale,
+                                 nan_safe=nan_safe)
+    if is_per_layer(l2_clip_norm):  # errors name clipped_fun's argument
+        return functools.partial(clip_per_layer, clip_norm=l2_clip_norm, rescale=rescale, nan_safe=nan_safe,
+                                 fn="clipped_fun", name="l2_clip_norm")
+    return functools.partial(clip_pytree, clip_norm=l2_clip_norm, rescale_to_unit_norm=rescale, nan_safe=nan_safe)
 
 
 def _microbatch(fn: str, mb: Any) -> int | None:
@@ -161,8 +191,11 @@ def _split_keys(fn: str, args: Sequence[Any], batch: tuple[int, ...], prng: int 
 
 
 def _fun_outputs(value: Any, aux: Any, norms: Any, has_aux: bool, return_norms: bool) -> Any:
-    """jax-privacy 2.0.0's outputs: with ``return_norms`` and no aux, ``(value, ((), norms))``, as it
-    returns them (its docstring says ``(value, norms)``), so code written against it keeps working."""
+    """The installed jax-privacy's outputs: with ``return_norms`` and no aux, 2.0.0 returns
+    ``(value, ((), norms))`` (its docstring says ``(value, norms)``), a later one ``(value, norms)``;
+    code written against either keeps working."""
     if return_norms:
+        if not has_aux and _version.AFTER_2_0_0:
+            return value, norms
         return value, (aux if has_aux else (), norms)
     return (value, aux) if has_aux else value

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax_privacy.clipping import AuxiliaryOutput, BoundedSensitivityCallable
 
+from gradclip_jax._core.numerics import divide_or_zero, rounding_margin
 from gradclip_jax._core.validation import is_traced, static_value
 from gradclip_jax.interop.jax_privacy._arguments import (
     _argnums,
@@ -19,12 +20,12 @@ from gradclip_jax.interop.jax_privacy._arguments import (
     _check_called,
     _example_keys,
     _expand,
-    _norm_bound,
     _padding,
     _prng_argnum,
     _squeeze_axis_1,
 )
-from gradclip_jax.interop.jax_privacy._clip_pytree import PyTree
+from gradclip_jax.interop.jax_privacy._clip_norms import PyTree, is_per_layer, norm_bound
+from gradclip_jax.interop.jax_privacy._clipped_fun import clipped_fun
 from gradclip_jax.per_example.api import clipped_grad as _clipped_grad
 
 
@@ -119,7 +120,7 @@ def clipped_grad(
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
     *,
-    l2_clip_norm: float,
+    l2_clip_norm: float | PyTree,
     rescale_to_unit_norm: bool = False,
     normalize_by: float = 1.0,
     batch_argnums: int | Sequence[int] = 1,
@@ -133,6 +134,7 @@ def clipped_grad(
     prng_argnum: int | None = None,
     spmd_axis_name: str | None = None,
     method: str = "auto",
+    grid_scale: int | None = None,
 ) -> BoundedSensitivityCallable:
     """The sum of clipped per-example gradients of ``fun``: ``jax_privacy.clipping.clipped_grad``.
 
@@ -154,9 +156,16 @@ def clipped_grad(
       fun: the loss of one example (or group); ``(loss, aux)`` with ``has_aux``.
       argnums: the argument(s) to differentiate (without a batch axis).
       has_aux: ``fun`` returns ``(loss, aux)``; aux comes back per example.
-      l2_clip_norm: the clip norm of each example's gradient.
+      l2_clip_norm: the clip norm of each example's gradient, or a pytree of clip
+        norms that is a prefix of the gradient (per-layer clipping, jax-privacy's
+        current source): each subtree that a clip norm ``C_i`` covers is clipped
+        jointly to ``C_i``, on the ghost and vmap paths; the sensitivity is
+        ``sqrt(sum_i C_i**2) / normalize_by``, and ``grad_norms`` is a tree of the
+        subtrees' norms.
       rescale_to_unit_norm: divide each clipped gradient by ``l2_clip_norm``
-        (sensitivity 1; with ``l2_clip_norm=0``, each gradient is normalized).
+        (sensitivity 1; with ``l2_clip_norm=0``, each gradient is normalized);
+        per-layer, each subtree by its clip norm (sensitivity ``sqrt(K)`` for ``K``
+        clip norms; a static per-layer clip norm of 0 is refused).
       normalize_by: divide the sum by this (> 0).
       batch_argnums: the argument(s) carrying the batch on axis 0.
       keep_batch_dim: pass each example with a leading axis of size 1 (True) or
@@ -173,6 +182,13 @@ def clipped_grad(
       spmd_axis_name: passed to ``jax.vmap``.
       method: ``'auto'`` (default), ``'ghost'`` or ``'vmap'`` (see
         :func:`gradclip_jax.clipped_grad`); the results agree up to float rounding.
+      grid_scale: None, or a positive int: each example's clipped gradient is
+        rounded onto the integer grid of :func:`clip_and_round_to_grid` and the
+        int64 gradients are summed exactly (for the discrete Gaussian mechanism);
+        the sensitivity is ``grid_scale``. Needs each example's gradient (the vmap
+        path: ``method='ghost'`` refuses it), 64-bit mode, one clip norm,
+        ``normalize_by=1`` and no ``rescale_to_unit_norm``; ``dtype`` then only sets
+        the dtype the gradients are clipped in.
 
     Returns:
       A :class:`~jax_privacy.clipping.BoundedSensitivityCallable`.
@@ -183,9 +199,12 @@ def clipped_grad(
         a PRNG key.
       ValueError: naming the argument, for empty, negative or overlapping
         ``argnums`` / ``batch_argnums``, a negative or NaN ``l2_clip_norm``,
-        ``normalize_by <= 0``, a bad ``microbatch_size``, ``method`` or ``dtype``; at
+        ``normalize_by <= 0``, a bad ``microbatch_size``, ``method``, ``dtype`` or
+        ``grid_scale`` (or what it excludes), a static per-layer clip norm of 0 with
+        ``rescale_to_unit_norm``; at
         call time, argument positions beyond the call's arguments, batch arguments of
-        different sizes, a bad ``is_padding_example``.
+        different sizes, a bad ``is_padding_example``, a per-layer ``l2_clip_norm``
+        that is not a prefix of the gradient.
 
     Example:
       >>> import jax.numpy as jnp
@@ -203,9 +222,20 @@ def clipped_grad(
     _check_callable(fn, "fun", fun)
     layout = _Layout(fn, argnums, batch_argnums, prng_argnum)
     rescale = bool(static_value(fn, "rescale_to_unit_norm", rescale_to_unit_norm))
-    _norm_bound(fn, l2_clip_norm, rescale, normalize_by)
+    bound = norm_bound(fn, l2_clip_norm, rescale, normalize_by, grid_scale)
     has_aux = bool(static_value(fn, "has_aux", has_aux))
-    options = _ours_options(l2_clip_norm, rescale, has_aux=has_aux, microbatch_size=microbatch_size,
+    if grid_scale is not None:
+        return _grid_clipped_grad(fun, layout, has_aux, method, l2_clip_norm=l2_clip_norm, grid_scale=grid_scale,
+                                  keep_batch_dim=keep_batch_dim, return_values=return_values,
+                                  return_grad_norms=return_grad_norms, transform=pre_clipping_transform,
+                                  microbatch_size=microbatch_size, nan_safe=nan_safe, dtype=dtype,
+                                  spmd_axis_name=spmd_axis_name)
+    per_layer = is_per_layer(l2_clip_norm)
+    if per_layer and rescale:
+        _check_no_zero_layer(fn, l2_clip_norm)
+    # per-layer rescaling divides each subtree by its own clip norm, after the sum (below)
+    options = _ours_options(l2_clip_norm, rescale and not per_layer, has_aux=has_aux,
+                            microbatch_size=microbatch_size,
                             method=method, nan_safe=nan_safe, spmd_axis_name=spmd_axis_name, dtype=dtype,
                             pre_clipping_transform=pre_clipping_transform)
 
@@ -225,8 +255,11 @@ def clipped_grad(
         loss = _per_example_loss(fun, layout, len(args), has_aux, keep_batch_dim, rebuild)
         params = layout.params(args)
         grads, info = ours(loss)(params, batch, *arrays, mask=~padding)
-        if dtype is None:
-            grads = jax.tree.map(lambda g, s: g.astype(s.dtype), grads, _grad_dtypes(params, pre_clipping_transform))
+        out = jax.tree.map(lambda s: s.dtype if dtype is None else np.dtype(dtype),
+                           _grad_dtypes(params, pre_clipping_transform))
+        if per_layer and rescale:
+            grads = _rescale_per_layer(grads, l2_clip_norm, out)
+        grads = jax.tree.map(lambda g, o: g.astype(o), grads, out)
         grads = jax.tree.map(lambda g: g / normalize_by, grads)
         if not with_aux:
             return grads
@@ -235,4 +268,70 @@ def clipped_grad(
                                       grad_norms=info.norms if return_grad_norms else None,
                                       aux=aux if has_aux else None)
 
-    return BoundedSensitivityCallable(grad_fn, sensitivity / normalize_by, with_aux)
+    return BoundedSensitivityCallable(grad_fn, bound if per_layer else sensitivity / normalize_by, with_aux)
+
+
+def _check_no_zero_layer(fn: str, l2_clip_norm: PyTree) -> None:
+    """ValueError naming a static per-layer clip norm of 0 with ``rescale_to_unit_norm`` (jax-privacy
+    then normalizes that subtree, which gradclip_jax's per-layer clipping does not do)."""
+    for path, c in jax.tree_util.tree_flatten_with_path(l2_clip_norm)[0]:
+        if not is_traced(c) and float(np.asarray(c)) == 0.0:
+            raise ValueError(f"{fn}: `l2_clip_norm{jax.tree_util.keystr(path)}` is 0 with "
+                             "rescale_to_unit_norm=True (normalizing a layer) is not supported per layer; "
+                             "give it a positive clip norm")
+
+
+def _rescale_per_layer(grads: PyTree, l2_clip_norm: PyTree, out: PyTree) -> PyTree:
+    """Each subtree's clipped sum divided by its clip norm (0 where a traced clip norm is 0).
+
+    The division is a multiplication by ``rounding_margin / C_i`` (as gradclip_jax's own
+    rescaling): one example's subtree, of norm at most ``C_i``, then stays within norm 1 as
+    stored in its output dtype ``out``.
+    """
+    def divide(c: Any, sub: PyTree, outs: PyTree) -> PyTree:
+        return jax.tree.map(lambda g, o: g * divide_or_zero(jnp.asarray(rounding_margin(o, g.dtype), g.dtype),
+                                                            jnp.asarray(c, g.dtype)), sub, outs)
+
+    return jax.tree.map(divide, l2_clip_norm, grads, out)
+
+
+def _grid_clipped_grad(fun: Callable[..., Any], layout: _Layout, has_aux: bool, method: Any, *,
+                       l2_clip_norm: Any, grid_scale: int, keep_batch_dim: bool, return_values: bool,
+                       return_grad_norms: bool, transform: Callable[[PyTree], PyTree] | None,
+                       microbatch_size: Any, nan_safe: bool, dtype: Any, spmd_axis_name: Any) -> Any:
+    """``clipped_grad`` with ``grid_scale``: each example's gradient (vmap) clipped and rounded by
+    :func:`clipped_fun`, whose integer sum is exact. Ghost clipping never forms the gradient to round."""
+    fn = "clipped_grad"
+    if static_value(fn, "method", method) not in ("auto", "vmap", "ghost"):
+        raise ValueError(f"{fn}: unknown method {method!r}; expected 'vmap', 'ghost' or 'auto'")
+    if method == "ghost":
+        raise ValueError(f"{fn}: grid_scale rounds each example's gradient, which method='ghost' never forms; "
+                         "use method='vmap' or 'auto' (which then uses vmap)")
+    if transform is not None:
+        _check_callable(fn, "pre_clipping_transform", transform)
+    argnums = layout.argnums[0] if layout.single else layout.argnums
+
+    def example_grad(*args: Any, **kwargs: Any) -> tuple:
+        def loss(*a: Any) -> tuple:
+            out = fun(*a, **kwargs)
+            return out if has_aux else (out, None)
+
+        (value, aux), grad = jax.value_and_grad(loss, argnums, has_aux=True)(*args)
+        return (grad if transform is None else transform(grad)), (value, aux)
+
+    summed = clipped_fun(example_grad, has_aux=True, batch_argnums=layout.batch, keep_batch_dim=keep_batch_dim,
+                         l2_clip_norm=l2_clip_norm, return_norms=True, microbatch_size=microbatch_size,
+                         nan_safe=nan_safe, dtype=dtype, prng_argnum=layout.prng, spmd_axis_name=spmd_axis_name,
+                         grid_scale=grid_scale)
+    with_aux = has_aux or bool(return_values) or bool(return_grad_norms)
+
+    def grad_fn(*args: Any, is_padding_example: Any = None, **kwargs: Any) -> Any:
+        grads, ((values, aux), norms) = summed(*args, is_padding_example=is_padding_example, **kwargs)
+        if not with_aux:
+            return grads
+        return grads, AuxiliaryOutput(values=values if return_values else None,
+                                      grad_norms=norms if return_grad_norms else None,
+                                      aux=aux if has_aux else None)
+
+    return BoundedSensitivityCallable(grad_fn, summed.l2_norm_bound, with_aux)
+
