@@ -31,9 +31,19 @@ backend logic without a GPU, not the GPU's numerics.
 import importlib.util
 import os
 
-_flag = "--xla_force_host_platform_device_count=8"
-if _flag not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+# XLA:CPU aborts the whole process when a participant of a collective (an all-reduce
+# across the simulated devices) waits 40 s for the others: on a loaded 2-core machine (two
+# xdist workers, or two CI runs at once) a descheduled device can take that long, and the
+# abort takes down the worker and every test it had left. A stuck collective is still
+# reported (after 60 s), and still ends the process, after 10 minutes.
+_FLAGS = {
+    "--xla_force_host_platform_device_count": "8",
+    "--xla_cpu_collective_call_warn_stuck_timeout_seconds": "60",
+    "--xla_cpu_collective_call_terminate_timeout_seconds": "600",
+}
+for _name, _value in _FLAGS.items():
+    if _name not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_name}={_value}").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
