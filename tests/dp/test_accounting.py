@@ -149,14 +149,18 @@ def test_calibrate_unreachable_target_names_it():
         privacy.calibrate_noise_multiplier(1e-4, 0.5, 1000, 1e-5)
 
 
-def _direct(kind, phases, delta):
+def _direct_accountant(kind, phases):
     """dp-accounting's accountant, from scratch (PLD: on the grid of the smallest z and all the steps)."""
     acc = dp_accounting.pld.PLDAccountant(value_discretization_interval=_grid(phases)) if kind == "pld" else \
         dp_accounting.rdp.RdpAccountant()
     for z, q, t in phases:
         acc.compose(dp_accounting.SelfComposedDpEvent(
             dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), t))
-    return acc.get_epsilon(delta)
+    return acc
+
+
+def _direct(kind, phases, delta):
+    return _direct_accountant(kind, phases).get_epsilon(delta)
 
 
 @pytest.mark.parametrize("kind", ["pld", "rdp"])
@@ -320,12 +324,7 @@ def test_accountant_epsilon_reuses_its_composition_and_equals_a_fresh_one(kind, 
 
 
 def _direct_delta(kind, phases, epsilon):
-    acc = dp_accounting.pld.PLDAccountant(value_discretization_interval=_grid(phases)) if kind == "pld" else \
-        dp_accounting.rdp.RdpAccountant()
-    for z, q, t in phases:
-        acc.compose(dp_accounting.SelfComposedDpEvent(
-            dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), t))
-    return acc.get_delta(epsilon)
+    return _direct_accountant(kind, phases).get_delta(epsilon)
 
 
 @pytest.mark.parametrize(("kind", "target"), [("rdp", 0.1), ("rdp", 8.0), ("rdp", 1e6), ("pld", 1.0)])

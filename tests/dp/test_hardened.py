@@ -37,15 +37,21 @@ def test_os_keys_differ_and_a_given_generator_decides_the_key():
     assert h.os_seed(random.Random(1)) == h.os_seed(random.Random(1))
 
 
-def test_os_key_draws_from_secrets_by_default(monkeypatch):
+def _spy_on_entropy(monkeypatch, value):
+    """Replaces the OS's generator by one that records the bits asked of it (a list) and answers ``value``."""
     drawn = []
 
     class Spy:
         def getrandbits(self, k):
             drawn.append(k)
-            return 12345
+            return value
 
     monkeypatch.setattr("gradclip_jax.dp.hardened._entropy._SYSTEM", Spy())
+    return drawn
+
+
+def test_os_key_draws_from_secrets_by_default(monkeypatch):
+    drawn = _spy_on_entropy(monkeypatch, 12345)
     key = h.os_key()
     assert drawn == [32] * jax.random.key_data(key).size
     assert int(jax.random.key_data(key).ravel()[0]) == 12345
@@ -270,14 +276,7 @@ def test_hardened_runs_seed_their_sampler_from_the_os_and_differ():
 
 
 def test_hardened_run_draws_its_seed_from_secrets_never_a_user_int(monkeypatch):
-    drawn = []
-
-    class Spy:
-        def getrandbits(self, k):
-            drawn.append(k)
-            return 987654321
-
-    monkeypatch.setattr("gradclip_jax.dp.hardened._entropy._SYSTEM", Spy())
+    drawn = _spy_on_entropy(monkeypatch, 987654321)
     priv = _run()
     assert drawn == [128] and priv.plan()["seed"] == 987654321
     priv.noise_key()
