@@ -3,6 +3,7 @@ laid out as a per-example loss over one batched computation (which ghost clippin
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -234,14 +235,9 @@ def clipped_grad(
     if per_layer and rescale:
         _check_no_zero_layer(fn, l2_clip_norm)
     # per-layer rescaling divides each subtree by its own clip norm, after the sum (below)
-    options = _ours_options(l2_clip_norm, rescale and not per_layer, has_aux=has_aux,
-                            microbatch_size=microbatch_size,
-                            method=method, nan_safe=nan_safe, spmd_axis_name=spmd_axis_name, dtype=dtype,
-                            pre_clipping_transform=pre_clipping_transform)
-
-    def ours(loss: Callable[..., Any]) -> Any:
-        return _clipped_grad(loss, **options)
-
+    ours: Callable[..., Any] = functools.partial(_clipped_grad, **_ours_options(
+        l2_clip_norm, rescale and not per_layer, has_aux=has_aux, microbatch_size=microbatch_size, method=method,
+        nan_safe=nan_safe, spmd_axis_name=spmd_axis_name, dtype=dtype, pre_clipping_transform=pre_clipping_transform))
     sensitivity = ours(fun).sensitivity()  # also checks every option now, not at the first call
     with_aux = has_aux or bool(return_values) or bool(return_grad_norms)
 
@@ -259,16 +255,21 @@ def clipped_grad(
                            _grad_dtypes(params, pre_clipping_transform))
         if per_layer and rescale:
             grads = _rescale_per_layer(grads, l2_clip_norm, out)
-        grads = jax.tree.map(lambda g, o: g.astype(o), grads, out)
-        grads = jax.tree.map(lambda g: g / normalize_by, grads)
+        grads = jax.tree.map(lambda g, o: g.astype(o) / normalize_by, grads, out)
         if not with_aux:
             return grads
-        aux = jax.tree.map(_squeeze_axis_1, info.aux) if keep_batch_dim else info.aux
-        return grads, AuxiliaryOutput(values=info.values if return_values else None,
-                                      grad_norms=info.norms if return_grad_norms else None,
-                                      aux=aux if has_aux else None)
+        return grads, _auxiliary(info, keep_batch_dim, has_aux, return_values, return_grad_norms)
 
     return BoundedSensitivityCallable(grad_fn, bound if per_layer else sensitivity / normalize_by, with_aux)
+
+
+def _auxiliary(info: Any, keep_batch_dim: bool, has_aux: bool, return_values: Any,
+               return_grad_norms: Any) -> AuxiliaryOutput:
+    """jax-privacy's ``AuxiliaryOutput`` of a call: the fields asked for, the rest ``None``."""
+    aux = jax.tree.map(_squeeze_axis_1, info.aux) if keep_batch_dim else info.aux
+    return AuxiliaryOutput(values=info.values if return_values else None,
+                           grad_norms=info.norms if return_grad_norms else None,
+                           aux=aux if has_aux else None)
 
 
 def _check_no_zero_layer(fn: str, l2_clip_norm: PyTree) -> None:
