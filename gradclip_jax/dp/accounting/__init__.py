@@ -21,7 +21,9 @@ Here: ``_accountants`` (dp-accounting's accountants, imported when first needed,
 epsilon of an event), ``_composition`` (a run's epsilon from each step's PLD or RDP built once,
 its composition kept and extended), ``_dpsgd`` (Poisson-sampled DP-SGD in one call: :func:`epsilon`,
 :func:`calibrate_noise_multiplier`), ``_calibration`` (:func:`calibrate`, the search for the
-noise multiplier) and ``_privacy_accountant`` (:class:`PrivacyAccountant`, step by step).
+noise multiplier), ``_privacy_accountant`` (:class:`PrivacyAccountant`, step by step) and
+``_subsampled_rdp`` (the RDP of a Poisson-subsampled mechanism from its own, and the discrete
+Gaussian's event of ``make_private(hardened='discrete')``).
 """
 
 from gradclip_jax.dp.accounting._accountants import pld_interval as pld_interval  # (tests, docs)
@@ -37,8 +39,13 @@ from gradclip_jax.dp.accounting._privacy_accountant import (
     PrivacyPhase,
     phase_event,
 )
+from gradclip_jax.dp.accounting._subsampled_rdp import (
+    PoissonSampledDiscreteGaussianEvent,
+    poisson_subsampled_rdp,
+)
 
 __all__ = [
+    "PoissonSampledDiscreteGaussianEvent",
     "PrivacyAccountant",
     "PrivacyPhase",
     "calibrate_noise_multiplier",
@@ -46,5 +53,6 @@ __all__ = [
     "calibrate",
     "epsilon",
     "phase_event",
+    "poisson_subsampled_rdp",
     "sampled_gaussian_event",
 ]

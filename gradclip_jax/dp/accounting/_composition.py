@@ -24,6 +24,7 @@ from gradclip_jax.dp.accounting._accountants import (
     pld_interval,
     step_loss_std,
 )
+from gradclip_jax.dp.accounting._subsampled_rdp import PoissonSampledDiscreteGaussianEvent
 
 Phases = list[tuple[Any, int]]  # (the DpEvent of one step, how many steps), in composition order
 _MAX_COARSE_INTERVAL = 64.0
@@ -67,14 +68,25 @@ def _step_pld_uncached(event: Any, neighboring: str, interval: float) -> Any:
     over event types builds the PLD, which it keeps in ``_pld`` (it exposes
     only epsilon and delta, and reading its PLD lets a run reuse it).
     """
+    if isinstance(event, PoissonSampledDiscreteGaussianEvent):
+        raise _dp_accounting().UnsupportedEventError(
+            "the discrete Gaussian's step has no privacy loss distribution here: use the 'rdp' accountant")
     acc = _dp_accounting().pld.PLDAccountant(_relation(neighboring), value_discretization_interval=interval)
     acc.compose(event)  # UnsupportedEventError for an event it has no PLD of
     return None if acc._contains_non_dp_event else acc._pld
 
 
 def _step_rdp_uncached(event: Any, neighboring: str) -> tuple[np.ndarray, np.ndarray]:
-    """``(orders, rdp)``: one step's RDP at dp-accounting's default orders (``RdpAccountant.rdp``)."""
+    """``(orders, rdp)``: one step's RDP at dp-accounting's default orders (``RdpAccountant.rdp``).
+
+    The discrete Gaussian's step, which dp-accounting does not know, by its own bound.
+    """
     acc = _dp_accounting().rdp.RdpAccountant(neighboring_relation=_relation(neighboring))
+    if isinstance(event, PoissonSampledDiscreteGaussianEvent):
+        if neighboring != "add_or_remove":
+            raise _dp_accounting().UnsupportedEventError(
+                f"the discrete Gaussian's subsampled RDP is bounded for add-or-remove neighbours, not {neighboring!r}")
+        return acc.orders, event.rdp(acc.orders)
     acc.compose(event)
     return acc.orders, acc.rdp
 

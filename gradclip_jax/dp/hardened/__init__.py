@@ -11,11 +11,11 @@ floating-point attacks, and an integer-grid mechanism with discrete Gaussian noi
   :func:`from_grid`. Accounting: for integer shifts :math:`\\mu - \\nu` the Rényi divergence of
   the discrete Gaussians is at most the continuous ones', :math:`\\alpha \\|\\mu -
   \\nu\\|_2^2 / 2\\sigma^2` (CKS20; per coordinate, and additive over the product), so RDP at noise
-  multiplier :func:`grid_noise_multiplier` bounds it; for Poisson sampling, the sampled mixture's
-  moments :math:`E_{P}[((1-q) + q\\,Q/P)^\\alpha]` at integer :math:`\\alpha` expand binomially into
-  the base mechanism's :math:`e^{(k-1) D_k}`, each at most the Gaussian's (that direction; the
-  other is checked numerically in one dimension by the tests, not proven). Use
-  ``accountant='rdp'``, and add :func:`sampler_tv_bound` (times the draws, times
+  multiplier :func:`grid_noise_multiplier` bounds it; for Poisson sampling, Zhu and Wang's
+  general bound on a subsampled mechanism's RDP from its own (ICML 2019), which assumes no
+  density (:class:`gradclip_jax.dp.accounting.PoissonSampledDiscreteGaussianEvent`: what
+  ``make_private(hardened='discrete')`` records, with ``accountant='rdp'``). Add
+  :func:`sampler_tv_bound` (times the draws, times
   :math:`1 + e^\\varepsilon`) to delta.
 
 See the guide's "Hardened noise" section (docs/guides/dp-sgd.md) for the threat, what this

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from gradclip_jax.dp.accounting import PoissonSampledDiscreteGaussianEvent
 from gradclip_jax.dp.hardened import (
     MAX_SIGMA,
     BitGenerator,
@@ -20,6 +21,7 @@ from gradclip_jax.dp.hardened import (
 )
 from gradclip_jax.dp.hardened._entropy import check_generator
 from gradclip_jax.dp.hardened._integer_grid import check_grid_scale
+from gradclip_jax.dp.sampling import PoissonSampler
 from gradclip_jax.per_example import ClippedGradInfo
 
 # hardened= spellings: True is the sum of normals (any clipping method, any accountant)
@@ -73,8 +75,8 @@ def _check_discrete(fn: str, a: dict[str, Any]) -> float:
                          "1/grid_scale, each example's integer norm at most grid_scale * l2_clip_norm)")
     if str(a["accountant"]).lower() != "rdp":
         raise ValueError(f"{fn}: hardened='discrete' needs accountant='rdp', got accountant={a['accountant']!r}: "
-                         "the discrete Gaussian's Renyi divergences are bounded by the Gaussian's (Canonne, "
-                         "Kamath and Steinke 2020), its privacy loss distribution is not the Gaussian's")
+                         "its steps are accounted by the RDP of the subsampled discrete Gaussian (Zhu and Wang's "
+                         "bound on Canonne, Kamath and Steinke's), which has no privacy loss distribution here")
     if a["physical_batch_size"] is not None:
         raise ValueError(f"{fn}: `physical_batch_size` is not supported with hardened='discrete' (its per-example "
                          "gradients are rounded one batch at a time)")
@@ -97,6 +99,32 @@ def sampler_seed(h: Hardening, a: dict[str, Any]) -> Any:
 def gaussian_noise(h: Hardening) -> Callable[..., Any] | None:
     """The float noise adder of ``h`` (``None``: the default Gaussian)."""
     return add_sum_of_normals_noise if h.mode == "sum_of_normals" else None
+
+
+class DiscreteGaussianSampling:
+    """A Poisson sampler whose steps are accounted as ``hardened='discrete'`` runs them.
+
+    The batches, sizes and plan are the sampler's; each step's event is
+    :class:`gradclip_jax.dp.accounting.PoissonSampledDiscreteGaussianEvent` (its
+    RDP bounded for the discrete Gaussian: no continuous density is assumed),
+    recorded through the sampler protocol (``accounting()`` names this sampler).
+    """
+
+    def __init__(self, poisson: PoissonSampler):
+        # not truncated: make_private refuses on_overflow='truncate' without PLD, and this mode is RDP's
+        self.poisson = poisson
+
+    def __getattr__(self, name: str) -> Any:  # the batches, sizes, gather and seed: the sampler's
+        return getattr(self.poisson, name)
+
+    def dp_event(self, noise_multiplier: float) -> PoissonSampledDiscreteGaussianEvent:
+        return PoissonSampledDiscreteGaussianEvent(float(self.poisson.sample_rate), float(noise_multiplier))
+
+    def accounting(self) -> dict[str, Any]:
+        return {"sampler": self}
+
+    def plan(self) -> dict[str, Any]:
+        return {**self.poisson.plan(), "mechanism": "discrete_gaussian"}
 
 
 class GridFunctions(NamedTuple):

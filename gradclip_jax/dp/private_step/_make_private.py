@@ -16,6 +16,7 @@ from gradclip_jax.dp.accounting._accountants import _dp_accounting
 from gradclip_jax.dp.batch_selection import BatchSampler, check_sampler
 from gradclip_jax.dp.hardened import BitGenerator
 from gradclip_jax.dp.private_step._hardened import (
+    DiscreteGaussianSampling,
     gaussian_noise,
     grid_functions,
     hardening,
@@ -218,6 +219,9 @@ def make_private(
                           "physical_batch_size": physical_batch_size, "method": method})
     args["sampler_seed"] = sampler_seed(hard, {**args, "resume_from": resume_from})
     sampler = _poisson_sampler(fn, args) if sampler is None else _given_sampler(fn, sampler, args)
+    if hard.mode == "discrete":  # its steps accounted as the discrete Gaussian's
+        assert isinstance(sampler, PoissonSampler)  # hardening() refuses a sampler=
+        sampler = DiscreteGaussianSampling(sampler)
     n, t, divisor = sampler.dataset_size, sampler.steps, float(sampler.expected_batch_size)
     for name, v in (("target_epsilon", target_epsilon), ("l2_clip_norm", l2_clip_norm)):
         check_number(fn, name, v, low=0.0, low_inclusive=False, allow_inf=False)
