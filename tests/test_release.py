@@ -69,7 +69,7 @@ def test_release_extra_and_wheel_check_script():
     assert "python -m build" in text and "twine check" in text
     assert re.search(r"pip install .*gradclip_jax-\*\.whl|WHEELS=\(\"\$DIST\"/gradclip_jax-\*\.whl\)", text)
     assert "pip install --quiet -e" not in text  # the wheel, not the source tree
-    assert "--pyargs gradclip_jax" in text
+    assert "pkgutil.walk_packages" in text and "leaves out" in text  # every file and module of the wheel
 
 
 def test_package_declares_its_typing_marker():

@@ -24,6 +24,7 @@ elements so small that their square would underflow are counted and bounded.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -209,7 +210,20 @@ def certified_factors(
     if sum(int(np.size(x)) for x in arrays) > EXACT_CHECK_MAX or any(jnp.iscomplexobj(x) for x in arrays):
         return [bounded_factor(f, s) for f, s in zip(factors, stores, strict=True)]
     acc = jnp.result_type(*[f.dtype for f in factors])
-    b = _round_down(bound, acc)
+    return _certified(list(arrays), list(factors), _round_down(bound, acc), axes=tuple(map(tuple, axes)),
+                      combine=bool(combine), rms=bool(rms), stores=tuple(jnp.dtype(s) for s in stores))
+
+
+# One program, traced once per shapes and options: called eagerly, the check's few hundred
+# operations per array would each be dispatched (and first compiled) on their own; under an
+# outer jit the nested call is inlined by XLA, so the compiled step is the same.
+@functools.partial(jax.jit, static_argnames=("axes", "combine", "rms", "stores"))
+def _certified(
+    arrays: list[jax.Array], factors: list[jax.Array], b: jax.Array, *, axes: tuple[tuple[int, ...], ...],
+    combine: bool, rms: bool, stores: tuple[Any, ...],
+) -> list[jax.Array]:
+    """:func:`certified_factors` past its early exits, with the bound ``b`` already rounded down."""
+    acc = b.dtype
     plain = [lax.stop_gradient(f) for f in factors]
     ok0, over = _check([stored_scale(x, f, s) for x, f, s in zip(arrays, plain, stores, strict=True)],
                        axes, b, combine, rms)

@@ -126,7 +126,7 @@ def not_row_wise_setup(seed=9, batch=B):
 
 def _clip_between_norms(loss, params, data):
     """A clip norm strictly between two middle per-example norms (no ties with a norm)."""
-    _, info = clipped_grad(loss, 1.0, method="vmap")(params, data)
+    _, info = jax.jit(clipped_grad(loss, 1.0, method="vmap"))(params, data)  # eager: op by op, slow
     n = np.sort(np.asarray(info.norms))
     return float(np.sqrt(n[len(n) // 2 - 1] * n[len(n) // 2]))
 
@@ -685,7 +685,7 @@ def test_global_clipping_measures_small_formed_rows_together(scale, monkeypatch)
     def loss(p, b):
         return scale * loss0(p, b)
 
-    _, info = clipped_grad(loss, 1.0, method="vmap")(params, data)
+    _, info = jax.jit(clipped_grad(loss, 1.0, method="vmap"))(params, data)  # eager: op by op, slow
     n = np.sort(np.asarray(info.norms, np.float64))
     assert np.all(np.isfinite(n)) and n[0] > (1e19 if scale > 1 else 0)
     clip = float(np.sqrt(n[B // 2 - 1] * n[B // 2]))  # between two norms: some examples clipped
