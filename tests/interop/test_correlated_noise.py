@@ -122,12 +122,13 @@ def test_noised_sum_is_our_clipped_sum(method):
     rows = jax.tree.leaves(data)[0].shape[0]
     padding = jnp.arange(rows) >= rows - 2
     plan = cn.bandmf_plan(**{**SMALL, "expected_batch_size": 10}, method=method)
-    grads = plan.clipped_grad(_mean_loss(loss), batch_argnums=1)(params, data, is_padding_example=padding)
+    # jitted: called eagerly, each clipped sum dispatches (and compiles) its operations one by one
+    grads = jax.jit(plan.clipped_grad(_mean_loss(loss), batch_argnums=1))(params, data, is_padding_example=padding)
     state = plan.noise_addition_transform.init(params)
     noisy, _ = plan.noise_addition_transform.update(grads, state)
     noise, _ = plan.noise_addition_transform.update(jax.tree.map(jnp.zeros_like, grads), state)
-    core, _ = gcx.clipped_grad(loss, 1.0, method=method)(params, data, mask=~padding)
-    theirs = jp_clipping.clipped_grad(_mean_loss(loss), l2_clip_norm=1.0, batch_argnums=1, normalize_by=10.0)
+    core, _ = jax.jit(gcx.clipped_grad(loss, 1.0, method=method))(params, data, mask=~padding)
+    theirs = jax.jit(jp_clipping.clipped_grad(_mean_loss(loss), l2_clip_norm=1.0, batch_argnums=1, normalize_by=10.0))
     assert_tree_close(jax.tree.map(jnp.subtract, noisy, noise), jax.tree.map(lambda g: g / 10, core),
                       rtol=1e-4, atol=1e-6)
     assert_tree_close(grads, theirs(params, data, is_padding_example=padding), rtol=2e-5, atol=1e-6)
@@ -279,11 +280,11 @@ def test_blt_batches_take_each_example_every_cycle_length_steps(blt_small):
 def test_blt_noised_sum_is_our_clipped_sum():
     loss, params, data = mlp_setup()
     plan = cn.blt_plan(**{**BLT, "expected_batch_size": 10}, method="ghost")
-    grads = plan.clipped_grad(_mean_loss(loss), batch_argnums=1)(params, data)
+    grads = jax.jit(plan.clipped_grad(_mean_loss(loss), batch_argnums=1))(params, data)  # eager: op by op
     state = plan.noise_addition_transform.init(params)
     noisy, _ = plan.noise_addition_transform.update(grads, state)
     noise, _ = plan.noise_addition_transform.update(jax.tree.map(jnp.zeros_like, grads), state)
-    core, _ = gcx.clipped_grad(loss, 1.0, method="vmap")(params, data)
+    core, _ = jax.jit(gcx.clipped_grad(loss, 1.0, method="vmap"))(params, data)
     assert_tree_close(jax.tree.map(jnp.subtract, noisy, noise), jax.tree.map(lambda g: g / 10, core),
                       rtol=1e-4, atol=1e-6)
 
