@@ -312,7 +312,7 @@ def test_primitive_name_uses_are_found():
     assert sorted(_primitive_name_uses(ast.parse(src), names)) == ["add", "gather", "slice"]
 
 
-def _lines_of_code(path: pathlib.Path) -> dict[str, int]:
+def _lines_of_code(path: pathlib.Path, root: pathlib.Path = ROOT) -> dict[str, int]:
     """Lines of code of every function of a module (``module:qualified.name``): its lines, nested
     functions included, that are neither blank, nor a comment, nor part of a docstring."""
     src = path.read_text()
@@ -338,7 +338,7 @@ def _lines_of_code(path: pathlib.Path) -> dict[str, int]:
             else:
                 visit(child, f"{prefix}{child.name}." if isinstance(child, ast.ClassDef) else prefix)
 
-    visit(tree, f"{path.relative_to(ROOT)}:")
+    visit(tree, f"{path.relative_to(root)}:")
     return out
 
 
@@ -384,3 +384,85 @@ def test_every_loaded_module_comes_from_this_tree():
                if (name == "gradclip_jax" or name.startswith("gradclip_jax."))
                and getattr(mod, "__file__", None) and ROOT not in pathlib.Path(mod.__file__).parents}
     assert foreign == {}
+
+
+# ---------------------------------------------------------------------------
+# benchmarks/ is kept like the package: no import cycle, short functions
+# ---------------------------------------------------------------------------
+
+BENCHMARKS = ROOT.parent / "benchmarks"
+
+
+def _benchmark_modules() -> dict[str, pathlib.Path]:
+    modules = {}
+    for p in BENCHMARKS.rglob("*.py"):
+        parts = p.relative_to(ROOT.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    return modules
+
+
+def _benchmark_imports(path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
+    """The modules of ``benchmarks`` that ``path`` imports, at module level or inside a function."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                    for a in node.names}
+    return {m for m in out if m in modules}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` (its modules in order, the first repeated at the end), or None."""
+    state: dict[str, int] = {}
+
+    def visit(m: str, stack: list[str]) -> list[str] | None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                return [*stack[stack.index(n):], n]
+            if n not in state and (found := visit(n, [*stack, n])):
+                return found
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m, [m])):
+            return found
+    return None
+
+
+def test_benchmarks_have_no_import_cycle():
+    """No benchmark module imports, even inside a function, one that imports it back: the suites
+    share ``benchmarks/models.py``, ``benchmarks/steps.py`` and ``benchmarks/common.py``."""
+    modules = _benchmark_modules()
+    graph = {name: _benchmark_imports(path, modules) - {name} for name, path in modules.items()}
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+def test_cycle_check_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_benchmark_suites_import_no_private_name_of_another_module():
+    """A benchmark module imports no ``_name`` from another benchmark module: what two suites
+    share lives, public, in ``models``, ``steps`` or ``common``."""
+    modules = _benchmark_modules()
+    offenders = []
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module in modules:
+                offenders += [(name, f"{node.module}.{a.name}") for a in node.names if a.name.startswith("_")]
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
+                    and isinstance(node.value, ast.Name) and node.value.id in ("bg", "bd", "bgh", "bn", "pg", "bc"):
+                offenders.append((name, f"{node.value.id}.{node.attr}"))
+    assert offenders == []
+
+
+def test_no_benchmark_function_is_long():
+    """No function of ``benchmarks/`` is over 60 lines of code (the package's own measure)."""
+    sizes = {k: v for p in BENCHMARKS.rglob("*.py") for k, v in _lines_of_code(p, BENCHMARKS).items()}
+    assert sorted((n, k) for k, n in sizes.items() if n > LONG_FUNCTION) == []
+
