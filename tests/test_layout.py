@@ -466,3 +466,70 @@ def test_no_benchmark_function_is_long():
     sizes = {k: v for p in BENCHMARKS.rglob("*.py") for k, v in _lines_of_code(p, BENCHMARKS).items()}
     assert sorted((n, k) for k, n in sizes.items() if n > LONG_FUNCTION) == []
 
+
+# ---------------------------------------------------------------------------
+# Settings are read from the module that defines them
+# ---------------------------------------------------------------------------
+
+CONSTANTS = {"ONCE_ROUNDING"}  # a property of TF32's rounding, which no one sets
+
+
+def _is_number(node: ast.AST | None) -> bool:
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, (int, float)) and not isinstance(node.value, bool)
+    if isinstance(node, ast.BinOp):
+        return _is_number(node.left) and _is_number(node.right)
+    if isinstance(node, ast.UnaryOp):
+        return _is_number(node.operand)
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("int", "float") \
+        and all(_is_number(a) for a in node.args)
+
+
+def _numeric_settings(modules: dict[str, pathlib.Path]) -> set[str]:
+    """Module-level UPPER_CASE names bound to a number anywhere in the package."""
+    names = set()
+    for path in modules.values():
+        for node in ast.parse(path.read_text()).body:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, ast.AnnAssign) else []
+            if _is_number(getattr(node, "value", None)):
+                names |= {t.id for t in targets if isinstance(t, ast.Name) and t.id.isupper()}
+    return names - CONSTANTS
+
+
+def _runtime_imports(tree: ast.AST) -> list[ast.ImportFrom]:
+    """The ``from ... import`` statements of a module, those under ``if TYPE_CHECKING:`` aside."""
+    found = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and ast.unparse(child.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+                continue
+            if isinstance(child, ast.ImportFrom):
+                found.append(child)
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def _settings_copied(modules: dict[str, pathlib.Path]) -> list[tuple[str, str]]:
+    settings = _numeric_settings(modules)
+    return sorted((name, a.name) for name, path in modules.items() for node in _runtime_imports(ast.parse(
+        path.read_text())) if (node.module or "").startswith("gradclip_jax") for a in node.names if a.name in settings)
+
+
+def test_settings_are_read_from_their_module():
+    """No module imports a numeric setting by name (a copy, which assigning the setting would not
+    change): it reads ``module.SETTING`` when it decides, and a module that shows the setting under
+    another path forwards it (``gradclip_jax._core.settings.forward_settings``)."""
+    assert _settings_copied(MODULES) == []
+
+
+def test_settings_copy_check_finds_offenders(tmp_path):
+    (tmp_path / "home.py").write_text("LIMIT = 2**20\nNAME = 'x'\nTABLE = {'cpu': 1}\n")
+    (tmp_path / "user.py").write_text("from typing import TYPE_CHECKING\nfrom gradclip_jax.home import LIMIT, NAME\n"
+                                      "if TYPE_CHECKING:\n    from gradclip_jax.home import LIMIT as L2\n")
+    (tmp_path / "shows.py").write_text("if TYPE_CHECKING:\n    from gradclip_jax.home import LIMIT\n")
+    modules = {f"gradclip_jax.{p.stem}": p for p in tmp_path.iterdir()}
+    assert _settings_copied(modules) == [("gradclip_jax.user", "LIMIT")]
