@@ -17,7 +17,8 @@ pytest.importorskip("flax")
 import gradclip_jax as gcx
 from benchmarks import bench_ghost_gpu as bg
 from benchmarks import models
-from benchmarks.ghost_gpu import configs, results, timing, variants
+from benchmarks.ghost_gpu import configs as ghost_configs
+from benchmarks.ghost_gpu import results, timing, variants
 from benchmarks.steps import fresh_state
 from gradclip_jax._core.backend import backend_setting
 from tests.jaxprs import primitive_counts
@@ -38,12 +39,12 @@ def test_skips_cleanly_without_gpu(tmp_path: pathlib.Path) -> None:
 
 
 def test_select_by_prefix_and_unknown_name() -> None:
-    assert {c.name for c in configs.select("gpt2-qkv")} == {"gpt2-qkv-b8", "gpt2-qkv-b32"}
-    assert [c.name for c in configs.select("wrn,gpt2-b8,wrn")] == ["wrn-b256", "gpt2-b8"]
-    assert {c.name for c in configs.select("gpt2")} == {c.name for c in configs.CONFIGS if c.model.startswith("gpt2")}
-    assert configs.select(None) == list(configs.CONFIGS)
+    assert {c.name for c in ghost_configs.select("gpt2-qkv")} == {"gpt2-qkv-b8", "gpt2-qkv-b32"}
+    assert [c.name for c in ghost_configs.select("wrn,gpt2-b8,wrn")] == ["wrn-b256", "gpt2-b8"]
+    assert {c.name for c in ghost_configs.select("gpt2")} == {c.name for c in ghost_configs.CONFIGS if c.model.startswith("gpt2")}
+    assert ghost_configs.select(None) == list(ghost_configs.CONFIGS)
     with pytest.raises(ValueError, match="models: unknown config 'gpt3'"):
-        configs.select("gpt3")
+        ghost_configs.select("gpt3")
 
 
 def test_full_gpt2_is_gpt2_small() -> None:
@@ -85,7 +86,7 @@ def test_tiny_cpu_run_writes_and_merges_results(tmp_path: pathlib.Path, monkeypa
     configs = {c["config"]: c for c in doc["configs"]}
     assert list(configs) == ["gpt2-qkv-b8", "wrn-b256"]  # the second run merged into the first
     for c in configs.values():
-        assert c["batch"] == configs.TINY_BATCH
+        assert c["batch"] == ghost_configs.TINY_BATCH
         steps = c["steps"]
         assert steps["nonprivate"]["rounds"] == 5
         assert steps["ghost"]["time_x"] == pytest.approx(steps["ghost"]["ms"] / steps["nonprivate"]["ms"])
@@ -133,19 +134,19 @@ def test_product_accuracy_measures_reduced_pass_products_and_restores_the_table(
 
 
 def test_product_steps_trace_with_their_setting_and_tf32_needs_a_gpu():
-    cfg = configs.Config("x", "gpt2", 2, ("nonprivate", "ghost_tf32x3", "ghost_bf16x6"))
-    steps = variants.step_variants(cfg, lambda p, b: b, 2, configs.STEPS)
+    cfg = ghost_configs.Config("x", "gpt2", 2, ("nonprivate", "ghost_tf32x3", "ghost_bf16x6"))
+    steps = variants.step_variants(cfg, lambda p, b: b, 2, ghost_configs.STEPS)
     if not on_gpu:
         assert steps["ghost_tf32x3"] == "skipped: TF32 products need an NVIDIA GPU (Ampere or later)"
     assert callable(steps["ghost_bf16x6"])
-    assert {c.name for c in configs.CONFIGS if "ghost_tf32x3" in c.steps} == {"gpt2-b8", "gpt2-b32", "wrn-b256"}
+    assert {c.name for c in ghost_configs.CONFIGS if "ghost_tf32x3" in c.steps} == {"gpt2-b8", "gpt2-b32", "wrn-b256"}
 
 
 def test_steps_are_parsed_from_the_variable_and_an_unknown_one_is_named():
-    assert configs.parse_steps(None, "GHOST_GPU_STEPS") == configs.STEPS
-    assert configs.parse_steps(" ghost,vmap", "GHOST_GPU_STEPS") == ("ghost", "vmap")
+    assert ghost_configs.parse_steps(None, "GHOST_GPU_STEPS") == ghost_configs.STEPS
+    assert ghost_configs.parse_steps(" ghost,vmap", "GHOST_GPU_STEPS") == ("ghost", "vmap")
     with pytest.raises(ValueError, match="GHOST_GPU_STEPS: unknown steps \\['', 'ghots'\\]"):
-        configs.parse_steps("ghots,,vmap", "GHOST_GPU_STEPS")
+        ghost_configs.parse_steps("ghots,,vmap", "GHOST_GPU_STEPS")
 
 
 def test_runs_of_different_steps_merge_into_one_config(tmp_path: pathlib.Path) -> None:
@@ -182,8 +183,8 @@ def test_runs_of_different_steps_merge_into_one_config(tmp_path: pathlib.Path) -
 
 def test_noise_shapes_step_draws_once_per_leaf_shape():
     losses, params, data, _ = models.gpt2(2, fused=True, dtype=jnp.float32, tiny=True, layers=2)
-    cfg = configs.Config("x", "gpt2", 2, ("nonprivate", "ghost", "ghost_noise_shapes"))
-    steps = variants.step_variants(cfg, losses, 2, configs.STEPS)
+    cfg = ghost_configs.Config("x", "gpt2", 2, ("nonprivate", "ghost", "ghost_noise_shapes"))
+    steps = variants.step_variants(cfg, losses, 2, ghost_configs.STEPS)
     state = fresh_state(params, 0)
     draws = str(jax.make_jaxpr(steps["ghost_noise_shapes"])(state, data)).count("random_bits[")
     shapes = {(x.shape, jnp.result_type(x, jnp.float32)) for x in jax.tree.leaves(params)}
@@ -193,7 +194,7 @@ def test_noise_shapes_step_draws_once_per_leaf_shape():
 def test_noise_steps_add_the_noise_to_the_unclipped_sum_or_draw_it_unstored():
     losses, params, data, _ = models.gpt2(2, fused=True, dtype=jnp.float32, tiny=True, layers=2)
     names = ("nonprivate", "ghost", "nonprivate_noise", "ghost_noise_unstored")
-    steps = variants.step_variants(configs.Config("x", "gpt2", 2, names), losses, 2, configs.STEPS)
+    steps = variants.step_variants(ghost_configs.Config("x", "gpt2", 2, names), losses, 2, ghost_configs.STEPS)
     with backend_setting(gcx.privacy.NOISE_STRATEGY, "leaves"):  # a draw per leaf, as on GPUs
         jaxprs = {n: jax.make_jaxpr(steps[n])(fresh_state(params, 0), data).jaxpr for n in names}
     leaves = len(jax.tree.leaves(params))
