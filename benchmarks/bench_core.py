@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import optax
 
 import gradclip_jax as gcx
-from benchmarks.common import chain_step_ms, interleaved_ms, num_params, row, transformer_tree
+from benchmarks.common import chain_step_ms, interleaved_ms, num_params, row
+from benchmarks.models import transformer_tree
 
 GROUP = "core"
 

@@ -37,32 +37,10 @@ import optax
 
 import gradclip_jax as gcx
 from benchmarks.common import chain_step_ms, interleaved_ms, num_params, row
+from benchmarks.models import gpt2_grad_tree
 from gradclip_jax._core import norms as _norms
 
 GROUP = "core-gpu"
-
-
-def gpt2_tree(layers: int = 48, d: int = 1600, vocab: int = 50257, ctx: int = 1024,
-              dtype: Any = jnp.float32, seed: int = 0) -> dict[str, Any]:
-    """Gradient-like leaves with GPT-2's parameter shapes (XL by default: 580 leaves, 1.56B)."""
-    key = jax.random.PRNGKey(seed)
-
-    def leaf(*shape: int) -> jax.Array:
-        nonlocal key
-        key, sub = jax.random.split(key)
-        return (jax.random.normal(sub, shape, jnp.float32) * 1e-3).astype(dtype)
-
-    tree: dict[str, Any] = {"wte": leaf(vocab, d), "wpe": leaf(ctx, d), "ln_f": {"g": leaf(d), "b": leaf(d)}}
-    for i in range(layers):
-        tree[f"h{i}"] = {
-            "ln_1": {"g": leaf(d), "b": leaf(d)},
-            "attn": {"c_attn": {"w": leaf(d, 3 * d), "b": leaf(3 * d)},
-                     "c_proj": {"w": leaf(d, d), "b": leaf(d)}},
-            "ln_2": {"g": leaf(d), "b": leaf(d)},
-            "mlp": {"c_fc": {"w": leaf(d, 4 * d), "b": leaf(4 * d)},
-                    "c_proj": {"w": leaf(4 * d, d), "b": leaf(d)}},
-        }
-    return tree
 
 
 def _small() -> bool:
@@ -71,8 +49,8 @@ def _small() -> bool:
 
 def _make_tree(dtype: Any) -> dict[str, Any]:
     if _small():
-        return gpt2_tree(layers=2, d=16, vocab=100, ctx=32, dtype=dtype)
-    return gpt2_tree(dtype=dtype)
+        return gpt2_grad_tree(layers=2, d=16, vocab=100, ctx=32, dtype=dtype)
+    return gpt2_grad_tree(dtype=dtype)
 
 
 def _clip_fn(tx: optax.GradientTransformation) -> Any:

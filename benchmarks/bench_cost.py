@@ -63,15 +63,19 @@ from unittest import mock
 import jax
 import jax.numpy as jnp
 
-from benchmarks import bench_ghost_gpu as bg
 from benchmarks.common import memory_mb, row
+from benchmarks.ghost_gpu.configs import TINY_BATCH, Config
+from benchmarks.ghost_gpu.timing import control_flow
+from benchmarks.ghost_gpu.variants import step_variants
 from benchmarks.hlo_program import PHASES, hlo_phases
+from benchmarks.models import gpt2, wrn
+from benchmarks.steps import fresh_state
 from gradclip_jax._core.jaxcompat import gpu_threefry_on_cpu
 
 GROUP = "cost"
 STEPS = ("nonprivate", "ghost", "vmap")
 GPT2_LAYERS = 2
-MODELS = {"gpt2-2l": bg.Config("gpt2-2l-b8", "gpt2", 8, STEPS), "wrn": bg.Config("wrn-b32", "wrn", 32, STEPS)}
+MODELS = {"gpt2-2l": Config("gpt2-2l-b8", "gpt2", 8, STEPS), "wrn": Config("wrn-b32", "wrn", 32, STEPS)}
 # (record key, row title, unit, scale of the value in the ms columns)
 MEASURES = (
     ("flops", "FLOPs (CPU cost analysis)", "GFLOP", 1e-9),
@@ -193,7 +197,7 @@ def compiled_summary(compiled: Any) -> dict[str, Any]:
     if isinstance(cost, (list, tuple)):  # older jax: one dict per device program
         cost = cost[0]
     text = compiled.as_text()
-    flow = bg.control_flow(compiled)
+    flow = control_flow(compiled)
     if "loops" in flow:
         flow["loops"] -= rng_loops(text)
     return {"flops": float(cost.get("flops", 0.0)), "bytes": float(cost.get("bytes accessed", 0.0)),
@@ -248,19 +252,19 @@ def measure_step(step: Callable, state: Any, data: Any) -> dict[str, Any]:
 def build(model: str, quick: bool) -> tuple[Callable, Any, Any, str, int]:
     """``(losses, params, data, label, batch)`` of ``model`` (a key of :data:`MODELS`)."""
     cfg = MODELS[model]
-    batch = bg.TINY_BATCH if quick else cfg.batch
+    batch = TINY_BATCH if quick else cfg.batch
     if cfg.model == "wrn":
-        return (*bg._wrn(batch, tiny=quick), batch)
-    return (*bg._gpt2(batch, fused=True, dtype=jnp.float32, tiny=quick, layers=GPT2_LAYERS), batch)
+        return (*wrn(batch, tiny=quick), batch)
+    return (*gpt2(batch, fused=True, dtype=jnp.float32, tiny=quick, layers=GPT2_LAYERS), batch)
 
 
 def measure_model(model: str, quick: bool) -> dict[str, Any]:
     """Every step of one model: ``{"model", "label", "batch", "steps": {step: record}}``."""
     losses, params, data, label, batch = build(model, quick)
-    steps = bg._steps(MODELS[model], losses, batch, STEPS)
+    steps = step_variants(MODELS[model], losses, batch, STEPS)
     res: dict[str, Any] = {"model": model, "label": label, "batch": batch, "steps": {}}
     for i, name in enumerate(STEPS):
-        res["steps"][name] = measure_step(steps[name], bg._fresh_state(params, i), data)  # type: ignore[arg-type]
+        res["steps"][name] = measure_step(steps[name], fresh_state(params, i), data)  # type: ignore[arg-type]
     return res
 
 

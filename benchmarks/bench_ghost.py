@@ -56,55 +56,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from benchmarks.bench_dp import CLIP, _max_diff, _mlp
-from benchmarks.common import compiled_mb, interleaved_ms, row
+from benchmarks.common import compiled_mb, interleaved_ms, max_diff, row
+from benchmarks.models import gpt2, mlp, transformer, wrn
+from benchmarks.steps import CLIP, nonprivate_step
 from gradclip_jax.per_example import clipped_grad
-
-
-def _transformer(seed: int, batch: int, *, layers: int = 2, d: int = 128, heads: int = 4,
-                 seq: int = 64, vocab: int = 256) -> tuple[Callable[..., Any], Any, Any]:
-    """A small pre-LN transformer LM with per-example losses (mean token cross-entropy)."""
-    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 8 * layers + 8))
-
-    def dense(n_in: int, n_out: int) -> jax.Array:
-        return jax.random.normal(next(keys), (n_in, n_out)) / jnp.sqrt(n_in)
-
-    params: dict[str, Any] = {
-        "embed": 0.02 * jax.random.normal(next(keys), (vocab, d)),
-        "pos": 0.02 * jax.random.normal(next(keys), (seq, d)),
-        "ln_f": {"scale": jnp.ones(d), "bias": jnp.zeros(d)},
-        "head": dense(d, vocab),
-        "layers": [
-            {"ln1": {"scale": jnp.ones(d), "bias": jnp.zeros(d)}, "ln2": {"scale": jnp.ones(d), "bias": jnp.zeros(d)},
-             "q": dense(d, d), "k": dense(d, d), "v": dense(d, d), "o": dense(d, d),
-             "up": dense(d, 4 * d), "up_b": jnp.zeros(4 * d), "down": dense(4 * d, d), "down_b": jnp.zeros(d)}
-            for _ in range(layers)
-        ],
-    }
-    tokens = jax.random.randint(next(keys), (batch, seq + 1), 0, vocab)
-    data = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
-
-    def norm(p: Any, h: jax.Array) -> jax.Array:
-        mu = jnp.mean(h, -1, keepdims=True)
-        var = jnp.mean((h - mu) ** 2, -1, keepdims=True)
-        return (h - mu) / jnp.sqrt(var + 1e-5) * p["scale"] + p["bias"]
-
-    def losses(p: Any, b: Any) -> jax.Array:
-        h = p["embed"][b["x"]] + p["pos"]
-        mask = jnp.tril(jnp.ones((seq, seq), bool))
-        for lp in p["layers"]:
-            a = norm(lp["ln1"], h)
-            q, k, v = (jnp.reshape(a @ lp[n], (*a.shape[:-1], heads, d // heads)) for n in "qkv")
-            att = jnp.einsum("bthe,bshe->bhts", q, k) / jnp.sqrt(d // heads)
-            att = jax.nn.softmax(jnp.where(mask, att, -1e9), axis=-1)
-            h = h + jnp.reshape(jnp.einsum("bhts,bshe->bthe", att, v), a.shape) @ lp["o"]
-            m = norm(lp["ln2"], h)
-            h = h + jax.nn.gelu(m @ lp["up"] + lp["up_b"]) @ lp["down"] + lp["down_b"]
-        logits = norm(p["ln_f"], h) @ p["head"]
-        ll = jnp.take_along_axis(jax.nn.log_softmax(logits), b["y"][..., None], axis=-1)[..., 0]
-        return -jnp.mean(ll, axis=-1)
-
-    return losses, params, data
 
 
 def _model_rows(label: str, bar: str, model: Callable[..., Any], batch: int, reps: int, max_s: float,
@@ -120,7 +75,7 @@ def _model_rows(label: str, bar: str, model: Callable[..., Any], batch: int, rep
     vmap = jax.jit(clipped_grad(losses, CLIP, method="vmap"))
     jitted = {k: jax.jit(f) for k, f in fns.items()}
     ref = vmap(params, data)[0]
-    diff = max(_max_diff(jitted[k](params, data)[0], ref) for k in ("backward", "bookkeeping"))
+    diff = max(max_diff(jitted[k](params, data)[0], ref) for k in ("backward", "bookkeeping"))
     ms = interleaved_ms({k: (lambda k=k: jitted[k](params, data)) for k in fns}, reps, max_s=max_s)
     # vmap apart: its B x params rows would flush the caches before whichever step ran next
     ms["vmap"] = interleaved_ms({"vmap": lambda: vmap(params, data)}, max(2, reps // 4), max_s=max_s)["vmap"]
@@ -145,8 +100,6 @@ def _model_rows(label: str, bar: str, model: Callable[..., Any], batch: int, rep
 
 
 def _wrn(seed: int, batch: int) -> tuple[Callable[..., Any], Any, Any]:
-    from benchmarks.bench_ghost_gpu import _wrn as wrn
-
     losses, params, data, _ = wrn(batch, tiny=False, seed=seed)
     return losses, params, data
 
@@ -177,9 +130,7 @@ def _compile_times(batch: int, tiny: bool, scan: bool, env: str, which: Sequence
     ``lax.scan``), with the row label and note."""
     import optax
 
-    from benchmarks.bench_ghost_gpu import _dp_step, _gpt2, _nonprivate_step
-
-    losses, params, data, _ = _gpt2(batch, fused=True, dtype=jnp.float32, tiny=tiny, scan=scan)
+    losses, params, data, _ = gpt2(batch, fused=True, dtype=jnp.float32, tiny=tiny, scan=scan)
     opt = optax.adamw(1e-4)
     state = (params, opt.init(params), jax.random.key(0))
     summed = jax.grad(lambda p, b: jnp.sum(losses(p, b)))
@@ -187,13 +138,13 @@ def _compile_times(batch: int, tiny: bool, scan: bool, env: str, which: Sequence
     vmap = clipped_grad(losses, CLIP, method="vmap")
 
     def dp_step(summed_grad: Callable[..., Any]) -> Callable[..., Any]:  # the GPU suite's: noise, /B, adamw
-        return _dp_step(summed_grad, CLIP, batch, opt)
+        return dp_step(summed_grad, CLIP, batch, opt)
 
     def grad_only(grad_fn: Callable[..., Any]) -> Callable[..., Any]:
         return lambda st, b: grad_fn(st[0], b)
 
     steps = {
-        "nonprivate": lambda: _nonprivate_step(losses, opt),
+        "nonprivate": lambda: nonprivate_step(losses, opt),
         "nonprivate+noise": lambda: dp_step(summed),
         "ghost": lambda: dp_step(lambda p, b: ghost(p, b)[0]),
         "vmap": lambda: dp_step(lambda p, b: vmap(p, b)[0]),
@@ -238,9 +189,9 @@ def run(quick: bool = False) -> list[dict]:
     env = f"{jax.default_backend()} x{jax.device_count()}, jax {jax.__version__}, {platform.machine()}"
     rows: list[dict] = []
     for batch in (32, 128) if quick else (32, 128, 512):
-        rows += _model_rows("MLP 784-512-512-10", "bar <= 1.5x at B=128", _mlp, batch, reps, max_s, env)
+        rows += _model_rows("MLP 784-512-512-10", "bar <= 1.5x at B=128", mlp, batch, reps, max_s, env)
     for batch in (32,) if quick else (32, 128, 512):
-        rows += _model_rows("transformer 2x128 T=64", "bar <= 2x at B=32", _transformer, batch, reps, max_s, env)
+        rows += _model_rows("transformer 2x128 T=64", "bar <= 2x at B=32", transformer, batch, reps, max_s, env)
     if not quick:
         rows += _cnn_rows(reps, max_s, env)
     rows += compile_rows(env)

@@ -51,6 +51,7 @@ from jax.extend.random import threefry2x32_p
 
 import gradclip_jax as gcx
 from benchmarks.common import interleaved_ms, memory_mb, row
+from benchmarks.steps import optax_noise
 from gradclip_jax._core.backend import backend_setting
 from gradclip_jax.dp.philox import normal_from_bits
 
@@ -72,14 +73,6 @@ def gpt2_tree(width: int = 768, vocab: int = 50257, layers: int = 12, positions:
             "mlp_proj": {"kernel": jnp.zeros((4 * d, d)), "bias": jnp.zeros(d)},
         }
     return tree
-
-
-def optax_way(tree: Any, stddev: float, key: jax.Array) -> Any:
-    """The per-leaf draw of ``optax.contrib.differentially_private_aggregate``."""
-    leaves, treedef = jax.tree.flatten(tree)
-    keys = jax.random.split(key, len(leaves))
-    noised = [x + stddev * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys, strict=True)]
-    return jax.tree.unflatten(treedef, noised)
 
 
 def _bits_as_float(k: jax.Array, x: jax.Array) -> jax.Array:
@@ -139,7 +132,7 @@ PARTS: dict[str, tuple[str, Callable[[Any, jax.Array], Any], dict[str, Any]]] = 
     "box_muller": ("tree + Box-Muller normals per leaf", _per_leaf(_box_muller), {}),
     "one_draw": ("tree + one normal draw of the whole tree, cut into leaves", _one_draw, {}),
     "threefry_kernel": ("optax per-leaf draw with JAX's threefry GPU kernel (jax_threefry_gpu_kernel_lowering)",
-                        lambda t, k: optax_way(t, 1.0, k), {"jax_threefry_gpu_kernel_lowering": True}),
+                        lambda t, k: optax_noise(t, 1.0, k), {"jax_threefry_gpu_kernel_lowering": True}),
 }
 
 
@@ -174,7 +167,7 @@ def part_rows(tree: Any, key: jax.Array, what: str, reps: int, deadline: float =
     :data:`PARTS`' order."""
     compiled, compile_s = {}, {}
     with _flags({"jax_enable_compilation_cache": False}):
-        compiled["optax"], compile_s["optax"] = _compile(lambda t, k: optax_way(t, 1.0, k), tree, key)
+        compiled["optax"], compile_s["optax"] = _compile(lambda t, k: optax_noise(t, 1.0, k), tree, key)
         for name, (_, f, flags) in PARTS.items():
             if flags and jax.default_backend() != "gpu":
                 continue  # a GPU lowering flag: the same program elsewhere
@@ -216,7 +209,7 @@ def adamw_rows(tree: Any, key: jax.Array, what: str, reps: int) -> list[dict]:
     (``gradclip_jax.dp.noise._stored``)."""
     state = optax.adamw(1e-4).init(tree)
     fns = {"ours": _then_adamw(lambda t, k: gcx.privacy.add_gaussian_noise(t, 1.0, k)),
-           "optax": _then_adamw(lambda t, k: optax_way(t, 1.0, k))}
+           "optax": _then_adamw(lambda t, k: optax_noise(t, 1.0, k))}
     compiled, compile_s = {}, {}
     with _flags({"jax_enable_compilation_cache": False}):
         for name, f in fns.items():
@@ -300,8 +293,8 @@ def run(quick: bool = False) -> list[dict]:
     leaves = jax.tree.leaves(tree)
     n = sum(x.size for x in leaves)
     key = jax.random.key(0)
-    fns = {"ours": lambda t, k: gcx.privacy.add_gaussian_noise(t, 1.0, k), "optax": lambda t, k: optax_way(t, 1.0, k)}
-    _compile(lambda t, k: optax_way(t, 1.0, k), {"w": jnp.zeros(3)}, key)  # one-time warm-up of the compiler
+    fns = {"ours": lambda t, k: gcx.privacy.add_gaussian_noise(t, 1.0, k), "optax": lambda t, k: optax_noise(t, 1.0, k)}
+    _compile(lambda t, k: optax_noise(t, 1.0, k), {"w": jnp.zeros(3)}, key)  # one-time warm-up of the compiler
     fns["philox"] = lambda t, k: gcx.privacy.add_gaussian_noise(t, 1.0, k)  # traced with "philox" below
     backend = jax.default_backend()
     compiled, compile_s, temp = {}, {}, {}

@@ -32,8 +32,8 @@ import jax
 import numpy as np
 import optax
 
-from benchmarks.bench_dp import _mlp
 from benchmarks.common import interleaved_ms, row
+from benchmarks.models import mlp
 from gradclip_jax.dp import make_private
 
 N = 60000
@@ -45,7 +45,7 @@ def run(quick: bool = False) -> list[dict]:
     env = f"{jax.default_backend()} x{jax.device_count()}, jax {jax.__version__}, {platform.machine()}"
     rows: list[dict] = []
     for b in (64,) if quick else (64, 256):
-        losses, params, _ = _mlp(0, 1)
+        losses, params, _ = mlp(0, 1)
         r = np.random.default_rng(0)
         data = {"x": r.normal(size=(N, 784)).astype(np.float32), "y": r.integers(0, 10, N).astype(np.int32)}
         priv = make_private(losses, optax.sgd(0.1), dataset_size=N, expected_batch_size=b, steps=10000,

@@ -1,4 +1,4 @@
-"""Shared benchmark helpers: model-shaped trees and interleaved A/B timing."""
+"""Shared benchmark helpers: interleaved A/B timing, rows, compiled memory."""
 
 from __future__ import annotations
 
@@ -12,32 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def transformer_tree(vocab: int = 8192, d: int = 512, layers: int = 8, seed: int = 0,
-                     dtype: Any = jnp.float32) -> dict[str, Any]:
-    """Gradient-like leaves shaped like a transformer's parameters.
-
-    The defaults give ~29.6M parameters: an 8192 x 512 embedding and 8 layers of
-    four d x d attention matrices, a d x 4d and a 4d x d MLP matrix, two biases and
-    four layer-norm vectors.
-    """
-    rng = np.random.default_rng(seed)
-
-    def leaf(*shape: int) -> jax.Array:
-        return jnp.asarray(rng.standard_normal(shape, dtype=np.float32) * 1e-2, dtype)
-
-    tree: dict[str, Any] = {"embed": leaf(vocab, d), "final_norm": leaf(d)}
-    for i in range(layers):
-        tree[f"layer{i}"] = {
-            "q": leaf(d, d), "k": leaf(d, d), "v": leaf(d, d), "o": leaf(d, d),
-            "mlp_in": leaf(d, 4 * d), "mlp_in_bias": leaf(4 * d),
-            "mlp_out": leaf(4 * d, d), "mlp_out_bias": leaf(d),
-            "ln1_scale": leaf(d), "ln1_bias": leaf(d), "ln2_scale": leaf(d), "ln2_bias": leaf(d),
-        }
-    return tree
-
-
 def num_params(tree: Any) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(tree))
+
+
+def max_diff(a: Any, b: Any) -> float:
+    """The largest absolute difference between two trees' leaves."""
+    return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
 def block(x: Any) -> Any:

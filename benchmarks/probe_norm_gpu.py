@@ -41,8 +41,8 @@ import jax.numpy as jnp
 import optax
 
 import gradclip_jax as gcx
-from benchmarks.bench_core_gpu import gpt2_tree
 from benchmarks.common import interleaved_ms
+from benchmarks.models import gpt2_grad_tree
 from gradclip_jax._core import norms as _norms
 
 # (name, SUMSQ_STRATEGY value, pack small leaves?) in the order they are tried
@@ -107,7 +107,7 @@ def _print(line: str) -> None:
 
 
 def probe_dtype(dtype: Any, label: str, reps: int, deadline: float, names: list[str]) -> list[dict]:
-    tree = gpt2_tree(dtype=dtype) if not _small() else gpt2_tree(layers=2, d=16, vocab=100, ctx=32, dtype=dtype)
+    tree = gpt2_grad_tree(dtype=dtype) if not _small() else gpt2_grad_tree(layers=2, d=16, vocab=100, ctx=32, dtype=dtype)
     jax.block_until_ready(tree)
     ref_c, ref_s, ref_t = _compile(lambda: optax.clip_by_global_norm(1.0), tree)
     # reference: float32 squares, one plain XLA sum per leaf (optax's bf16 norm is off by ~1e-3)

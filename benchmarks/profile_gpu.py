@@ -67,9 +67,12 @@ from typing import Any
 
 import jax
 
-from benchmarks import bench_ghost_gpu as bg
 from benchmarks.common import num_params, row, same_measurement
+from benchmarks.ghost_gpu.configs import Config, build, parse_steps, select
+from benchmarks.ghost_gpu.timing import Runner, control_flow
+from benchmarks.ghost_gpu.variants import error_text, step_variants
 from benchmarks.hlo_program import PHASES, hlo_hints, hlo_phases
+from benchmarks.steps import fresh_state
 
 GROUP = "profile-gpu"
 RESULTS_JSON = "profile_gpu.json"
@@ -299,30 +302,30 @@ def profile_step(step: Callable, params: Any, data: Any, seed: int, *, warmup: i
                  logdir: pathlib.Path) -> dict[str, Any]:
     """Compiles one step, runs ``warmup`` steps, traces ``steps`` more and summarizes them."""
     t0 = time.perf_counter()
-    state = bg._fresh_state(params, seed)
+    state = fresh_state(params, seed)
     compiled = jax.jit(step, donate_argnums=0).lower(state, data).compile()
     compile_s = time.perf_counter() - t0
     text = compiled.as_text()
     hints, phases = hlo_hints(text), hlo_phases(text)
-    runner = bg._Runner(compiled, state, data)
+    runner = Runner(compiled, state, data)
     for _ in range(warmup):
         runner()
     trace, wall_ms = trace_steps(runner, logdir, steps)
     return {**summarize(trace, steps, hints, phases), "wall_ms": wall_ms, "compile_s": compile_s,
-            **bg.control_flow(compiled)}
+            **control_flow(compiled)}
 
 
 def chosen_steps(wanted: str | None) -> tuple[str, ...]:
     """The steps to profile: ``nonprivate`` first, then those of ``wanted`` (default :data:`STEPS`)."""
-    names = bg.parse_steps(wanted, "PROFILE_GPU_STEPS", STEPS)
+    names = parse_steps(wanted, "PROFILE_GPU_STEPS", STEPS)
     return ("nonprivate", *dict.fromkeys(n for n in names if n != "nonprivate"))
 
 
-def measure(cfg: bg.Config, *, tiny: bool, warmup: int, steps: int, trace_root: pathlib.Path,
+def measure(cfg: Config, *, tiny: bool, warmup: int, steps: int, trace_root: pathlib.Path,
             deadline: float, clock: dict[str, float], names: Sequence[str] = STEPS) -> dict[str, Any]:
     """Profiles the steps ``names`` (``nonprivate`` among them) of one config."""
-    losses, params, data, label, batch = bg.build(cfg, tiny)
-    fns = bg._steps(dataclasses.replace(cfg, steps=tuple(names)), losses, batch, tuple(names))
+    losses, params, data, label, batch = build(cfg, tiny)
+    fns = step_variants(dataclasses.replace(cfg, steps=tuple(names)), losses, batch, tuple(names))
     res: dict[str, Any] = {"config": cfg.name, "label": label, "batch": batch, "params": num_params(params),
                            "steps": {}}
     for i, name in enumerate(names):
@@ -335,7 +338,7 @@ def measure(cfg: bg.Config, *, tiny: bool, warmup: int, steps: int, trace_root: 
                                logdir=trace_root / cfg.name / name)
         except Exception as err:  # one failing step must not lose the others
             traceback.print_exc()
-            rec = {"error": bg._error(err)}
+            rec = {"error": error_text(err)}
         clock["max_s"] = max(clock.get("max_s", 0.0), time.perf_counter() - t0)
         res["steps"][name] = rec
         print(f"[profile-gpu {cfg.name}] {name}: " + (rec.get("error") or f"{rec['ms_per_step']:.2f} ms/step "
@@ -477,7 +480,7 @@ def run(quick: bool = False, *, out: str | pathlib.Path | None = None, models: s
     tiny = tiny or not on_gpu
     warmup = warmup if warmup is not None else (2 if quick else 3)
     steps = steps if steps is not None else (2 if quick else 3)
-    configs = bg.select(models or DEFAULT_MODELS)
+    configs = select(models or DEFAULT_MODELS)
     out_dir = pathlib.Path(out) if out is not None else pathlib.Path(__file__).parent / "results"
     deadline = time.perf_counter() + float(os.environ.get("PROFILE_GPU_BUDGET_S", DEFAULT_BUDGET_S))
     names = chosen_steps(os.environ.get("PROFILE_GPU_STEPS"))

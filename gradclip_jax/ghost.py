@@ -19,12 +19,15 @@ Example:
     (True, (4,))
 """
 
-from gradclip_jax.per_example.ghost import (
-    AUTO_MIN_ELEMENTS,
-    BOOKKEEPING_MAX_SHARE,
-    GhostFallbackWarning,
-    GhostReport,
-    ghost_report,
-)
+from typing import TYPE_CHECKING
+
+from gradclip_jax._core.settings import forward_settings
+from gradclip_jax.per_example import ghost as _ghost
+from gradclip_jax.per_example.ghost import GhostFallbackWarning, GhostReport, ghost_report
+
+if TYPE_CHECKING:  # at run time forwarded to gradclip_jax.per_example.ghost (and on to the policy)
+    from gradclip_jax.per_example.ghost import AUTO_MIN_ELEMENTS, BOOKKEEPING_MAX_SHARE
+
+forward_settings(__name__, _ghost, ("AUTO_MIN_ELEMENTS", "BOOKKEEPING_MAX_SHARE"))
 
 __all__ = ["AUTO_MIN_ELEMENTS", "BOOKKEEPING_MAX_SHARE", "GhostFallbackWarning", "GhostReport", "ghost_report"]

@@ -7,6 +7,10 @@
 (``NOISE_STRATEGY`` picks, per backend, one draw per leaf or one blocked draw).
 """
 
+from typing import TYPE_CHECKING
+
+from gradclip_jax._core.settings import forward_settings
+from gradclip_jax.dp import noise as _noise
 from gradclip_jax.dp.accounting import (
     PrivacyAccountant,
     PrivacyPhase,
@@ -14,7 +18,12 @@ from gradclip_jax.dp.accounting import (
     dp_sgd_event,
     epsilon,
 )
-from gradclip_jax.dp.noise import NOISE_BLOCK_SIZE, NOISE_STRATEGY, add_gaussian_noise
+from gradclip_jax.dp.noise import NOISE_STRATEGY, add_gaussian_noise
+
+if TYPE_CHECKING:  # at run time forwarded: assigning it here assigns the one gradclip_jax.dp.noise reads
+    from gradclip_jax.dp.noise import NOISE_BLOCK_SIZE
+
+forward_settings(__name__, _noise, ("NOISE_BLOCK_SIZE",))
 
 __all__ = [
     "NOISE_BLOCK_SIZE",

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("jax_privacy")
 from benchmarks import bench_dp as bd
-from benchmarks import bench_ghost as bgh
+from benchmarks.models import transformer
 
 
 def _tiny_mlp(seed: int, batch: int):
@@ -53,5 +53,5 @@ def test_dropin_rows_cover_both_cpu_models_of_the_benchmarks(monkeypatch):
     names = [r["name"].split(" interop")[0] for r in rows]
     assert names == ["mlp 784-512-512-10 B=32", "mlp 784-512-512-10 B=128", "transformer 2x128 T=64 B=32"]
     assert all(r["ratio"] == 0.5 for r in rows)
-    _, _, data = bgh._transformer(0, 32)
+    _, _, data = transformer(0, 32)
     assert asked[-1] == jax.tree.leaves(data)[0].shape

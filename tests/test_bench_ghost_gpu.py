@@ -16,6 +16,10 @@ import pytest
 pytest.importorskip("flax")
 import gradclip_jax as gcx
 from benchmarks import bench_ghost_gpu as bg
+from benchmarks import models
+from benchmarks.ghost_gpu import configs as ghost_configs
+from benchmarks.ghost_gpu import results, timing, variants
+from benchmarks.steps import fresh_state
 from gradclip_jax._core.backend import backend_setting
 from tests.jaxprs import primitive_counts
 
@@ -35,12 +39,12 @@ def test_skips_cleanly_without_gpu(tmp_path: pathlib.Path) -> None:
 
 
 def test_select_by_prefix_and_unknown_name() -> None:
-    assert {c.name for c in bg.select("gpt2-qkv")} == {"gpt2-qkv-b8", "gpt2-qkv-b32"}
-    assert [c.name for c in bg.select("wrn,gpt2-b8,wrn")] == ["wrn-b256", "gpt2-b8"]
-    assert {c.name for c in bg.select("gpt2")} == {c.name for c in bg.CONFIGS if c.model.startswith("gpt2")}
-    assert bg.select(None) == list(bg.CONFIGS)
+    assert {c.name for c in ghost_configs.select("gpt2-qkv")} == {"gpt2-qkv-b8", "gpt2-qkv-b32"}
+    assert [c.name for c in ghost_configs.select("wrn,gpt2-b8,wrn")] == ["wrn-b256", "gpt2-b8"]
+    assert {c.name for c in ghost_configs.select("gpt2")} == {c.name for c in ghost_configs.CONFIGS if c.model.startswith("gpt2")}
+    assert ghost_configs.select(None) == list(ghost_configs.CONFIGS)
     with pytest.raises(ValueError, match="models: unknown config 'gpt3'"):
-        bg.select("gpt3")
+        ghost_configs.select("gpt3")
 
 
 def test_full_gpt2_is_gpt2_small() -> None:
@@ -49,7 +53,7 @@ def test_full_gpt2_is_gpt2_small() -> None:
         box: dict = {}
 
         def make() -> object:
-            _, params, _, label = bg._gpt2(1, fused=fused, dtype=jax.numpy.float32, tiny=False, scan=scan)
+            _, params, _, label = models.gpt2(1, fused=fused, dtype=jax.numpy.float32, tiny=False, scan=scan)
             box["label"] = label
             return params
 
@@ -62,7 +66,7 @@ def test_full_gpt2_is_gpt2_small() -> None:
 
 def test_scanned_gpt2_keeps_its_blocks_in_one_loop_on_the_ghost_path() -> None:
     # what the gpt2-scan configs measure: every block leaf a site inside the scan, nothing falls back
-    losses, params, data, label = bg._gpt2(2, fused=True, dtype=jax.numpy.float32, tiny=True, scan=True)
+    losses, params, data, label = models.gpt2(2, fused=True, dtype=jax.numpy.float32, tiny=True, scan=True)
     rep = gcx.ghost_report(losses, params, data)
     assert "lax.scan" in label and rep.fallback == []
     blocks = [kind for path, kind in rep.ghost if path.startswith("['h']")]
@@ -77,12 +81,12 @@ def test_tiny_cpu_run_writes_and_merges_results(tmp_path: pathlib.Path, monkeypa
     assert rows[0]["ours_ms"] > 0 and rows[0]["baseline_ms"] > 0 and rows[0]["temp_mb"] > 0
     monkeypatch.setenv("GHOST_GPU_COMPILE_SPLIT", "1")  # the second run also compiles without autotuning
     bg.run(quick=True, out=tmp_path, models="wrn", force=True)
-    doc = json.loads((tmp_path / bg.RESULTS_JSON).read_text())
+    doc = json.loads((tmp_path / results.RESULTS_JSON).read_text())
     assert doc["meta"]["sizes"] == "tiny (smoke)"
     configs = {c["config"]: c for c in doc["configs"]}
     assert list(configs) == ["gpt2-qkv-b8", "wrn-b256"]  # the second run merged into the first
     for c in configs.values():
-        assert c["batch"] == bg.TINY_BATCH
+        assert c["batch"] == ghost_configs.TINY_BATCH
         steps = c["steps"]
         assert steps["nonprivate"]["rounds"] == 5
         assert steps["ghost"]["time_x"] == pytest.approx(steps["ghost"]["ms"] / steps["nonprivate"]["ms"])
@@ -93,7 +97,7 @@ def test_tiny_cpu_run_writes_and_merges_results(tmp_path: pathlib.Path, monkeypa
     compiled = [s for s in configs["wrn-b256"]["steps"].values() if "xla_compile_s" in s]
     assert len(compiled) == 2 and all(s["xla_noautotune_s"] > 0 for s in compiled)
     assert not any("xla_noautotune_s" in s for s in configs["gpt2-qkv-b8"]["steps"].values())
-    md = (tmp_path / bg.RESULTS_MD).read_text()
+    md = (tmp_path / results.RESULTS_MD).read_text()
     assert "| gpt2-qkv-b8 |" in md and "| wrn-b256 |" in md and "ghost_report:" in md
     assert md.count("XLA without autotuning") == 2  # wrn's two steps
 
@@ -107,7 +111,7 @@ def test_control_flow_counts_conditionals_and_loops():
         return jax.lax.fori_loop(0, x.shape[0], lambda i, v: v + i, y)
 
     compiled = jax.jit(f).lower(jnp.arange(3.0)).compile()
-    assert bg.control_flow(compiled) == {"conditionals": 1, "loops": 1}
+    assert timing.control_flow(compiled) == {"conditionals": 1, "loops": 1}
 
 
 def test_product_accuracy_measures_reduced_pass_products_and_restores_the_table():
@@ -117,7 +121,7 @@ def test_product_accuracy_measures_reduced_pass_products_and_restores_the_table(
 
     before = dict(PRODUCT_PRECISION)
     loss, params, data = mlp_setup()
-    acc = bg.product_accuracy(loss, params, data, ["bf16x6", "fp8"])
+    acc = variants.product_accuracy(loss, params, data, ["bf16x6", "fp8"])
     assert dict(PRODUCT_PRECISION) == before
     if product_refusal("bf16x6") is not None:  # on GPUs: its error exceeds its margin
         assert "'bf16x6' is refused" in acc["bf16x6"]["error"]
@@ -130,19 +134,19 @@ def test_product_accuracy_measures_reduced_pass_products_and_restores_the_table(
 
 
 def test_product_steps_trace_with_their_setting_and_tf32_needs_a_gpu():
-    cfg = bg.Config("x", "gpt2", 2, ("nonprivate", "ghost_tf32x3", "ghost_bf16x6"))
-    steps = bg._steps(cfg, lambda p, b: b, 2, bg.STEPS)
+    cfg = ghost_configs.Config("x", "gpt2", 2, ("nonprivate", "ghost_tf32x3", "ghost_bf16x6"))
+    steps = variants.step_variants(cfg, lambda p, b: b, 2, ghost_configs.STEPS)
     if not on_gpu:
         assert steps["ghost_tf32x3"] == "skipped: TF32 products need an NVIDIA GPU (Ampere or later)"
     assert callable(steps["ghost_bf16x6"])
-    assert {c.name for c in bg.CONFIGS if "ghost_tf32x3" in c.steps} == {"gpt2-b8", "gpt2-b32", "wrn-b256"}
+    assert {c.name for c in ghost_configs.CONFIGS if "ghost_tf32x3" in c.steps} == {"gpt2-b8", "gpt2-b32", "wrn-b256"}
 
 
 def test_steps_are_parsed_from_the_variable_and_an_unknown_one_is_named():
-    assert bg.parse_steps(None, "GHOST_GPU_STEPS") == bg.STEPS
-    assert bg.parse_steps(" ghost,vmap", "GHOST_GPU_STEPS") == ("ghost", "vmap")
+    assert ghost_configs.parse_steps(None, "GHOST_GPU_STEPS") == ghost_configs.STEPS
+    assert ghost_configs.parse_steps(" ghost,vmap", "GHOST_GPU_STEPS") == ("ghost", "vmap")
     with pytest.raises(ValueError, match="GHOST_GPU_STEPS: unknown steps \\['', 'ghots'\\]"):
-        bg.parse_steps("ghots,,vmap", "GHOST_GPU_STEPS")
+        ghost_configs.parse_steps("ghots,,vmap", "GHOST_GPU_STEPS")
 
 
 def test_runs_of_different_steps_merge_into_one_config(tmp_path: pathlib.Path) -> None:
@@ -160,39 +164,39 @@ def test_runs_of_different_steps_merge_into_one_config(tmp_path: pathlib.Path) -
                    {"tf32x3": {"norm_rel_err": 1e-6, "sum_rel_err": 1e-6}})
     second = config({"nonprivate": {"ms": 52.0}, "ghost": {"skipped": "skipped: not selected (GHOST_GPU_STEPS)"},
                      "vmap": {"ms": 70.0, "time_x": 1.35}})
-    bg.write_results(tmp_path, meta, [first])
-    merged = bg.write_results(tmp_path, meta, [second])
+    results.write_results(tmp_path, meta, [first])
+    merged = results.write_results(tmp_path, meta, [second])
     steps = merged[0]["steps"]
     assert steps["nonprivate"] == {"ms": 52.0}  # the latest run's baseline
     assert steps["vmap"] == {"ms": 70.0, "time_x": 1.35}
     assert steps["ghost"] == {"ms": 80.0, "time_x": 1.6, "earlier_run": True}  # kept, and marked
     assert merged[0]["product_accuracy"]["tf32x3"]["norm_rel_err"] == 1e-6
-    assert "measured in an earlier run" in (tmp_path / bg.RESULTS_MD).read_text()
+    assert "measured in an earlier run" in (tmp_path / results.RESULTS_MD).read_text()
     # the --merge path folds files the same way
-    again = bg.write_results(tmp_path / "m", meta, [first, second])
+    again = results.write_results(tmp_path / "m", meta, [first, second])
     assert again[0]["steps"] == steps
     # another device's run replaces the file: its steps are not kept beside this one's
-    other = bg.write_results(tmp_path, {**meta, "device": "H200"}, [second])
+    other = results.write_results(tmp_path, {**meta, "device": "H200"}, [second])
     assert "ghost" not in {k for k, r in other[0]["steps"].items() if "skipped" not in r}
-    assert "earlier run" not in (tmp_path / bg.RESULTS_MD).read_text()
+    assert "earlier run" not in (tmp_path / results.RESULTS_MD).read_text()
 
 
 def test_noise_shapes_step_draws_once_per_leaf_shape():
-    losses, params, data, _ = bg._gpt2(2, fused=True, dtype=jnp.float32, tiny=True, layers=2)
-    cfg = bg.Config("x", "gpt2", 2, ("nonprivate", "ghost", "ghost_noise_shapes"))
-    steps = bg._steps(cfg, losses, 2, bg.STEPS)
-    state = bg._fresh_state(params, 0)
+    losses, params, data, _ = models.gpt2(2, fused=True, dtype=jnp.float32, tiny=True, layers=2)
+    cfg = ghost_configs.Config("x", "gpt2", 2, ("nonprivate", "ghost", "ghost_noise_shapes"))
+    steps = variants.step_variants(cfg, losses, 2, ghost_configs.STEPS)
+    state = fresh_state(params, 0)
     draws = str(jax.make_jaxpr(steps["ghost_noise_shapes"])(state, data)).count("random_bits[")
     shapes = {(x.shape, jnp.result_type(x, jnp.float32)) for x in jax.tree.leaves(params)}
     assert draws == len(shapes) < len(jax.tree.leaves(params))
 
 
 def test_noise_steps_add_the_noise_to_the_unclipped_sum_or_draw_it_unstored():
-    losses, params, data, _ = bg._gpt2(2, fused=True, dtype=jnp.float32, tiny=True, layers=2)
+    losses, params, data, _ = models.gpt2(2, fused=True, dtype=jnp.float32, tiny=True, layers=2)
     names = ("nonprivate", "ghost", "nonprivate_noise", "ghost_noise_unstored")
-    steps = bg._steps(bg.Config("x", "gpt2", 2, names), losses, 2, bg.STEPS)
+    steps = variants.step_variants(ghost_configs.Config("x", "gpt2", 2, names), losses, 2, ghost_configs.STEPS)
     with backend_setting(gcx.privacy.NOISE_STRATEGY, "leaves"):  # a draw per leaf, as on GPUs
-        jaxprs = {n: jax.make_jaxpr(steps[n])(bg._fresh_state(params, 0), data).jaxpr for n in names}
+        jaxprs = {n: jax.make_jaxpr(steps[n])(fresh_state(params, 0), data).jaxpr for n in names}
     leaves = len(jax.tree.leaves(params))
     count = {n: primitive_counts(j) for n, j in jaxprs.items()}
     # ours stores every noised leaf and the leaves' keys; optax's draw stores nothing (what the

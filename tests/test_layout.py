@@ -312,7 +312,7 @@ def test_primitive_name_uses_are_found():
     assert sorted(_primitive_name_uses(ast.parse(src), names)) == ["add", "gather", "slice"]
 
 
-def _lines_of_code(path: pathlib.Path) -> dict[str, int]:
+def _lines_of_code(path: pathlib.Path, root: pathlib.Path = ROOT) -> dict[str, int]:
     """Lines of code of every function of a module (``module:qualified.name``): its lines, nested
     functions included, that are neither blank, nor a comment, nor part of a docstring."""
     src = path.read_text()
@@ -338,7 +338,7 @@ def _lines_of_code(path: pathlib.Path) -> dict[str, int]:
             else:
                 visit(child, f"{prefix}{child.name}." if isinstance(child, ast.ClassDef) else prefix)
 
-    visit(tree, f"{path.relative_to(ROOT)}:")
+    visit(tree, f"{path.relative_to(root)}:")
     return out
 
 
@@ -384,3 +384,152 @@ def test_every_loaded_module_comes_from_this_tree():
                if (name == "gradclip_jax" or name.startswith("gradclip_jax."))
                and getattr(mod, "__file__", None) and ROOT not in pathlib.Path(mod.__file__).parents}
     assert foreign == {}
+
+
+# ---------------------------------------------------------------------------
+# benchmarks/ is kept like the package: no import cycle, short functions
+# ---------------------------------------------------------------------------
+
+BENCHMARKS = ROOT.parent / "benchmarks"
+
+
+def _benchmark_modules() -> dict[str, pathlib.Path]:
+    modules = {}
+    for p in BENCHMARKS.rglob("*.py"):
+        parts = p.relative_to(ROOT.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    return modules
+
+
+def _benchmark_imports(path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
+    """The modules of ``benchmarks`` that ``path`` imports, at module level or inside a function."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                    for a in node.names}
+    return {m for m in out if m in modules}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` (its modules in order, the first repeated at the end), or None."""
+    state: dict[str, int] = {}
+
+    def visit(m: str, stack: list[str]) -> list[str] | None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                return [*stack[stack.index(n):], n]
+            if n not in state and (found := visit(n, [*stack, n])):
+                return found
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m, [m])):
+            return found
+    return None
+
+
+def test_benchmarks_have_no_import_cycle():
+    """No benchmark module imports, even inside a function, one that imports it back: the suites
+    share ``benchmarks/models.py``, ``benchmarks/steps.py`` and ``benchmarks/common.py``."""
+    modules = _benchmark_modules()
+    graph = {name: _benchmark_imports(path, modules) - {name} for name, path in modules.items()}
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+def test_cycle_check_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_benchmark_suites_import_no_private_name_of_another_module():
+    """A benchmark module imports no ``_name`` from another benchmark module: what two suites
+    share lives, public, in ``models``, ``steps`` or ``common``."""
+    modules = _benchmark_modules()
+    offenders = []
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module in modules:
+                offenders += [(name, f"{node.module}.{a.name}") for a in node.names if a.name.startswith("_")]
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
+                    and isinstance(node.value, ast.Name) and node.value.id in ("bg", "bd", "bgh", "bn", "pg", "bc"):
+                offenders.append((name, f"{node.value.id}.{node.attr}"))
+    assert offenders == []
+
+
+def test_no_benchmark_function_is_long():
+    """No function of ``benchmarks/`` is over 60 lines of code (the package's own measure)."""
+    sizes = {k: v for p in BENCHMARKS.rglob("*.py") for k, v in _lines_of_code(p, BENCHMARKS).items()}
+    assert sorted((n, k) for k, n in sizes.items() if n > LONG_FUNCTION) == []
+
+
+# ---------------------------------------------------------------------------
+# Settings are read from the module that defines them
+# ---------------------------------------------------------------------------
+
+CONSTANTS = {"ONCE_ROUNDING"}  # a property of TF32's rounding, which no one sets
+
+
+def _is_number(node: ast.AST | None) -> bool:
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, (int, float)) and not isinstance(node.value, bool)
+    if isinstance(node, ast.BinOp):
+        return _is_number(node.left) and _is_number(node.right)
+    if isinstance(node, ast.UnaryOp):
+        return _is_number(node.operand)
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("int", "float") \
+        and all(_is_number(a) for a in node.args)
+
+
+def _numeric_settings(modules: dict[str, pathlib.Path]) -> set[str]:
+    """Module-level UPPER_CASE names bound to a number anywhere in the package."""
+    names = set()
+    for path in modules.values():
+        for node in ast.parse(path.read_text()).body:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, ast.AnnAssign) else []
+            if _is_number(getattr(node, "value", None)):
+                names |= {t.id for t in targets if isinstance(t, ast.Name) and t.id.isupper()}
+    return names - CONSTANTS
+
+
+def _runtime_imports(tree: ast.AST) -> list[ast.ImportFrom]:
+    """The ``from ... import`` statements of a module, those under ``if TYPE_CHECKING:`` aside."""
+    found = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and ast.unparse(child.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+                continue
+            if isinstance(child, ast.ImportFrom):
+                found.append(child)
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def _settings_copied(modules: dict[str, pathlib.Path]) -> list[tuple[str, str]]:
+    settings = _numeric_settings(modules)
+    return sorted((name, a.name) for name, path in modules.items() for node in _runtime_imports(ast.parse(
+        path.read_text())) if (node.module or "").startswith("gradclip_jax") for a in node.names if a.name in settings)
+
+
+def test_settings_are_read_from_their_module():
+    """No module imports a numeric setting by name (a copy, which assigning the setting would not
+    change): it reads ``module.SETTING`` when it decides, and a module that shows the setting under
+    another path forwards it (``gradclip_jax._core.settings.forward_settings``)."""
+    assert _settings_copied(MODULES) == []
+
+
+def test_settings_copy_check_finds_offenders(tmp_path):
+    (tmp_path / "home.py").write_text("LIMIT = 2**20\nNAME = 'x'\nTABLE = {'cpu': 1}\n")
+    (tmp_path / "user.py").write_text("from typing import TYPE_CHECKING\nfrom gradclip_jax.home import LIMIT, NAME\n"
+                                      "if TYPE_CHECKING:\n    from gradclip_jax.home import LIMIT as L2\n")
+    (tmp_path / "shows.py").write_text("if TYPE_CHECKING:\n    from gradclip_jax.home import LIMIT\n")
+    modules = {f"gradclip_jax.{p.stem}": p for p in tmp_path.iterdir()}
+    assert _settings_copied(modules) == [("gradclip_jax.user", "LIMIT")]

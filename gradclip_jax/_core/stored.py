@@ -37,11 +37,9 @@ from gradclip_jax._core.numerics import bounded_factor
 
 __all__ = ["EXACT_CHECK_MAX", "certified_factors", "stored_scale"]
 
-# Elements one check may read. The variadic reduction runs ~50x slower than a
-# plain sum on CPU (it is not vectorized): on 2 CPU cores a jitted
-# clip_by_global_norm took 81 us (64 elements) and 186 us (4096) with the checks
-# against 15 us and 44 us with the margin alone (optax: 10 us, 41 us), and 373 us
-# against 42 us at 16000. Larger trees keep the margin.
+# Elements one check may read. The variadic reduction is not vectorized on CPU and runs
+# much slower than a plain sum, so past this size the check would cost several times the
+# clip itself (benchmarks/results/MEASUREMENTS.md). Larger trees keep the margin.
 EXACT_CHECK_MAX = 1 << 12
 
 _Dd = tuple[jax.Array, jax.Array, jax.Array]  # (hi, lo, bound on the neglected errors)

@@ -7,15 +7,14 @@
 * :mod:`gradclip_jax.dp.accounting`: privacy accounting on ``dp-accounting``
   (also reachable as :mod:`gradclip_jax.privacy`), including the step-by-step
   :class:`gradclip_jax.privacy.PrivacyAccountant`.
-* :mod:`gradclip_jax.dp.batch_selection`: the sampler protocol
+* :mod:`gradclip_jax.dp.sampling`: the samplers, one folder: the protocol
   (:class:`BatchSampler`: a step's indices and mask, and the ``dp_accounting``
   event its sampling implies) and :class:`IndexSampler`, the base of a new
-  scheme in one file.
-* :mod:`gradclip_jax.dp.sampling`: Poisson and truncated Poisson batch
-  selection padded to fixed shapes (:class:`PoissonSampler`).
-* :mod:`gradclip_jax.dp.user_sampling`: user-level DP (Poisson sampling over
-  users, each user's gradient clipped as one unit: :class:`UserPoissonSampler`,
-  :func:`user_loss`).
+  scheme in one file (``sampling/protocol.py``); Poisson and truncated Poisson
+  batch selection padded to fixed shapes (:class:`PoissonSampler`,
+  ``sampling/poisson.py``); user-level DP (Poisson sampling over users, each
+  user's gradient clipped as one unit: :class:`UserPoissonSampler`,
+  :func:`user_loss`, ``sampling/users.py``).
 * :mod:`gradclip_jax.dp.private_step`: the whole private step in one call
   (:func:`make_private`).
 * :mod:`gradclip_jax.dp.hardened`: opt-in hardened randomness and noise (OS-seeded keys, the
@@ -37,7 +36,6 @@ from gradclip_jax.dp.aggregate import (
     dpsgd,
     noise_multiplier_for_gradient,
 )
-from gradclip_jax.dp.batch_selection import BatchSampler, IndexSampler, SampledBatch
 from gradclip_jax.dp.hardened import (
     add_discrete_gaussian_noise,
     add_sum_of_normals_noise,
@@ -52,8 +50,17 @@ from gradclip_jax.dp.private_step import (
     PrivateTraining,
     make_private,
 )
-from gradclip_jax.dp.sampling import BatchOverflowError, PoissonBatch, PoissonSampler
-from gradclip_jax.dp.user_sampling import UserBatch, UserPoissonSampler, user_loss
+from gradclip_jax.dp.sampling import (
+    BatchOverflowError,
+    BatchSampler,
+    IndexSampler,
+    PoissonBatch,
+    PoissonSampler,
+    SampledBatch,
+    UserBatch,
+    UserPoissonSampler,
+    user_loss,
+)
 
 __all__ = [
     "BatchOverflowError",

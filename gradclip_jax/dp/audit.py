@@ -45,8 +45,8 @@ import numpy as np
 import optax
 
 from gradclip_jax._core.validation import check_choice, check_int, check_number
-from gradclip_jax.dp.batch_selection import BatchSampler, check_sampler
 from gradclip_jax.dp.private_step import PrivateTraining, make_private
+from gradclip_jax.dp.sampling.protocol import BatchSampler, check_sampler
 
 __all__ = [
     "AuditResult",

@@ -26,26 +26,19 @@ __all__ = ["NOISE_BLOCK_SIZE", "NOISE_STRATEGY", "add_gaussian_noise", "noised_l
 # * ``"blocks"``: one loop over fixed-size blocks of one flat draw for all leaves
 #   (of one dtype), each block from its own key. JAX lowers threefry on CPU as a
 #   rolled loop whose state is as large as the draw: per-leaf draws compile one
-#   such loop per leaf and hold two uint32 copies of every leaf (GPT-2 small,
-#   148 leaves: 9.1 s of compile and 1.24 GiB of temporaries for the noise alone;
-#   in blocks 1.6 s and 0.48 GiB, the flat draw itself, at the same speed).
-#
+#   such loop per leaf and hold two uint32 copies of every leaf, where the blocked
+#   draw compiles one loop and holds the flat draw alone, at the same speed.
 # * ``"shapes"``: the draws of ``"leaves"`` (the same keys and random bits), but
 #   made once per distinct shape and real dtype: the keys of the leaves of one
 #   shape are stacked and drawn by one vmapped ``jax.random.normal`` (each key's
-#   draw under vmap is the one it gives alone). GPT-2 small's 148 leaves have 9
-#   shapes: fewer, larger fusions for the compiler (on the CPU the noise alone
-#   compiled in 7.0 s instead of 14.3 s), at the price of the draws being
-#   stored before they are added (each group's draw behind a barrier, so a GPU
-#   compiles one draw kernel per group instead of copying the draw's code into
-#   each leaf's kernel: the 2-block GPT-2 DP step of
-#   ``benchmarks/bench_cost.py``, read as a GPU compiles it, has 10,900 HLO
-#   instructions with it and 15,948 with ``"leaves"``; the 12-block model's
-#   32,783 and 70,070 (1.97x and 4.22x the non-private step's; 2026-11-28), the
-#   same temporaries: each group's draw waits for its leaves, see
-#   :func:`_once_ready`).
-#   ``benchmarks/bench_ghost_gpu.py``'s
-#   ``ghost_noise_shapes`` step measures it on GPUs.
+#   draw under vmap is the one it gives alone). A transformer's leaves have few
+#   distinct shapes, so the compiler sees fewer, larger fusions, at the price of
+#   the draws being stored before they are added: each group's draw sits behind
+#   a barrier, so a GPU compiles one draw kernel per group instead of copying the
+#   draw's code into each leaf's kernel, and waits for its leaves
+#   (:func:`_once_ready`), so the temporaries stay those of ``"leaves"``.
+#   ``benchmarks/bench_cost.py`` counts the programs' instructions and
+#   ``benchmarks/bench_ghost_gpu.py``'s ``ghost_noise_shapes`` step times it on GPUs.
 # * ``"philox"``: one draw per leaf as ``"leaves"``, but a float32 leaf's bits
 #   come from the Philox4x32-10 generator (:mod:`gradclip_jax.dp.philox`, keyed
 #   by 64 bits of the leaf's key) instead of threefry2x32-20: about half the
@@ -57,7 +50,7 @@ __all__ = ["NOISE_BLOCK_SIZE", "NOISE_STRATEGY", "add_gaussian_noise", "noised_l
 # type carries an explicit sharding are drawn one per leaf with threefry on
 # every backend, so each device draws only its own shard. Backends
 # not listed draw per leaf. ``benchmarks/bench_noise.py`` compares ours with
-# optax's per-leaf draw.
+# optax's per-leaf draw; the figures are in ``benchmarks/results/MEASUREMENTS.md``.
 NOISE_STRATEGY = {"cpu": "blocks"}
 _NOISE_STRATEGIES = ("leaves", "blocks", "shapes", "philox")
 # Elements per block of the blocked draw (4 bytes each in float32).
@@ -252,9 +245,8 @@ def _once_ready(keys: jax.Array, leaves: Sequence[jax.Array]) -> jax.Array:
     """``keys``, available only once ``leaves`` are: a stored draw from them is then made just
     before it is added. A draw depends on its keys alone, so XLA's schedulers would otherwise
     make every group's draw early (during the backward pass) and hold them all until the
-    gradients exist: on the 12-block GPT-2 DP step of ``benchmarks/bench_cost.py``'s kind
-    (compiled for the CPU as a GPU compiles it) 324 MiB of temporaries beside the per-leaf
-    draw's, whatever the chunk size."""
+    gradients exist, holding every group's draw through the backward pass, whatever the
+    chunk size (``benchmarks/results/MEASUREMENTS.md``)."""
     return lax.optimization_barrier((keys, tuple(leaves)))[0]
 
 
@@ -302,11 +294,10 @@ def _stored(noised: jax.Array) -> jax.Array:
     An optimizer reads its gradient more than once (adamw: the first moment, the
     second, and the update, which XLA's GPU fusion recomputes from the gradient),
     and XLA's GPU cost model, which prices threefry's integer rounds like cheap
-    float work, fuses the whole draw into each reader: on the H100 GPT-2 small's
-    tied embedding (38.6M elements) took three 1.1-1.5 ms fusions, against 0.36 ms
-    for its non-private adamw update. Behind the barrier the draw runs once, for
-    one extra write and a few reads of the leaf. The GPU expands the barrier after
-    scheduling, so it holds through fusion; the CPU expands it before fusion, where
-    it changes nothing (its default draw is stored by its loop anyway).
+    float work, fuses the whole draw into each reader, each fusion several times the cost
+    of the non-private update (``benchmarks/results/MEASUREMENTS.md``). Behind the barrier
+    the draw runs once, for one extra write and a few reads of the leaf. The GPU expands
+    the barrier after scheduling, so it holds through fusion; the CPU expands it before
+    fusion, where it changes nothing (its default draw is stored by its loop anyway).
     """
     return lax.optimization_barrier(noised)

@@ -30,8 +30,8 @@ and the weighted sums (book-kept or over formed rows). They run at
 * ``"bf16x6"``: ``DotAlgorithmPreset.BF16_BF16_F32_X6``, six bfloat16 passes
   with float32 accumulation (about float32 accuracy, on bfloat16 tensor cores).
   Refused (a ValueError) on GPUs: there XLA's products at that algorithm were
-  measured about 1e-3 relative off the float32 ones (H200, jax 0.11.2), more than
-  its clip-norm margin allows.
+  measured about 1e-3 relative off the float32 ones, more than its clip-norm
+  margin allows (``benchmarks/results/MEASUREMENTS.md``).
 * ``"tf32x3"``: ``DotAlgorithmPreset.TF32_TF32_F32_X3``, three TF32 passes
   (NVIDIA GPUs from Ampere on; XLA's CPU backend rejects it).
 
@@ -129,12 +129,11 @@ ONCE_ROUNDING = 2.0**-11 * (1.0 + 2.0**-10)
 
 # Settings whose error bound (PRODUCT_UNITS) was measured not to hold on a backend: a clip-norm
 # margin too small for the products' error would let a clipped contribution exceed the clip
-# norm, silently. On an H200 (jax 0.11.2), XLA:GPU's BF16_BF16_F32_X6 products were about 1e-3
-# relative off the float32 ones (a clipped sum 4e-4 away from the float64 loop), not the 8 units
-# of 2**-24 the margin allows.
-_REFUSED = {("bf16x6", "gpu"): "measured about 1e-3 relative off the float32 products on an NVIDIA "
-                               "H200 (jax 0.11.2), far beyond the 8 units of float32 roundoff its "
-                               "clip-norm margin allows"}
+# norm, silently. XLA:GPU's BF16_BF16_F32_X6 products were measured about 1e-3 relative off the
+# float32 ones, not the 8 units of 2**-24 the margin allows (benchmarks/results/MEASUREMENTS.md).
+_REFUSED = {("bf16x6", "gpu"): "measured about 1e-3 relative off the float32 products on NVIDIA "
+                               "GPUs, far beyond the 8 units of float32 roundoff its clip-norm "
+                               "margin allows"}
 
 
 def product_refusal(name: str) -> str | None:

@@ -76,7 +76,7 @@ PACK_MAX_SIZE = 1 << 12
 # buffer before reducing. On CPU one reduction of the concatenation compiles much
 # faster than hundreds of tiny reductions and costs nothing at run time; on GPU
 # XLA fuses the tiny reductions itself, and the concatenation is a kernel and a
-# temporary buffer of its own (1.8 MiB on a GPT-2-XL-shaped tree), so it is off
+# temporary buffer of its own, so it is off
 # there. Backends not listed use PACK_MAX_SIZE. ``benchmarks/bench_core_gpu.py``
 # times both settings.
 GLOBAL_PACK_MAX_SIZE = {"cpu": PACK_MAX_SIZE, "gpu": 0, "cuda": 0, "rocm": 0}

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from gradclip_jax.dp.accounting import _accountants
 from gradclip_jax.dp.accounting._accountants import (
-    PLD_RELIABLE,
     _accountant,
     _dp_accounting,
     _relation,
@@ -155,7 +155,7 @@ class Composition:
             return self._rdp_epsilon(phases, delta)
         pld = self.pld(phases, noise_multiplier)
         eps = math.inf if pld is None else float(pld.get_epsilon_for_delta(delta))
-        if not eps < PLD_RELIABLE:
+        if not eps < _accountants.PLD_RELIABLE:
             with contextlib.suppress(ValueError):  # e.g. truncated Poisson sampling: no RDP bound
                 eps = min(eps, self._rdp_epsilon(phases, delta))
         return eps

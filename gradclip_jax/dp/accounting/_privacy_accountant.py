@@ -10,7 +10,7 @@ from gradclip_jax._core.validation import check_choice, check_int, check_number
 from gradclip_jax.dp.accounting._accountants import _ACCOUNTANTS, _dp_accounting, _quiet
 from gradclip_jax.dp.accounting._composition import Composition
 from gradclip_jax.dp.accounting._dpsgd import sampled_gaussian_event
-from gradclip_jax.dp.batch_selection import NEIGHBORING, check_sampler
+from gradclip_jax.dp.sampling.protocol import NEIGHBORING, check_sampler
 
 
 class PrivacyPhase(NamedTuple):

@@ -22,8 +22,11 @@ See the guide's "Hardened noise" section (docs/guides/dp-sgd.md) for the threat,
 defends and what it does not (timing, the host, the accelerator's generator).
 """
 
+from typing import TYPE_CHECKING
+
+from gradclip_jax._core.settings import forward_settings
+from gradclip_jax.dp.hardened import _discrete_gaussian
 from gradclip_jax.dp.hardened._discrete_gaussian import (
-    MAX_SIGMA,
     discrete_gaussian,
     sampler_tv_bound,
 )
@@ -36,6 +39,11 @@ from gradclip_jax.dp.hardened._integer_grid import (
     grid_sensitivity,
 )
 from gradclip_jax.dp.hardened._sum_of_normals import add_sum_of_normals_noise
+
+if TYPE_CHECKING:  # at run time forwarded to the module that reads it
+    from gradclip_jax.dp.hardened._discrete_gaussian import MAX_SIGMA
+
+forward_settings(__name__, _discrete_gaussian, ("MAX_SIGMA",))
 
 __all__ = [
     "MAX_SIGMA",

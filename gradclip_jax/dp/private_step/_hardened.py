@@ -9,9 +9,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from gradclip_jax.dp import hardened
 from gradclip_jax.dp.accounting import PoissonSampledDiscreteGaussianEvent
 from gradclip_jax.dp.hardened import (
-    MAX_SIGMA,
     BitGenerator,
     add_discrete_gaussian_noise,
     add_sum_of_normals_noise,
@@ -140,10 +140,10 @@ def grid_functions(loss_fn: Callable[..., Any], clip: float, grid_scale: float, 
     on the grid it is ``grid_scale`` times that, and the noise's sigma is ``z`` times it.
     """
     sigma = z * grid_scale * sensitivity
-    if sigma > MAX_SIGMA:
+    if sigma > hardened.MAX_SIGMA:
         raise ValueError(f"{fn}: `grid_scale`={grid_scale:g} makes the noise's sigma on the grid {sigma:.4g} "
                          f"(noise multiplier {z:.4g} x grid_scale x sensitivity {sensitivity:g}), above the "
-                         f"sampler's {MAX_SIGMA:g}: use a coarser grid_scale")
+                         f"sampler's {hardened.MAX_SIGMA:g}: use a coarser grid_scale")
 
     def per_example(params: Any, batch: Any) -> tuple[Any, jax.Array]:
         def one(p: Any, ex: Any) -> jax.Array:

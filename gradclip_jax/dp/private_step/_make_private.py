@@ -13,7 +13,6 @@ import optax
 from gradclip_jax._core.validation import check_int, check_number, clip_norm_arg
 from gradclip_jax.dp.accounting import PrivacyAccountant, calibrate
 from gradclip_jax.dp.accounting._accountants import _dp_accounting
-from gradclip_jax.dp.batch_selection import BatchSampler, check_sampler
 from gradclip_jax.dp.hardened import BitGenerator
 from gradclip_jax.dp.private_step._hardened import (
     DiscreteGaussianSampling,
@@ -25,7 +24,8 @@ from gradclip_jax.dp.private_step._hardened import (
 from gradclip_jax.dp.private_step._resume import _check_resume, _plan, _resumed_noise, _sample_rate
 from gradclip_jax.dp.private_step._step import _step_functions
 from gradclip_jax.dp.private_step._training import PrivateTraining
-from gradclip_jax.dp.sampling import PoissonSampler, _rate
+from gradclip_jax.dp.sampling.poisson import PoissonSampler, _rate
+from gradclip_jax.dp.sampling.protocol import BatchSampler, check_sampler
 from gradclip_jax.per_example import clipped_grad
 from gradclip_jax.per_example.internal import Method
 

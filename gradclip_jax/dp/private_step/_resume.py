@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from gradclip_jax.dp.batch_selection import BatchSampler
+from gradclip_jax.dp.sampling.protocol import BatchSampler
 
 _STATE_FORMAT = "gradclip_jax.make_private/1"
 

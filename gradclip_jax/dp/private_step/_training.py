@@ -13,10 +13,10 @@ import numpy as np
 import optax
 
 from gradclip_jax.dp.accounting import PrivacyAccountant
-from gradclip_jax.dp.batch_selection import BatchSampler
 from gradclip_jax.dp.hardened import BitGenerator, os_key
 from gradclip_jax.dp.private_step._resume import _STATE_FORMAT, _plan
 from gradclip_jax.dp.private_step._step import PrivateStepMetrics
+from gradclip_jax.dp.sampling.protocol import BatchSampler
 from gradclip_jax.per_example import ClippedGradFn, ClippedGradInfo
 
 

@@ -8,12 +8,22 @@ table), ``_measure`` and ``_sums`` (norms and clipped sums), ``_strategy`` (the
 ``clipped_grad`` implementation).
 """
 
+from typing import TYPE_CHECKING
+
+from gradclip_jax._core.settings import forward_settings
 from gradclip_jax.per_example.ghost._analysis import (
-    AUTO_MIN_ELEMENTS,
-    BOOKKEEPING_MAX_SHARE,
     GhostFallbackWarning,
     GhostReport,
     ghost_report,
+    policy,
 )
+
+if TYPE_CHECKING:  # at run time forwarded: ``ghost.AUTO_MIN_ELEMENTS = n`` sets the one the policy reads
+    from gradclip_jax.per_example.ghost._analysis.policy import (
+        AUTO_MIN_ELEMENTS,
+        BOOKKEEPING_MAX_SHARE,
+    )
+
+forward_settings(__name__, policy, ("AUTO_MIN_ELEMENTS", "BOOKKEEPING_MAX_SHARE"))
 
 __all__ = ["AUTO_MIN_ELEMENTS", "BOOKKEEPING_MAX_SHARE", "GhostFallbackWarning", "GhostReport", "ghost_report"]

@@ -33,7 +33,8 @@ import jax.numpy as jnp
 
 from gradclip_jax._core.backend import per_backend
 from gradclip_jax._core.numerics import sqrt_nonneg
-from gradclip_jax.per_example._products import ROUNDING_SIGMAS, product_einsum
+from gradclip_jax.per_example import _products
+from gradclip_jax.per_example._products import product_einsum
 
 __all__ = ["DIAGONAL_FROM", "GramTerm", "gram_norm", "self_gram_rows"]
 
@@ -104,7 +105,7 @@ def gram_norm(terms: Sequence[GramTerm]) -> jax.Array:
         x, y = term.x, term.y
         grid = tuple(range(1, x.ndim))
         rows = math.prod(x.shape[1:-1])
-        kappa = ROUNDING_SIGMAS * float(jnp.finfo(x.dtype).eps) / 2.0 * (math.sqrt(x.shape[-1]) + math.sqrt(rows))
+        kappa = _products.ROUNDING_SIGMAS * float(jnp.finfo(x.dtype).eps) / 2.0 * (math.sqrt(x.shape[-1]) + math.sqrt(rows))
         xy = x * y
         t = jnp.sum(xy + kappa * jnp.abs(xy), axis=grid)  # one reduction, fused with the products'
         if term.err:

@@ -15,7 +15,6 @@ import numpy as np
 from jax import lax
 
 from gradclip_jax._core import norms as _norms
-from gradclip_jax._core.norms import SLICE_PACK_MAX_SIZE
 from gradclip_jax.per_example._batch import (
     Call,
     explicit_spec,
@@ -278,7 +277,7 @@ def _joint_groups(rows: dict[int, jax.Array]) -> list[list[int]]:
     grouped by dtype (groups of two or more)."""
     groups: dict[Any, list[int]] = {}
     for i, r in rows.items():
-        if r.ndim == 2 and r.size <= SLICE_PACK_MAX_SIZE and explicit_spec(r) is None:
+        if r.ndim == 2 and r.size <= _norms.SLICE_PACK_MAX_SIZE and explicit_spec(r) is None:
             groups.setdefault(np.dtype(r.dtype), []).append(i)
     return [g for g in groups.values() if len(g) > 1]
 

@@ -8,6 +8,10 @@ or a second backward pass), ``fallback`` (the warning naming the leaves that fal
 ``report`` (:func:`ghost_report`).
 """
 
+from typing import TYPE_CHECKING
+
+from gradclip_jax._core.settings import forward_settings
+from gradclip_jax.per_example.ghost._analysis import policy
 from gradclip_jax.per_example.ghost._analysis.fallback import GhostFallbackWarning, warn_fallback
 from gradclip_jax.per_example.ghost._analysis.plan import (
     Plan,
@@ -17,8 +21,6 @@ from gradclip_jax.per_example.ghost._analysis.plan import (
     trace_and_plan,
 )
 from gradclip_jax.per_example.ghost._analysis.policy import (
-    AUTO_MIN_ELEMENTS,
-    BOOKKEEPING_MAX_SHARE,
     backward_refusal,
     check_sum_precision,
     sum_mode,
@@ -43,3 +45,11 @@ __all__ = [
     "use_ghost",
     "warn_fallback",
 ]
+
+if TYPE_CHECKING:  # at run time forwarded: reading and assigning them here reads and assigns policy's
+    from gradclip_jax.per_example.ghost._analysis.policy import (
+        AUTO_MIN_ELEMENTS,
+        BOOKKEEPING_MAX_SHARE,
+    )
+
+forward_settings(__name__, policy, ("AUTO_MIN_ELEMENTS", "BOOKKEEPING_MAX_SHARE"))

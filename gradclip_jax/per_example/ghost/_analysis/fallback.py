@@ -15,8 +15,8 @@ import numpy as np
 from gradclip_jax._core import norms as _norms
 from gradclip_jax.per_example._batch import keystr
 from gradclip_jax.per_example._config import Method
+from gradclip_jax.per_example.ghost._analysis import policy
 from gradclip_jax.per_example.ghost._analysis.plan import Plan
-from gradclip_jax.per_example.ghost._analysis.policy import AUTO_MIN_ELEMENTS
 
 
 class GhostFallbackWarning(UserWarning):
@@ -52,7 +52,7 @@ def warn_fallback(plan: Plan, pflat: _norms.FlatTree, bsize: int, method: Method
     worth it (then vmap is the choice, not a fallback).
     """
     sizes = {i: math.prod(np.shape(pflat.leaves[i])) for i in pflat.active}
-    if method is Method.AUTO and bsize * sum(sizes.values()) < AUTO_MIN_ELEMENTS:
+    if method is Method.AUTO and bsize * sum(sizes.values()) < policy.AUTO_MIN_ELEMENTS:
         return
     fb = [i for i in pflat.active if i in plan.reasons]
     if not fb:

@@ -14,10 +14,10 @@ import numpy as np
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.jaxcompat import is_literal, shape, sub_jaxprs
 from gradclip_jax.per_example._batch import LOSS_CONTRACT, check_loss_out
+from gradclip_jax.per_example.ghost import _jaxpr
 from gradclip_jax.per_example.ghost._analysis.one_example import batch_states, vmapped_loss
 from gradclip_jax.per_example.ghost._analysis.walk import _walk
 from gradclip_jax.per_example.ghost._jaxpr import (
-    MAX_UNROLL,
     const_values,
     narrower,
     site_eqn,
@@ -72,7 +72,7 @@ _WHY = {
     **REASONS,
     names.SCAN: f" (a scan is measured inside the loop when its only parameters are leaves stacked on "
             f"axis 0, read one layer per step; one that reads a parameter otherwise is unrolled for "
-            f"the analysis when it runs at most MAX_UNROLL={MAX_UNROLL} steps)",
+            f"the analysis when it runs at most MAX_UNROLL={_jaxpr.MAX_UNROLL} steps)",
     names.CUSTOM_VJP: _CUSTOM,
     names.CUSTOM_JVP: _CUSTOM,
 }

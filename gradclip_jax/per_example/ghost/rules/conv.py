@@ -68,8 +68,8 @@ def _after(x: jax.Array, g: jax.Array) -> jax.Array:
     The views of the input are copies (rounded, moved, padded, one strided copy per tap) that
     only the norms read, and those need the cotangent. With nothing tying them to it, XLA's
     schedulers are free to make the copies in the forward pass, as soon as the input exists,
-    and hold every site's copies through the backward pass: on WRN-16-4 that was 3.5x the
-    non-private step's temporaries (compiled for the CPU), 1.74x with this order. Adding
+    and hold every site's copies through the backward pass, several times the non-private
+    step's temporaries on a wide ResNet (``benchmarks/results/MEASUREMENTS.md``). Adding
     ``0 * g_b`` (of one entry of each example's cotangent) is the tie: no optimization barrier
     survives to the scheduler. It changes nothing but an example whose cotangent entry is
     infinite or NaN: its norm, non-finite anyway (the entry multiplies its inputs), becomes NaN.

@@ -1,7 +1,7 @@
 """Poisson batch selection with fixed shapes, for jit-compiled DP-SGD.
 
 :class:`PoissonSampler` is the default :class:`gradclip_jax.dp.BatchSampler`
-(the protocol of :mod:`gradclip_jax.dp.batch_selection`): its
+(the protocol of :mod:`gradclip_jax.dp.sampling.protocol`): its
 :meth:`~PoissonSampler.dp_event` is the Poisson-subsampled Gaussian mechanism,
 or the truncated one with ``on_overflow='truncate'``.
 
@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 
 from gradclip_jax._core.validation import check_int, check_number
-from gradclip_jax.dp.batch_selection import IndexSampler, SampledBatch, processes
+from gradclip_jax.dp.sampling.protocol import IndexSampler, SampledBatch, processes
 
 __all__ = [
     "BatchOverflowError",

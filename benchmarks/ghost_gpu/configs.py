@@ -1,0 +1,90 @@
+"""What the GPU DP-step suite measures: the step variants and the model configs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax.numpy as jnp
+
+from benchmarks.models import gpt2, wrn
+
+STEPS = ("nonprivate", "ghost", "backward", "bookkeeping", "vmap", "jax_privacy", "nonprivate_highest",
+         "ghost_highest", "ghost_tf32x2", "ghost_tf32x3", "ghost_bf16x6", "ghost_noise_shapes",
+         "nonprivate_noise", "ghost_noise_unstored")
+STEP_TITLES = {"nonprivate": "non-private", "ghost": "ghost (auto)", "backward": "ghost backward",
+               "bookkeeping": "ghost bookkeeping", "vmap": "vmap", "jax_privacy": "jax-privacy",
+               "nonprivate_highest": "non-private at HIGHEST", "ghost_highest": "ghost, products HIGHEST",
+               "ghost_tf32x2": "ghost, book-kept sums in two exact TF32 passes",
+               "ghost_tf32x3": "ghost, products 3xTF32",
+               "ghost_bf16x6": "ghost, products 6xBF16",
+               "ghost_noise_shapes": "ghost, noise drawn once per leaf shape",
+               "nonprivate_noise": "non-private sum with the DP noise",
+               "ghost_noise_unstored": "ghost, noise drawn as optax draws it (not stored)"}
+GHOST_SUM = {"ghost": "auto", "backward": "backward", "bookkeeping": "bookkeeping"}
+# Ghost (auto) with the per-example products at another gcx.per_example.PRODUCT_PRECISION
+# setting than the backend's default ("tf32" on GPUs): HIGHEST, or a reduced-pass algorithm.
+PRODUCT_STEPS = {"ghost_highest": "highest", "ghost_tf32x2": "tf32x2", "ghost_tf32x3": "tf32x3",
+                 "ghost_bf16x6": "bf16x6"}
+
+
+@dataclass(frozen=True)
+class Config:
+    """One measured setting: a model variant, a batch size and the steps timed."""
+
+    name: str
+    model: str  # 'gpt2' (fused qkv), 'gpt2-qkv' (separate q/k/v), 'gpt2-bf16', 'gpt2-scan', 'wrn'
+    batch: int
+    steps: tuple[str, ...]
+
+
+CONFIGS = (  # in priority order: a run cut short by the time budget has measured the first ones
+    Config("gpt2-b8", "gpt2", 8, STEPS),
+    Config("gpt2-qkv-b8", "gpt2-qkv", 8, STEPS[:5]),
+    Config("wrn-b256", "wrn", 256, STEPS),
+    Config("gpt2-b32", "gpt2", 32, (*STEPS[:6], *PRODUCT_STEPS)),
+    Config("gpt2-qkv-b32", "gpt2-qkv", 32, STEPS[:5]),
+    Config("gpt2-bf16-b8", "gpt2-bf16", 8, STEPS[:5]),
+    Config("gpt2-scan-b8", "gpt2-scan", 8, STEPS[:5]),
+    Config("gpt2-scan-b32", "gpt2-scan", 32, STEPS[:5]),
+)
+TINY_BATCH = 4
+
+
+def select(models: str | Sequence[str] | None) -> list[Config]:
+    """The configs named by ``models``; all when empty.
+
+    A name picks every config equal to it or starting with it and a dash (``gpt2`` = all
+    GPT-2 configs, ``gpt2-qkv`` = both separate-q/k/v ones, ``wrn``).
+    """
+    if models is None or models == "" or models == []:
+        return list(CONFIGS)
+    names = [m.strip() for m in (models.split(",") if isinstance(models, str) else models) if m.strip()]
+    chosen = []
+    for n in names:
+        hits = [c for c in CONFIGS if c.name == n or c.name.startswith(n + "-")]
+        if not hits:
+            raise ValueError(f"models: unknown config {n!r}; known: {', '.join(c.name for c in CONFIGS)}")
+        chosen += [c for c in hits if c not in chosen]
+    return chosen
+
+
+def parse_steps(wanted: str | None, variable: str, default: Sequence[str] = STEPS) -> tuple[str, ...]:
+    """The steps named in ``wanted`` (comma-separated, as the environment variable ``variable``
+    gives them), else ``default``; a ValueError naming ``variable`` for a step not in :data:`STEPS`."""
+    steps = tuple(s.strip() for s in wanted.split(",")) if wanted else tuple(default)
+    unknown = set(steps) - set(STEPS)
+    if unknown:
+        raise ValueError(f"{variable}: unknown steps {sorted(unknown)}; known: {', '.join(STEPS)}")
+    return steps
+
+
+def build(cfg: Config, tiny: bool) -> tuple[Callable, Any, Any, str, int]:
+    """``(losses, params, data, label, batch)`` of a config at full or tiny size."""
+    batch = TINY_BATCH if tiny else cfg.batch
+    if cfg.model == "wrn":
+        return (*wrn(batch, tiny=tiny), batch)
+    dtype = jnp.bfloat16 if cfg.model == "gpt2-bf16" else jnp.float32
+    return (*gpt2(batch, fused=cfg.model != "gpt2-qkv", dtype=dtype, tiny=tiny, scan=cfg.model == "gpt2-scan"),
+            batch)

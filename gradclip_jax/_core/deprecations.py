@@ -1,0 +1,54 @@
+"""Old import paths kept for one release: modules that moved warn, and their names still work.
+
+optax's pattern (``optax._src.deprecations``): a moved module keeps a file at its old path that
+warns when imported and serves each old name through a module ``__getattr__`` that warns again,
+naming the new path, and returns the very object the new path gives (so ``isinstance`` checks,
+``pickle`` and checkpoints that name the old path keep working). The changelog lists each shim,
+and the release after removes it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["deprecation_getattr", "moved_names", "warn_moved"]
+
+
+def moved_message(old: str, new: str) -> str:
+    """The warning of a module moved from ``old`` to ``new``."""
+    return f"{old} is deprecated and will be removed in the next release: import from {new} instead"
+
+
+def warn_moved(old: str, new: str) -> None:
+    """Warns (``DeprecationWarning``, at the importer's line) that module ``old`` moved to ``new``."""
+    warnings.warn(moved_message(old, new), DeprecationWarning, stacklevel=3)
+
+
+def deprecation_getattr(module: str, deprecations: Mapping[str, tuple[str, Any]]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` serving deprecated names.
+
+    Args:
+      module: the module's ``__name__`` (for the error on an unknown name).
+      deprecations: each deprecated name's ``(message, object)``; reading the name warns
+        ``message`` (``DeprecationWarning``) and returns ``object``.
+
+    Returns:
+      The function to bind as the module's ``__getattr__``.
+    """
+
+    def getattr_(name: str) -> Any:
+        if name in deprecations:
+            message, obj = deprecations[name]
+            warnings.warn(message, DeprecationWarning, stacklevel=2)
+            return obj
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return getattr_
+
+
+def moved_names(old: str, new: Any) -> dict[str, tuple[str, Any]]:
+    """The deprecations of every public name (``__all__``) of module ``new`` shown at the old path ``old``."""
+    return {name: (moved_message(f"{old}.{name}", f"{new.__name__}.{name}"), getattr(new, name))
+            for name in new.__all__}
