@@ -21,10 +21,11 @@ Example:
 
 from gradclip_jax.per_example.ghost import (
     AUTO_MIN_ELEMENTS,
+    AUTO_MIN_ELEMENTS_NO_FALLBACK,
     BOOKKEEPING_MAX_SHARE,
     GhostFallbackWarning,
     GhostReport,
     ghost_report,
 )
 
-__all__ = ["AUTO_MIN_ELEMENTS", "BOOKKEEPING_MAX_SHARE", "GhostFallbackWarning", "GhostReport", "ghost_report"]
+__all__ = ["AUTO_MIN_ELEMENTS", "AUTO_MIN_ELEMENTS_NO_FALLBACK", "BOOKKEEPING_MAX_SHARE", "GhostFallbackWarning", "GhostReport", "ghost_report"]

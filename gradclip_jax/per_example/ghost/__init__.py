@@ -10,10 +10,11 @@ table), ``_measure`` and ``_sums`` (norms and clipped sums), ``_strategy`` (the
 
 from gradclip_jax.per_example.ghost._analysis import (
     AUTO_MIN_ELEMENTS,
+    AUTO_MIN_ELEMENTS_NO_FALLBACK,
     BOOKKEEPING_MAX_SHARE,
     GhostFallbackWarning,
     GhostReport,
     ghost_report,
 )
 
-__all__ = ["AUTO_MIN_ELEMENTS", "BOOKKEEPING_MAX_SHARE", "GhostFallbackWarning", "GhostReport", "ghost_report"]
+__all__ = ["AUTO_MIN_ELEMENTS", "AUTO_MIN_ELEMENTS_NO_FALLBACK", "BOOKKEEPING_MAX_SHARE", "GhostFallbackWarning", "GhostReport", "ghost_report"]

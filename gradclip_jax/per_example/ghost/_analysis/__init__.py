@@ -18,7 +18,10 @@ from gradclip_jax.per_example.ghost._analysis.plan import (
 )
 from gradclip_jax.per_example.ghost._analysis.policy import (
     AUTO_MIN_ELEMENTS,
+    AUTO_MIN_ELEMENTS_NO_FALLBACK,
     BOOKKEEPING_MAX_SHARE,
+    AutoChoice,
+    auto_choice,
     backward_refusal,
     check_sum_precision,
     sum_mode,
@@ -28,11 +31,14 @@ from gradclip_jax.per_example.ghost._analysis.report import GhostReport, ghost_r
 
 __all__ = [
     "AUTO_MIN_ELEMENTS",
+    "AUTO_MIN_ELEMENTS_NO_FALLBACK",
+    "AutoChoice",
     "BOOKKEEPING_MAX_SHARE",
     "GhostFallbackWarning",
     "GhostReport",
     "Plan",
     "Traced",
+    "auto_choice",
     "backward_refusal",
     "check_per_example",
     "check_sum_precision",
