@@ -60,6 +60,18 @@ def cnn(batch, seed=0):
     return loss, params, data
 
 
+def mostly_fallback(batch=128):
+    """A dense layer measured by ghost clipping, and a larger leaf read through ``sin`` (it falls back)."""
+    r = np.random.default_rng(1)
+    params = {"w": jnp.asarray(r.normal(size=(64, 256)) / 8, jnp.float32), "big": jnp.ones(30000) / 1000}
+    data = jnp.asarray(r.normal(size=(batch, 64)), jnp.float32)
+
+    def loss(p, b):
+        return jnp.sum(jnp.tanh(b @ p["w"]), -1) * jnp.sum(jnp.sin(p["big"]))
+
+    return loss, params, data
+
+
 def path_taken(loss, params, data):
     """``'ghost'`` or ``'vmap'``: the path ``method='auto'`` traced, read off its program."""
     def program(method):
@@ -76,6 +88,7 @@ CASES = {
     "mlp, every leaf measured": (lambda: mlp(8), "ghost", "every leaf is measured"),
     "cnn, large activations": (lambda: cnn(16), "vmap", "smaller than the output cotangents"),
     "mlp with a fallback leaf": (lambda: mlp(8, scale=True), "vmap", "1 of 5 leaves fall back"),
+    "a fallback leaf holding most parameters": (mostly_fallback, "vmap", "less than half"),
     "large mlp with a fallback leaf": (lambda: mlp(8, (256, 512, 10), scale=True), "ghost", "at least AUTO_MIN_ELEMENTS"),
 }
 

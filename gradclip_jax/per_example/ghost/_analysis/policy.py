@@ -162,10 +162,10 @@ def auto_choice(traced: Traced, pflat: _norms.FlatTree, bsize: int) -> AutoChoic
         return AutoChoice("ghost", f"the measured leaves' per-example gradients would hold B x {ghost_size:,} = "
                                    f"{formed:,} elements, at least AUTO_MIN_ELEMENTS = {AUTO_MIN_ELEMENTS:,}")
     if plan.reasons:
+        small = (f"' per-example gradients hold {formed:,} elements, below AUTO_MIN_ELEMENTS = {AUTO_MIN_ELEMENTS:,}"
+                 if formed < AUTO_MIN_ELEMENTS else f" hold {ghost_size:,} of the {total:,} parameters, less than half")
         return AutoChoice("vmap", f"{len(plan.reasons)} of {len(sizes)} leaves fall back (the ghost path would "
-                                  f"compile the vmap path for them too) and the measured leaves' per-example "
-                                  f"gradients hold {formed:,} elements, below AUTO_MIN_ELEMENTS = {AUTO_MIN_ELEMENTS:,}"
-                                  + ("" if 2 * ghost_size >= total else " or less than half of the parameters"))
+                                  f"compile the vmap path for them too) and the measured leaves{small}")
     cts = plan.ct_elems(closed.jaxpr)
     if formed < AUTO_MIN_ELEMENTS_NO_FALLBACK:
         return AutoChoice("vmap", f"the per-example gradients hold B x {ghost_size:,} = {formed:,} elements, below "
