@@ -1,6 +1,6 @@
 """Runs every benchmark in one process and prints/saves the ratio table.
 
-Usage: ``python -m benchmarks [--quick] [--only core,stateful,dp,noise,ghost,sampling,cost,calibration,core-gpu] [--out DIR]``.
+Usage: ``python -m benchmarks [--quick] [--only core,stateful,dp,noise,ghost,sampling,cost,calibration,compile,core-gpu] [--out DIR]``.
 Writes ``DIR/results.json`` and ``DIR/RESULTS.md`` (default ``benchmarks/results``);
 the GPU suites (``core-gpu``, not run by default) write ``DIR/results_<suite>.json``
 and ``DIR/RESULTS_<suite>.md`` of their own, so a GPU run does not replace the
@@ -19,7 +19,9 @@ vmap steps of the same configs, by kernel category; ``--models`` as for
 ``ghost-gpu``, default ``gpt2-b8,wrn-b256``) writes ``DIR/PROFILE_GPU.md`` and
 ``DIR/profile_gpu.json`` the same way. ``cost`` (``bench_cost``) reads the DP
 steps' programs on the CPU: FLOPs, bytes, HLO instructions, control flow and
-the CUDA lowering's matmul precisions, as ratios to the non-private step.
+the CUDA lowering's matmul precisions, as ratios to the non-private step;
+``compile`` (``bench_compile``) splits the DP steps' compile time into trace, lower
+and XLA compile, with their HLO instructions by source.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import time
 
 import jax
 
-SUITES = ("core", "stateful", "dp", "noise", "ghost", "sampling", "cost", "calibration")
+SUITES = ("core", "stateful", "dp", "noise", "ghost", "sampling", "cost", "calibration", "compile")
 GPU_SUITES = ("core-gpu",)  # rows go to results_<suite>.json / RESULTS_<suite>.md
 EXTRA_SUITES = ("ghost-gpu", "profile-gpu", *GPU_SUITES)  # run only when named in --only
 MODULES = {"profile-gpu": "benchmarks.profile_gpu"}  # the others: benchmarks.bench_<name>

@@ -26,8 +26,19 @@ from gradclip_jax.per_example import ghost as _ghost
 from gradclip_jax.per_example.ghost import GhostFallbackWarning, GhostReport, ghost_report
 
 if TYPE_CHECKING:  # at run time forwarded to gradclip_jax.per_example.ghost (and on to the policy)
-    from gradclip_jax.per_example.ghost import AUTO_MIN_ELEMENTS, BOOKKEEPING_MAX_SHARE
+    from gradclip_jax.per_example.ghost import (
+        AUTO_MIN_ELEMENTS,
+        AUTO_MIN_ELEMENTS_NO_FALLBACK,
+        BOOKKEEPING_MAX_SHARE,
+    )
 
-forward_settings(__name__, _ghost, ("AUTO_MIN_ELEMENTS", "BOOKKEEPING_MAX_SHARE"))
+forward_settings(__name__, _ghost, ("AUTO_MIN_ELEMENTS", "AUTO_MIN_ELEMENTS_NO_FALLBACK", "BOOKKEEPING_MAX_SHARE"))
 
-__all__ = ["AUTO_MIN_ELEMENTS", "BOOKKEEPING_MAX_SHARE", "GhostFallbackWarning", "GhostReport", "ghost_report"]
+__all__ = [
+    "AUTO_MIN_ELEMENTS",
+    "AUTO_MIN_ELEMENTS_NO_FALLBACK",
+    "BOOKKEEPING_MAX_SHARE",
+    "GhostFallbackWarning",
+    "GhostReport",
+    "ghost_report",
+]

@@ -68,8 +68,12 @@ def _jit_to_completion(jit):
 
 
 @pytest.fixture(scope="module")
-def run_guide():
+def run_guide(tmp_path_factory):
     """Runs the sections in order; returns ``{heading: snapshot of the namespace after it}``.
+
+    The quick start turns on JAX's persistent compilation cache: without a
+    ``JAX_COMPILATION_CACHE_DIR`` (CI sets one) its folder is a temporary one, not the
+    user's home, and the cache settings are restored afterwards.
 
     On XLA:CPU the tests' 8 simulated devices share one thread pool: a multi-device step
     dispatched while the previous one still runs can hold the threads the previous one's
@@ -78,11 +82,19 @@ def run_guide():
     """
     ns: dict = {"__name__": "dp_guide"}
     after = {}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(jax, "jit", _jit_to_completion(jax.jit))
-        for heading, code in guide_sections().items():
-            exec(compile(code, f"{GUIDE.name}: {heading}", "exec"), ns)
-            after[heading] = dict(ns)
+    cache = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir",
+                                                  "jax_persistent_cache_min_compile_time_secs")}
+    if cache["jax_compilation_cache_dir"] is None:
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(jax, "jit", _jit_to_completion(jax.jit))
+            for heading, code in guide_sections().items():
+                exec(compile(code, f"{GUIDE.name}: {heading}", "exec"), ns)
+                after[heading] = dict(ns)
+    finally:
+        for k, v in cache.items():
+            jax.config.update(k, v)
     return after
 
 

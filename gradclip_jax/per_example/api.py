@@ -230,7 +230,10 @@ def clipped_grad(
         output cotangents, then the clipped sum (see ``ghost_sum``); leaves the analysis
         does not recognise fall back to vmap; see :mod:`gradclip_jax.ghost`);
         ``'auto'`` (default): ghost when the ghost-measurable per-example
-        gradients would be large (``ghost.AUTO_MIN_ELEMENTS``), else vmap.
+        gradients would be large (``ghost.AUTO_MIN_ELEMENTS``), or, with no
+        leaf falling back, not tiny (``ghost.AUTO_MIN_ELEMENTS_NO_FALLBACK``)
+        and at least the output cotangents the ghost norms read; else vmap
+        (``ghost_report(...).auto`` says which and why).
         16-bit parameters and activations take the ghost path too (norms and
         sums in float32, see ``ghost_sum``).
       per_layer: ``False`` (default) clips each example's global norm. ``True`` or

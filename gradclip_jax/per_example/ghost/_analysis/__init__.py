@@ -21,6 +21,8 @@ from gradclip_jax.per_example.ghost._analysis.plan import (
     trace_and_plan,
 )
 from gradclip_jax.per_example.ghost._analysis.policy import (
+    AutoChoice,
+    auto_choice,
     backward_refusal,
     check_sum_precision,
     sum_mode,
@@ -30,11 +32,14 @@ from gradclip_jax.per_example.ghost._analysis.report import GhostReport, ghost_r
 
 __all__ = [
     "AUTO_MIN_ELEMENTS",
+    "AUTO_MIN_ELEMENTS_NO_FALLBACK",
+    "AutoChoice",
     "BOOKKEEPING_MAX_SHARE",
     "GhostFallbackWarning",
     "GhostReport",
     "Plan",
     "Traced",
+    "auto_choice",
     "backward_refusal",
     "check_per_example",
     "check_sum_precision",
@@ -49,7 +54,8 @@ __all__ = [
 if TYPE_CHECKING:  # at run time forwarded: reading and assigning them here reads and assigns policy's
     from gradclip_jax.per_example.ghost._analysis.policy import (
         AUTO_MIN_ELEMENTS,
+        AUTO_MIN_ELEMENTS_NO_FALLBACK,
         BOOKKEEPING_MAX_SHARE,
     )
 
-forward_settings(__name__, policy, ("AUTO_MIN_ELEMENTS", "BOOKKEEPING_MAX_SHARE"))
+forward_settings(__name__, policy, ("AUTO_MIN_ELEMENTS", "AUTO_MIN_ELEMENTS_NO_FALLBACK", "BOOKKEEPING_MAX_SHARE"))

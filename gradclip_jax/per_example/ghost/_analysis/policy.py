@@ -5,6 +5,7 @@ below float32."""
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -18,8 +19,26 @@ from gradclip_jax.per_example.ghost._analysis.plan import Plan, Traced
 AUTO_MIN_ELEMENTS = 2**20
 """``method='auto'`` uses ghost clipping when the per-example gradients of the
 ghost-measurable leaves would hold at least this many elements (``B`` times their
-size) and those leaves hold at least half of the parameters; below that, the
-single backward pass of the vmap path is as cheap and exact to the last bit."""
+size) and those leaves hold at least half of the parameters; below that (and
+unless :data:`AUTO_MIN_ELEMENTS_NO_FALLBACK` applies), the single backward pass
+of the vmap path is as cheap and exact to the last bit."""
+
+AUTO_MIN_ELEMENTS_NO_FALLBACK = 2**16
+"""``method='auto'`` also uses ghost clipping, below :data:`AUTO_MIN_ELEMENTS`, when
+no leaf falls back, the per-example gradients would hold at least this many
+elements (``B`` times the parameters) and at least as many as the output
+cotangents of the measured operations (what the ghost norms read).
+
+Why, weighing compile and run time: the vmap path then writes and reads more than
+the ghost path measures. On small MLPs its steps took 2 to 9 times as long as the
+ghost path's, which compiled up to about 2 s longer, repaid within a thousand steps
+or fewer; on a small transformer (the loss has many more operations, each vmapped
+through its backward pass) the ghost path compiled faster too. Where the
+cotangents outweigh the per-example gradients (a small CNN: few parameters, large
+activations) the vmap path both compiled and ran faster, and with a fallback the
+ghost path compiles the vmap path for those leaves as well. Below this floor the
+difference is a fraction of a millisecond a step, and the vmap path is exact to
+the last bit."""
 
 BOOKKEEPING_MAX_SHARE = 0.5
 """``ghost_sum='auto'`` uses book-keeping when the output cotangents it holds
@@ -117,12 +136,51 @@ def sum_mode(config: ClipConfig, traced: Traced) -> GhostSum:
     return GhostSum.BOOKKEEPING if share else GhostSum.BACKWARD
 
 
-def use_ghost(plan: Plan, pflat: _norms.FlatTree, bsize: int, method: Method) -> bool:
+class AutoChoice(NamedTuple):
+    """The path ``method='auto'`` takes (``method``: ``'ghost'`` or ``'vmap'``) and why, in words."""
+
+    method: str
+    why: str
+
+
+def _sizes(pflat: _norms.FlatTree) -> dict[int, int]:
+    return {i: math.prod(np.shape(pflat.leaves[i])) for i in pflat.active}
+
+
+def auto_choice(traced: Traced, pflat: _norms.FlatTree, bsize: int) -> AutoChoice:
+    """The path ``method='auto'`` takes, from shapes alone (see :data:`AUTO_MIN_ELEMENTS` and
+    :data:`AUTO_MIN_ELEMENTS_NO_FALLBACK`), and why."""
+    closed, plan = traced
+    if not plan.row_wise:
+        return AutoChoice("vmap", "the analysis cannot show that no operation mixes examples")
+    if not plan.ghost:
+        return AutoChoice("vmap", "no parameter leaf is measured without its per-example gradients")
+    sizes = _sizes(pflat)
+    total, ghost_size = sum(sizes.values()), sum(sizes[i] for i in plan.ghost)
+    formed = bsize * ghost_size
+    if formed >= AUTO_MIN_ELEMENTS and 2 * ghost_size >= total:
+        return AutoChoice("ghost", f"the measured leaves' per-example gradients would hold B x {ghost_size:,} = "
+                                   f"{formed:,} elements, at least AUTO_MIN_ELEMENTS = {AUTO_MIN_ELEMENTS:,}")
+    if plan.reasons:
+        small = (f"' per-example gradients hold {formed:,} elements, below AUTO_MIN_ELEMENTS = {AUTO_MIN_ELEMENTS:,}"
+                 if formed < AUTO_MIN_ELEMENTS else f" hold {ghost_size:,} of the {total:,} parameters, less than half")
+        return AutoChoice("vmap", f"{len(plan.reasons)} of {len(sizes)} leaves fall back (the ghost path would "
+                                  f"compile the vmap path for them too) and the measured leaves{small}")
+    cts = plan.ct_elems(closed.jaxpr)
+    if formed < AUTO_MIN_ELEMENTS_NO_FALLBACK:
+        return AutoChoice("vmap", f"the per-example gradients hold B x {ghost_size:,} = {formed:,} elements, below "
+                                  f"AUTO_MIN_ELEMENTS_NO_FALLBACK = {AUTO_MIN_ELEMENTS_NO_FALLBACK:,}: tiny either way")
+    if formed < cts:
+        return AutoChoice("vmap", f"the per-example gradients ({formed:,} elements) are smaller than the output "
+                                  f"cotangents the ghost norms read ({cts:,}): the vmap path runs and compiles faster")
+    return AutoChoice("ghost", f"every leaf is measured, and the per-example gradients ({formed:,} elements) are at "
+                               f"least the output cotangents the ghost norms read ({cts:,}): the vmap path would write and "
+                               "read more than the ghost path measures (slower steps, which repay any extra compile "
+                               "time in a short run)")
+
+
+def use_ghost(traced: Traced, pflat: _norms.FlatTree, bsize: int, method: Method) -> bool:
     """Whether to take the ghost path (else the vmap path computes everything)."""
-    if not plan.row_wise or not plan.ghost:
+    if not traced.plan.row_wise or not traced.plan.ghost:
         return False
-    if method is Method.GHOST:
-        return True
-    sizes = {i: math.prod(np.shape(pflat.leaves[i])) for i in pflat.active}
-    ghost_size = sum(sizes[i] for i in plan.ghost)
-    return bsize * ghost_size >= AUTO_MIN_ELEMENTS and 2 * ghost_size >= sum(sizes.values())
+    return method is Method.GHOST or auto_choice(traced, pflat, bsize).method == "ghost"

@@ -1,0 +1,119 @@
+"""Compile breakdown: where a DP step's time to its first call goes, on the CPU.
+
+For the small transformer LM of ``bench_ghost`` (2 layers, width 64, sequence 32,
+vocabulary 128, 118k parameters) at B=8, four training steps jitted with the state
+donated: ``nonprivate`` (``jax.grad`` of the mean loss, adamw), ``hand`` (a
+hand-written ``vmap(grad)`` + optax's per-example clip + sum, then the DP noise and
+adamw), ``vmap`` and ``ghost`` (``clipped_grad(method=...)``, then the same noise and
+adamw). Each is traced (``jax.jit(step).trace``: Python and the jaxpr), lowered
+(StableHLO) and compiled (XLA's passes and code generation; a GPU adds its
+autotuning there, which ``tools/gpu_check.sh``'s GPU rows time) in turn, each phase
+timed; the compiled program's HLO instructions are counted by the part of the step
+that wrote them (:func:`benchmarks.bench_cost.instructions_by_source`).
+
+Rows (group ``compile``; seconds in the ms columns): each DP step's trace, lower and
+compile against the non-private step's same phase, and the ``vmap`` step's total
+against the hand-written one's (the issue's goals: DP step <= 1.5x the non-private
+step, ``clipped_grad(method='vmap')`` <= 1.2x the hand-written version). The notes give
+the instructions by source.
+
+Run alone: ``python -m benchmarks.bench_compile``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+
+from benchmarks.bench_cost import instructions_by_source
+from benchmarks.common import row
+from benchmarks.models import transformer
+from benchmarks.steps import CLIP, dp_step, hand_clipped_grad, nonprivate_step
+from gradclip_jax.per_example import clipped_grad
+
+GROUP = "compile"
+BATCH = 8
+PHASES = ("trace", "lower", "compile")
+
+
+def breakdown(step: Callable[..., Any], *args: Any) -> dict[str, Any]:
+    """Seconds to trace, lower and compile a fresh ``jax.jit(step, donate_argnums=0)`` for
+    ``args`` (``"trace"``, ``"lower"``, ``"compile"``, ``"total"``) and its HLO
+    instructions by source (``"by_source"``)."""
+    f = jax.jit(lambda *a: step(*a), donate_argnums=0)  # a new function: nothing cached in memory
+    t0 = time.perf_counter()
+    traced = f.trace(*args)
+    t1 = time.perf_counter()
+    lowered = traced.lower()
+    t2 = time.perf_counter()
+    compiled = lowered.compile()
+    t3 = time.perf_counter()
+    return {"trace": t1 - t0, "lower": t2 - t1, "compile": t3 - t2, "total": t3 - t0,
+            "by_source": instructions_by_source(compiled.as_text())}
+
+
+def steps(losses: Callable[..., Any], batch: int) -> dict[str, Callable[..., Any]]:
+    """The four training steps of the module docstring, each ``(state, batch) -> state``."""
+    opt = optax.adamw(1e-4)
+    ghost = clipped_grad(losses, CLIP, method="ghost")
+    vmap = clipped_grad(losses, CLIP, method="vmap")
+    return {
+        "nonprivate": nonprivate_step(losses, opt),
+        "hand": dp_step(hand_clipped_grad(losses), CLIP, batch, opt),
+        "vmap": dp_step(lambda p, b: vmap(p, b)[0], CLIP, batch, opt),
+        "ghost": dp_step(lambda p, b: ghost(p, b)[0], CLIP, batch, opt),
+    }
+
+
+def measure(batch: int = BATCH) -> dict[str, dict[str, Any]]:
+    """:func:`breakdown` of each of :func:`steps` on the small transformer."""
+    losses, params, data = transformer(0, batch, layers=2, d=64, seq=32, vocab=128)
+    opt = optax.adamw(1e-4)
+    out = {}
+    for name, step in steps(losses, batch).items():
+        state = (jax.tree.map(lambda x: x + 0, params), opt.init(params), jax.random.key(0))
+        out[name] = breakdown(step, state, data)
+    return out
+
+
+def rows_of(res: dict[str, dict[str, Any]], label: str) -> list[dict]:
+    """The rows of the module docstring from :func:`measure`'s result."""
+    def sources(n: str) -> str:
+        by = res[n]["by_source"]
+        return f"{n} {sum(by.values())} ({', '.join(f'{k} {v}' for k, v in by.items())})"
+
+    def note(*names: str) -> str:
+        return f"seconds in the ms columns; {label}; HLO instructions by source: " + "; ".join(map(sources, names))
+
+    base = res["nonprivate"]
+    rows = [row(GROUP, f"{phase}: DP step ({n}) vs non-private step ({label})", 1e3 * res[n][phase],
+                1e3 * base[phase], note(n, "nonprivate") + ("; goal <= 1.5x (total)" if phase == "total" else ""))
+            for n in ("ghost", "vmap", "hand") for phase in (*PHASES, "total")]
+    rows.append(row(GROUP, f"total: DP step, clipped_grad(method='vmap') vs hand-written vmap(grad) + clip + sum "
+                           f"({label})", 1e3 * res["vmap"]["total"], 1e3 * res["hand"]["total"],
+                    note("vmap", "hand") + "; goal <= 1.2x"))
+    return rows
+
+
+def run(quick: bool = False) -> list[dict]:
+    """Runs the benchmark and returns its rows (the same model with ``quick``: it is small)."""
+    del quick
+    return rows_of(measure(), f"transformer 2x64 T=32 V=128, B={BATCH}, {jax.default_backend()}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    for r in run(quick=args.quick):
+        print(json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""The compile breakdown rows (``benchmarks/bench_compile.py``): trace, lower and compile timed
+apart, instructions by source, and one row per DP step and phase against the non-private step."""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+from benchmarks import bench_compile as bc
+from tests.per_example.models import mlp_setup
+
+
+def test_breakdown_times_each_phase_and_counts_instructions_by_source():
+    losses, params, data = mlp_setup()
+    opt = optax.adamw(1e-3)
+    state = (params, opt.init(params), jax.random.key(0))
+    res = bc.breakdown(bc.steps(losses, 7)["ghost"], state, data)
+    assert all(res[p] > 0 for p in bc.PHASES)
+    assert abs(res["total"] - sum(res[p] for p in bc.PHASES)) < 1e-6
+    by = res["by_source"]
+    assert by["model"] > 0 and by["optimizer"] > 0 and by["noise"] > 0 and by["norms"] > 0
+
+
+def test_rows_are_ratios_to_the_non_private_step_and_the_hand_written_one():
+    def rec(s):
+        return {"trace": s, "lower": 2 * s, "compile": 3 * s, "total": 6 * s, "by_source": {"model": 10}}
+
+    res = {"nonprivate": rec(1.0), "hand": rec(2.0), "vmap": rec(3.0), "ghost": rec(1.5)}
+    rows = bc.rows_of(res, "tiny")
+    assert len(rows) == 3 * 4 + 1 and all(r["group"] == "compile" for r in rows)
+    by_name = {r["name"]: r for r in rows}
+    assert by_name["compile: DP step (ghost) vs non-private step (tiny)"]["ratio"] == 1.5
+    assert by_name["total: DP step (vmap) vs non-private step (tiny)"]["ratio"] == 3.0
+    last = rows[-1]
+    assert last["ratio"] == 1.5 and "hand-written" in last["name"] and "goal <= 1.2x" in last["note"]
+    assert "ghost 10 (model 10)" in by_name["trace: DP step (ghost) vs non-private step (tiny)"]["note"]
