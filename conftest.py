@@ -85,6 +85,28 @@ def pytest_configure(config: pytest.Config) -> None:
         PRODUCT_PRECISION[jax.default_backend()] = "highest"
 
 
+@pytest.fixture(autouse=True)
+def _compiled_names_in_cache_key(request: pytest.FixtureRequest):
+    """A test marked ``reads_compiled_names`` gets programs carrying its own names and sources.
+
+    JAX's persistent cache key leaves out names and source locations, so a program read back
+    from the cache carries those of whichever test compiled the same program first (CI stores
+    every program). Such a test's programs are keyed with them included: it still reads back
+    its own programs from an earlier run, not another test's.
+    """
+    if request.node.get_closest_marker("reads_compiled_names") is None:
+        yield
+        return
+    import jax
+
+    before = jax.config.jax_compilation_cache_include_metadata_in_key
+    jax.config.update("jax_compilation_cache_include_metadata_in_key", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_compilation_cache_include_metadata_in_key", before)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import jax
 

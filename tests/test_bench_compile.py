@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import jax
 import optax
+import pytest
 
 from benchmarks import bench_compile as bc
 from tests.per_example.models import mlp_setup
+
+# counts instructions by source, from the compiled programs' metadata
+pytestmark = pytest.mark.reads_compiled_names
 
 
 def test_breakdown_times_each_phase_and_counts_instructions_by_source():

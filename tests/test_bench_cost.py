@@ -10,6 +10,9 @@ pytest.importorskip("flax")
 from benchmarks import bench_cost as bc
 from benchmarks.__main__ import SUITES
 
+# the cost rows count instructions by source, from the compiled programs' metadata
+pytestmark = pytest.mark.reads_compiled_names
+
 MODULE = """\
 module @jit_step attributes {mhlo.num_partitions = 1 : i32} {
   func.func public @main(%arg0: tensor<4x4xf32>, %arg1: tensor<i32>) -> (tensor<4x4xf32>) {

@@ -13,6 +13,9 @@ from benchmarks import hlo_program as hp
 from gradclip_jax.per_example import clipped_grad
 from gradclip_jax.privacy import add_gaussian_noise
 
+# reads the compiled programs' source metadata (stack frames, op names)
+pytestmark = pytest.mark.reads_compiled_names
+
 LIB = "/site-packages/gradclip_jax/"
 
 

@@ -17,6 +17,9 @@ from benchmarks import profile_gpu as pg
 from benchmarks.__main__ import EXTRA_SUITES, SUITES, module_name
 from benchmarks.hlo_program import PHASES
 
+# reads the compiled programs' source metadata (hlo_hints, hlo_phases)
+pytestmark = pytest.mark.reads_compiled_names
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HOPPER_TF32 = "sm90_xmma_gemm_f32f32_tf32f32_f32_tn_n_tilesize128x128x32_warpgroupsize1x1x1_execute_segment_k_off"
 AMPERE_TF32 = "cutlass_80_tensorop_s1688gemm_128x128_32x3_nn_align4"

@@ -44,6 +44,7 @@ def _kernels_computing(loss, params, data, method: str) -> Counter:
 
 
 @pytest.mark.cpu_only(reason="reads what XLA:CPU fuses, with its barrier pass off as a GPU's pipeline has it")
+@pytest.mark.reads_compiled_names  # the kernels' source functions, from the stack frames
 @pytest.mark.parametrize("method", ["ghost", "vmap"])
 def test_the_global_factor_is_computed_once_for_all_leaves(method: str) -> None:
     """A transformer LM of 13 leaves: the norms' combination and the clip factor are in a few

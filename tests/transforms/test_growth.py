@@ -443,6 +443,7 @@ def _entry_reads(compiled, name: str) -> int:
 
 
 @pytest.mark.cpu_only(reason="counts reads in XLA:CPU's optimized program and reads its buffer assignment")
+@pytest.mark.reads_compiled_names  # finds the update's parameter by its name
 @pytest.mark.parametrize("make, reads", [(clip_value_growth, 2), (clip_value_by_ema, 3)])
 def test_elementwise_clippers_read_the_update_once_per_pass(make, reads):
     # One read-only pass finds both whether the update is finite and whether it clips (no
