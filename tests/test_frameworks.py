@@ -101,6 +101,24 @@ def test_flax_nnx():
     assert all(np.all(np.isfinite(v)) for v in jax.tree.leaves(after))
 
 
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+def test_flax_nnx_error_of_the_loss_itself_passes_through(method):
+    # Updating a module created outside the loss is flax's error at any batch size, not a
+    # breach of the per-example contract: the user gets flax's error, not ours.
+    nnx = pytest.importorskip("flax.nnx")
+    from flax.errors import TraceContextError
+
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+
+    def losses(p, batch):
+        nnx.update(model, p)  # the fix: nnx.merge(graphdef, p) (copy=True for a shared base)
+        return jnp.sum(model(batch) ** 2, axis=-1)
+
+    with pytest.raises(TraceContextError, match="different trace level"):
+        jax.jit(gcx.clipped_grad(losses, 1.0, method=method))(params, jnp.ones((4, 3)))
+
+
 def test_flax_linen():
     pytest.importorskip("flax.linen")
     ns = run_section("linen")

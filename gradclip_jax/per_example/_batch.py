@@ -140,10 +140,25 @@ def batchnorm_in_loss(loss_fn: Callable[..., Any], params: Any, batch: Any, args
     return next((n for n in _names_in(closed.jaxpr) if _names_batchnorm(n)), None)
 
 
+def _fails_on_the_batch(loss_fn: Callable[..., Any], params: Any, batch: Any, args: Sequence[Any]) -> bool:
+    """Whether tracing ``loss_fn`` (shapes only) on the whole ``batch`` raises."""
+    whole = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), batch)
+    try:
+        jax.eval_shape(loss_fn, params, whole, *args)
+    except Exception:
+        return True
+    return False
+
+
 def check_one_example(fn: str, loss_fn: Callable[..., Any], has_aux: bool, params: Any, batch: Any,
                       args: Sequence[Any]) -> None:
     """Traces ``loss_fn`` (shapes only) on the first example as a batch of one; ValueError stating
-    the contract when that fails or does not give one loss."""
+    the contract when that fails or does not give one loss.
+
+    A loss that fails on the whole batch as well is not told it broke the contract: the failure
+    is its own (a framework's error, such as flax nnx's ``TraceContextError`` for a module
+    updated inside the loss), and the caller re-raises it with its cause.
+    """
     # Abstract and unsharded: slicing one row of a batch sharded on axis 0 is refused.
     one = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct((1, *np.shape(x)[1:]), jnp.result_type(x)), batch)
     try:
@@ -152,6 +167,8 @@ def check_one_example(fn: str, loss_fn: Callable[..., Any], has_aux: bool, param
         bn = batchnorm_error(err, fn)
         if bn is not None:
             raise bn from err
+        if _fails_on_the_batch(loss_fn, params, batch, args):
+            return
         raise ValueError(f"{fn}: calling loss_fn on a batch of one example failed ({type(err).__name__}: "
                          f"{str(err).splitlines()[0] if str(err) else ''}); {LOSS_CONTRACT}") from err
     loss = out[0] if has_aux and isinstance(out, tuple) and len(out) == 2 else out
