@@ -144,3 +144,11 @@ def test_max_batch_rows_of_the_tiny_llama() -> None:
     assert {r["step"] for r in rows} == {"ghost", "vmap"}
     for r in rows:
         assert 1 <= r["baseline_ms"] <= bench_ghost_gpu.TINY_CAP and 0 <= r["ours_ms"] <= r["baseline_ms"]
+
+
+def test_llama_cost_configs() -> None:
+    quick, full = cost_llama.llama_configs(True), cost_llama.llama_configs(False)
+    # quick: T=512 full and LoRA, unrolled (one compile a step gives temporaries and exact FLOPs)
+    assert [(c.seq, c.lora, c.scan, c.remat) for _, c in quick] == [(512, 0, False, True), (512, 8, False, True)]
+    assert [(c.seq, c.lora, c.scan, c.remat) for _, c in full] == [
+        (512, 0, True, True), (512, 8, True, True), (2048, 0, True, True), (2048, 8, True, True)]
