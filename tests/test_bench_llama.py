@@ -115,8 +115,21 @@ def test_largest_batch_finds_the_edge(limit: int) -> None:
         calls.append(b)
         return b <= limit
 
-    assert max_batch.largest_batch(fits, cap=4096) == min(limit, 4096)
+    assert max_batch.largest_batch(fits, cap=4096) == (min(limit, 4096), True)
     assert len(calls) <= 2 * 13 + 2  # doubling, then bisection
+    calls.clear()
+    assert max_batch.largest_batch(fits, cap=4096, start=8) == (min(limit, 4096), True)
+    assert len(calls) <= 2 * 13 + 2
+
+
+def test_largest_batch_stops_with_a_lower_bound() -> None:
+    tries: list[int] = []
+
+    def fits(b: int) -> bool:
+        tries.append(b)
+        return b <= 100
+
+    assert max_batch.largest_batch(fits, give_up=lambda: len(tries) >= 3) == (4, False)  # 1, 2, 4 fit
 
 
 def test_ghost_gpu_llama_configs() -> None:
@@ -149,7 +162,7 @@ def test_max_batch_rows_of_the_tiny_llama() -> None:
 
 def test_llama_cost_configs() -> None:
     quick, full = cost_llama.llama_configs(True), cost_llama.llama_configs(False)
-    # quick: T=512 full and LoRA, unrolled (one compile a step gives temporaries and exact FLOPs)
-    assert [(c.seq, c.lora, c.scan, c.remat) for _, c in quick] == [(512, 0, False, True), (512, 8, False, True)]
+    # quick: T=512 full and LoRA, scanned (the temporaries of the remat'd blocks as users write them)
+    assert [(c.seq, c.lora, c.scan, c.remat) for _, c in quick] == [(512, 0, True, True), (512, 8, True, True)]
     assert [(c.seq, c.lora, c.scan, c.remat) for _, c in full] == [
         (512, 0, True, True), (512, 8, True, True), (2048, 0, True, True), (2048, 8, True, True)]

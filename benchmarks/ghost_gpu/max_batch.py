@@ -8,6 +8,7 @@ that did not.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,19 +23,27 @@ def footprint_bytes(step: Callable, state: Any, data: Any) -> int:
     return int(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
 
 
-def largest_batch(fits: Callable[[int], bool], cap: int = 1 << 16) -> int:
+def largest_batch(fits: Callable[[int], bool], cap: int = 1 << 16, start: int = 1,
+                  give_up: Callable[[], bool] = lambda: False) -> tuple[int, bool]:
     """The largest ``B <= cap`` with ``fits(B)``, for a ``fits`` that holds up to some batch and not
-    beyond (0 when ``fits(1)`` does not hold); ``fits`` is called O(log B) times."""
-    if not fits(1):
-        return 0
-    lo = 1
-    while lo * 2 <= cap and fits(lo * 2):
-        lo *= 2
-    hi = min(lo * 2, cap + 1)  # lo fits, hi does not (or is past the cap)
-    while hi - lo > 1:
+    beyond (0 when ``fits(1)`` does not hold), and whether it is exact: the batch doubles from
+    ``start`` (a guess saves compiles) and then bisects, O(log B) calls; once ``give_up()`` says so
+    the search stops with the largest batch known to fit (a lower bound, ``False``)."""
+    lo, hi = 0, cap + 1  # lo fits (0: trivially), hi does not (cap + 1: past the cap)
+    b = max(1, min(start, cap))
+    while b < hi:  # doubling
+        if give_up():
+            return lo, False
+        if not fits(b):
+            hi = b
+            break
+        lo, b = b, b * 2
+    while hi - lo > 1:  # bisection
+        if give_up():
+            return lo, False
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+    return lo, True
 
 
 def device_limit_bytes(default: int) -> int:
@@ -44,8 +53,10 @@ def device_limit_bytes(default: int) -> int:
 
 
 def max_batches(make_step: Callable[[Callable, int], Callable], model: Callable[[int], tuple[Any, Any, Any]],
-                names: tuple[str, ...], limit: int, cap: int = 1 << 12) -> dict[str, int]:
-    """Per step name, the largest batch whose compiled step fits in ``limit`` bytes.
+                names: tuple[str, ...], limit: int, cap: int = 1 << 12, start: int = 1,
+                deadline: float = float("inf")) -> dict[str, tuple[int, bool]]:
+    """Per step name, the largest batch whose compiled step fits in ``limit`` bytes, and whether it
+    is exact (:func:`largest_batch`; the search stops at ``deadline``, ``time.perf_counter()``'s).
 
     ``model(B)`` gives ``(losses, params, data)`` at batch ``B``; ``make_step(losses, B)`` the
     steps by name (:func:`benchmarks.cost_llama.llama_steps`' form).
@@ -61,5 +72,5 @@ def max_batches(make_step: Callable[[Callable, int], Callable], model: Callable[
                     return False
                 raise
 
-        out[name] = largest_batch(fits, cap)
+        out[name] = largest_batch(fits, cap, start, give_up=lambda: time.perf_counter() > deadline)
     return out
