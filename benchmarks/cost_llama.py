@@ -72,8 +72,8 @@ def llama_steps(losses: Callable, batch: int, names: tuple[str, ...] = STEPS) ->
 
 
 def llama_costs(cfg: LlamaConfig, batch: int, quick: bool) -> dict[str, Any]:
-    """Each step's record: temporaries of ``cfg``, FLOPs and bytes of it unrolled (one compile
-    when ``cfg`` is unrolled already)."""
+    """Each step's record: temporaries of ``cfg``, FLOPs and bytes of it unrolled (``quick``, or
+    ``cfg`` unrolled already: of ``cfg`` itself, one compile a step)."""
     losses, params, data = llama(0, batch, cfg)
     auto = gcx.ghost_report(losses, params, data).auto[0]
     names = tuple(n for n in STEPS if not (quick and n == "auto"))
