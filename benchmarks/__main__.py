@@ -1,6 +1,6 @@
 """Runs every benchmark in one process and prints/saves the ratio table.
 
-Usage: ``python -m benchmarks [--quick] [--only core,stateful,dp,noise,ghost,sampling,cost,calibration,compile,core-gpu] [--out DIR]``.
+Usage: ``python -m benchmarks [--quick] [--only core,stateful,dp,noise,ghost,sampling,cost,calibration,compile,sharded,core-gpu] [--out DIR]``.
 Writes ``DIR/results.json`` and ``DIR/RESULTS.md`` (default ``benchmarks/results``);
 the GPU suites (``core-gpu``, not run by default) write ``DIR/results_<suite>.json``
 and ``DIR/RESULTS_<suite>.md`` of their own, so a GPU run does not replace the
@@ -21,7 +21,11 @@ vmap steps of the same configs, by kernel category; ``--models`` as for
 steps' programs on the CPU: FLOPs, bytes, HLO instructions, control flow and
 the CUDA lowering's matmul precisions, as ratios to the non-private step;
 ``compile`` (``bench_compile``) splits the DP steps' compile time into trace, lower
-and XLA compile, with their HLO instructions by source.
+and XLA compile, with their HLO instructions by source; ``sharded`` (``bench_sharded``,
+in a process of its own with 8 simulated CPU devices) reads the Llama decoder's DP steps
+sharded FSDP-style on 8x1, 2x4 and 1x8 meshes: per-device temporaries and all-gathers. ``cost``
+also reads the Llama decoder's DP steps (``benchmarks/cost_llama.py``, full and LoRA) and checks
+the MLP's ghost gradient for variadic reductions.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import time
 
 import jax
 
-SUITES = ("core", "stateful", "dp", "noise", "ghost", "sampling", "cost", "calibration", "compile")
+SUITES = ("core", "stateful", "dp", "noise", "ghost", "sampling", "cost", "calibration", "compile", "sharded")
 GPU_SUITES = ("core-gpu",)  # rows go to results_<suite>.json / RESULTS_<suite>.md
 EXTRA_SUITES = ("ghost-gpu", "profile-gpu", *GPU_SUITES)  # run only when named in --only
 MODULES = {"profile-gpu": "benchmarks.profile_gpu"}  # the others: benchmarks.bench_<name>

@@ -63,6 +63,7 @@ from unittest import mock
 import jax
 import jax.numpy as jnp
 
+from benchmarks import cost_llama
 from benchmarks.common import memory_mb, row
 from benchmarks.ghost_gpu.configs import TINY_BATCH, Config
 from benchmarks.ghost_gpu.timing import control_flow
@@ -296,7 +297,7 @@ def rows_of(res: dict[str, Any]) -> list[dict]:
 
 
 def run(quick: bool = False) -> list[dict]:
-    """The cost rows of both models (tiny sizes with ``quick``)."""
+    """The cost rows of both models (tiny sizes with ``quick``), then :mod:`benchmarks.cost_llama`'s."""
     rows: list[dict] = []
     for model in MODELS:
         t0 = time.perf_counter()
@@ -304,6 +305,9 @@ def run(quick: bool = False) -> list[dict]:
         print(f"[cost] {model}: {res['label']}, B={res['batch']}, read in {time.perf_counter() - t0:.0f} s",
               flush=True)
         rows += rows_of(res)
+    t0 = time.perf_counter()
+    rows += cost_llama.run(quick)  # the MLP's ghost gradient (checked) and the Llama decoder's steps
+    print(f"[cost] mlp + llama: read in {time.perf_counter() - t0:.0f} s", flush=True)
     return rows
 
 

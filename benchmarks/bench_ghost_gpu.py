@@ -111,7 +111,10 @@ from typing import Any
 
 import jax
 
-from benchmarks.ghost_gpu.configs import CONFIGS, parse_steps, select
+from benchmarks.common import row
+from benchmarks.cost_llama import llama_steps
+from benchmarks.ghost_gpu.configs import CONFIGS, Config, llama_config, parse_steps, select
+from benchmarks.ghost_gpu.max_batch import device_limit_bytes, max_batches
 from benchmarks.ghost_gpu.results import (
     RESULTS_JSON,
     RESULTS_MD,
@@ -122,12 +125,37 @@ from benchmarks.ghost_gpu.results import (
 )
 from benchmarks.ghost_gpu.timing import measure
 from benchmarks.ghost_gpu.variants import has_gpu
+from benchmarks.models import llama
 
 DEFAULT_BUDGET_S = 540.0
 
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
+
+
+# The CPU has no memory limit to read: the tiny smoke run searches under this one, to a small cap.
+TINY_LIMIT_BYTES = 16 << 20
+TINY_CAP = 16
+
+
+def max_batch_rows(cfg: Config, tiny: bool, deadline: float = float("inf")) -> list[dict]:
+    """The largest batch of a Llama config's non-private, ghost and vmap steps that fits the device
+    (compiled footprint, :mod:`benchmarks.ghost_gpu.max_batch`; from the config's batch, until
+    ``deadline``), each DP step's against the non-private one's."""
+    lcfg = llama_config(cfg, tiny)
+    limit = device_limit_bytes(TINY_LIMIT_BYTES) if not tiny or has_gpu() else TINY_LIMIT_BYTES
+    t0 = time.perf_counter()
+    found = max_batches(llama_steps, lambda b: llama(0, b, lcfg), ("nonprivate", "ghost", "vmap"), limit,
+                        cap=TINY_CAP if tiny else 1 << 12, start=1 if tiny else cfg.batch, deadline=deadline)
+    sizes = ", ".join(f"{k} {b}{'' if exact else '+ (stopped at the budget: a lower bound)'}"
+                      for k, (b, exact) in found.items())
+    note = (f"{cfg.name}: the largest B whose compiled step (state donated) fits {limit / 2**30:.2f} GiB: "
+            f"{sizes}; searched in {time.perf_counter() - t0:.0f} s")
+    print(f"ghost-gpu: {note}", flush=True)
+    return [row("ghost-gpu", f"{cfg.name} largest batch that fits, {step} DP step vs non-private step "
+                "(examples, in the ms columns)", found[step][0], found["nonprivate"][0], note, unit="examples",
+                measure="max_batch", step=step, exact=found[step][1]) for step in ("ghost", "vmap")]
 
 
 def run(quick: bool = False, *, out: str | pathlib.Path | None = None, models: str | Sequence[str] | None = None,
@@ -161,6 +189,8 @@ def run(quick: bool = False, *, out: str | pathlib.Path | None = None, models: s
                       split_compile=_env_flag("GHOST_GPU_COMPILE_SPLIT"))
         done.append(res)
         rows += rows_of(res)
+        if cfg.model.startswith("llama") and time.perf_counter() < deadline:
+            rows += max_batch_rows(cfg, tiny, deadline)
         merged = write_results(out_dir, run_meta, done)
     if done:
         print(markdown(run_meta, merged), flush=True)

@@ -10,6 +10,8 @@
 #            temporaries, compile times (with GHOST_GPU_COMPILE_SPLIT=1 also each step's compile
 #            time without XLA's autotuning); then, for EXTRA_S seconds (default 0: none), the configs
 #            of EXTRA_MODELS (default gpt2-b32,gpt2-bf16-b8) with EXTRA_STEPS (default ghost,vmap);
+#            then, for LLAMA_S seconds (default 0: none), the Llama configs (0.42B, bfloat16, T=1024,
+#            full and LoRA: ghost and vmap step times and the largest batch each step fits);
 #   profile  the kernel-category profile of the non-private step and PROFILE_GPU_STEPS (default
 #            ghost,vmap) of the configs PROFILE_MODELS (default gpt2-b8,wrn-b256)
 #            (benchmarks.profile_gpu, PROFILE_S), reusing the programs the bench part
@@ -48,6 +50,9 @@ if want bench; then
     SPECS="gpt2-b8:${GPT2_S:-160}:${GPT2_STEPS:-$DEFAULT_STEPS} wrn-b256:${WRN_S:-90}:${WRN_STEPS:-$DEFAULT_STEPS}"
     if [ "${EXTRA_S:-0}" -gt 0 ]; then
         SPECS="$SPECS ${EXTRA_MODELS:-gpt2-b32,gpt2-bf16-b8}:$EXTRA_S:${EXTRA_STEPS:-ghost,vmap}"
+    fi
+    if [ "${LLAMA_S:-0}" -gt 0 ]; then
+        SPECS="$SPECS llama-b8,llama-lora-b8:$LLAMA_S:ghost,vmap"
     fi
     for spec in $SPECS; do
         model=${spec%%:*}; rest=${spec#*:}; secs=${rest%%:*}; steps=${rest#*:}

@@ -8,7 +8,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from benchmarks.models import gpt2, wrn
+from benchmarks.models import LlamaConfig, gpt2, llama, wrn
 
 STEPS = ("nonprivate", "ghost", "backward", "bookkeeping", "vmap", "jax_privacy", "nonprivate_highest",
          "ghost_highest", "ghost_tf32x2", "ghost_tf32x3", "ghost_bf16x6", "ghost_noise_shapes",
@@ -34,7 +34,7 @@ class Config:
     """One measured setting: a model variant, a batch size and the steps timed."""
 
     name: str
-    model: str  # 'gpt2' (fused qkv), 'gpt2-qkv' (separate q/k/v), 'gpt2-bf16', 'gpt2-scan', 'wrn'
+    model: str  # 'gpt2' (fused qkv), 'gpt2-qkv' (separate q/k/v), 'gpt2-bf16', 'gpt2-scan', 'wrn', 'llama', 'llama-lora'
     batch: int
     steps: tuple[str, ...]
 
@@ -48,7 +48,15 @@ CONFIGS = (  # in priority order: a run cut short by the time budget has measure
     Config("gpt2-bf16-b8", "gpt2-bf16", 8, STEPS[:5]),
     Config("gpt2-scan-b8", "gpt2-scan", 8, STEPS[:5]),
     Config("gpt2-scan-b32", "gpt2-scan", 32, STEPS[:5]),
+    Config("llama-b8", "llama", 8, ("nonprivate", "ghost", "vmap")),
+    Config("llama-lora-b8", "llama-lora", 8, ("nonprivate", "ghost", "vmap")),
 )
+# The Llama configs: 0.42B parameters in bfloat16 at T=1024 (32 layers of width 1024, 16 heads,
+# 4 kv-heads, SwiGLU 2752, vocabulary 32000, untied head; nnx.scan over nnx.remat'd blocks);
+# LoRA: rank 16 adapters on q, v and the MLP. Tiny: 2 layers of width 32, T=8, vocabulary 64.
+LLAMA = LlamaConfig(layers=32, d=1024, heads=16, kv_heads=4, seq=1024, vocab=32000, dtype=jnp.bfloat16)
+LLAMA_TINY = LlamaConfig(layers=2, d=32, heads=4, kv_heads=2, seq=8, vocab=64, dtype=jnp.bfloat16)
+LLAMA_LORA_RANK = 16
 TINY_BATCH = 4
 
 
@@ -85,6 +93,17 @@ def build(cfg: Config, tiny: bool) -> tuple[Callable, Any, Any, str, int]:
     batch = TINY_BATCH if tiny else cfg.batch
     if cfg.model == "wrn":
         return (*wrn(batch, tiny=tiny), batch)
+    if cfg.model.startswith("llama"):
+        lcfg = llama_config(cfg, tiny)
+        label = (f"Llama nnx {lcfg.layers}x{lcfg.d}, {lcfg.heads}/{lcfg.kv_heads} heads, vocab {lcfg.vocab}, "
+                 f"T={lcfg.seq}, scan+remat, {'LoRA r=' + str(lcfg.lora) if lcfg.lora else 'full'}, bfloat16")
+        return (*llama(0, batch, lcfg), label, batch)
     dtype = jnp.bfloat16 if cfg.model == "gpt2-bf16" else jnp.float32
     return (*gpt2(batch, fused=cfg.model != "gpt2-qkv", dtype=dtype, tiny=tiny, scan=cfg.model == "gpt2-scan"),
             batch)
+
+
+def llama_config(cfg: Config, tiny: bool) -> LlamaConfig:
+    """The :class:`~benchmarks.models.LlamaConfig` of a ``llama`` config (LoRA for ``llama-lora``)."""
+    base = LLAMA_TINY if tiny else LLAMA
+    return base._replace(lora=LLAMA_LORA_RANK if cfg.model == "llama-lora" else 0)

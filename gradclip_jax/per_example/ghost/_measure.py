@@ -15,6 +15,7 @@ import numpy as np
 from jax import lax
 
 from gradclip_jax._core import norms as _norms
+from gradclip_jax._core.backend import per_backend
 from gradclip_jax.per_example._batch import (
     Call,
     explicit_spec,
@@ -282,6 +283,27 @@ def _joint_groups(rows: dict[int, jax.Array]) -> list[list[int]]:
     return [g for g in groups.values() if len(g) > 1]
 
 
+# Per backend, how the ghost step measures its formed rows and RowNorms requests (outside loop
+# bodies; a rule's norm inside a loop is always branch-free):
+#
+# * ``"branch-free"``: Blue's algorithm, no overflow conditional in the step (on a GPU a
+#   conditional copies its predicate to the host, and the host can no longer queue the kernels
+#   after it ahead of the device);
+# * ``"engine"``: the norm engine's own per-backend strategy (``SUMSQ_STRATEGY``; on the CPU one
+#   plain sum of squares per row and a ``lax.cond`` that recomputes on over- or underflow).
+#   XLA:CPU compiles Blue's three-sum variadic reduction as a scalar loop, not vectorized: on an
+#   MLP, where these rows are most of the ghost work, it cost the CPU step about a third more
+#   (benchmarks/results/MEASUREMENTS.md), while a conditional on the CPU costs nothing.
+#
+# Backends not listed use ``"branch-free"``.
+ROW_NORMS = {"cpu": "engine"}
+
+
+def _row_norms_branch_free() -> bool:
+    return per_backend(ROW_NORMS, "gradclip_jax.per_example.ghost._measure.ROW_NORMS", "branch-free",
+                       ("branch-free", "engine")) == "branch-free"
+
+
 def leaf_norms(config: ClipConfig, call: Call, traced: Traced, batch: Any, fwd: Pass) -> LeafNorms:
     """The per-example norm of every measured leaf, and the rows of those whose gradients were formed.
 
@@ -317,16 +339,14 @@ def leaf_norms(config: ClipConfig, call: Call, traced: Traced, batch: Any, fwd: 
     fb = [i for i in pflat.active if i not in plan.ghost]
     if fb:
         rows.update(zip(fb, _pin(_fallback_rows(config, call, fb, batch), acc), strict=True))
-    # The formed rows and every RowNorms request in one call, by Blue's algorithm: no overflow
-    # conditional in the step (on a GPU a conditional copies its predicate to the host, and the
-    # host can no longer queue the kernels after it ahead of the device).
+    # The formed rows and every RowNorms request in one call (ROW_NORMS says how).
     requests = [n for n in site_norms if isinstance(n, RowNorms)]
     groups = [] if config.per_layer else _joint_groups(rows)
     grouped = {i for g in groups for i in g}
     own = [i for i in rows if i not in grouped]
     together = [jnp.concatenate([rows[i] for i in g], axis=1) for g in groups]
     measured = iter(leaf_example_norms([*together, *[rows[i] for i in own],
-                                        *[a for r in requests for a in r.arrays]], branch_free=True))
+                                        *[a for r in requests for a in r.arrays]], branch_free=_row_norms_branch_free()))
     joint = [next(measured).astype(acc) for _ in together]
     norms.update((i, next(measured)) for i in own)
     resolved = {r: r.combine([next(measured) for _ in r.arrays]) for r in requests}  # keyed by identity

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,7 @@ from jax import lax
 
 from gradclip_jax.ghost import ghost_report
 from gradclip_jax.per_example import PRODUCT_PRECISION, clipped_grad
-from gradclip_jax.per_example.ghost import _gram
+from gradclip_jax.per_example.ghost import _gram, _measure
 from tests._backend import refuses_backward
 from tests.per_example.models import B, cnn_setup, embed_setup, mlp_setup, xent
 
@@ -319,11 +321,38 @@ def test_bookkeeping_holds_a_conditional_only_for_convolutions_read_in_place(mod
     # The small formed rows (biases) are zeroed by a select, not summed one example at a time:
     # no loop over the examples either.
     monkeypatch.setitem(PRODUCT_PRECISION, jax.default_backend(), products)
+    # the step's own norms branch-free as on a GPU (the CPU's default takes the engine's conditional)
+    monkeypatch.setitem(_measure.ROW_NORMS, jax.default_backend(), "branch-free")
     loss, params, data = MODELS[model]()
     f = jax.jit(clipped_grad(loss, 1.0, method="ghost", ghost_sum="bookkeeping"))
     text = f.lower(params, data).compile().as_text()
     assert text.count(" conditional(") == conditionals
     assert text.count(" while(") == 0
+
+
+VARIADIC_REDUCE = re.compile(r"= \([^()=]*\) reduce\(")  # a reduce with a tuple result
+
+
+@pytest.mark.cpu_only(reason="XLA:CPU's reductions: the CPU's default ROW_NORMS")
+@pytest.mark.parametrize("scale", [1.0, 1e22])
+def test_cpu_row_norms_take_no_variadic_reduction(scale, monkeypatch):
+    # XLA:CPU compiles Blue's three-sum variadic reduction as a scalar loop (the MLP ghost step
+    # took a third longer): on the CPU the step's rows are summed plainly, with the engine's
+    # overflow conditional, and the norms stay right where the squares overflow float32.
+    loss, params, data = mlp_setup()
+    data = jax.tree.map(lambda x: x * scale if jnp.issubdtype(x.dtype, jnp.floating) else x, data)
+    out = {}
+    for setting in ("branch-free", "engine"):
+        monkeypatch.setitem(_measure.ROW_NORMS, jax.default_backend(), setting)
+        f = jax.jit(clipped_grad(loss, 1.0, method="ghost"))
+        out[setting] = (len(VARIADIC_REDUCE.findall(f.lower(params, data).compile().as_text())), f(params, data))
+    monkeypatch.undo()
+    assert _measure.ROW_NORMS.get("cpu") == "engine"
+    assert out["branch-free"][0] > 0 and out["engine"][0] == 0
+    norms = [np.asarray(o[1][1].norms) for o in out.values()]
+    assert np.all(np.isfinite(norms[1]))
+    np.testing.assert_allclose(norms[1], norms[0], rtol=1e-5)
+    _close(out["engine"][1][0], out["branch-free"][1][0], 1e-5, 1e-6)
 
 
 def test_has_aux_and_per_layer():

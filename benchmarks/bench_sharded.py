@@ -1,0 +1,133 @@
+"""Benchmark: the Llama decoder's DP steps sharded FSDP-style on 8 simulated CPU devices (compiled, not run).
+
+The model is :func:`benchmarks.models.llama` (2 layers of width 128, 4 heads, 2 kv-heads,
+vocabulary 256; blocks under ``nnx.remat`` in an ``nnx.scan``), B=8 at T=512 (``--quick``:
+T=128), full fine-tuning. On each mesh ``(data, fsdp)`` of 8x1, 2x4 and 1x8 devices, every
+parameter and its adamw moments are sharded over ``fsdp`` on their largest axis that it divides
+(FSDP), and the batch over both axes. The steps are those of :mod:`benchmarks.cost_llama`
+(``nonprivate``, ``ghost``, ``vmap``: noise, adamw, state donated), jitted with the shardings
+read from their inputs. Rows: each DP step's per-device temporaries
+(``memory_analysis()`` of the SPMD program) against the non-private step's, and the all-gathers
+in its compiled HLO against the non-private step's.
+
+The devices are simulated (``XLA_FLAGS=--xla_force_host_platform_device_count=8``), which must be
+set before JAX starts: with fewer devices :func:`run` measures in a process of its own.
+Run alone: ``python -m benchmarks.bench_sharded [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from typing import Any
+
+DEVICES = 8
+MESHES = ((8, 1), (2, 4), (1, 8))  # (data, fsdp)
+STEPS = ("nonprivate", "ghost", "vmap")
+GROUP = "sharded"
+BATCH = 8
+_ALL_GATHER = re.compile(r"\ball-gather(?:-start)?\(")
+
+
+def fsdp_spec(shape: tuple[int, ...], fsdp: int) -> Any:
+    """The leaf's PartitionSpec: its largest axis that ``fsdp`` divides over ``'fsdp'``, else replicated."""
+    from jax.sharding import PartitionSpec as P
+
+    axes = [i for i in sorted(range(len(shape)), key=lambda i: -shape[i]) if shape[i] % fsdp == 0 and shape[i] > 1]
+    if fsdp == 1 or not axes:
+        return P()
+    return P(*["fsdp" if i == axes[0] else None for i in range(len(shape))])
+
+
+def place(state: Any, data: Any, mesh: Any) -> tuple[Any, Any]:
+    """``state`` sharded FSDP-style and ``data`` over both mesh axes, on ``mesh``."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    fsdp = mesh.shape["fsdp"]
+    state = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, fsdp_spec(x.shape, fsdp))), state)
+    data = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp")))), data)
+    return state, data
+
+
+def measure_mesh(shape: tuple[int, int], seq: int, cfg: Any = None) -> dict[str, dict[str, float]]:
+    """Per step: per-device temporaries (MiB), all-gathers and all-reduces of the program compiled
+    on the mesh (``cfg``: a :class:`~benchmarks.models.LlamaConfig`, by default the suite's at ``seq``)."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from benchmarks.cost_llama import llama_steps
+    from benchmarks.models import LlamaConfig, llama
+    from benchmarks.steps import fresh_state
+
+    mesh = Mesh(np.asarray(jax.devices()[:DEVICES]).reshape(shape), ("data", "fsdp"))
+    losses, params, data = llama(0, BATCH, LlamaConfig(seq=seq) if cfg is None else cfg)
+    out = {}
+    for name, step in llama_steps(losses, BATCH, STEPS).items():
+        state, batch = place(fresh_state(params, 0), data, mesh)
+        compiled = jax.jit(step, donate_argnums=0).lower(state, batch).compile()
+        text = compiled.as_text()
+        out[name] = {"temporaries": compiled.memory_analysis().temp_size_in_bytes / 2**20,
+                     "all_gathers": len(_ALL_GATHER.findall(text)),
+                     "all_reduces": len(re.findall(r"\ball-reduce(?:-start)?\(", text))}
+    return out
+
+
+def rows_of(results: dict[str, dict[str, dict[str, float]]], seq: int) -> list[dict]:
+    """Rows of :func:`measure_mesh` per mesh: temporaries and all-gathers, each DP step vs non-private."""
+    from benchmarks.common import row
+
+    rows = []
+    for mesh, res in results.items():
+        base = res["nonprivate"]
+        note = (f"Llama nnx 2x128, T={seq}, B={BATCH}, full, scan+remat, float32, FSDP params on {mesh} "
+                f"(data x fsdp) of {DEVICES} simulated CPU devices; all-reduces: "
+                + ", ".join(f"{k} {v['all_reduces']}" for k, v in res.items()))
+        for step in STEPS[1:]:
+            for key, title, unit in (("temporaries", "per-device temporaries", "MiB"),
+                                     ("all_gathers", "all-gathers in the compiled HLO", "count")):
+                rows.append(row(GROUP, f"llama sharded {mesh} {step} DP step vs non-private step: {title} "
+                                f"({unit}, in the ms columns)", res[step][key], base[key], note,
+                                unit=unit, measure=key, step=step, mesh=mesh))
+    return rows
+
+
+def measure(quick: bool) -> tuple[dict[str, Any], int]:
+    """Every mesh's results (needs :data:`DEVICES` devices in this process) and the sequence length."""
+    seq = 128 if quick else 512
+    return {f"{d}x{f}": measure_mesh((d, f), seq) for d, f in MESHES}, seq
+
+
+def run(quick: bool = False) -> list[dict]:
+    """The rows, measured here when this process has 8 devices, else in a process of its own."""
+    import jax
+
+    if jax.device_count() >= DEVICES and jax.default_backend() == "cpu":
+        return rows_of(*measure(quick))
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}")
+    cmd = [sys.executable, "-m", "benchmarks.bench_sharded", "--json", *(["--quick"] if quick else [])]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    return rows_of(*json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="T=128")
+    parser.add_argument("--json", action="store_true", help="print the measurements as one JSON line")
+    args = parser.parse_args()
+    if args.json:
+        print(json.dumps(measure(args.quick)))
+        return
+    for r in run(quick=args.quick):
+        print(f"{r['name']}: {r['ours_ms']:.4g} vs {r['baseline_ms']:.4g} = {r['ratio']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
