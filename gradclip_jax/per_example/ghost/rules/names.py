@@ -23,6 +23,10 @@ rematerialization on the ghost path: a parameter used inside it must be seen by 
 analysis, and the activations are held for the norms anyway. ``xla_metadata_call``
 (jax 0.11) only attaches XLA metadata to the calls it wraps."""
 
+REMAT = frozenset({"remat2", "checkpoint", "remat"})
+"""The names of ``jax.checkpoint``'s primitive: the streamed path recomputes a scan's steps
+when its body holds one (see ``_streamed``)."""
+
 CASTS = frozenset({"convert_element_type", "copy", "copy_p"})
 """Casts and copies: the value is the operand's, in another dtype or buffer."""
 
