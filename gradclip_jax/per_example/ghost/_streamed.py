@@ -36,7 +36,12 @@ from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.jaxcompat import is_literal, open_jaxpr
 from gradclip_jax.per_example._batch import Call, first_leaf, vary_like
 from gradclip_jax.per_example._config import ClipConfig, GhostSum
-from gradclip_jax.per_example._example_norms import as_rows, leaf_example_norms
+from gradclip_jax.per_example._example_norms import (
+    as_rows,
+    combine_l2,
+    combine_l2_stacked,
+    leaf_example_norms,
+)
 from gradclip_jax.per_example.ghost._analysis import Traced
 from gradclip_jax.per_example.ghost._jaxpr import bind, site_eqn
 from gradclip_jax.per_example.ghost._measure import (
@@ -63,6 +68,11 @@ def streams(config: ClipConfig, traced: Traced, pflat: _norms.FlatTree) -> bool:
         return False  # (book-keeping asked for by name: the probed path's)
     if not plan.row_wise or any(i not in plan.ghost for i in pflat.active):
         return False
+    if plan.remat is None and config.nan_safe:
+        # Without checkpoints both paths store the activations; NaN-safe sums zero the dropped
+        # examples' operands, which here XLA does on a copy of them all (1.7x the non-private
+        # step's temporaries on a Llama decoder, against 1.4x for the probed path).
+        return False
     uses = Counter(s.leaf for s in plan.sites)
     for s in plan.sites:
         # (several uses: disjoint blocks of the leaf, not two uses of one layer's block in a step)
@@ -73,17 +83,18 @@ def streams(config: ClipConfig, traced: Traced, pflat: _norms.FlatTree) -> bool:
     return True
 
 
-def _squared(closed: Any, site: Site, param: Any, ops: list, g: jax.Array, acc: Any) -> jax.Array:
-    """A site's per-example squared norm: by its rule's :meth:`Rule.norm`, or from the leaf's
+def _site_norm(closed: Any, site: Site, param: Any, ops: list, g: jax.Array, acc: Any) -> jax.Array:
+    """A site's per-example norm, ``(B,)``: by its rule's :meth:`Rule.norm`, or from the leaf's
     per-example gradients through that one use (:func:`~._measure.local_grads`: an elementwise
-    scale's, ``(B, D)``)."""
+    scale's, ``(B, D)``). Norms, not squares, leave the use: their squares overflow float32 for
+    gradients above ``2**64``, and the norms combine in range (:func:`combine_l2`)."""
     n = site.rule.norm(site, closed.jaxpr.eqns[site.eqn], ops, g, acc)
     if n is None:
         n = leaf_example_norms([as_rows(local_grads(closed, site, param, ops, g, acc).astype(acc))],
                                branch_free=True)[0]
     elif isinstance(n, RowNorms):
         n = n.combine(leaf_example_norms(list(n.arrays), branch_free=True))
-    return jnp.square(n.astype(acc))
+    return n.astype(acc)
 
 
 def _op_cotangents(closed: Any, site: Site, param: Any, ops: list, g: jax.Array) -> list:
@@ -121,14 +132,13 @@ def _site_fn(closed: Any, site: Site, norm: Callable[..., jax.Array] | None,
     return f
 
 
-def _norm_hook(z: jax.Array, slot: dict[int, int], acc: Any) -> Hook:
-    """Sites whose backward adds their per-example squared norm to row ``slot[leaf]`` of ``z``."""
+def _norm_hook(acc: Any) -> Hook:
+    """Sites whose backward gives their per-example norm as their sink's cotangent (``(B,)``)."""
     def hook(closed: Any, site: Site, param: Any, ops: list, sink: Any) -> Any:
-        def norm(p: Any, o: list, g: jax.Array, zz: jax.Array) -> jax.Array:
-            sq = _squared(closed, site, p, o, g, acc)
-            return jnp.zeros_like(zz).at[slot[site.leaf]].set(sq.astype(zz.dtype))
+        def norm(p: Any, o: list, g: jax.Array, z: jax.Array) -> jax.Array:
+            return _site_norm(closed, site, p, o, g, acc).astype(z.dtype)
 
-        return _site_fn(closed, site, norm, None)(param, ops, z, None, None, None)
+        return _site_fn(closed, site, norm, None)(param, ops, sink, None, None, None)
 
     return hook
 
@@ -144,22 +154,20 @@ def _sum_hook(weights: dict[int, jax.Array], keep: jax.Array | None) -> Hook:
     return hook
 
 
-def _in_step(site: Site) -> Site:
-    return dataclasses.replace(site, scan=None, length=1)
-
-
 def _evaluate(closed: Any, inputs: Sequence[Any], n_params: int, sites: Sequence[Site], hook: Hook,
-              sinks: dict[int, Any], remat: Any) -> list[Any]:
-    """``closed`` on ``inputs`` with every site's equation run by ``hook`` (also inside the scans
-    over stacked layers, whose steps run under ``remat``'s checkpoint when given)."""
+              sinks: Sequence[Any], remat: Any) -> list[Any]:
+    """``closed`` on ``inputs`` with every site's equation run by ``hook``, with its sink
+    (``sinks[j]`` for ``sites[j]``), also inside the scans over stacked layers, whose steps
+    run under ``remat``'s checkpoint when given."""
     jaxpr = closed.jaxpr
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts, strict=True))
     env.update(zip(jaxpr.invars, inputs, strict=True))
-    at = {s.eqn: s for s in sites if s.scan is None}
-    inner: dict[int, list[Site]] = {}
-    for s in sites:
+    at = {s.eqn: j for j, s in enumerate(sites) if s.scan is None}
+    inner: dict[int, list[int]] = {}
+    for j, s in enumerate(sites):
         if s.scan is not None:
-            inner.setdefault(s.scan, []).append(_in_step(s))
+            inner.setdefault(s.scan, []).append(j)
+    leaf_of = {v: i for i, v in enumerate(jaxpr.invars[:n_params])}
 
     def read(v: Any) -> Any:
         return v.val if is_literal(v) else env[v]
@@ -167,48 +175,46 @@ def _evaluate(closed: Any, inputs: Sequence[Any], n_params: int, sites: Sequence
     for k, eqn in enumerate(jaxpr.eqns):
         invals = [read(v) for v in eqn.invars]
         if k in at:
-            s = at[k]
-            outs = [hook(closed, s, inputs[s.leaf], invals, sinks.get(s.leaf))]
+            s = sites[at[k]]
+            outs = [hook(closed, s, inputs[s.leaf], invals, sinks[at[k]])]
         elif k in inner:
-            leaf_of = {v: i for i, v in enumerate(jaxpr.invars[:n_params])}
-            outs = _scan(eqn, invals, [leaf_of.get(v) for v in eqn.invars], inner[k], hook, sinks, remat)
+            body_sites = {sites[j].eqn: (dataclasses.replace(sites[j], scan=None, length=1), sinks[j])
+                          for j in inner[k]}
+            outs = _scan(eqn, invals, [leaf_of.get(v) for v in eqn.invars], body_sites, hook, remat)
         else:
             outs = bind(eqn, invals)
         env.update(zip(eqn.outvars, outs, strict=True))
     return [read(v) for v in jaxpr.outvars]
 
 
-def _scan(eqn: Any, invals: list, leaves: list[int | None], sites: list[Site], hook: Hook,
-          sinks: dict[int, Any], remat: Any) -> list[Any]:
-    """A scan over stacked layers with its body's sites run by ``hook``; the sinks of the leaves
-    it reads as ``xs`` are sliced one layer per step like them."""
+def _scan(eqn: Any, invals: list, leaves: list[int | None], sites: dict[int, tuple[Site, Any]], hook: Hook,
+          remat: Any) -> list[Any]:
+    """A scan over stacked layers with its body's sites (by equation: the site, its sink stacked
+    over the steps) run by ``hook``; the sinks are sliced one step at a time, like the leaves."""
     info = jc.scan_info(eqn)
     n_consts, n_carry = info.n_consts, info.n_carry
-    body = info.body
     consts = invals[:n_consts]
     xs_leaves = leaves[n_consts + n_carry:]
-    sunk = [i for i in xs_leaves if i is not None and i in sinks]
-    by_site: dict[int, Site] = {s.eqn: s for s in sites}
+    order = sorted(sites)
 
     def step(c: list, x: tuple) -> tuple[list, list]:
         xs, sink_steps = x
-        step_sinks = dict(zip(sunk, sink_steps, strict=True))
-        args = [*consts, *c, *xs]
+        by_eqn = {k: (sites[k][0], sk) for k, sk in zip(order, sink_steps, strict=True)}
         leaf_vals = {i: v for i, v in zip(xs_leaves, xs, strict=True) if i is not None}
-        outs = _body(body, args, by_site, leaf_vals, hook, step_sinks)
+        outs = _body(info.body, [*consts, *c, *xs], by_eqn, leaf_vals, hook)
         return outs[:n_carry], outs[n_carry:]
 
     if remat is not None:
         step = jax.checkpoint(step, prevent_cse=remat.prevent_cse, policy=remat.policy)
-    xs = (list(invals[n_consts + n_carry:]), [sinks[i] for i in sunk])
+    xs = (list(invals[n_consts + n_carry:]), [sites[k][1] for k in order])
     carry, ys = lax.scan(step, list(invals[n_consts:n_consts + n_carry]), xs, length=info.length,
                          reverse=info.reverse, unroll=info.unroll)
     return [*carry, *ys]
 
 
-def _body(body: Any, args: Sequence[Any], sites: dict[int, Site], leaf_vals: dict[int, Any], hook: Hook,
-          sinks: dict[int, Any]) -> list[Any]:
-    """One step of a scan's body, its sites run by ``hook``."""
+def _body(body: Any, args: Sequence[Any], sites: dict[int, tuple[Site, Any]], leaf_vals: dict[int, Any],
+          hook: Hook) -> list[Any]:
+    """One step of a scan's body, its sites (by equation, with this step's sink) run by ``hook``."""
     j, consts = open_jaxpr(body)
     env: dict[Any, Any] = dict(zip(j.constvars, consts or [], strict=True))
     env.update(zip(j.invars, args, strict=True))
@@ -218,8 +224,11 @@ def _body(body: Any, args: Sequence[Any], sites: dict[int, Site], leaf_vals: dic
 
     for k, eqn in enumerate(j.eqns):
         invals = [read(v) for v in eqn.invars]
-        s = sites.get(k)
-        outs = bind(eqn, invals) if s is None else [hook(body, s, leaf_vals[s.leaf], invals, sinks.get(s.leaf))]
+        if k in sites:
+            s, sink = sites[k]
+            outs = [hook(body, s, leaf_vals[s.leaf], invals, sink)]
+        else:
+            outs = bind(eqn, invals)
         env.update(zip(eqn.outvars, outs, strict=True))
     return [read(v) for v in j.outvars]
 
@@ -230,39 +239,45 @@ def _inputs(call: Call, batch: Any) -> list[Any]:
 
 def streamed_norms(call: Call, traced: Traced, batch: Any) -> tuple[jax.Array, LeafNorms]:
     """Per-example losses and every active leaf's per-example norm, from one forward and one
-    (rematerialized) backward pass."""
+    (rematerialized) backward pass: each site's norm is the cotangent of its zero sink,
+    ``(B,)``, or ``(L, B)`` for a site in the body of a scan of ``L`` steps (one per layer)."""
     closed, plan = traced
     acc = acc_dtype_of(call.pflat)
     ref = first_leaf(batch)
-    active = list(call.pflat.active)
-    slot = {i: n for n, i in enumerate(active)}
     inputs = _inputs(call, batch)
-    n_params = len(call.pflat.leaves)
 
-    def losses(z: jax.Array) -> jax.Array:
-        return _evaluate(closed, inputs, n_params, plan.sites, _norm_hook(z, slot, acc), {}, plan.remat)[0]
+    def losses(sinks: list[jax.Array]) -> jax.Array:
+        return _evaluate(closed, inputs, len(call.pflat.leaves), plan.sites, _norm_hook(acc), sinks, plan.remat)[0]
 
-    z0 = vary_like(jnp.zeros((len(active), ref.shape[0]), acc), ref)
-    out, pull = jax.vjp(losses, z0)
-    sq = pull(jnp.ones_like(out))[0]
-    norms = {i: jnp.sqrt(jnp.maximum(sq[slot[i]], 0)) for i in active}
+    zeros = [vary_like(jnp.zeros((ref.shape[0],) if s.scan is None else (s.length, ref.shape[0]), acc), ref)
+             for s in plan.sites]
+    out, pull = jax.vjp(losses, zeros)
+    parts: dict[int, list[jax.Array]] = {}
+    for s, n in zip(plan.sites, pull(jnp.ones_like(out))[0], strict=True):
+        parts.setdefault(s.leaf, []).append(n if n.ndim == 1 else combine_l2_stacked(n))
+    norms = {i: ns[0] if len(ns) == 1 else combine_l2(ns) for i, ns in parts.items()}
     return out, LeafNorms(norms, {}, acc)
 
 
 def streamed_sums(call: Call, traced: Traced, batch: Any, weights: Sequence[jax.Array],
                   keep: jax.Array | None) -> list[jax.Array]:
     """Every active leaf's clipped sum :math:`\\sum_b w_{b,l} G_{b,l}` (``weights``: one ``(B,)``
-    per active leaf), each site's book-kept in the backward pass that holds its operands."""
+    per active leaf), each site's book-kept in the backward pass that holds its operands, as
+    the cotangent of its zero sink shaped like the leaf (stacked over the steps in a scan)."""
     closed, plan = traced
     pflat = call.pflat
     active = list(pflat.active)
+    # Behind a barrier with the weights, the second forward pass runs after the first backward
+    # (XLA would otherwise run it early, and both passes' stored values would be live at once).
+    inputs, weights = lax.optimization_barrier((_inputs(call, batch), list(weights)))
     w_of = dict(zip(active, weights, strict=True))
-    inputs = _inputs(call, batch)
 
-    def losses(sinks: dict[int, jax.Array]) -> jax.Array:
+    def losses(sinks: list[jax.Array]) -> jax.Array:
         return _evaluate(closed, inputs, len(pflat.leaves), plan.sites, _sum_hook(w_of, keep), sinks, plan.remat)[0]
 
-    sinks0 = {i: jnp.zeros(pflat.leaves[i].shape, _norms.sum_dtype(pflat.leaves[i].dtype)) for i in active}
-    out, pull = jax.vjp(losses, sinks0)
-    got = pull(jnp.ones_like(out))[0]
-    return [got[i] for i in active]
+    dtype = {i: _norms.sum_dtype(pflat.leaves[i].dtype) for i in active}
+    out, pull = jax.vjp(losses, [jnp.zeros(pflat.leaves[s.leaf].shape, dtype[s.leaf]) for s in plan.sites])
+    totals: dict[int, jax.Array] = {}
+    for s, t in zip(plan.sites, pull(jnp.ones_like(out))[0], strict=True):
+        totals[s.leaf] = t if s.leaf not in totals else totals[s.leaf] + t
+    return [totals.get(i, jnp.zeros(pflat.leaves[i].shape, dtype[i])) for i in active]
