@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -298,3 +298,179 @@ def gpt2_grad_tree(layers: int = 48, d: int = 1600, vocab: int = 50257, ctx: int
                     "c_proj": {"w": leaf(4 * d, d), "b": leaf(d)}},
         }
     return tree
+
+
+class LlamaConfig(NamedTuple):
+    """A Llama-style decoder's size and how it is written (defaults: the small CPU size).
+
+    ``kv_heads`` < ``heads`` is grouped-query attention; ``ffn`` is the SwiGLU hidden width
+    (0: the usual 8/3 d rounded up to a multiple of 32); ``lora`` > 0 makes low-rank adapters
+    of that rank on q, v and the MLP the only trainable leaves.
+    """
+
+    layers: int = 2
+    d: int = 128
+    heads: int = 4
+    kv_heads: int = 2
+    seq: int = 64
+    vocab: int = 256
+    ffn: int = 0
+    dtype: Any = jnp.float32
+    remat: bool = True
+    scan: bool = True
+    lora: int = 0
+
+    @property
+    def hidden(self) -> int:
+        """The SwiGLU hidden width."""
+        return self.ffn or 32 * -(-8 * self.d // (3 * 32))
+
+
+def _rope(x: jax.Array, positions: jax.Array, base: float = 10000.0) -> jax.Array:
+    """Rotary embeddings (rotate-half form) of ``x`` ``(B, T, H, hd)`` at ``positions`` ``(T,)``."""
+    half = x.shape[-1] // 2
+    freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = positions[:, None].astype(jnp.float32) * freq  # (T, half)
+    cos, sin = (f(angle)[None, :, None, :] for f in (jnp.cos, jnp.sin))
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _llama_block(cfg: LlamaConfig) -> type:
+    """The flax nnx class of one pre-RMSNorm Llama block (GQA attention, SwiGLU MLP)."""
+    from flax import nnx
+
+    d, h, kvh, dt = cfg.d, cfg.heads, cfg.kv_heads, cfg.dtype
+    hd = d // h
+
+    def linear(n_in: int, n_out: int, adapted: bool, rngs: nnx.Rngs) -> Any:
+        kw = dict(use_bias=False, dtype=dt, param_dtype=dt, rngs=rngs)
+        if adapted and cfg.lora:
+            # B starts small, not zero, so that both factors get gradients from the first step
+            return nnx.LoRALinear(n_in, n_out, lora_rank=cfg.lora, lora_param_dtype=dt,
+                                  b_initializer=nnx.initializers.normal(0.02), **kw)
+        return nnx.Linear(n_in, n_out, **kw)
+
+    class LlamaBlock(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            norm = dict(epsilon=1e-5, dtype=dt, param_dtype=dt, rngs=rngs)
+            self.attn_norm, self.mlp_norm = nnx.RMSNorm(d, **norm), nnx.RMSNorm(d, **norm)
+            self.q = linear(d, h * hd, True, rngs)
+            self.k = linear(d, kvh * hd, False, rngs)
+            self.v = linear(d, kvh * hd, True, rngs)
+            self.o = linear(h * hd, d, False, rngs)
+            self.gate = linear(d, cfg.hidden, True, rngs)
+            self.up = linear(d, cfg.hidden, True, rngs)
+            self.down = linear(cfg.hidden, d, True, rngs)
+
+        def __call__(self, x: jax.Array, allowed: jax.Array) -> jax.Array:
+            b, t, _ = x.shape
+            a, pos = self.attn_norm(x), jnp.arange(t)
+            q = _rope(self.q(a).reshape(b, t, h, hd), pos)
+            k = _rope(self.k(a).reshape(b, t, kvh, hd), pos)
+            v = self.v(a).reshape(b, t, kvh, hd)
+            k, v = jnp.repeat(k, h // kvh, axis=2), jnp.repeat(v, h // kvh, axis=2)  # GQA
+            att = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(hd)
+            att = jax.nn.softmax(jnp.where(allowed, att, jnp.finfo(jnp.float32).min), axis=-1).astype(dt)
+            x = x + self.o(jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, t, h * hd))
+            m = self.mlp_norm(x)
+            return x + self.down(jax.nn.silu(self.gate(m)) * self.up(m))
+
+    return LlamaBlock
+
+
+def _llama_layers(cfg: LlamaConfig, block: type, rngs: Any) -> Any:
+    """The blocks: stacked on axis 0 by ``nnx.vmap`` (for ``nnx.scan``) or a list."""
+    from flax import nnx
+
+    if not cfg.scan:
+        return getattr(nnx, "List", list)([block(rngs) for _ in range(cfg.layers)])
+
+    @nnx.split_rngs(splits=cfg.layers)
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def stacked(r: nnx.Rngs) -> Any:
+        return block(r)
+
+    return stacked(rngs)
+
+
+def _run_blocks(cfg: LlamaConfig, layers: Any, x: jax.Array, allowed: jax.Array) -> jax.Array:
+    """``x`` through the blocks as users write it: ``nnx.scan`` over the stack, each under ``nnx.remat``."""
+    from flax import nnx
+
+    def step(blk: Any, h: jax.Array) -> jax.Array:
+        return blk(h, allowed)
+
+    step = nnx.remat(step) if cfg.remat else step
+    if not cfg.scan:
+        for blk in layers:
+            x = step(blk, x)
+        return x
+
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+    def scanned(blk: Any, h: jax.Array) -> jax.Array:
+        return step(blk, h)
+
+    return scanned(layers, x)
+
+
+def _llama_model(cfg: LlamaConfig) -> type:
+    """The flax nnx class of the decoder: embedding, blocks, final RMSNorm, untied LM head."""
+    from flax import nnx
+
+    block, dt = _llama_block(cfg), cfg.dtype
+
+    class Llama(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.embed = nnx.Embed(cfg.vocab, cfg.d, dtype=dt, param_dtype=dt,
+                                   embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+            self.layers = _llama_layers(cfg, block, rngs)
+            self.norm = nnx.RMSNorm(cfg.d, epsilon=1e-5, dtype=dt, param_dtype=dt, rngs=rngs)
+            self.lm_head = nnx.Linear(cfg.d, cfg.vocab, use_bias=False, dtype=dt, param_dtype=dt, rngs=rngs)
+
+        def __call__(self, tokens: jax.Array, mask: jax.Array) -> jax.Array:
+            t = tokens.shape[1]
+            # causal, and no attending to padding keys
+            allowed = jnp.tril(jnp.ones((t, t), bool))[None, None] & mask[:, None, None, :]
+            x = _run_blocks(cfg, self.layers, self.embed(tokens), allowed)
+            return self.lm_head(self.norm(x))
+
+    return Llama
+
+
+def llama_data(cfg: LlamaConfig, batch: int, seed: int = 0) -> dict[str, jax.Array]:
+    """Random tokens, next-token labels and a right-padding mask (example i has i tokens of padding, up to T/2)."""
+    r = np.random.default_rng(seed)
+    tokens = r.integers(0, cfg.vocab, size=(batch, cfg.seq + 1))
+    pad = np.minimum(np.arange(batch), cfg.seq // 2)
+    mask = np.arange(cfg.seq)[None, :] < (cfg.seq - pad)[:, None]
+    return {"x": jnp.asarray(tokens[:, :-1], jnp.int32), "y": jnp.asarray(tokens[:, 1:], jnp.int32),
+            "mask": jnp.asarray(mask)}
+
+
+def llama(seed: int, batch: int, cfg: LlamaConfig | None = None) -> tuple[Callable[..., Any], Any, Any]:
+    """A Llama-style decoder in flax nnx (see ``LlamaConfig``); the loss of an example is its mean
+    token cross-entropy over the tokens its ``mask`` keeps (padding does not count).
+
+    With ``cfg.lora`` the parameters are the adapters alone; the frozen base is closed over and
+    merged with ``copy=True`` (nnx's merge otherwise reuses the closed-over variables, and a
+    second trace would see the first trace's values in them).
+    """
+    from flax import nnx
+
+    cfg = LlamaConfig() if cfg is None else cfg
+    model = _llama_model(cfg)(nnx.Rngs(seed))
+    if cfg.lora:
+        graphdef, params, frozen = nnx.split(model, nnx.LoRAParam, ...)
+    else:
+        graphdef, params = nnx.split(model)
+        frozen = None
+
+    def losses(p: Any, b: Any) -> jax.Array:
+        net = nnx.merge(graphdef, p, frozen, copy=True) if frozen is not None else nnx.merge(graphdef, p)
+        logits = net(b["x"], b["mask"]).astype(jnp.float32)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, b["y"])
+        keep = b["mask"].astype(jnp.float32)
+        return jnp.sum(ce * keep, axis=-1) / jnp.maximum(jnp.sum(keep, axis=-1), 1.0)
+
+    return losses, params, llama_data(cfg, batch, seed)
