@@ -34,7 +34,7 @@ from jax import lax
 from gradclip_jax._core import jaxcompat as jc
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.jaxcompat import is_literal, open_jaxpr
-from gradclip_jax.per_example._batch import Call, first_leaf, vary_like
+from gradclip_jax.per_example._batch import Call, first_leaf, match_batch_sharding, vary_like
 from gradclip_jax.per_example._config import ClipConfig, GhostSum
 from gradclip_jax.per_example._example_norms import (
     as_rows,
@@ -249,9 +249,12 @@ def streamed_norms(call: Call, traced: Traced, batch: Any) -> tuple[jax.Array, L
     def losses(sinks: list[jax.Array]) -> jax.Array:
         return _evaluate(closed, inputs, len(call.pflat.leaves), plan.sites, _norm_hook(acc), sinks, plan.remat)[0]
 
-    zeros = [vary_like(jnp.zeros((ref.shape[0],) if s.scan is None else (s.length, ref.shape[0]), acc), ref)
-             for s in plan.sites]
-    out, pull = jax.vjp(losses, zeros)
+    def zeros(length: int | None) -> jax.Array:
+        """A site's zero sink, sharded (and varying) like the batch: its cotangent is the norms."""
+        z = match_batch_sharding(vary_like(jnp.zeros((ref.shape[0], length or 1), acc), ref), ref)
+        return z[:, 0] if length is None else z.T
+
+    out, pull = jax.vjp(losses, [zeros(None if s.scan is None else s.length) for s in plan.sites])
     parts: dict[int, list[jax.Array]] = {}
     for s, n in zip(plan.sites, pull(jnp.ones_like(out))[0], strict=True):
         parts.setdefault(s.leaf, []).append(n if n.ndim == 1 else combine_l2_stacked(n))
@@ -276,7 +279,9 @@ def streamed_sums(call: Call, traced: Traced, batch: Any, weights: Sequence[jax.
         return _evaluate(closed, inputs, len(pflat.leaves), plan.sites, _sum_hook(w_of, keep), sinks, plan.remat)[0]
 
     dtype = {i: _norms.sum_dtype(pflat.leaves[i].dtype) for i in active}
-    out, pull = jax.vjp(losses, [jnp.zeros(pflat.leaves[s.leaf].shape, dtype[s.leaf]) for s in plan.sites])
+    ref = first_leaf(batch)  # (inside shard_map the sinks vary like the batch: each device's own sums)
+    out, pull = jax.vjp(losses, [vary_like(jnp.zeros(pflat.leaves[s.leaf].shape, dtype[s.leaf]), ref)
+                                 for s in plan.sites])
     totals: dict[int, jax.Array] = {}
     for s, t in zip(plan.sites, pull(jnp.ones_like(out))[0], strict=True):
         totals[s.leaf] = t if s.leaf not in totals else totals[s.leaf] + t
