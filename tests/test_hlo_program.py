@@ -44,7 +44,7 @@ def test_hlo_hints_read_a_compiled_program() -> None:
     # innermost first; a helper (_products, numerics) lets its caller decide
     ([(LIB + "per_example/_products.py", "product_einsum"), (LIB + "per_example/ghost/rules/dense.py", "norm"),
       (LIB + "per_example/ghost/_measure.py", "leaf_norms")], "norms"),
-    ([(LIB + "per_example/_products.py", "tf32_weighted_once"), (LIB + "per_example/ghost/_sums.py", "_site_sum")],
+    ([(LIB + "per_example/_products.py", "tf32_weighted_once"), (LIB + "per_example/ghost/_sums.py", "site_sum")],
      "clipped sum"),
     # the ghost path's replay of the model's operations is the model, unless a sum replays it
     ([(LIB + "_core/jaxcompat.py", "bind"), (LIB + "per_example/ghost/_jaxpr.py", "replay"),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -268,24 +268,59 @@ def _inline_eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
 
 
 
+class Remat(NamedTuple):
+    """The ``jax.checkpoint`` a scan's body runs under (``nnx.remat`` in ``nnx.scan``)."""
+
+    policy: Any
+    prevent_cse: bool
+
+
+def scan_remat(jaxpr: Any) -> Remat | None:
+    """The checkpoint found in the body of a top-level scan of ``jaxpr`` (through nested calls),
+    or ``None``: the streamed path recomputes each step of the scans it keeps as loops under it."""
+    def within(j: Any) -> Remat | None:
+        for e in j.eqns:
+            if e.primitive.name in names.REMAT:
+                return Remat(jc.param(e, "policy", None), bool(jc.param(e, "prevent_cse", True)))
+            sub = sub_jaxpr(e) if e.primitive.name in names.INLINE else None
+            found = within(open_jaxpr(sub)[0]) if sub is not None else None
+            if found is not None:
+                return found
+        return None
+
+    for e in jaxpr.eqns:
+        info = jc.scan_or_none(e)
+        found = within(open_jaxpr(info.body)[0]) if info is not None else None
+        if found is not None:
+            return found
+    return None
+
+
 def trace(loss: Callable[..., Any], params: Any, batch: Any, args: Sequence[Any]) -> Any:
+    """The closed jaxpr of :func:`trace_kept`."""
+    return trace_kept(loss, params, batch, args)[0]
+
+
+def trace_kept(loss: Callable[..., Any], params: Any, batch: Any, args: Sequence[Any]) -> tuple[Any, Remat | None]:
     """The closed jaxpr of ``loss(params, batch, args)`` over the flattened inputs, calls
     inlined, scans over stacked layers kept as loops with their bodies inlined, other
     short scans over parameters unrolled, splits and dynamic slices at indices
     known while tracing written as static slices, and tiles along size-1 axes as broadcasts.
 
-    ``loss`` is called exactly once (the inlining re-traces the jaxpr, not ``loss``).
+    ``loss`` is called exactly once (the inlining re-traces the jaxpr, not ``loss``). Also returns
+    the checkpoint the scans' bodies ran under (:func:`scan_remat`), which the inlining removes.
     """
     closed = jax.make_jaxpr(loss)(params, batch, tuple(args))
+    remat = scan_remat(closed.jaxpr)
     if not any(e.primitive.name in names.INLINE or e.primitive.name in names.RETRACED for e in closed.jaxpr.eqns):
-        return closed
+        return closed, remat
     n_params = len(jax.tree_util.tree_leaves(params))
     deps = [i < n_params for i in range(len(closed.jaxpr.invars))]
 
     def inlined(p: Any, b: Any, a: Any) -> Any:
         return _inline_eval(closed.jaxpr, closed.consts, jax.tree_util.tree_leaves((p, b, a)), deps, deps)[0][0]
 
-    return jax.make_jaxpr(inlined)(params, batch, tuple(args))
+    return jax.make_jaxpr(inlined)(params, batch, tuple(args)), remat
 
 
 def run_probed(closed: Any, inputs: Sequence[Any], at: dict[int, int], probes: Sequence[Any],

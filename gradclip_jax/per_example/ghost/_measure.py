@@ -202,7 +202,7 @@ def weighting_excess(traced: Traced, pflat: _norms.FlatTree, fwd: Pass, rows: di
     return out
 
 
-def _local_grads(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any], g: jax.Array,
+def local_grads(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any], g: jax.Array,
                  acc: Any) -> jax.Array:
     """Per-example gradients of one parameter leaf through one operation only, ``(B, *leaf)``.
 
@@ -214,7 +214,7 @@ def _local_grads(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any
     A site in a scan's body gives each step's block of the stacked leaf.
     """
     if site.scan is not None:  # (L, B, *block) -> (B, L, *block)
-        steps = each_step(lambda c, s, p, v, gl: _local_grads(c, s, p, v, gl, acc), closed, site, param, invals, g)
+        steps = each_step(lambda c, s, p, v, gl: local_grads(c, s, p, v, gl, acc), closed, site, param, invals, g)
         return jnp.moveaxis(steps, 0, 1)
 
     # The batch axes: a dense use may carry the batch elsewhere than on axis 0 (``W @ x.T``, as
@@ -333,7 +333,7 @@ def leaf_norms(config: ClipConfig, call: Call, traced: Traced, batch: Any, fwd: 
     local: dict[int, jax.Array] = {}  # summed per-example gradients of the leaves in `formed`
     for s, ops, g in zip(plan.sites, fwd.operands, fwd.cts, strict=True):
         if s.leaf in formed:
-            lg = _local_grads(closed, s, pflat.leaves[s.leaf], ops, g, acc).astype(acc)
+            lg = local_grads(closed, s, pflat.leaves[s.leaf], ops, g, acc).astype(acc)
             local[s.leaf] = lg if s.leaf not in local else local[s.leaf] + lg
     rows = {i: as_rows(lg) for i, lg in local.items()}
     fb = [i for i in pflat.active if i not in plan.ghost]

@@ -40,6 +40,7 @@ from gradclip_jax.per_example.ghost._measure import (
     pin_narrow,
     weighting_excess,
 )
+from gradclip_jax.per_example.ghost._streamed import streamed_norms, streamed_sums, streams
 from gradclip_jax.per_example.ghost._sums import (
     backward_sums,
     bookkept_sums,
@@ -114,6 +115,8 @@ def _chunk(config: ClipConfig, call: Call, traced: Traced, clips: Any, batch: An
     m = first_leaf(batch).shape[0]
     if m != call.bsize:  # a microbatch: the jaxpr and plan at its size
         traced = _trace(config, call, batch, check=False)
+    if streams(config, traced, call.pflat):
+        return _streamed_chunk(config, call, traced, clips, batch, valid)
     backward = sum_mode(config, traced) is GhostSum.BACKWARD
     fwd = pin_narrow(_forward(call, traced, batch, backward), traced.plan.sites, acc_dtype_of(call.pflat))
     measured = leaf_norms(config, call, traced, batch, fwd)
@@ -137,6 +140,28 @@ def _chunk(config: ClipConfig, call: Call, traced: Traced, clips: Any, batch: An
 
     sums = clipped_sums(fast, config, call, batch, ws, w.keep, w.finite, zeroes_dropped=not backward,
                         costly=costly_to_zero(traced, call.pflat, fwd))
+    flags, ns = clip_flags(w, valid, clips is not None)
+    return sums, ns, flags, vals, aux
+
+
+def _streamed_chunk(config: ClipConfig, call: Call, traced: Traced, clips: Any, batch: Any,
+                    valid: jax.Array | None) -> tuple:
+    """:func:`_chunk` on the streamed path (:mod:`._streamed`): the norms in one backward pass,
+    the sums in a second, each site's inside the pass that holds its operands."""
+    ref = first_leaf(batch)
+    losses, measured = streamed_norms(call, traced, batch)
+    if valid is not None:
+        valid = match_batch_sharding(valid, ref)
+    vals, aux = _values_and_aux(config, call, batch, losses)
+    w = _weights(config, call, clips, measured, {}, valid, ref.shape[0], ref)
+    ws = [lax.stop_gradient(f) for f in w.factors]
+    if w.keep is not None:  # dropped examples weigh 0 (and their values are zeroed: see site_sum)
+        ws = [jnp.where(w.keep, x, jnp.zeros_like(x)) for x in ws]
+
+    def fast(keep: jax.Array | None) -> list[jax.Array]:
+        return streamed_sums(call, traced, batch, ws, keep)
+
+    sums = clipped_sums(fast, config, call, batch, ws, w.keep, w.finite, zeroes_dropped=True, costly=False)
     flags, ns = clip_flags(w, valid, clips is not None)
     return sums, ns, flags, vals, aux
 

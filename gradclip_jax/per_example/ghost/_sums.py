@@ -53,7 +53,7 @@ def _per_row(x: jax.Array, rows: int) -> jax.Array:
     return jnp.reshape(jnp.broadcast_to(x[:, None], (x.shape[0], rows)), (-1,))
 
 
-def _site_sum(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any], g: jax.Array,
+def site_sum(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any], g: jax.Array,
               w: jax.Array, keep: jax.Array | None = None) -> jax.Array:
     """``sum_b w_b G_b`` for one use of a leaf: the pull-back of ``w_b g_b`` through its one operation.
 
@@ -71,7 +71,7 @@ def _site_sum(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any], 
     scan's body gives each step's block of the stacked leaf.
     """
     if site.scan is not None:
-        return each_step(lambda c, s, p, v, gl: _site_sum(c, s, p, v, gl, w, keep), closed, site, param, invals, g)
+        return each_step(lambda c, s, p, v, gl: site_sum(c, s, p, v, gl, w, keep), closed, site, param, invals, g)
     acc = _norms.acc_dtype(param.dtype)
     ct_dtype = widen(g.dtype, acc)
     if site.merged > 1:  # a merged batch: each example's weight on each of its rows
@@ -210,7 +210,7 @@ def bookkept_sums(traced: Traced, pflat: _norms.FlatTree, fwd: Pass, rows: dict[
         i = s.leaf
         if i in rows or i not in w_of:
             continue
-        total = _site_sum(traced.closed, s, pflat.leaves[i], o, g, w_of[i], keep)
+        total = site_sum(traced.closed, s, pflat.leaves[i], o, g, w_of[i], keep)
         total = total.astype(_norms.sum_dtype(pflat.leaves[i].dtype))
         totals[i] = total if i not in totals else totals[i] + total
     out = []

@@ -18,10 +18,12 @@ from gradclip_jax.per_example.ghost import _jaxpr
 from gradclip_jax.per_example.ghost._analysis.one_example import batch_states, vmapped_loss
 from gradclip_jax.per_example.ghost._analysis.walk import _walk
 from gradclip_jax.per_example.ghost._jaxpr import (
+    Remat,
     const_values,
     narrower,
     site_eqn,
     trace,
+    trace_kept,
 )
 from gradclip_jax.per_example.ghost.rules import RULES, Box, Site, names
 from gradclip_jax.per_example.ghost.rules.unsupported import REASONS
@@ -40,6 +42,7 @@ class Plan:
     narrow_op: tuple[str, str] | None = None  # (primitive, dtype): the first narrower value computed from params
     one_example: bool = False  # analysed (and run) as the one-example program vmapped (see one_example)
     unknown: str | None = None  # where the rules lost the batch: a primitive with no rule, an unreadable layout
+    remat: Remat | None = None  # the checkpoint the scans' bodies ran under (the streamed path keeps it)
 
     def ct_elems(self, jaxpr: Any) -> int:
         """Elements of the site output cotangents that book-keeping holds at once."""
@@ -178,9 +181,10 @@ def trace_and_plan(loss_fn: Callable[..., Any], has_aux: bool, fn: str, params: 
     measures more leaves. A loss the rules find mixing examples (a reshape regrouping them, a
     loop over them) keeps its batched plan: every leaf falls back, and the warning says where."""
 
-    closed = trace(_flat_loss(loss_fn, has_aux, fn, bsize, check), params, batch, args)
+    closed, remat = trace_kept(_flat_loss(loss_fn, has_aux, fn, bsize, check), params, batch, args)
     n_batch = len(jax.tree_util.tree_leaves(batch))
     plan = analyse(closed.jaxpr, len(pflat.leaves), pflat.active, n_batch, bsize, const_values(closed))
+    plan.remat = remat
     if plan.unknown is None or plan.crossing is not None:
         return Traced(closed, plan)
     one = _one_example(loss_fn, has_aux, params, pflat, batch, args, bsize, n_batch)

@@ -223,7 +223,7 @@ class Rule:
 
 
 class Formed(Rule):
-    """A use measured by forming its leaf's per-example gradients (``_measure._local_grads``: the
+    """A use measured by forming its leaf's per-example gradients (``_measure.local_grads``: the
     pull-back of each example's cotangent through the use and the leaf's chain), not by its own
     rule's norm or factors: the chain computes with the leaf (``x @ (2 * w)``, a concatenation of
     leaves), so that norm would be the one of the gradient with respect to the computed value."""

@@ -18,10 +18,15 @@ CUSTOM_VJP = "custom_vjp_call"
 
 INLINE = frozenset({"pjit", "jit", "closed_call", "core_call", "remat2", "checkpoint", "remat",
                     "xla_metadata_call"})
-"""Inlined: the sub-jaxpr runs once on the operands. ``checkpoint`` (remat) loses its
-rematerialization on the ghost path: a parameter used inside it must be seen by the
-analysis, and the activations are held for the norms anyway. ``xla_metadata_call``
+"""Inlined: the sub-jaxpr runs once on the operands. ``checkpoint`` (remat) is inlined for the
+analysis (a parameter used inside it must be seen); the streamed path (``_streamed``) runs a
+kept scan's steps under the checkpoint its body had (``REMAT``), the probed path stores the
+activations for the norms. ``xla_metadata_call``
 (jax 0.11) only attaches XLA metadata to the calls it wraps."""
+
+REMAT = frozenset({"remat2", "checkpoint", "remat"})
+"""The names of ``jax.checkpoint``'s primitive: the streamed path recomputes a scan's steps
+when its body holds one (see ``_streamed``)."""
 
 CASTS = frozenset({"convert_element_type", "copy", "copy_p"})
 """Casts and copies: the value is the operand's, in another dtype or buffer."""
