@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU measurement of the project in one command, for a GPU lent only now and then:
 #   bash tools/gpu_check.sh OUT_DIR [SECONDS] [PARTS]
-# PARTS (comma-separated, default bench,profile,noise,tests), each with its own time limit
+# PARTS (comma-separated, default bench,compile,profile,noise,tests), each with its own time limit
 # so that what was measured comes back even when the whole call runs out of time:
 #   bench    the DP training steps of the ghost-gpu suite (GPT-2 small B=8 for GPT2_S seconds,
 #            WRN-16-4 B=256 for WRN_S; steps GPT2_STEPS / WRN_STEPS, else GHOST_GPU_STEPS, default
@@ -12,6 +12,9 @@
 #            of EXTRA_MODELS (default gpt2-b32,gpt2-bf16-b8) with EXTRA_STEPS (default ghost,vmap);
 #            then, for LLAMA_S seconds (default 0: none), the Llama configs (0.42B, bfloat16, T=1024,
 #            full and LoRA: ghost and vmap step times and the largest batch each step fits);
+#   compile  the compile breakdown of the DP steps (benchmarks.bench_compile, COMPILE_S, default
+#            120): trace, lower and compile (on a GPU with its autotuning) of the non-private,
+#            hand-written, vmap and ghost steps, and their HLO instructions by source;
 #   profile  the kernel-category profile of the non-private step and PROFILE_GPU_STEPS (default
 #            ghost,vmap) of the configs PROFILE_MODELS (default gpt2-b8,wrn-b256)
 #            (benchmarks.profile_gpu, PROFILE_S), reusing the programs the bench part
@@ -28,7 +31,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: tools/gpu_check.sh OUT_DIR [SECONDS] [PARTS]}
 TOTAL=${2:-540}
-PARTS=,${3:-bench,profile,noise,tests},
+PARTS=,${3:-bench,compile,profile,noise,tests},
 mkdir -p "$OUT"
 START=$(date +%s)
 left() { echo $(( TOTAL - ($(date +%s) - START) )); }
@@ -61,6 +64,10 @@ if want bench; then
             timeout "$((secs + 60))" python3 -m benchmarks --only ghost-gpu --models "$model" --out "$OUT" >> "$LOG" 2>&1
         echo "== ghost-gpu $model: exit $?, $(left) s left" >> "$LOG"
     done
+fi
+if want compile; then
+    timeout "${COMPILE_S:-120}" python3 -m benchmarks --only compile --out "$OUT/compile" >> "$LOG" 2>&1
+    echo "== compile: exit $?, $(left) s left" >> "$LOG"
 fi
 if want profile; then
     PROFILE_GPU_BUDGET_S=${PROFILE_S:-100} timeout $(( ${PROFILE_S:-100} + 60 )) \
