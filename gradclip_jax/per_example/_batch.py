@@ -129,12 +129,20 @@ def _names_in(jaxpr: Any) -> Iterator[str]:
             yield from _names_in(inner)
 
 
+def _abstract(batch: Any, rows: int | None = None) -> Any:
+    """``batch`` as shapes and dtypes only (unsharded), with ``rows`` rows on axis 0 where given."""
+    def spec(x: Any) -> jax.ShapeDtypeStruct:
+        shape = np.shape(x) if rows is None else (rows, *np.shape(x)[1:])
+        return jax.ShapeDtypeStruct(shape, jnp.result_type(x))
+
+    return jax.tree_util.tree_map(spec, batch)
+
+
 def batchnorm_in_loss(loss_fn: Callable[..., Any], params: Any, batch: Any, args: Sequence[Any]) -> str | None:
     """The first BatchNorm layer (a name-scope, as flax names its modules) in the trace of
     ``loss_fn`` on ``batch``, or ``None`` (also when the loss cannot be traced)."""
-    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), batch)
     try:
-        closed = jax.make_jaxpr(lambda p, b: loss_fn(p, b, *args))(params, abstract)
+        closed = jax.make_jaxpr(lambda p, b: loss_fn(p, b, *args))(params, _abstract(batch))
     except Exception:
         return None
     return next((n for n in _names_in(closed.jaxpr) if _names_batchnorm(n)), None)
@@ -142,9 +150,8 @@ def batchnorm_in_loss(loss_fn: Callable[..., Any], params: Any, batch: Any, args
 
 def _fails_on_the_batch(loss_fn: Callable[..., Any], params: Any, batch: Any, args: Sequence[Any]) -> bool:
     """Whether tracing ``loss_fn`` (shapes only) on the whole ``batch`` raises."""
-    whole = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), batch)
     try:
-        jax.eval_shape(loss_fn, params, whole, *args)
+        jax.eval_shape(loss_fn, params, _abstract(batch), *args)
     except Exception:
         return True
     return False
@@ -160,9 +167,8 @@ def check_one_example(fn: str, loss_fn: Callable[..., Any], has_aux: bool, param
     updated inside the loss), and the caller re-raises it with its cause.
     """
     # Abstract and unsharded: slicing one row of a batch sharded on axis 0 is refused.
-    one = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct((1, *np.shape(x)[1:]), jnp.result_type(x)), batch)
     try:
-        out = jax.eval_shape(loss_fn, params, one, *args)
+        out = jax.eval_shape(loss_fn, params, _abstract(batch, rows=1), *args)
     except Exception as err:
         bn = batchnorm_error(err, fn)
         if bn is not None:

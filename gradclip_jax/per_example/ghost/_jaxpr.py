@@ -87,6 +87,23 @@ def _read(env: dict[Any, Any], v: Any) -> Any:
     return v.val if is_literal(v) else env[v]
 
 
+# An equation's override: ``(index, equation, operand values) -> output values``, or ``None``
+# to bind the equation as it is.
+EqnHook = Callable[[int, Any, list], "list[Any] | None"]
+
+
+def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], hook: EqnHook) -> list[Any]:
+    """``jaxpr`` evaluated on ``args`` (its constants ``consts``), equation ``k`` run by
+    ``hook(k, eqn, operands)`` where that returns its outputs, else bound as traced: the one
+    evaluator of the probed and streamed passes, which differ only in the equations they own."""
+    env = _env(jaxpr, consts, args)
+    for k, eqn in enumerate(jaxpr.eqns):
+        invals = [_read(env, v) for v in eqn.invars]
+        outs = hook(k, eqn, invals)
+        env.update(zip(eqn.outvars, bind(eqn, invals) if outs is None else outs, strict=True))
+    return [_read(env, v) for v in jaxpr.outvars]
+
+
 def _unroll_scan(eqn: Any, invals: Sequence[Any], deps: Sequence[bool]) -> list[Any]:
     """A ``scan`` equation evaluated step by step: ``xs`` sliced with static slices
     (one block of a stacked parameter per step), ``ys`` stacked again."""
@@ -333,11 +350,9 @@ def run_probed(closed: Any, inputs: Sequence[Any], at: dict[int, int], probes: S
 
     Returns ``(outputs, operand values of each probed equation, by j)``.
     """
-    jaxpr = closed.jaxpr
-    env = _env(jaxpr, closed.consts, inputs)
     operands: list[Any] = [None] * len(probes)
-    for k, eqn in enumerate(jaxpr.eqns):
-        invals = [_read(env, v) for v in eqn.invars]
+
+    def probed(k: int, eqn: Any, invals: list) -> list[Any] | None:
         if inner and k in inner:
             outs = _probed_scan(eqn, invals, inner[k], probes, kept or {}, operands)
         else:
@@ -346,8 +361,9 @@ def run_probed(closed: Any, inputs: Sequence[Any], at: dict[int, int], probes: S
         if j is not None:
             operands[j] = invals
             outs = [outs[0] + probes[j].astype(outs[0].dtype)]
-        env.update(zip(eqn.outvars, outs, strict=True))
-    return [_read(env, v) for v in jaxpr.outvars], operands
+        return outs
+
+    return evaluate(closed.jaxpr, closed.consts, inputs, probed), operands
 
 
 def _probed_scan(eqn: Any, invals: Sequence[Any], at: dict[int, int], probes: Sequence[Any],

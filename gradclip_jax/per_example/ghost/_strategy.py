@@ -120,18 +120,10 @@ def _chunk(config: ClipConfig, call: Call, traced: Traced, clips: Any, batch: An
     backward = sum_mode(config, traced) is GhostSum.BACKWARD
     fwd = pin_narrow(_forward(call, traced, batch, backward), traced.plan.sites, acc_dtype_of(call.pflat))
     measured = leaf_norms(config, call, traced, batch, fwd)
-    ref = first_leaf(batch)
-    if valid is not None:
-        valid = match_batch_sharding(valid, ref)
+    valid = match_batch_sharding(valid, first_leaf(batch)) if valid is not None else None
     vals, aux = _values_and_aux(config, call, batch, fwd.losses)
-    w = _weights(config, call, clips, measured, {}, valid, m, ref)
     excess = {} if backward else weighting_excess(traced, call.pflat, fwd, measured.rows, measured.acc)
-    if excess:  # one-pass sums: a factor other than 1 (exact) is taken from the widened norms
-        wide = _weights(config, call, clips, measured, excess, valid, m, ref)
-        w = w._replace(factors=[jnp.where(f == 1, f, fw) for f, fw in zip(w.factors, wide.factors, strict=True)])
-    ws = [lax.stop_gradient(f) for f in w.factors]
-    if w.keep is not None:  # dropped examples weigh 0 (enough when they are finite)
-        ws = [jnp.where(w.keep, x, jnp.zeros_like(x)) for x in ws]
+    w, ws = _step_weights(config, call, clips, measured, excess, valid, batch)
 
     def fast(keep: jax.Array | None) -> list[jax.Array]:
         if backward:
@@ -148,15 +140,10 @@ def _streamed_chunk(config: ClipConfig, call: Call, traced: Traced, clips: Any, 
                     valid: jax.Array | None) -> tuple:
     """:func:`_chunk` on the streamed path (:mod:`._streamed`): the norms in one backward pass,
     the sums in a second, each site's inside the pass that holds its operands."""
-    ref = first_leaf(batch)
     losses, measured = streamed_norms(call, traced, batch)
-    if valid is not None:
-        valid = match_batch_sharding(valid, ref)
+    valid = match_batch_sharding(valid, first_leaf(batch)) if valid is not None else None
     vals, aux = _values_and_aux(config, call, batch, losses)
-    w = _weights(config, call, clips, measured, {}, valid, ref.shape[0], ref)
-    ws = [lax.stop_gradient(f) for f in w.factors]
-    if w.keep is not None:  # dropped examples weigh 0 (and their values are zeroed: see site_sum)
-        ws = [jnp.where(w.keep, x, jnp.zeros_like(x)) for x in ws]
+    w, ws = _step_weights(config, call, clips, measured, {}, valid, batch)
 
     def fast(keep: jax.Array | None) -> list[jax.Array]:
         return streamed_sums(call, traced, batch, ws, keep)
@@ -164,6 +151,22 @@ def _streamed_chunk(config: ClipConfig, call: Call, traced: Traced, clips: Any, 
     sums = clipped_sums(fast, config, call, batch, ws, w.keep, w.finite, zeroes_dropped=True, costly=False)
     flags, ns = clip_flags(w, valid, clips is not None)
     return sums, ns, flags, vals, aux
+
+
+def _step_weights(config: ClipConfig, call: Call, clips: Any, measured: LeafNorms, excess: dict[int, jax.Array],
+                  valid: jax.Array | None, batch: Any) -> tuple[Weights, list[jax.Array]]:
+    """The clip step and each leaf's weights for the sums: the factors (no gradient), 0 for a
+    dropped example (enough when its values are finite or zeroed: see ``site_sum``). With an
+    ``excess`` (one-pass sums), a factor other than 1 (exact) comes from the widened norms."""
+    ref = first_leaf(batch)
+    w = _weights(config, call, clips, measured, {}, valid, ref.shape[0], ref)
+    if excess:
+        wide = _weights(config, call, clips, measured, excess, valid, ref.shape[0], ref)
+        w = w._replace(factors=[jnp.where(f == 1, f, fw) for f, fw in zip(w.factors, wide.factors, strict=True)])
+    ws = [lax.stop_gradient(f) for f in w.factors]
+    if w.keep is not None:
+        ws = [jnp.where(w.keep, x, jnp.zeros_like(x)) for x in ws]
+    return w, ws
 
 
 def _weights(config: ClipConfig, call: Call, clips: Any, measured: LeafNorms, excess: dict[int, jax.Array],

@@ -33,7 +33,7 @@ from jax import lax
 
 from gradclip_jax._core import jaxcompat as jc
 from gradclip_jax._core import norms as _norms
-from gradclip_jax._core.jaxcompat import is_literal, open_jaxpr
+from gradclip_jax._core.jaxcompat import open_jaxpr
 from gradclip_jax.per_example._batch import Call, first_leaf, match_batch_sharding, vary_like
 from gradclip_jax.per_example._config import ClipConfig, GhostSum
 from gradclip_jax.per_example._example_norms import (
@@ -43,7 +43,7 @@ from gradclip_jax.per_example._example_norms import (
     leaf_example_norms,
 )
 from gradclip_jax.per_example.ghost._analysis import Traced
-from gradclip_jax.per_example.ghost._jaxpr import bind, site_eqn
+from gradclip_jax.per_example.ghost._jaxpr import evaluate, site_eqn
 from gradclip_jax.per_example.ghost._measure import (
     LeafNorms,
     acc_dtype_of,
@@ -159,32 +159,24 @@ def _evaluate(closed: Any, inputs: Sequence[Any], n_params: int, sites: Sequence
     """``closed`` on ``inputs`` with every site's equation run by ``hook``, with its sink
     (``sinks[j]`` for ``sites[j]``), also inside the scans over stacked layers, whose steps
     run under ``remat``'s checkpoint when given."""
-    jaxpr = closed.jaxpr
-    env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts, strict=True))
-    env.update(zip(jaxpr.invars, inputs, strict=True))
     at = {s.eqn: j for j, s in enumerate(sites) if s.scan is None}
     inner: dict[int, list[int]] = {}
     for j, s in enumerate(sites):
         if s.scan is not None:
             inner.setdefault(s.scan, []).append(j)
-    leaf_of = {v: i for i, v in enumerate(jaxpr.invars[:n_params])}
+    leaf_of = {v: i for i, v in enumerate(closed.jaxpr.invars[:n_params])}
 
-    def read(v: Any) -> Any:
-        return v.val if is_literal(v) else env[v]
-
-    for k, eqn in enumerate(jaxpr.eqns):
-        invals = [read(v) for v in eqn.invars]
+    def run(k: int, eqn: Any, invals: list) -> list[Any] | None:
         if k in at:
             s = sites[at[k]]
-            outs = [hook(closed, s, inputs[s.leaf], invals, sinks[at[k]])]
-        elif k in inner:
+            return [hook(closed, s, inputs[s.leaf], invals, sinks[at[k]])]
+        if k in inner:
             body_sites = {sites[j].eqn: (dataclasses.replace(sites[j], scan=None, length=1), sinks[j])
                           for j in inner[k]}
-            outs = _scan(eqn, invals, [leaf_of.get(v) for v in eqn.invars], body_sites, hook, remat)
-        else:
-            outs = bind(eqn, invals)
-        env.update(zip(eqn.outvars, outs, strict=True))
-    return [read(v) for v in jaxpr.outvars]
+            return _scan(eqn, invals, [leaf_of.get(v) for v in eqn.invars], body_sites, hook, remat)
+        return None
+
+    return evaluate(closed.jaxpr, closed.consts, inputs, run)
 
 
 def _scan(eqn: Any, invals: list, leaves: list[int | None], sites: dict[int, tuple[Site, Any]], hook: Hook,
@@ -216,21 +208,14 @@ def _body(body: Any, args: Sequence[Any], sites: dict[int, tuple[Site, Any]], le
           hook: Hook) -> list[Any]:
     """One step of a scan's body, its sites (by equation, with this step's sink) run by ``hook``."""
     j, consts = open_jaxpr(body)
-    env: dict[Any, Any] = dict(zip(j.constvars, consts or [], strict=True))
-    env.update(zip(j.invars, args, strict=True))
 
-    def read(v: Any) -> Any:
-        return v.val if is_literal(v) else env[v]
+    def run(k: int, eqn: Any, invals: list) -> list[Any] | None:
+        if k not in sites:
+            return None
+        s, sink = sites[k]
+        return [hook(body, s, leaf_vals[s.leaf], invals, sink)]
 
-    for k, eqn in enumerate(j.eqns):
-        invals = [read(v) for v in eqn.invars]
-        if k in sites:
-            s, sink = sites[k]
-            outs = [hook(body, s, leaf_vals[s.leaf], invals, sink)]
-        else:
-            outs = bind(eqn, invals)
-        env.update(zip(eqn.outvars, outs, strict=True))
-    return [read(v) for v in j.outvars]
+    return evaluate(j, consts or [], args, run)
 
 
 def _inputs(call: Call, batch: Any) -> list[Any]:
