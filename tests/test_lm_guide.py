@@ -74,7 +74,7 @@ def _jit_to_completion(jit):
         def call(*a, **k):
             return jax.block_until_ready(compiled(*a, **k))
 
-        call.lower = compiled.lower
+        call.lower, call.trace = compiled.lower, compiled.trace
         return call
 
     return jit_blocking
@@ -226,12 +226,13 @@ def test_lora_without_copy_is_flaxs_trace_level_error(model_ns, method):
 
 @pytest.mark.slow
 def test_memory_section(model_ns):
-    """The ghost step's compiled temporaries within 1.25x of the non-private step's (the
-    streamed path; the probed one held every layer's activations)."""
+    """The ghost step's compiled temporaries within 1.2x of the non-private step's (the streamed
+    path; the probed one held every layer's activations), and below the vmap step's."""
     ns = run_section(dict(model_ns), SECTIONS[4])
     mem = ns["memory"]
     assert set(mem) == {"non-private", "ghost", "vmap"} and min(mem.values()) > 0
-    assert mem["ghost"] <= 1.25 * mem["non-private"], mem
+    assert mem["ghost"] <= 1.2 * mem["non-private"], mem
+    assert mem["ghost"] < mem["vmap"], mem
 
 
 @pytest.mark.slow
@@ -262,11 +263,29 @@ def sharded_summary(ns: dict) -> dict:
         params, state, _ = step(params, state, batch, mask, key)
     sharded = ns["sharded"]
     specs = [x.sharding.spec for x in jax.tree.leaves(sharded)]
+    # the guide's note on make_mesh's default (Explicit) axes: this model's step does not trace
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    explicit = jax.make_mesh(tuple(ns["mesh"].shape.values()), ("data", "fsdp"))
+    assert all(t == AxisType.Explicit for t in explicit.axis_types)
+    rows = dist.sampler.max_batch_size
+    with jax.set_mesh(explicit):
+        p = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(explicit, ns["fsdp_sharding"](x).spec)),
+                         ns["start"])
+        b = jax.tree.map(lambda a: jax.device_put(a[:rows], NamedSharding(explicit, P(("data", "fsdp")))),
+                         ns["data"])
+        m = jax.device_put(np.ones(rows, bool), NamedSharding(explicit, P(("data", "fsdp"))))
+        try:
+            jax.jit(dist.step).trace(p, dist.init(p), b, m, jax.random.key(0))
+            explicit_error = None
+        except Exception as e:  # jax's ShardingTypeError (not a public name)
+            explicit_error = f"{type(e).__name__}: {e}"
     return {"devices": ns["n_dev"], "mesh": dict(ns["mesh"].shape), "max_diff": max_abs_diff(params, sharded),
             "scale": max(float(np.max(np.abs(x))) for x in leaves(params)),
             "fsdp_leaves": sum("fsdp" in str(s) for s in specs), "leaves": len(specs),
             "steps": dist.accountant.steps, "epsilon": dist.epsilon(), "accountant": dist.accountant.epsilon(1e-5),
-            "batch_rows": dist.sampler.max_batch_size}
+            "batch_rows": dist.sampler.max_batch_size, "explicit_error": explicit_error}
 
 
 def run_sharded(ns: dict) -> dict:
@@ -292,6 +311,7 @@ def test_sharding_section(model_ns):
     assert res["batch_rows"] % DEVICES == 0 and res["steps"] == 3
     assert res["epsilon"] == res["accountant"] <= 8.0 + 1e-9
     assert res["max_diff"] <= 1e-5 * max(1.0, res["scale"]), res
+    assert res["explicit_error"].startswith("ShardingTypeError") and "out_sharding" in res["explicit_error"]
 
 
 if __name__ == "__main__":  # the sharding section in a process with 8 simulated devices
