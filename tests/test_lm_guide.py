@@ -238,13 +238,13 @@ def test_memory_section(model_ns):
 @pytest.mark.slow
 def test_bfloat16_section(model_ns):
     """bf16 model: float32 norms and sums on both paths, ghost == vmap within bf16 rounding, and
-    the norms within 2e-2 of the same weights' float32 norms."""
+    the norms within 1e-2 of the same weights' float32 norms (3.4e-3 measured)."""
     ns = run_section(dict(model_ns), SECTIONS[5])
     assert all(x.dtype == jnp.bfloat16 for x in leaves(ns["params16"]))
     info32 = ns["info32"]
     for m, (g, info) in ns["norms16"].items():
         assert info.norms.dtype == jnp.float32 and all(x.dtype == jnp.float32 for x in leaves(g)), m
-        np.testing.assert_allclose(info.norms, info32.norms, rtol=2e-2)
+        np.testing.assert_allclose(info.norms, info32.norms, rtol=1e-2)
     np.testing.assert_allclose(ns["norms16"]["ghost"][1].norms, ns["norms16"]["vmap"][1].norms, rtol=1e-2)
 
 
