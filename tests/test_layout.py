@@ -533,3 +533,81 @@ def test_settings_copy_check_finds_offenders(tmp_path):
     (tmp_path / "shows.py").write_text("if TYPE_CHECKING:\n    from gradclip_jax.home import LIMIT\n")
     modules = {f"gradclip_jax.{p.stem}": p for p in tmp_path.iterdir()}
     assert _settings_copied(modules) == [("gradclip_jax.user", "LIMIT")]
+
+
+# ---------------------------------------------------------------------------
+# No underscored name crosses a module
+# ---------------------------------------------------------------------------
+
+
+def _absolute(name: str, path: pathlib.Path, node: ast.ImportFrom) -> str:
+    """The absolute module a ``from ... import`` statement of module ``name`` (file ``path``) reads."""
+    if node.level == 0:
+        return node.module or ""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    package = package[:len(package) - (node.level - 1)]
+    return ".".join(package + ([node.module] if node.module else []))
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _private_names_across(modules: dict[str, pathlib.Path]) -> list[tuple[str, str]]:
+    """``(importer, module.name)`` for every ``_name`` a module of ``modules`` takes from another:
+    ``from module import _name``, or ``alias._name`` where ``alias`` is an imported module.
+    A private *module* (``from gradclip_jax.per_example import _batch``) is not a name."""
+    offenders = []
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        aliases: dict[str, str] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in modules:
+                        aliases[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+            elif isinstance(node, ast.ImportFrom):
+                source = _absolute(name, path, node)
+                for a in node.names:
+                    if f"{source}.{a.name}" in modules:
+                        aliases[a.asname or a.name] = f"{source}.{a.name}"
+                    elif source in modules and source != name and _is_private(a.name):
+                        offenders.append((name, f"{source}.{a.name}"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _is_private(node.attr):
+                chain, value = [], node.value
+                while isinstance(value, ast.Attribute):
+                    chain.append(value.attr)
+                    value = value.value
+                if isinstance(value, ast.Name) and value.id in aliases:
+                    owner = ".".join([aliases[value.id], *reversed(chain)])
+                    if owner in modules and owner != name and f"{owner}.{node.attr}" not in modules:
+                        offenders.append((name, f"{owner}.{node.attr}"))
+    return sorted(offenders)
+
+
+def test_no_private_name_crosses_a_module():
+    """A name another module of the package uses is not private: no module imports a ``_name``
+    from another (or reads ``module._name``); private *modules* are fine."""
+    assert _private_names_across(MODULES) == []
+
+
+def test_private_name_check_finds_offenders(tmp_path):
+    pkg = tmp_path / "gradclip_jax"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "_home.py").write_text("def _helper(): ...\ndef public(): ...\n")
+    (pkg / "sub" / "user.py").write_text(
+        "from gradclip_jax.sub._home import _helper, public\nfrom . import _home\nfrom ._home import _helper as h\n"
+        "import gradclip_jax.sub._home as home\nhome._helper(); _home._helper(); home.__name__; _home.public()\n"
+        "def _mine(): ...\n")
+    (pkg / "sub" / "self.py").write_text("def _own(): ...\nimport gradclip_jax.sub.self as me\nme._own()\n")
+    modules = {".".join(p.relative_to(tmp_path).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in pkg.rglob("*.py")}
+    assert _private_names_across(modules) == [
+        ("gradclip_jax.sub.user", "gradclip_jax.sub._home._helper"),
+        ("gradclip_jax.sub.user", "gradclip_jax.sub._home._helper"),
+        ("gradclip_jax.sub.user", "gradclip_jax.sub._home._helper"),
+        ("gradclip_jax.sub.user", "gradclip_jax.sub._home._helper"),
+    ]

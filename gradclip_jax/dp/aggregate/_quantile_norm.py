@@ -17,7 +17,7 @@ from gradclip_jax._core.numerics import count0 as _count0
 from gradclip_jax._core.state_registry import register_state
 from gradclip_jax._core.validation import check_mask, check_scalar, is_traced, static_value
 from gradclip_jax.dp._guards import refuse_update_averaging
-from gradclip_jax.dp.aggregate._shared import _clip_sum, _divisor, _key, _lowest
+from gradclip_jax.dp.aggregate._shared import batch_divisor, clip_sum_rows, lowest_dtype, seed_key
 from gradclip_jax.dp.noise import noised_leaves, split_stored
 from gradclip_jax.per_example.internal import batch_flatten, match_batch_sharding
 
@@ -182,7 +182,7 @@ def dp_quantile_aggregate(
     z_grad = noise_multiplier_for_gradient(noise_multiplier, count_noise_std)
     geometric_update = bool(static_value(fn, "geometric_update", geometric_update))
     nan_safe = bool(static_value(fn, "nan_safe", nan_safe))
-    key0 = _key(seed, fn)
+    key0 = seed_key(seed, fn)
 
     def init_fn(params: Any) -> DPQuantileAggregateState:
         dtype = _norms.tree_acc_dtype(jax.tree_util.tree_leaves(params))
@@ -207,8 +207,8 @@ def dp_quantile_aggregate(
             return updates, state._replace(rng_key=new_key, count=increment(state.count))
         acc = np.dtype(jnp.result_type(_norms.tree_acc_dtype(arrays), state.clip_norm.dtype))
         clip = state.clip_norm.astype(acc)
-        sums, n, keep = _clip_sum(arrays, clip, nan_safe, mask, fn, batch, store=_lowest(arrays))
-        m = _divisor(expected_batch_size, batch, acc)
+        sums, n, keep = clip_sum_rows(arrays, clip, nan_safe, mask, fn, batch, store=lowest_dtype(arrays))
+        m = batch_divisor(expected_batch_size, batch, acc)
         out = noised_leaves(sums, keys, clip * jnp.asarray(z_grad, acc), m, fn=fn)
         out = [o.astype(x.dtype) for o, x in zip(out, arrays, strict=True)]
 

@@ -14,7 +14,7 @@ import optax
 
 from gradclip_jax.dp.accounting import PrivacyAccountant
 from gradclip_jax.dp.hardened import BitGenerator, os_key
-from gradclip_jax.dp.private_step._resume import _STATE_FORMAT, _plan
+from gradclip_jax.dp.private_step._resume import STATE_FORMAT, run_plan
 from gradclip_jax.dp.private_step._step import PrivateStepMetrics
 from gradclip_jax.dp.sampling.protocol import BatchSampler
 from gradclip_jax.per_example import ClippedGradFn, ClippedGradInfo
@@ -218,7 +218,7 @@ class PrivateTraining:
         (a :class:`gradclip_jax.dp.PoissonSampler`'s: ``max_batch_size``,
         ``on_overflow``, ``seed``) and the calibrated ``noise_multiplier``.
         """
-        plan = _plan(self.sampler, self.steps, self.target_epsilon, self.delta, self.l2_clip_norm,
+        plan = run_plan(self.sampler, self.steps, self.target_epsilon, self.delta, self.l2_clip_norm,
                      self.accountant.accountant, self.hardened, self.grid_scale)
         return {**plan, "noise_multiplier": float(self.noise_multiplier)}
 
@@ -258,7 +258,7 @@ class PrivateTraining:
           ([2, 3], True)
         """
         return {
-            "format": _STATE_FORMAT,
+            "format": STATE_FORMAT,
             "plan": self.plan(),
             "accountant": self.accountant.state_dict(),
             "sampler": {"seed": self.sampler.plan().get("seed"), "steps_taken": int(self.accountant.steps)},

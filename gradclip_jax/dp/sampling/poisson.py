@@ -80,7 +80,7 @@ class BatchOverflowError(RuntimeError):
 PoissonBatch = SampledBatch  # the batch of every sampler (the name this module has always exported)
 
 
-def _rate(fn: str, dataset_size: int, expected_batch_size: Any, sample_rate: Any) -> float:
+def poisson_rate(fn: str, dataset_size: int, expected_batch_size: Any, sample_rate: Any) -> float:
     """The sampling rate q from exactly one of ``expected_batch_size`` and ``sample_rate``."""
     if (expected_batch_size is None) == (sample_rate is None):
         raise ValueError(f"{fn}: give exactly one of `expected_batch_size` and `sample_rate`")
@@ -243,7 +243,7 @@ class PoissonSampler(IndexSampler):
     ):
         fn = "PoissonSampler"
         n = check_int(fn, "dataset_size", dataset_size, 1)
-        self.sample_rate = _rate(fn, n, expected_batch_size, sample_rate)
+        self.sample_rate = poisson_rate(fn, n, expected_batch_size, sample_rate)
         self.expected_batch_size = self.sample_rate * n
         if on_overflow not in _ON_OVERFLOW:
             raise ValueError(f"{fn}: `on_overflow` must be one of {_ON_OVERFLOW}, got {on_overflow!r}")

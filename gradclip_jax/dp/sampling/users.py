@@ -316,9 +316,9 @@ class UserPoissonSampler(IndexSampler):
 
     def dp_event(self, noise_multiplier: float) -> Any:
         """``PoissonSampledDpEvent(q, GaussianDpEvent(z))`` over users (add/remove-one-user neighbours)."""
-        from gradclip_jax.dp.accounting._accountants import _dp_accounting
+        from gradclip_jax.dp.accounting._accountants import import_dp_accounting
 
-        dpa = _dp_accounting()
+        dpa = import_dp_accounting()
         return dpa.PoissonSampledDpEvent(self.sample_rate, dpa.GaussianDpEvent(noise_multiplier))
 
     def plan(self) -> dict[str, Any]:
