@@ -27,7 +27,7 @@ arguments and outputs: parameters, batch, gradients). Bar: peak memory <= 1.5x
 the non-private step (judged on the temporaries, the stricter of the two).
 
 Compile time (trace, lower and compile, seconds shown in the ms columns): a full
-DP training step (``clipped_grad``, ``gcx.privacy.add_gaussian_noise``,
+DP training step (``clipped_grad``, ``gcx.dp.noise.add_gaussian_noise``,
 ``optax.adamw``) against the non-private step (``jax.grad`` and adamw) on
 GPT-2 small at B=8 (the flax nnx model of ``bench_ghost_gpu``, fused qkv, tied
 embedding; skipped without flax), both jitted with the state donated, median

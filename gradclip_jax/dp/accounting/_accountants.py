@@ -43,7 +43,7 @@ def import_dp_accounting() -> Any:
         import dp_accounting
     except ImportError as err:  # pragma: no cover - exercised only without the extra
         raise ImportError(
-            "gradclip_jax.privacy needs the optional 'dp-accounting' package: "
+            "gradclip_jax.dp.accounting needs the optional 'dp-accounting' package: "
             'pip install "gradclip_jax[dp]"  (or: pip install dp-accounting)'
         ) from err
     return dp_accounting

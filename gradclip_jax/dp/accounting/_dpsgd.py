@@ -44,7 +44,7 @@ def dp_sgd_event(noise_multiplier: float, sample_rate: float, steps: int) -> Any
       A ``dp_accounting.DpEvent``; compose it with any accountant.
 
     Example:
-      >>> from gradclip_jax.privacy import dp_sgd_event
+      >>> from gradclip_jax.dp.accounting import dp_sgd_event
       >>> event = dp_sgd_event(1.1, 256 / 60000, 1000)  # doctest: +SKIP
     """
     fn = "dp_sgd_event"
@@ -87,7 +87,7 @@ def epsilon(
       ValueError: for out-of-range arguments or an unknown accountant.
 
     Example:
-      >>> from gradclip_jax.privacy import epsilon
+      >>> from gradclip_jax.dp.accounting import epsilon
       >>> steps = 60 * 60000 // 256  # the JAX DP-SGD example: MNIST, 60 epochs
       >>> round(epsilon(1.1, 256 / 60000, steps, delta=1e-5), 2)
       2.38
@@ -140,7 +140,7 @@ def calibrate_noise_multiplier(
       ValueError: for out-of-range arguments.
 
     Example:
-      >>> from gradclip_jax.privacy import calibrate_noise_multiplier, epsilon
+      >>> from gradclip_jax.dp.accounting import calibrate_noise_multiplier, epsilon
       >>> z = calibrate_noise_multiplier(3.0, 0.05, 100, 1e-5)
       >>> epsilon(z, 0.05, 100, 1e-5) <= 3.0
       True

@@ -79,7 +79,7 @@ class PrivacyAccountant:
         neighbouring relation of the guarantee (a sampler's must match).
 
     Example:
-      >>> from gradclip_jax.privacy import PrivacyAccountant
+      >>> from gradclip_jax import PrivacyAccountant
       >>> acc = PrivacyAccountant()
       >>> acc.step(noise_multiplier=1.1, sample_rate=256 / 60000, steps=14062)
       >>> round(acc.epsilon(1e-5), 2)  # 60 epochs of MNIST at batch 256
@@ -260,7 +260,7 @@ class PrivacyAccountant:
         adds ``'neighboring': 'replace'``.
 
         Example:
-          >>> from gradclip_jax.privacy import PrivacyAccountant
+          >>> from gradclip_jax import PrivacyAccountant
           >>> acc = PrivacyAccountant()
           >>> acc.step(1.1, 0.01, steps=10)
           >>> acc.state_dict()
@@ -285,7 +285,7 @@ class PrivacyAccountant:
             is out of range.
 
         Example:
-          >>> from gradclip_jax.privacy import PrivacyAccountant
+          >>> from gradclip_jax import PrivacyAccountant
           >>> acc = PrivacyAccountant()
           >>> acc.step(1.1, 0.01, steps=10)
           >>> resumed = PrivacyAccountant()

@@ -44,7 +44,7 @@ class PrivateTraining:
         at ``noise_multiplier`` (at most ``target_epsilon``).
       sampler: the :class:`gradclip_jax.dp.BatchSampler` (by default a
         :class:`gradclip_jax.dp.PoissonSampler`).
-      accountant: the :class:`gradclip_jax.privacy.PrivacyAccountant`
+      accountant: the :class:`gradclip_jax.PrivacyAccountant`
         (:meth:`batches` records into it).
       optimizer: the optax optimizer applied to the privatized gradient.
       grad_fn: the :func:`gradclip_jax.clipped_grad` function.
@@ -230,7 +230,7 @@ class PrivateTraining:
         * ``'plan'``: :meth:`plan` (checked on resume: the same arguments give
           the same calibrated noise multiplier);
         * ``'accountant'``: the accountant's record
-          (:meth:`gradclip_jax.privacy.PrivacyAccountant.state_dict`: its phases);
+          (:meth:`gradclip_jax.PrivacyAccountant.state_dict`: its phases);
         * ``'sampler'``: ``{'seed': ..., 'steps_taken': ...}`` (step ``t``'s
           batch is a function of ``(seed, t)``, so this is all of the sampler's
           state).

@@ -47,7 +47,7 @@ from gradclip_jax.dp.sampling.poisson import (
 )
 from gradclip_jax.dp.sampling.protocol import IndexSampler, SampledBatch, processes
 
-__all__ = ["UserBatch", "UserPoissonSampler", "user_loss"]
+__all__: list[str] = []  # every name here has its home elsewhere (CONTRIBUTING.md, "Import paths")
 
 _CHOICES = ("random", "first")
 _REDUCE = ("sum", "mean")

@@ -148,7 +148,7 @@ def clipped_grad(
     ``return_values`` or ``return_grad_norms``, ``(grads, AuxiliaryOutput(values,
     grad_norms, aux))``, each per example. The sums come from
     :func:`gradclip_jax.clipped_grad` with ``method`` (default ``'auto'``: ghost
-    clipping where it applies, see :mod:`gradclip_jax.ghost`). Its
+    clipping where it applies, see :mod:`gradclip_jax.per_example.ghost`). Its
     ``sensitivity(neighboring_relation)`` is ``l2_clip_norm`` (1 with
     ``rescale_to_unit_norm``) divided by ``normalize_by`` for add/remove and
     zero-out neighbours, twice that for replace-one.

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from gradclip_jax.ghost import (
+from gradclip_jax import (
     AUTO_MIN_ELEMENTS,
     AUTO_MIN_ELEMENTS_NO_FALLBACK,
     GhostReport,
@@ -93,7 +93,7 @@ CASES = {
 }
 
 
-@pytest.mark.filterwarnings("ignore::gradclip_jax.ghost.GhostFallbackWarning")
+@pytest.mark.filterwarnings("ignore::gradclip_jax.GhostFallbackWarning")
 @pytest.mark.parametrize("case", CASES)
 def test_auto_takes_the_path_the_report_states(case):
     setup, path, why = CASES[case]
