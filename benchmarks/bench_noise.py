@@ -280,19 +280,11 @@ def _said(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def run(quick: bool = False) -> list[dict]:
-    """The rows of the module's docstring: the draws, then with adamw, then the parts.
-
-    ``NOISE_BUDGET_S`` (seconds; default: none) skips what would run past it: the adamw rows
-    when the first rows took longer than what is left, the parts one by one
-    (:func:`part_rows`). On a GPU each draw of GPT-2 small's tree takes tens of seconds to compile.
-    """
-    start = time.perf_counter()
-    deadline = start + float(os.environ.get(BUDGET_ENV, "inf"))
-    tree = gpt2_tree(width=128, vocab=4096) if quick else gpt2_tree()
+def _draw_rows(tree: Any, key: jax.Array, quick: bool) -> tuple[list[dict], str]:
+    """The first rows: one draw of ``tree``'s noise, ours (by the backend's strategy and by
+    ``'philox'``) against optax's per-leaf draw; and the rows' description."""
     leaves = jax.tree.leaves(tree)
     n = sum(x.size for x in leaves)
-    key = jax.random.key(0)
     fns = {"ours": lambda t, k: gcx.dp.noise.add_gaussian_noise(t, 1.0, k), "optax": lambda t, k: optax_noise(t, 1.0, k)}
     _compile(lambda t, k: optax_noise(t, 1.0, k), {"w": jnp.zeros(3)}, key)  # one-time warm-up of the compiler
     fns["philox"] = lambda t, k: gcx.dp.noise.add_gaussian_noise(t, 1.0, k)  # traced with "philox" below
@@ -306,7 +298,7 @@ def run(quick: bool = False) -> list[dict]:
     strategy = gcx.dp.noise.NOISE_STRATEGY.get(backend, "leaves")
     what = f"{len(leaves)} leaves, {n / 1e6:.1f}M params (GPT-2{' shapes at width 128' if quick else ' small'}), " \
            f"{backend}, ours draws by {strategy!r}"
-    rows = _said([
+    return _said([
         row("noise", "add_gaussian_noise vs optax per-leaf draw: time", ms["ours"], ms["optax"], what),
         row("noise", "add_gaussian_noise vs optax per-leaf draw: lower+compile (ms)", compile_s["ours"] * 1e3,
             compile_s["optax"] * 1e3, what),
@@ -314,7 +306,21 @@ def run(quick: bool = False) -> list[dict]:
             temp["optax"], what),
         row("noise", "add_gaussian_noise drawing by 'philox' vs optax per-leaf draw (threefry): time",
             ms["philox"], ms["optax"], what.split(", ours draws")[0]),
-    ])
+    ]), what
+
+
+def run(quick: bool = False) -> list[dict]:
+    """The rows of the module's docstring: the draws, then with adamw, then the parts.
+
+    ``NOISE_BUDGET_S`` (seconds; default: none) skips what would run past it: the adamw rows
+    when the first rows took longer than what is left, the parts one by one
+    (:func:`part_rows`). On a GPU each draw of GPT-2 small's tree takes tens of seconds to compile.
+    """
+    start = time.perf_counter()
+    deadline = start + float(os.environ.get(BUDGET_ENV, "inf"))
+    tree = gpt2_tree(width=128, vocab=4096) if quick else gpt2_tree()
+    key = jax.random.key(0)
+    rows, what = _draw_rows(tree, key, quick)
     if time.perf_counter() + (time.perf_counter() - start) < deadline:
         rows += _said(adamw_rows(tree, key, what, reps=5 if quick else 15))
         rows += _said(hardened_rows(tree, key, what.split(", ours draws")[0], reps=5 if quick else 15))

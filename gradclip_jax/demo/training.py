@@ -181,12 +181,7 @@ def run(
     clip = 1.0 if clip is None else clip
     if out is not None:
         check_output_path(out)
-    methods = tuple(methods)
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ValueError(f"unknown run(s) {unknown}; expected a subset of {METHODS}")
-    if steps < 2:
-        raise ValueError(f"steps must be at least 2, got {steps}")
+    methods = _check_runs(methods, steps)
     data = load_digits_split(seed)
     n_train = len(data[0])
     if not 1 <= batch_size <= n_train:
@@ -202,26 +197,11 @@ def run(
             setup = _private_setup(method, epsilon, delta, clip, dp_learning_rate, batch_size, steps,
                                    n_train, seed, params0, progress)
         try:
-            params, losses, fracs, sec = train(name, setup.step_fn, params0, setup.opt_state, setup.batches,
-                                               steps, data, progress and not setup.live)
+            results[name] = _result(name, setup, params0, steps, data, delta, progress)
         except ValueError as err:
             if name == "dp-sgd" and method == "ghost":
                 raise ValueError(ghost_message(err)) from err
             raise
-        accountant = setup.accountant
-        results[name] = DemoResult(
-            name=name,
-            test_accuracy=accuracy(params, data[2], data[3]),
-            epsilon=math.inf if accountant is None else accountant.epsilon(delta),
-            noise_multiplier=setup.noise_multiplier,
-            sec_per_step=sec,
-            clip_fraction=float(np.mean(fracs)),
-            losses=losses,
-            clip_fractions=fracs,
-            batch_sizes=setup.sizes,
-            padded_batch_size=setup.padded,
-            accountant=accountant,
-        )
 
     if out:
         plot_results(results, out)
@@ -288,6 +268,38 @@ def _private_setup(method: str, epsilon: float, delta: float, clip: float, learn
     return _Setup(dp_step, priv.init(params0), poisson_batches(), sizes, priv.sampler.max_batch_size,
                   priv.noise_multiplier, priv.accountant, live)
 
+
+
+def _check_runs(methods: Iterable[str], steps: int) -> tuple[str, ...]:
+    """``methods`` as a tuple, checked against :data:`METHODS`, and ``steps`` at least 2."""
+    methods = tuple(methods)
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown run(s) {unknown}; expected a subset of {METHODS}")
+    if steps < 2:
+        raise ValueError(f"steps must be at least 2, got {steps}")
+    return methods
+
+
+def _result(name: str, setup: _Setup, params0: Any, steps: int, data: tuple[np.ndarray, ...], delta: float,
+            progress: bool) -> DemoResult:
+    """Trains one run as ``setup`` says and measures it."""
+    params, losses, fracs, sec = train(name, setup.step_fn, params0, setup.opt_state, setup.batches, steps,
+                                       data, progress and not setup.live)
+    accountant = setup.accountant
+    return DemoResult(
+        name=name,
+        test_accuracy=accuracy(params, data[2], data[3]),
+        epsilon=math.inf if accountant is None else accountant.epsilon(delta),
+        noise_multiplier=setup.noise_multiplier,
+        sec_per_step=sec,
+        clip_fraction=float(np.mean(fracs)),
+        losses=losses,
+        clip_fractions=fracs,
+        batch_sizes=setup.sizes,
+        padded_batch_size=setup.padded,
+        accountant=accountant,
+    )
 
 def ghost_message(err: BaseException) -> str:
     return (f"clipped_grad(method='ghost') is not available in this version of gradclip_jax "

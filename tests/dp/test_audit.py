@@ -275,7 +275,7 @@ def test_runs_bound_separates_apart_scores_and_not_equal_ones():
 
 @pytest.mark.parametrize("background", ["opposite", "orthogonal"])
 def test_sampling_canary_and_background_rows_clip_to_plus_c_e0_and_minus_c_e0_or_c_e1(background):
-    from gradclip_jax.dp.audit import _sampling_data, _sampling_loss
+    from gradclip_jax.dp.audit._sampling_audit import _sampling_data, _sampling_loss
 
     c = 0.7
     grad_fn = gcx.clipped_grad(_sampling_loss(c), c)

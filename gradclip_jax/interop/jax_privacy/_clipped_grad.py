@@ -296,12 +296,8 @@ def _rescale_per_layer(grads: PyTree, l2_clip_norm: PyTree, out: PyTree) -> PyTr
     return jax.tree.map(divide, l2_clip_norm, grads, out)
 
 
-def _grid_clipped_grad(fun: Callable[..., Any], layout: _Layout, has_aux: bool, method: Any, *,
-                       l2_clip_norm: Any, grid_scale: int, keep_batch_dim: bool, return_values: bool,
-                       return_grad_norms: bool, transform: Callable[[PyTree], PyTree] | None,
-                       microbatch_size: Any, nan_safe: bool, dtype: Any, spmd_axis_name: Any) -> Any:
-    """``clipped_grad`` with ``grid_scale``: each example's gradient (vmap) clipped and rounded by
-    :func:`clipped_fun`, whose integer sum is exact. Ghost clipping never forms the gradient to round."""
+def _check_grid_method(method: Any, transform: Any) -> None:
+    """``grid_scale`` needs each example's gradient: ``method`` must be ``'vmap'`` or ``'auto'``."""
     fn = "clipped_grad"
     if static_value(fn, "method", method) not in ("auto", "vmap", "ghost"):
         raise ValueError(f"{fn}: unknown method {method!r}; expected 'vmap', 'ghost' or 'auto'")
@@ -310,6 +306,15 @@ def _grid_clipped_grad(fun: Callable[..., Any], layout: _Layout, has_aux: bool, 
                          "use method='vmap' or 'auto' (which then uses vmap)")
     if transform is not None:
         check_callable(fn, "pre_clipping_transform", transform)
+
+
+def _grid_clipped_grad(fun: Callable[..., Any], layout: _Layout, has_aux: bool, method: Any, *,
+                       l2_clip_norm: Any, grid_scale: int, keep_batch_dim: bool, return_values: bool,
+                       return_grad_norms: bool, transform: Callable[[PyTree], PyTree] | None,
+                       microbatch_size: Any, nan_safe: bool, dtype: Any, spmd_axis_name: Any) -> Any:
+    """``clipped_grad`` with ``grid_scale``: each example's gradient (vmap) clipped and rounded by
+    :func:`clipped_fun`, whose integer sum is exact. Ghost clipping never forms the gradient to round."""
+    _check_grid_method(method, transform)
     argnums = layout.argnums[0] if layout.single else layout.argnums
 
     def example_grad(*args: Any, **kwargs: Any) -> tuple:
