@@ -87,7 +87,7 @@ def _markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="gradclip_jax benchmarks")
     parser.add_argument("--quick", action="store_true", help="small trees and few repetitions")
     parser.add_argument("--only", default=",".join(SUITES), help="comma-separated suites")
@@ -95,31 +95,27 @@ def main() -> None:
     parser.add_argument("--models", default=None, help="ghost-gpu, profile-gpu: configs to run (e.g. gpt2,wrn)")
     parser.add_argument("--force-cpu", action="store_true",
                         help="ghost-gpu, profile-gpu: tiny smoke run without a GPU")
-    args = parser.parse_args()
-    # The suites time compilations: a program read back from JAX's persistent cache (a user's or
-    # CI's JAX_COMPILATION_CACHE_DIR) would time the read. JAX decides once, at the first compile,
-    # whether it uses the cache, so this is set before any.
-    jax.config.update("jax_enable_compilation_cache", False)
-    rows: list[dict] = []
-    names = [n.strip() for n in args.only.split(",") if n.strip()]
-    for name in names:
-        if name not in SUITES + EXTRA_SUITES:
-            parser.error(f"--only: unknown suite {name!r}; known: {', '.join(SUITES + EXTRA_SUITES)}")
-        mod = importlib.import_module(module_name(name))
-        params = inspect.signature(mod.run).parameters
-        extra = {k: v for k, v in (("out", args.out), ("models", args.models),
-                                   ("force", True if args.force_cpu else None)) if k in params}
-        t0 = time.perf_counter()
-        suite_rows = mod.run(quick=args.quick, **extra)
-        for r in suite_rows:
-            unit = r.get("unit", "ms")  # rows of counts or sizes name their unit
-            print(f"[{r['group']}] {r['name']}: {r['ours_ms']:.2f} {unit} vs {r['baseline_ms']:.2f} {unit} "
-                  f"= {r['ratio']:.3f}  {r.get('note', '')}", flush=True)
-        print(f"-- {name}: {time.perf_counter() - t0:.0f} s", flush=True)
-        if name not in EXTRA_SUITES or name in GPU_SUITES:  # ghost-gpu, profile-gpu write their own files
-            rows += suite_rows
-    if not rows:
-        return
+    return parser
+
+
+def _run_suite(name: str, args: argparse.Namespace) -> list[dict]:
+    """Runs suite ``name`` with the flags it takes, printing each row; returns its rows."""
+    mod = importlib.import_module(module_name(name))
+    params = inspect.signature(mod.run).parameters
+    extra = {k: v for k, v in (("out", args.out), ("models", args.models),
+                               ("force", True if args.force_cpu else None)) if k in params}
+    t0 = time.perf_counter()
+    suite_rows = mod.run(quick=args.quick, **extra)
+    for r in suite_rows:
+        unit = r.get("unit", "ms")  # rows of counts or sizes name their unit
+        print(f"[{r['group']}] {r['name']}: {r['ours_ms']:.2f} {unit} vs {r['baseline_ms']:.2f} {unit} "
+              f"= {r['ratio']:.3f}  {r.get('note', '')}", flush=True)
+    print(f"-- {name}: {time.perf_counter() - t0:.0f} s", flush=True)
+    return suite_rows
+
+
+def _write(rows: list[dict], names: list[str], args: argparse.Namespace) -> None:
+    """Merges ``rows`` into the results file of these suites and writes its Markdown table."""
     meta = {"jax": jax.__version__, "backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
             "machine": f"{platform.machine()} {platform.system()}", "quick": args.quick,
             "date": time.strftime("%Y-%m-%d")}
@@ -127,9 +123,6 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     gpu_only = all(n in EXTRA_SUITES for n in names)  # rows only from GPU suites
     suffix = "_" + "+".join(n for n in names if n in GPU_SUITES) if gpu_only else ""
-    if gpu_only and not rows:
-        print("no rows (no GPU); nothing written")
-        return
     path = out / f"results{suffix}.json"
     old_rows: list[dict] = []
     if path.exists():
@@ -141,6 +134,26 @@ def main() -> None:
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     (out / f"RESULTS{suffix}.md").write_text(_markdown(rows, meta))
     print(f"wrote {out / f'results{suffix}.json'} and {out / f'RESULTS{suffix}.md'}")
+
+
+def main() -> None:
+    parser = _parser()
+    args = parser.parse_args()
+    # The suites time compilations: a program read back from JAX's persistent cache (a user's or
+    # CI's JAX_COMPILATION_CACHE_DIR) would time the read. JAX decides once, at the first compile,
+    # whether it uses the cache, so this is set before any.
+    jax.config.update("jax_enable_compilation_cache", False)
+    rows: list[dict] = []
+    names = [n.strip() for n in args.only.split(",") if n.strip()]
+    for name in names:
+        if name not in SUITES + EXTRA_SUITES:
+            parser.error(f"--only: unknown suite {name!r}; known: {', '.join(SUITES + EXTRA_SUITES)}")
+        suite_rows = _run_suite(name, args)
+        if name not in EXTRA_SUITES or name in GPU_SUITES:  # ghost-gpu, profile-gpu write their own files
+            rows += suite_rows
+    if not rows:  # (also: rows only from GPU suites, without a GPU: nothing to write)
+        return
+    _write(rows, names, args)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ the default) and the RDP one (``baseline``):
   (sampler, calibration, planned epsilon, step functions; no compilation).
 
 And ``epsilon() per call at step T`` (T = 100 and 10,000, z = 1, rate 64/1500):
-:meth:`gradclip_jax.privacy.PrivacyAccountant.epsilon` after each new step, the
+:meth:`gradclip_jax.PrivacyAccountant.epsilon` after each new step, the
 mean over 20 steps up to T (``ours``: the accountant, which keeps its per-step
 PLD or RDP and extends its composition), against dp-accounting's accountant
 composing the same record from scratch on the same grid (``baseline``), for PLD

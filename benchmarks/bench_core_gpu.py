@@ -75,6 +75,46 @@ def _temp_mib(make_tx: Any, tree: Any) -> float:
     return m.temp_size_in_bytes / 2**20
 
 
+def _packed_row(tree: Any, label: str, reps: int, ref_f: Any, ref_s: Any) -> dict:
+    """``clip_by_global_norm`` with the CPU strategy (small leaves packed) on this backend, against
+    optax (``ref_f`` compiled with state ``ref_s``), for the per-backend choice."""
+    backend = jax.default_backend()
+    saved = dict(_norms.GLOBAL_PACK_MAX_SIZE)
+    try:
+        _norms.GLOBAL_PACK_MAX_SIZE[backend] = _norms.PACK_MAX_SIZE
+        packed_tx = gcx.clip_by_global_norm(1.0)
+        packed_f = _clip_fn(packed_tx)
+        packed_s = packed_tx.init(tree)
+        tp = interleaved_ms({"packed": lambda: packed_f(tree, packed_s), "optax": lambda: ref_f(tree, ref_s)},
+                            reps=reps)
+        packed_tmp = _temp_mib(lambda: gcx.clip_by_global_norm(1.0), tree)
+    finally:
+        _norms.GLOBAL_PACK_MAX_SIZE.clear()
+        _norms.GLOBAL_PACK_MAX_SIZE.update(saved)
+    return row(GROUP, f"clip_by_global_norm alone, small leaves packed (CPU strategy), {label}",
+               tp["packed"], tp["optax"],
+               f"default on {backend}: {saved.get(backend, _norms.PACK_MAX_SIZE)}; "
+               f"packed temporaries {packed_tmp:.2f} MiB")
+
+
+def _compile_and_memory_rows(tree: Any, label: str) -> list[dict]:
+    """Compile time and compiled temporaries of ``clip_by_global_norm`` against optax's."""
+    rows: list[dict] = []
+    ours_c_s = _compile_s(lambda: gcx.clip_by_global_norm(1.0), tree)
+    ref_c_s = _compile_s(lambda: optax.clip_by_global_norm(1.0), tree)
+    rows.append(row(GROUP, f"compile time, clip_by_global_norm, {label}", 1e3 * ours_c_s, 1e3 * ref_c_s,
+                    "goal <= 1.0"))
+    ours_tmp = _temp_mib(lambda: gcx.clip_by_global_norm(1.0), tree)
+    ref_tmp = _temp_mib(lambda: optax.clip_by_global_norm(1.0), tree)
+    rows.append(row(GROUP, f"compiled temporaries (MiB, in the ms columns), clip_by_global_norm, {label}",
+                    ours_tmp, ref_tmp, "memory, not time: ours MiB / optax MiB"))
+    exact = float(np.sqrt(sum(float(jnp.sum(jnp.square(x.astype(jnp.float32))))
+                              for x in jax.tree_util.tree_leaves(tree))))
+    rows[-1]["note"] += (f"; norm ours {float(gcx.tree_norm(tree)):.6g}, optax "
+                         f"{float(optax.tree.norm(tree)):.6g}, float32 sum {exact:.6g}")
+    return rows
+
+
 def _rows_for(dtype: Any, label: str, reps: int) -> list[dict]:
     tree = _make_tree(dtype)
     n = num_params(tree)
@@ -89,41 +129,13 @@ def _rows_for(dtype: Any, label: str, reps: int) -> list[dict]:
     rows.append(row(GROUP, f"clip_by_global_norm alone vs optax, {label} ({shape})", t["ours"], t["optax"],
                     "goal <= 1.0"))
 
-    # the CPU strategy (pack small leaves) on this backend, for the per-backend choice
-    backend = jax.default_backend()
-    saved = dict(_norms.GLOBAL_PACK_MAX_SIZE)
-    try:
-        _norms.GLOBAL_PACK_MAX_SIZE[backend] = _norms.PACK_MAX_SIZE
-        packed_tx = gcx.clip_by_global_norm(1.0)
-        packed_f = _clip_fn(packed_tx)
-        packed_s = packed_tx.init(tree)
-        tp = interleaved_ms({"packed": lambda: packed_f(tree, packed_s), "optax": lambda: ref_f(tree, ref_s)},
-                            reps=reps)
-        packed_tmp = _temp_mib(lambda: gcx.clip_by_global_norm(1.0), tree)
-    finally:
-        _norms.GLOBAL_PACK_MAX_SIZE.clear()
-        _norms.GLOBAL_PACK_MAX_SIZE.update(saved)
-    rows.append(row(GROUP, f"clip_by_global_norm alone, small leaves packed (CPU strategy), {label}",
-                    tp["packed"], tp["optax"],
-                    f"default on {backend}: {saved.get(backend, _norms.PACK_MAX_SIZE)}; "
-                    f"packed temporaries {packed_tmp:.2f} MiB"))
+    rows.append(_packed_row(tree, label, reps, ref_f, ref_s))
 
     t = chain_step_ms(tree, reps)
     rows.append(row(GROUP, f"chain(clip, adamw) + apply_updates vs optax, {label}", t["ours"], t["optax"],
                     "goal <= 1.0"))
 
-    ours_c_s = _compile_s(lambda: gcx.clip_by_global_norm(1.0), tree)
-    ref_c_s = _compile_s(lambda: optax.clip_by_global_norm(1.0), tree)
-    rows.append(row(GROUP, f"compile time, clip_by_global_norm, {label}", 1e3 * ours_c_s, 1e3 * ref_c_s,
-                    "goal <= 1.0"))
-    ours_tmp = _temp_mib(lambda: gcx.clip_by_global_norm(1.0), tree)
-    ref_tmp = _temp_mib(lambda: optax.clip_by_global_norm(1.0), tree)
-    rows.append(row(GROUP, f"compiled temporaries (MiB, in the ms columns), clip_by_global_norm, {label}",
-                    ours_tmp, ref_tmp, "memory, not time: ours MiB / optax MiB"))
-    exact = float(np.sqrt(sum(float(jnp.sum(jnp.square(x.astype(jnp.float32))))
-                              for x in jax.tree_util.tree_leaves(tree))))
-    rows[-1]["note"] += (f"; norm ours {float(gcx.tree_norm(tree)):.6g}, optax "
-                         f"{float(optax.tree.norm(tree)):.6g}, float32 sum {exact:.6g}")
+    rows += _compile_and_memory_rows(tree, label)
     return rows
 
 

@@ -27,7 +27,7 @@ arguments and outputs: parameters, batch, gradients). Bar: peak memory <= 1.5x
 the non-private step (judged on the temporaries, the stricter of the two).
 
 Compile time (trace, lower and compile, seconds shown in the ms columns): a full
-DP training step (``clipped_grad``, ``gcx.privacy.add_gaussian_noise``,
+DP training step (``clipped_grad``, ``gcx.dp.noise.add_gaussian_noise``,
 ``optax.adamw``) against the non-private step (``jax.grad`` and adamw) on
 GPT-2 small at B=8 (the flax nnx model of ``bench_ghost_gpu``, fused qkv, tied
 embedding; skipped without flax), both jitted with the state donated, median
@@ -81,7 +81,12 @@ def _model_rows(label: str, bar: str, model: Callable[..., Any], batch: int, rep
     ms["vmap"] = interleaved_ms({"vmap": lambda: vmap(params, data)}, max(2, reps // 4), max_s=max_s)["vmap"]
     mem = {k: compiled_mb(f, params, data) for k, f in fns.items()}
     mem["vmap"] = compiled_mb(clipped_grad(losses, CLIP, method="vmap"), params, data)
-    note = f"{label}, B={batch}, {env}; max|ghost-vmap|={diff:.1e}"
+    return _rows_of(label, bar, batch, f"{label}, B={batch}, {env}; max|ghost-vmap|={diff:.1e}", ms, mem)
+
+
+def _rows_of(label: str, bar: str, batch: int, note: str, ms: dict[str, float],
+             mem: dict[str, tuple[float, float]]) -> list[dict]:
+    """The rows of one model at one batch size from its times ``ms`` and memory ``mem``."""
     mem_note = ("compiled memory (MiB, not ms), temporaries / peak incl. params, batch and grads: "
                 + ", ".join(f"{k} {t:.1f} / {p:.1f}" for k, (t, p) in mem.items()))
     names = {"ghost": "ghost (default ghost_sum='auto')", "backward": "ghost_sum='backward'",

@@ -136,7 +136,7 @@ def _env_flag(name: str) -> bool:
 
 # The CPU has no memory limit to read: the tiny smoke run searches under this one, to a small cap.
 TINY_LIMIT_BYTES = 16 << 20
-TINY_CAP = 16
+TINY_CAP = 4
 
 
 def max_batch_rows(cfg: Config, tiny: bool, deadline: float = float("inf")) -> list[dict]:

@@ -1,6 +1,6 @@
 """Benchmark: drawing the DP-SGD noise of a whole model, ours against optax's way.
 
-``gcx.privacy.add_gaussian_noise`` (the noise of ``make_private`` and of the DP
+``gcx.dp.noise.add_gaussian_noise`` (the noise of ``make_private`` and of the DP
 steps in ``bench_ghost_gpu``) against the per-leaf draw that
 ``optax.contrib.differentially_private_aggregate`` makes (one
 ``jax.random.normal`` per leaf from ``jax.random.split(key, num_leaves)``), on
@@ -8,7 +8,7 @@ the tree of GPT-2 small (148 leaves, 124.4M parameters; ``--quick``: the same
 148 leaves at width 128 and vocabulary 4096). Three rows, each a ratio of
 ours to optax's way in this process: the time of one jitted call (median of
 interleaved runs), the time to lower and compile it, and its compiled
-temporaries. On the CPU ours draws in blocks (``gcx.privacy.NOISE_STRATEGY``).
+temporaries. On the CPU ours draws in blocks (``gcx.dp.noise.NOISE_STRATEGY``).
 A fourth row times ours drawing by ``"philox"`` (Philox4x32-10 bits instead of
 threefry's) against the same per-leaf threefry draw. Two more time and compile
 each draw followed by adamw's update, as a DP step reads its noise
@@ -151,8 +151,8 @@ def _flags(flags: dict[str, Any]) -> Iterator[None]:
 def _by_shape(tree: Any, key: jax.Array) -> Any:
     """Ours with ``NOISE_STRATEGY`` ``"shapes"`` (read when traced): the per-leaf draws made once
     per distinct leaf shape."""
-    with backend_setting(gcx.privacy.NOISE_STRATEGY, "shapes"):
-        return gcx.privacy.add_gaussian_noise(tree, 1.0, key)
+    with backend_setting(gcx.dp.noise.NOISE_STRATEGY, "shapes"):
+        return gcx.dp.noise.add_gaussian_noise(tree, 1.0, key)
 
 
 PARTS["per_shape"] = ("add_gaussian_noise with NOISE_STRATEGY 'shapes' (one vmapped draw per distinct shape)",
@@ -208,7 +208,7 @@ def adamw_rows(tree: Any, key: jax.Array, what: str, reps: int) -> list[dict]:
     1.1-1.5 ms fusions in a DP step); ours stores each noised leaf
     (``gradclip_jax.dp.noise._stored``)."""
     state = optax.adamw(1e-4).init(tree)
-    fns = {"ours": _then_adamw(lambda t, k: gcx.privacy.add_gaussian_noise(t, 1.0, k)),
+    fns = {"ours": _then_adamw(lambda t, k: gcx.dp.noise.add_gaussian_noise(t, 1.0, k)),
            "optax": _then_adamw(lambda t, k: optax_noise(t, 1.0, k))}
     compiled, compile_s = {}, {}
     with _flags({"jax_enable_compilation_cache": False}):
@@ -226,7 +226,7 @@ def hardened_rows(tree: Any, key: jax.Array, what: str, reps: int) -> list[dict]
     leaves of the same shapes) added to an int32 tree and read back as float32 (``from_grid``)."""
     hd = gcx.dp.hardened
     ints = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.int32), tree)
-    fns = {"default": (lambda t, k: gcx.privacy.add_gaussian_noise(t, 1.0, k), tree),
+    fns = {"default": (lambda t, k: gcx.dp.noise.add_gaussian_noise(t, 1.0, k), tree),
            "sum_of_normals": (lambda t, k: hd.add_sum_of_normals_noise(t, 1.0, k), tree),
            "discrete": (lambda t, k: hd.from_grid(hd.add_discrete_gaussian_noise(t, 1024.0, k), 1024.0), ints)}
     compiled = {name: _compile(f, x, key)[0] for name, (f, x) in fns.items()}
@@ -280,6 +280,35 @@ def _said(rows: list[dict]) -> list[dict]:
     return rows
 
 
+def _draw_rows(tree: Any, key: jax.Array, quick: bool) -> tuple[list[dict], str]:
+    """The first rows: one draw of ``tree``'s noise, ours (by the backend's strategy and by
+    ``'philox'``) against optax's per-leaf draw; and the rows' description."""
+    leaves = jax.tree.leaves(tree)
+    n = sum(x.size for x in leaves)
+    fns = {"ours": lambda t, k: gcx.dp.noise.add_gaussian_noise(t, 1.0, k), "optax": lambda t, k: optax_noise(t, 1.0, k)}
+    _compile(lambda t, k: optax_noise(t, 1.0, k), {"w": jnp.zeros(3)}, key)  # one-time warm-up of the compiler
+    fns["philox"] = lambda t, k: gcx.dp.noise.add_gaussian_noise(t, 1.0, k)  # traced with "philox" below
+    backend = jax.default_backend()
+    compiled, compile_s, temp = {}, {}, {}
+    for name, f in fns.items():  # compiled once each: a second compile would hit jax's cache
+        with backend_setting(gcx.dp.noise.NOISE_STRATEGY, "philox" if name == "philox" else None):
+            compiled[name], compile_s[name] = _compile(f, tree, key)
+        temp[name] = memory_mb(compiled[name])[0]
+    ms = interleaved_ms({k: (lambda c=c: c(tree, key)) for k, c in compiled.items()}, reps=5 if quick else 15)
+    strategy = gcx.dp.noise.NOISE_STRATEGY.get(backend, "leaves")
+    what = f"{len(leaves)} leaves, {n / 1e6:.1f}M params (GPT-2{' shapes at width 128' if quick else ' small'}), " \
+           f"{backend}, ours draws by {strategy!r}"
+    return _said([
+        row("noise", "add_gaussian_noise vs optax per-leaf draw: time", ms["ours"], ms["optax"], what),
+        row("noise", "add_gaussian_noise vs optax per-leaf draw: lower+compile (ms)", compile_s["ours"] * 1e3,
+            compile_s["optax"] * 1e3, what),
+        row("noise", "add_gaussian_noise vs optax per-leaf draw: temporaries (MiB, not ms)", temp["ours"],
+            temp["optax"], what),
+        row("noise", "add_gaussian_noise drawing by 'philox' vs optax per-leaf draw (threefry): time",
+            ms["philox"], ms["optax"], what.split(", ours draws")[0]),
+    ]), what
+
+
 def run(quick: bool = False) -> list[dict]:
     """The rows of the module's docstring: the draws, then with adamw, then the parts.
 
@@ -290,31 +319,8 @@ def run(quick: bool = False) -> list[dict]:
     start = time.perf_counter()
     deadline = start + float(os.environ.get(BUDGET_ENV, "inf"))
     tree = gpt2_tree(width=128, vocab=4096) if quick else gpt2_tree()
-    leaves = jax.tree.leaves(tree)
-    n = sum(x.size for x in leaves)
     key = jax.random.key(0)
-    fns = {"ours": lambda t, k: gcx.privacy.add_gaussian_noise(t, 1.0, k), "optax": lambda t, k: optax_noise(t, 1.0, k)}
-    _compile(lambda t, k: optax_noise(t, 1.0, k), {"w": jnp.zeros(3)}, key)  # one-time warm-up of the compiler
-    fns["philox"] = lambda t, k: gcx.privacy.add_gaussian_noise(t, 1.0, k)  # traced with "philox" below
-    backend = jax.default_backend()
-    compiled, compile_s, temp = {}, {}, {}
-    for name, f in fns.items():  # compiled once each: a second compile would hit jax's cache
-        with backend_setting(gcx.privacy.NOISE_STRATEGY, "philox" if name == "philox" else None):
-            compiled[name], compile_s[name] = _compile(f, tree, key)
-        temp[name] = memory_mb(compiled[name])[0]
-    ms = interleaved_ms({k: (lambda c=c: c(tree, key)) for k, c in compiled.items()}, reps=5 if quick else 15)
-    strategy = gcx.privacy.NOISE_STRATEGY.get(backend, "leaves")
-    what = f"{len(leaves)} leaves, {n / 1e6:.1f}M params (GPT-2{' shapes at width 128' if quick else ' small'}), " \
-           f"{backend}, ours draws by {strategy!r}"
-    rows = _said([
-        row("noise", "add_gaussian_noise vs optax per-leaf draw: time", ms["ours"], ms["optax"], what),
-        row("noise", "add_gaussian_noise vs optax per-leaf draw: lower+compile (ms)", compile_s["ours"] * 1e3,
-            compile_s["optax"] * 1e3, what),
-        row("noise", "add_gaussian_noise vs optax per-leaf draw: temporaries (MiB, not ms)", temp["ours"],
-            temp["optax"], what),
-        row("noise", "add_gaussian_noise drawing by 'philox' vs optax per-leaf draw (threefry): time",
-            ms["philox"], ms["optax"], what.split(", ours draws")[0]),
-    ])
+    rows, what = _draw_rows(tree, key, quick)
     if time.perf_counter() + (time.perf_counter() - start) < deadline:
         rows += _said(adamw_rows(tree, key, what, reps=5 if quick else 15))
         rows += _said(hardened_rows(tree, key, what.split(", ours draws")[0], reps=5 if quick else 15))

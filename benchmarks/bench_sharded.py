@@ -46,8 +46,7 @@ def fsdp_spec(shape: tuple[int, ...], fsdp: int) -> Any:
 def place(state: Any, data: Any, mesh: Any) -> tuple[Any, Any]:
     """``state`` sharded FSDP-style and ``data`` over both mesh axes, on ``mesh``."""
     import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
     fsdp = mesh.shape["fsdp"]
     state = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, fsdp_spec(x.shape, fsdp))), state)

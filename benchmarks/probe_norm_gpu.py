@@ -106,6 +106,48 @@ def _print(line: str) -> None:
     print(line, flush=True)
 
 
+def _variant_row(name: str, strategy: Any, pack: Any, tree: Any, ref: tuple, label: str, reps: int) -> dict:
+    """One variant's row against optax (``ref``: its compiled step, state, compile time and the
+    reference norm), printed as it is measured."""
+    ref_c, ref_s, ref_t, ref_norm = ref
+    with _Setting(strategy, pack):
+        comp, state, ct = _compile(lambda: gcx.clip_by_global_norm(1.0), tree)
+    t = interleaved_ms({"ours": lambda c=comp, s=state: c(tree, s), "optax": lambda: ref_c(tree, ref_s)},
+                       reps=reps, max_s=15.0)
+    norm = float(comp(tree, state)[1].norm)
+    counts = hlo_counts(comp)
+    tmp = comp.memory_analysis().temp_size_in_bytes / 2**20
+    r = {"variant": name, "strategy": strategy, "pack": pack, "dtype": label, "ours_ms": t["ours"],
+         "optax_ms": t["optax"], "ratio": t["ours"] / t["optax"], "compile_s": ct,
+         "compile_ratio": ct / ref_t, "tmp_mib": tmp, **counts, "norm_rel": abs(norm - ref_norm) / ref_norm}
+    _print(f"{name:<18} {r['ours_ms']:9.3f} {r['optax_ms']:9.3f} {r['ratio']:6.3f} {ct:9.2f} "
+           f"{r['compile_ratio']:7.2f} {tmp:8.2f} {counts['fusions']:7d} {counts['conds']:5d} "
+           f"{counts['reduces']:7d} {r['norm_rel']:13.2e}")
+    return r
+
+
+def _chain_ratios(best: list[dict], tree: Any, label: str, reps: int) -> None:
+    """Times ``chain(clip_by_global_norm, adamw)`` + apply for the variants ``best`` against optax's
+    chain, recording each one's ``chain_ratio``."""
+    params = jax.tree_util.tree_map(lambda x: x * 10, tree)
+    fns: dict[str, Any] = {}
+    for r in best:
+        with _Setting(r["strategy"], r["pack"]):
+            tx = optax.chain(gcx.clip_by_global_norm(1.0), optax.adamw(1e-4))
+            st = tx.init(params)
+            f = _step(tx).lower(params, tree, st).compile()
+        fns[r["variant"]] = lambda f=f, st=st: f(params, tree, st)
+    ref_tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-4))
+    ref_st = ref_tx.init(params)
+    ref_f = _step(ref_tx).lower(params, tree, ref_st).compile()
+    fns["optax"] = lambda: ref_f(params, tree, ref_st)
+    t = interleaved_ms(fns, reps=reps, max_s=20.0)
+    for r in best:
+        r["chain_ratio"] = t[r["variant"]] / t["optax"]
+        _print(f"[{label}] chain(clip, adamw)+apply {r['variant']:<18} {t[r['variant']]:9.3f} ms vs optax "
+               f"{t['optax']:9.3f} ms = {r['chain_ratio']:.3f}")
+
+
 def probe_dtype(dtype: Any, label: str, reps: int, deadline: float, names: list[str]) -> list[dict]:
     tree = gpt2_grad_tree(dtype=dtype) if not _small() else gpt2_grad_tree(layers=2, d=16, vocab=100, ctx=32, dtype=dtype)
     jax.block_until_ready(tree)
@@ -123,41 +165,11 @@ def probe_dtype(dtype: Any, label: str, reps: int, deadline: float, names: list[
         if time.perf_counter() > deadline:
             _print(f"{name:<18} skipped: out of time (--budget)")
             continue
-        with _Setting(strategy, pack):
-            comp, state, ct = _compile(lambda: gcx.clip_by_global_norm(1.0), tree)
-        t = interleaved_ms({"ours": lambda c=comp, s=state: c(tree, s), "optax": lambda: ref_c(tree, ref_s)},
-                           reps=reps, max_s=15.0)
-        norm = float(comp(tree, state)[1].norm)
-        counts = hlo_counts(comp)
-        tmp = comp.memory_analysis().temp_size_in_bytes / 2**20
-        r = {"variant": name, "strategy": strategy, "pack": pack, "dtype": label, "ours_ms": t["ours"],
-             "optax_ms": t["optax"], "ratio": t["ours"] / t["optax"], "compile_s": ct,
-             "compile_ratio": ct / ref_t, "tmp_mib": tmp, **counts, "norm_rel": abs(norm - ref_norm) / ref_norm}
-        rows.append(r)
-        _print(f"{name:<18} {r['ours_ms']:9.3f} {r['optax_ms']:9.3f} {r['ratio']:6.3f} {ct:9.2f} "
-               f"{r['compile_ratio']:7.2f} {tmp:8.2f} {counts['fusions']:7d} {counts['conds']:5d} "
-               f"{counts['reduces']:7d} {r['norm_rel']:13.2e}")
-        del comp
+        rows.append(_variant_row(name, strategy, pack, tree, (ref_c, ref_s, ref_t, ref_norm), label, reps))
     # the chain for the two fastest variants
     best = sorted(rows, key=lambda r: r["ratio"])[:2]
     if best and time.perf_counter() < deadline:
-        params = jax.tree_util.tree_map(lambda x: x * 10, tree)
-        fns: dict[str, Any] = {}
-        for r in best:
-            with _Setting(r["strategy"], r["pack"]):
-                tx = optax.chain(gcx.clip_by_global_norm(1.0), optax.adamw(1e-4))
-                st = tx.init(params)
-                f = _step(tx).lower(params, tree, st).compile()
-            fns[r["variant"]] = lambda f=f, st=st: f(params, tree, st)
-        ref_tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-4))
-        ref_st = ref_tx.init(params)
-        ref_f = _step(ref_tx).lower(params, tree, ref_st).compile()
-        fns["optax"] = lambda: ref_f(params, tree, ref_st)
-        t = interleaved_ms(fns, reps=reps, max_s=20.0)
-        for r in best:
-            r["chain_ratio"] = t[r["variant"]] / t["optax"]
-            _print(f"[{label}] chain(clip, adamw)+apply {r['variant']:<18} {t[r['variant']]:9.3f} ms vs optax "
-                   f"{t['optax']:9.3f} ms = {r['chain_ratio']:.3f}")
+        _chain_ratios(best, tree, label, reps)
     elif best:
         _print(f"[{label}] chain rows skipped: out of time (--budget)")
     return rows

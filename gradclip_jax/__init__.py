@@ -10,7 +10,10 @@ Example:
   >>> state = tx.init({'w': jnp.zeros(3)})
 """
 
-from gradclip_jax import dp, ghost, interop, norms, privacy
+import importlib
+from typing import Any
+
+from gradclip_jax import dp, interop, norms, per_example
 from gradclip_jax.dp import (
     BatchOverflowError,
     DPAggregateState,
@@ -31,7 +34,6 @@ from gradclip_jax.dp import (
 )
 from gradclip_jax.dp.accounting import PrivacyAccountant
 from gradclip_jax.functional import clip_grad_norm, clip_grad_value, normalize_grads
-from gradclip_jax.ghost import GhostFallbackWarning, GhostReport, ghost_report
 from gradclip_jax.hyperparams import inject_hyperparams
 from gradclip_jax.monitor import norms_from_state
 from gradclip_jax.norms import NormSpec, leaf_norms, parse_ord, tree_norm
@@ -43,6 +45,7 @@ from gradclip_jax.per_example import (
     per_example_layer_norm_clip,
     per_example_norms,
 )
+from gradclip_jax.per_example.ghost import GhostFallbackWarning, GhostReport, ghost_report
 from gradclip_jax.transforms import (
     AdaGCState,
     AdaptiveGradClipState,
@@ -83,6 +86,15 @@ from gradclip_jax.transforms import (
 
 __version__ = "0.1.0"
 
+_MOVED_MODULES = ("ghost", "privacy")  # deprecation shims for one release (CHANGELOG.md)
+
+
+def __getattr__(name: str) -> Any:
+    """``gcx.ghost`` and ``gcx.privacy``: the deprecated modules, imported (and warning) when read."""
+    if name in _MOVED_MODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 __all__ = [
     # stateless transforms
     "adaptive_grad_clip", "centralize", "clip", "clip_by_block_rms", "clip_by_global_norm",
@@ -99,10 +111,10 @@ __all__ = [
     "parse_ord", "NormSpec", "unit_axes", "norms",
     # per-example and differential privacy
     "clipped_grad", "per_example_global_norm_clip", "per_example_layer_norm_clip",
-    "per_example_norms", "ClippedGradFn", "ClippedGradInfo", "ghost", "ghost_report", "GhostReport",
+    "per_example_norms", "ClippedGradFn", "ClippedGradInfo", "ghost_report", "GhostReport", "per_example",
     "GhostFallbackWarning",
     "dp_aggregate", "dp_noise", "dp_quantile_aggregate", "dpsgd", "noise_multiplier_for_gradient",
-    "DPAggregateState", "DPNoiseState", "DPQuantileAggregateState", "dp", "privacy",
+    "DPAggregateState", "DPNoiseState", "DPQuantileAggregateState", "dp",
     # adapters to other libraries' interfaces (interop.jax_privacy needs the jax-privacy extra)
     "interop",
     # private training: Poisson batches, the accountant, the one-call private step

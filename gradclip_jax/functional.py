@@ -20,11 +20,16 @@ from gradclip_jax._core.factors import (
     validate_shape_args,
 )
 from gradclip_jax._core.hyperparam_rules import Hyperparams, poison
-from gradclip_jax._core.norms import DimLike, OrdLike, leaf_norms, tree_norm
+from gradclip_jax._core.norms import (
+    DimLike,
+    OrdLike,
+    leaf_norms as leaf_norms,  # kept for old imports; home: gradclip_jax
+    tree_norm as tree_norm,
+)
 from gradclip_jax._core.validation import check_scalar
 from gradclip_jax.transforms.value import clip_value_tree
 
-__all__ = ["clip_grad_norm", "clip_grad_value", "normalize_grads", "tree_norm", "leaf_norms"]
+__all__: list[str] = []  # every name here has its home elsewhere (CONTRIBUTING.md, "Import paths")
 
 
 def clip_grad_norm(

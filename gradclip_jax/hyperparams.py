@@ -24,7 +24,9 @@ import optax
 
 from gradclip_jax._core.hyperparam_rules import Hyperparam
 
-__all__ = ["Hyperparam", "inject_hyperparams"]
+__all__ = [
+    "Hyperparam",
+]
 
 
 def inject_hyperparams(

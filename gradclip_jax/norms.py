@@ -30,6 +30,16 @@ strings ``'l0' 'l1' 'l2' 'l3' 'l4' 'linf'``, ``'mad'`` (mean |x|), ``'rms'``,
 ``'std'`` / ``'var'`` (unbiased; a one-element slice gives 0) and ``'sum'`` (signed).
 """
 
-from gradclip_jax._core.norms import DimLike, NormSpec, OrdLike, leaf_norms, parse_ord, tree_norm
+from gradclip_jax._core.norms import (
+    DimLike,
+    NormSpec as NormSpec,
+    OrdLike,
+    leaf_norms as leaf_norms,
+    parse_ord as parse_ord,
+    tree_norm as tree_norm,
+)
 
-__all__ = ["NormSpec", "OrdLike", "DimLike", "parse_ord", "tree_norm", "leaf_norms"]
+__all__ = [
+    "OrdLike",
+    "DimLike",
+]

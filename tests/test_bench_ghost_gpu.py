@@ -15,10 +15,8 @@ import pytest
 
 pytest.importorskip("flax")
 import gradclip_jax as gcx
-from benchmarks import bench_ghost_gpu as bg
-from benchmarks import models
-from benchmarks.ghost_gpu import configs as ghost_configs
-from benchmarks.ghost_gpu import results, timing, variants
+from benchmarks import bench_ghost_gpu as bg, models
+from benchmarks.ghost_gpu import configs as ghost_configs, results, timing, variants
 from benchmarks.steps import fresh_state
 from gradclip_jax._core.backend import backend_setting
 from tests.jaxprs import primitive_counts
@@ -195,7 +193,7 @@ def test_noise_steps_add_the_noise_to_the_unclipped_sum_or_draw_it_unstored():
     losses, params, data, _ = models.gpt2(2, fused=True, dtype=jnp.float32, tiny=True, layers=2)
     names = ("nonprivate", "ghost", "nonprivate_noise", "ghost_noise_unstored")
     steps = variants.step_variants(ghost_configs.Config("x", "gpt2", 2, names), losses, 2, ghost_configs.STEPS)
-    with backend_setting(gcx.privacy.NOISE_STRATEGY, "leaves"):  # a draw per leaf, as on GPUs
+    with backend_setting(gcx.dp.noise.NOISE_STRATEGY, "leaves"):  # a draw per leaf, as on GPUs
         jaxprs = {n: jax.make_jaxpr(steps[n])(fresh_state(params, 0), data).jaxpr for n in names}
     leaves = len(jax.tree.leaves(params))
     count = {n: primitive_counts(j) for n, j in jaxprs.items()}

@@ -148,7 +148,7 @@ def no_training(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("training started before the output path was checked")
 
-    monkeypatch.setattr(demo, "load_digits_split", fail)
+    monkeypatch.setattr(demo.training, "load_digits_split", fail)  # where run() reads it
 
 
 @pytest.mark.parametrize(
@@ -242,3 +242,12 @@ def test_demo_guide_shows_what_the_demo_prints(tmp_path):
     res = demo.run(out=str(tmp_path / "demo.png"), seed=0, progress=False)
     printed = demo.format_table(res)
     assert _without_times(block.group(1)) == _without_times(printed)
+
+
+def test_run_accepts_the_old_spelling_of_the_clip_norm_with_a_warning(no_training):
+    """``dp_clip_norm`` is the deprecated spelling of ``l2_clip_norm`` (both at once: an error)."""
+    with pytest.raises(AssertionError, match="training started"), \
+            pytest.warns(DeprecationWarning, match="`dp_clip_norm` is deprecated, use `l2_clip_norm`"):
+        demo.run(steps=5, dp_clip_norm=0.5, progress=False)
+    with pytest.raises(TypeError, match="got both `l2_clip_norm` and its deprecated spelling"):
+        demo.run(steps=5, l2_clip_norm=0.5, dp_clip_norm=0.5, progress=False)

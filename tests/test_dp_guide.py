@@ -138,15 +138,15 @@ def test_piece_by_piece_loop(run_guide):
 
 def test_accounting_section(run_guide):
     ns = run_guide[SECTIONS[3]]
-    from gradclip_jax import privacy
+    from gradclip_jax.dp import accounting
 
     z, q, steps, delta = ns["z"], ns["q"], ns["steps"], ns["delta"]
-    pld = privacy.epsilon(z, q, steps, delta)
-    rdp = privacy.epsilon(z, q, steps, delta, accountant="rdp")
+    pld = accounting.epsilon(z, q, steps, delta)
+    rdp = accounting.epsilon(z, q, steps, delta, accountant="rdp")
     assert pld < rdp  # PLD is the tighter of the two
     two = ns["two_phase"]
     assert two.steps == 150 and len(two.phases) == 2
-    assert two.epsilon(delta) > privacy.epsilon(z, q, 100, delta)
+    assert two.epsilon(delta) > accounting.epsilon(z, q, 100, delta)
 
 
 def test_overflow_section(run_guide):

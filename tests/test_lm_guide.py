@@ -264,8 +264,7 @@ def sharded_summary(ns: dict) -> dict:
     sharded = ns["sharded"]
     specs = [x.sharding.spec for x in jax.tree.leaves(sharded)]
     # the guide's note on make_mesh's default (Explicit) axes: this model's step does not trace
-    from jax.sharding import AxisType, NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
     explicit = jax.make_mesh(tuple(ns["mesh"].shape.values()), ("data", "fsdp"))
     assert all(t == AxisType.Explicit for t in explicit.axis_types)

@@ -5,7 +5,7 @@ models with the libraries that are installed (flax linen and nnx, equinox, haiku
 keras 3 on the JAX backend and keras-hub), gives each a per-example loss, and
 reports for each:
 
-* how many parameter leaves there are, how many :func:`gradclip_jax.ghost.ghost_report`
+* how many parameter leaves there are, how many :func:`gradclip_jax.ghost_report`
   puts on the ghost path (and how many of those have their per-example gradients formed for
   that leaf alone, ``formed:`` kinds) and how many fall back to per-example gradients, and why;
 * whether :func:`gradclip_jax.per_example.clipped_grad` crashes (the error's text), or
@@ -631,7 +631,7 @@ def relative_errors(loss: Callable[..., Any], params: Any, data: Any) -> dict[st
 
 def measure(model: Model) -> dict[str, Any]:
     """One row of the table (see the module's docstring)."""
-    from gradclip_jax.ghost import ghost_report
+    from gradclip_jax import ghost_report
 
     row: dict[str, Any] = {"name": model.name, "library": model.library, "expect": model.expect}
     start = time.perf_counter()

@@ -76,7 +76,7 @@ def run_make_private(epsilon: float, seed: int) -> dict[str, Any]:
     """The demo's DP-SGD run (``make_private``, Adam 1e-2) with the same settings: a table row."""
     from gradclip_jax.demo import run
 
-    r = run(steps=STEPS, batch_size=BATCH, method="vmap", epsilon=epsilon, seed=seed, dp_clip_norm=CLIP,
+    r = run(steps=STEPS, batch_size=BATCH, method="vmap", epsilon=epsilon, seed=seed, l2_clip_norm=CLIP,
             delta=DELTA, methods=("dp-sgd",), progress=False)["dp-sgd"]
     return {"run": "DP-SGD (make_private)", "optimizer": "adam", "target": epsilon, "seed": seed,
             "epsilon": r.epsilon, "noise_multiplier": r.noise_multiplier, "accuracy": r.test_accuracy}

@@ -10,7 +10,7 @@ and the release after removes it.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 __all__ = ["deprecation_getattr", "moved_names", "warn_moved"]
@@ -48,7 +48,16 @@ def deprecation_getattr(module: str, deprecations: Mapping[str, tuple[str, Any]]
     return getattr_
 
 
-def moved_names(old: str, new: Any) -> dict[str, tuple[str, Any]]:
-    """The deprecations of every public name (``__all__``) of module ``new`` shown at the old path ``old``."""
+def moved_names(old: str, new: Any, names: Sequence[str] | None = None) -> dict[str, tuple[str, Any]]:
+    """The deprecations of the names of module ``new`` shown at the old path ``old``.
+
+    Args:
+      old: the old module's dotted path.
+      new: the module that is now the names' home.
+      names: the names served; by default every name of ``new.__all__``.
+
+    Returns:
+      Each name's ``(message, object)``, for :func:`deprecation_getattr`.
+    """
     return {name: (moved_message(f"{old}.{name}", f"{new.__name__}.{name}"), getattr(new, name))
-            for name in new.__all__}
+            for name in (new.__all__ if names is None else names)}

@@ -35,8 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-from jax.extend import core as _jcore
-from jax.extend import random as _jrandom
+from jax.extend import core as _jcore, random as _jrandom
 
 __all__ = [
     "LayoutError", "Params", "ScanInfo", "bind", "gpu_threefry_on_cpu", "is_literal", "is_tracer", "jax_version", "name_stack", "open_jaxpr", "param",

@@ -5,8 +5,7 @@
   clipped sums (:func:`dp_noise`).
 * :mod:`gradclip_jax.dp.noise`: the Gaussian noise adder.
 * :mod:`gradclip_jax.dp.accounting`: privacy accounting on ``dp-accounting``
-  (also reachable as :mod:`gradclip_jax.privacy`), including the step-by-step
-  :class:`gradclip_jax.privacy.PrivacyAccountant`.
+  (the step-by-step accountant is :class:`gradclip_jax.PrivacyAccountant`).
 * :mod:`gradclip_jax.dp.sampling`: the samplers, one folder: the protocol
   (:class:`BatchSampler`: a step's indices and mask, and the ``dp_accounting``
   event its sampling implies) and :class:`IndexSampler`, the base of a new
@@ -24,70 +23,44 @@
   from gradient canaries (the bound needs jax-privacy, imported when used).
 """
 
-from gradclip_jax.dp import audit as audit  # the submodule, as gcx.dp.audit
-from gradclip_jax.dp import hardened as hardened  # the submodule, as gcx.dp.hardened
+from gradclip_jax.dp import (
+    audit as audit,  # the submodule, as gcx.dp.audit
+    hardened as hardened,  # the submodule, as gcx.dp.hardened
+)
 from gradclip_jax.dp.aggregate import (
-    DPAggregateState,
-    DPNoiseState,
-    DPQuantileAggregateState,
-    dp_aggregate,
-    dp_noise,
-    dp_quantile_aggregate,
-    dpsgd,
-    noise_multiplier_for_gradient,
+    DPAggregateState as DPAggregateState,
+    DPNoiseState as DPNoiseState,
+    DPQuantileAggregateState as DPQuantileAggregateState,
+    dp_aggregate as dp_aggregate,
+    dp_noise as dp_noise,
+    dp_quantile_aggregate as dp_quantile_aggregate,
+    dpsgd as dpsgd,
+    noise_multiplier_for_gradient as noise_multiplier_for_gradient,
 )
 from gradclip_jax.dp.hardened import (
-    add_discrete_gaussian_noise,
-    add_sum_of_normals_noise,
-    discrete_gaussian,
-    grid_clipped_sum,
-    os_key,
+    add_discrete_gaussian_noise as add_discrete_gaussian_noise,
+    add_sum_of_normals_noise as add_sum_of_normals_noise,
+    discrete_gaussian as discrete_gaussian,
+    grid_clipped_sum as grid_clipped_sum,
+    os_key as os_key,
 )
 from gradclip_jax.dp.private_step import (
-    PrivacyBudgetError,
-    PrivacyBudgetWarning,
-    PrivateStepMetrics,
-    PrivateTraining,
-    make_private,
+    PrivacyBudgetError as PrivacyBudgetError,
+    PrivacyBudgetWarning as PrivacyBudgetWarning,
+    PrivateStepMetrics as PrivateStepMetrics,
+    PrivateTraining as PrivateTraining,
+    make_private as make_private,
 )
 from gradclip_jax.dp.sampling import (
-    BatchOverflowError,
-    BatchSampler,
-    IndexSampler,
-    PoissonBatch,
-    PoissonSampler,
-    SampledBatch,
-    UserBatch,
-    UserPoissonSampler,
-    user_loss,
+    BatchOverflowError as BatchOverflowError,
+    BatchSampler as BatchSampler,
+    IndexSampler as IndexSampler,
+    PoissonBatch as PoissonBatch,
+    PoissonSampler as PoissonSampler,
+    SampledBatch as SampledBatch,
+    UserBatch as UserBatch,
+    UserPoissonSampler as UserPoissonSampler,
+    user_loss as user_loss,
 )
 
-__all__ = [
-    "BatchOverflowError",
-    "BatchSampler",
-    "IndexSampler",
-    "SampledBatch",
-    "PoissonBatch",
-    "PoissonSampler",
-    "UserBatch",
-    "UserPoissonSampler",
-    "user_loss",
-    "PrivacyBudgetError",
-    "PrivacyBudgetWarning",
-    "PrivateStepMetrics",
-    "PrivateTraining",
-    "make_private",
-    "DPAggregateState",
-    "DPNoiseState",
-    "DPQuantileAggregateState",
-    "dp_aggregate",
-    "dp_noise",
-    "dp_quantile_aggregate",
-    "dpsgd",
-    "noise_multiplier_for_gradient",
-    "add_discrete_gaussian_noise",
-    "add_sum_of_normals_noise",
-    "discrete_gaussian",
-    "grid_clipped_sum",
-    "os_key",
-]
+__all__: list[str] = []  # every name here has its home elsewhere (CONTRIBUTING.md, "Import paths")

@@ -60,7 +60,7 @@ _SHAPES_DRAW_MAX = 1 << 26
 
 
 def _noise_strategy() -> str:
-    return per_backend(NOISE_STRATEGY, "gradclip_jax.privacy.NOISE_STRATEGY", "leaves", _NOISE_STRATEGIES)
+    return per_backend(NOISE_STRATEGY, "gradclip_jax.dp.noise.NOISE_STRATEGY", "leaves", _NOISE_STRATEGIES)
 
 
 def add_gaussian_noise(tree: Any, stddev: Any, key: jax.Array) -> Any:
@@ -101,7 +101,7 @@ def add_gaussian_noise(tree: Any, stddev: Any, key: jax.Array) -> Any:
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> from gradclip_jax.privacy import add_gaussian_noise
+      >>> from gradclip_jax.dp.noise import add_gaussian_noise
       >>> noisy = add_gaussian_noise({'w': jnp.zeros(3)}, 1.0, jax.random.key(0))
       >>> noisy['w'].shape
       (3,)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -271,6 +272,9 @@ def _blt_inverse(iterations: int, cycle_length: int, participations: int, num_bu
     reliable in float32), then the inverse's parameters are rounded to float32: the noise is made
     with those, and the sensitivity is computed for the inverse of exactly those.
     """
+    if not (_real(num_buffers) and isinstance(num_buffers, (int, np.integer)) and 1 <= num_buffers <= 10):
+        raise ValueError(f"blt_plan: `num_buffers` must be an int in [1, 10], got {num_buffers!r}")
+    num_buffers = int(num_buffers)
     with jax.enable_x64(True):
         if optimize:
             blt = buffered_toeplitz.optimize(n=iterations, min_sep=cycle_length,
@@ -297,6 +301,19 @@ def _strategy_and_sensitivity(inverse: Any, iterations: int, cycle_length: int,
         sens2 = toeplitz.minsep_sensitivity_squared(coefs, min_sep=cycle_length,
                                                     max_participations=participations)
         return np.asarray(coefs), float(np.sqrt(float(sens2)))
+
+
+def _gaussian_calibration(relation: Any, epsilon: float, delta: float) -> tuple[Callable[[], Any], float]:
+    """A fresh PLD accountant's factory for ``relation``, and the Gaussian noise multiplier that
+    spends ``(epsilon, delta)`` in one release (the participations are in the sensitivity)."""
+
+    def fresh() -> Any:
+        return dp_accounting.pld.PLDAccountant(relation)
+
+    z = float(dp_accounting.calibrate_dp_mechanism(
+        make_fresh_accountant=fresh, make_event_from_param=dp_accounting.GaussianDpEvent,
+        target_epsilon=epsilon, target_delta=delta))
+    return fresh, z
 
 
 def blt_plan(
@@ -363,20 +380,12 @@ def blt_plan(
     """
     _check(num_examples, expected_batch_size, iterations, 1, epsilon, delta, l2_clip_norm, method,
            neighboring_relation)
-    if not (_real(num_buffers) and isinstance(num_buffers, (int, np.integer)) and 1 <= num_buffers <= 10):
-        raise ValueError(f"blt_plan: `num_buffers` must be an int in [1, 10], got {num_buffers!r}")
     relation, partition = _RELATIONS[neighboring_relation]
     cycle = num_examples // expected_batch_size
     participations = -(-iterations // cycle)
-    inverse = _blt_inverse(iterations, cycle, participations, int(num_buffers), bool(optimize))
+    inverse = _blt_inverse(iterations, cycle, participations, num_buffers, bool(optimize))
     coefs, sens = _strategy_and_sensitivity(inverse, iterations, cycle, participations)
-
-    def fresh() -> Any:
-        return dp_accounting.pld.PLDAccountant(relation)
-
-    z = float(dp_accounting.calibrate_dp_mechanism(
-        make_fresh_accountant=fresh, make_event_from_param=dp_accounting.GaussianDpEvent,
-        target_epsilon=epsilon, target_delta=delta))
+    fresh, z = _gaussian_calibration(relation, epsilon, delta)
     event = dp_accounting.GaussianDpEvent(z)
     clipped_grad = _plan_clipped_grad({"l2_clip_norm": l2_clip_norm, "normalize_by": float(expected_batch_size),
                                        "rescale_to_unit_norm": False, "dtype": None, "method": method})

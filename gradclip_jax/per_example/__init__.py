@@ -32,21 +32,20 @@ norm (:math:`D` elements); when that factor is below the smallest normal float
 it flushes to zero and the example contributes nothing.
 """
 
-from gradclip_jax.per_example._config import ClippedGradFn, ClippedGradInfo
+from gradclip_jax.per_example._config import (
+    ClippedGradFn as ClippedGradFn,
+    ClippedGradInfo as ClippedGradInfo,
+)
 from gradclip_jax.per_example._optax_compat import (
-    per_example_global_norm_clip,
-    per_example_layer_norm_clip,
-    per_example_norms,
+    per_example_global_norm_clip as per_example_global_norm_clip,
+    per_example_layer_norm_clip as per_example_layer_norm_clip,
+    per_example_norms as per_example_norms,
 )
 from gradclip_jax.per_example._products import PRODUCT_PRECISION
-from gradclip_jax.per_example.api import clipped_grad
+from gradclip_jax.per_example.api import (
+    clipped_grad as clipped_grad,
+)
 
 __all__ = [
     "PRODUCT_PRECISION",
-    "ClippedGradInfo",
-    "ClippedGradFn",
-    "per_example_global_norm_clip",
-    "per_example_layer_norm_clip",
-    "per_example_norms",
-    "clipped_grad",
 ]

@@ -13,8 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gradclip_jax._core import jaxcompat as jc
-from gradclip_jax._core import norms as _norms
+from gradclip_jax._core import jaxcompat as jc, norms as _norms
 from gradclip_jax._core.validation import check_mask
 
 

@@ -37,7 +37,7 @@ from gradclip_jax.per_example._keys import split_key_arg
 from gradclip_jax.per_example._vmap import run_vmap
 from gradclip_jax.per_example.ghost._strategy import run_ghost
 
-__all__ = ["clipped_grad"]
+__all__: list[str] = []  # every name here has its home elsewhere (CONTRIBUTING.md, "Import paths")
 
 _FN = "clipped_grad"
 
@@ -194,7 +194,7 @@ def clipped_grad(
     (expected) batch size to get a DP-SGD gradient (see
     :func:`gradclip_jax.dp.dp_noise`).
 
-    How it runs (``method='vmap'``; for ``'ghost'``, see :mod:`gradclip_jax.ghost`): each example
+    How it runs (``method='vmap'``; for ``'ghost'``, see :mod:`gradclip_jax.per_example.ghost`): each example
     is passed to ``loss_fn`` as a batch of one (leaves of shape ``(1, ...)``),
     ``jax.vmap(jax.value_and_grad(...))`` materializes the per-example gradients of a
     chunk of examples once, as one row per example, the norm engine measures the
@@ -228,7 +228,7 @@ def clipped_grad(
         positive int, the number of examples per sequential chunk.
       method: ``'vmap'``; ``'ghost'`` (per-example norms from activations and
         output cotangents, then the clipped sum (see ``ghost_sum``); leaves the analysis
-        does not recognise fall back to vmap; see :mod:`gradclip_jax.ghost`);
+        does not recognise fall back to vmap; see :mod:`gradclip_jax.per_example.ghost`);
         ``'auto'`` (default): ghost when the ghost-measurable per-example
         gradients would be large (``ghost.AUTO_MIN_ELEMENTS``), or, with no
         leaf falling back, not tiny (``ghost.AUTO_MIN_ELEMENTS_NO_FALLBACK``)

@@ -25,7 +25,7 @@ from gradclip_jax._core.validation import check_bool, check_int
 from gradclip_jax.transforms import _stateful as _st
 from gradclip_jax.transforms._state_checks import check_state, check_tree
 
-__all__ = ["AdaGCState", "adagc"]
+__all__: list[str] = []  # every name here has its home elsewhere (CONTRIBUTING.md, "Import paths")
 
 
 @register_state
@@ -154,23 +154,7 @@ def adagc(
     spec = _norms.parse_ord(ord, fn)
     warm = check_int(fn, "warmup_steps", warmup_steps, 0)
     skip = check_bool(fn, "skip_nonfinite", skip_nonfinite)
-    hps = Hyperparams(fn)
-    hps.add("clip_ratio", clip_ratio, low=0.0, low_inclusive=False, allow_inf=False)
-    hps.add("beta", beta, low=0.0, high=1.0, high_inclusive=False)
-    hps.add("warmup_max_norm", warmup_max_norm, low=0.0, allow_none=True)
-    hps.add("min_gamma", min_gamma, low=0.0, allow_inf=False)
-
-    def init_fn(params: Any) -> AdaGCState:
-        def scalar(value: Any) -> Any:
-            return _st.per_leaf(params, fn, lambda x: jnp.full((), value, _norms.acc_dtype(x.dtype)))
-
-        return AdaGCState(
-            count=_st.count0(),
-            gamma=scalar(jnp.inf),
-            norm=scalar(0.0),
-            clip_norm=scalar(0.0),
-            clipped=_st.per_leaf(params, fn, lambda x: jnp.zeros((), bool)),
-        )
+    hps = _adagc_hyperparams(clip_ratio, beta, warmup_max_norm, min_gamma)
 
     def update_fn(updates: Any, state: AdaGCState, params: Any = None) -> tuple:
         del params
@@ -203,4 +187,30 @@ def adagc(
             clipped=_st.pack(True, state.clipped, ok & jnp.where(in_warmup, fg < 1, f < 1)),
         )
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformation(_adagc_init, update_fn)
+
+
+def _adagc_hyperparams(clip_ratio: Hyperparam, beta: Hyperparam, warmup_max_norm: Hyperparam | None,
+                       min_gamma: Hyperparam) -> Hyperparams:
+    """AdaGC's checked hyperparameters (numbers, arrays or schedules)."""
+    hps = Hyperparams("adagc")
+    hps.add("clip_ratio", clip_ratio, low=0.0, low_inclusive=False, allow_inf=False)
+    hps.add("beta", beta, low=0.0, high=1.0, high_inclusive=False)
+    hps.add("warmup_max_norm", warmup_max_norm, low=0.0, allow_none=True)
+    hps.add("min_gamma", min_gamma, low=0.0, allow_inf=False)
+    return hps
+
+
+def _adagc_init(params: Any) -> AdaGCState:
+    """AdaGC's first state: per leaf, an infinite ``gamma`` and zero norms."""
+
+    def scalar(value: Any) -> Any:
+        return _st.per_leaf(params, "adagc", lambda x: jnp.full((), value, _norms.acc_dtype(x.dtype)))
+
+    return AdaGCState(
+        count=_st.count0(),
+        gamma=scalar(jnp.inf),
+        norm=scalar(0.0),
+        clip_norm=scalar(0.0),
+        clipped=_st.per_leaf(params, "adagc", lambda x: jnp.zeros((), bool)),
+    )

@@ -44,13 +44,7 @@ from gradclip_jax._core.validation import check_bool, check_transform
 from gradclip_jax.transforms import _stateful as _st
 from gradclip_jax.transforms._state_checks import check_state, check_tree
 
-__all__ = [
-    "NormByEMAState",
-    "ClipValueByEMAState",
-    "clip_norm_by_ema",
-    "normalize_by_ema",
-    "clip_value_by_ema",
-]
+__all__: list[str] = []  # every name here has its home elsewhere (CONTRIBUTING.md, "Import paths")
 
 
 @register_state

@@ -21,7 +21,7 @@ from gradclip_jax._core.numerics import count0 as _count0
 from gradclip_jax._core.state_registry import register_state
 from gradclip_jax.transforms._state_checks import check_state, check_tree
 
-__all__ = ["ClipByValueState", "ClipByBlockRmsState", "clip_by_value", "clip", "clip_by_block_rms"]
+__all__: list[str] = []  # every name here has its home elsewhere (CONTRIBUTING.md, "Import paths")
 
 
 @register_state

@@ -18,7 +18,7 @@ from gradclip_jax.transforms import _stateful as _st
 from gradclip_jax.transforms._state_checks import check_state
 from gradclip_jax.transforms._stateful import finish
 
-__all__ = ["ZClipState", "zclip"]
+__all__: list[str] = []  # every name here has its home elsewhere (CONTRIBUTING.md, "Import paths")
 
 
 @register_state
@@ -150,19 +150,7 @@ def zclip(
     opt = check_choice(fn, "clip_option", clip_option, ("adaptive_scaling", "mean"))
     skip = check_bool(fn, "skip_nonfinite", skip_nonfinite)
     skip_stats = check_bool(fn, "skip_stats_on_spike", skip_stats_on_spike)
-    hps = Hyperparams(fn)
-    hps.add("alpha", alpha, low=0.0, high=1.0, high_inclusive=False)
-    hps.add("z_thresh", z_thresh, low=0.0, low_inclusive=False, allow_inf=False)
-    hps.add("max_grad_norm", max_grad_norm, low=0.0, allow_none=True)
-    hps.add("clip_factor", clip_factor, low=0.0, low_inclusive=False, allow_inf=False)
-    hps.add("eps", eps, low=0.0)
-    hps.add("rel_std_floor", rel_std_floor, low=0.0, allow_inf=False)
-
-    def init_fn(params: Any) -> ZClipState:
-        dt = _st.scalar_dtype(params)
-        mean, var, norm, cap = (jnp.zeros((), dt) for _ in range(4))  # distinct buffers: donatable
-        return ZClipState(count=_st.count0(), mean=mean, var=var, norm=norm, clip_norm=cap,
-                          clipped=jnp.zeros((), bool), spike=jnp.zeros((), bool))
+    hps = _zclip_hyperparams(alpha, z_thresh, max_grad_norm, clip_factor, eps, rel_std_floor)
 
     def update_fn(updates: Any, state: ZClipState, params: Any = None) -> tuple:
         del params
@@ -185,7 +173,28 @@ def zclip(
             **fields,
         )
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformation(_zclip_init, update_fn)
+
+
+def _zclip_hyperparams(alpha: Hyperparam, z_thresh: Hyperparam, max_grad_norm: Hyperparam | None,
+                       clip_factor: Hyperparam, eps: Hyperparam, rel_std_floor: Hyperparam) -> Hyperparams:
+    """ZClip's checked hyperparameters (numbers, arrays or schedules)."""
+    hps = Hyperparams("zclip")
+    hps.add("alpha", alpha, low=0.0, high=1.0, high_inclusive=False)
+    hps.add("z_thresh", z_thresh, low=0.0, low_inclusive=False, allow_inf=False)
+    hps.add("max_grad_norm", max_grad_norm, low=0.0, allow_none=True)
+    hps.add("clip_factor", clip_factor, low=0.0, low_inclusive=False, allow_inf=False)
+    hps.add("eps", eps, low=0.0)
+    hps.add("rel_std_floor", rel_std_floor, low=0.0, allow_inf=False)
+    return hps
+
+
+def _zclip_init(params: Any) -> ZClipState:
+    """ZClip's first state: zero statistics in the dtype of ``params``' scalars."""
+    dt = _st.scalar_dtype(params)
+    mean, var, norm, cap = (jnp.zeros((), dt) for _ in range(4))  # distinct buffers: donatable
+    return ZClipState(count=_st.count0(), mean=mean, var=var, norm=norm, clip_norm=cap,
+                      clipped=jnp.zeros((), bool), spike=jnp.zeros((), bool))
 
 
 def _zclip_threshold(

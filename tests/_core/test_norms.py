@@ -262,7 +262,7 @@ def test_stateful_finiteness_and_change_checks():
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
 def test_guard_power_of_two_from_exponent_bits(dtype):
     # 2**e with m = f * 2**e, f in [0.5, 1) (frexp), clamped so 1/p is normal; 0, inf, NaN pass
-    from gradclip_jax._core.norms._reduce import _power_of_two
+    from gradclip_jax._core.norms._reduce import power_of_two
 
     info = jnp.finfo(dtype)
     r = np.random.default_rng(0)
@@ -283,7 +283,7 @@ def test_guard_power_of_two_from_exponent_bits(dtype):
     # eager and jitted: exact on every normal or special value; a subnormal (exponent bits 0, like
     # zero) gives the smallest power of two allowed, or passes through (as itself, or as zero where
     # the backend flushes subnormals)
-    for run in (_power_of_two, jax.jit(_power_of_two)):
+    for run in (power_of_two, jax.jit(power_of_two)):
         out = run(m)
         assert out.dtype == m.dtype
         got = np.asarray(out, np.float64)

@@ -8,16 +8,18 @@ import types
 import jax
 import pytest
 
-import gradclip_jax as gcx
 from gradclip_jax._core import norms as core_norms
 from gradclip_jax._core.norms import _reduce
 from gradclip_jax._core.settings import forward_settings
 from gradclip_jax.dp import hardened, noise
 from gradclip_jax.dp.hardened import _discrete_gaussian
-from gradclip_jax.per_example import clipped_grad
-from gradclip_jax.per_example import ghost as ghost_pkg
+from gradclip_jax.per_example import clipped_grad, ghost as ghost_pkg
 from gradclip_jax.per_example.ghost._analysis import policy
+from tests.moved import import_moved
 from tests.per_example.models import mlp_setup
+
+OLD_GHOST = import_moved("ghost")  # the deprecated path still forwards the settings
+OLD_PRIVACY = import_moved("privacy")
 
 
 def test_a_forwarded_name_reads_and_assigns_its_home(monkeypatch):
@@ -44,7 +46,7 @@ def _program(method: str, nan_safe: bool = False, **kw):
     return str(jax.make_jaxpr(clipped_grad(loss, 1.0, method=method, nan_safe=nan_safe, **kw))(params, data))
 
 
-@pytest.mark.parametrize("public", [ghost_pkg, gcx.ghost], ids=["per_example.ghost", "gcx.ghost"])
+@pytest.mark.parametrize("public", [ghost_pkg, OLD_GHOST], ids=["per_example.ghost", "gcx.ghost"])
 def test_auto_min_elements_set_from_its_public_path_takes_effect(public, monkeypatch):
     """The small MLP is below the threshold: ``method='auto'`` takes the vmap path; with the
     threshold set to 0 through the public module, the ghost path."""
@@ -56,7 +58,7 @@ def test_auto_min_elements_set_from_its_public_path_takes_effect(public, monkeyp
     assert _program("auto") != _program("vmap")
 
 
-@pytest.mark.parametrize("public", [ghost_pkg, gcx.ghost], ids=["per_example.ghost", "gcx.ghost"])
+@pytest.mark.parametrize("public", [ghost_pkg, OLD_GHOST], ids=["per_example.ghost", "gcx.ghost"])
 def test_bookkeeping_max_share_set_from_its_public_path_takes_effect(public, monkeypatch):
     """``ghost_sum='auto'`` follows the share: 0 (never book-keeping) gives the second backward
     pass, a share no plan exceeds gives book-keeping. (NaN-safe sums: without them this model
@@ -74,7 +76,8 @@ def test_bookkeeping_max_share_set_from_its_public_path_takes_effect(public, mon
 
 
 @pytest.mark.parametrize("public,home,name", [
-    (gcx.privacy, noise, "NOISE_BLOCK_SIZE"),
+    (OLD_PRIVACY, noise, "NOISE_BLOCK_SIZE"),
+    (noise, noise, "NOISE_BLOCK_SIZE"),
     (core_norms, _reduce, "PACK_MAX_SIZE"),
     (core_norms, _reduce, "SLICE_PACK_MAX_SIZE"),
     (hardened, _discrete_gaussian, "MAX_SIGMA"),

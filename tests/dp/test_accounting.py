@@ -1,4 +1,4 @@
-"""Tests for gradclip_jax.privacy: accounting backed by dp-accounting."""
+"""Tests for gradclip_jax.dp.accounting: accounting backed by dp-accounting."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gradclip_jax import privacy
+from gradclip_jax import PrivacyAccountant
+from gradclip_jax.dp import accounting
 from gradclip_jax.dp.accounting import pld_interval, sampled_gaussian_event
 from gradclip_jax.dp.accounting._composition import loss_std
+from gradclip_jax.dp.noise import add_gaussian_noise
 
 dp_accounting = pytest.importorskip("dp_accounting")
 
@@ -38,72 +40,72 @@ def _direct_rdp(z, q, steps, delta):
     [(1.1, 256 / 60000, 14062, 1e-5), (0.8, 0.01, 1000, 1e-6), (4.0, 1.0, 10, 1e-5), (1.0, 0.1, 1, 1e-3)],
 )
 def test_epsilon_matches_rdp_accountant(z, q, steps, delta):
-    eps = privacy.epsilon(z, q, steps, delta, accountant="rdp")
+    eps = accounting.epsilon(z, q, steps, delta, accountant="rdp")
     assert isinstance(eps, float)
     assert eps == pytest.approx(_direct_rdp(z, q, steps, delta), rel=1e-12)
 
 
 def test_epsilon_known_value_and_pld():
     # the JAX DP-SGD example: sigma 1.1, batch 256 of 60000, 60 epochs -> about 2.6-3 at 1e-5
-    eps = privacy.epsilon(1.1, 256 / 60000, 60 * 60000 // 256, 1e-5, accountant="rdp")
+    eps = accounting.epsilon(1.1, 256 / 60000, 60 * 60000 // 256, 1e-5, accountant="rdp")
     assert 2.0 < eps < 3.5
-    pld = privacy.epsilon(1.1, 0.01, 200, 1e-5)  # PLD is the default
-    assert pld == privacy.epsilon(1.1, 0.01, 200, 1e-5, accountant="pld")
+    pld = accounting.epsilon(1.1, 0.01, 200, 1e-5)  # PLD is the default
+    assert pld == accounting.epsilon(1.1, 0.01, 200, 1e-5, accountant="pld")
     # dp-accounting's PLD accountant on the grid of pld_interval (coarser for a wider loss) ...
     acc = dp_accounting.pld.PLDAccountant(value_discretization_interval=_grid([(1.1, 0.01, 200)]))
-    acc.compose(privacy.dp_sgd_event(1.1, 0.01, 200))
+    acc.compose(accounting.dp_sgd_event(1.1, 0.01, 200))
     assert pld == pytest.approx(acc.get_epsilon(1e-5), rel=1e-8)  # up to the rounding of FFTs
     # ... an upper bound a little above the one on its default grid
     fine = dp_accounting.pld.PLDAccountant()
-    fine.compose(privacy.dp_sgd_event(1.1, 0.01, 200))
+    fine.compose(accounting.dp_sgd_event(1.1, 0.01, 200))
     assert fine.get_epsilon(1e-5) <= pld <= fine.get_epsilon(1e-5) * (1 + 1e-4)
-    assert pld <= privacy.epsilon(1.1, 0.01, 200, 1e-5, accountant="rdp") * 1.01  # PLD is at least as tight
+    assert pld <= accounting.epsilon(1.1, 0.01, 200, 1e-5, accountant="rdp") * 1.01  # PLD is at least as tight
 
 
 def test_epsilon_is_monotone():
     steps = [1, 10, 100, 1000, 5000]
     # RDP for speed here (the property holds for both; PLD is covered below)
-    eps = [privacy.epsilon(1.0, 0.01, t, 1e-5, accountant="rdp") for t in steps]
+    eps = [accounting.epsilon(1.0, 0.01, t, 1e-5, accountant="rdp") for t in steps]
     assert all(a < b for a, b in itertools.pairwise(eps))
     zs = [0.6, 0.8, 1.0, 2.0, 5.0]
-    eps_z = [privacy.epsilon(z, 0.01, 1000, 1e-5, accountant="rdp") for z in zs]
+    eps_z = [accounting.epsilon(z, 0.01, 1000, 1e-5, accountant="rdp") for z in zs]
     assert all(a > b for a, b in itertools.pairwise(eps_z))
-    assert privacy.epsilon(0.0, 0.01, 10, 1e-5) == math.inf
-    assert privacy.epsilon(1.0, 0.01, 0, 1e-5) == 0.0
+    assert accounting.epsilon(0.0, 0.01, 10, 1e-5) == math.inf
+    assert accounting.epsilon(1.0, 0.01, 0, 1e-5) == 0.0
 
 
 @pytest.mark.parametrize("target", [0.5, 2.0, 8.0])
 def test_calibrate_inverts_epsilon(target):
     q, steps, delta = 0.01, 2000, 1e-5
     # RDP for speed (calibration is ~15 accountant evaluations); the PLD default is tested below
-    z = privacy.calibrate_noise_multiplier(target, q, steps, delta, accountant="rdp")
-    eps = privacy.epsilon(z, q, steps, delta, accountant="rdp")
+    z = accounting.calibrate_noise_multiplier(target, q, steps, delta, accountant="rdp")
+    eps = accounting.epsilon(z, q, steps, delta, accountant="rdp")
     assert eps <= target
     assert eps == pytest.approx(target, rel=1e-2)
     # and the other way round
-    z2 = privacy.calibrate_noise_multiplier(
-        privacy.epsilon(1.3, q, steps, delta, accountant="rdp"), q, steps, delta, accountant="rdp"
+    z2 = accounting.calibrate_noise_multiplier(
+        accounting.epsilon(1.3, q, steps, delta, accountant="rdp"), q, steps, delta, accountant="rdp"
     )
     assert z2 == pytest.approx(1.3, abs=2e-3)
 
 
 def test_validation():
     with pytest.raises(ValueError, match="sample_rate"):
-        privacy.epsilon(1.0, 0.0, 10, 1e-5)
+        accounting.epsilon(1.0, 0.0, 10, 1e-5)
     with pytest.raises(ValueError, match="sample_rate"):
-        privacy.epsilon(1.0, 1.5, 10, 1e-5)
+        accounting.epsilon(1.0, 1.5, 10, 1e-5)
     with pytest.raises(ValueError, match="delta"):
-        privacy.epsilon(1.0, 0.1, 10, 1.0)
+        accounting.epsilon(1.0, 0.1, 10, 1.0)
     with pytest.raises(ValueError, match="noise_multiplier"):
-        privacy.epsilon(-1.0, 0.1, 10, 1e-5)
+        accounting.epsilon(-1.0, 0.1, 10, 1e-5)
     with pytest.raises(TypeError, match="`steps` must be an int"):
-        privacy.epsilon(1.0, 0.1, 2.5, 1e-5)
+        accounting.epsilon(1.0, 0.1, 2.5, 1e-5)
     with pytest.raises(ValueError, match="accountant"):
-        privacy.epsilon(1.0, 0.1, 10, 1e-5, accountant="moments")
+        accounting.epsilon(1.0, 0.1, 10, 1e-5, accountant="moments")
     with pytest.raises(ValueError, match="target_epsilon"):
-        privacy.calibrate_noise_multiplier(0.0, 0.1, 10, 1e-5)
+        accounting.calibrate_noise_multiplier(0.0, 0.1, 10, 1e-5)
     with pytest.raises(ValueError, match="steps"):
-        privacy.calibrate_noise_multiplier(1.0, 0.1, 0, 1e-5)
+        accounting.calibrate_noise_multiplier(1.0, 0.1, 0, 1e-5)
 
 
 def test_missing_dp_accounting_names_the_extra(monkeypatch):
@@ -116,14 +118,14 @@ def test_missing_dp_accounting_names_the_extra(monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", fake_import)
     with pytest.raises(ImportError, match=r'pip install "gradclip_jax\[dp\]"'):
-        privacy.epsilon(1.0, 0.1, 10, 1e-5)
+        accounting.epsilon(1.0, 0.1, 10, 1e-5)
     with pytest.raises(ImportError, match="dp-accounting"):
-        privacy.calibrate_noise_multiplier(1.0, 0.1, 10, 1e-5)
+        accounting.calibrate_noise_multiplier(1.0, 0.1, 10, 1e-5)
 
 
 def test_add_gaussian_noise():
     tree = {"a": jnp.zeros(50000, jnp.bfloat16), "b": jnp.zeros((100, 100), jnp.float32)}
-    out = privacy.add_gaussian_noise(tree, 3.0, jax.random.key(0))
+    out = add_gaussian_noise(tree, 3.0, jax.random.key(0))
     assert out["a"].dtype == jnp.float32  # noise added in float32 for 16-bit leaves
     assert float(np.std(np.asarray(out["a"]))) == pytest.approx(3.0, rel=0.03)
     assert float(np.std(np.asarray(out["b"]))) == pytest.approx(3.0, rel=0.05)
@@ -136,17 +138,17 @@ def test_add_gaussian_noise():
 
 def test_calibrate_defaults_to_pld():
     q, steps, delta = 0.05, 200, 1e-5
-    z = privacy.calibrate_noise_multiplier(2.0, q, steps, delta)
-    assert z == privacy.calibrate_noise_multiplier(2.0, q, steps, delta, accountant="pld")
-    eps = privacy.epsilon(z, q, steps, delta, accountant="pld")
+    z = accounting.calibrate_noise_multiplier(2.0, q, steps, delta)
+    assert z == accounting.calibrate_noise_multiplier(2.0, q, steps, delta, accountant="pld")
+    eps = accounting.epsilon(z, q, steps, delta, accountant="pld")
     assert eps <= 2.0 and eps == pytest.approx(2.0, rel=1e-2)
     # PLD is tighter, so it needs less noise than RDP for the same target
-    assert z < privacy.calibrate_noise_multiplier(2.0, q, steps, delta, accountant="rdp")
+    assert z < accounting.calibrate_noise_multiplier(2.0, q, steps, delta, accountant="rdp")
 
 
 def test_calibrate_unreachable_target_names_it():
     with pytest.raises(ValueError, match=r"target_epsilon.*unreachable"):
-        privacy.calibrate_noise_multiplier(1e-4, 0.5, 1000, 1e-5)
+        accounting.calibrate_noise_multiplier(1e-4, 0.5, 1000, 1e-5)
 
 
 def _direct_accountant(kind, phases):
@@ -166,7 +168,7 @@ def _direct(kind, phases, delta):
 @pytest.mark.parametrize("kind", ["pld", "rdp"])
 def test_accountant_equals_dp_accounting(kind):
     phases = [(1.1, 0.02, 160), (0.9, 0.05, 60), (1.1, 0.02, 40)]
-    acc = privacy.PrivacyAccountant(kind)
+    acc = PrivacyAccountant(kind)
     for z, q, t in phases:
         for _ in range(t // 20):
             acc.step(z, q, steps=20)  # recorded in pieces: merged into phases
@@ -174,16 +176,16 @@ def test_accountant_equals_dp_accounting(kind):
     for delta in (1e-5, 1e-3):
         assert acc.epsilon(delta) == pytest.approx(_direct(kind, phases, delta), rel=1e-6)
     # any time: after the first phase it equals the one-phase formula
-    first = privacy.PrivacyAccountant(kind)
+    first = PrivacyAccountant(kind)
     first.step(1.1, 0.02, 160)
-    assert first.epsilon(1e-5) == pytest.approx(privacy.epsilon(1.1, 0.02, 160, 1e-5, accountant=kind), rel=1e-9)
+    assert first.epsilon(1e-5) == pytest.approx(accounting.epsilon(1.1, 0.02, 160, 1e-5, accountant=kind), rel=1e-9)
     assert first.epsilon(1e-5) < acc.epsilon(1e-5)
     # delta(epsilon) is the inverse
     assert first.delta(first.epsilon(1e-5)) == pytest.approx(1e-5, rel=0.05)
 
 
 def test_accountant_pld_is_the_default_and_tighter():
-    pld, rdp = privacy.PrivacyAccountant(), privacy.PrivacyAccountant("rdp")
+    pld, rdp = PrivacyAccountant(), PrivacyAccountant("rdp")
     for acc in (pld, rdp):
         acc.step(1.1, 256 / 60000, 14062)
     assert pld.accountant == "pld"
@@ -192,17 +194,17 @@ def test_accountant_pld_is_the_default_and_tighter():
 
 
 def test_accountant_edge_cases_and_checkpoint():
-    acc = privacy.PrivacyAccountant()
+    acc = PrivacyAccountant()
     assert acc.epsilon(1e-5) == 0.0 and acc.steps == 0
     acc.step(1.0, 0.1, 0)
     assert acc.phases == ()
     acc.step(1.0, 0.1, 5)
     acc.step(0.0, 0.1)
     assert acc.epsilon(1e-5) == math.inf
-    back = privacy.PrivacyAccountant.from_state_dict(acc.state_dict())
+    back = PrivacyAccountant.from_state_dict(acc.state_dict())
     assert back.phases == acc.phases and back.accountant == acc.accountant
     with pytest.raises(ValueError, match="accountant"):
-        privacy.PrivacyAccountant("moments")
+        PrivacyAccountant("moments")
     with pytest.raises(ValueError, match="sample_rate"):
         acc.step(1.0, 0.0)
     with pytest.raises(ValueError, match="noise_multiplier"):
@@ -210,17 +212,17 @@ def test_accountant_edge_cases_and_checkpoint():
     with pytest.raises(ValueError, match="delta"):
         acc.epsilon(0.0)
     with pytest.raises(ValueError, match=r"truncated_batch_size.*pld"):
-        privacy.PrivacyAccountant("rdp").step(1.0, 0.1, truncated_batch_size=20, dataset_size=100)
+        PrivacyAccountant("rdp").step(1.0, 0.1, truncated_batch_size=20, dataset_size=100)
 
 
 def test_accountant_truncated_poisson_equals_dp_accounting():
-    acc = privacy.PrivacyAccountant()
+    acc = PrivacyAccountant()
     acc.step(1.0, 0.1, 10, truncated_batch_size=15, dataset_size=100)
     direct = dp_accounting.pld.PLDAccountant()
     direct.compose(dp_accounting.SelfComposedDpEvent(
         dp_accounting.TruncatedSubsampledGaussianDpEvent(100, 0.1, 15, 1.0), 10))
     assert acc.epsilon(1e-5) == pytest.approx(direct.get_epsilon(1e-5), rel=1e-6)
-    plain = privacy.PrivacyAccountant()
+    plain = PrivacyAccountant()
     plain.step(1.0, 0.1, 10)
     assert acc.epsilon(1e-5) != plain.epsilon(1e-5)
 
@@ -232,11 +234,11 @@ def test_dp_accounting_convergence_warnings_do_not_reach_the_user(capfd, caplog)
     assert "failed to converge" in out + err + caplog.text
     caplog.clear()
     # ... ours do not, through any entry point
-    acc = privacy.PrivacyAccountant("rdp")
+    acc = PrivacyAccountant("rdp")
     acc.step(0.5, 0.5, 100)
     acc.epsilon(1e-5)
-    privacy.epsilon(0.5, 0.5, 100, 1e-5, accountant="rdp")
-    privacy.calibrate_noise_multiplier(50.0, 0.5, 100, 1e-5, accountant="rdp")
+    accounting.epsilon(0.5, 0.5, 100, 1e-5, accountant="rdp")
+    accounting.calibrate_noise_multiplier(50.0, 0.5, 100, 1e-5, accountant="rdp")
     out, err = capfd.readouterr()
     assert "failed to converge" not in out + err + caplog.text
     # and the filter is removed afterwards (dp-accounting's own calls are untouched)
@@ -246,15 +248,15 @@ def test_dp_accounting_convergence_warnings_do_not_reach_the_user(capfd, caplog)
 
 
 def test_load_state_dict_restores_in_place_and_checks_the_kind():
-    acc = privacy.PrivacyAccountant()
+    acc = PrivacyAccountant()
     acc.step(1.0, 0.1, 5)
     acc.step(2.0, 0.1, 3, truncated_batch_size=20, dataset_size=100)
-    other = privacy.PrivacyAccountant()
+    other = PrivacyAccountant()
     other.step(5.0, 0.5, 1)
     other.load_state_dict(acc.state_dict())
     assert other.phases == acc.phases and other.epsilon(1e-5) == acc.epsilon(1e-5)
     with pytest.raises(ValueError, match=r"`state` was saved by a 'pld' accountant, this one is 'rdp'"):
-        privacy.PrivacyAccountant("rdp").load_state_dict(acc.state_dict())
+        PrivacyAccountant("rdp").load_state_dict(acc.state_dict())
     with pytest.raises(ValueError, match=r"`state` must be a dict"):
         other.load_state_dict([1, 2])
 
@@ -265,22 +267,22 @@ def test_calibration_at_any_target_meets_it_and_the_accountant_agrees(target):
     out of memory and 1e3 took minutes: the PLD noise multiplier meets the target, the accountant
     of the run reports that same epsilon, and RDP's answer is of the same order of magnitude."""
     q, steps, delta = 64 / 1500, 100, 1e-5
-    z = privacy.calibrate_noise_multiplier(target, q, steps, delta)
-    planned = privacy.epsilon(z, q, steps, delta)
+    z = accounting.calibrate_noise_multiplier(target, q, steps, delta)
+    planned = accounting.epsilon(z, q, steps, delta)
     assert planned <= target and planned >= 0.9 * target
-    acc = privacy.PrivacyAccountant()
+    acc = PrivacyAccountant()
     for _ in range(steps):
         acc.step(z, q)
     assert acc.epsilon(delta) == planned  # the same grid rule: a consistent epsilon
-    z_rdp = privacy.calibrate_noise_multiplier(target, q, steps, delta, accountant="rdp")
-    assert privacy.epsilon(z_rdp, q, steps, delta, accountant="rdp") <= target
+    z_rdp = accounting.calibrate_noise_multiplier(target, q, steps, delta, accountant="rdp")
+    assert accounting.epsilon(z_rdp, q, steps, delta, accountant="rdp") <= target
     assert z <= z_rdp < 10 * z
 
 
 def test_pld_grid_follows_the_smallest_noise():
     assert pld_interval(5.0) == pld_interval(1.0) == 1e-4
     assert pld_interval(0.01) == pytest.approx(1.0)
-    acc = privacy.PrivacyAccountant()
+    acc = PrivacyAccountant()
     acc.step(2.0, 0.01, 10)
     acc.step(0.5, 0.01, 10)  # the grid of z=0.5 for the whole record
     direct = dp_accounting.pld.PLDAccountant(value_discretization_interval=_grid([(2.0, 0.01, 10), (0.5, 0.01, 10)]))
@@ -304,7 +306,7 @@ def test_accountant_epsilon_reuses_its_composition_and_equals_a_fresh_one(kind, 
     make = getattr(module, name)
     monkeypatch.setattr(module, name, lambda *a, **k: built.append(1) or make(*a, **k))
     z, q, delta = 2.0, 0.05, 1e-5
-    acc = privacy.PrivacyAccountant(kind)
+    acc = PrivacyAccountant(kind)
     done, counts = 0, (1, 2, 3, 10, 17, 40, 41, 120)  # extensions by 1, 7, ...; 120 is on a coarser grid
     answers = []
     for t in counts:
@@ -314,9 +316,9 @@ def test_accountant_epsilon_reuses_its_composition_and_equals_a_fresh_one(kind, 
     grids = {_grid([(z, q, t)]) for t in counts} if kind == "pld" else {None}
     assert len(built) == len(grids) < 4  # a step's PLD per grid (RDP: one), not one per call
     for t, eps in zip(counts, answers, strict=True):
-        fresh = _direct(kind, [(z, q, t)], delta) if t == 41 else privacy.epsilon(z, q, t, delta, kind)
+        fresh = _direct(kind, [(z, q, t)], delta) if t == 41 else accounting.epsilon(z, q, t, delta, kind)
         assert eps == pytest.approx(fresh, rel=1e-8)
-    resumed = privacy.PrivacyAccountant.from_state_dict(acc.state_dict())
+    resumed = PrivacyAccountant.from_state_dict(acc.state_dict())
     assert resumed.epsilon(delta) == pytest.approx(acc.epsilon(delta), rel=1e-8)
     resumed.step(z, q, steps=5)
     assert resumed.epsilon(delta) == pytest.approx(_direct(kind, [(z, q, 125)], delta), rel=1e-8)
@@ -338,7 +340,7 @@ def test_calibration_takes_few_evaluations_and_lands_near_the_target(kind, targe
     monkeypatch.setattr(_composition.Composition, "epsilon",
                         lambda self, *a: calls.append(1) or epsilon(self, *a))
     q, steps, delta = 64 / 1500, 100, 1e-5
-    z = privacy.calibrate_noise_multiplier(target, q, steps, delta, accountant=kind)
+    z = accounting.calibrate_noise_multiplier(target, q, steps, delta, accountant=kind)
     assert len(calls) <= 10
-    planned = privacy.epsilon(z, q, steps, delta, accountant=kind)
+    planned = accounting.epsilon(z, q, steps, delta, accountant=kind)
     assert (1 - 1e-3) * target <= planned <= target

@@ -10,8 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, PartitionSpec as P
 
 from gradclip_jax.dp import (
     DPAggregateState,
@@ -446,3 +445,23 @@ def test_dpsgd_rejects_ascent_and_bad_momentum():
     assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(upd))
     upd, state = step(_grads(1), state, params)
     assert all(bool(jnp.all(jnp.isnan(u))) for u in jax.tree.leaves(upd))
+
+
+def test_quantile_aggregate_takes_both_spellings_of_its_clip_norms():
+    """``initial_l2_clip_norm`` (the DP API's name) and ``initial_l2_norm_clip`` (optax's) are one
+    argument, without a warning; so are the clamp's; both spellings at once raise."""
+    import warnings
+
+    grads = {"w": jnp.arange(12.0).reshape(4, 3)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        a = dp_quantile_aggregate(0.0, 0, initial_l2_clip_norm=0.5, min_l2_clip_norm=0.1, max_l2_clip_norm=2.0,
+                                  expected_batch_size=4)
+        b = dp_quantile_aggregate(0.0, 0, initial_l2_norm_clip=0.5, min_l2_norm_clip=0.1, max_l2_norm_clip=2.0,
+                                  expected_batch_size=4)
+    (ua, sa), (ub, sb) = a.update(grads, a.init(grads)), b.update(grads, b.init(grads))
+    assert jnp.array_equal(ua["w"], ub["w"]) and jnp.array_equal(sa.clip_norm, sb.clip_norm)
+    for name in ("initial", "min", "max"):
+        with pytest.raises(TypeError, match=f"{name}_l2_clip_norm"):
+            dp_quantile_aggregate(0.0, 0, expected_batch_size=4,
+                                  **{f"{name}_l2_clip_norm": 1.0, f"{name}_l2_norm_clip": 1.0})

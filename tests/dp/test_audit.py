@@ -140,7 +140,7 @@ def _step_with_noise_std(priv, std):
 
     def step(params, opt_state, batch, mask, key):
         summed, _ = priv.clipped_sum(params, batch, mask)
-        noised = gcx.privacy.add_gaussian_noise(summed, std, key)
+        noised = gcx.dp.noise.add_gaussian_noise(summed, std, key)
         grads = jax.tree.map(lambda g: g / priv.expected_batch_size, noised)
         updates, opt_state = priv.optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
@@ -211,7 +211,7 @@ def test_shuffled_batches_reported_as_poisson_are_beyond_the_audits_power(digits
     step = _step_with_noise_std(priv, priv.noise_multiplier * priv.l2_clip_norm)
     bounds = {}
     for name, batches in (("Poisson", priv.batches(audited)), ("shuffled", shuffled())):
-        priv.accountant.load_state_dict(gcx.privacy.PrivacyAccountant().state_dict())
+        priv.accountant.load_state_dict(gcx.PrivacyAccountant().state_dict())
         traj = _canary_trajectory(step, priv, canaries.wrap_params(params), batches)
         # the strongest score we found: each canary's largest single-step move
         bounds[name] = canaries.epsilon_lower_bound((traj[:-1] - traj[1:]).max(0), DELTA)
@@ -275,7 +275,7 @@ def test_runs_bound_separates_apart_scores_and_not_equal_ones():
 
 @pytest.mark.parametrize("background", ["opposite", "orthogonal"])
 def test_sampling_canary_and_background_rows_clip_to_plus_c_e0_and_minus_c_e0_or_c_e1(background):
-    from gradclip_jax.dp.audit import _sampling_data, _sampling_loss
+    from gradclip_jax.dp.audit._sampling_audit import _sampling_data, _sampling_loss
 
     c = 0.7
     grad_fn = gcx.clipped_grad(_sampling_loss(c), c)

@@ -14,8 +14,8 @@ import optax
 import pytest
 
 import gradclip_jax as gcx
+from gradclip_jax import PrivacyAccountant
 from gradclip_jax.dp import BatchSampler, IndexSampler, PoissonSampler, SampledBatch, make_private
-from gradclip_jax.privacy import PrivacyAccountant
 
 N, B, T = 200, 20, 12
 

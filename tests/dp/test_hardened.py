@@ -15,8 +15,7 @@ import pytest
 from scipy import stats
 
 import gradclip_jax as gcx
-from gradclip_jax.dp import PoissonSampler, make_private
-from gradclip_jax.dp import hardened as h
+from gradclip_jax.dp import PoissonSampler, hardened as h, make_private
 from gradclip_jax.dp.accounting import PoissonSampledDiscreteGaussianEvent, poisson_subsampled_rdp
 from gradclip_jax.dp.hardened import _discrete_gaussian as dg
 
@@ -287,7 +286,7 @@ def test_hardened_discrete_run_accounts_the_discrete_gaussians_bound():
     assert priv.epsilon() == pytest.approx(expected, rel=1e-12)
     resumed = _run("discrete", resume_from=priv.state_dict())  # the saved phases name the mechanism
     assert resumed.accountant.steps == 3 and resumed.epsilon() == pytest.approx(expected, rel=1e-12)
-    pld = gcx.privacy.PrivacyAccountant("pld")
+    pld = gcx.PrivacyAccountant("pld")
     pld.step(priv.noise_multiplier, sampler=priv.sampler)
     with pytest.raises(ValueError, match="has no privacy loss distribution here: use the 'rdp' accountant"):
         pld.epsilon(1e-4)

@@ -9,12 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from gradclip_jax import privacy
 from gradclip_jax._core.jaxcompat import gpu_threefry_on_cpu, is_literal
 from gradclip_jax.dp import noise as noise_mod
+from gradclip_jax.dp.noise import add_gaussian_noise
 from gradclip_jax.dp.philox import philox_normal
 from tests._backend import assert_equal_on_cpu
 from tests.jaxprs import primitive_counts
@@ -24,7 +23,7 @@ BACKEND = jax.default_backend()
 
 def _jitted():
     # a fresh function per call: the strategy is read when tracing, and jax.jit caches traces
-    return jax.jit(lambda tree, std, key: privacy.add_gaussian_noise(tree, std, key))
+    return jax.jit(lambda tree, std, key: add_gaussian_noise(tree, std, key))
 
 
 @pytest.fixture(params=["leaves", "blocks", "shapes", "philox"])
@@ -42,7 +41,7 @@ def test_leaves_draw_is_documented(monkeypatch):
     monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, "leaves")
     tree = {"a": jnp.ones((4, 3)), "b": jnp.ones(5)}
     key = jax.random.key(3)
-    out = privacy.add_gaussian_noise(tree, 2.0, key)
+    out = add_gaussian_noise(tree, 2.0, key)
     _, ka, kb = jax.random.split(key, 3)
     assert_equal_on_cpu(out["a"], 1.0 + 2.0 * jax.random.normal(ka, (4, 3)))
     assert_equal_on_cpu(out["b"], 1.0 + 2.0 * jax.random.normal(kb, (5,)))
@@ -70,7 +69,7 @@ def test_shapes_draw_is_the_leaves_draw(monkeypatch):
 def test_shapes_draw_is_one_draw_per_shape(monkeypatch):
     monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, "shapes")
     tree = {f"w{i}": jnp.zeros((8, 4)) for i in range(6)} | {f"b{i}": jnp.zeros(4) for i in range(6)}
-    jaxpr = str(jax.make_jaxpr(lambda t, k: privacy.add_gaussian_noise(t, 1.0, k))(tree, jax.random.key(0)))
+    jaxpr = str(jax.make_jaxpr(lambda t, k: add_gaussian_noise(t, 1.0, k))(tree, jax.random.key(0)))
     assert jaxpr.count("random_bits") == 2  # one per shape, not one per leaf
 
 
@@ -79,7 +78,7 @@ def test_shapes_draw_waits_for_its_leaves(monkeypatch):
     makes it just before the addition instead of early, holding every group's draw at once."""
     monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, "shapes")
     tree = {"a": jnp.ones((6, 5)), "c": jnp.ones((6, 5))}
-    jaxpr = jax.make_jaxpr(lambda t, k: privacy.add_gaussian_noise(t, 1.0, k))(tree, jax.random.key(0)).jaxpr
+    jaxpr = jax.make_jaxpr(lambda t, k: add_gaussian_noise(t, 1.0, k))(tree, jax.random.key(0)).jaxpr
     deps = {v: {i} for i, v in enumerate(jaxpr.invars)}
     for eqn in jaxpr.eqns:
         got = set().union(*(deps.get(v, set()) for v in eqn.invars if not is_literal(v)))
@@ -92,7 +91,7 @@ def test_philox_draw_is_documented(monkeypatch):
     monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, "philox")
     tree = {"a": jnp.ones((4, 3)), "b": jnp.ones(5), "h": jnp.ones(6, jnp.float16)}
     key = jax.random.key(3)
-    out = privacy.add_gaussian_noise(tree, 2.0, key)
+    out = add_gaussian_noise(tree, 2.0, key)
     _, ka, kb, kh = jax.random.split(key, 4)
     np.testing.assert_array_equal(out["a"], 1.0 + 2.0 * philox_normal(ka, (4, 3)))
     np.testing.assert_array_equal(out["b"], 1.0 + 2.0 * philox_normal(kb, (5,)))
@@ -105,7 +104,7 @@ def test_blocks_draw_is_documented(monkeypatch):
     monkeypatch.setattr(noise_mod, "NOISE_BLOCK_SIZE", 8)
     tree = {"a": jnp.ones((4, 3)), "b": jnp.ones(5), "h": jnp.ones(6, jnp.bfloat16)}
     key = jax.random.key(3)
-    out = privacy.add_gaussian_noise(tree, 2.0, key)
+    out = add_gaussian_noise(tree, 2.0, key)
     k0 = jax.random.split(key, 4)[0]
     group = jax.random.fold_in(k0, 0)  # all three leaves accumulate in float32: one group
     flat = jnp.concatenate([jax.random.normal(jax.random.fold_in(group, j), (8,)) for j in range(3)])
@@ -135,9 +134,9 @@ def test_statistics_and_dtypes(strategy, monkeypatch):
 
 def test_same_key_same_noise_other_key_other_noise(strategy):
     tree = _tree()
-    a = privacy.add_gaussian_noise(tree, 1.0, jax.random.key(1))
+    a = add_gaussian_noise(tree, 1.0, jax.random.key(1))
     b = _jitted()(tree, 1.0, jax.random.key(1))
-    c = privacy.add_gaussian_noise(tree, 1.0, jax.random.key(2))
+    c = add_gaussian_noise(tree, 1.0, jax.random.key(2))
     for k in tree:
         np.testing.assert_array_equal(a[k], b[k])
         if tree[k].size > 1:
@@ -153,7 +152,7 @@ def test_traced_stddev_and_zero_stddev(strategy):
 
 def test_complex_leaf_gets_full_variance_in_both_parts(strategy):
     tree = {"r": jnp.zeros(7), "z": jnp.zeros((100, 200), jnp.complex64) + 1j}
-    out = privacy.add_gaussian_noise(tree, 2.0, jax.random.key(0))["z"]
+    out = add_gaussian_noise(tree, 2.0, jax.random.key(0))["z"]
     assert out.dtype == jnp.complex64  # the imaginary part is kept
     re, im = np.real(np.asarray(out)).ravel(), np.imag(np.asarray(out)).ravel() - 1.0
     assert float(np.var(re)) == pytest.approx(4.0, rel=0.05)
@@ -174,15 +173,15 @@ def test_dp_aggregate_complex_gradients_get_full_variance():
 
 
 def test_empty_tree_and_none_leaves(strategy):
-    assert privacy.add_gaussian_noise({}, 1.0, jax.random.key(0)) == {}
-    out = privacy.add_gaussian_noise({"a": None, "b": jnp.zeros(3)}, 1.0, jax.random.key(0))
+    assert add_gaussian_noise({}, 1.0, jax.random.key(0)) == {}
+    out = add_gaussian_noise({"a": None, "b": jnp.zeros(3)}, 1.0, jax.random.key(0))
     assert out["a"] is None and out["b"].shape == (3,)
 
 
 def test_vmap_over_keys(strategy):
     keys = jax.random.split(jax.random.key(0), 3)
-    out = jax.vmap(lambda k: privacy.add_gaussian_noise({"a": jnp.zeros(50)}, 1.0, k))(keys)
-    one = privacy.add_gaussian_noise({"a": jnp.zeros(50)}, 1.0, keys[1])
+    out = jax.vmap(lambda k: add_gaussian_noise({"a": jnp.zeros(50)}, 1.0, k))(keys)
+    one = add_gaussian_noise({"a": jnp.zeros(50)}, 1.0, keys[1])
     np.testing.assert_allclose(out["a"][1], one["a"], rtol=1e-6)
 
 
@@ -253,7 +252,7 @@ def test_each_leaf_is_drawn_once_however_many_times_the_optimizer_reads_it(strat
         pytest.skip("this XLA does not fuse a draw into each of its readers")
     monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, strategy_name)
     monkeypatch.setattr(noise_mod, "NOISE_BLOCK_SIZE", 1 << 10)  # a loop of 4 blocks, not one inlined
-    draws = _draw_fusions(lambda grads, key: privacy.add_gaussian_noise(grads, 1.0, key))
+    draws = _draw_fusions(lambda grads, key: add_gaussian_noise(grads, 1.0, key))
     assert len(draws) == (1 if strategy_name == "blocks" else 2)  # per leaf; "blocks": one, in its loop
     if strategy_name in ("leaves", "shapes"):
         # the split of the leaves' keys is stored too: a draw reads its key, it does not hash it again
@@ -264,13 +263,13 @@ def test_noised_leaves_are_stored_on_every_path(strategy):
     """Each noised leaf leaves add_gaussian_noise (and dp_aggregate's draw) behind an optimization
     barrier, whatever the strategy, under jit, vmap and grad alike."""
     tree = {"a": jnp.ones((6, 5)), "b": jnp.ones(5), "c": jnp.ones((6, 5))}
-    jaxpr = jax.make_jaxpr(lambda t, k: privacy.add_gaussian_noise(t, 1.0, k))(tree, jax.random.key(0))
+    jaxpr = jax.make_jaxpr(lambda t, k: add_gaussian_noise(t, 1.0, k))(tree, jax.random.key(0))
     # the leaves and their keys' split ("shapes": and the draw of the two (6, 5) leaves, and its
     # keys held until those leaves exist)
     assert str(jaxpr).count("optimization_barrier") == 3 + 1 + 2 * (strategy == "shapes")
-    grads = jax.grad(lambda t: sum(jnp.sum(v) for v in privacy.add_gaussian_noise(t, 1.0, jax.random.key(0)).values()))
+    grads = jax.grad(lambda t: sum(jnp.sum(v) for v in add_gaussian_noise(t, 1.0, jax.random.key(0)).values()))
     assert all(np.all(np.asarray(g) == 1.0) for g in grads(tree).values())
-    batched = jax.vmap(lambda k: privacy.add_gaussian_noise(tree, 0.0, k))(jax.random.split(jax.random.key(1), 2))
+    batched = jax.vmap(lambda k: add_gaussian_noise(tree, 0.0, k))(jax.random.split(jax.random.key(1), 2))
     np.testing.assert_array_equal(batched["a"], np.ones((2, 6, 5)))
 
 
@@ -306,13 +305,13 @@ def test_shards_inside_shard_map_need_their_own_keys(strategy_name, monkeypatch)
     monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, strategy_name)
     key = jax.random.key(0)
 
-    same, g = _shard_mapped(lambda x, k: privacy.add_gaussian_noise({"g": x}, 1.0, k)["g"], 4)
+    same, g = _shard_mapped(lambda x, k: add_gaussian_noise({"g": x}, 1.0, k)["g"], 4)
     with pytest.raises(ValueError, match=r"add_gaussian_noise: leaf \['g'\] differs across the manual mesh axes "
                                          r"\('x',\).*fold_in\(key, jax.lax.axis_index\('x'\)\)"):
         same(g, key)
 
     def own_key(x, k):
-        return privacy.add_gaussian_noise({"g": x}, 1.0, jax.random.fold_in(k, jax.lax.axis_index("x")))["g"]
+        return add_gaussian_noise({"g": x}, 1.0, jax.random.fold_in(k, jax.lax.axis_index("x")))["g"]
 
     fixed, g = _shard_mapped(own_key, 4)
     shards = np.asarray(fixed(g, key)).reshape(4, 4)
@@ -320,7 +319,7 @@ def test_shards_inside_shard_map_need_their_own_keys(strategy_name, monkeypatch)
 
     def summed(x, k):  # a psum'd (replicated) sum with the replicated key is fine
         total = jax.lax.psum(jnp.sum(x), "x")
-        return x + privacy.add_gaussian_noise({"t": total}, 1.0, k)["t"]
+        return x + add_gaussian_noise({"t": total}, 1.0, k)["t"]
 
     ok, g = _shard_mapped(summed, 4)
     assert np.all(np.isfinite(np.asarray(ok(g, key))))
@@ -347,7 +346,7 @@ def test_dp_aggregate_inside_shard_map_on_shards_is_an_error():
 def test_unknown_strategy_is_a_value_error_naming_the_setting(monkeypatch):
     monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, "fast")
     with pytest.raises(ValueError, match=r"NOISE_STRATEGY: unknown strategy 'fast'"):
-        privacy.add_gaussian_noise({"a": jnp.zeros(3)}, 1.0, jax.random.key(0))
+        add_gaussian_noise({"a": jnp.zeros(3)}, 1.0, jax.random.key(0))
 
 
 def test_shapes_draw_is_chunked_and_each_chunk_is_the_leaves_draw(monkeypatch):
@@ -359,7 +358,7 @@ def test_shapes_draw_is_chunked_and_each_chunk_is_the_leaves_draw(monkeypatch):
     leaves = _jitted()(tree, 0.5, key)
     monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, "shapes")
     monkeypatch.setattr(noise_mod, "_SHAPES_DRAW_MAX", 2 * 30)  # two leaves per stored draw
-    counts = primitive_counts(jax.make_jaxpr(lambda t, k: privacy.add_gaussian_noise(t, 0.5, k))(tree, key).jaxpr)
+    counts = primitive_counts(jax.make_jaxpr(lambda t, k: add_gaussian_noise(t, 0.5, k))(tree, key).jaxpr)
     assert counts["random_bits"] == 3  # chunks of 2, 2 and 1 leaves
     # the leaves, their keys, the chunks' draws and their keys held until their leaves exist
     assert counts["optimization_barrier"] == 5 + 1 + 3 + 3

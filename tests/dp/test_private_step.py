@@ -14,13 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import gradclip_jax as gcx
-from gradclip_jax import privacy
 from gradclip_jax.demo import accuracy, init_mlp, load_digits_split, per_example_loss
-from gradclip_jax.dp import make_private
+from gradclip_jax.dp import accounting, make_private
+from gradclip_jax.dp.noise import add_gaussian_noise
 from tests._backend import assert_equal_on_cpu
 from tests.dp import setup_two_process as dp_setup
 
@@ -50,7 +49,7 @@ def test_reaches_target_epsilon_and_accounts_the_run():
     assert priv.steps == 30 and priv.sample_rate == 0.1 and priv.expected_batch_size == 40
     assert priv.planned_epsilon <= 2.0 and priv.planned_epsilon == pytest.approx(2.0, rel=0.01)
     assert priv.planned_epsilon == pytest.approx(
-        privacy.epsilon(priv.noise_multiplier, 0.1, 30, 1e-4), rel=1e-9)
+        accounting.epsilon(priv.noise_multiplier, 0.1, 30, 1e-4), rel=1e-9)
     assert priv.epsilon() == 0.0
     for i, _ in enumerate(priv.batches()):
         assert priv.accountant.steps == i + 1  # recorded before the batch is used
@@ -70,7 +69,7 @@ def test_step_is_dp_sgd_with_expected_batch_divisor():
     norms = jnp.linalg.norm(g, axis=1)
     clipped = g * jnp.minimum(1.0, 1.0 / norms)[:, None]
     summed = jnp.sum(jnp.where(jnp.asarray(mask)[:, None], clipped, 0.0), 0)
-    noised = privacy.add_gaussian_noise(summed, priv.noise_multiplier * 1.0, key)
+    noised = add_gaussian_noise(summed, priv.noise_multiplier * 1.0, key)
     np.testing.assert_allclose(np.asarray(new_w), np.asarray(w - 0.1 * noised / 40.0), rtol=1e-5, atol=1e-6)
     assert int(metrics.num_clipped) == int(jnp.sum((norms > 1.0) & jnp.asarray(mask)))
 

@@ -10,8 +10,8 @@ import optax
 import pytest
 
 import gradclip_jax as gcx
+from gradclip_jax import ghost_report
 from gradclip_jax.dp import BatchSampler, UserBatch, UserPoissonSampler, make_private, user_loss
-from gradclip_jax.ghost import ghost_report
 
 C = 1.0
 
@@ -191,13 +191,13 @@ def test_accounting_is_poisson_over_users():
     s = _sampler(steps=50)
     z, delta = 1.1, 1e-5
     direct = _direct_pld(dp_accounting.PoissonSampledDpEvent(6 / 30, dp_accounting.GaussianDpEvent(z)), 50, z)
-    acc = gcx.privacy.PrivacyAccountant("pld")
+    acc = gcx.PrivacyAccountant("pld")
     acc.step(z, sampler=s, steps=50)
     assert acc.epsilon(delta) == pytest.approx(direct.get_epsilon(delta), rel=1e-8)
     assert acc.phases[0].sample_rate == pytest.approx(0.2)
     rdp = dp_accounting.rdp.RdpAccountant()
     rdp.compose(dp_accounting.PoissonSampledDpEvent(0.2, dp_accounting.GaussianDpEvent(z)), 50)
-    acc_rdp = gcx.privacy.PrivacyAccountant("rdp")
+    acc_rdp = gcx.PrivacyAccountant("rdp")
     acc_rdp.step(z, sampler=s, steps=50)
     assert acc_rdp.epsilon(delta) == pytest.approx(rdp.get_epsilon(delta), rel=1e-9)
 

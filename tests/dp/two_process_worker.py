@@ -23,8 +23,7 @@ def main() -> None:
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     import jax
     import numpy as np
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"localhost:{port}", num_processes=nproc, process_id=pid,

@@ -10,10 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from gradclip_jax.ghost import GhostFallbackWarning
+from gradclip_jax import GhostFallbackWarning
 from gradclip_jax.per_example import (
     ClippedGradInfo,
     clipped_grad,

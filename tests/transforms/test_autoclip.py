@@ -14,9 +14,7 @@ import pytest
 
 import gradclip_jax as gcx
 from gradclip_jax.transforms import AutoClipState, autoclip
-from tests.transforms.feeding import feed as _feed
-from tests.transforms.feeding import spiky_norms as _spiky_norms
-from tests.transforms.feeding import vec as _vec
+from tests.transforms.feeding import feed as _feed, spiky_norms as _spiky_norms, vec as _vec
 
 
 def _autoclip_reference(norms, p, size):

@@ -11,8 +11,7 @@ import pytest
 from jax import lax
 
 from gradclip_jax.transforms import QuantileClipState, quantile_clip
-from tests.transforms.feeding import feed as _feed
-from tests.transforms.feeding import vec as _vec
+from tests.transforms.feeding import feed as _feed, vec as _vec
 
 
 def test_quantile_clip_by_hand():

@@ -18,8 +18,7 @@ import gradclip_jax as gcx
 from gradclip_jax.transforms import adagc, autoclip, quantile_clip, skip_on_spike, zclip
 from gradclip_jax.transforms.ema import clip_norm_by_ema, clip_value_by_ema, normalize_by_ema
 from gradclip_jax.transforms.growth import clip_norm_growth, clip_value_growth
-from tests.transforms.feeding import feed as _feed
-from tests.transforms.feeding import vec as _vec
+from tests.transforms.feeding import feed as _feed, vec as _vec
 
 FACTORIES = {
     "clip_norm_by_ema": (clip_norm_by_ema, {"beta": 0.5}),

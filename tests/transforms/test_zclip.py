@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 from gradclip_jax.transforms import zclip
-from tests.transforms.feeding import feed as _feed
-from tests.transforms.feeding import spiky_norms as _spiky_norms
+from tests.transforms.feeding import feed as _feed, spiky_norms as _spiky_norms
 
 
 class RefZClip:

@@ -95,7 +95,7 @@ def reduction_axes(
     return axes
 
 
-def _size(shape: Sequence[int], axes: Axes) -> int:
+def reduced_size(shape: Sequence[int], axes: Axes) -> int:
     n = 1
     for a in range(len(shape)) if axes is None else axes:
         n *= shape[a]

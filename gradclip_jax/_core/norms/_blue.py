@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gradclip_jax._core.norms._reduce import _Combiner, _Job, _needs_guard, _power_of_two
+from gradclip_jax._core.norms._reduce import Combiner, Job, needs_guard, power_of_two
 
 
 def _blue_consts(dtype: Any) -> tuple[float, float, float, float]:
@@ -28,12 +28,12 @@ def _blue_consts(dtype: Any) -> tuple[float, float, float, float]:
     return 2.0**b, 2.0 ** -(emax // 2 + 25), 2.0**sm, 2.0 ** (b - sm)
 
 
-def _blue_parts(job: _Job, variadic: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _blue_parts(job: Job, variadic: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The job's (big, medium, small) scaled sums of squares, in its accumulation dtype."""
     acc = job.acc
     a = jnp.abs(job.x).astype(acc) if jnp.iscomplexobj(job.x) else job.x.astype(acc)
     zero = jnp.zeros((), acc)
-    if not _needs_guard(job):
+    if not needs_guard(job):
         return zero, job.sum(a * a), zero
     tb, sb, ts, ss = _blue_consts(acc)
     mag = jnp.abs(a)
@@ -71,11 +71,11 @@ def _blue_finish(b: jax.Array, m: jax.Array, s: jax.Array) -> jax.Array:
     return jnp.where(jnp.isnan(m), m, total)  # NaN lands in the medium sum and wins
 
 
-def _dot_over_norm(x: jax.Array, t: jax.Array, norm: jax.Array, job: _Job) -> tuple[jax.Array, jax.Array]:
+def _dot_over_norm(x: jax.Array, t: jax.Array, norm: jax.Array, job: Job) -> tuple[jax.Array, jax.Array]:
     """``sum(Re(conj(x) t)) / norm`` over the job's axes without overflow (the 2-norm's JVP)."""
     acc = job.acc
     ok = (norm > 0) & jnp.isfinite(norm)
-    p2 = _power_of_two(norm)
+    p2 = power_of_two(norm)
     safe_p2 = jnp.where(ok, p2, jnp.ones_like(p2)).astype(acc)
     safe_c = jnp.where(ok, norm / jnp.where(ok, p2, jnp.ones_like(p2)), jnp.ones_like(norm))
     if jnp.iscomplexobj(x):
@@ -87,12 +87,12 @@ def _dot_over_norm(x: jax.Array, t: jax.Array, norm: jax.Array, job: _Job) -> tu
     return d, ok
 
 
-def _blue_norms(jobs: Sequence[_Job], comb: _Combiner, combine: bool, variadic: bool) -> Any:
+def blue_norms(jobs: Sequence[Job], comb: Combiner, combine: bool, variadic: bool) -> Any:
     """2-norms of ``jobs`` (one scalar when ``combine``, else keepdims arrays), branch-free."""
     meta = [(j.axes, j.keepdims) for j in jobs]
 
     def value(xs: tuple) -> Any:
-        parts = [_blue_parts(_Job(x, *m), variadic) for m, x in zip(meta, xs)]
+        parts = [_blue_parts(Job(x, *m), variadic) for m, x in zip(meta, xs)]
         if not combine:
             return [_blue_finish(*p) for p in parts]
         dt = comb.dtype
@@ -102,7 +102,7 @@ def _blue_norms(jobs: Sequence[_Job], comb: _Combiner, combine: bool, variadic: 
                 # another accumulation dtype (float32 leaves in a float64 norm): its
                 # norm, rounded to dt, enters as one element
                 v = _blue_finish(b, m, s).astype(dt)
-                b, m, s = _blue_parts(_Job(v, None, False), variadic=False)
+                b, m, s = _blue_parts(Job(v, None, False), variadic=False)
             for acc_list, v in zip(tot, (b, m, s)):
                 acc_list.append(v)
         sums = jnp.stack([jnp.sum(jnp.stack(t)) if t else jnp.zeros((), dt) for t in tot])
@@ -118,15 +118,15 @@ def _blue_norms(jobs: Sequence[_Job], comb: _Combiner, combine: bool, variadic: 
         if not combine:
             outs = []
             for m, x, t, n in zip(meta, xs, ts, out):
-                d, ok = _dot_over_norm(x, t, n, _Job(x, *m))
+                d, ok = _dot_over_norm(x, t, n, Job(x, *m))
                 outs.append(jnp.where(ok, d, jnp.where(n == 0, jnp.zeros_like(n), jnp.full_like(n, jnp.nan))))
             return out, outs
         ok = (out > 0) & jnp.isfinite(out)
-        p2 = jnp.where(ok, _power_of_two(out), jnp.ones_like(out))
+        p2 = jnp.where(ok, power_of_two(out), jnp.ones_like(out))
         c = out / p2
         dots = []
         for m, x, t in zip(meta, xs, ts):
-            acc = _Job(x, *m).acc
+            acc = Job(x, *m).acc
             q = p2.astype(acc)
             if jnp.iscomplexobj(x):
                 prod = (jnp.real(x).astype(acc) / q) * jnp.real(t).astype(acc) + (
@@ -153,16 +153,16 @@ def joint_row_norms(arrays: Sequence[jax.Array]) -> jax.Array:
     finish, where a norm per array and their combination would cost ``K`` finishes
     (each two overflow-safe ``hypot``s, which XLA copies into every fusion that reads
     them: on a WRN-16-4 ghost step, half its HLO instructions). The derivative is
-    ``sum(x t) / norm`` per example (finite everywhere), as for :func:`_blue_norms`.
+    ``sum(x t) / norm`` per example (finite everywhere), as for :func:`blue_norms`.
     """
-    jobs = [_Job(x, tuple(range(1, x.ndim)), True) for x in arrays]
+    jobs = [Job(x, tuple(range(1, x.ndim)), True) for x in arrays]
     rows = arrays[0].shape[0]
     dtype = np.dtype(jnp.result_type(*[j.acc for j in jobs]))
 
     def value(xs: tuple) -> jax.Array:
         sums = [jnp.zeros((rows,), dtype) for _ in range(3)]
         for x, j in zip(xs, jobs, strict=True):
-            for k, part in enumerate(_blue_parts(_Job(x, j.axes, True), variadic=True)):
+            for k, part in enumerate(_blue_parts(Job(x, j.axes, True), variadic=True)):
                 # (a part a 16-bit leaf cannot have is a scalar 0)
                 sums[k] = sums[k] + (part if part.ndim == 0 else jnp.reshape(part, (rows,))).astype(dtype)
         return _blue_finish(*sums)
@@ -175,7 +175,7 @@ def joint_row_norms(arrays: Sequence[jax.Array]) -> jax.Array:
         d = jnp.zeros_like(out)
         for x, t, j in zip(xs, ts, jobs, strict=True):
             # each array's sum(x t) / norm, scaled as for one norm (the joint one, per example)
-            part, _ = _dot_over_norm(x, t, jnp.reshape(out, (rows,) + (1,) * (x.ndim - 1)), _Job(x, j.axes, True))
+            part, _ = _dot_over_norm(x, t, jnp.reshape(out, (rows,) + (1,) * (x.ndim - 1)), Job(x, j.axes, True))
             d = d + jnp.reshape(part, (rows,))
         ok = (out > 0) & jnp.isfinite(out)
         return out, jnp.where(ok, d, jnp.where(out == 0, jnp.zeros_like(out), jnp.full_like(out, jnp.nan)))

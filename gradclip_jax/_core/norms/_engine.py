@@ -13,46 +13,46 @@ from jax import lax
 
 from gradclip_jax._core.backend import per_backend
 from gradclip_jax._core.control import cond
-from gradclip_jax._core.norms._blue import _blue_norms
+from gradclip_jax._core.norms._blue import blue_norms
 from gradclip_jax._core.norms._reduce import (
-    _abs,
-    _abs_sq,
-    _Combiner,
-    _Job,
-    _needs_guard,
-    _ones_like,
-    _plan,
-    _pow_abs,
-    _power_of_two,
-    _root,
-    _scaled,
+    Combiner,
+    Job,
+    abs_acc,
+    abs_sq,
+    needs_guard,
+    plan_jobs,
+    pow_abs,
+    power_of_two,
+    pth_root,
+    scaled_abs,
+    tree_ones_like,
 )
-from gradclip_jax._core.norms._spec import _UNDERFLOW_KINDS, NormSpec
+from gradclip_jax._core.norms._spec import UNDERFLOW_KINDS, NormSpec
 from gradclip_jax._core.norms._trees import FlatTree, tree_acc_dtype
 
 
-def _stat(job: _Job, spec: NormSpec, scale: jax.Array | None, center: jax.Array | None) -> jax.Array:
+def _stat(job: Job, spec: NormSpec, scale: jax.Array | None, center: jax.Array | None) -> jax.Array:
     """The partial statistic of one job (sum-type kinds) before combination."""
     acc = job.acc
     k = spec.kind
     if k == "sum":
-        return job.sum(_scaled(job.x, acc, scale))
+        return job.sum(scaled_abs(job.x, acc, scale))
     if k == "count":
         return job.sum((job.x != 0).astype(acc))
     if k in ("var", "std"):
-        y = _scaled(job.x, acc, scale)
+        y = scaled_abs(job.x, acc, scale)
         if center is not None:
             y = y - center
-        return job.sum(_abs_sq(y, acc))
-    y = _scaled(job.x, acc, scale)
+        return job.sum(abs_sq(y, acc))
+    y = scaled_abs(job.x, acc, scale)
     if k == "rms" or (k == "pow" and spec.p == 2.0):
-        return job.sum(_abs_sq(y, acc))
+        return job.sum(abs_sq(y, acc))
     if k == "mad":
-        return job.sum(_abs(y, acc))
-    a = _abs(y, acc)
+        return job.sum(abs_acc(y, acc))
+    a = abs_acc(y, acc)
     if scale is None:
         a = _guard_power_grad(a, spec.p)
-    return job.sum(_pow_abs(a, spec.p))
+    return job.sum(pow_abs(a, spec.p))
 
 
 def _guard_power_grad(a: jax.Array, p: float) -> jax.Array:
@@ -83,17 +83,17 @@ def _finish(spec: NormSpec, s: jax.Array, n: Any) -> jax.Array:
     if k == "mad":
         return s / jnp.maximum(n, 1)
     if k == "rms":
-        return _root(s / jnp.maximum(n, 1), 2.0)
+        return pth_root(s / jnp.maximum(n, 1), 2.0)
     if k in ("var", "std"):
         var = jnp.where(n > 1, s / jnp.maximum(n - 1, 1), jnp.zeros_like(s))
-        return var if k == "var" else _root(var, 2.0)
-    return _root(s, spec.p)
+        return var if k == "var" else pth_root(var, 2.0)
+    return pth_root(s, spec.p)
 
 
 def _is_bad(spec: NormSpec, s: jax.Array, n: Any) -> jax.Array:
     """True where the fast path's statistic may have over- or underflowed."""
     bad = ~jnp.isfinite(s)
-    underflow = spec.kind in _UNDERFLOW_KINDS or (spec.kind == "pow" and spec.p != 1.0)
+    underflow = spec.kind in UNDERFLOW_KINDS or (spec.kind == "pow" and spec.p != 1.0)
     if underflow:
         info = jnp.finfo(s.dtype)
         # Each underflowed element loses less than `tiny`; below n*tiny/eps that loss
@@ -132,7 +132,7 @@ def _is_sumsq(spec: NormSpec) -> bool:
 
 
 def _compute(
-    jobs: Sequence[_Job], spec: NormSpec, combine: bool, axis_name: Any, dtype: np.dtype | None = None,
+    jobs: Sequence[Job], spec: NormSpec, combine: bool, axis_name: Any, dtype: np.dtype | None = None,
     branch_free: bool = False,
 ) -> tuple[Any, Any]:
     """Norms of ``jobs`` as ``(r, m)`` with norm ``= r * m``.
@@ -143,17 +143,17 @@ def _compute(
     rest share one code path.
     """
     k = spec.kind
-    comb = _Combiner(dtype or tree_acc_dtype([j.x for j in jobs]), axis_name)
+    comb = Combiner(dtype or tree_acc_dtype([j.x for j in jobs]), axis_name)
 
     # max / min / count cannot overflow: no fallback needed.
     if k == "max":
-        parts = [j.max(_abs(j.x, j.acc)) for j in jobs]
+        parts = [j.max(abs_acc(j.x, j.acc)) for j in jobs]
         out = comb.max(parts) if combine else parts
-        return out, _ones_like(out)
+        return out, tree_ones_like(out)
     if k == "min":
-        parts = [j.min(_abs(j.x, j.acc)) for j in jobs]
+        parts = [j.min(abs_acc(j.x, j.acc)) for j in jobs]
         if not combine:
-            return parts, _ones_like(parts)
+            return parts, tree_ones_like(parts)
         total = comb.min(parts)
         # an empty tree has no minimum: report 0 ("counts for nothing")
         n = comb.count(sum(j.n for j in jobs))
@@ -162,14 +162,14 @@ def _compute(
     if k == "count":
         parts = [_stat(j, spec, None, None) for j in jobs]
         out = comb.sum(parts) if combine else parts
-        return out, _ones_like(out)
+        return out, tree_ones_like(out)
     strategy = ("blue" if branch_free else _sumsq_strategy()) if _is_sumsq(spec) else "cond"
     if strategy != "cond" and jobs:
-        norms = _blue_norms(jobs, comb, combine, variadic=strategy == "blue")
+        norms = blue_norms(jobs, comb, combine, variadic=strategy == "blue")
         if not combine:
             if k == "rms":
                 norms = [nm / math.sqrt(max(j.n, 1)) for nm, j in zip(norms, jobs)]
-            return norms, _ones_like(norms)
+            return norms, tree_ones_like(norms)
         n_tot = comb.count(sum(j.n for j in jobs))
         if k == "rms":
             norms = norms / jnp.sqrt(jnp.maximum(jnp.asarray(n_tot, norms.dtype), 1))
@@ -208,12 +208,12 @@ def _compute(
         # which over- or underflows exactly in the cases this branch exists for.
         ms: Any
         if k == "pow" and spec.p < 0:
-            ms = [j.min(_abs(j.x, j.acc)) for j in jobs]
+            ms = [j.min(abs_acc(j.x, j.acc)) for j in jobs]
             ms = comb.min(ms) if combine else ms
         else:
-            ms = [j.max(_abs(j.x, j.acc)) for j in jobs]
+            ms = [j.max(abs_acc(j.x, j.acc)) for j in jobs]
             ms = comb.max(ms) if combine else ms
-        ms = lax.stop_gradient(jax.tree_util.tree_map(_power_of_two, ms))
+        ms = lax.stop_gradient(jax.tree_util.tree_map(power_of_two, ms))
         if combine:
             ok = jnp.isfinite(ms) & (ms > 0)
             safe_m = jnp.where(ok, ms, jnp.ones_like(ms))
@@ -225,16 +225,16 @@ def _compute(
         safe = [jnp.where(o, m, jnp.ones_like(m)) for o, m in zip(oks, ms)]
         scaled, _ = one_pass(safe)
         if spec.kind == "var":
-            return [jnp.where(o, r * m * m, mn) for o, r, m, mn in zip(oks, scaled, safe, main)], _ones_like(main)
+            return [jnp.where(o, r * m * m, mn) for o, r, m, mn in zip(oks, scaled, safe, main)], tree_ones_like(main)
         return [jnp.where(o, r, mn) for o, r, mn in zip(oks, scaled, main)], safe
 
     if not jobs:
         zero = jnp.zeros((), comb.dtype)
         return (zero, jnp.ones_like(zero)) if combine else (main, main)
-    if _is_sumsq(spec) and not any(_needs_guard(j) for j in jobs):
-        r, m = main, _ones_like(main)  # float16 squares in float32 cannot over/underflow
+    if _is_sumsq(spec) and not any(needs_guard(j) for j in jobs):
+        r, m = main, tree_ones_like(main)  # float16 squares in float32 cannot over/underflow
     else:
-        r, m = cond(bad, fallback, lambda mn: (mn, _ones_like(mn)), main)
+        r, m = cond(bad, fallback, lambda mn: (mn, tree_ones_like(mn)), main)
     if combine:
         # an empty tree has norm 0 for every ord (for p < 0 the empty sum would give inf)
         n_tot = comb.count(sum(j.n for j in jobs))
@@ -250,7 +250,7 @@ def global_norm(
     ``axis_name`` combines the partial statistics across devices (``psum``/``pmax``)
     for leaves sharded by hand inside ``shard_map`` or ``pmap``.
     """
-    jobs, _ = _plan(arrays, [None] * len(arrays), keepdims=False)
+    jobs, _ = plan_jobs(arrays, [None] * len(arrays), keepdims=False)
     r, m = _compute(jobs, spec, combine=True, axis_name=axis_name, dtype=dtype or tree_acc_dtype(arrays))
     return r * m
 
@@ -282,7 +282,7 @@ def slice_norms(
     Returns:
       The list of norms, or, with ``then``, a list of ``(norm, then(norm))`` pairs.
     """
-    jobs, where = _plan(arrays, axes, keepdims=True)
+    jobs, where = plan_jobs(arrays, axes, keepdims=True)
     rs, ms = _compute(jobs, spec, combine=False, axis_name=None, branch_free=branch_free)
     norms = [r * m for r, m in zip(rs, ms)]
     derived = [then(n) for n in norms] if then is not None else norms

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gradclip_jax._core.norms._axes import _size
+from gradclip_jax._core.norms._axes import reduced_size
 from gradclip_jax._core.norms._spec import Axes
 from gradclip_jax._core.norms._trees import acc_dtype
 
@@ -26,7 +26,7 @@ def _safe_nonzero(s: jax.Array) -> tuple[jax.Array, jax.Array]:
     return zero, jnp.where(zero, jnp.ones_like(s), s)
 
 
-def _root(s: jax.Array, p: float) -> jax.Array:
+def pth_root(s: jax.Array, p: float) -> jax.Array:
     """``s ** (1/p)`` with finite derivatives at 0 (and ``0 -> inf`` for p < 0)."""
     if p == 1.0:
         return s
@@ -35,13 +35,13 @@ def _root(s: jax.Array, p: float) -> jax.Array:
     return jnp.where(zero, jnp.zeros_like(s) if p > 0 else jnp.full_like(s, jnp.inf), r)
 
 
-def _abs(x: jax.Array, acc: np.dtype) -> jax.Array:
+def abs_acc(x: jax.Array, acc: np.dtype) -> jax.Array:
     if jnp.iscomplexobj(x):
         return jnp.abs(x).astype(acc)
     return jnp.abs(x.astype(acc))
 
 
-def _abs_sq(x: jax.Array, acc: np.dtype) -> jax.Array:
+def abs_sq(x: jax.Array, acc: np.dtype) -> jax.Array:
     if jnp.iscomplexobj(x):
         re, im = jnp.real(x).astype(acc), jnp.imag(x).astype(acc)
         return re * re + im * im
@@ -49,7 +49,7 @@ def _abs_sq(x: jax.Array, acc: np.dtype) -> jax.Array:
     return y * y
 
 
-def _pow_abs(a: jax.Array, p: float) -> jax.Array:
+def pow_abs(a: jax.Array, p: float) -> jax.Array:
     """``|x| ** p`` from ``a = |x|`` with finite derivatives where it matters."""
     if p == 1.0:
         return a
@@ -62,7 +62,7 @@ def _pow_abs(a: jax.Array, p: float) -> jax.Array:
     return jnp.where(zero, fill, safe**p)
 
 
-def _scaled(x: jax.Array, acc: np.dtype, scale: jax.Array | None) -> jax.Array:
+def scaled_abs(x: jax.Array, acc: np.dtype, scale: jax.Array | None) -> jax.Array:
     """``x`` in its accumulation dtype, divided by ``scale`` when one is given."""
     y = x.astype(jnp.result_type(acc, jnp.complex64)) if jnp.iscomplexobj(x) else x.astype(acc)
     if scale is not None:
@@ -70,7 +70,7 @@ def _scaled(x: jax.Array, acc: np.dtype, scale: jax.Array | None) -> jax.Array:
     return y
 
 
-# Leaves at most this large are stacked with their equals before reducing (see _plan).
+# Leaves at most this large are stacked with their equals before reducing (see plan_jobs).
 PACK_MAX_SIZE = 1 << 12
 # Per backend, the largest small leaf that global mode concatenates into one
 # buffer before reducing. On CPU one reduction of the concatenation compiles much
@@ -87,11 +87,11 @@ def _global_pack_limit() -> int:
 
 
 @dataclasses.dataclass
-class _Job:
+class Job:
     """One reduction: an array reduced over ``axes`` (``None`` = all of it).
 
     Small leaves of equal size and dtype are stacked into one ``(k, n)`` job
-    reduced over axis 1 (see :func:`_plan`).
+    reduced over axis 1 (see :func:`plan_jobs`).
     """
 
     x: jax.Array
@@ -104,7 +104,7 @@ class _Job:
 
     @property
     def n(self) -> int:
-        return _size(self.x.shape, self.axes)
+        return reduced_size(self.x.shape, self.axes)
 
     def sum(self, v: jax.Array) -> jax.Array:
         if self.keepdims:
@@ -137,11 +137,11 @@ def _replicated_type(x: jax.Array) -> bool:
 
 # Arrays at most this large that are reduced over the same axes as others of their
 # shape and dtype (per-example rows of bias and scale leaves, per-slice norms of
-# equal leaves) are stacked and reduced as one (see _plan).
+# equal leaves) are stacked and reduced as one (see plan_jobs).
 SLICE_PACK_MAX_SIZE = 1 << 18
 
 
-def _plan(arrays: Sequence[jax.Array], axes: Sequence[Axes], keepdims: bool) -> tuple[list[_Job], list[Any]]:
+def plan_jobs(arrays: Sequence[jax.Array], axes: Sequence[Axes], keepdims: bool) -> tuple[list[Job], list[Any]]:
     """Builds the reductions for ``arrays``; returns (jobs, where each result lives).
 
     XLA's compile time grows faster than linearly with the number of separate
@@ -153,7 +153,7 @@ def _plan(arrays: Sequence[jax.Array], axes: Sequence[Axes], keepdims: bool) -> 
     ``where[i]`` is ``(job, None)`` for an array reduced on its own and ``(job, row)``
     for a stacked one.
     """
-    jobs: list[_Job] = []
+    jobs: list[Job] = []
     where: list[Any] = [None] * len(arrays)
     groups: dict[Any, list[int]] = {}
     slices: dict[Any, list[int]] = {}
@@ -168,35 +168,35 @@ def _plan(arrays: Sequence[jax.Array], axes: Sequence[Axes], keepdims: bool) -> 
             slices.setdefault((np.dtype(x.dtype), tuple(x.shape), key_axes), []).append(i)
         else:
             where[i] = (len(jobs), None)
-            jobs.append(_Job(x, None if ax is None else tuple(ax), keepdims))
+            jobs.append(Job(x, None if ax is None else tuple(ax), keepdims))
     for (_, _, ax), idx in slices.items():
         if len(idx) == 1:
             where[idx[0]] = (len(jobs), None)
-            jobs.append(_Job(arrays[idx[0]], ax, keepdims))
+            jobs.append(Job(arrays[idx[0]], ax, keepdims))
             continue
         for row, i in enumerate(idx):
             where[i] = (len(jobs), row)
-        jobs.append(_Job(jnp.stack([arrays[i] for i in idx]), tuple(a + 1 for a in ax), keepdims))
+        jobs.append(Job(jnp.stack([arrays[i] for i in idx]), tuple(a + 1 for a in ax), keepdims))
     for (_, size), idx in groups.items():
         if len(idx) == 1:
             i = idx[0]
             ax_i = axes[i]
             where[i] = (len(jobs), None)
-            jobs.append(_Job(arrays[i], None if ax_i is None else tuple(ax_i), keepdims))
+            jobs.append(Job(arrays[i], None if ax_i is None else tuple(ax_i), keepdims))
             continue
         if not keepdims:  # global mode: one flat buffer, reduced whole
             for i in idx:
                 where[i] = (len(jobs), None)
-            jobs.append(_Job(jnp.concatenate([arrays[i].ravel() for i in idx]), None, keepdims))
+            jobs.append(Job(jnp.concatenate([arrays[i].ravel() for i in idx]), None, keepdims))
             continue
         stacked = jnp.stack([arrays[i].reshape(size) for i in idx])
         for row, i in enumerate(idx):
             where[i] = (len(jobs), row)
-        jobs.append(_Job(stacked, (1,), keepdims))
+        jobs.append(Job(stacked, (1,), keepdims))
     return jobs, where
 
 
-class _Combiner:
+class Combiner:
     """Combines per-leaf partial statistics into one (global mode, psum'd)."""
 
     def __init__(self, dtype: np.dtype, axis_name: Any):
@@ -234,11 +234,11 @@ class _Combiner:
         return n
 
 
-def _ones_like(tree: Any) -> Any:
+def tree_ones_like(tree: Any) -> Any:
     return jax.tree_util.tree_map(jnp.ones_like, tree)
 
 
-def _power_of_two(m: jax.Array) -> jax.Array:
+def power_of_two(m: jax.Array) -> jax.Array:
     """The power of two nearest above ``m``, clamped so its reciprocal is normal.
 
     Dividing by it is exact, and XLA may turn the division into a multiplication
@@ -260,7 +260,7 @@ def _power_of_two(m: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(m) & (m > 0), p2, m)
 
 
-def _needs_guard(job: _Job) -> bool:
+def needs_guard(job: Job) -> bool:
     """False for a leaf whose squares can neither overflow nor underflow the accumulator.
 
     float16 (max 65504, smallest subnormal 6e-8) squared and summed in float32 stays

@@ -25,7 +25,7 @@ _STAT_ORDS = ("mad", "rms", "std", "var", "sum")
 # kinds whose partial statistics are sums (and so combine across leaves by +)
 _SUM_KINDS = ("pow", "count", "mad", "rms", "sum", "var", "std")
 # kinds whose fast path can underflow (powers of small numbers)
-_UNDERFLOW_KINDS = ("rms", "var", "std")
+UNDERFLOW_KINDS = ("rms", "var", "std")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,7 @@ from gradclip_jax.dp.accounting._dpsgd import (
     sampled_gaussian_event,
 )
 from gradclip_jax.dp.accounting._privacy_accountant import (
-    PrivacyAccountant,
+    PrivacyAccountant as PrivacyAccountant,
     PrivacyPhase,
     phase_event,
 )
@@ -46,7 +46,6 @@ from gradclip_jax.dp.accounting._subsampled_rdp import (
 
 __all__ = [
     "PoissonSampledDiscreteGaussianEvent",
-    "PrivacyAccountant",
     "PrivacyPhase",
     "calibrate_noise_multiplier",
     "dp_sgd_event",

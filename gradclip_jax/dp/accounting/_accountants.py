@@ -10,7 +10,7 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-_ACCOUNTANTS = ("rdp", "pld")
+ACCOUNTANTS = ("rdp", "pld")
 
 
 class _DropUnconverged(logging.Filter):
@@ -21,7 +21,7 @@ class _DropUnconverged(logging.Filter):
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
+def quiet() -> Iterator[None]:
     """Silences dp-accounting's absl "failed to converge" warnings while accounting.
 
     The RDP accountant logs one such line for every order :math:`\\alpha` whose
@@ -38,12 +38,12 @@ def _quiet() -> Iterator[None]:
         logger.removeFilter(filt)
 
 
-def _dp_accounting() -> Any:
+def import_dp_accounting() -> Any:
     try:
         import dp_accounting
     except ImportError as err:  # pragma: no cover - exercised only without the extra
         raise ImportError(
-            "gradclip_jax.privacy needs the optional 'dp-accounting' package: "
+            "gradclip_jax.dp.accounting needs the optional 'dp-accounting' package: "
             'pip install "gradclip_jax[dp]"  (or: pip install dp-accounting)'
         ) from err
     return dp_accounting
@@ -109,7 +109,7 @@ def step_loss_std(event: Any) -> float | None:
     adds a loss of mean :math:`1/(2z^2)` and deviation :math:`1/z`). Only the
     grid depends on it, never the guarantee.
     """
-    dpa = _dp_accounting()
+    dpa = import_dp_accounting()
     if isinstance(event, dpa.PoissonSampledDpEvent) and isinstance(event.event, dpa.GaussianDpEvent):
         q, z = float(event.sampling_probability), float(event.event.noise_multiplier)
     elif isinstance(event, dpa.TruncatedSubsampledGaussianDpEvent):
@@ -122,22 +122,22 @@ def step_loss_std(event: Any) -> float | None:
     return min(q * math.sqrt(math.expm1(min(1.0 / (z * z), 700.0))), small_noise)
 
 
-def _relation(neighboring: str) -> Any:
+def relation_of(neighboring: str) -> Any:
     """dp-accounting's ``NeighboringRelation`` of ``'add_or_remove'`` or ``'replace'``."""
-    rel = _dp_accounting().NeighboringRelation
+    rel = import_dp_accounting().NeighboringRelation
     return rel.REPLACE_ONE if neighboring == "replace" else rel.ADD_OR_REMOVE_ONE
 
 
-def _accountant(name: str, fn: str, noise_multiplier: float = 1.0, neighboring: str = "add_or_remove") -> Any:
+def make_accountant(name: str, fn: str, noise_multiplier: float = 1.0, neighboring: str = "add_or_remove") -> Any:
     """A fresh dp-accounting accountant; for PLD with the interval of :func:`pld_interval`."""
-    dpa = _dp_accounting()
+    dpa = import_dp_accounting()
     key = str(name).lower()
     if key == "rdp":
-        return dpa.rdp.RdpAccountant(neighboring_relation=_relation(neighboring))
+        return dpa.rdp.RdpAccountant(neighboring_relation=relation_of(neighboring))
     if key == "pld":
-        return dpa.pld.PLDAccountant(_relation(neighboring),
+        return dpa.pld.PLDAccountant(relation_of(neighboring),
                                      value_discretization_interval=pld_interval(noise_multiplier))
-    raise ValueError(f"{fn}: unknown accountant {name!r}; expected one of {_ACCOUNTANTS}")
+    raise ValueError(f"{fn}: unknown accountant {name!r}; expected one of {ACCOUNTANTS}")
 
 
 PLD_RELIABLE = 500.0  # above, dp-accounting's PLD epsilon nears exp() overflow (inf past ~709)

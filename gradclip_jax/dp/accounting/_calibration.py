@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from gradclip_jax.dp.accounting._accountants import _quiet
+from gradclip_jax.dp.accounting._accountants import quiet
 from gradclip_jax.dp.accounting._composition import Composition, phases_of
 
 _MAX_EVALUATIONS = 60  # a bracket is found in a handful; this only stops a non-monotone epsilon
@@ -49,7 +49,7 @@ def calibrate(
         does not reach it.
     """
     args = (target_epsilon, max_noise_multiplier, tol, fn, delta)
-    with _quiet():
+    with quiet():
         start, slope = 1.0, -1.0
         if str(accountant).lower() == "pld":
             coarse = _Evaluations(Composition(accountant, neighboring, fn, coarsen=_SEARCH_COARSEN), event_fn, delta)

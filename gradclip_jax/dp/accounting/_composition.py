@@ -18,10 +18,10 @@ import numpy as np
 
 from gradclip_jax.dp.accounting import _accountants
 from gradclip_jax.dp.accounting._accountants import (
-    _accountant,
-    _dp_accounting,
-    _relation,
+    import_dp_accounting,
+    make_accountant,
     pld_interval,
+    relation_of,
     step_loss_std,
 )
 from gradclip_jax.dp.accounting._subsampled_rdp import PoissonSampledDiscreteGaussianEvent
@@ -38,7 +38,7 @@ def phases_of(event: Any, count: int = 1) -> Phases:
     ``e``; a ``ComposedDpEvent`` lists its events in order. Pairs of count 0
     spend nothing and are left out.
     """
-    dpa = _dp_accounting()
+    dpa = import_dp_accounting()
     if isinstance(event, dpa.SelfComposedDpEvent):
         return phases_of(event.event, count * event.count)
     if isinstance(event, dpa.ComposedDpEvent):
@@ -69,9 +69,9 @@ def _step_pld_uncached(event: Any, neighboring: str, interval: float) -> Any:
     only epsilon and delta, and reading its PLD lets a run reuse it).
     """
     if isinstance(event, PoissonSampledDiscreteGaussianEvent):
-        raise _dp_accounting().UnsupportedEventError(
+        raise import_dp_accounting().UnsupportedEventError(
             "the discrete Gaussian's step has no privacy loss distribution here: use the 'rdp' accountant")
-    acc = _dp_accounting().pld.PLDAccountant(_relation(neighboring), value_discretization_interval=interval)
+    acc = import_dp_accounting().pld.PLDAccountant(relation_of(neighboring), value_discretization_interval=interval)
     acc.compose(event)  # UnsupportedEventError for an event it has no PLD of
     return None if acc._contains_non_dp_event else acc._pld
 
@@ -81,10 +81,10 @@ def _step_rdp_uncached(event: Any, neighboring: str) -> tuple[np.ndarray, np.nda
 
     The discrete Gaussian's step, which dp-accounting does not know, by its own bound.
     """
-    acc = _dp_accounting().rdp.RdpAccountant(neighboring_relation=_relation(neighboring))
+    acc = import_dp_accounting().rdp.RdpAccountant(neighboring_relation=relation_of(neighboring))
     if isinstance(event, PoissonSampledDiscreteGaussianEvent):
         if neighboring != "add_or_remove":
-            raise _dp_accounting().UnsupportedEventError(
+            raise import_dp_accounting().UnsupportedEventError(
                 f"the discrete Gaussian's subsampled RDP is bounded for add-or-remove neighbours, not {neighboring!r}")
         return acc.orders, event.rdp(acc.orders)
     acc.compose(event)
@@ -136,7 +136,7 @@ class Composition:
     """
 
     def __init__(self, name: str, neighboring: str, fn: str, coarsen: float = 1.0):
-        _accountant(name, fn)  # validates the name
+        make_accountant(name, fn)  # validates the name
         self.name, self.neighboring, self.fn = str(name).lower(), neighboring, fn
         self.coarsen = coarsen
         self._kept: dict[tuple[Any, float], tuple[int, Any]] = {}  # (event, interval) -> (T, PLD of T steps)
@@ -164,13 +164,13 @@ class Composition:
         """:math:`\\delta(\\varepsilon)` of ``phases``."""
         if self.name == "rdp":
             orders, rdp = self._rdp(phases)
-            return float(_dp_accounting().rdp.rdp_privacy_accountant.compute_delta(orders, rdp, epsilon)[0])
+            return float(import_dp_accounting().rdp.rdp_privacy_accountant.compute_delta(orders, rdp, epsilon)[0])
         pld = self.pld(phases, noise_multiplier)
         return 1.0 if pld is None else float(pld.get_delta_for_epsilon(epsilon))
 
     def _rdp(self, phases: Phases) -> tuple[np.ndarray, np.ndarray]:
         """``(orders, rdp)`` of ``phases``: each step's RDP times its count, summed in order (as ``RdpAccountant``)."""
-        orders = _dp_accounting().rdp.RdpAccountant().orders
+        orders = import_dp_accounting().rdp.RdpAccountant().orders
         total = np.zeros_like(orders, dtype=np.float64)
         for event, count in phases:
             orders, rdp = self._guarded(_step_rdp, event, self.neighboring, name="rdp")
@@ -179,7 +179,7 @@ class Composition:
 
     def _rdp_epsilon(self, phases: Phases, delta: float) -> float:
         orders, rdp = self._rdp(phases)
-        return float(_dp_accounting().rdp.rdp_privacy_accountant.compute_epsilon(orders, rdp, delta)[0])
+        return float(import_dp_accounting().rdp.rdp_privacy_accountant.compute_epsilon(orders, rdp, delta)[0])
 
     def pld(self, phases: Phases, noise_multiplier: float) -> Any:
         """The PLD of ``phases`` composed in order (``None`` when a step has no noise)."""
@@ -196,7 +196,7 @@ class Composition:
                 return None
             out = piece if out is None else out.compose(piece)
         if out is None:  # no steps
-            out = _dp_accounting().pld.privacy_loss_distribution.identity(value_discretization_interval=interval)
+            out = import_dp_accounting().pld.privacy_loss_distribution.identity(value_discretization_interval=interval)
         return out
 
     def _phase_pld(self, event: Any, count: int, interval: float) -> Any:
@@ -230,7 +230,7 @@ class Composition:
 
     def _guarded(self, build: Any, *args: Any, name: str) -> Any:
         """``build(*args)``; dp-accounting's ``UnsupportedEventError`` as a ValueError naming the accountant."""
-        dpa = _dp_accounting()
+        dpa = import_dp_accounting()
         try:
             return build(*args)
         except dpa.UnsupportedEventError as err:

@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from gradclip_jax._core.validation import check_int, check_number
-from gradclip_jax.dp.accounting._accountants import _accountant, _dp_accounting, _quiet
+from gradclip_jax.dp.accounting._accountants import import_dp_accounting, make_accountant, quiet
 from gradclip_jax.dp.accounting._calibration import calibrate
 from gradclip_jax.dp.accounting._composition import Composition
 
@@ -23,7 +23,7 @@ def sampled_gaussian_event(
     :meth:`gradclip_jax.dp.PoissonSampler.dp_event` and of the accountant's
     Poisson phases.
     """
-    dpa = _dp_accounting()
+    dpa = import_dp_accounting()
     if truncated_batch_size is None:
         return dpa.PoissonSampledDpEvent(sample_rate, dpa.GaussianDpEvent(noise_multiplier))
     return dpa.TruncatedSubsampledGaussianDpEvent(dataset_size, sample_rate, truncated_batch_size, noise_multiplier)
@@ -44,14 +44,14 @@ def dp_sgd_event(noise_multiplier: float, sample_rate: float, steps: int) -> Any
       A ``dp_accounting.DpEvent``; compose it with any accountant.
 
     Example:
-      >>> from gradclip_jax.privacy import dp_sgd_event
+      >>> from gradclip_jax.dp.accounting import dp_sgd_event
       >>> event = dp_sgd_event(1.1, 256 / 60000, 1000)  # doctest: +SKIP
     """
     fn = "dp_sgd_event"
     z = check_number(fn, "noise_multiplier", noise_multiplier, low=0.0)
     q = check_number(fn, "sample_rate", sample_rate, low=0.0, high=1.0, low_inclusive=False)
     t = check_int(fn, "steps", steps, 0)
-    return _dp_accounting().SelfComposedDpEvent(sampled_gaussian_event(z, q), t)
+    return import_dp_accounting().SelfComposedDpEvent(sampled_gaussian_event(z, q), t)
 
 
 def epsilon(
@@ -87,7 +87,7 @@ def epsilon(
       ValueError: for out-of-range arguments or an unknown accountant.
 
     Example:
-      >>> from gradclip_jax.privacy import epsilon
+      >>> from gradclip_jax.dp.accounting import epsilon
       >>> steps = 60 * 60000 // 256  # the JAX DP-SGD example: MNIST, 60 epochs
       >>> round(epsilon(1.1, 256 / 60000, steps, delta=1e-5), 2)
       2.38
@@ -104,7 +104,7 @@ def epsilon(
         return 0.0
     if z == 0.0:
         return math.inf
-    with _quiet():
+    with quiet():
         return comp.epsilon([(sampled_gaussian_event(z, q), t)], d, z)
 
 
@@ -140,7 +140,7 @@ def calibrate_noise_multiplier(
       ValueError: for out-of-range arguments.
 
     Example:
-      >>> from gradclip_jax.privacy import calibrate_noise_multiplier, epsilon
+      >>> from gradclip_jax.dp.accounting import calibrate_noise_multiplier, epsilon
       >>> z = calibrate_noise_multiplier(3.0, 0.05, 100, 1e-5)
       >>> epsilon(z, 0.05, 100, 1e-5) <= 3.0
       True
@@ -153,5 +153,5 @@ def calibrate_noise_multiplier(
         raise ValueError(f"{fn}: `steps` must be at least 1 (zero steps spend nothing)")
     d = check_number(fn, "delta", delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
     check_number(fn, "tol", tol, low=0.0, low_inclusive=False, allow_inf=False)
-    _accountant(accountant, fn)  # validates the name early
+    make_accountant(accountant, fn)  # validates the name early
     return calibrate(lambda z: dp_sgd_event(z, q, t), eps, d, accountant, tol=tol, fn=fn)

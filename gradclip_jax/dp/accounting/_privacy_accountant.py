@@ -7,7 +7,7 @@ import math
 from typing import Any, NamedTuple
 
 from gradclip_jax._core.validation import check_choice, check_int, check_number
-from gradclip_jax.dp.accounting._accountants import _ACCOUNTANTS, _dp_accounting, _quiet
+from gradclip_jax.dp.accounting._accountants import ACCOUNTANTS, import_dp_accounting, quiet
 from gradclip_jax.dp.accounting._composition import Composition
 from gradclip_jax.dp.accounting._dpsgd import sampled_gaussian_event
 from gradclip_jax.dp.sampling.protocol import NEIGHBORING, check_sampler
@@ -49,7 +49,7 @@ def phase_event(phase: PrivacyPhase) -> Any:
         one = phase.sampler.dp_event(z)
     else:
         one = sampled_gaussian_event(z, phase.sample_rate, phase.truncated_batch_size, phase.dataset_size)
-    return _dp_accounting().SelfComposedDpEvent(one, phase.steps)
+    return import_dp_accounting().SelfComposedDpEvent(one, phase.steps)
 
 
 class PrivacyAccountant:
@@ -79,7 +79,7 @@ class PrivacyAccountant:
         neighbouring relation of the guarantee (a sampler's must match).
 
     Example:
-      >>> from gradclip_jax.privacy import PrivacyAccountant
+      >>> from gradclip_jax import PrivacyAccountant
       >>> acc = PrivacyAccountant()
       >>> acc.step(noise_multiplier=1.1, sample_rate=256 / 60000, steps=14062)
       >>> round(acc.epsilon(1e-5), 2)  # 60 epochs of MNIST at batch 256
@@ -91,9 +91,9 @@ class PrivacyAccountant:
 
     def __init__(self, accountant: str = "pld", neighboring: str = "add_or_remove"):
         key = str(accountant).lower()
-        if key not in _ACCOUNTANTS:
+        if key not in ACCOUNTANTS:
             raise ValueError(
-                f"PrivacyAccountant: unknown accountant {accountant!r}; expected one of {_ACCOUNTANTS}"
+                f"PrivacyAccountant: unknown accountant {accountant!r}; expected one of {ACCOUNTANTS}"
             )
         self.accountant = key
         self.neighboring = check_choice("PrivacyAccountant", "neighboring", neighboring, NEIGHBORING)
@@ -192,7 +192,7 @@ class PrivacyAccountant:
 
     def dp_event(self) -> Any:
         """The ``dp_accounting.DpEvent`` of everything recorded (a ``ComposedDpEvent``)."""
-        dpa = _dp_accounting()
+        dpa = import_dp_accounting()
         return dpa.ComposedDpEvent([phase_event(p) for p in self._phases])
 
     def _events(self) -> list[tuple[Any, int]]:
@@ -230,7 +230,7 @@ class PrivacyAccountant:
         trivial = self._spends_nothing_or_all()
         if trivial is not None:
             return trivial
-        with _quiet():
+        with quiet():
             return self._composition.epsilon(self._events(), d, self._min_noise())
 
     def delta(self, epsilon: float) -> float:
@@ -246,7 +246,7 @@ class PrivacyAccountant:
         trivial = self._spends_nothing_or_all()
         if trivial is not None:
             return 0.0 if trivial == 0.0 else 1.0
-        with _quiet():
+        with quiet():
             return self._composition.delta(self._events(), e, self._min_noise())
 
     def state_dict(self) -> dict[str, Any]:
@@ -260,7 +260,7 @@ class PrivacyAccountant:
         adds ``'neighboring': 'replace'``.
 
         Example:
-          >>> from gradclip_jax.privacy import PrivacyAccountant
+          >>> from gradclip_jax import PrivacyAccountant
           >>> acc = PrivacyAccountant()
           >>> acc.step(1.1, 0.01, steps=10)
           >>> acc.state_dict()
@@ -285,7 +285,7 @@ class PrivacyAccountant:
             is out of range.
 
         Example:
-          >>> from gradclip_jax.privacy import PrivacyAccountant
+          >>> from gradclip_jax import PrivacyAccountant
           >>> acc = PrivacyAccountant()
           >>> acc.step(1.1, 0.01, steps=10)
           >>> resumed = PrivacyAccountant()

@@ -21,31 +21,22 @@ Privacy rules followed by every transform:
   norm (a function of noised quantities only). No pre-clip norm or clip count of
   a batch is ever stored.
 
-Account for the privacy spent with :mod:`gradclip_jax.privacy`.
+Account for the privacy spent with :mod:`gradclip_jax.dp.accounting`.
 """
 
 # _fixed_norm: dp_aggregate, dpsgd and dp_noise (a given clip norm); _quantile_norm:
 # dp_quantile_aggregate (adaptive clipping); _shared: the key, clipped sum and divisor they share
 from gradclip_jax.dp.aggregate._fixed_norm import (
-    DPAggregateState,
-    DPNoiseState,
-    dp_aggregate,
-    dp_noise,
-    dpsgd,
+    DPAggregateState as DPAggregateState,
+    DPNoiseState as DPNoiseState,
+    dp_aggregate as dp_aggregate,
+    dp_noise as dp_noise,
+    dpsgd as dpsgd,
 )
 from gradclip_jax.dp.aggregate._quantile_norm import (
-    DPQuantileAggregateState,
-    dp_quantile_aggregate,
-    noise_multiplier_for_gradient,
+    DPQuantileAggregateState as DPQuantileAggregateState,
+    dp_quantile_aggregate as dp_quantile_aggregate,
+    noise_multiplier_for_gradient as noise_multiplier_for_gradient,
 )
 
-__all__ = [
-    "DPAggregateState",
-    "DPNoiseState",
-    "DPQuantileAggregateState",
-    "dp_aggregate",
-    "dp_noise",
-    "dp_quantile_aggregate",
-    "dpsgd",
-    "noise_multiplier_for_gradient",
-]
+__all__: list[str] = []  # every name here has its home elsewhere (CONTRIBUTING.md, "Import paths")

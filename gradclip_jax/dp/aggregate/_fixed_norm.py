@@ -15,7 +15,7 @@ from gradclip_jax._core.numerics import count0 as _count0
 from gradclip_jax._core.state_registry import register_state
 from gradclip_jax._core.validation import clip_norm_arg, static_value
 from gradclip_jax.dp._guards import refuse_update_averaging
-from gradclip_jax.dp.aggregate._shared import _clip_sum, _divisor, _key, _lowest
+from gradclip_jax.dp.aggregate._shared import batch_divisor, clip_sum_rows, lowest_dtype, seed_key
 from gradclip_jax.dp.noise import noised_leaves, split_stored
 from gradclip_jax.per_example.internal import batch_flatten
 
@@ -135,7 +135,7 @@ def _aggregate(
     hps.add("noise_multiplier", noise_multiplier)
     hps.add("batch_size", batch_size, low=0.0, low_inclusive=False, allow_inf=False, allow_none=True)
     nan_safe = bool(static_value(fn, "nan_safe", nan_safe))
-    key0 = _key(seed, fn)
+    key0 = seed_key(seed, fn)
 
     def init_fn(params: Any) -> DPAggregateState:
         del params
@@ -154,8 +154,8 @@ def _aggregate(
         acc = _norms.tree_acc_dtype(arrays)
         v, invalid = hps.at(state.count, acc)
         clip, z = v[clip_norm.name], v["noise_multiplier"]
-        sums, _, _ = _clip_sum(arrays, clip, nan_safe, mask, fn, batch, store=_lowest(arrays))
-        out = noised_leaves(sums, keys, clip * z, _divisor(v["batch_size"], batch, acc), fn=fn)
+        sums, _, _ = clip_sum_rows(arrays, clip, nan_safe, mask, fn, batch, store=lowest_dtype(arrays))
+        out = noised_leaves(sums, keys, clip * z, batch_divisor(v["batch_size"], batch, acc), fn=fn)
         # an invalid traced value (a negative z negates the noise) gives NaN, never a finite update
         out = [poison(o, invalid).astype(x.dtype) for o, x in zip(out, arrays, strict=True)]
         return flat.rebuild(out), DPAggregateState(rng_key=new_key, count=increment(state.count))
@@ -277,7 +277,7 @@ def dp_noise(
     hps = Hyperparams(fn)
     hps.add("stddev", stddev)
     hps.add("normalize_by", normalize_by, low=0.0, low_inclusive=False, allow_inf=False)
-    key0 = _key(seed, fn)
+    key0 = seed_key(seed, fn)
 
     def init_fn(params: Any) -> DPAggregateState:
         del params

@@ -15,9 +15,15 @@ from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.hyperparam_rules import increment
 from gradclip_jax._core.numerics import count0 as _count0
 from gradclip_jax._core.state_registry import register_state
-from gradclip_jax._core.validation import check_mask, check_scalar, is_traced, static_value
+from gradclip_jax._core.validation import (
+    check_mask,
+    check_scalar,
+    either_spelling,
+    is_traced,
+    static_value,
+)
 from gradclip_jax.dp._guards import refuse_update_averaging
-from gradclip_jax.dp.aggregate._shared import _clip_sum, _divisor, _key, _lowest
+from gradclip_jax.dp.aggregate._shared import batch_divisor, clip_sum_rows, lowest_dtype, seed_key
 from gradclip_jax.dp.noise import noised_leaves, split_stored
 from gradclip_jax.per_example.internal import batch_flatten, match_batch_sharding
 
@@ -83,19 +89,34 @@ def noise_multiplier_for_gradient(noise_multiplier: Any, count_noise_std: Any) -
     return jnp.where(zt > 0, jnp.where(inner > 0, inner, jnp.nan) ** -0.5, 0.0)
 
 
+def _clip_norm_arguments(initial: Any, low: Any, high: Any, initial_alias: Any, low_alias: Any,
+                         high_alias: Any) -> tuple[Any, Any, Any]:
+    """The clip norm's start and clamp, each under its DP-API name (``initial_l2_clip_norm``, ...)
+    or optax's spelling (``initial_l2_norm_clip``, ...), without a warning; the defaults 0.1, 0, inf."""
+    fn = "dp_quantile_aggregate"
+    values = [either_spelling(fn, f"{name}_l2_clip_norm", f"{name}_l2_norm_clip", value, alias)
+              for name, value, alias in (("initial", initial, initial_alias), ("min", low, low_alias),
+                                         ("max", high, high_alias))]
+    initial, low, high = (d if v is None else v for v, d in zip(values, (0.1, 0.0, float("inf")), strict=True))
+    return initial, low, high
+
+
 def dp_quantile_aggregate(
     noise_multiplier: float,
     seed: Any,
     *,
-    initial_l2_norm_clip: float = 0.1,
+    initial_l2_clip_norm: float | None = None,
     target_unclipped_quantile: float = 0.5,
     clip_learning_rate: float = 0.2,
     expected_batch_size: float | None = None,
     count_noise_std: float | None = None,
     geometric_update: bool = True,
-    min_l2_norm_clip: float = 0.0,
-    max_l2_norm_clip: float = float("inf"),
+    min_l2_clip_norm: float | None = None,
+    max_l2_clip_norm: float | None = None,
     nan_safe: bool = True,
+    initial_l2_norm_clip: float | None = None,
+    min_l2_norm_clip: float | None = None,
+    max_l2_norm_clip: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """DP-SGD aggregation with a clip norm that tracks a quantile of the norms, privately.
 
@@ -129,7 +150,7 @@ def dp_quantile_aggregate(
       noise_multiplier: :math:`z \\ge 0`, the overall noise multiplier to
         account with (a Python number: it decides :math:`z_\\Delta`).
       seed: an int seed or a ``jax.random`` key.
-      initial_l2_norm_clip: :math:`C_0 > 0` (default 0.1, the paper's).
+      initial_l2_clip_norm: :math:`C_0 > 0` (default 0.1, the paper's).
       target_unclipped_quantile: :math:`\\gamma \\in [0, 1]` (default 0.5: the
         median norm).
       clip_learning_rate: :math:`\\eta \\ge 0` (default 0.2).
@@ -140,8 +161,11 @@ def dp_quantile_aggregate(
         must exceed :math:`z/2`. Required when ``expected_batch_size`` is
         ``None`` and ``z > 0``.
       geometric_update: geometric (default) or arithmetic update of :math:`C`.
-      min_l2_norm_clip, max_l2_norm_clip: clamp of :math:`C` (defaults 0, inf).
+      min_l2_clip_norm, max_l2_clip_norm: clamp of :math:`C` (defaults 0, inf).
       nan_safe: drop examples with non-finite gradients (they count as clipped).
+      initial_l2_norm_clip, min_l2_norm_clip, max_l2_norm_clip: the same three under optax's
+        spelling (``l2_norm_clip``), accepted without a warning; giving both spellings of one
+        raises ``TypeError``.
 
     Returns:
       An :class:`optax.GradientTransformationExtraArgs` with state
@@ -158,6 +182,9 @@ def dp_quantile_aggregate(
       False
     """
     fn = "dp_quantile_aggregate"
+    initial_l2_norm_clip, min_l2_norm_clip, max_l2_norm_clip = _clip_norm_arguments(
+        initial_l2_clip_norm, min_l2_clip_norm, max_l2_clip_norm,
+        initial_l2_norm_clip, min_l2_norm_clip, max_l2_norm_clip)
     check_scalar(fn, "noise_multiplier", noise_multiplier)
     check_scalar(fn, "initial_l2_norm_clip", initial_l2_norm_clip, low=0.0, low_inclusive=False)
     check_scalar(fn, "target_unclipped_quantile", target_unclipped_quantile, high=1.0)
@@ -182,7 +209,7 @@ def dp_quantile_aggregate(
     z_grad = noise_multiplier_for_gradient(noise_multiplier, count_noise_std)
     geometric_update = bool(static_value(fn, "geometric_update", geometric_update))
     nan_safe = bool(static_value(fn, "nan_safe", nan_safe))
-    key0 = _key(seed, fn)
+    key0 = seed_key(seed, fn)
 
     def init_fn(params: Any) -> DPQuantileAggregateState:
         dtype = _norms.tree_acc_dtype(jax.tree_util.tree_leaves(params))
@@ -207,8 +234,8 @@ def dp_quantile_aggregate(
             return updates, state._replace(rng_key=new_key, count=increment(state.count))
         acc = np.dtype(jnp.result_type(_norms.tree_acc_dtype(arrays), state.clip_norm.dtype))
         clip = state.clip_norm.astype(acc)
-        sums, n, keep = _clip_sum(arrays, clip, nan_safe, mask, fn, batch, store=_lowest(arrays))
-        m = _divisor(expected_batch_size, batch, acc)
+        sums, n, keep = clip_sum_rows(arrays, clip, nan_safe, mask, fn, batch, store=lowest_dtype(arrays))
+        m = batch_divisor(expected_batch_size, batch, acc)
         out = noised_leaves(sums, keys, clip * jnp.asarray(z_grad, acc), m, fn=fn)
         out = [o.astype(x.dtype) for o, x in zip(out, arrays, strict=True)]
 

@@ -14,7 +14,7 @@ from gradclip_jax._core.validation import check_int, check_mask
 from gradclip_jax.per_example.internal import as_rows, clip_and_sum, clip_factors, unrow
 
 
-def _key(seed: Any, fn: str) -> jax.Array:
+def seed_key(seed: Any, fn: str) -> jax.Array:
     """A typed PRNG key from an int seed, a typed key or a raw uint32 key."""
     if isinstance(seed, jax.Array) and jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
         return seed
@@ -25,19 +25,19 @@ def _key(seed: Any, fn: str) -> jax.Array:
     return jax.random.key(seed)
 
 
-def _divisor(batch_size: Any, actual: int, dtype: Any) -> jax.Array:
+def batch_divisor(batch_size: Any, actual: int, dtype: Any) -> jax.Array:
     """The public constant the noised sum is divided by (``batch_size``: resolved, or ``None``)."""
     if batch_size is None:
         return jnp.asarray(max(actual, 1), dtype)
     return as_scalar(batch_size, dtype)
 
 
-def _lowest(arrays: list[jax.Array]) -> np.dtype:
+def lowest_dtype(arrays: list[jax.Array]) -> np.dtype:
     """The leaf dtype with the least precision (the clip factors' rounding margin is for it)."""
     return min((np.dtype(x.dtype) for x in arrays), key=lambda d: jnp.finfo(d).nmant)
 
 
-def _clip_sum(
+def clip_sum_rows(
     arrays: list[jax.Array], clip: jax.Array, nan_safe: bool, mask: Any, fn: str, batch: int, store: Any = None
 ) -> tuple[list[jax.Array], jax.Array, jax.Array]:
     """Clipped per-example sums (accumulation dtype), per-example norms and the kept rows.

@@ -29,7 +29,7 @@ def add_sum_of_normals_noise(tree: Any, stddev: Any, key: jax.Array) -> Any:
     that no floating-point leak is left (the integer path, :func:`discrete_gaussian`, is the one
     whose output is exact).
 
-    Each normal is one :func:`gradclip_jax.privacy.add_gaussian_noise` draw (the backend's
+    Each normal is one :func:`gradclip_jax.dp.noise.add_gaussian_noise` draw (the backend's
     strategy, its dtype rules and its stored leaves), from ``jax.random.split(key, 4)``.
 
     Args:
@@ -38,7 +38,7 @@ def add_sum_of_normals_noise(tree: Any, stddev: Any, key: jax.Array) -> Any:
       key: a ``jax.random`` key; in a hardened run, from :func:`os_key`.
 
     Returns:
-      The noised tree (float32 at least, as :func:`~gradclip_jax.privacy.add_gaussian_noise`).
+      The noised tree (float32 at least, as :func:`~gradclip_jax.dp.noise.add_gaussian_noise`).
 
     Example:
       >>> import jax, jax.numpy as jnp

@@ -7,11 +7,11 @@ epochs) and privacy target (:math:`\\varepsilon`, :math:`\\delta`, clip norm
 :math:`C`), it returns a :class:`PrivateTraining` holding
 
 * ``noise_multiplier``: the smallest :math:`z` whose run spends at most the
-  target (:func:`gradclip_jax.privacy.calibrate_noise_multiplier`, PLD);
+  target (:func:`gradclip_jax.dp.accounting.calibrate_noise_multiplier`, PLD);
 * ``sampler``: a :class:`gradclip_jax.dp.PoissonSampler` (fixed shapes), or
   the :class:`gradclip_jax.dp.BatchSampler` you pass as ``sampler=``: the
   noise is calibrated for, and the accountant records, its ``dp_event``;
-* ``accountant``: a :class:`gradclip_jax.privacy.PrivacyAccountant` that
+* ``accountant``: a :class:`gradclip_jax.PrivacyAccountant` that
   :meth:`PrivateTraining.batches` fills one step per batch;
 * ``step(params, opt_state, batch, mask, key) -> (params, opt_state, metrics)``:
   one DP-SGD step, pure and jit-compatible:
@@ -22,7 +22,7 @@ epochs) and privacy target (:math:`\\varepsilon`, :math:`\\delta`, clip norm
       \\qquad \\theta \\leftarrow \\theta + u
 
   with the clipped sum from :func:`gradclip_jax.clipped_grad` (``method='auto'``
-  by default) and the noise from :func:`gradclip_jax.privacy.add_gaussian_noise`.
+  by default) and the noise from :func:`gradclip_jax.dp.noise.add_gaussian_noise`.
   The sum is divided by the **expected** batch size :math:`qn`, a public
   constant (the actual batch size is not public under Poisson sampling); the
   noise's :math:`C` is the sum's sensitivity under the sampler's neighbouring
@@ -53,12 +53,16 @@ gives each step's, the same after a resume); the accountant is a host-side recor
 
 # _make_private: make_private; _step: the jit-able step functions and their metrics; _training: the
 # run on the host (batches recorded step by step, progress, state); _resume: the plan, checked on resume
-from gradclip_jax.dp.private_step._make_private import make_private
-from gradclip_jax.dp.private_step._step import PrivateStepMetrics
+from gradclip_jax.dp.private_step._make_private import (
+    make_private as make_private,
+)
+from gradclip_jax.dp.private_step._step import (
+    PrivateStepMetrics as PrivateStepMetrics,
+)
 from gradclip_jax.dp.private_step._training import (
-    PrivacyBudgetError,
-    PrivacyBudgetWarning,
-    PrivateTraining,
+    PrivacyBudgetError as PrivacyBudgetError,
+    PrivacyBudgetWarning as PrivacyBudgetWarning,
+    PrivateTraining as PrivateTraining,
 )
 
-__all__ = ["PrivacyBudgetError", "PrivacyBudgetWarning", "PrivateStepMetrics", "PrivateTraining", "make_private"]
+__all__: list[str] = []  # every name here has its home elsewhere (CONTRIBUTING.md, "Import paths")

@@ -12,7 +12,7 @@ import optax
 
 from gradclip_jax._core.validation import check_int, check_number, clip_norm_arg
 from gradclip_jax.dp.accounting import PrivacyAccountant, calibrate
-from gradclip_jax.dp.accounting._accountants import _dp_accounting
+from gradclip_jax.dp.accounting._accountants import import_dp_accounting
 from gradclip_jax.dp.hardened import BitGenerator
 from gradclip_jax.dp.private_step._hardened import (
     DiscreteGaussianSampling,
@@ -21,10 +21,10 @@ from gradclip_jax.dp.private_step._hardened import (
     hardening,
     sampler_seed,
 )
-from gradclip_jax.dp.private_step._resume import _check_resume, _plan, _resumed_noise, _sample_rate
-from gradclip_jax.dp.private_step._step import _step_functions
+from gradclip_jax.dp.private_step._resume import check_resume, resumed_noise, run_plan, sampler_rate
+from gradclip_jax.dp.private_step._step import step_functions
 from gradclip_jax.dp.private_step._training import PrivateTraining
-from gradclip_jax.dp.sampling.poisson import PoissonSampler, _rate
+from gradclip_jax.dp.sampling.poisson import PoissonSampler, poisson_rate
 from gradclip_jax.dp.sampling.protocol import BatchSampler, check_sampler
 from gradclip_jax.per_example import clipped_grad
 from gradclip_jax.per_example.internal import Method
@@ -37,7 +37,7 @@ _POISSON_ARGS = ("dataset_size", "expected_batch_size", "sample_rate", "steps", 
 def _poisson_sampler(fn: str, a: dict[str, Any]) -> PoissonSampler:
     """make_private's default sampler, from its Poisson arguments ``a`` (by name)."""
     n = check_int(fn, "dataset_size", a["dataset_size"], 1)
-    q = _rate(fn, n, a["expected_batch_size"], a["sample_rate"])
+    q = poisson_rate(fn, n, a["expected_batch_size"], a["sample_rate"])
     if (a["steps"] is None) == (a["epochs"] is None):
         raise ValueError(f"{fn}: give exactly one of `steps` and `epochs`")
     if a["steps"] is not None:
@@ -76,7 +76,7 @@ def _given_sampler(fn: str, sampler: Any, a: dict[str, Any]) -> BatchSampler:
 def _calibrated(sampler: BatchSampler, t: int, target_epsilon: float, delta: float, accountant: str,
                 fn: str) -> float:
     """The smallest noise multiplier whose ``t`` steps of the sampler's event meet the target."""
-    compose = _dp_accounting().SelfComposedDpEvent
+    compose = import_dp_accounting().SelfComposedDpEvent
 
     def event(z: float) -> Any:  # the whole run: the sampler's step, T times
         return compose(sampler.dp_event(z), t)
@@ -238,13 +238,13 @@ def make_private(
         )
     if physical_batch_size is not None:
         physical_batch_size = check_int(fn, "physical_batch_size", physical_batch_size, 1)
-    plan = _plan(sampler, t, target_epsilon, delta, l2_clip_norm, accountant, hard.mode, hard.grid_scale)
+    plan = run_plan(sampler, t, target_epsilon, delta, l2_clip_norm, accountant, hard.mode, hard.grid_scale)
     rel = sampler.neighboring
     if resume_from is None:
         z = _calibrated(sampler, t, float(target_epsilon), float(delta), accountant, fn)
     else:
-        _check_resume(resume_from, plan)
-        z = _resumed_noise(resume_from)  # the interrupted run's calibration: no search
+        check_resume(resume_from, plan)
+        z = resumed_noise(resume_from)  # the interrupted run's calibration: no search
     planned = PrivacyAccountant(accountant, rel)
     planned.step(z, **sampler.accounting(), steps=t)
     planned_eps = planned.epsilon(delta)
@@ -266,12 +266,12 @@ def make_private(
     if hard.mode == "discrete":
         assert hard.grid_scale is not None  # checked by hardening()
         grid = grid_functions(loss_fn, float(l2_clip_norm), hard.grid_scale, float(grad_fn.sensitivity(rel)), z, fn)
-    init, step, clipped_sum, noisy_update = _step_functions(
+    init, step, clipped_sum, noisy_update = step_functions(
         grad_fn, optimizer, std, divisor, noise=gaussian_noise(hard) if grid is None else grid.noise,
         summed_by=None if grid is None else grid.clipped_sum)
 
     return PrivateTraining(
-        noise_multiplier=z, l2_clip_norm=float(l2_clip_norm), sample_rate=_sample_rate(sampler),
+        noise_multiplier=z, l2_clip_norm=float(l2_clip_norm), sample_rate=sampler_rate(sampler),
         expected_batch_size=divisor,
         steps=t, target_epsilon=float(target_epsilon), delta=float(delta), planned_epsilon=planned_eps,
         sampler=sampler, accountant=acc, optimizer=optimizer, grad_fn=grad_fn,

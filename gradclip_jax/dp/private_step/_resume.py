@@ -8,13 +8,13 @@ import numpy as np
 
 from gradclip_jax.dp.sampling.protocol import BatchSampler
 
-_STATE_FORMAT = "gradclip_jax.make_private/1"
+STATE_FORMAT = "gradclip_jax.make_private/1"
 
 
-def _check_resume(state: Any, plan: dict[str, Any]) -> None:
+def check_resume(state: Any, plan: dict[str, Any]) -> None:
     """ValueError naming ``resume_from`` and the field, when ``state`` is not a state_dict of this plan.
 
-    ``plan`` lacks ``noise_multiplier``: the resumed run takes the state's (:func:`_resumed_noise`).
+    ``plan`` lacks ``noise_multiplier``: the resumed run takes the state's (:func:`resumed_noise`).
     """
     fn = "make_private"
     keys = ("format", "plan", "accountant", "sampler")
@@ -23,8 +23,8 @@ def _check_resume(state: Any, plan: dict[str, Any]) -> None:
             f"{fn}: `resume_from` must be a dict from PrivateTraining.state_dict() (keys {keys}), "
             f"got {type(state).__name__}"
         )
-    if state["format"] != _STATE_FORMAT:
-        raise ValueError(f"{fn}: `resume_from` has format {state['format']!r}, expected {_STATE_FORMAT!r}")
+    if state["format"] != STATE_FORMAT:
+        raise ValueError(f"{fn}: `resume_from` has format {state['format']!r}, expected {STATE_FORMAT!r}")
     saved = state["plan"]
     for name, value in plan.items():
         if name not in saved:
@@ -48,7 +48,7 @@ def _check_resume(state: Any, plan: dict[str, Any]) -> None:
         )
 
 
-def _resumed_noise(state: dict[str, Any]) -> float:
+def resumed_noise(state: dict[str, Any]) -> float:
     """The noise multiplier the interrupted run calibrated (its plan's), checked to be a positive number."""
     z = state["plan"].get("noise_multiplier")
     if isinstance(z, bool) or not isinstance(z, (int, float, np.integer, np.floating)) or not float(z) > 0.0:
@@ -56,7 +56,7 @@ def _resumed_noise(state: dict[str, Any]) -> float:
     return float(z)
 
 
-def _plan(sampler: BatchSampler, steps: int, target_epsilon: float, delta: float, clip: float,
+def run_plan(sampler: BatchSampler, steps: int, target_epsilon: float, delta: float, clip: float,
           accountant: str, hardened: str | None = None, grid_scale: float | None = None) -> dict[str, Any]:
     """The run's plan (plain values) without the noise multiplier: checked on resume.
 
@@ -67,13 +67,13 @@ def _plan(sampler: BatchSampler, steps: int, target_epsilon: float, delta: float
     if grid_scale is not None:
         extra["grid_scale"] = float(grid_scale)
     return {**extra,
-        "dataset_size": int(sampler.dataset_size), "sample_rate": _sample_rate(sampler), "steps": int(steps),
+        "dataset_size": int(sampler.dataset_size), "sample_rate": sampler_rate(sampler), "steps": int(steps),
         "target_epsilon": float(target_epsilon), "delta": float(delta), "l2_clip_norm": float(clip),
         "accountant": str(accountant).lower(), **sampler.plan(),
     }
 
 
-def _sample_rate(sampler: BatchSampler) -> float:
+def sampler_rate(sampler: BatchSampler) -> float:
     """The sampler's rate: a Poisson sampler's own (exact, as saved in plans), else expected size / n."""
     q = getattr(sampler, "sample_rate", None)
     return float(sampler.expected_batch_size) / sampler.dataset_size if q is None else float(q)

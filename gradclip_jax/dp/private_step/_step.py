@@ -60,7 +60,7 @@ class _StepFunctions(NamedTuple):
     noisy_update: Callable[..., tuple[Any, Any, jax.Array]]
 
 
-def _step_functions(grad_fn: ClippedGradFn, optimizer: optax.GradientTransformation, std: float,
+def step_functions(grad_fn: ClippedGradFn, optimizer: optax.GradientTransformation, std: float,
                     divisor: float, noise: Callable[..., Any] | None = None,
                     summed_by: Callable[..., tuple[Any, ClippedGradInfo]] | None = None) -> _StepFunctions:
     """The pure, jit-able functions of a run: noise of standard deviation ``std``, sum over ``divisor``.

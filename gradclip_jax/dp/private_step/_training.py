@@ -14,7 +14,7 @@ import optax
 
 from gradclip_jax.dp.accounting import PrivacyAccountant
 from gradclip_jax.dp.hardened import BitGenerator, os_key
-from gradclip_jax.dp.private_step._resume import _STATE_FORMAT, _plan
+from gradclip_jax.dp.private_step._resume import STATE_FORMAT, run_plan
 from gradclip_jax.dp.private_step._step import PrivateStepMetrics
 from gradclip_jax.dp.sampling.protocol import BatchSampler
 from gradclip_jax.per_example import ClippedGradFn, ClippedGradInfo
@@ -44,7 +44,7 @@ class PrivateTraining:
         at ``noise_multiplier`` (at most ``target_epsilon``).
       sampler: the :class:`gradclip_jax.dp.BatchSampler` (by default a
         :class:`gradclip_jax.dp.PoissonSampler`).
-      accountant: the :class:`gradclip_jax.privacy.PrivacyAccountant`
+      accountant: the :class:`gradclip_jax.PrivacyAccountant`
         (:meth:`batches` records into it).
       optimizer: the optax optimizer applied to the privatized gradient.
       grad_fn: the :func:`gradclip_jax.clipped_grad` function.
@@ -218,7 +218,7 @@ class PrivateTraining:
         (a :class:`gradclip_jax.dp.PoissonSampler`'s: ``max_batch_size``,
         ``on_overflow``, ``seed``) and the calibrated ``noise_multiplier``.
         """
-        plan = _plan(self.sampler, self.steps, self.target_epsilon, self.delta, self.l2_clip_norm,
+        plan = run_plan(self.sampler, self.steps, self.target_epsilon, self.delta, self.l2_clip_norm,
                      self.accountant.accountant, self.hardened, self.grid_scale)
         return {**plan, "noise_multiplier": float(self.noise_multiplier)}
 
@@ -230,7 +230,7 @@ class PrivateTraining:
         * ``'plan'``: :meth:`plan` (checked on resume: the same arguments give
           the same calibrated noise multiplier);
         * ``'accountant'``: the accountant's record
-          (:meth:`gradclip_jax.privacy.PrivacyAccountant.state_dict`: its phases);
+          (:meth:`gradclip_jax.PrivacyAccountant.state_dict`: its phases);
         * ``'sampler'``: ``{'seed': ..., 'steps_taken': ...}`` (step ``t``'s
           batch is a function of ``(seed, t)``, so this is all of the sampler's
           state).
@@ -258,7 +258,7 @@ class PrivateTraining:
           ([2, 3], True)
         """
         return {
-            "format": _STATE_FORMAT,
+            "format": STATE_FORMAT,
             "plan": self.plan(),
             "accountant": self.accountant.state_dict(),
             "sampler": {"seed": self.sampler.plan().get("seed"), "steps_taken": int(self.accountant.steps)},

@@ -18,9 +18,9 @@ are the old homes of ``protocol`` and ``users``, kept for one release as depreca
 """
 
 from gradclip_jax.dp.sampling.poisson import (
-    BatchOverflowError,
-    PoissonBatch,
-    PoissonSampler,
+    BatchOverflowError as BatchOverflowError,
+    PoissonBatch as PoissonBatch,
+    PoissonSampler as PoissonSampler,
     max_batch_size_for,
     overflow_probability,
 )
@@ -36,11 +36,8 @@ from gradclip_jax.dp.sampling.users import UserBatch, UserPoissonSampler, user_l
 
 __all__ = [
     "NEIGHBORING",
-    "BatchOverflowError",
     "BatchSampler",
     "IndexSampler",
-    "PoissonBatch",
-    "PoissonSampler",
     "SampledBatch",
     "UserBatch",
     "UserPoissonSampler",

@@ -5,7 +5,7 @@
 :meth:`~PoissonSampler.dp_event` is the Poisson-subsampled Gaussian mechanism,
 or the truncated one with ``on_overflow='truncate'``.
 
-The privacy accounting of DP-SGD (:mod:`gradclip_jax.privacy`) assumes **Poisson
+The privacy accounting of DP-SGD (:mod:`gradclip_jax.dp.accounting`) assumes **Poisson
 sampling**: at every step each of the :math:`n` examples is in the batch
 independently with probability :math:`q`, so the batch size is
 :math:`\\mathrm{Binomial}(n, q)` and varies from step to step. Shuffled
@@ -36,7 +36,7 @@ anyway is ``on_overflow``:
   drawn examples (truncated Poisson sampling, as jax-privacy's
   ``truncated_batch_size``), and account for it:
   :meth:`PoissonSampler.accounting` returns the truncation, which
-  :class:`gradclip_jax.privacy.PrivacyAccountant` turns into
+  :class:`gradclip_jax.PrivacyAccountant` turns into
   ``dp_accounting.TruncatedSubsampledGaussianDpEvent`` (PLD only).
 
 **Determinism and processes.** Step :math:`t`'s batch is a function of
@@ -62,13 +62,7 @@ import numpy as np
 from gradclip_jax._core.validation import check_int, check_number
 from gradclip_jax.dp.sampling.protocol import IndexSampler, SampledBatch, processes
 
-__all__ = [
-    "BatchOverflowError",
-    "PoissonBatch",
-    "PoissonSampler",
-    "max_batch_size_for",
-    "overflow_probability",
-]
+__all__: list[str] = []  # every name here has its home elsewhere (CONTRIBUTING.md, "Import paths")
 
 _ON_OVERFLOW = ("raise", "truncate")
 
@@ -80,7 +74,7 @@ class BatchOverflowError(RuntimeError):
 PoissonBatch = SampledBatch  # the batch of every sampler (the name this module has always exported)
 
 
-def _rate(fn: str, dataset_size: int, expected_batch_size: Any, sample_rate: Any) -> float:
+def poisson_rate(fn: str, dataset_size: int, expected_batch_size: Any, sample_rate: Any) -> float:
     """The sampling rate q from exactly one of ``expected_batch_size`` and ``sample_rate``."""
     if (expected_batch_size is None) == (sample_rate is None):
         raise ValueError(f"{fn}: give exactly one of `expected_batch_size` and `sample_rate`")
@@ -243,7 +237,7 @@ class PoissonSampler(IndexSampler):
     ):
         fn = "PoissonSampler"
         n = check_int(fn, "dataset_size", dataset_size, 1)
-        self.sample_rate = _rate(fn, n, expected_batch_size, sample_rate)
+        self.sample_rate = poisson_rate(fn, n, expected_batch_size, sample_rate)
         self.expected_batch_size = self.sample_rate * n
         if on_overflow not in _ON_OVERFLOW:
             raise ValueError(f"{fn}: `on_overflow` must be one of {_ON_OVERFLOW}, got {on_overflow!r}")
@@ -302,7 +296,7 @@ class PoissonSampler(IndexSampler):
 
         Returns:
           ``{'sample_rate': q, 'truncated_batch_size': m or None, 'dataset_size': n}``,
-          the keyword arguments of :meth:`gradclip_jax.privacy.PrivacyAccountant.step`
+          the keyword arguments of :meth:`gradclip_jax.PrivacyAccountant.step`
           besides the noise multiplier.
         """
         return {
@@ -316,7 +310,7 @@ class PoissonSampler(IndexSampler):
 
         ``PoissonSampledDpEvent(q, GaussianDpEvent(z))``, or with truncation
         ``TruncatedSubsampledGaussianDpEvent(n, q, m, z)`` (what
-        :class:`gradclip_jax.privacy.PrivacyAccountant` records for
+        :class:`gradclip_jax.PrivacyAccountant` records for
         :meth:`accounting`'s arguments: one function builds both).
         """
         from gradclip_jax.dp.accounting import sampled_gaussian_event

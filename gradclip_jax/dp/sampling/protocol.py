@@ -14,7 +14,7 @@ two jobs, and :class:`BatchSampler` names both:
   :math:`z` (standard deviation over the sensitivity of the sum under the
   sampler's ``neighboring`` relation): what :func:`gradclip_jax.dp.make_private`
   calibrates the noise with and what
-  :class:`gradclip_jax.privacy.PrivacyAccountant` composes, step by step.
+  :class:`gradclip_jax.PrivacyAccountant` composes, step by step.
 
 Behind the protocol: :class:`gradclip_jax.dp.PoissonSampler` (Poisson sampling,
 and truncated Poisson sampling with ``on_overflow='truncate'``). A new scheme
@@ -62,7 +62,7 @@ import numpy as np
 
 from gradclip_jax._core.validation import check_choice, check_int
 
-__all__ = ["NEIGHBORING", "BatchSampler", "IndexSampler", "SampledBatch", "check_sampler", "processes"]
+__all__: list[str] = []  # every name here has its home elsewhere (CONTRIBUTING.md, "Import paths")
 
 # dp_accounting's two neighbouring relations, by the names clipped_grad's sensitivity() uses
 NEIGHBORING = ("add_or_remove", "replace")
@@ -124,7 +124,7 @@ class BatchSampler(Protocol):
         ...
 
     def accounting(self) -> dict[str, Any]:
-        """The keyword arguments of :meth:`gradclip_jax.privacy.PrivacyAccountant.step`
+        """The keyword arguments of :meth:`gradclip_jax.PrivacyAccountant.step`
         (besides the noise multiplier) that record one step of this sampling."""
         ...
 

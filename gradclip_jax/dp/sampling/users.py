@@ -47,7 +47,7 @@ from gradclip_jax.dp.sampling.poisson import (
 )
 from gradclip_jax.dp.sampling.protocol import IndexSampler, SampledBatch, processes
 
-__all__ = ["UserBatch", "UserPoissonSampler", "user_loss"]
+__all__: list[str] = []  # every name here has its home elsewhere (CONTRIBUTING.md, "Import paths")
 
 _CHOICES = ("random", "first")
 _REDUCE = ("sum", "mean")
@@ -229,10 +229,7 @@ class UserPoissonSampler(IndexSampler):
         self.num_users = len(self.users)
         self.max_examples_per_user = check_int(fn, "max_examples_per_user", max_examples_per_user, 1)
         self.example_choice = check_choice(fn, "example_choice", example_choice, _CHOICES)
-        users = check_number(fn, "expected_users", expected_users, low=0.0, low_inclusive=False)
-        if users > self.num_users:
-            raise ValueError(f"{fn}: `expected_users` ({users:g}) must be at most the number of users "
-                             f"({self.num_users})")
+        users = self._expected_users(fn, expected_users, self.num_users)
         self.sample_rate = users / self.num_users
         self.expected_batch_size = self.sample_rate * self.num_users
         index, count = processes(fn, process_index, process_count)
@@ -247,6 +244,15 @@ class UserPoissonSampler(IndexSampler):
             raise ValueError(f"{fn}: `max_users` ({self.max_batch_size}) is below `expected_users` ({users:g})")
         self.overflow_probability = overflow_probability(self.num_users, self.sample_rate,
                                                          self.max_batch_size, self.steps)
+
+    @staticmethod
+    def _expected_users(fn: str, expected_users: Any, num_users: int) -> float:
+        """``expected_users``, checked: positive and at most the number of users."""
+        users = check_number(fn, "expected_users", expected_users, low=0.0, low_inclusive=False)
+        if users > num_users:
+            raise ValueError(f"{fn}: `expected_users` ({users:g}) must be at most the number of users "
+                             f"({num_users})")
+        return users
 
     @staticmethod
     def _users(fn: str, user_ids: Any, user_examples: Any, dataset_size: Any) -> tuple[list[np.ndarray], int]:
@@ -316,9 +322,9 @@ class UserPoissonSampler(IndexSampler):
 
     def dp_event(self, noise_multiplier: float) -> Any:
         """``PoissonSampledDpEvent(q, GaussianDpEvent(z))`` over users (add/remove-one-user neighbours)."""
-        from gradclip_jax.dp.accounting._accountants import _dp_accounting
+        from gradclip_jax.dp.accounting._accountants import import_dp_accounting
 
-        dpa = _dp_accounting()
+        dpa = import_dp_accounting()
         return dpa.PoissonSampledDpEvent(self.sample_rate, dpa.GaussianDpEvent(noise_multiplier))
 
     def plan(self) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from gradclip_jax._core.validation import check_mask, is_int, static_value
 from gradclip_jax.per_example.internal import batch_size_of, example_keys
 
 
-def _argnums(fn: str, name: str, value: Any) -> tuple[int, ...]:
+def checked_argnums(fn: str, name: str, value: Any) -> tuple[int, ...]:
     """``value`` (an int or a sequence of ints) as a tuple of distinct non-negative ints."""
     nums = (value,) if is_int(value) else value
     if not isinstance(nums, Sequence) or not all(is_int(n) for n in nums):
@@ -30,7 +30,7 @@ def _argnums(fn: str, name: str, value: Any) -> tuple[int, ...]:
     return nums
 
 
-def _prng_argnum(fn: str, value: Any, taken: dict[str, tuple[int, ...]]) -> int | None:
+def prng_argnum_of(fn: str, value: Any, taken: dict[str, tuple[int, ...]]) -> int | None:
     """``prng_argnum`` checked: None, or a non-negative int naming no argument in ``taken``."""
     value = static_value(fn, "prng_argnum", value)
     if value is None:
@@ -46,7 +46,7 @@ def _prng_argnum(fn: str, value: Any, taken: dict[str, tuple[int, ...]]) -> int 
     return int(value)
 
 
-def _check_called(fn: str, args: Sequence[Any], **named: Any) -> None:
+def check_called(fn: str, args: Sequence[Any], **named: Any) -> None:
     """ValueError when an argument position named at construction is beyond the call's arguments."""
     for name, nums in named.items():
         top = max(nums) if isinstance(nums, tuple) else nums
@@ -55,7 +55,7 @@ def _check_called(fn: str, args: Sequence[Any], **named: Any) -> None:
                              f"{len(args)} positional argument(s)")
 
 
-def _batch_size(fn: str, batch_argnums: tuple[int, ...], args: Sequence[Any]) -> int:
+def common_batch_size(fn: str, batch_argnums: tuple[int, ...], args: Sequence[Any]) -> int:
     """The common size of axis 0 of the batch arguments; ValueError naming them when they differ."""
     sizes = {i: batch_size_of(args[i], f"{fn}: argument {i} (in batch_argnums)") for i in batch_argnums}
     if len(set(sizes.values())) > 1:
@@ -65,7 +65,7 @@ def _batch_size(fn: str, batch_argnums: tuple[int, ...], args: Sequence[Any]) ->
     return sizes[batch_argnums[0]]
 
 
-def _padding(fn: str, is_padding_example: Any, bsize: int) -> jax.Array:
+def padding_mask(fn: str, is_padding_example: Any, bsize: int) -> jax.Array:
     """``is_padding_example`` as a ``(B,)`` bool array (all False when None)."""
     if is_padding_example is None:
         return jnp.zeros((bsize,), jnp.bool_)
@@ -76,12 +76,12 @@ def _padding(fn: str, is_padding_example: Any, bsize: int) -> jax.Array:
     return check_mask(fn, is_padding_example, bsize)  # type: ignore[return-value]
 
 
-def _example_keys(fn: str, key_arg: Any, bsize: int, prng_argnum: int) -> Any:
+def keys_per_example(fn: str, key_arg: Any, bsize: int, prng_argnum: int) -> Any:
     """Each key of the ``prng_argnum`` argument split into ``bsize`` keys, one per example."""
     return jax.tree.map(lambda k: example_keys(k, bsize, prng_argnum, fn), key_arg)
 
 
-def _squeeze_axis_1(x: Any) -> Any:
+def squeeze_axis_1(x: Any) -> Any:
     """Drops axis 1 when it has size 1: with ``keep_batch_dim`` a per-example aux of shape
     ``(1, ...)`` is stacked to ``(B, 1, ...)``; jax-privacy returns ``(B, ...)``."""
     if hasattr(x, "shape") and len(x.shape) >= 2 and x.shape[1] == 1:
@@ -89,11 +89,11 @@ def _squeeze_axis_1(x: Any) -> Any:
     return x
 
 
-def _expand(x: Any) -> Any:
+def expand_axis_1(x: Any) -> Any:
     return jax.tree.map(lambda a: jnp.expand_dims(a, 0), x)
 
 
-def _check_callable(fn: str, name: str, value: Any) -> None:
+def check_callable(fn: str, name: str, value: Any) -> None:
     if not callable(value):
         raise TypeError(f"{fn}: `{name}` must be callable, got {value!r}")
 

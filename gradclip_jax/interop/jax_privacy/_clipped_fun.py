@@ -15,15 +15,15 @@ from jax_privacy.clipping import BoundedSensitivityCallable
 from gradclip_jax._core.validation import is_int, static_value
 from gradclip_jax.interop.jax_privacy import _version
 from gradclip_jax.interop.jax_privacy._arguments import (
-    _argnums,
-    _batch_size,
-    _check_callable,
-    _check_called,
-    _example_keys,
-    _expand,
-    _padding,
-    _prng_argnum,
-    _squeeze_axis_1,
+    check_callable,
+    check_called,
+    checked_argnums,
+    common_batch_size,
+    expand_axis_1,
+    keys_per_example,
+    padding_mask,
+    prng_argnum_of,
+    squeeze_axis_1,
 )
 from gradclip_jax.interop.jax_privacy._clip_norms import PyTree, is_per_layer, norm_bound
 from gradclip_jax.interop.jax_privacy._clip_pytree import clip_per_layer, clip_pytree
@@ -36,7 +36,7 @@ def _one_group(fun: Callable[..., Any], has_aux: bool, batch_argnums: tuple[int,
 
     def one(*args: Any, is_padding_example: Any, **kwargs: Any) -> tuple:
         if keep_batch_dim:
-            args = tuple(_expand(a) if i in batch_argnums else a for i, a in enumerate(args))
+            args = tuple(expand_axis_1(a) if i in batch_argnums else a for i, a in enumerate(args))
         out = fun(*args, **kwargs)
         value, aux = out if has_aux else (out, ())
         clipped, norm = clip(value, return_zero=is_padding_example)
@@ -123,9 +123,9 @@ def clipped_fun(
       1.0
     """
     fn = "clipped_fun"
-    _check_callable(fn, "fun", fun)
-    batch = _argnums(fn, "batch_argnums", batch_argnums)
-    prng = _prng_argnum(fn, prng_argnum, {"batch_argnums": batch})
+    check_callable(fn, "fun", fun)
+    batch = checked_argnums(fn, "batch_argnums", batch_argnums)
+    prng = prng_argnum_of(fn, prng_argnum, {"batch_argnums": batch})
     bound = norm_bound(fn, l2_clip_norm, bool(rescale_to_unit_norm), normalize_by, grid_scale)
     mb = _microbatch(fn, microbatch_size)
     # a later jax-privacy drops an example whose norm is not finite (2.0.0: its non-finite elements)
@@ -142,8 +142,8 @@ def clipped_fun(
     one = _one_group(fun, has_aux, batch, keep_batch_dim, cast_then_clip)
 
     def clipped_fn(*args: Any, is_padding_example: Any = None, **kwargs: Any) -> Any:
-        _check_called(fn, args, batch_argnums=batch, prng_argnum=prng)
-        bsize = _batch_size(fn, batch, args)
+        check_called(fn, args, batch_argnums=batch, prng_argnum=prng)
+        bsize = common_batch_size(fn, batch, args)
         if mb is not None and bsize % mb:
             raise ValueError(f"{fn}: microbatch_size={mb} must divide the batch size {bsize}")
         split, axes = _split_keys(fn, args, batch, prng, bsize)
@@ -151,9 +151,9 @@ def clipped_fun(
         mapped = optax.microbatching.micro_vmap(
             one, in_axes=axes, microbatch_size=mb, accumulator=(acc.SUM, acc.CONCAT, acc.CONCAT),
             vmap_fn=functools.partial(jax.vmap, spmd_axis_name=spmd_axis_name))
-        value, aux, norms = mapped(*split, is_padding_example=_padding(fn, is_padding_example, bsize), **kwargs)
+        value, aux, norms = mapped(*split, is_padding_example=padding_mask(fn, is_padding_example, bsize), **kwargs)
         if keep_batch_dim:
-            aux = jax.tree.map(_squeeze_axis_1, aux)
+            aux = jax.tree.map(squeeze_axis_1, aux)
         if grid_scale is None:  # an integer sum stays integer (normalize_by is 1 then)
             value = jax.tree.map(lambda x: x / normalize_by, value)
         return _fun_outputs(value, aux, norms, has_aux, return_norms)
@@ -185,7 +185,7 @@ def _split_keys(fn: str, args: Sequence[Any], batch: tuple[int, ...], prng: int 
     out = list(args)
     axes: list[int | None] = [0 if i in batch else None for i in range(len(out))]
     if prng is not None:
-        out[prng] = _example_keys(fn, out[prng], bsize, prng)
+        out[prng] = keys_per_example(fn, out[prng], bsize, prng)
         axes[prng] = 0
     return out, axes
 

@@ -15,15 +15,15 @@ from jax_privacy.clipping import AuxiliaryOutput, BoundedSensitivityCallable
 from gradclip_jax._core.numerics import divide_or_zero, rounding_margin
 from gradclip_jax._core.validation import is_traced, static_value
 from gradclip_jax.interop.jax_privacy._arguments import (
-    _argnums,
-    _batch_size,
-    _check_callable,
-    _check_called,
-    _example_keys,
-    _expand,
-    _padding,
-    _prng_argnum,
-    _squeeze_axis_1,
+    check_callable,
+    check_called,
+    checked_argnums,
+    common_batch_size,
+    expand_axis_1,
+    keys_per_example,
+    padding_mask,
+    prng_argnum_of,
+    squeeze_axis_1,
 )
 from gradclip_jax.interop.jax_privacy._clip_norms import PyTree, is_per_layer, norm_bound
 from gradclip_jax.interop.jax_privacy._clipped_fun import clipped_fun
@@ -36,13 +36,13 @@ class _Layout:
 
     def __init__(self, fn: str, argnums: Any, batch_argnums: Any, prng_argnum: Any):
         self.single = isinstance(argnums, (int, np.integer))
-        self.argnums = _argnums(fn, "argnums", argnums)
-        self.batch = _argnums(fn, "batch_argnums", batch_argnums)
+        self.argnums = checked_argnums(fn, "argnums", argnums)
+        self.batch = checked_argnums(fn, "batch_argnums", batch_argnums)
         shared = sorted(set(self.argnums) & set(self.batch))
         if shared:
             raise ValueError(f"{fn}: argnums={argnums!r} and batch_argnums={batch_argnums!r} overlap at "
                              f"{shared}: a differentiated argument cannot carry the batch")
-        self.prng = _prng_argnum(fn, prng_argnum, {"argnums": self.argnums, "batch_argnums": self.batch})
+        self.prng = prng_argnum_of(fn, prng_argnum, {"argnums": self.argnums, "batch_argnums": self.batch})
 
     def params(self, args: Sequence[Any]) -> Any:
         return args[self.argnums[0]] if self.single else tuple(args[i] for i in self.argnums)
@@ -54,7 +54,7 @@ class _Layout:
     def assemble(self, n: int, params: Any, example: dict, shared: Sequence[Any], keep_batch_dim: bool) -> list:
         """``fun``'s ``n`` positional arguments for one example."""
         placed: dict[int, Any] = dict(zip(self.argnums, (params,) if self.single else params))
-        placed |= {i: _expand(x) if keep_batch_dim else x for i, x in zip(self.batch, example["args"])}
+        placed |= {i: expand_axis_1(x) if keep_batch_dim else x for i, x in zip(self.batch, example["args"])}
         if self.prng is not None:
             placed[self.prng] = example["keys"]  # one key, never expanded (as jax-privacy)
         rest = iter(shared)
@@ -148,7 +148,7 @@ def clipped_grad(
     ``return_values`` or ``return_grad_norms``, ``(grads, AuxiliaryOutput(values,
     grad_norms, aux))``, each per example. The sums come from
     :func:`gradclip_jax.clipped_grad` with ``method`` (default ``'auto'``: ghost
-    clipping where it applies, see :mod:`gradclip_jax.ghost`). Its
+    clipping where it applies, see :mod:`gradclip_jax.per_example.ghost`). Its
     ``sensitivity(neighboring_relation)`` is ``l2_clip_norm`` (1 with
     ``rescale_to_unit_norm``) divided by ``normalize_by`` for add/remove and
     zero-out neighbours, twice that for replace-one.
@@ -220,7 +220,7 @@ def clipped_grad(
       (Array(1., dtype=float32), 1.0)
     """
     fn = "clipped_grad"
-    _check_callable(fn, "fun", fun)
+    check_callable(fn, "fun", fun)
     layout = _Layout(fn, argnums, batch_argnums, prng_argnum)
     rescale = bool(static_value(fn, "rescale_to_unit_norm", rescale_to_unit_norm))
     bound = norm_bound(fn, l2_clip_norm, rescale, normalize_by, grid_scale)
@@ -242,11 +242,11 @@ def clipped_grad(
     with_aux = has_aux or bool(return_values) or bool(return_grad_norms)
 
     def grad_fn(*args: Any, is_padding_example: Any = None, **kwargs: Any) -> Any:
-        _check_called(fn, args, argnums=layout.argnums, batch_argnums=layout.batch, prng_argnum=layout.prng)
-        bsize = _batch_size(fn, layout.batch, args)
-        padding = _padding(fn, is_padding_example, bsize)
+        check_called(fn, args, argnums=layout.argnums, batch_argnums=layout.batch, prng_argnum=layout.prng)
+        bsize = common_batch_size(fn, layout.batch, args)
+        padding = padding_mask(fn, is_padding_example, bsize)
         batch = {"args": tuple(args[i] for i in layout.batch), "kwargs": kwargs,
-                 "keys": None if layout.prng is None else _example_keys(fn, args[layout.prng], bsize, layout.prng)}
+                 "keys": None if layout.prng is None else keys_per_example(fn, args[layout.prng], bsize, layout.prng)}
         arrays, rebuild = _split_static(layout.shared(args))
         loss = _per_example_loss(fun, layout, len(args), has_aux, keep_batch_dim, rebuild)
         params = layout.params(args)
@@ -266,7 +266,7 @@ def clipped_grad(
 def _auxiliary(info: Any, keep_batch_dim: bool, has_aux: bool, return_values: Any,
                return_grad_norms: Any) -> AuxiliaryOutput:
     """jax-privacy's ``AuxiliaryOutput`` of a call: the fields asked for, the rest ``None``."""
-    aux = jax.tree.map(_squeeze_axis_1, info.aux) if keep_batch_dim else info.aux
+    aux = jax.tree.map(squeeze_axis_1, info.aux) if keep_batch_dim else info.aux
     return AuxiliaryOutput(values=info.values if return_values else None,
                            grad_norms=info.norms if return_grad_norms else None,
                            aux=aux if has_aux else None)
@@ -296,12 +296,8 @@ def _rescale_per_layer(grads: PyTree, l2_clip_norm: PyTree, out: PyTree) -> PyTr
     return jax.tree.map(divide, l2_clip_norm, grads, out)
 
 
-def _grid_clipped_grad(fun: Callable[..., Any], layout: _Layout, has_aux: bool, method: Any, *,
-                       l2_clip_norm: Any, grid_scale: int, keep_batch_dim: bool, return_values: bool,
-                       return_grad_norms: bool, transform: Callable[[PyTree], PyTree] | None,
-                       microbatch_size: Any, nan_safe: bool, dtype: Any, spmd_axis_name: Any) -> Any:
-    """``clipped_grad`` with ``grid_scale``: each example's gradient (vmap) clipped and rounded by
-    :func:`clipped_fun`, whose integer sum is exact. Ghost clipping never forms the gradient to round."""
+def _check_grid_method(method: Any, transform: Any) -> None:
+    """``grid_scale`` needs each example's gradient: ``method`` must be ``'vmap'`` or ``'auto'``."""
     fn = "clipped_grad"
     if static_value(fn, "method", method) not in ("auto", "vmap", "ghost"):
         raise ValueError(f"{fn}: unknown method {method!r}; expected 'vmap', 'ghost' or 'auto'")
@@ -309,7 +305,16 @@ def _grid_clipped_grad(fun: Callable[..., Any], layout: _Layout, has_aux: bool, 
         raise ValueError(f"{fn}: grid_scale rounds each example's gradient, which method='ghost' never forms; "
                          "use method='vmap' or 'auto' (which then uses vmap)")
     if transform is not None:
-        _check_callable(fn, "pre_clipping_transform", transform)
+        check_callable(fn, "pre_clipping_transform", transform)
+
+
+def _grid_clipped_grad(fun: Callable[..., Any], layout: _Layout, has_aux: bool, method: Any, *,
+                       l2_clip_norm: Any, grid_scale: int, keep_batch_dim: bool, return_values: bool,
+                       return_grad_norms: bool, transform: Callable[[PyTree], PyTree] | None,
+                       microbatch_size: Any, nan_safe: bool, dtype: Any, spmd_axis_name: Any) -> Any:
+    """``clipped_grad`` with ``grid_scale``: each example's gradient (vmap) clipped and rounded by
+    :func:`clipped_fun`, whose integer sum is exact. Ghost clipping never forms the gradient to round."""
+    _check_grid_method(method, transform)
     argnums = layout.argnums[0] if layout.single else layout.argnums
 
     def example_grad(*args: Any, **kwargs: Any) -> tuple:

@@ -1,7 +1,7 @@
 """Ghost clipping: per-example gradient norms without per-example gradients.
 
-The public names are also reachable as :mod:`gradclip_jax.ghost`; the method
-is told in the guide "Ghost clipping: how it works" (``docs/guides/ghost-clipping.md``). Here: ``_jaxpr`` (tracing and evaluation), ``_analysis`` (the plan:
+``ghost_report``, ``GhostReport`` and ``GhostFallbackWarning`` are imported from ``gradclip_jax``;
+this package is the home of the settings (``AUTO_MIN_ELEMENTS``, ...). The method is told in the guide "Ghost clipping: how it works" (``docs/guides/ghost-clipping.md``). Here: ``_jaxpr`` (tracing and evaluation), ``_analysis`` (the plan:
 which leaf is measured how, and what follows from it: the path, the sum, the fallback
 warning and the report), ``rules`` (one file per primitive family, one
 table), ``_measure`` and ``_sums`` (norms and clipped sums), ``_strategy`` (the
@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 
 from gradclip_jax._core.settings import forward_settings
 from gradclip_jax.per_example.ghost._analysis import (
-    GhostFallbackWarning,
-    GhostReport,
-    ghost_report,
+    GhostFallbackWarning as GhostFallbackWarning,
+    GhostReport as GhostReport,
+    ghost_report as ghost_report,
     policy,
 )
 
@@ -31,7 +31,4 @@ __all__ = [
     "AUTO_MIN_ELEMENTS",
     "AUTO_MIN_ELEMENTS_NO_FALLBACK",
     "BOOKKEEPING_MAX_SHARE",
-    "GhostFallbackWarning",
-    "GhostReport",
-    "ghost_report",
 ]

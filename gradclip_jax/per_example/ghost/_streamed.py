@@ -31,8 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gradclip_jax._core import jaxcompat as jc
-from gradclip_jax._core import norms as _norms
+from gradclip_jax._core import jaxcompat as jc, norms as _norms
 from gradclip_jax._core.jaxcompat import open_jaxpr
 from gradclip_jax.per_example._batch import Call, first_leaf, match_batch_sharding, vary_like
 from gradclip_jax.per_example._config import ClipConfig, GhostSum

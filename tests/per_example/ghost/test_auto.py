@@ -11,13 +11,9 @@ import numpy as np
 import pytest
 from jax import lax
 
-from gradclip_jax.ghost import (
-    AUTO_MIN_ELEMENTS,
-    AUTO_MIN_ELEMENTS_NO_FALLBACK,
-    GhostReport,
-    ghost_report,
-)
+from gradclip_jax import GhostReport, ghost_report
 from gradclip_jax.per_example import clipped_grad
+from gradclip_jax.per_example.ghost import AUTO_MIN_ELEMENTS, AUTO_MIN_ELEMENTS_NO_FALLBACK
 from gradclip_jax.per_example.ghost._analysis import policy
 from tests.per_example.models import mlp_setup, xent
 
@@ -93,7 +89,7 @@ CASES = {
 }
 
 
-@pytest.mark.filterwarnings("ignore::gradclip_jax.ghost.GhostFallbackWarning")
+@pytest.mark.filterwarnings("ignore::gradclip_jax.GhostFallbackWarning")
 @pytest.mark.parametrize("case", CASES)
 def test_auto_takes_the_path_the_report_states(case):
     setup, path, why = CASES[case]

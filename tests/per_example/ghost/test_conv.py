@@ -9,11 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings
-from hypothesis import strategies as st
+from hypothesis import assume, given, settings, strategies as st
 from jax import lax
 
-from gradclip_jax.ghost import ghost_report
+from gradclip_jax import ghost_report
 from gradclip_jax.per_example import clipped_grad
 from gradclip_jax.per_example.ghost.rules import conv
 from tests._backend import assert_equal_on_cpu, by_backend, refuses_backward
@@ -365,8 +364,7 @@ def test_cnn_setup_microbatched_per_layer(forms):
 @pytest.mark.parametrize(("form", "from_input"), [("gram", False), ("gram", True), ("formed", None)],
                          ids=["gram-taps", "gram-input", "formed"])
 def test_sharded_batch(form, from_input, monkeypatch):
-    from jax.sharding import AxisType, NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
     monkeypatch.setattr(conv, "GRAM_RATIO", FORMS[form])
     monkeypatch.setattr(conv, "_input_gram_is_cheaper", lambda views: from_input)

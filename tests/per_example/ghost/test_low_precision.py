@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from gradclip_jax.ghost import GhostFallbackWarning, ghost_report
+from gradclip_jax import GhostFallbackWarning, ghost_report
 from gradclip_jax.per_example import clipped_grad
 from tests._backend import backend_default_precision, library_default_products, refuses_backward
 from tests.jaxprs import equations
@@ -288,8 +288,7 @@ def test_nan_example_microbatches_per_layer():
 @pytest.mark.slow  # a whole model (or 8 devices): long to compile on 2 cores
 def test_nan_example_sharded_batch():
     """The zeroing of dropped examples' rows under an explicitly sharded batch axis."""
-    from jax.sharding import AxisType
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import AxisType, PartitionSpec as P
 
     loss, params, data = mlp16(jnp.bfloat16, batch=16)
     bad = {**data, "x": data["x"].at[2].set(jnp.nan)}

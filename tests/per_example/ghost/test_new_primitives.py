@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from gradclip_jax.ghost import ghost_report
+from gradclip_jax import ghost_report
 from gradclip_jax.per_example import clipped_grad
 from gradclip_jax.per_example.ghost.rules import CONST, MIXED, ROW, RULES, row_rule
 from gradclip_jax.per_example.ghost.rules.unsupported import REASONS

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from gradclip_jax.ghost import ghost_report
+from gradclip_jax import ghost_report
 from gradclip_jax.per_example import clipped_grad
 from tests._backend import refuses_backward
 from tests.jaxprs import primitive_counts
@@ -218,8 +218,7 @@ def test_equinox_filter_vmap_stack():
 def test_sharded_batch_matches_single_device():
     """The steps' operands leave the loop with the batch still sharded; measured as one batch of
     ``L * B`` rows they keep it (explicit sharding), and under ``shard_map`` each device measures its own."""
-    from jax.sharding import AxisType, NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
     loss, params, data = stacked_transformer(seed=8, batch=16)
     mask = jnp.arange(16) % 3 != 0

@@ -1,4 +1,4 @@
-"""Tests for gradclip_jax.ghost: clipped_grad(method='ghost') against method='vmap'."""
+"""Tests for gradclip_jax.per_example.ghost: clipped_grad(method='ghost') against method='vmap'."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from gradclip_jax.ghost import ghost_report
+from gradclip_jax import ghost_report
 from gradclip_jax.per_example import PRODUCT_PRECISION, clipped_grad
 from gradclip_jax.per_example.ghost import _gram, _measure
 from tests._backend import refuses_backward
@@ -446,7 +446,7 @@ def test_param_on_left_and_scan_over_batch():
 
 
 def test_auto_uses_ghost_above_threshold(monkeypatch):
-    import gradclip_jax.ghost as ghost_mod
+    import gradclip_jax.per_example.ghost as ghost_mod
 
     loss, params, data = seq_setup()
     clip = _clip_between_norms(loss, params, data)
@@ -612,8 +612,7 @@ def test_weight_shared_twice_cross_terms():
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 def test_sharded_batch_matches_single_device():
-    from jax.sharding import AxisType, NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
     loss, params, data = mlp_setup(batch=16)
     mask = jnp.arange(16) % 3 != 0

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gradclip_jax.ghost import GhostFallbackWarning, ghost_report
+from gradclip_jax import GhostFallbackWarning, ghost_report
 from gradclip_jax.per_example import clipped_grad
 from tests._backend import refuses_backward
 from tests.per_example.models import xent

@@ -16,7 +16,7 @@ from gradclip_jax._core.jaxcompat import is_literal, shape, sub_jaxprs
 from gradclip_jax.per_example._batch import LOSS_CONTRACT, check_loss_out
 from gradclip_jax.per_example.ghost import _jaxpr
 from gradclip_jax.per_example.ghost._analysis.one_example import batch_states, vmapped_loss
-from gradclip_jax.per_example.ghost._analysis.walk import _walk
+from gradclip_jax.per_example.ghost._analysis.walk import walk_jaxpr
 from gradclip_jax.per_example.ghost._jaxpr import (
     Remat,
     const_values,
@@ -145,7 +145,7 @@ def analyse(jaxpr: Any, n_params: int, active: Sequence[int], n_batch: int, bsiz
     is the per-example loss. ``known``: every value's state, read from the program
     (:func:`~.one_example.batch_states`), instead of the rules' propagation.
     """
-    walk = _walk(jaxpr, n_params, n_batch, bsize, consts, known)
+    walk = walk_jaxpr(jaxpr, n_params, n_batch, bsize, consts, known)
     acc = _norms.tree_acc_dtype([jaxpr.invars[i].aval for i in active])
     narrow_leaf = next((i for i in active if narrower(jaxpr.invars[i].aval.dtype, acc)), None)
     # where the rules lost the batch, if they did (not where they found examples mixed)
@@ -243,4 +243,4 @@ def loss_crossing(loss_fn: Callable[..., Any], has_aux: bool, fn: str, params: A
     analysis), so a batch statistic inside a wrapped layer is found too."""
     closed = trace(_flat_loss(loss_fn, has_aux, fn, bsize, check=True), params, batch, args)
     n_params, n_batch = len(jax.tree_util.tree_leaves(params)), len(jax.tree_util.tree_leaves(batch))
-    return _walk(closed.jaxpr, n_params, n_batch, bsize).crossing
+    return walk_jaxpr(closed.jaxpr, n_params, n_batch, bsize).crossing

@@ -54,7 +54,7 @@ class GhostReport(tuple):
         """One line: how many leaves ghost clipping measures, and the path ``method='auto'`` takes and why.
 
         Example:
-          >>> from gradclip_jax.ghost import GhostReport
+          >>> from gradclip_jax import GhostReport
           >>> GhostReport(([("['w']", 'dense')], []), ('vmap', 'tiny')).summary
           "ghost clipping measures 1 of 1 parameter leaves; 0 fall back to per-example gradients; method='auto' takes the vmap path: tiny"
         """
@@ -72,7 +72,7 @@ class GhostReport(tuple):
         path ``method='auto'`` takes and why.
 
         Example:
-          >>> from gradclip_jax.ghost import GhostReport
+          >>> from gradclip_jax import GhostReport
           >>> print(GhostReport(([("['w']", 'dense')], [("['s']", "used by 'mul'")])))
           ghost clipping measures 1 of 2 parameter leaves; 1 falls back to per-example gradients
           leaf   clipping  kind / why it falls back
@@ -105,7 +105,7 @@ def ghost_report(loss_fn: Callable[..., Any], params: Any, batch: Any, *args: An
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from gradclip_jax.ghost import ghost_report
+      >>> from gradclip_jax import ghost_report
       >>> def loss(p, b):
       ...     return jnp.sum((b @ p['w'] + p['b']) ** 2, axis=-1)
       >>> rep = ghost_report(loss, {'w': jnp.ones((3, 2)), 'b': jnp.zeros(2)}, jnp.ones((4, 3)))

@@ -225,7 +225,7 @@ def _as_rows(eqn: Any, states: list[State], bsize: int) -> RowCtx:
     return RowCtx(eqn, states, bsize) if rows is None else RowCtx(eqn, rows[0], rows[1])
 
 
-def _walk(jaxpr: Any, n_params: int, n_batch: int, bsize: int, consts: dict[Any, Any] | None = None,
+def walk_jaxpr(jaxpr: Any, n_params: int, n_batch: int, bsize: int, consts: dict[Any, Any] | None = None,
           known: dict[Any, State] | None = None) -> _Walk:
     """Row states of every value, and every use of every parameter leaf (through its chain).
 
@@ -241,11 +241,11 @@ def _walk(jaxpr: Any, n_params: int, n_batch: int, bsize: int, consts: dict[Any,
 def _walk_from(jaxpr: Any, states: dict[Any, State], alias: dict[Any, list[_Alias]], bsize: int,
                consts: dict[Any, Any], loss_outs: Sequence[Any], scan_length: int | None = None,
                known: dict[Any, State] | None = None) -> _Walk:
-    """:func:`_walk` from given row states and parameter aliases of the invars. ``loss_outs``:
+    """:func:`walk_jaxpr` from given row states and parameter aliases of the invars. ``loss_outs``:
     the outputs whose computation must not combine examples. ``scan_length``: ``jaxpr`` is the
     body of a scan over stacked layers of that length (its uses are measured inside the loop).
     ``alias``: per value, the parameter leaves it is a chain of (several: a sum of leaves' values).
-    ``known``: see :func:`_walk`."""
+    ``known``: see :func:`walk_jaxpr`."""
     uses: dict[int, list[Site | str]] = {a.leaf: [] for al in alias.values() for a in al}
     act_elems, mixing, unreadable, unknown = 0, None, None, None
     crossings: list[tuple[int, str]] = []  # equations that certainly combine examples, and where
@@ -347,7 +347,7 @@ def _stacked_scan(eqn: Any, k: int, in_states: list[State], aliased: list[tuple[
                   bsize: int, known: dict[Any, State] | None = None) -> _Walk | None:
     """The walk of the body of a scan over stacked layers (parameter leaves as ``xs``, read one
     layer per step; no other operand a parameter), its sites tagged with the scan; ``None``
-    for any other equation. ``known``: see :func:`_walk`."""
+    for any other equation. ``known``: see :func:`walk_jaxpr`."""
     info = jc.scan_or_none(eqn)
     if info is None or not aliased:
         return None
