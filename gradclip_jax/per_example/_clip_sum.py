@@ -14,7 +14,6 @@ from jax import lax
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.control import cond
 from gradclip_jax.per_example._batch import (
-    batch_axis_sharding,
     explicit_spec,
     match_batch_sharding,
     vary_like,
@@ -80,6 +79,59 @@ def scan_weighted_sum(
     return out  # type: ignore[no-any-return]
 
 
+# Elements of the per-example gradients zeroed and summed at a time when a dropped example is
+# not finite (:func:`_column_blocks`): what that rare step holds besides the rows and the sums.
+SAFE_BLOCK_ELEMENTS = 1 << 14
+
+
+def _column_blocks(rows: Sequence[jax.Array], weights: Sequence[jax.Array], keep: jax.Array,
+                   accs: Sequence[np.dtype]) -> list[jax.Array]:
+    """``sum_b [keep_b] w_b r_b`` of every leaf's rows ``(B, D)``, a block of columns at a time.
+
+    Each step of one loop slices a block of columns of every leaf, zeroes its dropped examples and
+    sums it. The blocks are sliced on the feature axis, which a sharded batch leaves whole on each
+    device (slicing the batch axis, as a loop over examples does, makes the SPMD partitioner
+    gather the rows across devices). The blocks of one step hold :data:`SAFE_BLOCK_ELEMENTS`
+    elements besides the sums, or a 64th of one example's gradient where that is more (at most
+    ``64 B`` steps): never a copy of the rows. A leaf's last partial block is taken overlapping
+    the one before, and a leaf with fewer blocks than steps repeats its last one: those columns
+    are written again, with the same sums.
+    """
+    batch, total = rows[0].shape[0], sum(r.shape[0] * r.shape[1] for r in rows)
+    steps = max(1, min(-(-total // SAFE_BLOCK_ELEMENTS), 64 * batch, max(r.shape[1] for r in rows)))
+    widths = [-(-r.shape[1] // steps) for r in rows]
+
+    def body(k: jax.Array, outs: list[jax.Array]) -> list[jax.Array]:
+        new = []
+        for r, w, a, width, out in zip(rows, weights, accs, widths, outs, strict=True):
+            start = jnp.minimum(k * width, r.shape[1] - width)
+            block = lax.dynamic_slice_in_dim(r, start, width, axis=1)
+            block = jnp.where(keep[:, None], block, jnp.zeros((), r.dtype))
+            new.append(lax.dynamic_update_slice_in_dim(out, _row_dot(w, block, a), start, axis=0))
+        return new
+
+    init = [vary_like(jnp.zeros((r.shape[1],), a), r) for r, a in zip(rows, accs, strict=True)]
+    return lax.fori_loop(0, steps, body, init)  # type: ignore[no-any-return]
+
+
+def _safe_sums(rows: Sequence[jax.Array], weights: Sequence[jax.Array], keep: jax.Array,
+               accs: Sequence[np.dtype]) -> list[jax.Array]:
+    """The sums with the dropped rows zeroed (some hold NaN or inf, which a weight of 0 leaves in).
+
+    Rows explicitly sharded are zeroed by a select (a loop cannot slice them); the others a block
+    of columns at a time (:func:`_column_blocks`).
+    """
+    plain = [i for i, r in enumerate(rows) if r.ndim == 2 and r.size > 0 and explicit_spec(r) is None]
+    out = [_row_dot(w, jnp.where(_bcast(keep, r), r, jnp.zeros((), r.dtype)), a)
+           if i not in plain else None for i, (r, w, a) in enumerate(zip(rows, weights, accs, strict=True))]
+    if plain:
+        sums = _column_blocks([rows[i] for i in plain], [weights[i] for i in plain], keep,
+                              [accs[i] for i in plain])
+        for i, v in zip(plain, sums, strict=True):
+            out[i] = v
+    return out  # type: ignore[return-value]
+
+
 def fused_sums(
     rows: Sequence[jax.Array],
     factors: Sequence[jax.Array],
@@ -94,8 +146,10 @@ def fused_sums(
     conditional (on a GPU a conditional costs a round trip to the host). With
     ``finite`` (every example's gradient formed: a zeroed copy would double them)
     their weight is simply 0 when every dropped row is finite, the common case;
-    otherwise one ``lax.cond`` takes a path that zeroes the rows one example at a
-    time. Each sum is a single ``dot_general`` over the batch axis.
+    otherwise one ``lax.cond`` takes a path that zeroes and sums the rows a block
+    of columns at a time (:func:`_safe_sums`): no copy of the rows, and under a
+    sharded batch nothing gathered across devices. Each sum is a single
+    ``dot_general`` over the batch axis.
 
     Returns:
       The sums, each of shape ``row.shape[1:]``.
@@ -109,17 +163,10 @@ def fused_sums(
     def fast(rs: Sequence[jax.Array]) -> list[jax.Array]:
         return [_row_dot(w, r, a) for r, w, a in zip(rs, weights, accs, strict=True)]
 
-    def safe(rs: Sequence[jax.Array]) -> list[jax.Array]:
-        if batch_axis_sharding(rs[0])[0] is not None:
-            zeroed = [jnp.where(_bcast(keep, r), r, jnp.zeros((), r.dtype)) for r in rs]
-            return fast(zeroed)
-        init = [vary_like(jnp.zeros(r.shape[1:], a), r) for r, a in zip(rs, accs, strict=True)]
-        return scan_weighted_sum(init, keep, weights, list(rs), lambda x: x)
-
     if finite is None:
         return fast([jnp.where(_bcast(keep, r), r, jnp.zeros((), r.dtype)) for r in rows])
     ok = jnp.all(keep | finite)
-    return cond(ok, fast, safe, list(rows))  # type: ignore[no-any-return]
+    return cond(ok, fast, lambda rs: _safe_sums(rs, weights, keep, accs), list(rows))  # type: ignore[no-any-return]
 
 
 class Weights(NamedTuple):

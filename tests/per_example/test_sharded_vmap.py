@@ -1,0 +1,117 @@
+"""The vmap path's NaN-safe step sharded FSDP-style on 8 simulated CPU devices (automatic sharding).
+
+Parameters are sharded over ``fsdp`` on their largest axis that it divides, the batch over
+``(data, fsdp)``, on meshes ``(data, fsdp)`` of 8x1, 2x4 and 1x8. Dropping an example whose
+gradient is not finite (``nan_safe``, the default) must not gather per-example gradients across
+devices (nothing at trace time says the batch is sharded, so a loop over examples would be run on
+gathered rows), nor cost memory beyond what the per-example gradients themselves take.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from gradclip_jax.per_example import clipped_grad
+from tests.per_example.models import assert_tree_close
+
+pytestmark = pytest.mark.cpu_only(reason="the compiled memory and collectives of XLA:CPU's programs")
+
+BATCH, SEQ, WIDTH, HIDDEN = 24, 32, 16, 64
+MESHES = ((8, 1), (2, 4), (1, 8))
+_ALL_GATHER = re.compile(r"= (\w+)\[([\d,]*)\]\S* all-gather(?:-start)?\(")
+
+
+def _setup():
+    """A two-layer token model (per-example losses: a mean over tokens) whose activations, as in a
+    language model, outweigh its parameters; example 5 has a NaN input, so a non-finite gradient."""
+    k = jax.random.split(jax.random.PRNGKey(0), 4)
+    params = {"w1": jax.random.normal(k[0], (WIDTH, HIDDEN)) / 4, "b1": jnp.zeros((HIDDEN,)),
+              "w2": jax.random.normal(k[1], (HIDDEN, WIDTH)) / 8}
+    x = jax.random.normal(k[2], (BATCH, SEQ, WIDTH)).at[5, 3, 1].set(jnp.nan)
+    data = {"x": x, "y": jax.random.normal(k[3], (BATCH, SEQ, WIDTH))}
+
+    def losses(p, b):
+        h = jnp.tanh(b["x"] @ p["w1"] + p["b1"]) @ p["w2"]
+        return jnp.mean((h - b["y"]) ** 2, axis=(1, 2))
+
+    return losses, params, data
+
+
+def _fsdp(shape: tuple[int, ...], fsdp: int) -> P:
+    """The largest axis ``fsdp`` divides, over ``'fsdp'`` (else replicated)."""
+    axes = [i for i in sorted(range(len(shape)), key=lambda i: -shape[i]) if shape[i] % fsdp == 0]
+    if fsdp == 1 or not axes:
+        return P()
+    return P(*["fsdp" if i == axes[0] else None for i in range(len(shape))])
+
+
+def _place(params, data, shape):
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(shape), ("data", "fsdp"))
+    params = {k: jax.device_put(v, NamedSharding(mesh, _fsdp(v.shape, shape[1]))) for k, v in params.items()}
+    return params, jax.device_put(data, NamedSharding(mesh, P(("data", "fsdp"))))
+
+
+def _gathered(text: str) -> list[tuple[int, ...]]:
+    """The result shapes of the all-gathers of a compiled HLO text."""
+    return [tuple(int(d) for d in dims.split(",") if d) for _, dims in _ALL_GATHER.findall(text)]
+
+
+def _per_example_sized(shape: tuple[int, ...], largest_leaf: int) -> bool:
+    """Whether a gathered array carries the batch: the batch on an axis, or more elements than a leaf
+    (rows of several examples)."""
+    return BATCH in shape or int(np.prod(shape)) > largest_leaf
+
+
+def _temp(fn, *args) -> int:
+    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_dropping_non_finite_examples_costs_no_memory_on_one_device():
+    """The dropped examples' rows are zeroed where the rows were: no second copy of the
+    per-example gradients (which are most of the step's temporaries here)."""
+    r = np.random.default_rng(0)
+    params = {"w": jnp.asarray(r.normal(size=(128, 256)), jnp.float32), "b": jnp.zeros((256,))}
+    data = {"x": jnp.asarray(r.normal(size=(32, 128)), jnp.float32)}
+
+    def losses(p, b):
+        return jnp.sum(jnp.tanh(b["x"] @ p["w"] + p["b"]), axis=-1)
+
+    def step(nan_safe):
+        return clipped_grad(losses, 1.0, method="vmap", nan_safe=nan_safe)
+
+    safe, unsafe = _temp(step(True), params, data), _temp(step(False), params, data)
+    assert unsafe >= 32 * 128 * 256 * 4  # the per-example gradients
+    assert safe <= 1.02 * unsafe, (safe, unsafe)
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+@pytest.mark.reads_compiled_names
+@pytest.mark.parametrize("shape", MESHES, ids=[f"{d}x{f}" for d, f in MESHES])
+def test_nan_safe_vmap_step_stays_sharded(shape):
+    losses, params, data = _setup()
+    grad_fn = clipped_grad(losses, 0.05, method="vmap")  # nan_safe=True: example 5 is dropped
+    ref, ref_info = jax.jit(grad_fn)(params, data)
+    assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(ref))
+    assert not np.isfinite(np.asarray(ref_info.norms)[5])
+    p_sh, d_sh = _place(params, data, shape)
+    compiled = jax.jit(grad_fn).lower(p_sh, d_sh).compile()
+    largest = max(v.size for v in params.values())
+    bad = [s for s in _gathered(compiled.as_text()) if _per_example_sized(s, largest)]
+    assert not bad, f"all-gathers of per-example-sized arrays: {bad}"
+
+    def nonprivate(p, b):
+        return jax.grad(lambda q: jnp.sum(losses(q, b)))(p)
+
+    base = jax.jit(nonprivate).lower(p_sh, d_sh).compile().memory_analysis().temp_size_in_bytes
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp <= 1.5 * base, (temp, base)
+    grads, info = compiled(p_sh, d_sh)
+    assert_tree_close(grads, ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(info.norms, ref_info.norms, rtol=1e-5)
