@@ -40,7 +40,18 @@ import time
 
 import jax
 
-SUITES = ("core", "stateful", "dp", "noise", "ghost", "sampling", "cost", "calibration", "compile", "sharded")
+SUITES = (
+    "core",
+    "stateful",
+    "dp",
+    "noise",
+    "ghost",
+    "sampling",
+    "cost",
+    "calibration",
+    "compile",
+    "sharded",
+)
 GPU_SUITES = ("core-gpu",)  # rows go to results_<suite>.json / RESULTS_<suite>.md
 EXTRA_SUITES = ("ghost-gpu", "profile-gpu", *GPU_SUITES)  # run only when named in --only
 MODULES = {"profile-gpu": "benchmarks.profile_gpu"}  # the others: benchmarks.bench_<name>
@@ -82,8 +93,10 @@ def _markdown(rows: list[dict], meta: dict) -> str:
         "|---|---|---:|---:|---:|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['group']} | {r['name']} | {r['ours_ms']:.2f} | {r['baseline_ms']:.2f} | "
-                     f"{r['ratio']:.3f} | {r.get('note', '')} |")
+        lines.append(
+            f"| {r['group']} | {r['name']} | {r['ours_ms']:.2f} | {r['baseline_ms']:.2f} | "
+            f"{r['ratio']:.3f} | {r.get('note', '')} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -92,9 +105,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="small trees and few repetitions")
     parser.add_argument("--only", default=",".join(SUITES), help="comma-separated suites")
     parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
-    parser.add_argument("--models", default=None, help="ghost-gpu, profile-gpu: configs to run (e.g. gpt2,wrn)")
-    parser.add_argument("--force-cpu", action="store_true",
-                        help="ghost-gpu, profile-gpu: tiny smoke run without a GPU")
+    parser.add_argument(
+        "--models", default=None, help="ghost-gpu, profile-gpu: configs to run (e.g. gpt2,wrn)"
+    )
+    parser.add_argument(
+        "--force-cpu",
+        action="store_true",
+        help="ghost-gpu, profile-gpu: tiny smoke run without a GPU",
+    )
     return parser
 
 
@@ -102,23 +120,38 @@ def _run_suite(name: str, args: argparse.Namespace) -> list[dict]:
     """Runs suite ``name`` with the flags it takes, printing each row; returns its rows."""
     mod = importlib.import_module(module_name(name))
     params = inspect.signature(mod.run).parameters
-    extra = {k: v for k, v in (("out", args.out), ("models", args.models),
-                               ("force", True if args.force_cpu else None)) if k in params}
+    extra = {
+        k: v
+        for k, v in (
+            ("out", args.out),
+            ("models", args.models),
+            ("force", True if args.force_cpu else None),
+        )
+        if k in params
+    }
     t0 = time.perf_counter()
     suite_rows = mod.run(quick=args.quick, **extra)
     for r in suite_rows:
         unit = r.get("unit", "ms")  # rows of counts or sizes name their unit
-        print(f"[{r['group']}] {r['name']}: {r['ours_ms']:.2f} {unit} vs {r['baseline_ms']:.2f} {unit} "
-              f"= {r['ratio']:.3f}  {r.get('note', '')}", flush=True)
+        print(
+            f"[{r['group']}] {r['name']}: {r['ours_ms']:.2f} {unit} vs {r['baseline_ms']:.2f} {unit} "
+            f"= {r['ratio']:.3f}  {r.get('note', '')}",
+            flush=True,
+        )
     print(f"-- {name}: {time.perf_counter() - t0:.0f} s", flush=True)
     return suite_rows
 
 
 def _write(rows: list[dict], names: list[str], args: argparse.Namespace) -> None:
     """Merges ``rows`` into the results file of these suites and writes its Markdown table."""
-    meta = {"jax": jax.__version__, "backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
-            "machine": f"{platform.machine()} {platform.system()}", "quick": args.quick,
-            "date": time.strftime("%Y-%m-%d")}
+    meta = {
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "device": str(jax.devices()[0].device_kind),
+        "machine": f"{platform.machine()} {platform.system()}",
+        "quick": args.quick,
+        "date": time.strftime("%Y-%m-%d"),
+    }
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     gpu_only = all(n in EXTRA_SUITES for n in names)  # rows only from GPU suites
@@ -129,7 +162,10 @@ def _write(rows: list[dict], names: list[str], args: argparse.Namespace) -> None
         previous = json.loads(path.read_text())
         old_meta = previous.get("meta", {})
         if old_meta.get("quick") == args.quick and old_meta.get("backend") == meta["backend"]:
-            old_rows = [{**r, "date": r.get("date", old_meta.get("date", "?"))} for r in previous.get("rows", [])]
+            old_rows = [
+                {**r, "date": r.get("date", old_meta.get("date", "?"))}
+                for r in previous.get("rows", [])
+            ]
     rows = merge_rows(old_rows, rows, set(names), meta["date"])
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     (out / f"RESULTS{suffix}.md").write_text(_markdown(rows, meta))
@@ -147,9 +183,13 @@ def main() -> None:
     names = [n.strip() for n in args.only.split(",") if n.strip()]
     for name in names:
         if name not in SUITES + EXTRA_SUITES:
-            parser.error(f"--only: unknown suite {name!r}; known: {', '.join(SUITES + EXTRA_SUITES)}")
+            parser.error(
+                f"--only: unknown suite {name!r}; known: {', '.join(SUITES + EXTRA_SUITES)}"
+            )
         suite_rows = _run_suite(name, args)
-        if name not in EXTRA_SUITES or name in GPU_SUITES:  # ghost-gpu, profile-gpu write their own files
+        if (
+            name not in EXTRA_SUITES or name in GPU_SUITES
+        ):  # ghost-gpu, profile-gpu write their own files
             rows += suite_rows
     if not rows:  # (also: rows only from GPU suites, without a GPU: nothing to write)
         return

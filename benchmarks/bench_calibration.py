@@ -74,10 +74,15 @@ def _calibration_row(target: float) -> dict:
     tracemalloc.stop()
     eps = epsilon(z_pld, q, STEPS, DELTA)
     return row(
-        "calibration", f"calibrate z for target epsilon {target:g} (n={N}, E[B]={BATCH}, {STEPS} steps): "
-        "PLD vs RDP", s_pld * 1e3, s_rdp * 1e3,
+        "calibration",
+        f"calibrate z for target epsilon {target:g} (n={N}, E[B]={BATCH}, {STEPS} steps): "
+        "PLD vs RDP",
+        s_pld * 1e3,
+        s_rdp * 1e3,
         note=f"z pld {z_pld:.5g} (epsilon {eps:.6g}), z rdp {z_rdp:.5g}; PLD peak {peak:.0f} MB",
-        pld_peak_mb=peak, pld_z=z_pld, rdp_z=z_rdp,
+        pld_peak_mb=peak,
+        pld_z=z_pld,
+        rdp_z=z_rdp,
     )
 
 
@@ -90,18 +95,31 @@ def _make_private_row(target: float) -> dict:
         return (batch @ w) ** 2
 
     def call(accountant: str) -> Any:
-        return make_private(loss_fn, optax.sgd(0.1), dataset_size=N, expected_batch_size=BATCH, steps=STEPS,
-                            target_epsilon=target, delta=DELTA, l2_clip_norm=1.0, accountant=accountant,
-                            process_index=0, process_count=1)
+        return make_private(
+            loss_fn,
+            optax.sgd(0.1),
+            dataset_size=N,
+            expected_batch_size=BATCH,
+            steps=STEPS,
+            target_epsilon=target,
+            delta=DELTA,
+            l2_clip_norm=1.0,
+            accountant=accountant,
+            process_index=0,
+            process_count=1,
+        )
 
     call("rdp")  # imports (jax, optax, scipy) outside the timing
     pld, s_pld = _cpu(lambda: call("pld"))
     rdp, s_rdp = _cpu(lambda: call("rdp"))
     return row(
-        "calibration", f"make_private whole call, target epsilon {target:g} (n={N}, E[B]={BATCH}, {STEPS} steps): "
-        "PLD vs RDP", s_pld * 1e3, s_rdp * 1e3,
+        "calibration",
+        f"make_private whole call, target epsilon {target:g} (n={N}, E[B]={BATCH}, {STEPS} steps): "
+        "PLD vs RDP",
+        s_pld * 1e3,
+        s_rdp * 1e3,
         note=f"z pld {pld.noise_multiplier:.5g} (planned {pld.planned_epsilon:.6g}), "
-             f"z rdp {rdp.noise_multiplier:.5g} (planned {rdp.planned_epsilon:.6g})",
+        f"z rdp {rdp.noise_multiplier:.5g} (planned {rdp.planned_epsilon:.6g})",
     )
 
 
@@ -135,8 +153,11 @@ def _epsilon_row(kind: str, steps: int, calls: int = 20) -> dict:
 
     ref, s_ref = _cpu(scratch)
     return row(
-        "calibration", f"{kind.upper()} epsilon() per call at step {steps:,} (z={EPSILON_Z:g}, q={BATCH}/{N}): "
-        "kept composition vs from scratch", cpu / calls * 1e3, s_ref * 1e3,
+        "calibration",
+        f"{kind.upper()} epsilon() per call at step {steps:,} (z={EPSILON_Z:g}, q={BATCH}/{N}): "
+        "kept composition vs from scratch",
+        cpu / calls * 1e3,
+        s_ref * 1e3,
         note=f"epsilon {eps:.6g} (from scratch {ref:.6g}); mean of {calls} calls, one after each new step",
     )
 
@@ -144,7 +165,10 @@ def _epsilon_row(kind: str, steps: int, calls: int = 20) -> dict:
 def run(quick: bool = False) -> list[dict]:
     """Runs the benchmark and returns its rows (see the module docstring)."""
     targets = QUICK_TARGETS if quick else TARGETS
-    for kind in ("pld", "rdp"):  # imports (scipy.optimize, dp-accounting's modules) outside the timing
+    for kind in (
+        "pld",
+        "rdp",
+    ):  # imports (scipy.optimize, dp-accounting's modules) outside the timing
         calibrate_noise_multiplier(2.0, BATCH / N, 10, DELTA, kind)
     rows = [_calibration_row(t) for t in targets]
     rows += [_make_private_row(t) for t in targets]

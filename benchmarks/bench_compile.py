@@ -54,8 +54,13 @@ def breakdown(step: Callable[..., Any], *args: Any) -> dict[str, Any]:
     t2 = time.perf_counter()
     compiled = lowered.compile()
     t3 = time.perf_counter()
-    return {"trace": t1 - t0, "lower": t2 - t1, "compile": t3 - t2, "total": t3 - t0,
-            "by_source": instructions_by_source(compiled.as_text())}
+    return {
+        "trace": t1 - t0,
+        "lower": t2 - t1,
+        "compile": t3 - t2,
+        "total": t3 - t0,
+        "by_source": instructions_by_source(compiled.as_text()),
+    }
 
 
 def steps(losses: Callable[..., Any], batch: int) -> dict[str, Callable[..., Any]]:
@@ -84,20 +89,38 @@ def measure(batch: int = BATCH) -> dict[str, dict[str, Any]]:
 
 def rows_of(res: dict[str, dict[str, Any]], label: str) -> list[dict]:
     """The rows of the module docstring from :func:`measure`'s result."""
+
     def sources(n: str) -> str:
         by = res[n]["by_source"]
         return f"{n} {sum(by.values())} ({', '.join(f'{k} {v}' for k, v in by.items())})"
 
     def note(*names: str) -> str:
-        return f"seconds in the ms columns; {label}; HLO instructions by source: " + "; ".join(map(sources, names))
+        return f"seconds in the ms columns; {label}; HLO instructions by source: " + "; ".join(
+            map(sources, names)
+        )
 
     base = res["nonprivate"]
-    rows = [row(GROUP, f"{phase}: DP step ({n}) vs non-private step ({label})", 1e3 * res[n][phase],
-                1e3 * base[phase], note(n, "nonprivate") + ("; goal <= 1.5x (total)" if phase == "total" else ""))
-            for n in ("ghost", "vmap", "hand") for phase in (*PHASES, "total")]
-    rows.append(row(GROUP, f"total: DP step, clipped_grad(method='vmap') vs hand-written vmap(grad) + clip + sum "
-                           f"({label})", 1e3 * res["vmap"]["total"], 1e3 * res["hand"]["total"],
-                    note("vmap", "hand") + "; goal <= 1.2x"))
+    rows = [
+        row(
+            GROUP,
+            f"{phase}: DP step ({n}) vs non-private step ({label})",
+            1e3 * res[n][phase],
+            1e3 * base[phase],
+            note(n, "nonprivate") + ("; goal <= 1.5x (total)" if phase == "total" else ""),
+        )
+        for n in ("ghost", "vmap", "hand")
+        for phase in (*PHASES, "total")
+    ]
+    rows.append(
+        row(
+            GROUP,
+            f"total: DP step, clipped_grad(method='vmap') vs hand-written vmap(grad) + clip + sum "
+            f"({label})",
+            1e3 * res["vmap"]["total"],
+            1e3 * res["hand"]["total"],
+            note("vmap", "hand") + "; goal <= 1.2x",
+        )
+    )
     return rows
 
 

@@ -52,37 +52,64 @@ def _runtime_rows(tree: Any, label: str, reps: int) -> list[dict]:
     ours_f, ref_f = _update_fn(ours_tx), _update_fn(ref_tx)
     ours_s, ref_s = ours_tx.init(tree), ref_tx.init(tree)
     copy_f = jax.jit(lambda g: jax.tree_util.tree_map(lambda x: x * 2, g))
-    t = interleaved_ms({
-        "ours": lambda: ours_f(tree, ours_s),
-        "optax": lambda: ref_f(tree, ref_s),
-        "copy": lambda: copy_f(tree),
-    }, reps=reps)
+    t = interleaved_ms(
+        {
+            "ours": lambda: ours_f(tree, ours_s),
+            "optax": lambda: ref_f(tree, ref_s),
+            "copy": lambda: copy_f(tree),
+        },
+        reps=reps,
+    )
     n = num_params(tree)
     floor_ms = 1.5 * t["copy"]  # 3 passes over the tree vs the copy's 2
     return [
-        row(GROUP, f"clip_by_global_norm vs optax, {label} ({n / 1e6:.1f}M params)", t["ours"], t["optax"],
-            "bar <= 1.10"),
-        row(GROUP, f"clip_by_global_norm vs memory floor, {label}", t["ours"], floor_ms,
-            f"floor = 3 passes at the bandwidth of x*2 ({t['copy']:.2f} ms for 2 passes)"),
+        row(
+            GROUP,
+            f"clip_by_global_norm vs optax, {label} ({n / 1e6:.1f}M params)",
+            t["ours"],
+            t["optax"],
+            "bar <= 1.10",
+        ),
+        row(
+            GROUP,
+            f"clip_by_global_norm vs memory floor, {label}",
+            t["ours"],
+            floor_ms,
+            f"floor = 3 passes at the bandwidth of x*2 ({t['copy']:.2f} ms for 2 passes)",
+        ),
     ]
 
 
 def _chain_row(tree: Any, label: str, reps: int) -> dict:
     t = chain_step_ms(tree, reps)
-    return row(GROUP, f"chain(clip, adamw) + apply_updates vs optax, {label} ({num_params(tree) / 1e6:.1f}M params)",
-               t["ours"], t["optax"], "bar <= 1.0")
+    return row(
+        GROUP,
+        f"chain(clip, adamw) + apply_updates vs optax, {label} ({num_params(tree) / 1e6:.1f}M params)",
+        t["ours"],
+        t["optax"],
+        "bar <= 1.0",
+    )
 
 
 def _eager_row(tree: Any, label: str, reps: int) -> dict:
     ours_tx, ref_tx = gcx.clip_by_global_norm(1.0), optax.clip_by_global_norm(1.0)
     ours_s, ref_s = ours_tx.init(tree), ref_tx.init(tree)
-    t = interleaved_ms({
-        "ours": lambda: ours_tx.update(tree, ours_s),
-        "optax": lambda: ref_tx.update(tree, ref_s),
-    }, reps=reps)
+    t = interleaved_ms(
+        {
+            "ours": lambda: ours_tx.update(tree, ours_s),
+            "optax": lambda: ref_tx.update(tree, ref_s),
+        },
+        reps=reps,
+    )
     n, leaves = num_params(tree), len(jax.tree_util.tree_leaves(tree))
-    return row(GROUP, f"clip_by_global_norm eager (no jit) vs optax eager, {label} ({n / 1e6:.1f}M params, "
-                      f"{leaves} leaves)", t["ours"], t["optax"], "bar <= 1.0; op-by-op dispatch, compile excluded")
+    return row(
+        GROUP,
+        f"clip_by_global_norm eager (no jit) vs optax eager, {label} ({n / 1e6:.1f}M params, "
+        f"{leaves} leaves)",
+        t["ours"],
+        t["optax"],
+        "bar <= 1.0; op-by-op dispatch, compile excluded",
+    )
 
 
 def _compile_s(make_tx: Any, tree: Any) -> float:
@@ -101,9 +128,15 @@ def _compile_rows(n_leaves: int, repeats: int) -> list[dict]:
     exact = (n_leaves * 256) ** 0.5
     ours_norm = float(gcx.tree_norm(tree))
     ref_norm = float(optax.tree.norm(tree))
-    return [row(GROUP, f"compile time, clip_by_global_norm on {n_leaves} bf16 leaves (16,16)",
-                1e3 * ours, 1e3 * ref,
-                f"bar <= 0.6; norm of ones: ours {ours_norm:.2f}, optax {ref_norm:.2f}, exact {exact:.2f}")]
+    return [
+        row(
+            GROUP,
+            f"compile time, clip_by_global_norm on {n_leaves} bf16 leaves (16,16)",
+            1e3 * ours,
+            1e3 * ref,
+            f"bar <= 0.6; norm of ones: ours {ours_norm:.2f}, optax {ref_norm:.2f}, exact {exact:.2f}",
+        )
+    ]
 
 
 def _warm_start_row(quick: bool) -> dict:
@@ -112,10 +145,14 @@ def _warm_start_row(quick: bool) -> dict:
     r = warm_start.measure(quick)
     cold, warm = r["cold"]["compile_s"], r["warm"]["compile_s"]
     label = "784-32-10" if quick else "784-128-10"
-    return row(GROUP, f"DP step (make_private, MLP {label}, B=32) warm start from the persistent cache vs cold compile",
-               1e3 * warm, 1e3 * cold,
-               f"trace+lower+compile in a fresh process, {r['entries']} programs cached; same outputs to the bit: "
-               f"{r['cold']['digest'] == r['warm']['digest']}")
+    return row(
+        GROUP,
+        f"DP step (make_private, MLP {label}, B=32) warm start from the persistent cache vs cold compile",
+        1e3 * warm,
+        1e3 * cold,
+        f"trace+lower+compile in a fresh process, {r['entries']} programs cached; same outputs to the bit: "
+        f"{r['cold']['digest'] == r['warm']['digest']}",
+    )
 
 
 def run(quick: bool = False) -> list[dict]:
@@ -140,7 +177,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     for r in run(quick=args.quick):
-        print(f"{r['name']:<80} {r['ours_ms']:10.2f} ms / {r['baseline_ms']:10.2f} ms = {r['ratio']:.3f}  {r['note']}")
+        print(
+            f"{r['name']:<80} {r['ours_ms']:10.2f} ms / {r['baseline_ms']:10.2f} ms = {r['ratio']:.3f}  {r['note']}"
+        )
 
 
 if __name__ == "__main__":

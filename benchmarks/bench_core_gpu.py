@@ -85,16 +85,22 @@ def _packed_row(tree: Any, label: str, reps: int, ref_f: Any, ref_s: Any) -> dic
         packed_tx = gcx.clip_by_global_norm(1.0)
         packed_f = _clip_fn(packed_tx)
         packed_s = packed_tx.init(tree)
-        tp = interleaved_ms({"packed": lambda: packed_f(tree, packed_s), "optax": lambda: ref_f(tree, ref_s)},
-                            reps=reps)
+        tp = interleaved_ms(
+            {"packed": lambda: packed_f(tree, packed_s), "optax": lambda: ref_f(tree, ref_s)},
+            reps=reps,
+        )
         packed_tmp = _temp_mib(lambda: gcx.clip_by_global_norm(1.0), tree)
     finally:
         _norms.GLOBAL_PACK_MAX_SIZE.clear()
         _norms.GLOBAL_PACK_MAX_SIZE.update(saved)
-    return row(GROUP, f"clip_by_global_norm alone, small leaves packed (CPU strategy), {label}",
-               tp["packed"], tp["optax"],
-               f"default on {backend}: {saved.get(backend, _norms.PACK_MAX_SIZE)}; "
-               f"packed temporaries {packed_tmp:.2f} MiB")
+    return row(
+        GROUP,
+        f"clip_by_global_norm alone, small leaves packed (CPU strategy), {label}",
+        tp["packed"],
+        tp["optax"],
+        f"default on {backend}: {saved.get(backend, _norms.PACK_MAX_SIZE)}; "
+        f"packed temporaries {packed_tmp:.2f} MiB",
+    )
 
 
 def _compile_and_memory_rows(tree: Any, label: str) -> list[dict]:
@@ -102,16 +108,38 @@ def _compile_and_memory_rows(tree: Any, label: str) -> list[dict]:
     rows: list[dict] = []
     ours_c_s = _compile_s(lambda: gcx.clip_by_global_norm(1.0), tree)
     ref_c_s = _compile_s(lambda: optax.clip_by_global_norm(1.0), tree)
-    rows.append(row(GROUP, f"compile time, clip_by_global_norm, {label}", 1e3 * ours_c_s, 1e3 * ref_c_s,
-                    "goal <= 1.0"))
+    rows.append(
+        row(
+            GROUP,
+            f"compile time, clip_by_global_norm, {label}",
+            1e3 * ours_c_s,
+            1e3 * ref_c_s,
+            "goal <= 1.0",
+        )
+    )
     ours_tmp = _temp_mib(lambda: gcx.clip_by_global_norm(1.0), tree)
     ref_tmp = _temp_mib(lambda: optax.clip_by_global_norm(1.0), tree)
-    rows.append(row(GROUP, f"compiled temporaries (MiB, in the ms columns), clip_by_global_norm, {label}",
-                    ours_tmp, ref_tmp, "memory, not time: ours MiB / optax MiB"))
-    exact = float(np.sqrt(sum(float(jnp.sum(jnp.square(x.astype(jnp.float32))))
-                              for x in jax.tree_util.tree_leaves(tree))))
-    rows[-1]["note"] += (f"; norm ours {float(gcx.tree_norm(tree)):.6g}, optax "
-                         f"{float(optax.tree.norm(tree)):.6g}, float32 sum {exact:.6g}")
+    rows.append(
+        row(
+            GROUP,
+            f"compiled temporaries (MiB, in the ms columns), clip_by_global_norm, {label}",
+            ours_tmp,
+            ref_tmp,
+            "memory, not time: ours MiB / optax MiB",
+        )
+    )
+    exact = float(
+        np.sqrt(
+            sum(
+                float(jnp.sum(jnp.square(x.astype(jnp.float32))))
+                for x in jax.tree_util.tree_leaves(tree)
+            )
+        )
+    )
+    rows[-1]["note"] += (
+        f"; norm ours {float(gcx.tree_norm(tree)):.6g}, optax "
+        f"{float(optax.tree.norm(tree)):.6g}, float32 sum {exact:.6g}"
+    )
     return rows
 
 
@@ -119,21 +147,41 @@ def _rows_for(dtype: Any, label: str, reps: int) -> list[dict]:
     tree = _make_tree(dtype)
     n = num_params(tree)
     leaves = len(jax.tree_util.tree_leaves(tree))
-    shape = f"{n / 1e9:.2f}B params, {leaves} leaves" if n > 1e8 else f"{n} params, {leaves} leaves (small)"
+    shape = (
+        f"{n / 1e9:.2f}B params, {leaves} leaves"
+        if n > 1e8
+        else f"{n} params, {leaves} leaves (small)"
+    )
     rows: list[dict] = []
 
     ours_tx, ref_tx = gcx.clip_by_global_norm(1.0), optax.clip_by_global_norm(1.0)
     ours_f, ref_f = _clip_fn(ours_tx), _clip_fn(ref_tx)
     ours_s, ref_s = ours_tx.init(tree), ref_tx.init(tree)
-    t = interleaved_ms({"ours": lambda: ours_f(tree, ours_s), "optax": lambda: ref_f(tree, ref_s)}, reps=reps)
-    rows.append(row(GROUP, f"clip_by_global_norm alone vs optax, {label} ({shape})", t["ours"], t["optax"],
-                    "goal <= 1.0"))
+    t = interleaved_ms(
+        {"ours": lambda: ours_f(tree, ours_s), "optax": lambda: ref_f(tree, ref_s)}, reps=reps
+    )
+    rows.append(
+        row(
+            GROUP,
+            f"clip_by_global_norm alone vs optax, {label} ({shape})",
+            t["ours"],
+            t["optax"],
+            "goal <= 1.0",
+        )
+    )
 
     rows.append(_packed_row(tree, label, reps, ref_f, ref_s))
 
     t = chain_step_ms(tree, reps)
-    rows.append(row(GROUP, f"chain(clip, adamw) + apply_updates vs optax, {label}", t["ours"], t["optax"],
-                    "goal <= 1.0"))
+    rows.append(
+        row(
+            GROUP,
+            f"chain(clip, adamw) + apply_updates vs optax, {label}",
+            t["ours"],
+            t["optax"],
+            "goal <= 1.0",
+        )
+    )
 
     rows += _compile_and_memory_rows(tree, label)
     return rows
@@ -142,8 +190,10 @@ def _rows_for(dtype: Any, label: str, reps: int) -> list[dict]:
 def run(quick: bool = False) -> list[dict]:
     """The GPU rows; none (with a message) without a GPU unless ``GCX_BENCH_SMALL=1``."""
     if jax.default_backend() not in ("gpu", "cuda", "rocm") and not _small():
-        print(f"[{GROUP}] skipped: no GPU (backend {jax.default_backend()}); "
-              "GCX_BENCH_SMALL=1 runs it on a tiny tree")
+        print(
+            f"[{GROUP}] skipped: no GPU (backend {jax.default_backend()}); "
+            "GCX_BENCH_SMALL=1 runs it on a tiny tree"
+        )
         return []
     reps = 5 if (quick or _small()) else 30
     rows: list[dict] = []
@@ -157,12 +207,16 @@ def run(quick: bool = False) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--small", action="store_true", help="a tiny tree (same as GCX_BENCH_SMALL=1)")
+    parser.add_argument(
+        "--small", action="store_true", help="a tiny tree (same as GCX_BENCH_SMALL=1)"
+    )
     args = parser.parse_args()
     if args.small:
         os.environ["GCX_BENCH_SMALL"] = "1"
     for r in run(quick=args.quick):
-        print(f"{r['name']:<90} {r['ours_ms']:10.3f} / {r['baseline_ms']:10.3f} = {r['ratio']:.3f}  {r['note']}")
+        print(
+            f"{r['name']:<90} {r['ours_ms']:10.3f} / {r['baseline_ms']:10.3f} = {r['ratio']:.3f}  {r['note']}"
+        )
 
 
 if __name__ == "__main__":

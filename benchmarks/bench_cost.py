@@ -76,7 +76,10 @@ from gradclip_jax._core.jaxcompat import gpu_threefry_on_cpu
 GROUP = "cost"
 STEPS = ("nonprivate", "ghost", "vmap")
 GPT2_LAYERS = 2
-MODELS = {"gpt2-2l": Config("gpt2-2l-b8", "gpt2", 8, STEPS), "wrn": Config("wrn-b32", "wrn", 32, STEPS)}
+MODELS = {
+    "gpt2-2l": Config("gpt2-2l-b8", "gpt2", 8, STEPS),
+    "wrn": Config("wrn-b32", "wrn", 32, STEPS),
+}
 # (record key, row title, unit, scale of the value in the ms columns)
 MEASURES = (
     ("flops", "FLOPs (CPU cost analysis)", "GFLOP", 1e-9),
@@ -157,21 +160,29 @@ def stablehlo_counts(text: str, entry: str = "main") -> dict[str, int]:
 
 
 def _sum_precision(counts: dict[str, int], precision: str) -> int:
-    return sum(n for k, n in counts.items() if k.split(" ", 1)[0] in ("dot_general", "convolution")
-               and k.split(" ", 1)[1] == precision)
+    return sum(
+        n
+        for k, n in counts.items()
+        if k.split(" ", 1)[0] in ("dot_general", "convolution") and k.split(" ", 1)[1] == precision
+    )
 
 
 def lowered_summary(text: str) -> dict[str, Any]:
     """What the report keeps of a CUDA-lowered module (see :func:`stablehlo_counts`)."""
     counts = stablehlo_counts(text)
-    return {"products_highest": _sum_precision(counts, "HIGHEST"),
-            "products_default": _sum_precision(counts, "DEFAULT"),
-            "while": counts.get("while", 0), "case": counts.get("case", 0) + counts.get("if", 0),
-            "lowered_ops": {k: v for k, v in sorted(counts.items())}}
+    return {
+        "products_highest": _sum_precision(counts, "HIGHEST"),
+        "products_default": _sum_precision(counts, "DEFAULT"),
+        "while": counts.get("while", 0),
+        "case": counts.get("case", 0) + counts.get("if", 0),
+        "lowered_ops": {k: v for k, v in sorted(counts.items())},
+    }
 
 
-_RNG_LOOP = re.compile(r"jit\((?:_uniform|_threefry_split|_threefry_fold_in|_random_bits|_normal_real)\)/"
-                       r"(?:[^\"/]+/)*while\"")
+_RNG_LOOP = re.compile(
+    r"jit\((?:_uniform|_threefry_split|_threefry_fold_in|_random_bits|_normal_real)\)/"
+    r"(?:[^\"/]+/)*while\""
+)
 
 
 def rng_loops(text: str) -> int:
@@ -201,9 +212,14 @@ def compiled_summary(compiled: Any) -> dict[str, Any]:
     flow = control_flow(compiled)
     if "loops" in flow:
         flow["loops"] -= rng_loops(text)
-    return {"flops": float(cost.get("flops", 0.0)), "bytes": float(cost.get("bytes accessed", 0.0)),
-            "instructions": len(_HLO_INSTRUCTION.findall(text)), "by_source": instructions_by_source(text),
-            "temporaries": memory_mb(compiled)[0], **flow}
+    return {
+        "flops": float(cost.get("flops", 0.0)),
+        "bytes": float(cost.get("bytes accessed", 0.0)),
+        "instructions": len(_HLO_INSTRUCTION.findall(text)),
+        "by_source": instructions_by_source(text),
+        "temporaries": memory_mb(compiled)[0],
+        **flow,
+    }
 
 
 @contextlib.contextmanager
@@ -289,10 +305,20 @@ def rows_of(res: dict[str, Any]) -> list[dict]:
     for name in STEPS[1:]:
         rec = res["steps"][name]
         for key, title, unit, scale in MEASURES:
-            out.append(row(GROUP, f"{res['model']} {name} DP step vs non-private step, B={res['batch']}: "
-                           f"{title} ({unit}, in the ms columns)", rec[key] * scale, base[key] * scale,
-                           _note(rec, base, key, res["label"]), unit=unit, measure=key, step=name,
-                           model=res["model"]))
+            out.append(
+                row(
+                    GROUP,
+                    f"{res['model']} {name} DP step vs non-private step, B={res['batch']}: "
+                    f"{title} ({unit}, in the ms columns)",
+                    rec[key] * scale,
+                    base[key] * scale,
+                    _note(rec, base, key, res["label"]),
+                    unit=unit,
+                    measure=key,
+                    step=name,
+                    model=res["model"],
+                )
+            )
     return out
 
 
@@ -302,11 +328,15 @@ def run(quick: bool = False) -> list[dict]:
     for model in MODELS:
         t0 = time.perf_counter()
         res = measure_model(model, quick)
-        print(f"[cost] {model}: {res['label']}, B={res['batch']}, read in {time.perf_counter() - t0:.0f} s",
-              flush=True)
+        print(
+            f"[cost] {model}: {res['label']}, B={res['batch']}, read in {time.perf_counter() - t0:.0f} s",
+            flush=True,
+        )
         rows += rows_of(res)
     t0 = time.perf_counter()
-    rows += cost_llama.run(quick)  # the MLP's ghost gradient (checked) and the Llama decoder's steps
+    rows += cost_llama.run(
+        quick
+    )  # the MLP's ghost gradient (checked) and the Llama decoder's steps
     print(f"[cost] mlp + llama: read in {time.perf_counter() - t0:.0f} s", flush=True)
     return rows
 

@@ -46,8 +46,9 @@ from gradclip_jax.per_example import clipped_grad
 DROPIN_TRANSFORMER_BATCHES = {False: (32, 128), True: (32,)}  # by ``quick``
 
 
-def dropin_ms(losses: Callable[..., Any], params: Any, data: Any, reps: int = 3,
-              max_s: float = 10.0) -> tuple[dict[str, float], float] | None:
+def dropin_ms(
+    losses: Callable[..., Any], params: Any, data: Any, reps: int = 3, max_s: float = 10.0
+) -> tuple[dict[str, float], float] | None:
     """``({'jax_privacy': ms, 'dropin': ms}, max |difference of the sums|)`` of jax-privacy's
     ``clipped_grad`` and the drop-in on the same call, timed interleaved with few repetitions
     (jax-privacy takes seconds per call on some CPU models); None without jax-privacy."""
@@ -56,8 +57,12 @@ def dropin_ms(losses: Callable[..., Any], params: Any, data: Any, reps: int = 3,
     if jp is None or drop is None:
         return None
     jp_jit, drop_jit = jax.jit(jp), jax.jit(drop)
-    ms = interleaved_ms({"jax_privacy": lambda: jp_jit(params, data), "dropin": lambda: drop_jit(params, data)},
-                        reps, warmup=1, max_s=max_s)
+    ms = interleaved_ms(
+        {"jax_privacy": lambda: jp_jit(params, data), "dropin": lambda: drop_jit(params, data)},
+        reps,
+        warmup=1,
+        max_s=max_s,
+    )
     return ms, max_diff(jp_jit(params, data), drop_jit(params, data))
 
 
@@ -70,13 +75,20 @@ def dropin_row(tag: str, ms: dict[str, float], diff: float, env: str) -> dict:
         "baseline_ms": ms["jax_privacy"],
         "ratio": ms["dropin"] / ms["jax_privacy"],
         "note": f"the same call on both (method='auto'), timed together after the others; "
-                f"max |drop-in - jax_privacy| = {diff:.1e}; {env}",
+        f"max |drop-in - jax_privacy| = {diff:.1e}; {env}",
     }
 
 
 def _dp_row(name: str, ours_ms: float, baseline_ms: float, note: str, **extra: Any) -> dict:
-    return {"group": "dp", "name": name, "ours_ms": ours_ms, "baseline_ms": baseline_ms,
-            "ratio": ours_ms / baseline_ms, "note": note, **extra}
+    return {
+        "group": "dp",
+        "name": name,
+        "ours_ms": ours_ms,
+        "baseline_ms": baseline_ms,
+        "ratio": ours_ms / baseline_ms,
+        "note": note,
+        **extra,
+    }
 
 
 def _batch_rows(batch: int, reps: int, max_s: float, env: str) -> list[dict]:
@@ -97,18 +109,38 @@ def _batch_rows(batch: int, reps: int, max_s: float, env: str) -> list[dict]:
     diff = max_diff(ours(params, data)[0], hand(params, data))
     tag = f"mlp 784-512-512-10 B={batch}"
     rows = [
-        _dp_row(f"{tag} clipped_grad(vmap) vs vmap(grad)+optax.per_example_global_norm_clip", ms["ours"],
-                ms["hand"], f"bar <= 1.0; max |ours - hand| = {diff:.2e}; {env}"),
-        _dp_row(f"{tag} clipped_grad(vmap) vs non-private grad", ms["ours"], ms["nonprivate"],
-                f"cost of materializing per-example gradients; {env}"),
+        _dp_row(
+            f"{tag} clipped_grad(vmap) vs vmap(grad)+optax.per_example_global_norm_clip",
+            ms["ours"],
+            ms["hand"],
+            f"bar <= 1.0; max |ours - hand| = {diff:.2e}; {env}",
+        ),
+        _dp_row(
+            f"{tag} clipped_grad(vmap) vs non-private grad",
+            ms["ours"],
+            ms["nonprivate"],
+            f"cost of materializing per-example gradients; {env}",
+        ),
     ]
     name = f"{tag} clipped_grad(vmap) vs jax_privacy.clipped_grad"
     if timed is None:
-        return [*rows, {**_dp_row(name, ms["ours"], float("nan"), "skipped: jax_privacy is not installed"),
-                        "ratio": float("nan")}]
-    return [*rows, _dp_row(name, ms["ours"], timed[0]["jax_privacy"],
-                           f"jax_privacy timed after the others (few repetitions: it is slow here); {env}"),
-            dropin_row(tag, *timed, env)]
+        return [
+            *rows,
+            {
+                **_dp_row(name, ms["ours"], float("nan"), "skipped: jax_privacy is not installed"),
+                "ratio": float("nan"),
+            },
+        ]
+    return [
+        *rows,
+        _dp_row(
+            name,
+            ms["ours"],
+            timed[0]["jax_privacy"],
+            f"jax_privacy timed after the others (few repetitions: it is slow here); {env}",
+        ),
+        dropin_row(tag, *timed, env),
+    ]
 
 
 def _microbatch_rows(quick: bool, reps: int, max_s: float, env: str) -> list[dict]:
@@ -126,10 +158,18 @@ def _microbatch_rows(quick: bool, reps: int, max_s: float, env: str) -> list[dic
         jf = jax.jit(f)
         fns[str(m)] = lambda jf=jf: jf(params, data)[0]
     ms = interleaved_ms(fns, max(3, reps // 3), warmup=1, max_s=max_s)
-    return [_dp_row(f"mlp B={batch} clipped_grad microbatch_size={m} (time, temp memory)", ms[str(m)], ms["hand"],
-                    f"compiled temp memory {mbs[m]:.1f} MiB vs hand-written {hand_mb:.1f} MiB; "
-                    f"baseline = vmap(grad)+optax; {env}", ours_mb=mbs[m], baseline_mb=hand_mb)
-            for m in micro]
+    return [
+        _dp_row(
+            f"mlp B={batch} clipped_grad microbatch_size={m} (time, temp memory)",
+            ms[str(m)],
+            ms["hand"],
+            f"compiled temp memory {mbs[m]:.1f} MiB vs hand-written {hand_mb:.1f} MiB; "
+            f"baseline = vmap(grad)+optax; {env}",
+            ours_mb=mbs[m],
+            baseline_mb=hand_mb,
+        )
+        for m in micro
+    ]
 
 
 def run(quick: bool = False) -> list[dict]:
@@ -159,7 +199,9 @@ def _main() -> None:
         return
     for r in rows:
         mem = f"  mem {r['ours_mb']:.0f}/{r['baseline_mb']:.0f} MiB" if "ours_mb" in r else ""
-        print(f"{r['name']:<100} {r['ours_ms']:9.2f} ms / {r['baseline_ms']:9.2f} ms = {r['ratio']:6.3f}{mem}")
+        print(
+            f"{r['name']:<100} {r['ours_ms']:9.2f} ms / {r['baseline_ms']:9.2f} ms = {r['ratio']:6.3f}{mem}"
+        )
 
 
 if __name__ == "__main__":

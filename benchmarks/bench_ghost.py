@@ -62,8 +62,9 @@ from benchmarks.steps import CLIP, nonprivate_step
 from gradclip_jax.per_example import clipped_grad
 
 
-def _model_rows(label: str, bar: str, model: Callable[..., Any], batch: int, reps: int, max_s: float,
-                env: str) -> list[dict]:
+def _model_rows(
+    label: str, bar: str, model: Callable[..., Any], batch: int, reps: int, max_s: float, env: str
+) -> list[dict]:
     """Time and memory rows of one model at one batch size (see the module docstring)."""
     losses, params, data = model(0, batch)
     fns = {
@@ -78,29 +79,64 @@ def _model_rows(label: str, bar: str, model: Callable[..., Any], batch: int, rep
     diff = max(max_diff(jitted[k](params, data)[0], ref) for k in ("backward", "bookkeeping"))
     ms = interleaved_ms({k: (lambda k=k: jitted[k](params, data)) for k in fns}, reps, max_s=max_s)
     # vmap apart: its B x params rows would flush the caches before whichever step ran next
-    ms["vmap"] = interleaved_ms({"vmap": lambda: vmap(params, data)}, max(2, reps // 4), max_s=max_s)["vmap"]
+    ms["vmap"] = interleaved_ms(
+        {"vmap": lambda: vmap(params, data)}, max(2, reps // 4), max_s=max_s
+    )["vmap"]
     mem = {k: compiled_mb(f, params, data) for k, f in fns.items()}
     mem["vmap"] = compiled_mb(clipped_grad(losses, CLIP, method="vmap"), params, data)
-    return _rows_of(label, bar, batch, f"{label}, B={batch}, {env}; max|ghost-vmap|={diff:.1e}", ms, mem)
+    return _rows_of(
+        label, bar, batch, f"{label}, B={batch}, {env}; max|ghost-vmap|={diff:.1e}", ms, mem
+    )
 
 
-def _rows_of(label: str, bar: str, batch: int, note: str, ms: dict[str, float],
-             mem: dict[str, tuple[float, float]]) -> list[dict]:
+def _rows_of(
+    label: str,
+    bar: str,
+    batch: int,
+    note: str,
+    ms: dict[str, float],
+    mem: dict[str, tuple[float, float]],
+) -> list[dict]:
     """The rows of one model at one batch size from its times ``ms`` and memory ``mem``."""
-    mem_note = ("compiled memory (MiB, not ms), temporaries / peak incl. params, batch and grads: "
-                + ", ".join(f"{k} {t:.1f} / {p:.1f}" for k, (t, p) in mem.items()))
-    names = {"ghost": "ghost (default ghost_sum='auto')", "backward": "ghost_sum='backward'",
-             "bookkeeping": "ghost_sum='bookkeeping'", "vmap": "vmap"}
+    mem_note = (
+        "compiled memory (MiB, not ms), temporaries / peak incl. params, batch and grads: "
+        + ", ".join(f"{k} {t:.1f} / {p:.1f}" for k, (t, p) in mem.items())
+    )
+    names = {
+        "ghost": "ghost (default ghost_sum='auto')",
+        "backward": "ghost_sum='backward'",
+        "bookkeeping": "ghost_sum='bookkeeping'",
+        "vmap": "vmap",
+    }
     rows = []
     for k in ("ghost", "backward", "bookkeeping"):
-        rows.append(row("ghost", f"{label} {names[k]} vs non-private grad, B={batch}", ms[k], ms["nonprivate"],
-                        note + (f"; {bar}" if k == "ghost" else "")))
-    rows.append(row("ghost", f"{label} ghost vs vmap clipped_grad, B={batch}", ms["ghost"], ms["vmap"], note))
+        rows.append(
+            row(
+                "ghost",
+                f"{label} {names[k]} vs non-private grad, B={batch}",
+                ms[k],
+                ms["nonprivate"],
+                note + (f"; {bar}" if k == "ghost" else ""),
+            )
+        )
+    rows.append(
+        row(
+            "ghost", f"{label} ghost vs vmap clipped_grad, B={batch}", ms["ghost"], ms["vmap"], note
+        )
+    )
     for k in ("ghost", "backward", "bookkeeping", "vmap"):
         for which, idx in (("temp", 0), ("peak", 1)):
-            rows.append(row("ghost", f"{label} memory {which} {names[k]} vs non-private, B={batch}", mem[k][idx],
-                            mem["nonprivate"][idx], mem_note + ("; bar <= 1.5x" if k == "ghost" else ""),
-                            ours_mb=mem[k][idx], baseline_mb=mem["nonprivate"][idx]))
+            rows.append(
+                row(
+                    "ghost",
+                    f"{label} memory {which} {names[k]} vs non-private, B={batch}",
+                    mem[k][idx],
+                    mem["nonprivate"][idx],
+                    mem_note + ("; bar <= 1.5x" if k == "ghost" else ""),
+                    ours_mb=mem[k][idx],
+                    baseline_mb=mem["nonprivate"][idx],
+                )
+            )
     return rows
 
 
@@ -115,8 +151,15 @@ def _cnn_rows(reps: int, max_s: float, env: str) -> list[dict]:
         import flax  # noqa: F401
     except ImportError:
         return []
-    return _model_rows("WRN-16-4 GroupNorm 32x32", "no bar (the GPU's is <= 1.5x at B=256)", _wrn, 32,
-                       max(3, reps // 4), max_s, env)
+    return _model_rows(
+        "WRN-16-4 GroupNorm 32x32",
+        "no bar (the GPU's is <= 1.5x at B=256)",
+        _wrn,
+        32,
+        max(3, reps // 4),
+        max_s,
+        env,
+    )
 
 
 def _compile_s(step: Callable[..., Any], *args: Any, reps: int = 3) -> float:
@@ -130,7 +173,9 @@ def _compile_s(step: Callable[..., Any], *args: Any, reps: int = 3) -> float:
     return statistics.median(times)
 
 
-def _compile_times(batch: int, tiny: bool, scan: bool, env: str, which: Sequence[str]) -> tuple[dict, str, str]:
+def _compile_times(
+    batch: int, tiny: bool, scan: bool, env: str, which: Sequence[str]
+) -> tuple[dict, str, str]:
     """Compile seconds of the steps ``which`` of GPT-2 (``scan``: blocks stacked and run by
     ``lax.scan``), with the row label and note."""
     import optax
@@ -142,7 +187,9 @@ def _compile_times(batch: int, tiny: bool, scan: bool, env: str, which: Sequence
     ghost = clipped_grad(losses, CLIP, method="ghost")
     vmap = clipped_grad(losses, CLIP, method="vmap")
 
-    def dp_step(summed_grad: Callable[..., Any]) -> Callable[..., Any]:  # the GPU suite's: noise, /B, adamw
+    def dp_step(
+        summed_grad: Callable[..., Any],
+    ) -> Callable[..., Any]:  # the GPU suite's: noise, /B, adamw
         return dp_step(summed_grad, CLIP, batch, opt)
 
     def grad_only(grad_fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -158,32 +205,74 @@ def _compile_times(batch: int, tiny: bool, scan: bool, env: str, which: Sequence
     }
     s = {k: _compile_s(steps[k](), state, data) for k in which}
     label = f"GPT-2 {'tiny' if tiny else 'small'} nnx, {'blocks stacked and run by lax.scan, ' if scan else ''}B={batch}"
-    note = (f"seconds in the ms columns: trace+lower+compile, median of 3; {label}, {env}; "
-            + ", ".join(f"{k} {v:.2f} s" for k, v in s.items()))
+    note = (
+        f"seconds in the ms columns: trace+lower+compile, median of 3; {label}, {env}; "
+        + ", ".join(f"{k} {v:.2f} s" for k, v in s.items())
+    )
     return s, label, note
 
 
 def compile_rows(env: str, batch: int = 8, tiny: bool = False) -> list[dict]:
     """Compile-time rows (see the module docstring); ``tiny``: the 2-layer smoke size."""
     try:
-        s, label, note = _compile_times(batch, tiny, False, env, ("nonprivate", "nonprivate+noise", "ghost", "vmap",
-                                                                   "grad", "ghost grad"))
+        s, label, note = _compile_times(
+            batch,
+            tiny,
+            False,
+            env,
+            ("nonprivate", "nonprivate+noise", "ghost", "vmap", "grad", "ghost grad"),
+        )
     except ImportError as err:  # flax missing
         print(f"compile rows skipped: {err}")
         return []
     # the same model with its blocks stacked and run by lax.scan: the ghost path keeps the loop
-    sc, scan_label, scan_note = _compile_times(batch, tiny, True, env, ("nonprivate", "ghost", "grad", "ghost grad"))
+    sc, scan_label, scan_note = _compile_times(
+        batch, tiny, True, env, ("nonprivate", "ghost", "grad", "ghost grad")
+    )
     bar = "; bar <= 2x (issue 11, on a GPU)"
     return [
-        row("ghost", f"compile: DP step, ghost vs non-private step ({scan_label})", sc["ghost"], sc["nonprivate"],
-            scan_note + bar),
-        row("ghost", f"compile: ghost clipped_grad vs jax.grad alone ({scan_label})", sc["ghost grad"], sc["grad"],
-            scan_note),
-        row("ghost", f"compile: DP step, ghost vs non-private step ({label})", s["ghost"], s["nonprivate"], note + bar),
-        row("ghost", f"compile: DP step, vmap vs non-private step ({label})", s["vmap"], s["nonprivate"], note),
-        row("ghost", f"compile: non-private step with DP noise vs without ({label})", s["nonprivate+noise"],
-            s["nonprivate"], note),
-        row("ghost", f"compile: ghost clipped_grad vs jax.grad alone ({label})", s["ghost grad"], s["grad"], note),
+        row(
+            "ghost",
+            f"compile: DP step, ghost vs non-private step ({scan_label})",
+            sc["ghost"],
+            sc["nonprivate"],
+            scan_note + bar,
+        ),
+        row(
+            "ghost",
+            f"compile: ghost clipped_grad vs jax.grad alone ({scan_label})",
+            sc["ghost grad"],
+            sc["grad"],
+            scan_note,
+        ),
+        row(
+            "ghost",
+            f"compile: DP step, ghost vs non-private step ({label})",
+            s["ghost"],
+            s["nonprivate"],
+            note + bar,
+        ),
+        row(
+            "ghost",
+            f"compile: DP step, vmap vs non-private step ({label})",
+            s["vmap"],
+            s["nonprivate"],
+            note,
+        ),
+        row(
+            "ghost",
+            f"compile: non-private step with DP noise vs without ({label})",
+            s["nonprivate+noise"],
+            s["nonprivate"],
+            note,
+        ),
+        row(
+            "ghost",
+            f"compile: ghost clipped_grad vs jax.grad alone ({label})",
+            s["ghost grad"],
+            s["grad"],
+            note,
+        ),
     ]
 
 
@@ -194,9 +283,13 @@ def run(quick: bool = False) -> list[dict]:
     env = f"{jax.default_backend()} x{jax.device_count()}, jax {jax.__version__}, {platform.machine()}"
     rows: list[dict] = []
     for batch in (32, 128) if quick else (32, 128, 512):
-        rows += _model_rows("MLP 784-512-512-10", "bar <= 1.5x at B=128", mlp, batch, reps, max_s, env)
+        rows += _model_rows(
+            "MLP 784-512-512-10", "bar <= 1.5x at B=128", mlp, batch, reps, max_s, env
+        )
     for batch in (32,) if quick else (32, 128, 512):
-        rows += _model_rows("transformer 2x128 T=64", "bar <= 2x at B=32", transformer, batch, reps, max_s, env)
+        rows += _model_rows(
+            "transformer 2x128 T=64", "bar <= 2x at B=32", transformer, batch, reps, max_s, env
+        )
     if not quick:
         rows += _cnn_rows(reps, max_s, env)
     rows += compile_rows(env)

@@ -146,28 +146,59 @@ def max_batch_rows(cfg: Config, tiny: bool, deadline: float = float("inf")) -> l
     lcfg = llama_config(cfg, tiny)
     limit = device_limit_bytes(TINY_LIMIT_BYTES) if not tiny or has_gpu() else TINY_LIMIT_BYTES
     t0 = time.perf_counter()
-    found = max_batches(llama_steps, lambda b: llama(0, b, lcfg), ("nonprivate", "ghost", "vmap"), limit,
-                        cap=TINY_CAP if tiny else 1 << 12, start=1 if tiny else cfg.batch, deadline=deadline)
-    sizes = ", ".join(f"{k} {b}{'' if exact else '+ (stopped at the budget: a lower bound)'}"
-                      for k, (b, exact) in found.items())
-    note = (f"{cfg.name}: the largest B whose compiled step (state donated) fits {limit / 2**30:.2f} GiB: "
-            f"{sizes}; searched in {time.perf_counter() - t0:.0f} s")
+    found = max_batches(
+        llama_steps,
+        lambda b: llama(0, b, lcfg),
+        ("nonprivate", "ghost", "vmap"),
+        limit,
+        cap=TINY_CAP if tiny else 1 << 12,
+        start=1 if tiny else cfg.batch,
+        deadline=deadline,
+    )
+    sizes = ", ".join(
+        f"{k} {b}{'' if exact else '+ (stopped at the budget: a lower bound)'}"
+        for k, (b, exact) in found.items()
+    )
+    note = (
+        f"{cfg.name}: the largest B whose compiled step (state donated) fits {limit / 2**30:.2f} GiB: "
+        f"{sizes}; searched in {time.perf_counter() - t0:.0f} s"
+    )
     print(f"ghost-gpu: {note}", flush=True)
-    return [row("ghost-gpu", f"{cfg.name} largest batch that fits, {step} DP step vs non-private step "
-                "(examples, in the ms columns)", found[step][0], found["nonprivate"][0], note, unit="examples",
-                measure="max_batch", step=step, exact=found[step][1]) for step in ("ghost", "vmap")]
+    return [
+        row(
+            "ghost-gpu",
+            f"{cfg.name} largest batch that fits, {step} DP step vs non-private step "
+            "(examples, in the ms columns)",
+            found[step][0],
+            found["nonprivate"][0],
+            note,
+            unit="examples",
+            measure="max_batch",
+            step=step,
+            exact=found[step][1],
+        )
+        for step in ("ghost", "vmap")
+    ]
 
 
-def run(quick: bool = False, *, out: str | pathlib.Path | None = None, models: str | Sequence[str] | None = None,
-        force: bool | None = None) -> list[dict]:
+def run(
+    quick: bool = False,
+    *,
+    out: str | pathlib.Path | None = None,
+    models: str | Sequence[str] | None = None,
+    force: bool | None = None,
+) -> list[dict]:
     """Runs the suite (see the module docstring); returns ``python -m benchmarks`` rows.
 
     Returns ``[]`` after printing why when there is no GPU and the run is not forced.
     """
     force = _env_flag("GHOST_GPU_FORCE") if force is None else force
     if not has_gpu() and not force:
-        print(f"ghost-gpu: skipped, no GPU (jax backend is {jax.default_backend()!r}); set GHOST_GPU_FORCE=1 "
-              "or pass --force-cpu for a tiny smoke run", flush=True)
+        print(
+            f"ghost-gpu: skipped, no GPU (jax backend is {jax.default_backend()!r}); set GHOST_GPU_FORCE=1 "
+            "or pass --force-cpu for a tiny smoke run",
+            flush=True,
+        )
         return []
     tiny = not has_gpu() or _env_flag("GHOST_GPU_TINY")
     configs = select(models if models is not None else os.environ.get("GHOST_GPU_MODELS"))
@@ -177,16 +208,27 @@ def run(quick: bool = False, *, out: str | pathlib.Path | None = None, models: s
     reps, max_s = (5, 20.0) if quick else (20, 120.0)
     out_dir = pathlib.Path(out) if out is not None else pathlib.Path(__file__).parent / "results"
     run_meta = meta(tiny)
-    print(f"ghost-gpu: {', '.join(c.name for c in configs)} on {run_meta['device']} ({run_meta['sizes']} sizes), "
-          f"budget {budget:.0f} s, results in {out_dir}", flush=True)
+    print(
+        f"ghost-gpu: {', '.join(c.name for c in configs)} on {run_meta['device']} ({run_meta['sizes']} sizes), "
+        f"budget {budget:.0f} s, results in {out_dir}",
+        flush=True,
+    )
     done: list[dict[str, Any]] = []
     merged: list[dict[str, Any]] = []
     rows: list[dict] = []
     clock: dict[str, float] = {}
     for cfg in configs:
-        res = measure(cfg, tiny=tiny, reps=reps, max_s=max_s, deadline=deadline, wanted=steps, clock=clock,
-                      on_update=lambda partial: write_results(out_dir, run_meta, [*done, partial]),
-                      split_compile=_env_flag("GHOST_GPU_COMPILE_SPLIT"))
+        res = measure(
+            cfg,
+            tiny=tiny,
+            reps=reps,
+            max_s=max_s,
+            deadline=deadline,
+            wanted=steps,
+            clock=clock,
+            on_update=lambda partial: write_results(out_dir, run_meta, [*done, partial]),
+            split_compile=_env_flag("GHOST_GPU_COMPILE_SPLIT"),
+        )
         done.append(res)
         rows += rows_of(res)
         if cfg.model.startswith("llama") and time.perf_counter() < deadline:
@@ -201,10 +243,14 @@ def run(quick: bool = False, *, out: str | pathlib.Path | None = None, models: s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="5 timing rounds instead of 20")
-    parser.add_argument("--models", default=None, help="configs: " + ", ".join(c.name for c in CONFIGS))
+    parser.add_argument(
+        "--models", default=None, help="configs: " + ", ".join(c.name for c in CONFIGS)
+    )
     parser.add_argument("--force-cpu", action="store_true", help="tiny smoke run without a GPU")
     parser.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
-    parser.add_argument("--merge", nargs="+", metavar="JSON", help="only merge these result files into --out")
+    parser.add_argument(
+        "--merge", nargs="+", metavar="JSON", help="only merge these result files into --out"
+    )
     args = parser.parse_args()
     if args.merge:
         docs = [json.loads(pathlib.Path(p).read_text()) for p in args.merge]

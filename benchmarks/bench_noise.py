@@ -58,11 +58,16 @@ from gradclip_jax.dp.philox import normal_from_bits
 BUDGET_ENV = "NOISE_BUDGET_S"
 
 
-def gpt2_tree(width: int = 768, vocab: int = 50257, layers: int = 12, positions: int = 1024) -> dict[str, Any]:
+def gpt2_tree(
+    width: int = 768, vocab: int = 50257, layers: int = 12, positions: int = 1024
+) -> dict[str, Any]:
     """Zeros shaped like GPT-2's parameters (tied head: no separate output matrix)."""
     d = width
-    tree: dict[str, Any] = {"wte": jnp.zeros((vocab, d)), "wpe": jnp.zeros((positions, d)),
-                            "ln_f": {"scale": jnp.zeros(d), "bias": jnp.zeros(d)}}
+    tree: dict[str, Any] = {
+        "wte": jnp.zeros((vocab, d)),
+        "wpe": jnp.zeros((positions, d)),
+        "ln_f": {"scale": jnp.zeros(d), "bias": jnp.zeros(d)},
+    }
     for i in range(layers):
         tree[f"h{i}"] = {
             "ln_1": {"scale": jnp.zeros(d), "bias": jnp.zeros(d)},
@@ -93,7 +98,9 @@ def _per_leaf(draw: Callable[[jax.Array, jax.Array], jax.Array]) -> Callable[[An
     def f(tree: Any, key: jax.Array) -> Any:
         leaves, treedef = jax.tree.flatten(tree)
         keys = jax.random.split(key, len(leaves))
-        return jax.tree.unflatten(treedef, [x + draw(k, x) for x, k in zip(leaves, keys, strict=True)])
+        return jax.tree.unflatten(
+            treedef, [x + draw(k, x) for x, k in zip(leaves, keys, strict=True)]
+        )
 
     return f
 
@@ -108,7 +115,9 @@ def _pairs_normal(k: jax.Array, x: jax.Array) -> jax.Array:
     n = x.size
     counters = jnp.arange(-(-n // 2), dtype=jnp.uint32)
     k1, k2 = jax.random.key_data(k)
-    words = lax.optimization_barrier(threefry2x32_p.bind(k1, k2, jnp.zeros_like(counters), counters))
+    words = lax.optimization_barrier(
+        threefry2x32_p.bind(k1, k2, jnp.zeros_like(counters), counters)
+    )
     return jnp.reshape(normal_from_bits(jnp.concatenate(words)[:n]), x.shape).astype(x.dtype)
 
 
@@ -117,22 +126,37 @@ def _one_draw(tree: Any, key: jax.Array) -> Any:
     leaves, treedef = jax.tree.flatten(tree)
     z = jax.random.normal(key, (sum(x.size for x in leaves),), leaves[0].dtype)
     cuts = np.cumsum([x.size for x in leaves])[:-1]
-    return jax.tree.unflatten(treedef, [x + jnp.reshape(p, x.shape)
-                                        for x, p in zip(leaves, jnp.split(z, cuts), strict=True)])
+    return jax.tree.unflatten(
+        treedef,
+        [x + jnp.reshape(p, x.shape) for x, p in zip(leaves, jnp.split(z, cuts), strict=True)],
+    )
 
 
 # name -> (what the row measures, the function of (tree, key), JAX config flags it is compiled with)
 PARTS: dict[str, tuple[str, Callable[[Any, jax.Array], Any], dict[str, Any]]] = {
-    "floor": ("tree + 1 per leaf (a read and a write of the tree: the memory floor)",
-              lambda t, k: jax.tree.map(lambda x: x + 1.0, t), {}),
-    "pairs": ("tree + normals from both words of each threefry hash (words stored, then transformed)",
-              _per_leaf(_pairs_normal), {}),
+    "floor": (
+        "tree + 1 per leaf (a read and a write of the tree: the memory floor)",
+        lambda t, k: jax.tree.map(lambda x: x + 1.0, t),
+        {},
+    ),
+    "pairs": (
+        "tree + normals from both words of each threefry hash (words stored, then transformed)",
+        _per_leaf(_pairs_normal),
+        {},
+    ),
     "bits": ("tree + threefry bits per leaf", _per_leaf(_bits_as_float), {}),
-    "uniform": ("tree + uniforms per leaf", _per_leaf(lambda k, x: jax.random.uniform(k, x.shape, x.dtype)), {}),
+    "uniform": (
+        "tree + uniforms per leaf",
+        _per_leaf(lambda k, x: jax.random.uniform(k, x.shape, x.dtype)),
+        {},
+    ),
     "box_muller": ("tree + Box-Muller normals per leaf", _per_leaf(_box_muller), {}),
     "one_draw": ("tree + one normal draw of the whole tree, cut into leaves", _one_draw, {}),
-    "threefry_kernel": ("optax per-leaf draw with JAX's threefry GPU kernel (jax_threefry_gpu_kernel_lowering)",
-                        lambda t, k: optax_noise(t, 1.0, k), {"jax_threefry_gpu_kernel_lowering": True}),
+    "threefry_kernel": (
+        "optax per-leaf draw with JAX's threefry GPU kernel (jax_threefry_gpu_kernel_lowering)",
+        lambda t, k: optax_noise(t, 1.0, k),
+        {"jax_threefry_gpu_kernel_lowering": True},
+    ),
 }
 
 
@@ -155,11 +179,16 @@ def _by_shape(tree: Any, key: jax.Array) -> Any:
         return gcx.dp.noise.add_gaussian_noise(tree, 1.0, key)
 
 
-PARTS["per_shape"] = ("add_gaussian_noise with NOISE_STRATEGY 'shapes' (one vmapped draw per distinct shape)",
-                      _by_shape, {})
+PARTS["per_shape"] = (
+    "add_gaussian_noise with NOISE_STRATEGY 'shapes' (one vmapped draw per distinct shape)",
+    _by_shape,
+    {},
+)
 
 
-def part_rows(tree: Any, key: jax.Array, what: str, reps: int, deadline: float = math.inf) -> list[dict]:
+def part_rows(
+    tree: Any, key: jax.Array, what: str, reps: int, deadline: float = math.inf
+) -> list[dict]:
     """Two rows per part of :data:`PARTS`, each against optax's per-leaf normal draw: its time, and
     the time to lower and compile it (JAX's persistent compilation cache off, so that no program
     is read back from an earlier process). Parts whose compile would end past ``deadline``
@@ -167,12 +196,17 @@ def part_rows(tree: Any, key: jax.Array, what: str, reps: int, deadline: float =
     :data:`PARTS`' order."""
     compiled, compile_s = {}, {}
     with _flags({"jax_enable_compilation_cache": False}):
-        compiled["optax"], compile_s["optax"] = _compile(lambda t, k: optax_noise(t, 1.0, k), tree, key)
+        compiled["optax"], compile_s["optax"] = _compile(
+            lambda t, k: optax_noise(t, 1.0, k), tree, key
+        )
         for name, (_, f, flags) in PARTS.items():
             if flags and jax.default_backend() != "gpu":
                 continue  # a GPU lowering flag: the same program elsewhere
             if time.perf_counter() + max(compile_s.values()) > deadline:
-                print(f"[noise] parts from {name!r} on left out: {BUDGET_ENV} would be spent", flush=True)
+                print(
+                    f"[noise] parts from {name!r} on left out: {BUDGET_ENV} would be spent",
+                    flush=True,
+                )
                 break
             with _flags(flags):
                 compiled[name], compile_s[name] = _compile(f, tree, key)
@@ -181,10 +215,24 @@ def part_rows(tree: Any, key: jax.Array, what: str, reps: int, deadline: float =
     for name in compiled:
         if name != "optax":
             title = PARTS[name][0]
-            rows.append(row("noise", f"noise parts: {title} vs optax per-leaf normal draw: time", ms[name],
-                            ms["optax"], what))
-            rows.append(row("noise", f"noise parts: {title} vs optax per-leaf normal draw: lower+compile "
-                            "(ms)", compile_s[name] * 1e3, compile_s["optax"] * 1e3, what))
+            rows.append(
+                row(
+                    "noise",
+                    f"noise parts: {title} vs optax per-leaf normal draw: time",
+                    ms[name],
+                    ms["optax"],
+                    what,
+                )
+            )
+            rows.append(
+                row(
+                    "noise",
+                    f"noise parts: {title} vs optax per-leaf normal draw: lower+compile (ms)",
+                    compile_s[name] * 1e3,
+                    compile_s["optax"] * 1e3,
+                    what,
+                )
+            )
     return rows
 
 
@@ -208,16 +256,28 @@ def adamw_rows(tree: Any, key: jax.Array, what: str, reps: int) -> list[dict]:
     1.1-1.5 ms fusions in a DP step); ours stores each noised leaf
     (``gradclip_jax.dp.noise._stored``)."""
     state = optax.adamw(1e-4).init(tree)
-    fns = {"ours": _then_adamw(lambda t, k: gcx.dp.noise.add_gaussian_noise(t, 1.0, k)),
-           "optax": _then_adamw(lambda t, k: optax_noise(t, 1.0, k))}
+    fns = {
+        "ours": _then_adamw(lambda t, k: gcx.dp.noise.add_gaussian_noise(t, 1.0, k)),
+        "optax": _then_adamw(lambda t, k: optax_noise(t, 1.0, k)),
+    }
     compiled, compile_s = {}, {}
     with _flags({"jax_enable_compilation_cache": False}):
         for name, f in fns.items():
             compiled[name], compile_s[name] = _compile(f, tree, state, key)
-    ms = interleaved_ms({k: (lambda c=c: c(tree, state, key)) for k, c in compiled.items()}, reps=reps)
+    ms = interleaved_ms(
+        {k: (lambda c=c: c(tree, state, key)) for k, c in compiled.items()}, reps=reps
+    )
     title = "add_gaussian_noise then adamw's update vs optax per-leaf draw then adamw's update"
-    return [row("noise", f"{title}: time", ms["ours"], ms["optax"], what),
-            row("noise", f"{title}: lower+compile (ms)", compile_s["ours"] * 1e3, compile_s["optax"] * 1e3, what)]
+    return [
+        row("noise", f"{title}: time", ms["ours"], ms["optax"], what),
+        row(
+            "noise",
+            f"{title}: lower+compile (ms)",
+            compile_s["ours"] * 1e3,
+            compile_s["optax"] * 1e3,
+            what,
+        ),
+    ]
 
 
 def hardened_rows(tree: Any, key: jax.Array, what: str, reps: int) -> list[dict]:
@@ -226,15 +286,29 @@ def hardened_rows(tree: Any, key: jax.Array, what: str, reps: int) -> list[dict]
     leaves of the same shapes) added to an int32 tree and read back as float32 (``from_grid``)."""
     hd = gcx.dp.hardened
     ints = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.int32), tree)
-    fns = {"default": (lambda t, k: gcx.dp.noise.add_gaussian_noise(t, 1.0, k), tree),
-           "sum_of_normals": (lambda t, k: hd.add_sum_of_normals_noise(t, 1.0, k), tree),
-           "discrete": (lambda t, k: hd.from_grid(hd.add_discrete_gaussian_noise(t, 1024.0, k), 1024.0), ints)}
+    fns = {
+        "default": (lambda t, k: gcx.dp.noise.add_gaussian_noise(t, 1.0, k), tree),
+        "sum_of_normals": (lambda t, k: hd.add_sum_of_normals_noise(t, 1.0, k), tree),
+        "discrete": (
+            lambda t, k: hd.from_grid(hd.add_discrete_gaussian_noise(t, 1024.0, k), 1024.0),
+            ints,
+        ),
+    }
     compiled = {name: _compile(f, x, key)[0] for name, (f, x) in fns.items()}
-    ms = interleaved_ms({n: (lambda c=c, x=fns[n][1]: c(x, key)) for n, c in compiled.items()}, reps=reps)
+    ms = interleaved_ms(
+        {n: (lambda c=c, x=fns[n][1]: c(x, key)) for n, c in compiled.items()}, reps=reps
+    )
     title = "hardened noise (gcx.dp.hardened) vs add_gaussian_noise: time"
-    return [row("noise", f"{title}, sum of four normals", ms["sum_of_normals"], ms["default"], what),
-            row("noise", f"{title}, discrete Gaussian on the int32 grid (sigma 1024)", ms["discrete"],
-                ms["default"], what)]
+    return [
+        row("noise", f"{title}, sum of four normals", ms["sum_of_normals"], ms["default"], what),
+        row(
+            "noise",
+            f"{title}, discrete Gaussian on the int32 grid (sigma 1024)",
+            ms["discrete"],
+            ms["default"],
+            what,
+        ),
+    ]
 
 
 def hardened_step_rows(reps: int, batch: int = 64) -> list[dict]:
@@ -242,18 +316,37 @@ def hardened_step_rows(reps: int, batch: int = 64) -> list[dict]:
     an MLP 784-256-10 on random data, ``expected_batch_size=batch``; ``'discrete'`` at grid 2**10
     (its per-example gradients by ``jax.vmap``, as the default's ``method='auto'`` picks here)."""
     rng = np.random.default_rng(0)
-    params = {"w1": jnp.asarray(rng.normal(size=(784, 256)) * 0.05, jnp.float32), "b1": jnp.zeros(256),
-              "w2": jnp.asarray(rng.normal(size=(256, 10)) * 0.05, jnp.float32), "b2": jnp.zeros(10)}
-    data = {"x": jnp.asarray(rng.normal(size=(batch, 784)), jnp.float32), "y": jnp.asarray(rng.integers(0, 10, batch))}
+    params = {
+        "w1": jnp.asarray(rng.normal(size=(784, 256)) * 0.05, jnp.float32),
+        "b1": jnp.zeros(256),
+        "w2": jnp.asarray(rng.normal(size=(256, 10)) * 0.05, jnp.float32),
+        "b2": jnp.zeros(10),
+    }
+    data = {
+        "x": jnp.asarray(rng.normal(size=(batch, 784)), jnp.float32),
+        "y": jnp.asarray(rng.integers(0, 10, batch)),
+    }
 
     def losses(p: Any, b: Any) -> jax.Array:
         h = jax.nn.relu(b["x"] @ p["w1"] + p["b1"])
         return optax.softmax_cross_entropy_with_integer_labels(h @ p["w2"] + p["b2"], b["y"])
 
-    kw = dict(dataset_size=60_000, expected_batch_size=batch, steps=1000, target_epsilon=8.0, delta=1e-5,
-              l2_clip_norm=1.0, accountant="rdp", process_index=0, process_count=1)
-    modes = {"default": {}, "sum_of_normals": {"hardened": True},
-             "discrete": {"hardened": "discrete", "grid_scale": 1024.0}}
+    kw = dict(
+        dataset_size=60_000,
+        expected_batch_size=batch,
+        steps=1000,
+        target_epsilon=8.0,
+        delta=1e-5,
+        l2_clip_norm=1.0,
+        accountant="rdp",
+        process_index=0,
+        process_count=1,
+    )
+    modes = {
+        "default": {},
+        "sum_of_normals": {"hardened": True},
+        "discrete": {"hardened": "discrete", "grid_scale": 1024.0},
+    }
     mask = jnp.ones((batch,), bool)
     thunks = {}
     for name, extra in modes.items():
@@ -263,8 +356,22 @@ def hardened_step_rows(reps: int, batch: int = 64) -> list[dict]:
     ms = interleaved_ms(thunks, reps=reps)
     what = f"make_private step, MLP 784-256-10 ({784 * 256 + 256 + 2570} params), batch {batch}, {jax.default_backend()}"
     title = "make_private step hardened vs default: time"
-    return [row("noise", f"{title}, hardened=True (sum of normals)", ms["sum_of_normals"], ms["default"], what),
-            row("noise", f"{title}, hardened='discrete' (grid 2**10)", ms["discrete"], ms["default"], what)]
+    return [
+        row(
+            "noise",
+            f"{title}, hardened=True (sum of normals)",
+            ms["sum_of_normals"],
+            ms["default"],
+            what,
+        ),
+        row(
+            "noise",
+            f"{title}, hardened='discrete' (grid 2**10)",
+            ms["discrete"],
+            ms["default"],
+            what,
+        ),
+    ]
 
 
 def _compile(f: Callable[..., Any], *args: Any) -> tuple[Any, float]:
@@ -276,7 +383,10 @@ def _compile(f: Callable[..., Any], *args: Any) -> tuple[Any, float]:
 def _said(rows: list[dict]) -> list[dict]:
     """``rows``, printed as they are made: a run stopped at its time limit keeps what it measured."""
     for r in rows:
-        print(f"[noise] {r['name']}: {r['ours_ms']:.2f} vs {r['baseline_ms']:.2f} -> {r['ratio']:.3f}", flush=True)
+        print(
+            f"[noise] {r['name']}: {r['ours_ms']:.2f} vs {r['baseline_ms']:.2f} -> {r['ratio']:.3f}",
+            flush=True,
+        )
     return rows
 
 
@@ -285,28 +395,62 @@ def _draw_rows(tree: Any, key: jax.Array, quick: bool) -> tuple[list[dict], str]
     ``'philox'``) against optax's per-leaf draw; and the rows' description."""
     leaves = jax.tree.leaves(tree)
     n = sum(x.size for x in leaves)
-    fns = {"ours": lambda t, k: gcx.dp.noise.add_gaussian_noise(t, 1.0, k), "optax": lambda t, k: optax_noise(t, 1.0, k)}
-    _compile(lambda t, k: optax_noise(t, 1.0, k), {"w": jnp.zeros(3)}, key)  # one-time warm-up of the compiler
-    fns["philox"] = lambda t, k: gcx.dp.noise.add_gaussian_noise(t, 1.0, k)  # traced with "philox" below
+    fns = {
+        "ours": lambda t, k: gcx.dp.noise.add_gaussian_noise(t, 1.0, k),
+        "optax": lambda t, k: optax_noise(t, 1.0, k),
+    }
+    _compile(
+        lambda t, k: optax_noise(t, 1.0, k), {"w": jnp.zeros(3)}, key
+    )  # one-time warm-up of the compiler
+    fns["philox"] = lambda t, k: gcx.dp.noise.add_gaussian_noise(
+        t, 1.0, k
+    )  # traced with "philox" below
     backend = jax.default_backend()
     compiled, compile_s, temp = {}, {}, {}
     for name, f in fns.items():  # compiled once each: a second compile would hit jax's cache
         with backend_setting(gcx.dp.noise.NOISE_STRATEGY, "philox" if name == "philox" else None):
             compiled[name], compile_s[name] = _compile(f, tree, key)
         temp[name] = memory_mb(compiled[name])[0]
-    ms = interleaved_ms({k: (lambda c=c: c(tree, key)) for k, c in compiled.items()}, reps=5 if quick else 15)
+    ms = interleaved_ms(
+        {k: (lambda c=c: c(tree, key)) for k, c in compiled.items()}, reps=5 if quick else 15
+    )
     strategy = gcx.dp.noise.NOISE_STRATEGY.get(backend, "leaves")
-    what = f"{len(leaves)} leaves, {n / 1e6:.1f}M params (GPT-2{' shapes at width 128' if quick else ' small'}), " \
-           f"{backend}, ours draws by {strategy!r}"
-    return _said([
-        row("noise", "add_gaussian_noise vs optax per-leaf draw: time", ms["ours"], ms["optax"], what),
-        row("noise", "add_gaussian_noise vs optax per-leaf draw: lower+compile (ms)", compile_s["ours"] * 1e3,
-            compile_s["optax"] * 1e3, what),
-        row("noise", "add_gaussian_noise vs optax per-leaf draw: temporaries (MiB, not ms)", temp["ours"],
-            temp["optax"], what),
-        row("noise", "add_gaussian_noise drawing by 'philox' vs optax per-leaf draw (threefry): time",
-            ms["philox"], ms["optax"], what.split(", ours draws")[0]),
-    ]), what
+    what = (
+        f"{len(leaves)} leaves, {n / 1e6:.1f}M params (GPT-2{' shapes at width 128' if quick else ' small'}), "
+        f"{backend}, ours draws by {strategy!r}"
+    )
+    return _said(
+        [
+            row(
+                "noise",
+                "add_gaussian_noise vs optax per-leaf draw: time",
+                ms["ours"],
+                ms["optax"],
+                what,
+            ),
+            row(
+                "noise",
+                "add_gaussian_noise vs optax per-leaf draw: lower+compile (ms)",
+                compile_s["ours"] * 1e3,
+                compile_s["optax"] * 1e3,
+                what,
+            ),
+            row(
+                "noise",
+                "add_gaussian_noise vs optax per-leaf draw: temporaries (MiB, not ms)",
+                temp["ours"],
+                temp["optax"],
+                what,
+            ),
+            row(
+                "noise",
+                "add_gaussian_noise drawing by 'philox' vs optax per-leaf draw (threefry): time",
+                ms["philox"],
+                ms["optax"],
+                what.split(", ours draws")[0],
+            ),
+        ]
+    ), what
 
 
 def run(quick: bool = False) -> list[dict]:
@@ -323,12 +467,20 @@ def run(quick: bool = False) -> list[dict]:
     rows, what = _draw_rows(tree, key, quick)
     if time.perf_counter() + (time.perf_counter() - start) < deadline:
         rows += _said(adamw_rows(tree, key, what, reps=5 if quick else 15))
-        rows += _said(hardened_rows(tree, key, what.split(", ours draws")[0], reps=5 if quick else 15))
+        rows += _said(
+            hardened_rows(tree, key, what.split(", ours draws")[0], reps=5 if quick else 15)
+        )
         rows += _said(hardened_step_rows(reps=5 if quick else 15))
     else:
-        print(f"[noise] adamw rows left out, and the hardened rows: {BUDGET_ENV} would be spent", flush=True)
-    return rows + _said(part_rows(tree, key, what.split(", ours draws")[0], reps=5 if quick else 15,
-                                  deadline=deadline))
+        print(
+            f"[noise] adamw rows left out, and the hardened rows: {BUDGET_ENV} would be spent",
+            flush=True,
+        )
+    return rows + _said(
+        part_rows(
+            tree, key, what.split(", ours draws")[0], reps=5 if quick else 15, deadline=deadline
+        )
+    )
 
 
 if __name__ == "__main__":

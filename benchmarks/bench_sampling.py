@@ -47,10 +47,24 @@ def run(quick: bool = False) -> list[dict]:
     for b in (64,) if quick else (64, 256):
         losses, params, _ = mlp(0, 1)
         r = np.random.default_rng(0)
-        data = {"x": r.normal(size=(N, 784)).astype(np.float32), "y": r.integers(0, 10, N).astype(np.int32)}
-        priv = make_private(losses, optax.sgd(0.1), dataset_size=N, expected_batch_size=b, steps=10000,
-                            target_epsilon=8.0, delta=1e-6, l2_clip_norm=1.0, method="vmap",
-                            process_index=0, process_count=1, accountant="rdp")
+        data = {
+            "x": r.normal(size=(N, 784)).astype(np.float32),
+            "y": r.integers(0, 10, N).astype(np.int32),
+        }
+        priv = make_private(
+            losses,
+            optax.sgd(0.1),
+            dataset_size=N,
+            expected_batch_size=b,
+            steps=10000,
+            target_epsilon=8.0,
+            delta=1e-6,
+            l2_clip_norm=1.0,
+            method="vmap",
+            process_index=0,
+            process_count=1,
+            accountant="rdp",
+        )
         step = jax.jit(priv.step)
         state = priv.init(params)
         key = jax.random.key(0)
@@ -70,15 +84,22 @@ def run(quick: bool = False) -> list[dict]:
             return step(params, state, batch, full, key)[0]
 
         ms = interleaved_ms({"ours": ours, "fixed": fixed}, reps, warmup=2)
-        sample_ms = interleaved_ms({"draw": lambda: priv.sampler.batch(7).indices}, reps, warmup=1)["draw"]
-        rows.append(row(
-            "sampling",
-            f"mlp 784-512-512-10 E[B]={b}: Poisson sample+pad to {priv.sampler.max_batch_size} vs fixed B={b}",
-            ms["ours"], ms["fixed"],
-            note=(f"whole step incl. host draw/gather; padded rows {priv.sampler.max_batch_size / b:.2f}x; "
-                  f"draw alone {sample_ms:.3f} ms; overflow prob/run "
-                  f"{priv.sampler.overflow_probability:.1e} (10k steps); {env}"),
-        ))
+        sample_ms = interleaved_ms({"draw": lambda: priv.sampler.batch(7).indices}, reps, warmup=1)[
+            "draw"
+        ]
+        rows.append(
+            row(
+                "sampling",
+                f"mlp 784-512-512-10 E[B]={b}: Poisson sample+pad to {priv.sampler.max_batch_size} vs fixed B={b}",
+                ms["ours"],
+                ms["fixed"],
+                note=(
+                    f"whole step incl. host draw/gather; padded rows {priv.sampler.max_batch_size / b:.2f}x; "
+                    f"draw alone {sample_ms:.3f} ms; overflow prob/run "
+                    f"{priv.sampler.overflow_probability:.1e} (10k steps); {env}"
+                ),
+            )
+        )
     return rows
 
 

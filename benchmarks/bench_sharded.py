@@ -37,7 +37,11 @@ def fsdp_spec(shape: tuple[int, ...], fsdp: int) -> Any:
     """The leaf's PartitionSpec: its largest axis that ``fsdp`` divides over ``'fsdp'``, else replicated."""
     from jax.sharding import PartitionSpec as P
 
-    axes = [i for i in sorted(range(len(shape)), key=lambda i: -shape[i]) if shape[i] % fsdp == 0 and shape[i] > 1]
+    axes = [
+        i
+        for i in sorted(range(len(shape)), key=lambda i: -shape[i])
+        if shape[i] % fsdp == 0 and shape[i] > 1
+    ]
     if fsdp == 1 or not axes:
         return P()
     return P(*["fsdp" if i == axes[0] else None for i in range(len(shape))])
@@ -49,7 +53,9 @@ def place(state: Any, data: Any, mesh: Any) -> tuple[Any, Any]:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     fsdp = mesh.shape["fsdp"]
-    state = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, fsdp_spec(x.shape, fsdp))), state)
+    state = jax.tree.map(
+        lambda x: jax.device_put(x, NamedSharding(mesh, fsdp_spec(x.shape, fsdp))), state
+    )
     data = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp")))), data)
     return state, data
 
@@ -72,9 +78,11 @@ def measure_mesh(shape: tuple[int, int], seq: int, cfg: Any = None) -> dict[str,
         state, batch = place(fresh_state(params, 0), data, mesh)
         compiled = jax.jit(step, donate_argnums=0).lower(state, batch).compile()
         text = compiled.as_text()
-        out[name] = {"temporaries": compiled.memory_analysis().temp_size_in_bytes / 2**20,
-                     "all_gathers": len(_ALL_GATHER.findall(text)),
-                     "all_reduces": len(re.findall(r"\ball-reduce(?:-start)?\(", text))}
+        out[name] = {
+            "temporaries": compiled.memory_analysis().temp_size_in_bytes / 2**20,
+            "all_gathers": len(_ALL_GATHER.findall(text)),
+            "all_reduces": len(re.findall(r"\ball-reduce(?:-start)?\(", text)),
+        }
     return out
 
 
@@ -85,15 +93,30 @@ def rows_of(results: dict[str, dict[str, dict[str, float]]], seq: int) -> list[d
     rows = []
     for mesh, res in results.items():
         base = res["nonprivate"]
-        note = (f"Llama nnx 2x128, T={seq}, B={BATCH}, full, scan+remat, float32, FSDP params on {mesh} "
-                f"(data x fsdp) of {DEVICES} simulated CPU devices; all-reduces: "
-                + ", ".join(f"{k} {v['all_reduces']}" for k, v in res.items()))
+        note = (
+            f"Llama nnx 2x128, T={seq}, B={BATCH}, full, scan+remat, float32, FSDP params on {mesh} "
+            f"(data x fsdp) of {DEVICES} simulated CPU devices; all-reduces: "
+            + ", ".join(f"{k} {v['all_reduces']}" for k, v in res.items())
+        )
         for step in STEPS[1:]:
-            for key, title, unit in (("temporaries", "per-device temporaries", "MiB"),
-                                     ("all_gathers", "all-gathers in the compiled HLO", "count")):
-                rows.append(row(GROUP, f"llama sharded {mesh} {step} DP step vs non-private step: {title} "
-                                f"({unit}, in the ms columns)", res[step][key], base[key], note,
-                                unit=unit, measure=key, step=step, mesh=mesh))
+            for key, title, unit in (
+                ("temporaries", "per-device temporaries", "MiB"),
+                ("all_gathers", "all-gathers in the compiled HLO", "count"),
+            ):
+                rows.append(
+                    row(
+                        GROUP,
+                        f"llama sharded {mesh} {step} DP step vs non-private step: {title} "
+                        f"({unit}, in the ms columns)",
+                        res[step][key],
+                        base[key],
+                        note,
+                        unit=unit,
+                        measure=key,
+                        step=step,
+                        mesh=mesh,
+                    )
+                )
     return rows
 
 
@@ -109,9 +132,18 @@ def run(quick: bool = False) -> list[dict]:
 
     if jax.device_count() >= DEVICES and jax.default_backend() == "cpu":
         return rows_of(*measure(quick))
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}")
-    cmd = [sys.executable, "-m", "benchmarks.bench_sharded", "--json", *(["--quick"] if quick else [])]
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}",
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.bench_sharded",
+        "--json",
+        *(["--quick"] if quick else []),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return rows_of(*json.loads(proc.stdout.strip().splitlines()[-1]))
 
@@ -119,7 +151,9 @@ def run(quick: bool = False) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="T=128")
-    parser.add_argument("--json", action="store_true", help="print the measurements as one JSON line")
+    parser.add_argument(
+        "--json", action="store_true", help="print the measurements as one JSON line"
+    )
     args = parser.parse_args()
     if args.json:
         print(json.dumps(measure(args.quick)))

@@ -46,9 +46,17 @@ CLIPPERS: list[tuple[str, Callable[[], optax.GradientTransformation], str]] = [
     ("autoclip", lambda: autoclip(), "scalar statistic; history 1000 sorted per step"),
     ("zclip", lambda: zclip(), "scalar statistic"),
     ("quantile_clip", lambda: quantile_clip(), "scalar statistic"),
-    ("skip_on_spike(zclip)", lambda: skip_on_spike(zclip()), "scalar statistic + a select per leaf"),
+    (
+        "skip_on_spike(zclip)",
+        lambda: skip_on_spike(zclip()),
+        "scalar statistic + a select per leaf",
+    ),
     ("adagc", lambda: adagc(warmup_steps=0), "per-leaf norms, after warm-up"),
-    ("adagc(warm-up)", lambda: adagc(warmup_steps=10**9), "per-leaf norms + the global norm (warm-up only)"),
+    (
+        "adagc(warm-up)",
+        lambda: adagc(warmup_steps=10**9),
+        "per-leaf norms + the global norm (warm-up only)",
+    ),
     ("clip_norm_growth", lambda: clip_norm_growth(), "per-leaf norms"),
     ("clip_norm_growth(global)", lambda: clip_norm_growth(tensorwise=False), "scalar statistic"),
     ("clip_norm_by_ema", lambda: clip_norm_by_ema(), "param-sized EMA: read+write state, 2 norms"),
@@ -59,9 +67,13 @@ CLIPPERS: list[tuple[str, Callable[[], optax.GradientTransformation], str]] = [
 ]
 
 
-def _timer(tx: optax.GradientTransformation, updates: Any, donate: bool = False) -> Callable[[], float]:
+def _timer(
+    tx: optax.GradientTransformation, updates: Any, donate: bool = False
+) -> Callable[[], float]:
     """A closure that runs one jitted step (feeding the state back) and returns seconds."""
-    step = jax.jit(lambda u, s: tx.update(u, s)[::-1], donate_argnums=1 if donate else ())  # (state, updates)
+    step = jax.jit(
+        lambda u, s: tx.update(u, s)[::-1], donate_argnums=1 if donate else ()
+    )  # (state, updates)
     state = [tx.init(updates)]
 
     def run() -> float:
@@ -104,15 +116,17 @@ def run(quick: bool = False) -> list[dict]:
             b.append(ours())
         base_ms = statistics.median(a) * 1e3
         ours_ms = statistics.median(b) * 1e3
-        rows.append({
-            "group": GROUP,
-            "name": name,
-            "ours_ms": ours_ms,
-            "baseline_ms": base_ms,
-            "ratio": ours_ms / base_ms,
-            "note": f"{note}; {n_params / 1e6:.1f}M fp32 params, {jax.default_backend()}, "
-                    f"median of {reps}",
-        })
+        rows.append(
+            {
+                "group": GROUP,
+                "name": name,
+                "ours_ms": ours_ms,
+                "baseline_ms": base_ms,
+                "ratio": ours_ms / base_ms,
+                "note": f"{note}; {n_params / 1e6:.1f}M fp32 params, {jax.default_backend()}, "
+                f"median of {reps}",
+            }
+        )
     return rows
 
 
@@ -124,7 +138,9 @@ def main() -> None:
     width = max(len(r["name"]) for r in rows)
     print(f"{'name':<{width}}  {'ours ms':>9}  {'optax ms':>9}  {'ratio':>6}  note")
     for r in rows:
-        print(f"{r['name']:<{width}}  {r['ours_ms']:9.3f}  {r['baseline_ms']:9.3f}  {r['ratio']:6.3f}  {r['note']}")
+        print(
+            f"{r['name']:<{width}}  {r['ours_ms']:9.3f}  {r['baseline_ms']:9.3f}  {r['ratio']:6.3f}  {r['note']}"
+        )
 
 
 if __name__ == "__main__":

@@ -18,15 +18,25 @@ def num_params(tree: Any) -> int:
 
 def max_diff(a: Any, b: Any) -> float:
     """The largest absolute difference between two trees' leaves."""
-    return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+    return max(
+        float(jnp.max(jnp.abs(x - y)))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
 
 
 def block(x: Any) -> Any:
-    return jax.tree_util.tree_map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
+    return jax.tree_util.tree_map(
+        lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x
+    )
 
 
-def interleaved_ms(fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 2,
-                   max_s: float = 60.0, rounds: dict[str, int] | None = None) -> dict[str, float]:
+def interleaved_ms(
+    fns: dict[str, Callable[[], Any]],
+    reps: int,
+    warmup: int = 2,
+    max_s: float = 60.0,
+    rounds: dict[str, int] | None = None,
+) -> dict[str, float]:
     """Median wall time (ms) of each thunk, timed round-robin so drift hits all alike.
 
     Every thunk must return something ``block_until_ready`` can wait on. Warm-up
@@ -51,9 +61,18 @@ def interleaved_ms(fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 2
     return {k: 1e3 * statistics.median(v) for k, v in times.items()}
 
 
-def row(group: str, name: str, ours_ms: float, baseline_ms: float, note: str = "", **extra: Any) -> dict:
-    return {"group": group, "name": name, "ours_ms": ours_ms, "baseline_ms": baseline_ms,
-            "ratio": ours_ms / baseline_ms if baseline_ms else float("nan"), "note": note, **extra}
+def row(
+    group: str, name: str, ours_ms: float, baseline_ms: float, note: str = "", **extra: Any
+) -> dict:
+    return {
+        "group": group,
+        "name": name,
+        "ours_ms": ours_ms,
+        "baseline_ms": baseline_ms,
+        "ratio": ours_ms / baseline_ms if baseline_ms else float("nan"),
+        "note": note,
+        **extra,
+    }
 
 
 def same_measurement(old_meta: dict[str, Any], meta: dict[str, Any]) -> bool:
@@ -70,7 +89,12 @@ def memory_mb(compiled: Any) -> tuple[float, float]:
     the temporaries, less what outputs alias from donated arguments.
     """
     m = compiled.memory_analysis()
-    peak = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+    peak = (
+        m.temp_size_in_bytes
+        + m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+    )
     return m.temp_size_in_bytes / 2**20, peak / 2**20
 
 
@@ -95,7 +119,12 @@ def chain_step_ms(grads: Any, reps: int) -> dict[str, float]:
 
     params = jax.tree_util.tree_map(lambda x: x * 10, grads)
     steps, states = {}, {}
-    for name, clip in (("ours", gcx.clip_by_global_norm(1.0)), ("optax", optax.clip_by_global_norm(1.0))):
+    for name, clip in (
+        ("ours", gcx.clip_by_global_norm(1.0)),
+        ("optax", optax.clip_by_global_norm(1.0)),
+    ):
         tx = optax.chain(clip, optax.adamw(1e-4))
         steps[name], states[name] = step_fn(tx), tx.init(params)
-    return interleaved_ms({k: (lambda k=k: steps[k](params, grads, states[k])) for k in steps}, reps=reps)
+    return interleaved_ms(
+        {k: (lambda k=k: steps[k](params, grads, states[k])) for k in steps}, reps=reps
+    )

@@ -45,8 +45,11 @@ LORA_RANK = 8
 MLP_BATCH = 128
 # Level 0 leaves the optimized HLO and its cost analysis as they are and halves the compile time.
 OPTIONS = {"xla_backend_optimization_level": 0}
-MEASURES = (("temporaries", "temporaries", "MiB", 1.0), ("flops", "FLOPs", "GFLOP", 1e-9),
-            ("bytes", "bytes accessed", "MB", 1e-6))
+MEASURES = (
+    ("temporaries", "temporaries", "MiB", 1.0),
+    ("flops", "FLOPs", "GFLOP", 1e-9),
+    ("bytes", "bytes accessed", "MB", 1e-6),
+)
 _VARIADIC_REDUCE = re.compile(r"= \([^()=]*\) reduce\(")  # a reduce with a tuple result
 _HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s", re.M)
 
@@ -55,20 +58,35 @@ def compiled_costs(f: Callable, *args: Any, donate: bool = False) -> dict[str, A
     """FLOPs, bytes accessed, temporaries (MiB), HLO instructions and variadic reductions of
     ``jax.jit(f)`` compiled for ``args`` on the default backend, and the seconds it took."""
     t0 = time.perf_counter()
-    compiled = jax.jit(f, donate_argnums=0 if donate else ()).lower(*args).compile(compiler_options=OPTIONS)
+    compiled = (
+        jax.jit(f, donate_argnums=0 if donate else ())
+        .lower(*args)
+        .compile(compiler_options=OPTIONS)
+    )
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older jax: one dict per device
     text = compiled.as_text()
-    return {"flops": float(cost.get("flops", 0.0)), "bytes": float(cost.get("bytes accessed", 0.0)),
-            "temporaries": memory_mb(compiled)[0], "instructions": len(_HLO_INSTRUCTION.findall(text)),
-            "variadic_reduces": len(_VARIADIC_REDUCE.findall(text)), "seconds": time.perf_counter() - t0}
+    return {
+        "flops": float(cost.get("flops", 0.0)),
+        "bytes": float(cost.get("bytes accessed", 0.0)),
+        "temporaries": memory_mb(compiled)[0],
+        "instructions": len(_HLO_INSTRUCTION.findall(text)),
+        "variadic_reduces": len(_VARIADIC_REDUCE.findall(text)),
+        "seconds": time.perf_counter() - t0,
+    }
 
 
-def llama_steps(losses: Callable, batch: int, names: tuple[str, ...] = STEPS) -> dict[str, Callable]:
+def llama_steps(
+    losses: Callable, batch: int, names: tuple[str, ...] = STEPS
+) -> dict[str, Callable]:
     """The non-private step and the DP steps (``method`` = each name but ``nonprivate``)."""
     parts = StepParts(losses, batch, optax.adamw(LEARNING_RATE), NOISE_MULTIPLIER * CLIP)
-    return {n: nonprivate_step(losses, parts.opt) if n == "nonprivate" else parts.dp(parts.clipped_sum(n))
-            for n in names}
+    return {
+        n: nonprivate_step(losses, parts.opt)
+        if n == "nonprivate"
+        else parts.dp(parts.clipped_sum(n))
+        for n in names
+    }
 
 
 def llama_costs(cfg: LlamaConfig, batch: int, quick: bool) -> dict[str, Any]:
@@ -77,17 +95,26 @@ def llama_costs(cfg: LlamaConfig, batch: int, quick: bool) -> dict[str, Any]:
     losses, params, data = llama(0, batch, cfg)
     auto = gcx.ghost_report(losses, params, data).auto[0]
     names = tuple(n for n in STEPS if not (quick and n == "auto"))
-    recs = {n: compiled_costs(s, fresh_state(params, 0), data, donate=True)
-            for n, s in llama_steps(losses, batch, names).items()}
+    recs = {
+        n: compiled_costs(s, fresh_state(params, 0), data, donate=True)
+        for n, s in llama_steps(losses, batch, names).items()
+    }
     if cfg.scan and cfg.layers > 1 and not quick:
         losses_u, params_u, _ = llama(0, batch, cfg._replace(scan=False))
         for n, s in llama_steps(losses_u, batch, names).items():
             unrolled = compiled_costs(s, fresh_state(params_u, 0), data, donate=True)
-            recs[n].update(flops=unrolled["flops"], bytes=unrolled["bytes"],
-                           seconds=recs[n]["seconds"] + unrolled["seconds"])
+            recs[n].update(
+                flops=unrolled["flops"],
+                bytes=unrolled["bytes"],
+                seconds=recs[n]["seconds"] + unrolled["seconds"],
+            )
     if quick:
         recs["auto"] = dict(recs[auto], seconds=0.0)
-    return {"steps": recs, "auto_path": auto, "params": sum(x.size for x in jax.tree.leaves(params))}
+    return {
+        "steps": recs,
+        "auto_path": auto,
+        "params": sum(x.size for x in jax.tree.leaves(params)),
+    }
 
 
 def llama_configs(quick: bool) -> list[tuple[str, LlamaConfig]]:
@@ -102,23 +129,38 @@ def llama_configs(quick: bool) -> list[tuple[str, LlamaConfig]]:
     return out
 
 
-def llama_rows(quick: bool, batch: int = 4, configs: list[tuple[str, LlamaConfig]] | None = None) -> list[dict]:
+def llama_rows(
+    quick: bool, batch: int = 4, configs: list[tuple[str, LlamaConfig]] | None = None
+) -> list[dict]:
     """One row per setting (``configs``, by default :func:`llama_configs`), DP step and measure:
     the DP step's value against the non-private step's."""
     rows = []
     for label, cfg in llama_configs(quick) if configs is None else configs:
         res = llama_costs(cfg, batch, quick)
         base, secs = res["steps"]["nonprivate"], sum(r["seconds"] for r in res["steps"].values())
-        note = (f"Llama nnx {cfg.layers}x{cfg.d}, {cfg.heads} heads / {cfg.kv_heads} kv, vocab {cfg.vocab}, "
-                f"{res['params']:,} trainable parameters, float32; temporaries: {'nnx.scan' if cfg.scan else 'unrolled'} "
-                f"+ nnx.remat; "
-                f"FLOPs/bytes: {'scanned, a layer counted once' if quick else 'unrolled'}; auto takes the {res['auto_path']} path; compiled for the CPU in {secs:.0f} s")
+        note = (
+            f"Llama nnx {cfg.layers}x{cfg.d}, {cfg.heads} heads / {cfg.kv_heads} kv, vocab {cfg.vocab}, "
+            f"{res['params']:,} trainable parameters, float32; temporaries: {'nnx.scan' if cfg.scan else 'unrolled'} "
+            f"+ nnx.remat; "
+            f"FLOPs/bytes: {'scanned, a layer counted once' if quick else 'unrolled'}; auto takes the {res['auto_path']} path; compiled for the CPU in {secs:.0f} s"
+        )
         for step in STEPS[1:]:
             rec = res["steps"][step]
             for key, title, unit, scale in MEASURES:
-                rows.append(row(GROUP, f"llama {label} {step} DP step vs non-private remat step, B={batch}: "
-                                f"{title} ({unit}, in the ms columns)", rec[key] * scale, base[key] * scale,
-                                note, unit=unit, measure=key, step=step, model=f"llama {label}"))
+                rows.append(
+                    row(
+                        GROUP,
+                        f"llama {label} {step} DP step vs non-private remat step, B={batch}: "
+                        f"{title} ({unit}, in the ms columns)",
+                        rec[key] * scale,
+                        base[key] * scale,
+                        note,
+                        unit=unit,
+                        measure=key,
+                        step=step,
+                        model=f"llama {label}",
+                    )
+                )
         print(f"[cost] llama {label}: compiled in {secs:.0f} s", flush=True)
     return rows
 
@@ -127,10 +169,14 @@ def mlp_costs(batch: int = MLP_BATCH, reps: int = 30) -> dict[str, dict[str, Any
     """The MLP's ghost ``clipped_grad`` and ``jax.grad`` of its summed loss, compiled, and their
     median times over ``reps`` interleaved rounds (``ms``; each call a few milliseconds)."""
     losses, params, data = mlp(0, batch)
-    fns = {"ghost": jax.jit(gcx.clipped_grad(losses, CLIP, method="ghost")),
-           "nonprivate": jax.jit(jax.grad(lambda p, b: jnp.sum(losses(p, b))))}
+    fns = {
+        "ghost": jax.jit(gcx.clipped_grad(losses, CLIP, method="ghost")),
+        "nonprivate": jax.jit(jax.grad(lambda p, b: jnp.sum(losses(p, b)))),
+    }
     res = {k: compiled_costs(f, params, data) for k, f in fns.items()}
-    ms = interleaved_ms({k: (lambda f=f: f(params, data)) for k, f in fns.items()}, reps, max_s=10.0)
+    ms = interleaved_ms(
+        {k: (lambda f=f: f(params, data)) for k, f in fns.items()}, reps, max_s=10.0
+    )
     for k in fns:
         res[k]["ms"] = ms[k]
     return res
@@ -139,22 +185,41 @@ def mlp_costs(batch: int = MLP_BATCH, reps: int = 30) -> dict[str, dict[str, Any
 def mlp_rows(res: dict[str, dict[str, Any]], batch: int = MLP_BATCH) -> list[dict]:
     """Rows of :func:`mlp_costs`: step time, FLOPs, bytes, instructions and variadic reductions."""
     g, n = res["ghost"], res["nonprivate"]
-    note = (f"MLP 784-512-512-10, B={batch}, clipped_grad(method='ghost') vs jax.grad, compiled for "
-            f"{jax.default_backend()}; a variadic reduction is a scalar loop on XLA:CPU")
-    measures = (("ms", "step time, interleaved medians", "ms", 1.0), ("flops", "FLOPs", "GFLOP", 1e-9),
-                ("bytes", "bytes accessed", "MB", 1e-6), ("instructions", "HLO instructions", "count", 1.0),
-                ("variadic_reduces", "variadic reductions", "count", 1.0))
-    return [row(GROUP, f"mlp ghost grad vs non-private grad, B={batch}: {title} ({unit}, in the ms columns)",
-                g[key] * scale, n[key] * scale, note + ("; bar <= 1.5x" if key == "ms" else ""), unit=unit,
-                measure=key, step="ghost", model="mlp")
-            for key, title, unit, scale in measures if key in g]
+    note = (
+        f"MLP 784-512-512-10, B={batch}, clipped_grad(method='ghost') vs jax.grad, compiled for "
+        f"{jax.default_backend()}; a variadic reduction is a scalar loop on XLA:CPU"
+    )
+    measures = (
+        ("ms", "step time, interleaved medians", "ms", 1.0),
+        ("flops", "FLOPs", "GFLOP", 1e-9),
+        ("bytes", "bytes accessed", "MB", 1e-6),
+        ("instructions", "HLO instructions", "count", 1.0),
+        ("variadic_reduces", "variadic reductions", "count", 1.0),
+    )
+    return [
+        row(
+            GROUP,
+            f"mlp ghost grad vs non-private grad, B={batch}: {title} ({unit}, in the ms columns)",
+            g[key] * scale,
+            n[key] * scale,
+            note + ("; bar <= 1.5x" if key == "ms" else ""),
+            unit=unit,
+            measure=key,
+            step="ghost",
+            model="mlp",
+        )
+        for key, title, unit, scale in measures
+        if key in g
+    ]
 
 
 def check_mlp(res: dict[str, dict[str, Any]]) -> None:
     """Fails on the CPU when the MLP's ghost gradient holds a variadic reduction (see the module doc)."""
     if jax.default_backend() == "cpu" and res["ghost"]["variadic_reduces"]:
-        raise AssertionError(f"MLP ghost gradient compiled for the CPU holds {res['ghost']['variadic_reduces']} "
-                             "variadic reductions (scalar loops on XLA:CPU; see ROW_NORMS)")
+        raise AssertionError(
+            f"MLP ghost gradient compiled for the CPU holds {res['ghost']['variadic_reduces']} "
+            "variadic reductions (scalar loops on XLA:CPU; see ROW_NORMS)"
+        )
 
 
 def run(quick: bool = False) -> list[dict]:

@@ -28,11 +28,29 @@ __all__ = ["PHASES", "hlo_hints", "hlo_phases", "phase_of"]
 
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][a-z0-9\-]*)\((.*)$")
-_CALLED = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
+_CALLED = re.compile(
+    r"\b(calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)"
+)
 _CALLED_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
-_COPY_LIKE = {"parameter", "constant", "bitcast", "copy", "transpose", "reshape", "broadcast", "tuple",
-              "get-tuple-element", "slice", "dynamic-slice", "dynamic-update-slice", "concatenate", "pad",
-              "copy-start", "copy-done", "iota"}
+_COPY_LIKE = {
+    "parameter",
+    "constant",
+    "bitcast",
+    "copy",
+    "transpose",
+    "reshape",
+    "broadcast",
+    "tuple",
+    "get-tuple-element",
+    "slice",
+    "dynamic-slice",
+    "dynamic-update-slice",
+    "concatenate",
+    "pad",
+    "copy-start",
+    "copy-done",
+    "iota",
+}
 
 
 def _precision(rest: str) -> str:
@@ -41,9 +59,14 @@ def _precision(rest: str) -> str:
     algo = re.search(r"algorithm[\"=:]+\"?(?:alg_)?(?:dot_)?([a-z0-9_]+)", low)
     if algo and algo.group(1) not in ("unset", "alg_unset"):
         name = algo.group(1)
-        for key, label in (("tf32_tf32_f32_x3", "3xtf32"), ("bf16_bf16_f32_x6", "6xbf16"),
-                           ("bf16_bf16_f32_x3", "3xbf16"), ("tf32_tf32_f32", "tf32"), ("bf16_bf16_f32", "bf16"),
-                           ("f32_f32_f32", "highest")):
+        for key, label in (
+            ("tf32_tf32_f32_x3", "3xtf32"),
+            ("bf16_bf16_f32_x6", "6xbf16"),
+            ("bf16_bf16_f32_x3", "3xbf16"),
+            ("tf32_tf32_f32", "tf32"),
+            ("bf16_bf16_f32", "bf16"),
+            ("f32_f32_f32", "highest"),
+        ):
             if key in name:
                 return label
         return name
@@ -81,8 +104,14 @@ def _called(rest: str) -> list[str]:
 
 def _loop_computations(comps: dict[str, list[tuple[str, str, str]]]) -> set[str]:
     """Computations run inside a while op: bodies and conditions, and all they call."""
-    todo = [m.group(2) for body in comps.values() for _, opcode, rest in body if opcode == "while"
-            for m in _CALLED.finditer(rest) if m.group(1) in ("body", "condition")]
+    todo = [
+        m.group(2)
+        for body in comps.values()
+        for _, opcode, rest in body
+        if opcode == "while"
+        for m in _CALLED.finditer(rest)
+        if m.group(1) in ("body", "condition")
+    ]
     seen: set[str] = set()
     while todo:
         comp = todo.pop()
@@ -106,11 +135,15 @@ def _contents(comp: str, comps: dict[str, list[tuple[str, str, str]]], memo: dic
         if hit:
             memo[comp] = hit
             return hit
-    memo[comp] = "copy" if kinds and all(k in _COPY_LIKE or k == "copy" for k in kinds) else "elementwise"
+    memo[comp] = (
+        "copy" if kinds and all(k in _COPY_LIKE or k == "copy" for k in kinds) else "elementwise"
+    )
     return memo[comp]
 
 
-def _hint_of(opcode: str, rest: str, comps: dict[str, list[tuple[str, str, str]]], memo: dict[str, str]) -> str:
+def _hint_of(
+    opcode: str, rest: str, comps: dict[str, list[tuple[str, str, str]]], memo: dict[str, str]
+) -> str:
     if opcode in ("dot", "convolution"):
         return f"{opcode} {_precision(rest)}"
     if opcode == "custom-call":
@@ -202,12 +235,19 @@ def _table(text: str, name: str) -> list[str]:
 
 def _frames(text: str) -> dict[int, tuple[str, str, int]]:
     """``{frame id: (file, function, parent frame id or 0)}`` from the module's tables."""
-    files = {int(i): s.strip('"') for i, s in (ln.split(" ", 1) for ln in _table(text, "FileNames"))}
-    funcs = {int(i): s.strip('"') for i, s in (ln.split(" ", 1) for ln in _table(text, "FunctionNames"))}
+    files = {
+        int(i): s.strip('"') for i, s in (ln.split(" ", 1) for ln in _table(text, "FileNames"))
+    }
+    funcs = {
+        int(i): s.strip('"') for i, s in (ln.split(" ", 1) for ln in _table(text, "FunctionNames"))
+    }
     locs = {}
     for ln in _table(text, "FileLocations"):
         f = dict(re.findall(r"(\w+)=(\d+)", ln))
-        locs[int(ln.split(" ", 1)[0])] = (files.get(int(f["file_name_id"]), "?"), funcs.get(int(f["function_name_id"]), "?"))
+        locs[int(ln.split(" ", 1)[0])] = (
+            files.get(int(f["file_name_id"]), "?"),
+            funcs.get(int(f["function_name_id"]), "?"),
+        )
     raw = {}
     for ln in _table(text, "StackFrames"):
         f = dict(re.findall(r"(\w+)=(\d+)", ln))
@@ -230,14 +270,20 @@ def _chain(frame: int, frames: dict[int, tuple[str, str, int]]) -> list[tuple[st
 _FRAME_ID = re.compile(r"\bstack_frame_id=(\d+)")
 # JAX's random number generation runs in jitted functions it caches with the source frames of
 # their first trace (the key split of another step, say): their ops are told by their names.
-_RNG_OP = re.compile(r'op_name="[^"]*jit\((?:_threefry_split|_threefry_fold_in|_threefry_random_bits|_random_bits|'
-                     r'_uniform|_normal|_normal_real|_split|_fold_in)\)')
+_RNG_OP = re.compile(
+    r'op_name="[^"]*jit\((?:_threefry_split|_threefry_fold_in|_threefry_random_bits|_random_bits|'
+    r"_uniform|_normal|_normal_real|_split|_fold_in)\)"
+)
 # ops whose cost a fused kernel's other ops ride along with: the kernel is theirs
 _HEAVY = ("dot", "convolution", "custom-call")
 
 
-def _fused_phase(comp: str, comps: dict[str, list[tuple[str, str, str]]], own: dict[str, str],
-                 memo: dict[str, str | None]) -> str | None:
+def _fused_phase(
+    comp: str,
+    comps: dict[str, list[tuple[str, str, str]]],
+    own: dict[str, str],
+    memo: dict[str, str | None],
+) -> str | None:
     """The part of the step a fused (or called) computation does: that of its products, if it
     holds any; else the noise's, if it draws any (a draw costs far more than the arithmetic around
     it); else the part most of its attributed ops belong to; ``None`` if none is."""
@@ -246,7 +292,11 @@ def _fused_phase(comp: str, comps: dict[str, list[tuple[str, str, str]]], own: d
     memo[comp] = None  # guards a cycle
     heavy, seen = [], []
     for name, opcode, rest in comps.get(comp, []):
-        inner = [_fused_phase(c, comps, own, memo) for c in _called(rest)] if opcode in ("fusion", "call") else []
+        inner = (
+            [_fused_phase(c, comps, own, memo) for c in _called(rest)]
+            if opcode in ("fusion", "call")
+            else []
+        )
         phase = next((q for q in inner if q is not None), own.get(name))
         if phase is None:
             continue
@@ -254,7 +304,13 @@ def _fused_phase(comp: str, comps: dict[str, list[tuple[str, str, str]]], own: d
         if opcode in _HEAVY:
             heavy.append(phase)
     counts = {q: seen.count(q) for q in seen}
-    found = heavy[0] if heavy else "noise" if "noise" in counts else max(counts, key=counts.__getitem__, default=None)
+    found = (
+        heavy[0]
+        if heavy
+        else "noise"
+        if "noise" in counts
+        else max(counts, key=counts.__getitem__, default=None)
+    )
     memo[comp] = found
     return found
 
@@ -285,9 +341,18 @@ def hlo_phases(text: str) -> dict[str, str]:
     for body in comps.values():
         for name, opcode, rest in body:
             if opcode in ("fusion", "call"):
-                inner = next((q for c in _called(rest) if (q := _fused_phase(c, comps, own, memo)) is not None), None)
+                inner = next(
+                    (
+                        q
+                        for c in _called(rest)
+                        if (q := _fused_phase(c, comps, own, memo)) is not None
+                    ),
+                    None,
+                )
                 if inner is not None:
                     out[name] = inner
-                    for c in _called(rest):  # the fused ops that record no source (parameters) are the kernel's
+                    for c in _called(
+                        rest
+                    ):  # the fused ops that record no source (parameters) are the kernel's
                         out.update((n, inner) for n, _, _ in comps.get(c, []) if n not in own)
     return out

@@ -24,7 +24,10 @@ def mlp(seed: int, batch: int) -> tuple[Callable[..., Any], Any, Any]:
     """A 784-512-512-10 ReLU MLP with a cross-entropy loss per example."""
     r = np.random.default_rng(seed)
     params = [
-        {"w": jnp.asarray(r.normal(size=(a, b)) / np.sqrt(a), jnp.float32), "b": jnp.zeros(b, jnp.float32)}
+        {
+            "w": jnp.asarray(r.normal(size=(a, b)) / np.sqrt(a), jnp.float32),
+            "b": jnp.zeros(b, jnp.float32),
+        }
         for a, b in itertools.pairwise(MLP_SIZES)
     ]
     data = {
@@ -50,8 +53,16 @@ def _layer_norm(p: Any, h: jax.Array) -> jax.Array:
     return (h - mu) / jnp.sqrt(var + 1e-5) * p["scale"] + p["bias"]
 
 
-def transformer(seed: int, batch: int, *, layers: int = 2, d: int = 128, heads: int = 4,
-                seq: int = 64, vocab: int = 256) -> tuple[Callable[..., Any], Any, Any]:
+def transformer(
+    seed: int,
+    batch: int,
+    *,
+    layers: int = 2,
+    d: int = 128,
+    heads: int = 4,
+    seq: int = 64,
+    vocab: int = 256,
+) -> tuple[Callable[..., Any], Any, Any]:
     """A small pre-LN transformer LM in plain JAX; the loss is the mean token cross-entropy."""
     keys = iter(jax.random.split(jax.random.PRNGKey(seed), 8 * layers + 8))
 
@@ -67,8 +78,18 @@ def transformer(seed: int, batch: int, *, layers: int = 2, d: int = 128, heads: 
         "ln_f": ln(),
         "head": dense(d, vocab),
         "layers": [
-            {"ln1": ln(), "ln2": ln(), "q": dense(d, d), "k": dense(d, d), "v": dense(d, d), "o": dense(d, d),
-             "up": dense(d, 4 * d), "up_b": jnp.zeros(4 * d), "down": dense(4 * d, d), "down_b": jnp.zeros(d)}
+            {
+                "ln1": ln(),
+                "ln2": ln(),
+                "q": dense(d, d),
+                "k": dense(d, d),
+                "v": dense(d, d),
+                "o": dense(d, d),
+                "up": dense(d, 4 * d),
+                "up_b": jnp.zeros(4 * d),
+                "down": dense(4 * d, d),
+                "down_b": jnp.zeros(d),
+            }
             for _ in range(layers)
         ],
     }
@@ -133,7 +154,9 @@ def _gpt2_block(d: int, heads: int, fused: bool, dtype: Any) -> type:
     return Block
 
 
-def _gpt2_model(block: type, sizes: tuple[int, int, int], layers: int, dtype: Any, scan: bool) -> type:
+def _gpt2_model(
+    block: type, sizes: tuple[int, int, int], layers: int, dtype: Any, scan: bool
+) -> type:
     """The flax nnx class of GPT-2 with ``layers`` blocks and a tied output head;
     ``sizes`` = ``(vocab, positions, width)``."""
     from flax import nnx
@@ -144,9 +167,14 @@ def _gpt2_model(block: type, sizes: tuple[int, int, int], layers: int, dtype: An
 
     class GPT2(nnx.Module):
         def __init__(self, rngs: nnx.Rngs):
-            self.wte = nnx.Embed(vocab, d, dtype=dtype, param_dtype=dtype, embedding_init=init, rngs=rngs)
-            self.wpe = nnx.Embed(n_pos, d, dtype=dtype, param_dtype=dtype, embedding_init=init, rngs=rngs)
+            self.wte = nnx.Embed(
+                vocab, d, dtype=dtype, param_dtype=dtype, embedding_init=init, rngs=rngs
+            )
+            self.wpe = nnx.Embed(
+                n_pos, d, dtype=dtype, param_dtype=dtype, embedding_init=init, rngs=rngs
+            )
             if scan:
+
                 @nnx.split_rngs(splits=layers)
                 @nnx.vmap(in_axes=0, out_axes=0)
                 def stacked(r: nnx.Rngs) -> Any:
@@ -170,8 +198,16 @@ def _gpt2_model(block: type, sizes: tuple[int, int, int], layers: int, dtype: An
     return GPT2
 
 
-def gpt2(batch: int, *, fused: bool, dtype: Any, tiny: bool, seed: int = 0,
-         scan: bool = False, layers: int | None = None) -> tuple[Callable, Any, Any, str]:
+def gpt2(
+    batch: int,
+    *,
+    fused: bool,
+    dtype: Any,
+    tiny: bool,
+    seed: int = 0,
+    scan: bool = False,
+    layers: int | None = None,
+) -> tuple[Callable, Any, Any, str]:
     """GPT-2 small (or the tiny smoke size) in flax nnx; returns ``(losses, params, data, label)``.
 
     Args:
@@ -185,7 +221,9 @@ def gpt2(batch: int, *, fused: bool, dtype: Any, tiny: bool, seed: int = 0,
     """
     from flax import nnx
 
-    vocab, n_pos, d, depth, heads, seq = (512, 16, 64, 2, 4, 16) if tiny else (50257, 1024, 768, 12, 12, 256)
+    vocab, n_pos, d, depth, heads, seq = (
+        (512, 16, 64, 2, 4, 16) if tiny else (50257, 1024, 768, 12, 12, 256)
+    )
     layers = depth if layers is None else layers
     model = _gpt2_model(_gpt2_block(d, heads, fused, dtype), (vocab, n_pos, d), layers, dtype, scan)
     graphdef, params = nnx.split(model(nnx.Rngs(seed)))
@@ -199,8 +237,10 @@ def gpt2(batch: int, *, fused: bool, dtype: Any, tiny: bool, seed: int = 0,
     qkv = "fused qkv + jnp.split" if fused else "separate q/k/v"
     size = f"{layers}x{d}, {heads} heads, vocab {vocab}, T={seq}"
     kind = " (tiny)" if tiny else " small" if layers == depth else f" ({layers} blocks of small)"
-    label = (f"GPT-2{kind} nnx, {size}, tied embedding, {qkv}, "
-             f"{'blocks stacked, lax.scan, ' if scan else ''}{jnp.dtype(dtype).name}")
+    label = (
+        f"GPT-2{kind} nnx, {size}, tied embedding, {qkv}, "
+        f"{'blocks stacked, lax.scan, ' if scan else ''}{jnp.dtype(dtype).name}"
+    )
     return losses, params, data, label
 
 
@@ -241,8 +281,10 @@ def wrn(batch: int, *, tiny: bool, seed: int = 0) -> tuple[Callable, Any, Any, s
     depth, k, hw, classes, groups = (16, 1, 8, 10, 16) if tiny else (16, 4, 32, 10, 16)
     model = _wrn_model(k, groups, classes, (depth - 4) // 6)
     r = np.random.default_rng(seed)
-    data = {"x": jnp.asarray(r.standard_normal((batch, hw, hw, 3)), jnp.float32),
-            "y": jnp.asarray(r.integers(0, classes, size=batch), jnp.int32)}
+    data = {
+        "x": jnp.asarray(r.standard_normal((batch, hw, hw, 3)), jnp.float32),
+        "y": jnp.asarray(r.integers(0, classes, size=batch), jnp.int32),
+    }
     params = model.init(jax.random.key(seed), data["x"][:1])["params"]
 
     def losses(p: Any, b: Any) -> jax.Array:
@@ -253,8 +295,9 @@ def wrn(batch: int, *, tiny: bool, seed: int = 0) -> tuple[Callable, Any, Any, s
     return losses, params, data, label
 
 
-def transformer_tree(vocab: int = 8192, d: int = 512, layers: int = 8, seed: int = 0,
-                     dtype: Any = jnp.float32) -> dict[str, Any]:
+def transformer_tree(
+    vocab: int = 8192, d: int = 512, layers: int = 8, seed: int = 0, dtype: Any = jnp.float32
+) -> dict[str, Any]:
     """Gradient-like leaves shaped like a transformer's parameters.
 
     The defaults give ~29.6M parameters: an 8192 x 512 embedding and 8 layers of
@@ -269,16 +312,30 @@ def transformer_tree(vocab: int = 8192, d: int = 512, layers: int = 8, seed: int
     tree: dict[str, Any] = {"embed": leaf(vocab, d), "final_norm": leaf(d)}
     for i in range(layers):
         tree[f"layer{i}"] = {
-            "q": leaf(d, d), "k": leaf(d, d), "v": leaf(d, d), "o": leaf(d, d),
-            "mlp_in": leaf(d, 4 * d), "mlp_in_bias": leaf(4 * d),
-            "mlp_out": leaf(4 * d, d), "mlp_out_bias": leaf(d),
-            "ln1_scale": leaf(d), "ln1_bias": leaf(d), "ln2_scale": leaf(d), "ln2_bias": leaf(d),
+            "q": leaf(d, d),
+            "k": leaf(d, d),
+            "v": leaf(d, d),
+            "o": leaf(d, d),
+            "mlp_in": leaf(d, 4 * d),
+            "mlp_in_bias": leaf(4 * d),
+            "mlp_out": leaf(4 * d, d),
+            "mlp_out_bias": leaf(d),
+            "ln1_scale": leaf(d),
+            "ln1_bias": leaf(d),
+            "ln2_scale": leaf(d),
+            "ln2_bias": leaf(d),
         }
     return tree
 
 
-def gpt2_grad_tree(layers: int = 48, d: int = 1600, vocab: int = 50257, ctx: int = 1024,
-                   dtype: Any = jnp.float32, seed: int = 0) -> dict[str, Any]:
+def gpt2_grad_tree(
+    layers: int = 48,
+    d: int = 1600,
+    vocab: int = 50257,
+    ctx: int = 1024,
+    dtype: Any = jnp.float32,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Gradient-like leaves with GPT-2's parameter shapes (XL by default: 580 leaves, 1.56B)."""
     key = jax.random.PRNGKey(seed)
 
@@ -287,15 +344,23 @@ def gpt2_grad_tree(layers: int = 48, d: int = 1600, vocab: int = 50257, ctx: int
         key, sub = jax.random.split(key)
         return (jax.random.normal(sub, shape, jnp.float32) * 1e-3).astype(dtype)
 
-    tree: dict[str, Any] = {"wte": leaf(vocab, d), "wpe": leaf(ctx, d), "ln_f": {"g": leaf(d), "b": leaf(d)}}
+    tree: dict[str, Any] = {
+        "wte": leaf(vocab, d),
+        "wpe": leaf(ctx, d),
+        "ln_f": {"g": leaf(d), "b": leaf(d)},
+    }
     for i in range(layers):
         tree[f"h{i}"] = {
             "ln_1": {"g": leaf(d), "b": leaf(d)},
-            "attn": {"c_attn": {"w": leaf(d, 3 * d), "b": leaf(3 * d)},
-                     "c_proj": {"w": leaf(d, d), "b": leaf(d)}},
+            "attn": {
+                "c_attn": {"w": leaf(d, 3 * d), "b": leaf(3 * d)},
+                "c_proj": {"w": leaf(d, d), "b": leaf(d)},
+            },
             "ln_2": {"g": leaf(d), "b": leaf(d)},
-            "mlp": {"c_fc": {"w": leaf(d, 4 * d), "b": leaf(4 * d)},
-                    "c_proj": {"w": leaf(4 * d, d), "b": leaf(d)}},
+            "mlp": {
+                "c_fc": {"w": leaf(d, 4 * d), "b": leaf(4 * d)},
+                "c_proj": {"w": leaf(4 * d, d), "b": leaf(d)},
+            },
         }
     return tree
 
@@ -347,8 +412,14 @@ def _llama_block(cfg: LlamaConfig) -> type:
         kw = dict(use_bias=False, dtype=dt, param_dtype=dt, rngs=rngs)
         if adapted and cfg.lora:
             # B starts small, not zero, so that both factors get gradients from the first step
-            return nnx.LoRALinear(n_in, n_out, lora_rank=cfg.lora, lora_param_dtype=dt,
-                                  b_initializer=nnx.initializers.normal(0.02), **kw)
+            return nnx.LoRALinear(
+                n_in,
+                n_out,
+                lora_rank=cfg.lora,
+                lora_param_dtype=dt,
+                b_initializer=nnx.initializers.normal(0.02),
+                **kw,
+            )
         return nnx.Linear(n_in, n_out, **kw)
 
     class LlamaBlock(nnx.Module):
@@ -371,7 +442,9 @@ def _llama_block(cfg: LlamaConfig) -> type:
             v = self.v(a).reshape(b, t, kvh, hd)
             k, v = jnp.repeat(k, h // kvh, axis=2), jnp.repeat(v, h // kvh, axis=2)  # GQA
             att = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(hd)
-            att = jax.nn.softmax(jnp.where(allowed, att, jnp.finfo(jnp.float32).min), axis=-1).astype(dt)
+            att = jax.nn.softmax(
+                jnp.where(allowed, att, jnp.finfo(jnp.float32).min), axis=-1
+            ).astype(dt)
             x = x + self.o(jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, t, h * hd))
             m = self.mlp_norm(x)
             return x + self.down(jax.nn.silu(self.gate(m)) * self.up(m))
@@ -422,11 +495,19 @@ def _llama_model(cfg: LlamaConfig) -> type:
 
     class Llama(nnx.Module):
         def __init__(self, rngs: nnx.Rngs):
-            self.embed = nnx.Embed(cfg.vocab, cfg.d, dtype=dt, param_dtype=dt,
-                                   embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+            self.embed = nnx.Embed(
+                cfg.vocab,
+                cfg.d,
+                dtype=dt,
+                param_dtype=dt,
+                embedding_init=nnx.initializers.normal(0.02),
+                rngs=rngs,
+            )
             self.layers = _llama_layers(cfg, block, rngs)
             self.norm = nnx.RMSNorm(cfg.d, epsilon=1e-5, dtype=dt, param_dtype=dt, rngs=rngs)
-            self.lm_head = nnx.Linear(cfg.d, cfg.vocab, use_bias=False, dtype=dt, param_dtype=dt, rngs=rngs)
+            self.lm_head = nnx.Linear(
+                cfg.d, cfg.vocab, use_bias=False, dtype=dt, param_dtype=dt, rngs=rngs
+            )
 
         def __call__(self, tokens: jax.Array, mask: jax.Array) -> jax.Array:
             t = tokens.shape[1]
@@ -444,11 +525,16 @@ def llama_data(cfg: LlamaConfig, batch: int, seed: int = 0) -> dict[str, jax.Arr
     tokens = r.integers(0, cfg.vocab, size=(batch, cfg.seq + 1))
     pad = np.minimum(np.arange(batch), cfg.seq // 2)
     mask = np.arange(cfg.seq)[None, :] < (cfg.seq - pad)[:, None]
-    return {"x": jnp.asarray(tokens[:, :-1], jnp.int32), "y": jnp.asarray(tokens[:, 1:], jnp.int32),
-            "mask": jnp.asarray(mask)}
+    return {
+        "x": jnp.asarray(tokens[:, :-1], jnp.int32),
+        "y": jnp.asarray(tokens[:, 1:], jnp.int32),
+        "mask": jnp.asarray(mask),
+    }
 
 
-def llama(seed: int, batch: int, cfg: LlamaConfig | None = None) -> tuple[Callable[..., Any], Any, Any]:
+def llama(
+    seed: int, batch: int, cfg: LlamaConfig | None = None
+) -> tuple[Callable[..., Any], Any, Any]:
     """A Llama-style decoder in flax nnx (see ``LlamaConfig``); the loss of an example is its mean
     token cross-entropy over the tokens its ``mask`` keeps (padding does not count).
 
@@ -467,7 +553,11 @@ def llama(seed: int, batch: int, cfg: LlamaConfig | None = None) -> tuple[Callab
         frozen = None
 
     def losses(p: Any, b: Any) -> jax.Array:
-        net = nnx.merge(graphdef, p, frozen, copy=True) if frozen is not None else nnx.merge(graphdef, p)
+        net = (
+            nnx.merge(graphdef, p, frozen, copy=True)
+            if frozen is not None
+            else nnx.merge(graphdef, p)
+        )
         logits = net(b["x"], b["mask"]).astype(jnp.float32)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, b["y"])
         keep = b["mask"].astype(jnp.float32)

@@ -106,23 +106,41 @@ def _print(line: str) -> None:
     print(line, flush=True)
 
 
-def _variant_row(name: str, strategy: Any, pack: Any, tree: Any, ref: tuple, label: str, reps: int) -> dict:
+def _variant_row(
+    name: str, strategy: Any, pack: Any, tree: Any, ref: tuple, label: str, reps: int
+) -> dict:
     """One variant's row against optax (``ref``: its compiled step, state, compile time and the
     reference norm), printed as it is measured."""
     ref_c, ref_s, ref_t, ref_norm = ref
     with _Setting(strategy, pack):
         comp, state, ct = _compile(lambda: gcx.clip_by_global_norm(1.0), tree)
-    t = interleaved_ms({"ours": lambda c=comp, s=state: c(tree, s), "optax": lambda: ref_c(tree, ref_s)},
-                       reps=reps, max_s=15.0)
+    t = interleaved_ms(
+        {"ours": lambda c=comp, s=state: c(tree, s), "optax": lambda: ref_c(tree, ref_s)},
+        reps=reps,
+        max_s=15.0,
+    )
     norm = float(comp(tree, state)[1].norm)
     counts = hlo_counts(comp)
     tmp = comp.memory_analysis().temp_size_in_bytes / 2**20
-    r = {"variant": name, "strategy": strategy, "pack": pack, "dtype": label, "ours_ms": t["ours"],
-         "optax_ms": t["optax"], "ratio": t["ours"] / t["optax"], "compile_s": ct,
-         "compile_ratio": ct / ref_t, "tmp_mib": tmp, **counts, "norm_rel": abs(norm - ref_norm) / ref_norm}
-    _print(f"{name:<18} {r['ours_ms']:9.3f} {r['optax_ms']:9.3f} {r['ratio']:6.3f} {ct:9.2f} "
-           f"{r['compile_ratio']:7.2f} {tmp:8.2f} {counts['fusions']:7d} {counts['conds']:5d} "
-           f"{counts['reduces']:7d} {r['norm_rel']:13.2e}")
+    r = {
+        "variant": name,
+        "strategy": strategy,
+        "pack": pack,
+        "dtype": label,
+        "ours_ms": t["ours"],
+        "optax_ms": t["optax"],
+        "ratio": t["ours"] / t["optax"],
+        "compile_s": ct,
+        "compile_ratio": ct / ref_t,
+        "tmp_mib": tmp,
+        **counts,
+        "norm_rel": abs(norm - ref_norm) / ref_norm,
+    }
+    _print(
+        f"{name:<18} {r['ours_ms']:9.3f} {r['optax_ms']:9.3f} {r['ratio']:6.3f} {ct:9.2f} "
+        f"{r['compile_ratio']:7.2f} {tmp:8.2f} {counts['fusions']:7d} {counts['conds']:5d} "
+        f"{counts['reduces']:7d} {r['norm_rel']:13.2e}"
+    )
     return r
 
 
@@ -144,20 +162,34 @@ def _chain_ratios(best: list[dict], tree: Any, label: str, reps: int) -> None:
     t = interleaved_ms(fns, reps=reps, max_s=20.0)
     for r in best:
         r["chain_ratio"] = t[r["variant"]] / t["optax"]
-        _print(f"[{label}] chain(clip, adamw)+apply {r['variant']:<18} {t[r['variant']]:9.3f} ms vs optax "
-               f"{t['optax']:9.3f} ms = {r['chain_ratio']:.3f}")
+        _print(
+            f"[{label}] chain(clip, adamw)+apply {r['variant']:<18} {t[r['variant']]:9.3f} ms vs optax "
+            f"{t['optax']:9.3f} ms = {r['chain_ratio']:.3f}"
+        )
 
 
 def probe_dtype(dtype: Any, label: str, reps: int, deadline: float, names: list[str]) -> list[dict]:
-    tree = gpt2_grad_tree(dtype=dtype) if not _small() else gpt2_grad_tree(layers=2, d=16, vocab=100, ctx=32, dtype=dtype)
+    tree = (
+        gpt2_grad_tree(dtype=dtype)
+        if not _small()
+        else gpt2_grad_tree(layers=2, d=16, vocab=100, ctx=32, dtype=dtype)
+    )
     jax.block_until_ready(tree)
     ref_c, ref_s, ref_t = _compile(lambda: optax.clip_by_global_norm(1.0), tree)
     # reference: float32 squares, one plain XLA sum per leaf (optax's bf16 norm is off by ~1e-3)
-    ref_norm = float(jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree_util.tree_leaves(tree))))
+    ref_norm = float(
+        jnp.sqrt(
+            sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree_util.tree_leaves(tree))
+        )
+    )
     ref_tmp = ref_c.memory_analysis().temp_size_in_bytes / 2**20
-    _print(f"[{label}] optax: compile {ref_t:.2f} s, temporaries {ref_tmp:.2f} MiB, {hlo_counts(ref_c)}")
-    _print(f"{'variant':<18} {'ours ms':>9} {'optax ms':>9} {'ratio':>6} {'compile s':>9} {'c-ratio':>7} "
-           f"{'tmp MiB':>8} {'fusions':>7} {'conds':>5} {'reduces':>7} {'norm rel diff':>13}")
+    _print(
+        f"[{label}] optax: compile {ref_t:.2f} s, temporaries {ref_tmp:.2f} MiB, {hlo_counts(ref_c)}"
+    )
+    _print(
+        f"{'variant':<18} {'ours ms':>9} {'optax ms':>9} {'ratio':>6} {'compile s':>9} {'c-ratio':>7} "
+        f"{'tmp MiB':>8} {'fusions':>7} {'conds':>5} {'reduces':>7} {'norm rel diff':>13}"
+    )
     rows = []
     for name, strategy, pack in VARIANTS:
         if name not in names:
@@ -165,7 +197,9 @@ def probe_dtype(dtype: Any, label: str, reps: int, deadline: float, names: list[
         if time.perf_counter() > deadline:
             _print(f"{name:<18} skipped: out of time (--budget)")
             continue
-        rows.append(_variant_row(name, strategy, pack, tree, (ref_c, ref_s, ref_t, ref_norm), label, reps))
+        rows.append(
+            _variant_row(name, strategy, pack, tree, (ref_c, ref_s, ref_t, ref_norm), label, reps)
+        )
     # the chain for the two fastest variants
     best = sorted(rows, key=lambda r: r["ratio"])[:2]
     if best and time.perf_counter() < deadline:
@@ -181,8 +215,12 @@ def _small() -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--small", action="store_true", help="a tiny tree (same as GCX_BENCH_SMALL=1)")
-    parser.add_argument("--budget", type=float, default=270.0, help="seconds before remaining rows are skipped")
+    parser.add_argument(
+        "--small", action="store_true", help="a tiny tree (same as GCX_BENCH_SMALL=1)"
+    )
+    parser.add_argument(
+        "--budget", type=float, default=270.0, help="seconds before remaining rows are skipped"
+    )
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--variants", default=",".join(v[0] for v in VARIANTS))
     parser.add_argument("--dtypes", default="fp32,bf16")
@@ -192,8 +230,10 @@ def main() -> None:
     start = time.perf_counter()
     names = [n.strip() for n in args.variants.split(",") if n.strip()]
     dts = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    _print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.devices()[0].device_kind}; "
-           f"defaults SUMSQ_STRATEGY={_norms.SUMSQ_STRATEGY} GLOBAL_PACK_MAX_SIZE={_norms.GLOBAL_PACK_MAX_SIZE}")
+    _print(
+        f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.devices()[0].device_kind}; "
+        f"defaults SUMSQ_STRATEGY={_norms.SUMSQ_STRATEGY} GLOBAL_PACK_MAX_SIZE={_norms.GLOBAL_PACK_MAX_SIZE}"
+    )
     rows: list[dict] = []
     for i, label in enumerate(dts):
         dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[label]
@@ -207,16 +247,20 @@ def main() -> None:
             by_variant.setdefault(r["variant"], []).append(r)
         for name, rs in by_variant.items():
             worst = max(r["ratio"] for r in rs)
-            _print(f"  {name:<18} worst ratio over dtypes {worst:.3f}; compile ratios "
-                   + ", ".join(f"{r['dtype']} {r['compile_ratio']:.2f}" for r in rs))
+            _print(
+                f"  {name:<18} worst ratio over dtypes {worst:.3f}; compile ratios "
+                + ", ".join(f"{r['dtype']} {r['compile_ratio']:.2f}" for r in rs)
+            )
         full = [n for n, rs in by_variant.items() if len(rs) == len(dts)]
         if full:
             win = min(full, key=lambda n: max(r["ratio"] for r in by_variant[n]))
             strategy, pack = next((s, p) for n, s, p in VARIANTS if n == win)
-            _print(f"winner (best worst-case runtime ratio): {win} -> in gradclip_jax/_core/norms/ set "
-                   f"SUMSQ_STRATEGY['gpu'] = SUMSQ_STRATEGY['cuda'] = {strategy!r} and "
-                   f"GLOBAL_PACK_MAX_SIZE['gpu'] = GLOBAL_PACK_MAX_SIZE['cuda'] = "
-                   f"{'PACK_MAX_SIZE' if pack else 0}")
+            _print(
+                f"winner (best worst-case runtime ratio): {win} -> in gradclip_jax/_core/norms/ set "
+                f"SUMSQ_STRATEGY['gpu'] = SUMSQ_STRATEGY['cuda'] = {strategy!r} and "
+                f"GLOBAL_PACK_MAX_SIZE['gpu'] = GLOBAL_PACK_MAX_SIZE['cuda'] = "
+                f"{'PACK_MAX_SIZE' if pack else 0}"
+            )
     _print(f"total {time.perf_counter() - start:.1f} s")
 
 

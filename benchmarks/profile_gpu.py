@@ -82,9 +82,23 @@ STEPS = ("nonprivate", "ghost", "vmap")
 TOP_KERNELS = 15  # in the Markdown report
 TOP_KERNELS_JSON = 60  # in the JSON: a GPU call is rare, keep what a later reading may need
 DEFAULT_BUDGET_S = 540.0
-CATEGORIES = ("matmul_f32", "matmul_highest", "matmul_tf32", "matmul_3xtf32", "matmul_bf16", "matmul_6xbf16",
-              "matmul_fp16", "matmul_default", "matmul_unknown", "convolution", "loop", "reduction", "copy",
-              "transfer", "other")
+CATEGORIES = (
+    "matmul_f32",
+    "matmul_highest",
+    "matmul_tf32",
+    "matmul_3xtf32",
+    "matmul_bf16",
+    "matmul_6xbf16",
+    "matmul_fp16",
+    "matmul_default",
+    "matmul_unknown",
+    "convolution",
+    "loop",
+    "reduction",
+    "copy",
+    "transfer",
+    "other",
+)
 
 # ----------------------------------------------------------------------------- categories
 
@@ -93,8 +107,10 @@ _CONV = re.compile(r"convolution|conv(?!ert)|fprop|dgrad|wgrad|implicit_gemm|win
 _MATMUL = re.compile(r"gemm|cublas|cutlass|xmma|matmul|(^|[^a-z])dot([^a-z]|$)")
 _WHILE_NAME = re.compile(r"^while([._\-/]|$)|while[._/]body|_body([._]|$)")
 _WHILE_SCOPE = re.compile(r"(^|/)while/body(/|$)|(^|/)while(/|$)")
-_COPY = re.compile(r"copy|transpose|memcpy|concatenate|dynamic[-_]update[-_]slice|dynamic[-_]slice|"
-                   r"(^|[^a-z])slice|(^|[^a-z])pad([^a-z]|$)")
+_COPY = re.compile(
+    r"copy|transpose|memcpy|concatenate|dynamic[-_]update[-_]slice|dynamic[-_]slice|"
+    r"(^|[^a-z])slice|(^|[^a-z])pad([^a-z]|$)"
+)
 _SCOPE_KEYS = ("tf_op", "long_name", "op_name", "name_scope", "scope")
 
 
@@ -131,14 +147,21 @@ def categorize(name: str, args: dict[str, Any]) -> str:
     op = str(args.get("hlo_op", "")).lower()
     thread = str(args.get("thread", "")).lower()
     scope = " ".join(str(args.get(k, "")) for k in _SCOPE_KEYS).lower()
-    if _TRANSFER.search(n) or ("memcpy" in n and _TRANSFER.search(thread.replace("memcpy", "memcpy "))):
+    if _TRANSFER.search(n) or (
+        "memcpy" in n and _TRANSFER.search(thread.replace("memcpy", "memcpy "))
+    ):
         return "transfer"
     if _CONV.search(n) or hint.startswith("convolution") or op.startswith("convolution"):
         return "convolution"
     if _MATMUL.search(n) or hint.startswith("dot") or _MATMUL.search(op):
         return f"matmul_{_matmul_precision(n, hint)}"
-    if (args.get("in_while") or hint.endswith(" in_while") or hint.startswith("while")
-            or _WHILE_NAME.search(n) or _WHILE_SCOPE.search(scope)):
+    if (
+        args.get("in_while")
+        or hint.endswith(" in_while")
+        or hint.startswith("while")
+        or _WHILE_NAME.search(n)
+        or _WHILE_SCOPE.search(scope)
+    ):
         return "loop"
     if "reduc" in n or hint.startswith("reduce") or op.startswith("reduce"):
         return "reduction"
@@ -173,19 +196,32 @@ def _select(events: list[dict]) -> tuple[list[dict], str, str]:
     streams = {k for k, n in threads.items() if k[0] in device and "stream" in n.lower()}
     if not streams:  # no CUDA streams (a TPU, say): its op line
         streams = {k for k, n in threads.items() if k[0] in device and n.lower() == "xla ops"}
-    chosen = [e for e in complete if ((e["pid"], e.get("tid")) in streams if streams else e["pid"] in device)]
+    chosen = [
+        e
+        for e in complete
+        if ((e["pid"], e.get("tid")) in streams if streams else e["pid"] in device)
+    ]
     if chosen:
         lines = sorted({threads.get(k, str(k[1])) for k in streams}) or ["all threads"]
         where = f"device kernels: {', '.join(sorted(procs[p] for p in device))}; {', '.join(lines)}"
         return chosen, "device", where
-    chosen = [e for e in complete if "hlo_op" in e.get("args", {}) and not str(e.get("name", "")).startswith("end: ")]
+    chosen = [
+        e
+        for e in complete
+        if "hlo_op" in e.get("args", {}) and not str(e.get("name", "")).startswith("end: ")
+    ]
     lines = sorted({threads.get((e["pid"], e.get("tid")), "?").split("/")[0] for e in chosen})
     note = "no device kernels in the trace; " if device else ""
-    return chosen, "host", f"{note}XLA ops (events with an hlo_op) on host threads: {', '.join(lines) or 'none'}"
+    return (
+        chosen,
+        "host",
+        f"{note}XLA ops (events with an hlo_op) on host threads: {', '.join(lines) or 'none'}",
+    )
 
 
-def _nest(evs: list[dict], thread: str, hints: dict[str, str],
-          phases: dict[str, str]) -> list[tuple[str, dict[str, Any], float]]:
+def _nest(
+    evs: list[dict], thread: str, hints: dict[str, str], phases: dict[str, str]
+) -> list[tuple[str, dict[str, Any], float]]:
     """``(name, args, self time in us)`` of the events of one thread: each event's duration less
     its nested children's, with ``thread``, ``hlo``, ``phase`` (:func:`~benchmarks.hlo_program.hlo_phases`)
     and ``in_while`` (inside a while op's event) added to its args."""
@@ -204,29 +240,49 @@ def _nest(evs: list[dict], thread: str, hints: dict[str, str],
         if stack:
             stack[-1][3] -= dur
         is_while = bool(_WHILE_NAME.match(name.lower())) or hint.startswith("while")
-        args = {**e.get("args", {}), "thread": thread, "hlo": hint, "phase": phase, "in_while": in_loop}
+        args = {
+            **e.get("args", {}),
+            "thread": thread,
+            "hlo": hint,
+            "phase": phase,
+            "in_while": in_loop,
+        }
         stack.append([ts + dur, name, args, dur, in_loop or is_while])
     out += [(name, args, max(self_us, 0.0)) for _, name, args, self_us, _ in reversed(stack)]
     return out
 
 
-def _self_times(events: list[dict], threads: dict[tuple[Any, Any], str], hints: dict[str, str],
-                phases: dict[str, str]) -> list[tuple[str, dict[str, Any], float]]:
+def _self_times(
+    events: list[dict],
+    threads: dict[tuple[Any, Any], str],
+    hints: dict[str, str],
+    phases: dict[str, str],
+) -> list[tuple[str, dict[str, Any], float]]:
     """:func:`_nest` over the events of each thread."""
     by_thread: dict[tuple[Any, Any], list[dict]] = defaultdict(list)
     for e in events:
         by_thread[(e["pid"], e.get("tid"))].append(e)
-    return [t for key, evs in by_thread.items() for t in _nest(evs, threads.get(key, ""), hints, phases)]
+    return [
+        t for key, evs in by_thread.items() for t in _nest(evs, threads.get(key, ""), hints, phases)
+    ]
 
 
 def _in_while(name: str, args: dict[str, Any]) -> bool:
     scope = " ".join(str(args.get(k, "")) for k in _SCOPE_KEYS).lower()
-    return bool(args.get("in_while") or str(args.get("hlo", "")).endswith(" in_while")
-                or _WHILE_SCOPE.search(scope) or _WHILE_NAME.search(name.lower()))
+    return bool(
+        args.get("in_while")
+        or str(args.get("hlo", "")).endswith(" in_while")
+        or _WHILE_SCOPE.search(scope)
+        or _WHILE_NAME.search(name.lower())
+    )
 
 
-def summarize(trace_json: dict[str, Any], steps: int, hints: dict[str, str] | None = None,
-              phases: dict[str, str] | None = None) -> dict[str, Any]:
+def summarize(
+    trace_json: dict[str, Any],
+    steps: int,
+    hints: dict[str, str] | None = None,
+    phases: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """Per training step, from a Chrome-format trace of ``steps`` steps: ``ms_per_step``,
     ``categories`` (ms per step by :func:`categorize`'s category, largest first), ``shares``,
     ``phases`` (ms per step by the part of the DP step that wrote each op, in the order of
@@ -259,20 +315,37 @@ def summarize(trace_json: dict[str, Any], steps: int, hints: dict[str, str] | No
     per = 1e-3 / max(steps, 1)  # us over the trace -> ms per step
     top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS_JSON]
     return {
-        "classifier": classifier, "source": where, "steps": steps, "events": len(timed),
+        "classifier": classifier,
+        "source": where,
+        "steps": steps,
+        "events": len(timed),
         "ms_per_step": total * per,
         "categories": {c: v * per for c, v in sorted(categories.items(), key=lambda cv: -cv[1])},
-        "shares": {c: (v / total if total else 0.0) for c, v in sorted(categories.items(), key=lambda cv: -cv[1])},
+        "shares": {
+            c: (v / total if total else 0.0)
+            for c, v in sorted(categories.items(), key=lambda cv: -cv[1])
+        },
         "phases": {p: by_phase[p] * per for p in PHASES if p in by_phase},
         "in_while_ms": in_while * per,
-        "top": [{"name": n, "category": c, "source": src, "ms": us * per, "calls": calls / max(steps, 1),
-                 "share": us / total if total else 0.0} for n, (c, us, calls, src) in top],
+        "top": [
+            {
+                "name": n,
+                "category": c,
+                "source": src,
+                "ms": us * per,
+                "calls": calls / max(steps, 1),
+                "share": us / total if total else 0.0,
+            }
+            for n, (c, us, calls, src) in top
+        ],
     }
 
 
 def find_trace(logdir: str | pathlib.Path) -> pathlib.Path:
     """The newest ``perfetto_trace.json.gz`` under ``logdir``."""
-    found = sorted(pathlib.Path(logdir).rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    found = sorted(
+        pathlib.Path(logdir).rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime
+    )
     if not found:
         raise FileNotFoundError(f"no perfetto_trace.json.gz under {logdir}")
     return found[-1]
@@ -286,7 +359,9 @@ def load_trace(path: str | pathlib.Path) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- measuring
 
 
-def trace_steps(run_step: Callable[[], Any], logdir: pathlib.Path, steps: int) -> tuple[dict[str, Any], float]:
+def trace_steps(
+    run_step: Callable[[], Any], logdir: pathlib.Path, steps: int
+) -> tuple[dict[str, Any], float]:
     """``steps`` calls of ``run_step`` under the profiler: ``(trace, wall ms per step)``."""
     logdir.mkdir(parents=True, exist_ok=True)
     with jax.profiler.trace(str(logdir), create_perfetto_trace=True):
@@ -298,8 +373,16 @@ def trace_steps(run_step: Callable[[], Any], logdir: pathlib.Path, steps: int) -
     return load_trace(find_trace(logdir)), wall_ms
 
 
-def profile_step(step: Callable, params: Any, data: Any, seed: int, *, warmup: int, steps: int,
-                 logdir: pathlib.Path) -> dict[str, Any]:
+def profile_step(
+    step: Callable,
+    params: Any,
+    data: Any,
+    seed: int,
+    *,
+    warmup: int,
+    steps: int,
+    logdir: pathlib.Path,
+) -> dict[str, Any]:
     """Compiles one step, runs ``warmup`` steps, traces ``steps`` more and summarizes them."""
     t0 = time.perf_counter()
     state = fresh_state(params, seed)
@@ -311,8 +394,12 @@ def profile_step(step: Callable, params: Any, data: Any, seed: int, *, warmup: i
     for _ in range(warmup):
         runner()
     trace, wall_ms = trace_steps(runner, logdir, steps)
-    return {**summarize(trace, steps, hints, phases), "wall_ms": wall_ms, "compile_s": compile_s,
-            **control_flow(compiled)}
+    return {
+        **summarize(trace, steps, hints, phases),
+        "wall_ms": wall_ms,
+        "compile_s": compile_s,
+        **control_flow(compiled),
+    }
 
 
 def chosen_steps(wanted: str | None) -> tuple[str, ...]:
@@ -321,28 +408,58 @@ def chosen_steps(wanted: str | None) -> tuple[str, ...]:
     return ("nonprivate", *dict.fromkeys(n for n in names if n != "nonprivate"))
 
 
-def measure(cfg: Config, *, tiny: bool, warmup: int, steps: int, trace_root: pathlib.Path,
-            deadline: float, clock: dict[str, float], names: Sequence[str] = STEPS) -> dict[str, Any]:
+def measure(
+    cfg: Config,
+    *,
+    tiny: bool,
+    warmup: int,
+    steps: int,
+    trace_root: pathlib.Path,
+    deadline: float,
+    clock: dict[str, float],
+    names: Sequence[str] = STEPS,
+) -> dict[str, Any]:
     """Profiles the steps ``names`` (``nonprivate`` among them) of one config."""
     losses, params, data, label, batch = build(cfg, tiny)
     fns = step_variants(dataclasses.replace(cfg, steps=tuple(names)), losses, batch, tuple(names))
-    res: dict[str, Any] = {"config": cfg.name, "label": label, "batch": batch, "params": num_params(params),
-                           "steps": {}}
+    res: dict[str, Any] = {
+        "config": cfg.name,
+        "label": label,
+        "batch": batch,
+        "params": num_params(params),
+        "steps": {},
+    }
     for i, name in enumerate(names):
         if time.perf_counter() + clock.get("max_s", 0.0) > deadline:
-            res["steps"][name] = {"skipped": "skipped: time budget (PROFILE_GPU_BUDGET_S) would be spent"}
+            res["steps"][name] = {
+                "skipped": "skipped: time budget (PROFILE_GPU_BUDGET_S) would be spent"
+            }
             continue
         t0 = time.perf_counter()
         try:
-            rec = profile_step(fns[name], params, data, i, warmup=warmup, steps=steps,  # type: ignore[arg-type]
-                               logdir=trace_root / cfg.name / name)
+            rec = profile_step(
+                fns[name],
+                params,
+                data,
+                i,
+                warmup=warmup,
+                steps=steps,  # type: ignore[arg-type]
+                logdir=trace_root / cfg.name / name,
+            )
         except Exception as err:  # one failing step must not lose the others
             traceback.print_exc()
             rec = {"error": error_text(err)}
         clock["max_s"] = max(clock.get("max_s", 0.0), time.perf_counter() - t0)
         res["steps"][name] = rec
-        print(f"[profile-gpu {cfg.name}] {name}: " + (rec.get("error") or f"{rec['ms_per_step']:.2f} ms/step "
-              f"({rec['classifier']}), wall {rec['wall_ms']:.2f} ms"), flush=True)
+        print(
+            f"[profile-gpu {cfg.name}] {name}: "
+            + (
+                rec.get("error")
+                or f"{rec['ms_per_step']:.2f} ms/step "
+                f"({rec['classifier']}), wall {rec['wall_ms']:.2f} ms"
+            ),
+            flush=True,
+        )
     base = res["steps"]["nonprivate"].get("ms_per_step")
     for rec in res["steps"].values():
         if base and "ms_per_step" in rec:
@@ -360,27 +477,39 @@ def _cell(ms: float | None, share: float | None) -> str:
 def _config_lines(c: dict[str, Any]) -> list[str]:
     recs = {s: r for s, r in c["steps"].items() if "ms_per_step" in r}
     cats = [k for k in CATEGORIES if any(k in r["categories"] for r in recs.values())]
-    lines = [f"## {c['config']}: {c['label']}, {c['params'] / 1e6:.2f}M params, B={c['batch']}", "",
-             "| step | ms/step | x non-private | wall ms/step | in while bodies | "
-             + " | ".join(f"{k} ms (share)" for k in cats) + " |",
-             "|---|---:|---:|---:|---:|" + "---:|" * len(cats)]
+    lines = [
+        f"## {c['config']}: {c['label']}, {c['params'] / 1e6:.2f}M params, B={c['batch']}",
+        "",
+        "| step | ms/step | x non-private | wall ms/step | in while bodies | "
+        + " | ".join(f"{k} ms (share)" for k in cats)
+        + " |",
+        "|---|---:|---:|---:|---:|" + "---:|" * len(cats),
+    ]
     for s, r in c["steps"].items():
         if s not in recs:
             lines.append(f"| {s} | {r.get('error') or r.get('skipped', '-')} |")
             continue
         cells = [_cell(r["categories"].get(k), r["shares"].get(k)) for k in cats]
-        lines.append(f"| {s} | {r['ms_per_step']:.2f} | {r.get('time_x', float('nan')):.2f} | {r['wall_ms']:.2f} | "
-                     f"{r['in_while_ms']:.2f} | " + " | ".join(cells) + " |")
+        lines.append(
+            f"| {s} | {r['ms_per_step']:.2f} | {r.get('time_x', float('nan')):.2f} | {r['wall_ms']:.2f} | "
+            f"{r['in_while_ms']:.2f} | " + " | ".join(cells) + " |"
+        )
     lines += ["", *_phase_lines(c["config"], recs)]
     for s, r in recs.items():
-        lines += [f"### {c['config']} {s}: top {len(r['top'][:TOP_KERNELS])} kernels ({r['classifier']}: {r['source']}; "
-                  f"{r.get('conditionals', '?')} conditionals, {r.get('loops', '?')} loops in the compiled program)",
-                  "", "| # | kernel | category | source | ms/step | calls/step | share |", "|---:|---|---|---|---:|---:|---:|"]
+        lines += [
+            f"### {c['config']} {s}: top {len(r['top'][:TOP_KERNELS])} kernels ({r['classifier']}: {r['source']}; "
+            f"{r.get('conditionals', '?')} conditionals, {r.get('loops', '?')} loops in the compiled program)",
+            "",
+            "| # | kernel | category | source | ms/step | calls/step | share |",
+            "|---:|---|---|---|---:|---:|---:|",
+        ]
         for i, k in enumerate(r["top"][:TOP_KERNELS], 1):
             name = k["name"].replace("|", "\\|")
             name = name if len(name) <= 110 else name[:107] + "..."
-            lines.append(f"| {i} | `{name}` | {k['category']} | {k.get('source', '-')} | {k['ms']:.3f} | {k['calls']:g} | "
-                         f"{100 * k['share']:.1f}% |")
+            lines.append(
+                f"| {i} | `{name}` | {k['category']} | {k.get('source', '-')} | {k['ms']:.3f} | {k['calls']:g} | "
+                f"{100 * k['share']:.1f}% |"
+            )
         lines.append("")
     return lines
 
@@ -393,11 +522,18 @@ def _phase_lines(config: str, recs: dict[str, dict[str, Any]]) -> list[str]:
         return []
     cols = [p for p in PHASES if any(p in r["phases"] for r in recs.values())]
     base = recs.get("nonprivate", {}).get("phases", {})
-    lines = [f"### {config}: time by source (ms/step; in brackets, the difference to the non-private step)", "",
-             "| step | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+    lines = [
+        f"### {config}: time by source (ms/step; in brackets, the difference to the non-private step)",
+        "",
+        "| step | " + " | ".join(cols) + " |",
+        "|---|" + "---:|" * len(cols),
+    ]
     for s, r in recs.items():
-        cells = [f"{r['phases'].get(p, 0.0):.2f}" + ("" if s == "nonprivate" else
-                 f" ({r['phases'].get(p, 0.0) - base.get(p, 0.0):+.2f})") for p in cols]
+        cells = [
+            f"{r['phases'].get(p, 0.0):.2f}"
+            + ("" if s == "nonprivate" else f" ({r['phases'].get(p, 0.0) - base.get(p, 0.0):+.2f})")
+            for p in cols
+        ]
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
     return [*lines, ""]
 
@@ -426,7 +562,9 @@ def markdown(meta: dict[str, Any], configs: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_results(out: pathlib.Path, meta: dict[str, Any], configs: Sequence[dict[str, Any]]) -> list[dict]:
+def write_results(
+    out: pathlib.Path, meta: dict[str, Any], configs: Sequence[dict[str, Any]]
+) -> list[dict]:
     """Merges ``configs`` (by name) into ``out/profile_gpu.json`` when its sizes and device match
     (:func:`~benchmarks.common.same_measurement`); rewrites both files."""
     out.mkdir(parents=True, exist_ok=True)
@@ -452,30 +590,54 @@ def rows_of(res: dict[str, Any]) -> list[dict]:
         if name == "nonprivate" or "ms_per_step" not in rec or "ms_per_step" not in base:
             continue
         top = ", ".join(f"{c} {100 * s:.0f}%" for c, s in list(rec["shares"].items())[:3])
-        out.append(row(GROUP, f"{res['config']} {name} DP step vs non-private step, {rec['classifier']} time "
-                       f"per step (profiler), B={res['batch']}", rec["ms_per_step"], base["ms_per_step"],
-                       f"{res['label']}; {top}"))
+        out.append(
+            row(
+                GROUP,
+                f"{res['config']} {name} DP step vs non-private step, {rec['classifier']} time "
+                f"per step (profiler), B={res['batch']}",
+                rec["ms_per_step"],
+                base["ms_per_step"],
+                f"{res['label']}; {top}",
+            )
+        )
     return out
 
 
 def _meta(tiny: bool, warmup: int, steps: int, classifiers: set[str]) -> dict[str, Any]:
-    return {"jax": jax.__version__, "backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
-            "sizes": "tiny (smoke)" if tiny else "full", "warmup": warmup, "steps": steps,
-            "classifier": " and ".join(sorted(classifiers)) or "none",
-            "date": time.strftime("%Y-%m-%d %H:%M")}
+    return {
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "device": str(jax.devices()[0].device_kind),
+        "sizes": "tiny (smoke)" if tiny else "full",
+        "warmup": warmup,
+        "steps": steps,
+        "classifier": " and ".join(sorted(classifiers)) or "none",
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
 
 
-def run(quick: bool = False, *, out: str | pathlib.Path | None = None, models: str | Sequence[str] | None = None,
-        force: bool | None = None, tiny: bool = False, warmup: int | None = None, steps: int | None = None,
-        trace_dir: str | pathlib.Path | None = None) -> list[dict]:
+def run(
+    quick: bool = False,
+    *,
+    out: str | pathlib.Path | None = None,
+    models: str | Sequence[str] | None = None,
+    force: bool | None = None,
+    tiny: bool = False,
+    warmup: int | None = None,
+    steps: int | None = None,
+    trace_dir: str | pathlib.Path | None = None,
+) -> list[dict]:
     """Profiles the chosen configs (see the module docstring); returns ``python -m benchmarks`` rows.
 
     Without a GPU it returns ``[]`` after saying why, unless ``force`` or ``tiny``.
     """
     on_gpu = jax.default_backend() == "gpu"
     if not on_gpu and not (force or tiny):
-        print(f"profile-gpu: skipped, no GPU (jax backend is {jax.default_backend()!r}); pass --tiny or "
-              "--force-cpu for a tiny smoke run on the CPU", flush=True)
+        print(
+            f"profile-gpu: skipped, no GPU (jax backend is {jax.default_backend()!r}); pass --tiny or "
+            "--force-cpu for a tiny smoke run on the CPU",
+            flush=True,
+        )
         return []
     tiny = tiny or not on_gpu
     warmup = warmup if warmup is not None else (2 if quick else 3)
@@ -490,11 +652,21 @@ def run(quick: bool = False, *, out: str | pathlib.Path | None = None, models: s
     with tempfile.TemporaryDirectory(prefix="profile_gpu_") as tmp:
         root = pathlib.Path(trace_dir) if trace_dir is not None else pathlib.Path(tmp)
         for cfg in configs:
-            res = measure(cfg, tiny=tiny, warmup=warmup, steps=steps, trace_root=root, deadline=deadline, clock=clock,
-                          names=names)
+            res = measure(
+                cfg,
+                tiny=tiny,
+                warmup=warmup,
+                steps=steps,
+                trace_root=root,
+                deadline=deadline,
+                clock=clock,
+                names=names,
+            )
             done.append(res)
             rows += rows_of(res)
-            classifiers = {r["classifier"] for c in done for r in c["steps"].values() if "classifier" in r}
+            classifiers = {
+                r["classifier"] for c in done for r in c["steps"].values() if "classifier" in r
+            }
             merged = write_results(out_dir, _meta(tiny, warmup, steps, classifiers), done)
     print(markdown(_meta(tiny, warmup, steps, classifiers), merged), flush=True)
     print(f"profile-gpu: wrote {out_dir / RESULTS_MD} and {out_dir / RESULTS_JSON}", flush=True)
@@ -503,17 +675,33 @@ def run(quick: bool = False, *, out: str | pathlib.Path | None = None, models: s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--models", default=None, help=f"configs of bench_ghost_gpu (default {DEFAULT_MODELS})")
+    parser.add_argument(
+        "--models", default=None, help=f"configs of bench_ghost_gpu (default {DEFAULT_MODELS})"
+    )
     parser.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
-    parser.add_argument("--tiny", action="store_true", help="the tiny models (on the CPU too: a smoke run)")
+    parser.add_argument(
+        "--tiny", action="store_true", help="the tiny models (on the CPU too: a smoke run)"
+    )
     parser.add_argument("--force-cpu", action="store_true", help="run without a GPU (tiny models)")
-    parser.add_argument("--quick", action="store_true", help="2 warm-up and 2 traced steps instead of 3 and 3")
+    parser.add_argument(
+        "--quick", action="store_true", help="2 warm-up and 2 traced steps instead of 3 and 3"
+    )
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps before tracing")
     parser.add_argument("--steps", type=int, default=None, help="traced steps per step function")
-    parser.add_argument("--trace-dir", default=None, help="keep the profiler traces here (default: a temp dir)")
+    parser.add_argument(
+        "--trace-dir", default=None, help="keep the profiler traces here (default: a temp dir)"
+    )
     args = parser.parse_args()
-    run(quick=args.quick, out=args.out, models=args.models, force=args.force_cpu, tiny=args.tiny,
-        warmup=args.warmup, steps=args.steps, trace_dir=args.trace_dir)
+    run(
+        quick=args.quick,
+        out=args.out,
+        models=args.models,
+        force=args.force_cpu,
+        tiny=args.tiny,
+        warmup=args.warmup,
+        steps=args.steps,
+        trace_dir=args.trace_dir,
+    )
 
 
 if __name__ == "__main__":

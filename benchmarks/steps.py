@@ -42,8 +42,13 @@ def nonprivate_step(losses: Callable, opt: optax.GradientTransformation) -> Call
     return step
 
 
-def dp_step(summed_grad: Callable, stddev: float, batch_size: int, opt: optax.GradientTransformation,
-            noise: Callable[[Any, Any, Any], Any] | None = None) -> Callable:
+def dp_step(
+    summed_grad: Callable,
+    stddev: float,
+    batch_size: int,
+    opt: optax.GradientTransformation,
+    noise: Callable[[Any, Any, Any], Any] | None = None,
+) -> Callable:
     """A DP step over ``summed_grad(params, batch)`` (the clipped sum).
 
     Args:
@@ -66,7 +71,9 @@ def dp_step(summed_grad: Callable, stddev: float, batch_size: int, opt: optax.Gr
     return step
 
 
-def traced_within(step: Callable, context: Callable[[], contextlib.AbstractContextManager]) -> Callable:
+def traced_within(
+    step: Callable, context: Callable[[], contextlib.AbstractContextManager]
+) -> Callable:
     """``step`` traced inside ``context()`` (e.g. every matmul at ``Precision.HIGHEST``, or another
     ``PRODUCT_PRECISION`` through :func:`gradclip_jax._core.backend.backend_setting`)."""
 
@@ -81,7 +88,10 @@ def optax_noise(tree: Any, stddev: float, key: jax.Array) -> Any:
     """The per-leaf draw of ``optax.contrib.differentially_private_aggregate`` (nothing stored)."""
     leaves, treedef = jax.tree.flatten(tree)
     keys = jax.random.split(key, len(leaves))
-    noised = [x + stddev * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys, strict=True)]
+    noised = [
+        x + stddev * jax.random.normal(k, x.shape, x.dtype)
+        for x, k in zip(leaves, keys, strict=True)
+    ]
     return jax.tree.unflatten(treedef, noised)
 
 
@@ -91,7 +101,9 @@ def jax_privacy_grad(losses: Callable[..., Any]) -> Callable[..., Any] | None:
         import jax_privacy
     except Exception:  # not installed (or broken): skip
         return None
-    return jax_privacy.clipped_grad(lambda p, b: jnp.sum(losses(p, b)), l2_clip_norm=CLIP, batch_argnums=1)
+    return jax_privacy.clipped_grad(
+        lambda p, b: jnp.sum(losses(p, b)), l2_clip_norm=CLIP, batch_argnums=1
+    )
 
 
 def dropin_grad(losses: Callable[..., Any]) -> Callable[..., Any] | None:
@@ -100,7 +112,9 @@ def dropin_grad(losses: Callable[..., Any]) -> Callable[..., Any] | None:
         from gradclip_jax.interop import jax_privacy as dropin
     except ImportError:
         return None
-    return dropin.clipped_grad(lambda p, b: jnp.sum(losses(p, b)), l2_clip_norm=CLIP, batch_argnums=1)
+    return dropin.clipped_grad(
+        lambda p, b: jnp.sum(losses(p, b)), l2_clip_norm=CLIP, batch_argnums=1
+    )
 
 
 def hand_clipped_grad(losses: Callable[..., Any]) -> Callable[..., Any]:

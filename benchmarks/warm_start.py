@@ -26,8 +26,12 @@ from typing import Any
 
 # The cache is what is measured: the child uses the folder it is given (never the caller's
 # JAX_COMPILATION_CACHE_DIR) and stores every program, however fast it compiled.
-_CHILD_ENV = {"JAX_ENABLE_COMPILATION_CACHE": "true", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-              "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1", "JAX_PLATFORMS": "cpu"}
+_CHILD_ENV = {
+    "JAX_ENABLE_COMPILATION_CACHE": "true",
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+    "JAX_PLATFORMS": "cpu",
+}
 
 
 def _step_and_args(quick: bool) -> tuple[Any, tuple]:
@@ -42,16 +46,31 @@ def _step_and_args(quick: bool) -> tuple[Any, tuple]:
 
     hidden, n = (32, 512) if quick else (128, 2048)
     rng = np.random.default_rng(0)
-    data = {"x": rng.normal(size=(n, 784)).astype(np.float32), "y": rng.integers(0, 10, n).astype(np.int32)}
+    data = {
+        "x": rng.normal(size=(n, 784)).astype(np.float32),
+        "y": rng.integers(0, 10, n).astype(np.int32),
+    }
 
     def per_example_loss(p: Any, b: Any) -> jax.Array:
         logits = jnp.tanh(b["x"] @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
         return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"])
 
-    priv = gcx.make_private(per_example_loss, optax.adam(1e-3), dataset_size=n, expected_batch_size=32,
-                            steps=100, target_epsilon=3.0, delta=1e-5, l2_clip_norm=1.0)
-    params = {"w1": jnp.asarray(rng.normal(size=(784, hidden)) / 28, jnp.float32), "b1": jnp.zeros(hidden),
-              "w2": jnp.asarray(rng.normal(size=(hidden, 10)) / 8, jnp.float32), "b2": jnp.zeros(10)}
+    priv = gcx.make_private(
+        per_example_loss,
+        optax.adam(1e-3),
+        dataset_size=n,
+        expected_batch_size=32,
+        steps=100,
+        target_epsilon=3.0,
+        delta=1e-5,
+        l2_clip_norm=1.0,
+    )
+    params = {
+        "w1": jnp.asarray(rng.normal(size=(784, hidden)) / 28, jnp.float32),
+        "b1": jnp.zeros(hidden),
+        "w2": jnp.asarray(rng.normal(size=(hidden, 10)) / 8, jnp.float32),
+        "b2": jnp.zeros(10),
+    }
     batch, mask, key = next(iter(priv.batches(data, noise_key=jax.random.key(0))))
     return jax.jit(priv.step), (params, priv.init(params), batch, mask, key)
 
@@ -75,7 +94,9 @@ def child(cache_dir: str, quick: bool) -> dict[str, Any]:
 
 
 def _run_child(cache_dir: str, quick: bool) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "benchmarks.warm_start", "--child", cache_dir] + (["--quick"] if quick else [])
+    cmd = [sys.executable, "-m", "benchmarks.warm_start", "--child", cache_dir] + (
+        ["--quick"] if quick else []
+    )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, **_CHILD_ENV}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)

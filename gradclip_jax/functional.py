@@ -107,7 +107,9 @@ def clip_grad_value(grads: Any, clip_value: float | jax.Array) -> Any:
     fn = "clip_grad_value"
     hps = Hyperparams(fn)
     hps.add("clip_value", clip_value)
-    v, invalid = hps.at(jnp.zeros((), jnp.int32), _norms.tree_acc_dtype(jax.tree_util.tree_leaves(grads)))
+    v, invalid = hps.at(
+        jnp.zeros((), jnp.int32), _norms.tree_acc_dtype(jax.tree_util.tree_leaves(grads))
+    )
     return clip_value_tree(grads, v["clip_value"], fn, invalid, raw_bound=clip_value)
 
 

@@ -20,8 +20,12 @@ if TYPE_CHECKING:  # at run time forwarded to gradclip_jax.per_example.ghost (an
 warn_moved(__name__, "gradclip_jax.per_example.ghost")
 SETTINGS = ("AUTO_MIN_ELEMENTS", "AUTO_MIN_ELEMENTS_NO_FALLBACK", "BOOKKEEPING_MAX_SHARE")
 forward_settings(__name__, _ghost, SETTINGS)
-__getattr__ = deprecation_getattr(__name__, {
-    name: (moved_message(f"{__name__}.{name}", f"gradclip_jax.{name}"), getattr(_gcx, name))
-    for name in ("GhostFallbackWarning", "GhostReport", "ghost_report")})
+__getattr__ = deprecation_getattr(
+    __name__,
+    {
+        name: (moved_message(f"{__name__}.{name}", f"gradclip_jax.{name}"), getattr(_gcx, name))
+        for name in ("GhostFallbackWarning", "GhostReport", "ghost_report")
+    },
+)
 
 __all__: list[str] = []  # a shim: every name has its home elsewhere

@@ -24,7 +24,9 @@ __all__: list[str] = []  # every name here has its home elsewhere (CONTRIBUTING.
 
 def _is_variable(x: Any) -> bool:
     """A flax ``nnx.Variable`` (``OptArray``/``OptState`` in ``nnx.Optimizer.opt_state``)."""
-    return type(x).__module__.startswith("flax.") and (hasattr(x, "get_value") or hasattr(type(x), "value"))
+    return type(x).__module__.startswith("flax.") and (
+        hasattr(x, "get_value") or hasattr(type(x), "value")
+    )
 
 
 def _unwrap(x: Any) -> Any:
@@ -114,7 +116,11 @@ def norms_from_state(state: Any, field: str = "norm") -> dict[str, jax.Array]:
         for path, leaf in pairs:
             full = prefix + tuple(path)
             if _has_field(leaf, field):
-                names, get, key = leaf._fields, lambda n, s=leaf: getattr(s, n), jax.tree_util.GetAttrKey
+                names, get, key = (
+                    leaf._fields,
+                    lambda n, s=leaf: getattr(s, n),
+                    jax.tree_util.GetAttrKey,
+                )
             elif _is_state_mapping(leaf, field, known):
                 names, get, key = tuple(leaf.keys()), lambda n, s=leaf: s[n], jax.tree_util.DictKey
             else:
@@ -122,7 +128,9 @@ def norms_from_state(state: Any, field: str = "norm") -> dict[str, jax.Array]:
             inner, _ = jax.tree_util.tree_flatten_with_path(get(field), is_leaf=_is_variable)
             base = (*full, key(field))
             for p, value in inner:
-                out[jax.tree_util.keystr(base + tuple(p), simple=True, separator="/")] = _unwrap(value)
+                out[jax.tree_util.keystr(base + tuple(p), simple=True, separator="/")] = _unwrap(
+                    value
+                )
             # other fields (an inner_state) may hold further recorded norms
             for name in names:
                 if name != field:

@@ -15,18 +15,27 @@ from gradclip_jax._core.deprecations import deprecation_getattr, moved_message, 
 from gradclip_jax._core.settings import forward_settings
 from gradclip_jax.dp import accounting as _accounting, noise as _noise
 
-if TYPE_CHECKING:  # at run time forwarded: assigning it here assigns the one gradclip_jax.dp.noise reads
+if (
+    TYPE_CHECKING
+):  # at run time forwarded: assigning it here assigns the one gradclip_jax.dp.noise reads
     pass
 
 warn_moved(__name__, "gradclip_jax.dp.accounting and gradclip_jax.dp.noise")
 forward_settings(__name__, _noise, ("NOISE_BLOCK_SIZE",))
 _HOMES = {
-    **{name: _accounting for name in ("PrivacyPhase", "calibrate_noise_multiplier", "dp_sgd_event", "epsilon")},
+    **{
+        name: _accounting
+        for name in ("PrivacyPhase", "calibrate_noise_multiplier", "dp_sgd_event", "epsilon")
+    },
     **{name: _noise for name in ("NOISE_STRATEGY", "add_gaussian_noise")},
     "PrivacyAccountant": _gcx,
 }
-__getattr__ = deprecation_getattr(__name__, {
-    name: (moved_message(f"{__name__}.{name}", f"{home.__name__}.{name}"), getattr(home, name))
-    for name, home in _HOMES.items()})
+__getattr__ = deprecation_getattr(
+    __name__,
+    {
+        name: (moved_message(f"{__name__}.{name}", f"{home.__name__}.{name}"), getattr(home, name))
+        for name, home in _HOMES.items()
+    },
+)
 
 __all__: list[str] = []  # a shim: every name has its home elsewhere

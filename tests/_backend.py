@@ -71,7 +71,9 @@ def library_default_products(setting: str | None = None) -> contextlib.AbstractC
     return backend_setting(PRODUCT_PRECISION, setting or default)
 
 
-def refuses_backward(ghost_sum: str | None, call: Callable[[], Any], *, per_layer: bool = False) -> bool:
+def refuses_backward(
+    ghost_sum: str | None, call: Callable[[], Any], *, per_layer: bool = False
+) -> bool:
     """Whether the library refuses ``ghost_sum`` for a float32 model on this backend, now.
 
     The library's own rule decides (``backward_refusal``: the norms' products on TF32-rounded

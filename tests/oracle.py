@@ -70,8 +70,17 @@ def _factor(n: np.ndarray, hi: Any, lo: Any, target: Any) -> np.ndarray:
     return out
 
 
-def rescale(xs: list[np.ndarray], *, ord: Any = 2, dim: Any = None, inverse: bool = False,  # noqa: A002
-            min_size: int = 1, hi: Any = None, lo: Any = None, target: Any = None) -> list[np.ndarray]:
+def rescale(
+    xs: list[np.ndarray],
+    *,
+    ord: Any = 2,  # noqa: A002
+    dim: Any = None,
+    inverse: bool = False,
+    min_size: int = 1,
+    hi: Any = None,
+    lo: Any = None,
+    target: Any = None,
+) -> list[np.ndarray]:
     """clip_by_norm (hi/lo) or normalize (target) under our contract."""
     xs = [np.asarray(x, np.float64) for x in xs]
     if dim == "global":
@@ -89,7 +98,9 @@ def rescale(xs: list[np.ndarray], *, ord: Any = 2, dim: Any = None, inverse: boo
     return out
 
 
-def centralize(xs: list[np.ndarray], dim: Any = None, inverse: bool = False, min_size: int = 2) -> list[np.ndarray]:
+def centralize(
+    xs: list[np.ndarray], dim: Any = None, inverse: bool = False, min_size: int = 2
+) -> list[np.ndarray]:
     xs = [np.asarray(x, np.float64) for x in xs]
     if dim == "global":
         mean = np.concatenate([x.ravel() for x in xs]).mean()

@@ -27,7 +27,13 @@ def test_breakdown_times_each_phase_and_counts_instructions_by_source():
 
 def test_rows_are_ratios_to_the_non_private_step_and_the_hand_written_one():
     def rec(s):
-        return {"trace": s, "lower": 2 * s, "compile": 3 * s, "total": 6 * s, "by_source": {"model": 10}}
+        return {
+            "trace": s,
+            "lower": 2 * s,
+            "compile": 3 * s,
+            "total": 6 * s,
+            "by_source": {"model": 10},
+        }
 
     res = {"nonprivate": rec(1.0), "hand": rec(2.0), "vmap": rec(3.0), "ghost": rec(1.5)}
     rows = bc.rows_of(res, "tiny")
@@ -36,5 +42,10 @@ def test_rows_are_ratios_to_the_non_private_step_and_the_hand_written_one():
     assert by_name["compile: DP step (ghost) vs non-private step (tiny)"]["ratio"] == 1.5
     assert by_name["total: DP step (vmap) vs non-private step (tiny)"]["ratio"] == 3.0
     last = rows[-1]
-    assert last["ratio"] == 1.5 and "hand-written" in last["name"] and "goal <= 1.2x" in last["note"]
-    assert "ghost 10 (model 10)" in by_name["trace: DP step (ghost) vs non-private step (tiny)"]["note"]
+    assert (
+        last["ratio"] == 1.5 and "hand-written" in last["name"] and "goal <= 1.2x" in last["note"]
+    )
+    assert (
+        "ghost 10 (model 10)"
+        in by_name["trace: DP step (ghost) vs non-private step (tiny)"]["note"]
+    )

@@ -52,31 +52,56 @@ rhs_component_count = 1, num_primitive_operations = 3, allow_imprecise_accumulat
 
 def test_stablehlo_counts_weigh_private_functions_by_their_calls() -> None:
     counts = bc.stablehlo_counts(MODULE)
-    assert counts == {"dot_general DEFAULT": 1, "dot_general HIGHEST": 2, "convolution HIGHEST": 2,
-                      "dot_general algorithm tf32 x3": 2, "while": 2, "case": 1}
+    assert counts == {
+        "dot_general DEFAULT": 1,
+        "dot_general HIGHEST": 2,
+        "convolution HIGHEST": 2,
+        "dot_general algorithm tf32 x3": 2,
+        "while": 2,
+        "case": 1,
+    }
     summary = bc.lowered_summary(MODULE)
-    assert (summary["products_highest"], summary["products_default"], summary["while"], summary["case"]) == (4, 1, 2, 1)
+    assert (
+        summary["products_highest"],
+        summary["products_default"],
+        summary["while"],
+        summary["case"],
+    ) == (4, 1, 2, 1)
 
 
-@pytest.mark.parametrize(("line", "precision"), [
-    ("stablehlo.dot_general %a, %b, contracting_dims = [1] x [0] : (tensor<2xf32>)", "DEFAULT"),
-    ("stablehlo.dot_general %a, %b, precision = [HIGH, HIGH] : (tensor<2xf32>)", "HIGH"),
-    ("stablehlo.dot_general %a, %b, precision = [HIGHEST, DEFAULT] : (tensor<2xf32>)", "HIGHEST/DEFAULT"),
-    ("algorithm = <lhs_precision_type = bf16, rhs_precision_type = bf16, num_primitive_operations = 6>", "algorithm bf16 x6"),
-])
+@pytest.mark.parametrize(
+    ("line", "precision"),
+    [
+        ("stablehlo.dot_general %a, %b, contracting_dims = [1] x [0] : (tensor<2xf32>)", "DEFAULT"),
+        ("stablehlo.dot_general %a, %b, precision = [HIGH, HIGH] : (tensor<2xf32>)", "HIGH"),
+        (
+            "stablehlo.dot_general %a, %b, precision = [HIGHEST, DEFAULT] : (tensor<2xf32>)",
+            "HIGHEST/DEFAULT",
+        ),
+        (
+            "algorithm = <lhs_precision_type = bf16, rhs_precision_type = bf16, num_primitive_operations = 6>",
+            "algorithm bf16 x6",
+        ),
+    ],
+)
 def test_product_precision(line: str, precision: str) -> None:
     assert bc.product_precision(line) == precision
 
 
 @pytest.mark.slow
-@pytest.mark.cpu_only(reason="the cost report compiles the steps for the CPU backend (on a GPU run the suite "
-                             "has JAX_PLATFORMS=cuda); its CUDA lowering is read on the CPU")
+@pytest.mark.cpu_only(
+    reason="the cost report compiles the steps for the CPU backend (on a GPU run the suite "
+    "has JAX_PLATFORMS=cuda); its CUDA lowering is read on the CPU"
+)
 def test_quick_cost_report_of_tiny_gpt2_reports_flops_and_precisions() -> None:
     assert "cost" in SUITES
     res = bc.measure_model("gpt2-2l", quick=True)
     rows = bc.rows_of(res)
-    expected = {f"gpt2-2l {step} DP step vs non-private step, B=4: {title} ({unit}, in the ms columns)"
-                for step in ("ghost", "vmap") for _, title, unit, _ in bc.MEASURES}
+    expected = {
+        f"gpt2-2l {step} DP step vs non-private step, B=4: {title} ({unit}, in the ms columns)"
+        for step in ("ghost", "vmap")
+        for _, title, unit, _ in bc.MEASURES
+    }
     assert {r["name"] for r in rows} == expected and len(rows) == len(expected)
     assert all(r["group"] == "cost" for r in rows)
     by = {(r["step"], r["measure"]): r for r in rows}
@@ -103,7 +128,10 @@ def test_quick_cost_report_of_tiny_gpt2_reports_flops_and_precisions() -> None:
     assert mine["noise"] > theirs.get("noise", 0)
     # none of the non-private step's is the clipping's, but for a few ops of jitted helpers that JAX
     # traced first inside gradclip_jax (jnp.where's, say): their cached trace keeps that source
-    assert theirs.get("norms", 0) + theirs.get("clipped sum", 0) <= 0.01 * steps["nonprivate"]["instructions"]
+    assert (
+        theirs.get("norms", 0) + theirs.get("clipped sum", 0)
+        <= 0.01 * steps["nonprivate"]["instructions"]
+    )
     assert "by source: model" in by[("ghost", "instructions")]["note"]
 
 

@@ -29,8 +29,14 @@ on_gpu = jax.default_backend() == "gpu"
 def test_skips_cleanly_without_gpu(tmp_path: pathlib.Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GHOST_GPU_")}
     env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--only", "ghost-gpu", "--out", str(tmp_path)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--only", "ghost-gpu", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "skipped, no GPU" in proc.stdout
     assert list(tmp_path.iterdir()) == []  # neither its own files nor an empty RESULTS.md
@@ -39,7 +45,9 @@ def test_skips_cleanly_without_gpu(tmp_path: pathlib.Path) -> None:
 def test_select_by_prefix_and_unknown_name() -> None:
     assert {c.name for c in ghost_configs.select("gpt2-qkv")} == {"gpt2-qkv-b8", "gpt2-qkv-b32"}
     assert [c.name for c in ghost_configs.select("wrn,gpt2-b8,wrn")] == ["wrn-b256", "gpt2-b8"]
-    assert {c.name for c in ghost_configs.select("gpt2")} == {c.name for c in ghost_configs.CONFIGS if c.model.startswith("gpt2")}
+    assert {c.name for c in ghost_configs.select("gpt2")} == {
+        c.name for c in ghost_configs.CONFIGS if c.model.startswith("gpt2")
+    }
     assert ghost_configs.select(None) == list(ghost_configs.CONFIGS)
     with pytest.raises(ValueError, match="models: unknown config 'gpt3'"):
         ghost_configs.select("gpt3")
@@ -51,7 +59,9 @@ def test_full_gpt2_is_gpt2_small() -> None:
         box: dict = {}
 
         def make() -> object:
-            _, params, _, label = models.gpt2(1, fused=fused, dtype=jax.numpy.float32, tiny=False, scan=scan)
+            _, params, _, label = models.gpt2(
+                1, fused=fused, dtype=jax.numpy.float32, tiny=False, scan=scan
+            )
             box["label"] = label
             return params
 
@@ -64,7 +74,9 @@ def test_full_gpt2_is_gpt2_small() -> None:
 
 def test_scanned_gpt2_keeps_its_blocks_in_one_loop_on_the_ghost_path() -> None:
     # what the gpt2-scan configs measure: every block leaf a site inside the scan, nothing falls back
-    losses, params, data, label = models.gpt2(2, fused=True, dtype=jax.numpy.float32, tiny=True, scan=True)
+    losses, params, data, label = models.gpt2(
+        2, fused=True, dtype=jax.numpy.float32, tiny=True, scan=True
+    )
     rep = gcx.ghost_report(losses, params, data)
     assert "lax.scan" in label and rep.fallback == []
     blocks = [kind for path, kind in rep.ghost if path.startswith("['h']")]
@@ -72,12 +84,16 @@ def test_scanned_gpt2_keeps_its_blocks_in_one_loop_on_the_ghost_path() -> None:
 
 
 @pytest.mark.slow
-def test_tiny_cpu_run_writes_and_merges_results(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tiny_cpu_run_writes_and_merges_results(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("GHOST_GPU_STEPS", "ghost")
     rows = bg.run(quick=True, out=tmp_path, models="gpt2-qkv-b8", force=True)
     assert [r["group"] for r in rows] == ["ghost-gpu"]
     assert rows[0]["ours_ms"] > 0 and rows[0]["baseline_ms"] > 0 and rows[0]["temp_mb"] > 0
-    monkeypatch.setenv("GHOST_GPU_COMPILE_SPLIT", "1")  # the second run also compiles without autotuning
+    monkeypatch.setenv(
+        "GHOST_GPU_COMPILE_SPLIT", "1"
+    )  # the second run also compiles without autotuning
     bg.run(quick=True, out=tmp_path, models="wrn", force=True)
     doc = json.loads((tmp_path / results.RESULTS_JSON).read_text())
     assert doc["meta"]["sizes"] == "tiny (smoke)"
@@ -87,7 +103,9 @@ def test_tiny_cpu_run_writes_and_merges_results(tmp_path: pathlib.Path, monkeypa
         assert c["batch"] == ghost_configs.TINY_BATCH
         steps = c["steps"]
         assert steps["nonprivate"]["rounds"] == 5
-        assert steps["ghost"]["time_x"] == pytest.approx(steps["ghost"]["ms"] / steps["nonprivate"]["ms"])
+        assert steps["ghost"]["time_x"] == pytest.approx(
+            steps["ghost"]["ms"] / steps["nonprivate"]["ms"]
+        )
         assert steps["ghost"]["temp_x"] > 0 and steps["ghost"]["compile_x"] > 0
         assert steps["vmap"]["skipped"].startswith("skipped: not selected")
         report = c["ghost_report"]
@@ -100,7 +118,9 @@ def test_tiny_cpu_run_writes_and_merges_results(tmp_path: pathlib.Path, monkeypa
     assert md.count("XLA without autotuning") == 2  # wrn's two steps
 
 
-@pytest.mark.cpu_only(reason="counts in XLA:CPU's optimized program; a GPU compiler may unroll the 3-step loop")
+@pytest.mark.cpu_only(
+    reason="counts in XLA:CPU's optimized program; a GPU compiler may unroll the 3-step loop"
+)
 def test_control_flow_counts_conditionals_and_loops():
     import jax.numpy as jnp
 
@@ -135,9 +155,15 @@ def test_product_steps_trace_with_their_setting_and_tf32_needs_a_gpu():
     cfg = ghost_configs.Config("x", "gpt2", 2, ("nonprivate", "ghost_tf32x3", "ghost_bf16x6"))
     steps = variants.step_variants(cfg, lambda p, b: b, 2, ghost_configs.STEPS)
     if not on_gpu:
-        assert steps["ghost_tf32x3"] == "skipped: TF32 products need an NVIDIA GPU (Ampere or later)"
+        assert (
+            steps["ghost_tf32x3"] == "skipped: TF32 products need an NVIDIA GPU (Ampere or later)"
+        )
     assert callable(steps["ghost_bf16x6"])
-    assert {c.name for c in ghost_configs.CONFIGS if "ghost_tf32x3" in c.steps} == {"gpt2-b8", "gpt2-b32", "wrn-b256"}
+    assert {c.name for c in ghost_configs.CONFIGS if "ghost_tf32x3" in c.steps} == {
+        "gpt2-b8",
+        "gpt2-b32",
+        "wrn-b256",
+    }
 
 
 def test_steps_are_parsed_from_the_variable_and_an_unknown_one_is_named():
@@ -148,8 +174,16 @@ def test_steps_are_parsed_from_the_variable_and_an_unknown_one_is_named():
 
 
 def test_runs_of_different_steps_merge_into_one_config(tmp_path: pathlib.Path) -> None:
-    meta = {"jax": "0", "flax": "0", "optax": "0", "backend": "gpu", "device": "H100", "machine": "m",
-            "sizes": "full", "date": "d"}
+    meta = {
+        "jax": "0",
+        "flax": "0",
+        "optax": "0",
+        "backend": "gpu",
+        "device": "H100",
+        "machine": "m",
+        "sizes": "full",
+        "date": "d",
+    }
 
     def config(steps: dict, acc: dict | None = None) -> dict:
         c = {"config": "gpt2-b32", "label": "GPT-2", "batch": 32, "params": 1e8, "steps": steps}
@@ -157,11 +191,21 @@ def test_runs_of_different_steps_merge_into_one_config(tmp_path: pathlib.Path) -
             c["product_accuracy"] = acc
         return c
 
-    first = config({"nonprivate": {"ms": 50.0}, "ghost": {"ms": 80.0, "time_x": 1.6},
-                    "vmap": {"skipped": "skipped: not selected (GHOST_GPU_STEPS)"}},
-                   {"tf32x3": {"norm_rel_err": 1e-6, "sum_rel_err": 1e-6}})
-    second = config({"nonprivate": {"ms": 52.0}, "ghost": {"skipped": "skipped: not selected (GHOST_GPU_STEPS)"},
-                     "vmap": {"ms": 70.0, "time_x": 1.35}})
+    first = config(
+        {
+            "nonprivate": {"ms": 50.0},
+            "ghost": {"ms": 80.0, "time_x": 1.6},
+            "vmap": {"skipped": "skipped: not selected (GHOST_GPU_STEPS)"},
+        },
+        {"tf32x3": {"norm_rel_err": 1e-6, "sum_rel_err": 1e-6}},
+    )
+    second = config(
+        {
+            "nonprivate": {"ms": 52.0},
+            "ghost": {"skipped": "skipped: not selected (GHOST_GPU_STEPS)"},
+            "vmap": {"ms": 70.0, "time_x": 1.35},
+        }
+    )
     results.write_results(tmp_path, meta, [first])
     merged = results.write_results(tmp_path, meta, [second])
     steps = merged[0]["steps"]
@@ -192,7 +236,9 @@ def test_noise_shapes_step_draws_once_per_leaf_shape():
 def test_noise_steps_add_the_noise_to_the_unclipped_sum_or_draw_it_unstored():
     losses, params, data, _ = models.gpt2(2, fused=True, dtype=jnp.float32, tiny=True, layers=2)
     names = ("nonprivate", "ghost", "nonprivate_noise", "ghost_noise_unstored")
-    steps = variants.step_variants(ghost_configs.Config("x", "gpt2", 2, names), losses, 2, ghost_configs.STEPS)
+    steps = variants.step_variants(
+        ghost_configs.Config("x", "gpt2", 2, names), losses, 2, ghost_configs.STEPS
+    )
     with backend_setting(gcx.dp.noise.NOISE_STRATEGY, "leaves"):  # a draw per leaf, as on GPUs
         jaxprs = {n: jax.make_jaxpr(steps[n])(fresh_state(params, 0), data).jaxpr for n in names}
     leaves = len(jax.tree.leaves(params))

@@ -14,9 +14,16 @@ from benchmarks import cost_llama, models
 from benchmarks.ghost_gpu import max_batch
 
 TINY = dict(layers=2, d=32, heads=4, kv_heads=2, seq=8, vocab=64)
-SLOW = pytest.mark.slow  # the scan + remat ways users write are the quick run's; the others compile as long
-WAYS = [dict(), dict(lora=4), pytest.param(dict(scan=False), marks=SLOW), pytest.param(dict(remat=False), marks=SLOW),
-        pytest.param(dict(lora=4, scan=False, remat=False), marks=SLOW)]
+# the LoRA way is the quick run's; the scan + remat default is test_streamed's decoder, and the
+# others compile as long
+SLOW = pytest.mark.slow
+WAYS = [
+    pytest.param(dict(), marks=SLOW),
+    dict(lora=4),
+    pytest.param(dict(scan=False), marks=SLOW),
+    pytest.param(dict(remat=False), marks=SLOW),
+    pytest.param(dict(lora=4, scan=False, remat=False), marks=SLOW),
+]
 
 
 def _ids(kw: dict) -> str:
@@ -30,7 +37,9 @@ def test_ghost_equals_vmap(kw: dict) -> None:
     assert losses(params, data).shape == (4,)
     report = gcx.ghost_report(losses, params, data)
     assert report.fallback == []  # every leaf measured: the ghost path is the one compared
-    clip = 0.5 * float(jnp.median(gcx.clipped_grad(losses, 1e9, method="vmap")(params, data)[1].norms))
+    clip = 0.5 * float(
+        jnp.median(gcx.clipped_grad(losses, 1e9, method="vmap")(params, data)[1].norms)
+    )
     g, gi = gcx.clipped_grad(losses, clip, method="ghost")(params, data)
     v, vi = gcx.clipped_grad(losses, clip, method="vmap")(params, data)
     np.testing.assert_allclose(gi.norms, vi.norms, rtol=1e-4)
@@ -44,7 +53,11 @@ def test_lora_trains_adapters_only() -> None:
     lora = models.llama(0, 2, models.LlamaConfig(**TINY, lora=4))[1]
     n_full, n_lora = (sum(x.size for x in jax.tree.leaves(p)) for p in (full, lora))
     # adapters on q, v, gate, up, down of each layer: rank x (in + out) each
-    d, hid, kv = TINY["d"], models.LlamaConfig(**TINY).hidden, TINY["d"] // TINY["heads"] * TINY["kv_heads"]
+    d, hid, kv = (
+        TINY["d"],
+        models.LlamaConfig(**TINY).hidden,
+        TINY["d"] // TINY["heads"] * TINY["kv_heads"],
+    )
     assert n_lora == TINY["layers"] * 4 * ((d + d) + (d + kv) + 2 * (d + hid) + (hid + d))
     assert n_lora < n_full / 5
 
@@ -53,8 +66,11 @@ def test_padding_does_not_count() -> None:
     cfg = models.LlamaConfig(**TINY, scan=False)
     losses, params, data = models.llama(0, 4, cfg)
     assert not bool(data["mask"][3, -1]) and bool(data["mask"][0].all())  # example 3 is padded
-    changed = dict(data, x=data["x"].at[3, -1].set((data["x"][3, -1] + 1) % cfg.vocab),
-                   y=data["y"].at[3, -1].set((data["y"][3, -1] + 1) % cfg.vocab))
+    changed = dict(
+        data,
+        x=data["x"].at[3, -1].set((data["x"][3, -1] + 1) % cfg.vocab),
+        y=data["y"].at[3, -1].set((data["y"][3, -1] + 1) % cfg.vocab),
+    )
     np.testing.assert_allclose(losses(params, changed), losses(params, data), rtol=1e-6)
     kept = dict(data, y=data["y"].at[0, -1].set((data["y"][0, -1] + 1) % cfg.vocab))
     assert float(losses(params, kept)[0]) != pytest.approx(float(losses(params, data)[0]), rel=1e-6)
@@ -69,7 +85,12 @@ def test_bfloat16_builds() -> None:
 
 def test_compiled_costs_count_variadic_reductions() -> None:
     x = jnp.ones((4, 8))
-    three = cost_llama.compiled_costs(lambda a: jax.lax.reduce((a, a * a), (0.0, 0.0), lambda p, q: (p[0] + q[0], p[1] + q[1]), (1,)), x)
+    three = cost_llama.compiled_costs(
+        lambda a: jax.lax.reduce(
+            (a, a * a), (0.0, 0.0), lambda p, q: (p[0] + q[0], p[1] + q[1]), (1,)
+        ),
+        x,
+    )
     plain = cost_llama.compiled_costs(lambda a: (jnp.sum(a, 1), jnp.sum(a * a, 1)), x)
     assert three["variadic_reduces"] == 1 and plain["variadic_reduces"] == 0
     assert plain["flops"] > 0 and plain["instructions"] > 0
@@ -104,7 +125,10 @@ def test_llama_cost_rows_of_a_tiny_config() -> None:
         assert r["group"] == "cost" and np.isfinite(r["ratio"]) and r["baseline_ms"] > 0
     # a DP step does more work than the non-private one, and auto is one of the two paths
     assert by[("ghost", "flops")]["ratio"] > 1 and by[("vmap", "flops")]["ratio"] > 1
-    assert by[("auto", "flops")]["ours_ms"] in (by[("ghost", "flops")]["ours_ms"], by[("vmap", "flops")]["ours_ms"])
+    assert by[("auto", "flops")]["ours_ms"] in (
+        by[("ghost", "flops")]["ours_ms"],
+        by[("vmap", "flops")]["ours_ms"],
+    )
 
 
 @pytest.mark.parametrize("limit", [0, 1, 2, 3, 7, 8, 100, 5000])
@@ -129,7 +153,10 @@ def test_largest_batch_stops_with_a_lower_bound() -> None:
         tries.append(b)
         return b <= 100
 
-    assert max_batch.largest_batch(fits, give_up=lambda: len(tries) >= 3) == (4, False)  # 1, 2, 4 fit
+    assert max_batch.largest_batch(fits, give_up=lambda: len(tries) >= 3) == (
+        4,
+        False,
+    )  # 1, 2, 4 fit
 
 
 def test_ghost_gpu_llama_configs() -> None:
@@ -139,7 +166,9 @@ def test_ghost_gpu_llama_configs() -> None:
     full = ghost_configs.select("llama-b8")[0]
 
     def n_params(cfg: object) -> int:
-        shapes = jax.eval_shape(lambda: models.llama(0, 1, ghost_configs.llama_config(cfg, False))[1])
+        shapes = jax.eval_shape(
+            lambda: models.llama(0, 1, ghost_configs.llama_config(cfg, False))[1]
+        )
         return sum(x.size for x in jax.tree.leaves(shapes))
 
     assert 350e6 <= n_params(full) <= 1e9  # the full config: a 0.35-1B model
@@ -157,12 +186,22 @@ def test_max_batch_rows_of_the_tiny_llama() -> None:
     rows = bench_ghost_gpu.max_batch_rows(ghost_configs.select("llama-b8")[0], tiny=True)
     assert {r["step"] for r in rows} == {"ghost", "vmap"}
     for r in rows:
-        assert 1 <= r["baseline_ms"] <= bench_ghost_gpu.TINY_CAP and 0 <= r["ours_ms"] <= r["baseline_ms"]
+        assert (
+            1 <= r["baseline_ms"] <= bench_ghost_gpu.TINY_CAP
+            and 0 <= r["ours_ms"] <= r["baseline_ms"]
+        )
 
 
 def test_llama_cost_configs() -> None:
     quick, full = cost_llama.llama_configs(True), cost_llama.llama_configs(False)
     # quick: T=512 full and LoRA, scanned (the temporaries of the remat'd blocks as users write them)
-    assert [(c.seq, c.lora, c.scan, c.remat) for _, c in quick] == [(512, 0, True, True), (512, 8, True, True)]
+    assert [(c.seq, c.lora, c.scan, c.remat) for _, c in quick] == [
+        (512, 0, True, True),
+        (512, 8, True, True),
+    ]
     assert [(c.seq, c.lora, c.scan, c.remat) for _, c in full] == [
-        (512, 0, True, True), (512, 8, True, True), (2048, 0, True, True), (2048, 8, True, True)]
+        (512, 0, True, True),
+        (512, 8, True, True),
+        (2048, 0, True, True),
+        (2048, 8, True, True),
+    ]

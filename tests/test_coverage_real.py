@@ -16,9 +16,15 @@ def test_writes_the_table_and_json(tmp_path):
     assert cr.main(["--out", str(tmp_path), "--only", "eqx-mlp,linen-batchnorm"]) == 0
     rows = {r["name"]: r for r in json.loads((tmp_path / "coverage.json").read_text())["rows"]}
     assert rows["eqx-mlp"]["status"] == "ok" and rows["eqx-mlp"]["fallback"] == 0
-    assert max(rows["eqx-mlp"]["error_rel"]["norms"], rows["eqx-mlp"]["error_rel"]["sum"]) <= cr.TOLERANCE
+    assert (
+        max(rows["eqx-mlp"]["error_rel"]["norms"], rows["eqx-mlp"]["error_rel"]["sum"])
+        <= cr.TOLERANCE
+    )
     # BatchNorm statistics in training: the clear error, which the model is expected to give
-    assert rows["linen-batchnorm"]["status"] == "expected error" and "GroupNorm" in rows["linen-batchnorm"]["error"]
+    assert (
+        rows["linen-batchnorm"]["status"] == "expected error"
+        and "GroupNorm" in rows["linen-batchnorm"]["error"]
+    )
     table = (tmp_path / "coverage.md").read_text()
     assert "| eqx-mlp | equinox | 6 | 6 | 0 | 0 | ok |" in table
     assert "Leaves on the fallback: 0 of 6 (0.0%)" in table  # the refused model is not counted

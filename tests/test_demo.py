@@ -80,14 +80,19 @@ def test_dp_epsilon_is_the_accountants(results):
     assert dp.epsilon == acc.epsilon(demo.DELTA)
     # the same number from dp-accounting directly
     event = dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(dp.noise_multiplier)), 300
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(dp.noise_multiplier)),
+        300,
     )
     # on the accountant's PLD grid (pld_interval: coarser for a wider loss), up to FFT rounding
     from gradclip_jax.dp.accounting import pld_interval
     from gradclip_jax.dp.accounting._composition import loss_std, phases_of
 
     grid = pld_interval(dp.noise_multiplier, loss_std(phases_of(event)))
-    direct = dp_accounting.pld.PLDAccountant(value_discretization_interval=grid).compose(event).get_epsilon(demo.DELTA)
+    direct = (
+        dp_accounting.pld.PLDAccountant(value_discretization_interval=grid)
+        .compose(event)
+        .get_epsilon(demo.DELTA)
+    )
     assert dp.epsilon == pytest.approx(direct, rel=1e-6)
 
 
@@ -171,8 +176,9 @@ def test_bad_out_fails_before_training(tmp_path, no_training, capsys, out, match
     assert err.startswith("error: out=") and match in err and "Traceback" not in err
 
 
-@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0,
-                    reason="root can write to read-only folders")
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root can write to read-only folders"
+)
 def test_read_only_out_folder(tmp_path, no_training):
     ro = tmp_path / "ro"
     ro.mkdir()
@@ -202,8 +208,19 @@ def test_plot_leaves_pyplot_alone(results, tmp_path):
 @pytest.mark.slow  # a full (short) ghost run of the demo
 def test_bad_method_is_a_clean_error(tmp_path, capsys):
     # 'ghost' either works (then the run succeeds) or fails with a clear message
-    rc = demo.main(["--steps", "5", "--batch-size", "16", "--method", "ghost",
-                    "--out", str(tmp_path / "g.png"), "--no-progress"])
+    rc = demo.main(
+        [
+            "--steps",
+            "5",
+            "--batch-size",
+            "16",
+            "--method",
+            "ghost",
+            "--out",
+            str(tmp_path / "g.png"),
+            "--no-progress",
+        ]
+    )
     err = capsys.readouterr().err
     if rc != 0:
         assert rc == 2
@@ -246,8 +263,10 @@ def test_demo_guide_shows_what_the_demo_prints(tmp_path):
 
 def test_run_accepts_the_old_spelling_of_the_clip_norm_with_a_warning(no_training):
     """``dp_clip_norm`` is the deprecated spelling of ``l2_clip_norm`` (both at once: an error)."""
-    with pytest.raises(AssertionError, match="training started"), \
-            pytest.warns(DeprecationWarning, match="`dp_clip_norm` is deprecated, use `l2_clip_norm`"):
+    with (
+        pytest.raises(AssertionError, match="training started"),
+        pytest.warns(DeprecationWarning, match="`dp_clip_norm` is deprecated, use `l2_clip_norm`"),
+    ):
         demo.run(steps=5, dp_clip_norm=0.5, progress=False)
     with pytest.raises(TypeError, match="got both `l2_clip_norm` and its deprecated spelling"):
         demo.run(steps=5, l2_clip_norm=0.5, dp_clip_norm=0.5, progress=False)

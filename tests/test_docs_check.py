@@ -20,7 +20,7 @@ def kinds(body: str) -> list[str]:
 BROKEN = {
     # a Returns section whose literal was broken across docstring lines (ClippedGradFn, dp_aggregate)
     "returns_backticks": '<td><div class="doc-md-description"><p>A <code>ClippedGradFn</code>: '
-                         "``grad_fn(params, batch, *args, mask=None) -&gt;</p></div></td>",
+    "``grad_fn(params, batch, *args, mask=None) -&gt;</p></div></td>",
     # "\top" in a Python string: a tab, then "op" (docs/guides/ghost-clipping.md)
     "tab_in_math": '<p>adds <span class="arithmatex">\\(c_b a_b^\top g_b\\)</span> to float32</p>',
     # the same with the tab expanded to spaces by an editor
@@ -44,7 +44,8 @@ def test_names_what_is_wrong():
     assert kinds(BROKEN["returns_backticks"]) == ["double backticks in text"]
     assert "control character '\\t' in math" in kinds(BROKEN["tab_in_math"])
     assert kinds(BROKEN["expanded_tab_in_math"]) == [
-        "a TeX command's backslash lost in math (a Python escape?)"]
+        "a TeX command's backslash lost in math (a Python escape?)"
+    ]
     assert set(kinds(BROKEN["backticks_in_math"])) == {"double backticks in math"}  # both pairs
     assert kinds(BROKEN["raw_returns"]) == ["raw docstring header in text"]
 

@@ -82,8 +82,10 @@ def run_guide(tmp_path_factory):
     """
     ns: dict = {"__name__": "dp_guide"}
     after = {}
-    cache = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir",
-                                                  "jax_persistent_cache_min_compile_time_secs")}
+    cache = {
+        k: getattr(jax.config, k)
+        for k in ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    }
     if cache["jax_compilation_cache_dir"] is None:
         jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
     try:
@@ -182,7 +184,9 @@ def test_host_accumulation_equals_one_step(run_guide):
     whole, _, _ = big.step(params, big.init(params), batch, b.mask, key)
     total = None
     for s in range(0, len(b.mask), piece):
-        g, _ = big.clipped_sum(params, jax.tree.map(lambda a: a[s:s + piece], batch), b.mask[s:s + piece])
+        g, _ = big.clipped_sum(
+            params, jax.tree.map(lambda a: a[s : s + piece], batch), b.mask[s : s + piece]
+        )
         total = g if total is None else jax.tree.map(jnp.add, total, g)
     pieces, _, _ = big.noisy_update(params, big.init(params), total, key)
     for a, c in zip(jax.tree.leaves(whole), jax.tree.leaves(pieces)):
@@ -234,8 +238,12 @@ def test_custom_sampler_section(run_guide):
 
     ns = run_guide[SECTIONS[8]]
     fixed = ns["fixed"]
-    acc = dp_accounting.rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
-    one = dp_accounting.SampledWithoutReplacementDpEvent(1000, 50, dp_accounting.GaussianDpEvent(fixed.noise_multiplier))
+    acc = dp_accounting.rdp.RdpAccountant(
+        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE
+    )
+    one = dp_accounting.SampledWithoutReplacementDpEvent(
+        1000, 50, dp_accounting.GaussianDpEvent(fixed.noise_multiplier)
+    )
     acc.compose(dp_accounting.SelfComposedDpEvent(one, 200))
     assert fixed.accountant.steps == 200 and fixed.epsilon() == acc.get_epsilon(1e-5) <= 3.0 + 1e-9
     assert train_accuracy(ns) >= 0.8
@@ -275,14 +283,23 @@ def test_user_level_section(run_guide):
     from gradclip_jax.dp.accounting import pld_interval
     from gradclip_jax.dp.accounting._composition import loss_std
 
-    event = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(priv.noise_multiplier))
-    grid = pld_interval(priv.noise_multiplier, loss_std([(event, 200)]))  # the accountant's PLD grid
+    event = dp_accounting.PoissonSampledDpEvent(
+        q, dp_accounting.GaussianDpEvent(priv.noise_multiplier)
+    )
+    grid = pld_interval(
+        priv.noise_multiplier, loss_std([(event, 200)])
+    )  # the accountant's PLD grid
     acc = dp_accounting.pld.PLDAccountant(value_discretization_interval=grid)
     acc.compose(event, 200)
-    assert priv.accountant.steps == 200 and priv.epsilon() == pytest.approx(acc.get_epsilon(1e-5), rel=1e-6)
+    assert priv.accountant.steps == 200 and priv.epsilon() == pytest.approx(
+        acc.get_epsilon(1e-5), rel=1e-6
+    )
     assert priv.epsilon() <= 3.0 + 1e-9
     batch, mask = ns["batch"], ns["mask"]
-    assert batch.example_mask.shape[1] == 4 and not np.asarray(batch.example_mask)[~np.asarray(mask)].any()
+    assert (
+        batch.example_mask.shape[1] == 4
+        and not np.asarray(batch.example_mask)[~np.asarray(mask)].any()
+    )
     assert ns["user_acc"] >= 0.9
     rep = ns["ghost_report"](ns["per_user_loss"], ns["params"], batch)
     assert rep.fallback == []

@@ -19,33 +19,90 @@ from gradclip_jax._core.validation import renamed_kwarg
 NEG_NAN = (-1.0, math.nan)
 TRANSFORMS = {
     "clip_by_global_norm": (gcx.clip_by_global_norm, {"max_norm": 1.0}, {"max_norm": NEG_NAN}),
-    "clip_by_norm": (gcx.clip_by_norm, {"max_norm": 1.0, "min_norm": 0.1},
-                     {"max_norm": NEG_NAN, "min_norm": NEG_NAN}),
+    "clip_by_norm": (
+        gcx.clip_by_norm,
+        {"max_norm": 1.0, "min_norm": 0.1},
+        {"max_norm": NEG_NAN, "min_norm": NEG_NAN},
+    ),
     "clip_by_value": (gcx.clip_by_value, {"max_value": 1.0}, {"max_value": NEG_NAN}),
     "clip": (gcx.clip, {"max_delta": 1.0}, {"max_delta": NEG_NAN}),
     "clip_by_block_rms": (gcx.clip_by_block_rms, {"threshold": 1.0}, {"threshold": NEG_NAN}),
     "normalize": (gcx.normalize, {"norm_value": 1.0}, {"norm_value": NEG_NAN}),
     "centralize": (gcx.centralize, {}, {}),
-    "adaptive_grad_clip": (gcx.adaptive_grad_clip, {"clipping": 0.1}, {"clipping": NEG_NAN, "eps": NEG_NAN}),
-    "clip_norm_by_ema": (gcx.clip_norm_by_ema, {},
-                         {"beta": (-0.5, 1.5, math.nan), "max_ema_growth": NEG_NAN, "init": (math.inf, math.nan),
-                          "min_norm": NEG_NAN}),
-    "normalize_by_ema": (gcx.normalize_by_ema, {}, {"beta": (1.0, math.nan), "max_ema_growth": NEG_NAN}),
+    "adaptive_grad_clip": (
+        gcx.adaptive_grad_clip,
+        {"clipping": 0.1},
+        {"clipping": NEG_NAN, "eps": NEG_NAN},
+    ),
+    "clip_norm_by_ema": (
+        gcx.clip_norm_by_ema,
+        {},
+        {
+            "beta": (-0.5, 1.5, math.nan),
+            "max_ema_growth": NEG_NAN,
+            "init": (math.inf, math.nan),
+            "min_norm": NEG_NAN,
+        },
+    ),
+    "normalize_by_ema": (
+        gcx.normalize_by_ema,
+        {},
+        {"beta": (1.0, math.nan), "max_ema_growth": NEG_NAN},
+    ),
     "clip_value_by_ema": (gcx.clip_value_by_ema, {}, {"beta": (1.5, math.nan), "init": NEG_NAN}),
-    "clip_norm_growth": (gcx.clip_norm_growth, {"add": 1.0},
-                         {"add": NEG_NAN, "mul": NEG_NAN, "min_value": NEG_NAN, "max_decay": (0.0, math.nan)}),
-    "clip_value_growth": (gcx.clip_value_growth, {"add": 1.0},
-                          {"add": NEG_NAN, "mul": NEG_NAN, "min_value": NEG_NAN, "max_decay": (-2.0, math.nan)}),
-    "autoclip": (gcx.autoclip, {}, {"percentile": (-1.0, 101.0, math.nan), "min_clip_norm": NEG_NAN}),
-    "zclip": (gcx.zclip, {"max_grad_norm": 10.0},
-              {"alpha": (1.0, math.nan), "z_thresh": (0.0, math.inf, math.nan), "max_grad_norm": NEG_NAN,
-               "clip_factor": (-1.0, math.nan), "eps": NEG_NAN, "rel_std_floor": NEG_NAN}),
-    "adagc": (gcx.adagc, {}, {"clip_ratio": (0.0, math.nan), "beta": (1.0, math.nan),
-                              "warmup_max_norm": NEG_NAN, "min_gamma": NEG_NAN}),
-    "quantile_clip": (gcx.quantile_clip, {}, {"target_quantile": (1.5, math.nan), "learning_rate": NEG_NAN}),
+    "clip_norm_growth": (
+        gcx.clip_norm_growth,
+        {"add": 1.0},
+        {"add": NEG_NAN, "mul": NEG_NAN, "min_value": NEG_NAN, "max_decay": (0.0, math.nan)},
+    ),
+    "clip_value_growth": (
+        gcx.clip_value_growth,
+        {"add": 1.0},
+        {"add": NEG_NAN, "mul": NEG_NAN, "min_value": NEG_NAN, "max_decay": (-2.0, math.nan)},
+    ),
+    "autoclip": (
+        gcx.autoclip,
+        {},
+        {"percentile": (-1.0, 101.0, math.nan), "min_clip_norm": NEG_NAN},
+    ),
+    "zclip": (
+        gcx.zclip,
+        {"max_grad_norm": 10.0},
+        {
+            "alpha": (1.0, math.nan),
+            "z_thresh": (0.0, math.inf, math.nan),
+            "max_grad_norm": NEG_NAN,
+            "clip_factor": (-1.0, math.nan),
+            "eps": NEG_NAN,
+            "rel_std_floor": NEG_NAN,
+        },
+    ),
+    "adagc": (
+        gcx.adagc,
+        {},
+        {
+            "clip_ratio": (0.0, math.nan),
+            "beta": (1.0, math.nan),
+            "warmup_max_norm": NEG_NAN,
+            "min_gamma": NEG_NAN,
+        },
+    ),
+    "quantile_clip": (
+        gcx.quantile_clip,
+        {},
+        {"target_quantile": (1.5, math.nan), "learning_rate": NEG_NAN},
+    ),
 }
-STATELESS = ["clip_by_global_norm", "clip_by_norm", "clip_by_value", "clip", "clip_by_block_rms", "normalize",
-             "centralize", "adaptive_grad_clip"]
+STATELESS = [
+    "clip_by_global_norm",
+    "clip_by_norm",
+    "clip_by_value",
+    "clip",
+    "clip_by_block_rms",
+    "normalize",
+    "centralize",
+    "adaptive_grad_clip",
+]
 
 
 def _tree():
@@ -71,8 +128,11 @@ def test_stateless_update_accepts_none_state(name):
 
 def test_optax_update_none_matches_ours():
     g = _tree()
-    for ours, ref in ((gcx.clip_by_global_norm(1.0), optax.clip_by_global_norm(1.0)),
-                      (gcx.clip(1.0), optax.clip(1.0)), (gcx.clip_by_block_rms(1.0), optax.clip_by_block_rms(1.0))):
+    for ours, ref in (
+        (gcx.clip_by_global_norm(1.0), optax.clip_by_global_norm(1.0)),
+        (gcx.clip(1.0), optax.clip(1.0)),
+        (gcx.clip_by_block_rms(1.0), optax.clip_by_block_rms(1.0)),
+    ):
         a, _ = ours.update(g, None)
         b, _ = ref.update(g, None)
         jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6), a, b)
@@ -92,8 +152,15 @@ def test_plain_optax_inject_hyperparams_with_default_structural_args(name):
     assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(out))
 
 
-@pytest.mark.parametrize("name,arg,value", [("clip_by_global_norm", "ord", 1), ("zclip", "warmup_steps", 3),
-                                            ("autoclip", "history_size", 10), ("centralize", "min_size", 1)])
+@pytest.mark.parametrize(
+    "name,arg,value",
+    [
+        ("clip_by_global_norm", "ord", 1),
+        ("zclip", "warmup_steps", 3),
+        ("autoclip", "history_size", 10),
+        ("centralize", "min_size", 1),
+    ],
+)
 def test_passing_a_structural_arg_to_optax_inject_lists_all_of_them(name, arg, value):
     factory, kwargs, _ = TRANSFORMS[name]
     tx = optax.inject_hyperparams(factory)(**kwargs, **{arg: value})
@@ -125,7 +192,9 @@ def test_invalid_traced_hyperparameters_give_an_all_nan_update(name):
                 assert bool(jnp.all(jnp.isnan(leaf))), (hp, bad, leaf)
 
 
-@pytest.mark.parametrize("name", ["clip_by_global_norm", "clip_by_value", "clip_norm_by_ema", "zclip"])
+@pytest.mark.parametrize(
+    "name", ["clip_by_global_norm", "clip_by_value", "clip_norm_by_ema", "zclip"]
+)
 def test_invalid_schedule_value_is_caught_by_apply_if_finite(name):
     # apply_if_finite checks the updates it is given: it wraps the optimizer after the clipper
     factory, kwargs, hps = TRANSFORMS[name]
@@ -162,10 +231,14 @@ def _distinct_buffers(state):
     return len(set(pointers)) == len(pointers)
 
 
-DONATED = {name: (lambda f=factory, kw=kwargs: f(**kw)) for name, (factory, kwargs, _) in TRANSFORMS.items()}
+DONATED = {
+    name: (lambda f=factory, kw=kwargs: f(**kw))
+    for name, (factory, kwargs, _) in TRANSFORMS.items()
+}
 DONATED["skip_on_spike(zclip)"] = lambda: gcx.skip_on_spike(gcx.zclip())
 DONATED["chain(clip_norm_by_ema, zclip, adamw)"] = lambda: optax.chain(
-    gcx.clip_norm_by_ema(), gcx.zclip(), optax.adamw(1e-3))
+    gcx.clip_norm_by_ema(), gcx.zclip(), optax.adamw(1e-3)
+)
 
 
 @pytest.mark.parametrize("name", sorted(DONATED))
@@ -178,13 +251,27 @@ def test_state_can_be_donated_to_a_jitted_step(name):
     assert _distinct_buffers(state)
     plain = jax.jit(lambda u, s: _update(tx, u, s))
     donated = jax.jit(lambda u, s: _update(tx, u, s), donate_argnums=1)
-    for step in (donated, plain, donated, donated):  # a plain step may forward inputs to its outputs
+    for step in (
+        donated,
+        plain,
+        donated,
+        donated,
+    ):  # a plain step may forward inputs to its outputs
         _, state = step(g, state)
         assert _distinct_buffers(state)
 
 
-PER_LEAF = ["clip_by_norm", "clip_by_block_rms", "adaptive_grad_clip", "clip_norm_by_ema", "normalize_by_ema",
-            "clip_value_by_ema", "clip_norm_growth", "clip_value_growth", "adagc"]
+PER_LEAF = [
+    "clip_by_norm",
+    "clip_by_block_rms",
+    "adaptive_grad_clip",
+    "clip_norm_by_ema",
+    "normalize_by_ema",
+    "clip_value_by_ema",
+    "clip_norm_growth",
+    "clip_value_growth",
+    "adagc",
+]
 SHAPED = ["clip_norm_by_ema", "normalize_by_ema", "clip_value_by_ema", "clip_value_growth"]
 
 
@@ -209,7 +296,9 @@ def test_state_of_other_shapes_names_the_leaf(name):
 
 
 SLICED = {
-    "clip_by_norm(dim=0, inverse_dims=True)": lambda: gcx.clip_by_norm(1.0, dim=0, inverse_dims=True),
+    "clip_by_norm(dim=0, inverse_dims=True)": lambda: gcx.clip_by_norm(
+        1.0, dim=0, inverse_dims=True
+    ),
     "normalize(dim=1)": lambda: gcx.normalize(dim=1),
     "clip_by_norm(dim=-1, min_norm)": lambda: gcx.clip_by_norm(1.0, dim=-1, min_norm=0.1),
     "adaptive_grad_clip": lambda: gcx.adaptive_grad_clip(0.1),
@@ -224,8 +313,11 @@ def test_state_of_other_slice_shapes_names_the_leaf(name):
     state = tx.init({"w": jnp.ones((2, 3))})
     # one norm per row (4 rows instead of 2), or for AGC per output unit (5 columns instead of 3)
     other = {"w": jnp.ones((2, 5))} if name.startswith("adaptive") else {"w": jnp.ones((4, 3))}
-    with pytest.raises(ValueError, match=rf"^{fn}: leaf \['w'\] has shape {re.escape(str(other['w'].shape))}.*"
-                                         r"initialised with shape \((2|3),\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^{fn}: leaf \['w'\] has shape {re.escape(str(other['w'].shape))}.*"
+        r"initialised with shape \((2|3),\)",
+    ):
         _update(tx, other, state, other)
     # the same shapes: fine, and the state keeps its shapes
     g = {"w": jnp.full((2, 3), 2.0)}
@@ -233,10 +325,18 @@ def test_state_of_other_slice_shapes_names_the_leaf(name):
     assert jax.tree.map(jnp.shape, new) == jax.tree.map(jnp.shape, state)
 
 
-NONE_MEANS_OFF = {("clip_by_norm", "max_norm"), ("clip_by_norm", "min_norm"), ("zclip", "max_grad_norm"),
-                  ("clip_norm_by_ema", "max_ema_growth"), ("normalize_by_ema", "max_ema_growth"),
-                  ("adagc", "warmup_max_norm")} | {
-    (g, hp) for g in ("clip_norm_growth", "clip_value_growth") for hp in ("add", "mul", "min_value", "max_decay")}
+NONE_MEANS_OFF = {
+    ("clip_by_norm", "max_norm"),
+    ("clip_by_norm", "min_norm"),
+    ("zclip", "max_grad_norm"),
+    ("clip_norm_by_ema", "max_ema_growth"),
+    ("normalize_by_ema", "max_ema_growth"),
+    ("adagc", "warmup_max_norm"),
+} | {
+    (g, hp)
+    for g in ("clip_norm_growth", "clip_value_growth")
+    for hp in ("add", "mul", "min_value", "max_decay")
+}
 
 
 @pytest.mark.parametrize("name", sorted(TRANSFORMS))
@@ -262,18 +362,35 @@ def test_complex_and_sequence_hyperparameters_are_type_errors_naming_the_argumen
                 factory(**{**kwargs, hp: bad})
 
 
-@pytest.mark.parametrize("factory,hp", [(gcx.dp_aggregate, "l2_norm_clip"), (gcx.dp_noise, "stddev"),
-                                        (gcx.per_example_global_norm_clip, "l2_norm_clip")])
+@pytest.mark.parametrize(
+    "factory,hp",
+    [
+        (gcx.dp_aggregate, "l2_norm_clip"),
+        (gcx.dp_noise, "stddev"),
+        (gcx.per_example_global_norm_clip, "l2_norm_clip"),
+    ],
+)
 def test_complex_and_list_hyperparameters_outside_the_transform_table(factory, hp):
-    kwargs = {"l2_norm_clip": 1.0, "noise_multiplier": 1.0, "seed": 0} if factory is gcx.dp_aggregate else (
-        {"stddev": 1.0, "seed": 0} if factory is gcx.dp_noise else {"grads": [jnp.ones((2, 3))]})
+    kwargs = (
+        {"l2_norm_clip": 1.0, "noise_multiplier": 1.0, "seed": 0}
+        if factory is gcx.dp_aggregate
+        else (
+            {"stddev": 1.0, "seed": 0} if factory is gcx.dp_noise else {"grads": [jnp.ones((2, 3))]}
+        )
+    )
     for bad in (1 + 2j, [1.0]):
         with pytest.raises(TypeError, match=rf"`{hp}` must be a"):
             factory(**{**kwargs, hp: bad})
 
 
-@pytest.mark.parametrize("make", [lambda d: gcx.clip_by_norm(1.0, dim=d), lambda d: gcx.normalize(dim=d),
-                                  lambda d: gcx.centralize(dim=d)])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda d: gcx.clip_by_norm(1.0, dim=d),
+        lambda d: gcx.normalize(dim=d),
+        lambda d: gcx.centralize(dim=d),
+    ],
+)
 def test_dim_that_no_leaf_has_raises(make):
     g = _tree()
     tx = make(5)
@@ -284,9 +401,14 @@ def test_dim_that_no_leaf_has_raises(make):
     np.testing.assert_array_equal(out["b"], g["b"])
 
 
-@pytest.mark.parametrize("make", [lambda d, i: gcx.clip_by_norm(0.1, dim=d, inverse_dims=i),
-                                  lambda d, i: gcx.normalize(3.0, dim=d, inverse_dims=i),
-                                  lambda d, i: gcx.centralize(dim=d, inverse_dims=i)])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda d, i: gcx.clip_by_norm(0.1, dim=d, inverse_dims=i),
+        lambda d, i: gcx.normalize(3.0, dim=d, inverse_dims=i),
+        lambda d, i: gcx.centralize(dim=d, inverse_dims=i),
+    ],
+)
 def test_leaves_lacking_the_dim_axes_are_unchanged(make):
     # as the docstrings say: a leaf without any of the axes (or, with inverse_dims, with no axis left)
     # is left unchanged; the others are transformed; dim=5 (no leaf has it) raises, inverse or not
@@ -314,8 +436,15 @@ def test_centralize_leaves_0d_leaves_unchanged_with_min_size_1():
     np.testing.assert_allclose(out["v"], [-1.0, 1.0])
 
 
-@pytest.mark.parametrize("clipper", [gcx.clip_by_global_norm(1.0), gcx.clip_by_norm(1.0),
-                                     gcx.clip_by_block_rms(0.5), gcx.adaptive_grad_clip(0.1)])
+@pytest.mark.parametrize(
+    "clipper",
+    [
+        gcx.clip_by_global_norm(1.0),
+        gcx.clip_by_norm(1.0),
+        gcx.clip_by_block_rms(0.5),
+        gcx.adaptive_grad_clip(0.1),
+    ],
+)
 def test_skip_on_spike_with_stateless_clippers(clipper):
     tx = gcx.skip_on_spike(clipper, field="clipped")
     params = {"w": jnp.ones((2, 2))}
@@ -339,14 +468,22 @@ def test_norms_from_state_with_two_clippers_and_multi_transform():
     state = tx.init(params)
     with pytest.raises(KeyError):
         optax.tree_utils.tree_get(state, "norm")  # why norms_from_state exists
-    _, state = jax.jit(tx.update)({"w": jnp.array([3.0, 4.0]), "b": jnp.array([12.0])}, state, params)
+    _, state = jax.jit(tx.update)(
+        {"w": jnp.array([3.0, 4.0]), "b": jnp.array([12.0])}, state, params
+    )
     norms = gcx.norms_from_state(state)
     assert set(norms) == {"0/norm", "1/norm/w", "1/norm/b"}
     np.testing.assert_allclose(norms["0/norm"], 13.0)
     np.testing.assert_allclose(norms["1/norm/w"], 5.0 / 13.0, rtol=1e-6)
-    assert set(gcx.norms_from_state(state, "clipped")) == {"0/clipped", "1/clipped/w", "1/clipped/b"}
+    assert set(gcx.norms_from_state(state, "clipped")) == {
+        "0/clipped",
+        "1/clipped/w",
+        "1/clipped/b",
+    }
 
-    mt = optax.multi_transform({"a": gcx.clip_by_global_norm(1.0), "z": gcx.zclip()}, {"w": "a", "b": "z"})
+    mt = optax.multi_transform(
+        {"a": gcx.clip_by_global_norm(1.0), "z": gcx.zclip()}, {"w": "a", "b": "z"}
+    )
     state = mt.init(params)
     _, state = mt.update({"w": jnp.array([3.0, 4.0]), "b": jnp.array([2.0])}, state, params)
     norms = gcx.norms_from_state(state)
@@ -357,7 +494,9 @@ def test_norms_from_state_with_two_clippers_and_multi_transform():
 def test_norms_from_state_under_flax_nnx():
     nnx = pytest.importorskip("flax.nnx")
     model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
-    opt = nnx.Optimizer(model, optax.chain(gcx.clip_by_global_norm(1.0), optax.sgd(0.1)), wrt=nnx.Param)
+    opt = nnx.Optimizer(
+        model, optax.chain(gcx.clip_by_global_norm(1.0), optax.sgd(0.1)), wrt=nnx.Param
+    )
 
     def loss(m):
         return jnp.sum(m(jnp.ones((1, 2))) ** 2)
@@ -378,14 +517,20 @@ def test_norms_from_state_finds_norms_in_nnx_state_objects():
     class Model(nnx.Module):
         def __init__(self, rngs):
             self.lin = nnx.Linear(2, 3, rngs=rngs)
-            self.norm = nnx.LayerNorm(3, rngs=rngs)  # adam's mu has a key 'norm' too: not a clipper's state
+            self.norm = nnx.LayerNorm(
+                3, rngs=rngs
+            )  # adam's mu has a key 'norm' too: not a clipper's state
 
         def __call__(self, x):
             return self.norm(self.lin(x))
 
     model = Model(nnx.Rngs(0))
-    tx = optax.chain(gcx.clip_by_global_norm(1.0), gcx.skip_on_spike(gcx.zclip()),
-                     gcx.inject_hyperparams(gcx.clip_by_norm)(10.0), optax.adam(1e-3))
+    tx = optax.chain(
+        gcx.clip_by_global_norm(1.0),
+        gcx.skip_on_spike(gcx.zclip()),
+        gcx.inject_hyperparams(gcx.clip_by_norm)(10.0),
+        optax.adam(1e-3),
+    )
     opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
     grads = nnx.grad(lambda m: jnp.sum(m(jnp.ones((1, 2))) ** 2))(model)
     opt.update(model, grads)
@@ -421,7 +566,10 @@ class _Compiles:
     from a persistent compilation cache instead (CI shares one between its stages): either is a
     program that was not in memory."""
 
-    EVENTS = ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_retrieval_time_sec")
+    EVENTS = (
+        "/jax/core/compile/backend_compile_duration",
+        "/jax/compilation_cache/cache_retrieval_time_sec",
+    )
 
     def __init__(self):
         self.count = 0
@@ -482,7 +630,9 @@ def test_eager_norm_fallback_equals_jit(scale):
 
 
 def _per_example(seed, scale):  # 4 examples, one of them all zeros
-    return jax.tree_util.tree_map(lambda x: jnp.stack([x, 2 * x, 0 * x, x + 1]), _eager_tree(seed, scale))
+    return jax.tree_util.tree_map(
+        lambda x: jnp.stack([x, 2 * x, 0 * x, x + 1]), _eager_tree(seed, scale)
+    )
 
 
 def _aggregate(tx):
@@ -500,11 +650,21 @@ EAGER_FUNCTIONS = {
     "normalize_grads": (lambda: lambda g: gcx.normalize_grads(g, 1.0), _eager_tree),
     "leaf_norms": (lambda: gcx.leaf_norms, _eager_tree),
     "tree_norm(ord=4)": (lambda: lambda g: gcx.tree_norm(g, 4), _eager_tree),
-    "per_example_global_norm_clip": (lambda: lambda g: gcx.per_example_global_norm_clip(g, 1.0), _per_example),
-    "per_example_layer_norm_clip": (lambda: lambda g: gcx.per_example_layer_norm_clip(g, 1.0), _per_example),
+    "per_example_global_norm_clip": (
+        lambda: lambda g: gcx.per_example_global_norm_clip(g, 1.0),
+        _per_example,
+    ),
+    "per_example_layer_norm_clip": (
+        lambda: lambda g: gcx.per_example_layer_norm_clip(g, 1.0),
+        _per_example,
+    ),
     "dp_aggregate": (lambda: _aggregate(gcx.dp_aggregate(1.0, 1.0, 0, batch_size=4)), _per_example),
-    "dp_quantile_aggregate": (lambda: _aggregate(gcx.dp_quantile_aggregate(
-        1.0, 0, expected_batch_size=4, count_noise_std=5.0)), _per_example),
+    "dp_quantile_aggregate": (
+        lambda: _aggregate(
+            gcx.dp_quantile_aggregate(1.0, 0, expected_batch_size=4, count_noise_std=5.0)
+        ),
+        _per_example,
+    ),
 }
 
 

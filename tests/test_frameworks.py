@@ -69,7 +69,9 @@ def check_dp_norms(info, per_example_norms, clip_norm, batch_size):
 
 
 def changed(before, after):
-    return any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+    return any(
+        not np.allclose(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after))
+    )
 
 
 def test_flax_nnx():
@@ -90,7 +92,8 @@ def test_flax_nnx():
 
     dp_model, batch = ns["dp_model"], ns["batch"]
     per_example = [
-        float(gcx.tree_norm(nnx.grad(ns["loss_fn"])(dp_model, x[i:i + 1], y[i:i + 1]))) for i in range(4)
+        float(gcx.tree_norm(nnx.grad(ns["loss_fn"])(dp_model, x[i : i + 1], y[i : i + 1])))
+        for i in range(4)
     ]
     before = nnx.state(dp_model, nnx.Param)
     before = jax.tree.map(np.asarray, before)
@@ -130,7 +133,11 @@ def test_flax_linen():
 
     dp_state, batch = ns["dp_state"], ns["batch"]
     per_example = [
-        float(gcx.tree_norm(jax.grad(loss_fn)(dp_state.params, dp_state.apply_fn, x[i:i + 1], y[i:i + 1])))
+        float(
+            gcx.tree_norm(
+                jax.grad(loss_fn)(dp_state.params, dp_state.apply_fn, x[i : i + 1], y[i : i + 1])
+            )
+        )
         for i in range(4)
     ]
     new_state, info = ns["dp_step"](dp_state, batch)
@@ -150,7 +157,8 @@ def test_equinox():
 
     dp_model, batch = ns["dp_model"], ns["batch"]
     per_example = [
-        float(gcx.tree_norm(eqx.filter_grad(loss_fn)(dp_model, x[i:i + 1], y[i:i + 1]))) for i in range(4)
+        float(gcx.tree_norm(eqx.filter_grad(loss_fn)(dp_model, x[i : i + 1], y[i : i + 1])))
+        for i in range(4)
     ]
     new_model, _, info = ns["dp_step"](dp_model, ns["dp_opt_state"], batch)
     check_dp_norms(info, per_example, ns["CLIP_NORM"], ns["BATCH_SIZE"])
@@ -165,7 +173,9 @@ def test_several_clippers():
     logged = list(ns["logged"].values())
     assert len(logged) == 2
     per_leaf, global_after = logged
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), per_leaf, gcx.leaf_norms(grads))
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), per_leaf, gcx.leaf_norms(grads)
+    )
     # the global clipper sees every leaf already clipped to 0.5
     np.testing.assert_allclose(global_after, 0.5 * math.sqrt(2), rtol=1e-6)
     assert jnp.all(jnp.isfinite(gcx.tree_norm(ns["updates"])))

@@ -19,8 +19,10 @@ pytestmark = pytest.mark.reads_compiled_names
 LIB = "/site-packages/gradclip_jax/"
 
 
-@pytest.mark.cpu_only(reason="reads XLA:CPU's compiled program: on a GPU the suite runs float32 matmuls at "
-                             "full precision (no DEFAULT dot) and XLA turns dots into cuBLAS/Triton fusions")
+@pytest.mark.cpu_only(
+    reason="reads XLA:CPU's compiled program: on a GPU the suite runs float32 matmuls at "
+    "full precision (no DEFAULT dot) and XLA turns dots into cuBLAS/Triton fusions"
+)
 def test_hlo_hints_read_a_compiled_program() -> None:
     def f(x: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
         def body(c: jax.Array, _: None) -> tuple[jax.Array, None]:
@@ -40,27 +42,68 @@ def test_hlo_hints_read_a_compiled_program() -> None:
     assert any(v.endswith(" in_while") and not v.startswith("dot") for v in values)
 
 
-@pytest.mark.parametrize(("chain", "phase"), [
-    # innermost first; a helper (_products, numerics) lets its caller decide
-    ([(LIB + "per_example/_products.py", "product_einsum"), (LIB + "per_example/ghost/rules/dense.py", "norm"),
-      (LIB + "per_example/ghost/_measure.py", "leaf_norms")], "norms"),
-    ([(LIB + "per_example/_products.py", "tf32_weighted_once"), (LIB + "per_example/ghost/_sums.py", "site_sum")],
-     "clipped sum"),
-    # the ghost path's replay of the model's operations is the model, unless a sum replays it
-    ([(LIB + "_core/jaxcompat.py", "bind"), (LIB + "per_example/ghost/_jaxpr.py", "replay"),
-      (LIB + "per_example/ghost/_measure.py", "probe")], "model"),
-    ([(LIB + "_core/jaxcompat.py", "bind"), (LIB + "per_example/ghost/_measure.py", "apply_site"),
-      (LIB + "per_example/ghost/_sums.py", "_pulled")], "clipped sum"),
-    ([(LIB + "_core/numerics.py", "sqrt_safe"), (LIB + "dp/noise.py", "noised_leaves")], "noise"),
-    ([(LIB + "dp/philox.py", "philox4x32")], "noise"),
-    ([("/x/flax/nnx/nn/linear.py", "__call__"), (LIB + "per_example/_batch.py", "per_example")], "model"),
-    ([("/x/optax/losses/_classification.py", "softmax_cross_entropy"), ("/u/train.py", "loss")], "model"),
-    ([("/x/optax/_src/transform.py", "update_fn"), ("/u/train.py", "step")], "optimizer"),
-    ([("/u/train.py", "step")], "model"),
-    ([(LIB + "_core/factors.py", "clip_factor"), ("/u/train.py", "step")], "norms"),
-    ([(LIB + "_core/numerics.py", "sqrt_safe")], "unattributed"),
-    ([], "unattributed"),
-])
+@pytest.mark.parametrize(
+    ("chain", "phase"),
+    [
+        # innermost first; a helper (_products, numerics) lets its caller decide
+        (
+            [
+                (LIB + "per_example/_products.py", "product_einsum"),
+                (LIB + "per_example/ghost/rules/dense.py", "norm"),
+                (LIB + "per_example/ghost/_measure.py", "leaf_norms"),
+            ],
+            "norms",
+        ),
+        (
+            [
+                (LIB + "per_example/_products.py", "tf32_weighted_once"),
+                (LIB + "per_example/ghost/_sums.py", "site_sum"),
+            ],
+            "clipped sum",
+        ),
+        # the ghost path's replay of the model's operations is the model, unless a sum replays it
+        (
+            [
+                (LIB + "_core/jaxcompat.py", "bind"),
+                (LIB + "per_example/ghost/_jaxpr.py", "replay"),
+                (LIB + "per_example/ghost/_measure.py", "probe"),
+            ],
+            "model",
+        ),
+        (
+            [
+                (LIB + "_core/jaxcompat.py", "bind"),
+                (LIB + "per_example/ghost/_measure.py", "apply_site"),
+                (LIB + "per_example/ghost/_sums.py", "_pulled"),
+            ],
+            "clipped sum",
+        ),
+        (
+            [(LIB + "_core/numerics.py", "sqrt_safe"), (LIB + "dp/noise.py", "noised_leaves")],
+            "noise",
+        ),
+        ([(LIB + "dp/philox.py", "philox4x32")], "noise"),
+        (
+            [
+                ("/x/flax/nnx/nn/linear.py", "__call__"),
+                (LIB + "per_example/_batch.py", "per_example"),
+            ],
+            "model",
+        ),
+        (
+            [
+                ("/x/optax/losses/_classification.py", "softmax_cross_entropy"),
+                ("/u/train.py", "loss"),
+            ],
+            "model",
+        ),
+        ([("/x/optax/_src/transform.py", "update_fn"), ("/u/train.py", "step")], "optimizer"),
+        ([("/u/train.py", "step")], "model"),
+        ([(LIB + "_core/factors.py", "clip_factor"), ("/u/train.py", "step")], "norms"),
+        ([(LIB + "_core/numerics.py", "sqrt_safe")], "unattributed"),
+        ([], "unattributed"),
+    ],
+)
 def test_phase_of_reads_the_whole_chain(chain: list[tuple[str, str]], phase: str) -> None:
     assert hp.phase_of(chain) == phase
 
@@ -70,9 +113,13 @@ def _tables(parents: list[int]) -> str:
     its parent as printed ``parents[i - 1]``."""
     lines = ["HloModule m", "", "FileNames", '1 "/u/a.py"', "", "FunctionNames"]
     lines += [f'{i} "f{i}"' for i in range(1, len(parents) + 1)] + ["", "FileLocations"]
-    lines += [f"{i} {{file_name_id=1 function_name_id={i} line={i} end_line={i} column=1 end_column=2}}"
-              for i in range(1, len(parents) + 1)] + ["", "StackFrames"]
-    lines += [f"{i} {{file_location_id={i} parent_frame_id={p}}}" for i, p in enumerate(parents, 1)] + [""]
+    lines += [
+        f"{i} {{file_name_id=1 function_name_id={i} line={i} end_line={i} column=1 end_column=2}}"
+        for i in range(1, len(parents) + 1)
+    ] + ["", "StackFrames"]
+    lines += [
+        f"{i} {{file_location_id={i} parent_frame_id={p}}}" for i, p in enumerate(parents, 1)
+    ] + [""]
     return "\n".join(lines)
 
 
@@ -103,18 +150,23 @@ def test_hlo_phases_attribute_each_part_of_a_ghost_dp_step() -> None:
         updates, state = opt.update(g, state, p)
         return optax.apply_updates(p, updates), state
 
-    text = jax.jit(step).lower(params, opt.init(params), data, jax.random.key(0)).compile().as_text()
+    text = (
+        jax.jit(step).lower(params, opt.init(params), data, jax.random.key(0)).compile().as_text()
+    )
     phases = hp.hlo_phases(text)
     assert {"model", "norms", "clipped sum", "noise", "optimizer"} <= set(phases.values())
     assert set(phases.values()) <= set(hp.PHASES)
     comps, _ = hp._parse_hlo(text)
-    draws = [n for body in comps.values() for n, op, _ in body if op in ("rng-bit-generator", "rng")]
+    draws = [
+        n for body in comps.values() for n, op, _ in body if op in ("rng-bit-generator", "rng")
+    ]
     assert all(phases.get(n) == "noise" for n in draws)
 
 
 def test_the_ops_of_random_number_generation_are_the_noise() -> None:
     """JAX caches its key split as a jitted function carrying the source frames of its first trace
     (whichever step that was): its ops are told by their names, not by those frames."""
+
     def split_twice(key):
         return jax.random.split(jax.random.fold_in(key, 1), 3)
 

@@ -29,13 +29,10 @@ import pytest
 # Tests of jax-privacy's clipping that fail on the drop-in on purpose (a test id's method name,
 # without absl's parameter suffix), and why; docs/guides/jax-privacy.md says the same.
 BY_DESIGN = {
-    "test_clip_pytree_clip_norm_zero_rescale":
-        "asks norm 1.0 to 7 places for {a: [3, 0], b: [0, 4]} divided by its norm; no float32 factor "
-        "gives that within the bound, and ours stores within it (0.9999998)",
-    "test_adjusted_clip_norm":
-        "calls jax-privacy's private clipping._adjusted_clip_norm, which the drop-in does not copy",
-    "test_adjusted_clip_norm_too_small_grid_raises":
-        "calls jax-privacy's private clipping._adjusted_clip_norm, which the drop-in does not copy",
+    "test_clip_pytree_clip_norm_zero_rescale": "asks norm 1.0 to 7 places for {a: [3, 0], b: [0, 4]} divided by its norm; no float32 factor "
+    "gives that within the bound, and ours stores within it (0.9999998)",
+    "test_adjusted_clip_norm": "calls jax-privacy's private clipping._adjusted_clip_norm, which the drop-in does not copy",
+    "test_adjusted_clip_norm_too_small_grid_raises": "calls jax-privacy's private clipping._adjusted_clip_norm, which the drop-in does not copy",
 }
 
 
@@ -49,7 +46,9 @@ def _method(test_id: str) -> str:
 def checkout_version(path: pathlib.Path) -> str | None:
     """The ``__version__`` of the jax-privacy checkout ``path`` (``<checkout>/tests/x.py``) is in."""
     init = path.resolve().parent.parent / "jax_privacy" / "__init__.py"
-    found = re.search(r"__version__\s*=\s*['\"]([^'\"]+)", init.read_text()) if init.is_file() else None
+    found = (
+        re.search(r"__version__\s*=\s*['\"]([^'\"]+)", init.read_text()) if init.is_file() else None
+    )
     return found.group(1) if found else None
 
 
@@ -71,25 +70,41 @@ def _run(path: pathlib.Path, ours: Any) -> tuple[int, dict[str, str]]:
 
     package = types.SimpleNamespace(clipping=ours)
 
-    def importer(name: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0) -> Any:  # noqa: A002
+    def importer(
+        name: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0
+    ) -> Any:
         if name == "jax_privacy" and fromlist and "clipping" in fromlist:
             return package
         return builtins.__import__(name, globals, locals, fromlist, level)
 
-    namespace = {"__name__": "jax_privacy_clipping_test", "__builtins__": {**vars(builtins), "__import__": importer}}
+    namespace = {
+        "__name__": "jax_privacy_clipping_test",
+        "__builtins__": {**vars(builtins), "__import__": importer},
+    }
     exec(compile(path.read_text(), str(path), "exec"), namespace)  # jax-privacy's own test file
     suite = unittest.TestSuite()
     for value in namespace.values():
-        if isinstance(value, type) and issubclass(value, unittest.TestCase) and value.__module__ == namespace["__name__"]:
+        if (
+            isinstance(value, type)
+            and issubclass(value, unittest.TestCase)
+            and value.__module__ == namespace["__name__"]
+        ):
             suite.addTests(unittest.defaultTestLoader.loadTestsFromTestCase(value))
     result = unittest.TestResult()
     suite.run(result)
-    failed = {test.id(): (trace.strip().splitlines() or [""])[-1] for test, trace in result.failures + result.errors}
+    failed = {
+        test.id(): (trace.strip().splitlines() or [""])[-1]
+        for test, trace in result.failures + result.errors
+    }
     return result.testsRun, failed
 
 
 def _paths() -> list[pathlib.Path]:
-    return [pathlib.Path(p) for p in os.environ.get("GRADCLIP_JAX_PRIVACY_TESTS", "").split(os.pathsep) if p]
+    return [
+        pathlib.Path(p)
+        for p in os.environ.get("GRADCLIP_JAX_PRIVACY_TESTS", "").split(os.pathsep)
+        if p
+    ]
 
 
 @pytest.mark.slow
@@ -108,7 +123,12 @@ def test_jax_privacy_clipping_tests_fail_only_by_design(path):
 if __name__ == "__main__":  # pragma: no cover - a report for the guide
     for arg in sys.argv[1:]:
         n, fails = run_file(pathlib.Path(arg))
-        print(f"{arg} (as jax-privacy {checkout_version(pathlib.Path(arg))}): {n} run, {n - len(fails)} pass, "
-              f"{len(fails)} fail")
+        print(
+            f"{arg} (as jax-privacy {checkout_version(pathlib.Path(arg))}): {n} run, {n - len(fails)} pass, "
+            f"{len(fails)} fail"
+        )
         for test_id, err in sorted(fails.items()):
-            print(f"  {test_id}: {err}" + ("" if _method(test_id) not in BY_DESIGN else "  [by design]"))
+            print(
+                f"  {test_id}: {err}"
+                + ("" if _method(test_id) not in BY_DESIGN else "  [by design]")
+            )

@@ -60,7 +60,10 @@ def guide_sections() -> dict[str, str]:
 
 def run_section(ns: dict, heading: str) -> dict:
     # dont_inherit: the guide runs without this file's `from __future__ import annotations`
-    exec(compile(guide_sections()[heading], f"{GUIDE.name}: {heading}", "exec", dont_inherit=True), ns)
+    exec(
+        compile(guide_sections()[heading], f"{GUIDE.name}: {heading}", "exec", dont_inherit=True),
+        ns,
+    )
     return ns
 
 
@@ -118,8 +121,10 @@ def leaves(tree):
 
 
 def max_abs_diff(a, b) -> float:
-    return max(float(np.max(np.abs(x.astype(np.float64) - y.astype(np.float64))))
-               for x, y in zip(leaves(a), leaves(b)))
+    return max(
+        float(np.max(np.abs(x.astype(np.float64) - y.astype(np.float64))))
+        for x, y in zip(leaves(a), leaves(b))
+    )
 
 
 def test_every_code_block_is_in_a_checked_section():
@@ -184,7 +189,9 @@ def test_full_fine_tuning(in_order, fresh_params):
     priv, nnx = ns["priv"], ns["nnx"]
     assert priv.accountant.steps == 10 == priv.steps
     assert priv.epsilon() == priv.accountant.epsilon(1e-5) and 7.0 < priv.epsilon() <= 8.0 + 1e-9
-    assert ns["gcx"].ghost_report(ns["per_example_loss"], fresh_params, ns["batch"]).auto[0] == "ghost"
+    assert (
+        ns["gcx"].ghost_report(ns["per_example_loss"], fresh_params, ns["batch"]).auto[0] == "ghost"
+    )
     before, after = leaves(fresh_params), leaves(ns["params"])
     assert all(np.all(np.isfinite(a)) for a in after)
     assert all(not np.array_equal(a, b) for a, b in zip(before, after))
@@ -196,11 +203,18 @@ def test_full_fine_tuning(in_order, fresh_params):
 def test_lora_trains_the_adapters_alone(in_order):
     ns = in_order[SECTIONS[3]]
     lora, nnx = ns["lora"], ns["nnx"]
-    assert lora.accountant.steps == 10 and lora.epsilon() == lora.accountant.epsilon(1e-5) <= 8.0 + 1e-9
+    assert (
+        lora.accountant.steps == 10
+        and lora.epsilon() == lora.accountant.epsilon(1e-5) <= 8.0 + 1e-9
+    )
     fresh = ns["Llama"](ns["dataclasses"].replace(ns["cfg"], lora_rank=4), nnx.Rngs(0))
     _, adapters0, base0 = nnx.split(fresh, nnx.LoRAParam, ...)
     _, adapters1, base1 = nnx.split(ns["lora_model"], nnx.LoRAParam, ...)
-    assert ns["n_adapter"] == sum(x.size for x in leaves(adapters0)) < sum(x.size for x in leaves(base0)) / 4
+    assert (
+        ns["n_adapter"]
+        == sum(x.size for x in leaves(adapters0))
+        < sum(x.size for x in leaves(base0)) / 4
+    )
     for a, b in zip(leaves(base0), leaves(base1)):  # the frozen base is unchanged
         np.testing.assert_array_equal(a, b)
     moved = [not np.array_equal(a, b) for a, b in zip(leaves(adapters0), leaves(adapters1))]
@@ -213,8 +227,11 @@ def test_lora_without_copy_is_flaxs_trace_level_error(model_ns, method):
     is raised while tracing: nothing compiles)."""
     ns = model_ns
     nnx, gcx = ns["nnx"], ns["gcx"]
-    graphdef, adapters, base = nnx.split(ns["Llama"](ns["dataclasses"].replace(ns["cfg"], lora_rank=4),
-                                                     nnx.Rngs(0)), nnx.LoRAParam, ...)
+    graphdef, adapters, base = nnx.split(
+        ns["Llama"](ns["dataclasses"].replace(ns["cfg"], lora_rank=4), nnx.Rngs(0)),
+        nnx.LoRAParam,
+        ...,
+    )
 
     def no_copy(a, b):
         return ns["example_loss"](nnx.merge(graphdef, a, base), b)
@@ -245,7 +262,9 @@ def test_bfloat16_section(model_ns):
     for m, (g, info) in ns["norms16"].items():
         assert info.norms.dtype == jnp.float32 and all(x.dtype == jnp.float32 for x in leaves(g)), m
         np.testing.assert_allclose(info.norms, info32.norms, rtol=1e-2)
-    np.testing.assert_allclose(ns["norms16"]["ghost"][1].norms, ns["norms16"]["vmap"][1].norms, rtol=1e-2)
+    np.testing.assert_allclose(
+        ns["norms16"]["ghost"][1].norms, ns["norms16"]["vmap"][1].norms, rtol=1e-2
+    )
 
 
 def sharded_summary(ns: dict) -> dict:
@@ -253,8 +272,15 @@ def sharded_summary(ns: dict) -> dict:
     gcx, nnx, optax = ns["gcx"], ns["nnx"], ns["optax"]
     dist = ns["dist"]
     one = gcx.make_private(
-        ns["per_example_loss"], optax.adamw(3e-3), dataset_size=ns["n_train"], expected_batch_size=16,
-        steps=3, target_epsilon=8.0, delta=1e-5, l2_clip_norm=1.0, seed=0,
+        ns["per_example_loss"],
+        optax.adamw(3e-3),
+        dataset_size=ns["n_train"],
+        expected_batch_size=16,
+        steps=3,
+        target_epsilon=8.0,
+        delta=1e-5,
+        l2_clip_norm=1.0,
+        seed=0,
         max_batch_size=dist.sampler.max_batch_size,
     )
     _, params = nnx.split(ns["Llama"](ns["cfg"], nnx.Rngs(0)))
@@ -270,21 +296,33 @@ def sharded_summary(ns: dict) -> dict:
     assert all(t == AxisType.Explicit for t in explicit.axis_types)
     rows = dist.sampler.max_batch_size
     with jax.set_mesh(explicit):
-        p = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(explicit, ns["fsdp_sharding"](x).spec)),
-                         ns["start"])
-        b = jax.tree.map(lambda a: jax.device_put(a[:rows], NamedSharding(explicit, P(("data", "fsdp")))),
-                         ns["data"])
+        p = jax.tree.map(
+            lambda x: jax.device_put(x, NamedSharding(explicit, ns["fsdp_sharding"](x).spec)),
+            ns["start"],
+        )
+        b = jax.tree.map(
+            lambda a: jax.device_put(a[:rows], NamedSharding(explicit, P(("data", "fsdp")))),
+            ns["data"],
+        )
         m = jax.device_put(np.ones(rows, bool), NamedSharding(explicit, P(("data", "fsdp"))))
         try:
             jax.jit(dist.step).trace(p, dist.init(p), b, m, jax.random.key(0))
             explicit_error = None
         except Exception as e:  # jax's ShardingTypeError (not a public name)
             explicit_error = f"{type(e).__name__}: {e}"
-    return {"devices": ns["n_dev"], "mesh": dict(ns["mesh"].shape), "max_diff": max_abs_diff(params, sharded),
-            "scale": max(float(np.max(np.abs(x))) for x in leaves(params)),
-            "fsdp_leaves": sum("fsdp" in str(s) for s in specs), "leaves": len(specs),
-            "steps": dist.accountant.steps, "epsilon": dist.epsilon(), "accountant": dist.accountant.epsilon(1e-5),
-            "batch_rows": dist.sampler.max_batch_size, "explicit_error": explicit_error}
+    return {
+        "devices": ns["n_dev"],
+        "mesh": dict(ns["mesh"].shape),
+        "max_diff": max_abs_diff(params, sharded),
+        "scale": max(float(np.max(np.abs(x))) for x in leaves(params)),
+        "fsdp_leaves": sum("fsdp" in str(s) for s in specs),
+        "leaves": len(specs),
+        "steps": dist.accountant.steps,
+        "epsilon": dist.epsilon(),
+        "accountant": dist.accountant.epsilon(1e-5),
+        "batch_rows": dist.sampler.max_batch_size,
+        "explicit_error": explicit_error,
+    }
 
 
 def run_sharded(ns: dict) -> dict:
@@ -300,17 +338,29 @@ def test_sharding_section(model_ns):
     if jax.device_count() >= DEVICES:
         res = run_sharded(dict(model_ns))
     else:  # set the devices before jax starts: a process of its own
-        env = dict(os.environ, JAX_PLATFORMS="cpu",
-                   XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}")
-        proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, check=True,
-                              cwd=GUIDE.parent.parent.parent)
+        env = dict(
+            os.environ,
+            JAX_PLATFORMS="cpu",
+            XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}",
+        )
+        proc = subprocess.run(
+            [sys.executable, __file__],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=GUIDE.parent.parent.parent,
+        )
         res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["devices"] == DEVICES and res["mesh"] == {"data": 2, "fsdp": 4}
     assert res["fsdp_leaves"] == res["leaves"]  # every weight split over the fsdp axis
     assert res["batch_rows"] % DEVICES == 0 and res["steps"] == 3
     assert res["epsilon"] == res["accountant"] <= 8.0 + 1e-9
     assert res["max_diff"] <= 1e-5 * max(1.0, res["scale"]), res
-    assert res["explicit_error"].startswith("ShardingTypeError") and "out_sharding" in res["explicit_error"]
+    assert (
+        res["explicit_error"].startswith("ShardingTypeError")
+        and "out_sharding" in res["explicit_error"]
+    )
 
 
 if __name__ == "__main__":  # the sharding section in a process with 8 simulated devices

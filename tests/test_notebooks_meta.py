@@ -102,9 +102,13 @@ def test_install_cell_reports_a_jax_replacement(monkeypatch):
 
     ns = install_cell_functions()
     have = importlib.metadata.version("jax")
-    report = {"install": [{"metadata": {"name": "jax", "version": "99.0"}},
-                          {"metadata": {"name": "jaxlib", "version": importlib.metadata.version("jaxlib")}},
-                          {"metadata": {"name": "gradclip_jax", "version": "0.1.0"}}]}
+    report = {
+        "install": [
+            {"metadata": {"name": "jax", "version": "99.0"}},
+            {"metadata": {"name": "jaxlib", "version": importlib.metadata.version("jaxlib")}},
+            {"metadata": {"name": "gradclip_jax", "version": "0.1.0"}},
+        ]
+    }
     calls = []
 
     def fake_run(cmd, **kw):
@@ -114,7 +118,9 @@ def test_install_cell_reports_a_jax_replacement(monkeypatch):
     monkeypatch.setattr(subprocess, "run", fake_run)
     assert ns["_jax_changes"](["gradclip_jax[dp,demo]"]) == {"jax": (have, "99.0")}
     assert "--dry-run" in calls[0] and "--report" in calls[0]
-    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: types.SimpleNamespace(returncode=1, stdout=""))
+    monkeypatch.setattr(
+        subprocess, "run", lambda cmd, **kw: types.SimpleNamespace(returncode=1, stdout="")
+    )
     assert ns["_jax_changes"](["gradclip_jax[dp,demo]"]) is None  # unresolvable: not on PyPI yet
     code = cells(NOTEBOOKS[0], "code")[0]
     assert "warnings.warn(" in code and "CUDA plugin" in code
@@ -166,8 +172,10 @@ def test_ci_runs_the_readme_test_command():
 def test_no_other_repository_address():
     """Every link to a gradclip repository (README, docs, notebooks, mkdocs.yml) is the declared one."""
     files = [ROOT / "README.md", ROOT / "mkdocs.yml", *NOTEBOOKS, *(ROOT / "docs").rglob("*.md")]
-    pattern = re.compile(r"(?:github\.com|colab\.research\.google\.com/github)/([\w.-]+/[\w.-]*gradclip[\w.-]*)",
-                         re.I)
+    pattern = re.compile(
+        r"(?:github\.com|colab\.research\.google\.com/github)/([\w.-]+/[\w.-]*gradclip[\w.-]*)",
+        re.I,
+    )
     owner_repo = URL.removeprefix("https://github.com/")
     found = 0
     for f in files:
@@ -181,7 +189,9 @@ def test_readme_five_minutes_is_the_dp_guides():
     """The README's DP quick start is the DP guide's, which tests/test_dp_guide.py runs."""
 
     def five_minutes(text: str) -> str:
-        m = re.search(r"^## DP-SGD in five minutes\n.*?^```python\n(.*?)^```", text, flags=re.S | re.M)
+        m = re.search(
+            r"^## DP-SGD in five minutes\n.*?^```python\n(.*?)^```", text, flags=re.S | re.M
+        )
         assert m, "no 'DP-SGD in five minutes' section with code"
         return m.group(1)
 

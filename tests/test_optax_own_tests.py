@@ -24,15 +24,25 @@ import pytest
 
 import gradclip_jax as gcx
 
-OURS = ("clip", "clip_by_block_rms", "clip_by_global_norm", "adaptive_grad_clip",
-        "per_example_global_norm_clip", "per_example_layer_norm_clip")
+OURS = (
+    "clip",
+    "clip_by_block_rms",
+    "clip_by_global_norm",
+    "adaptive_grad_clip",
+    "per_example_global_norm_clip",
+    "per_example_layer_norm_clip",
+)
 
 
 def _test_file() -> pathlib.Path | None:
     spec = importlib.util.find_spec("optax")
     if spec is None or not spec.submodule_search_locations:
         return None
-    path = pathlib.Path(next(iter(spec.submodule_search_locations))) / "transforms" / "_clipping_test.py"
+    path = (
+        pathlib.Path(next(iter(spec.submodule_search_locations)))
+        / "transforms"
+        / "_clipping_test.py"
+    )
     return path if path.is_file() else None
 
 
@@ -41,13 +51,25 @@ def _failures(path: pathlib.Path, clipping: Any = None) -> set[str]:
     (``None``: optax's own, imported by the file itself)."""
     package = types.SimpleNamespace(_clipping=clipping)
 
-    def importer(name: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0) -> Any:  # noqa: A002
-        if clipping is not None and name == "optax.transforms" and fromlist and "_clipping" in fromlist:
+    def importer(
+        name: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0
+    ) -> Any:
+        if (
+            clipping is not None
+            and name == "optax.transforms"
+            and fromlist
+            and "_clipping" in fromlist
+        ):
             return package
         return builtins.__import__(name, globals, locals, fromlist, level)
 
-    namespace = {"__name__": "optax_clipping_test", "__builtins__": {**vars(builtins), "__import__": importer}}
-    exec(compile(path.read_text(), str(path), "exec"), namespace)  # optax's own test file, from its wheel
+    namespace = {
+        "__name__": "optax_clipping_test",
+        "__builtins__": {**vars(builtins), "__import__": importer},
+    }
+    exec(
+        compile(path.read_text(), str(path), "exec"), namespace
+    )  # optax's own test file, from its wheel
     suite = unittest.TestSuite()
     for value in namespace.values():
         if isinstance(value, type) and issubclass(value, unittest.TestCase):
@@ -63,7 +85,9 @@ def _shim() -> types.ModuleType:
     shim = types.ModuleType("gradclip_jax_as_optax_clipping")
     for name in OURS:
         setattr(shim, name, getattr(gcx, name))
-    shim.unitwise_norm = optax.transforms.unitwise_norm  # a measuring helper of the tests, not a clipper
+    shim.unitwise_norm = (
+        optax.transforms.unitwise_norm
+    )  # a measuring helper of the tests, not a clipper
     return shim
 
 
@@ -74,4 +98,6 @@ def test_optax_clipping_tests_fail_no_more_on_ours():
         pytest.skip("the installed optax wheel ships no transforms/_clipping_test.py")
     theirs = _failures(path)
     ours = _failures(path, _shim())
-    assert ours <= theirs, f"fail on ours only: {sorted(ours - theirs)} (optax fails {sorted(theirs)})"
+    assert ours <= theirs, (
+        f"fail on ours only: {sorted(ours - theirs)} (optax fails {sorted(theirs)})"
+    )

@@ -71,7 +71,9 @@ def test_normalize_gives_target_norm(tree, target):
     for o, x in zip(out, g):
         n = float(np.linalg.norm(np.asarray(x, np.float64).ravel()))
         if n > 0:
-            np.testing.assert_allclose(np.linalg.norm(np.asarray(o, np.float64).ravel()), target, rtol=1e-4)
+            np.testing.assert_allclose(
+                np.linalg.norm(np.asarray(o, np.float64).ravel()), target, rtol=1e-4
+            )
         else:
             np.testing.assert_array_equal(o, x)
 
@@ -137,7 +139,9 @@ def test_fp16_overflow_does_not_zero_the_update():
     out, state = tx.update(g, tx.init(g))
     np.testing.assert_allclose(np.asarray(out[0], np.float32), [0.5] * 4, rtol=1e-3)
     assert float(state.norm) == 600.0
-    np.testing.assert_array_equal(optax.clip_by_global_norm(1.0).update(g, None)[0][0], [0, 0, 0, 0])  # optax
+    np.testing.assert_array_equal(
+        optax.clip_by_global_norm(1.0).update(g, None)[0][0], [0, 0, 0, 0]
+    )  # optax
 
 
 def test_huge_float32_clip_is_right():
@@ -151,9 +155,13 @@ def test_bf16_clipped_norm_within_bf16_rounding():
     g = [jax.random.normal(k, (64, 64), jnp.bfloat16) for k in jax.random.split(key, 50)]
     tx = gcx.clip_by_global_norm(1.0)
     out, state = tx.update(g, tx.init(g))
-    exact = math.sqrt(sum(float(jnp.sum(x.astype(jnp.float64) ** 2)) for x in g)) if jax.config.jax_enable_x64 else None
+    exact = (
+        math.sqrt(sum(float(jnp.sum(x.astype(jnp.float64) ** 2)) for x in g))
+        if jax.config.jax_enable_x64
+        else None
+    )
     n = float(gcx.tree_norm(out))
-    assert abs(n - 1.0) < 2 ** -8  # one bf16 rounding per element
+    assert abs(n - 1.0) < 2**-8  # one bf16 rounding per element
     true = math.sqrt(sum(float(np.sum(np.asarray(x, np.float64) ** 2)) for x in g))
     assert abs(float(state.norm) - true) / true < 1e-5
     del exact

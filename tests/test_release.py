@@ -41,10 +41,16 @@ def test_version_is_written_once():
     assert version == gradclip_jax.__version__
     assert re.fullmatch(r"\d+\.\d+\.\d+(?:(?:a|b|rc)\d+)?(?:\.dev\d+)?", version)
     assert "version" in PYPROJECT["project"]["dynamic"] and "version" not in PYPROJECT["project"]
-    assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "gradclip_jax.__version__"}
+    assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {
+        "attr": "gradclip_jax.__version__"
+    }
     # no other module writes a version of its own
-    others = [f for f in PACKAGE.rglob("*.py") if f != PACKAGE / "__init__.py"
-              and re.search(r"^\s*(__version__|VERSION|version)\s*=\s*['\"]\d", f.read_text(), re.M)]
+    others = [
+        f
+        for f in PACKAGE.rglob("*.py")
+        if f != PACKAGE / "__init__.py"
+        and re.search(r"^\s*(__version__|VERSION|version)\s*=\s*['\"]\d", f.read_text(), re.M)
+    ]
     assert not others, others
 
 
@@ -67,9 +73,13 @@ def test_release_extra_and_wheel_check_script():
     text = script.read_text()
     assert text.startswith("#!/usr/bin/env bash\n") and "\nset -euo pipefail\n" in text
     assert "python -m build" in text and "twine check" in text
-    assert re.search(r"pip install .*gradclip_jax-\*\.whl|WHEELS=\(\"\$DIST\"/gradclip_jax-\*\.whl\)", text)
+    assert re.search(
+        r"pip install .*gradclip_jax-\*\.whl|WHEELS=\(\"\$DIST\"/gradclip_jax-\*\.whl\)", text
+    )
     assert "pip install --quiet -e" not in text  # the wheel, not the source tree
-    assert "pkgutil.walk_packages" in text and "leaves out" in text  # every file and module of the wheel
+    assert (
+        "pkgutil.walk_packages" in text and "leaves out" in text
+    )  # every file and module of the wheel
 
 
 def test_package_declares_its_typing_marker():
@@ -82,8 +92,13 @@ def test_built_wheel_holds_every_module_and_data_file(tmp_path):
     """``python -m build --wheel`` (isolated, as a release builds it) packs the whole package."""
     pytest.importorskip("build")
     env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-    subprocess.run([sys.executable, "-m", "build", "--wheel", "--outdir", str(tmp_path), str(ROOT)],
-                   check=True, capture_output=True, env=env, timeout=600)
+    subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--outdir", str(tmp_path), str(ROOT)],
+        check=True,
+        capture_output=True,
+        env=env,
+        timeout=600,
+    )
     (wheel,) = tmp_path.glob("gradclip_jax-*.whl")
     assert wheel.name.startswith(f"gradclip_jax-{gradclip_jax.__version__}-py3-none-any")
     with zipfile.ZipFile(wheel) as zf:

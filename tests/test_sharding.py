@@ -107,7 +107,10 @@ def test_automatic_sharding(name):
 
 @pytest.mark.parametrize("ord_", [2, 1, "inf", 3, "rms", "std", "sum", -1])
 def test_shard_map_axis_name_equals_global_norm(ord_):
-    g = {"w": jax.random.normal(jax.random.PRNGKey(0), (32, 5)), "b": jax.random.normal(jax.random.PRNGKey(1), (16,))}
+    g = {
+        "w": jax.random.normal(jax.random.PRNGKey(0), (32, 5)),
+        "b": jax.random.normal(jax.random.PRNGKey(1), (16,)),
+    }
     tx = gcx.clip_by_global_norm(0.7, ord=ord_)
     ref, ref_state = tx.update(g, tx.init(g))
     mesh = jax.make_mesh((8,), ("x",))
@@ -119,7 +122,9 @@ def test_shard_map_axis_name_equals_global_norm(ord_):
         return out, state.norm
 
     gs = {k: jax.device_put(v, NamedSharding(mesh, spec[k])) for k, v in g.items()}
-    out, norm = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec,), out_specs=(spec, P())))(gs)
+    out, norm = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec,), out_specs=(spec, P())))(
+        gs
+    )
     np.testing.assert_allclose(float(norm), float(ref_state.norm), rtol=2e-6)
     _check(out, ref)
 
@@ -138,5 +143,9 @@ def test_shard_map_without_axis_name_uses_local_norms():
         return t.update(gl, t.init(gl))[0]
 
     g = {"w": jax.device_put(g["w"], NamedSharding(mesh, P("x", None)))}
-    out = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=({"w": P("x", None)},), out_specs={"w": P("x", None)}))(g)
-    np.testing.assert_allclose(np.asarray(out["w"]), np.full((8, 2), 2 ** -0.5), rtol=1e-6)
+    out = jax.jit(
+        jax.shard_map(
+            local, mesh=mesh, in_specs=({"w": P("x", None)},), out_specs={"w": P("x", None)}
+        )
+    )(g)
+    np.testing.assert_allclose(np.asarray(out["w"]), np.full((8, 2), 2**-0.5), rtol=1e-6)

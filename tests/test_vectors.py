@@ -21,8 +21,16 @@ from tests import oracle
 from tests.vectors import arrays, cases_for, param
 
 MODULES = (
-    "ClipValue", "ClipNorm", "Normalize", "Centralize", "clip_grad_norm_", "normalize_grads_",
-    "clip_grad_value_", "L2Clipping", "L2GlobalClipping", "grad_clip_norm_",
+    "ClipValue",
+    "ClipNorm",
+    "Normalize",
+    "Centralize",
+    "clip_grad_norm_",
+    "normalize_grads_",
+    "clip_grad_value_",
+    "L2Clipping",
+    "L2GlobalClipping",
+    "grad_clip_norm_",
 )
 CASES = cases_for(*MODULES)
 
@@ -61,7 +69,9 @@ def _ours(case: dict, xs: list[np.ndarray]):
         assert m in PER_TENSOR_GROUPS and _p(case, "dim") != "global"
         outs = [None] * len(xs)
         for group in case["param_groups"]:
-            sub = dict(case, params={**case["params"], **{k: v for k, v in group.items() if k != "idx"}})
+            sub = dict(
+                case, params={**case["params"], **{k: v for k, v in group.items() if k != "idx"}}
+            )
             sub.pop("param_groups")
             res, _ = _ours(sub, [xs[i] for i in group["idx"]])
             for i, r in zip(group["idx"], res):
@@ -72,19 +82,41 @@ def _ours(case: dict, xs: list[np.ndarray]):
     if m == "ClipValue":
         tx = gcx.clip_by_value(_p(case, "value"))
     elif m == "ClipNorm":
-        tx = gcx.clip_by_norm(_p(case, "max_norm"), ord=ord_, dim=dim, inverse_dims=inv,
-                              min_size=_p(case, "min_size", 1))
+        tx = gcx.clip_by_norm(
+            _p(case, "max_norm"),
+            ord=ord_,
+            dim=dim,
+            inverse_dims=inv,
+            min_size=_p(case, "min_size", 1),
+        )
     elif m == "Normalize":
-        tx = gcx.normalize(_p(case, "norm_value", 1.0), ord=ord_, dim=dim, inverse_dims=inv,
-                           min_size=_p(case, "min_size", 1))
+        tx = gcx.normalize(
+            _p(case, "norm_value", 1.0),
+            ord=ord_,
+            dim=dim,
+            inverse_dims=inv,
+            min_size=_p(case, "min_size", 1),
+        )
     elif m == "Centralize":
         tx = gcx.centralize(dim=dim, inverse_dims=inv, min_size=_p(case, "min_size", 2))
     elif m == "clip_grad_norm_":  # torchzero's function: default min_size=2, optional min_norm
-        tx = gcx.clip_by_norm(_p(case, "max_norm"), ord=ord_, dim=dim, inverse_dims=inv,
-                              min_size=_p(case, "min_size", 2), min_norm=_p(case, "min_norm"))
+        tx = gcx.clip_by_norm(
+            _p(case, "max_norm"),
+            ord=ord_,
+            dim=dim,
+            inverse_dims=inv,
+            min_size=_p(case, "min_size", 2),
+            min_norm=_p(case, "min_norm"),
+        )
     elif m == "normalize_grads_":
-        return gcx.normalize_grads(xs, _p(case, "norm_value"), ord=ord_, dim=dim, inverse_dims=inv,
-                                   min_size=_p(case, "min_size", 1)), None
+        return gcx.normalize_grads(
+            xs,
+            _p(case, "norm_value"),
+            ord=ord_,
+            dim=dim,
+            inverse_dims=inv,
+            min_size=_p(case, "min_size", 1),
+        ), None
     elif m == "clip_grad_value_":
         return gcx.clip_grad_value(xs, _p(case, "value")), None
     elif m == "L2Clipping":
@@ -105,7 +137,9 @@ def _oracle(case: dict, xs: list[np.ndarray]):
     if case.get("param_groups"):
         outs = [None] * len(xs)
         for group in case["param_groups"]:
-            sub = dict(case, params={**case["params"], **{k: v for k, v in group.items() if k != "idx"}})
+            sub = dict(
+                case, params={**case["params"], **{k: v for k, v in group.items() if k != "idx"}}
+            )
             sub.pop("param_groups")
             for i, r in zip(group["idx"], _oracle(sub, [xs[i] for i in group["idx"]])[0]):
                 outs[i] = r
@@ -116,11 +150,24 @@ def _oracle(case: dict, xs: list[np.ndarray]):
         return [np.clip(x, -v, v) for x in xs], None
     if m in ("ClipNorm", "clip_grad_norm_"):
         ms = _p(case, "min_size", 1 if m == "ClipNorm" else 2)
-        return oracle.rescale(xs, ord=ord_, dim=dim, inverse=inv, min_size=ms,
-                              hi=_p(case, "max_norm"), lo=_p(case, "min_norm")), None
+        return oracle.rescale(
+            xs,
+            ord=ord_,
+            dim=dim,
+            inverse=inv,
+            min_size=ms,
+            hi=_p(case, "max_norm"),
+            lo=_p(case, "min_norm"),
+        ), None
     if m in ("Normalize", "normalize_grads_"):
-        return oracle.rescale(xs, ord=ord_, dim=dim, inverse=inv, min_size=_p(case, "min_size", 1),
-                              target=_p(case, "norm_value", 1.0)), None
+        return oracle.rescale(
+            xs,
+            ord=ord_,
+            dim=dim,
+            inverse=inv,
+            min_size=_p(case, "min_size", 1),
+            target=_p(case, "norm_value", 1.0),
+        ), None
     if m == "Centralize":
         return oracle.centralize(xs, dim=dim, inverse=inv, min_size=_p(case, "min_size", 2)), None
     if m == "L2Clipping":
@@ -129,8 +176,14 @@ def _oracle(case: dict, xs: list[np.ndarray]):
         return oracle.rescale(xs, dim="global", hi=_p(case, "max_norm", 1.0)), None
     if m == "grad_clip_norm_":
         p = _p(case, "norm_type", 2.0)
-        total = float(oracle.norm(np.concatenate([x.ravel() for x in xs]), p).reshape(())) if xs else 0.0
-        coef = min(_p(case, "max_norm") / (total + 1e-6), 1.0) if not math.isnan(total) else math.nan
+        total = (
+            float(oracle.norm(np.concatenate([x.ravel() for x in xs]), p).reshape(()))
+            if xs
+            else 0.0
+        )
+        coef = (
+            min(_p(case, "max_norm") / (total + 1e-6), 1.0) if not math.isnan(total) else math.nan
+        )
         return [x * coef for x in xs], total
     raise AssertionError(m)  # pragma: no cover
 
@@ -147,7 +200,11 @@ def _close(ours, expected, rtol, atol):
         np.testing.assert_allclose(o, e, rtol=rtol, atol=atol, equal_nan=True)
 
 
-AGREE = [c for c in CASES if c["id"] not in DEVIATIONS and c["id"] not in RAISES and "expected_error" not in c]
+AGREE = [
+    c
+    for c in CASES
+    if c["id"] not in DEVIATIONS and c["id"] not in RAISES and "expected_error" not in c
+]
 
 
 @pytest.mark.parametrize("case", AGREE, ids=_ids(AGREE))
@@ -161,7 +218,9 @@ def test_matches_reference_float64(case):
         for o, x in zip(out, xs):
             assert o.dtype == jnp.float64 and o.shape == x.shape
         if "expected_return" in case:
-            np.testing.assert_allclose(float(ret), float(case["expected_return"]), rtol=rtol, equal_nan=True)
+            np.testing.assert_allclose(
+                float(ret), float(case["expected_return"]), rtol=rtol, equal_nan=True
+            )
 
 
 @pytest.mark.parametrize("case", AGREE, ids=_ids(AGREE))
@@ -172,7 +231,9 @@ def test_matches_reference_float32(case):
         assert o.dtype == jnp.float32
     _close(out, arrays(case, "expected", 0), rtol=2e-5, atol=2e-6)
     if "expected_return" in case:
-        np.testing.assert_allclose(float(ret), float(case["expected_return"]), rtol=2e-5, equal_nan=True)
+        np.testing.assert_allclose(
+            float(ret), float(case["expected_return"]), rtol=2e-5, equal_nan=True
+        )
 
 
 CONTRACT = [c for c in CASES if c["id"] not in RAISES]
@@ -204,8 +265,13 @@ def test_deviations_are_real(case):
                 assert np.all(np.isfinite(np.asarray(o)))
             return
         exp = arrays(case, "expected", 0)
-        same_out = all(np.allclose(np.asarray(o), e, rtol=1e-9, atol=0, equal_nan=True) for o, e in zip(out, exp))
-        same_ret = "expected_return" not in case or np.isclose(float(ret), float(case["expected_return"]))
+        same_out = all(
+            np.allclose(np.asarray(o), e, rtol=1e-9, atol=0, equal_nan=True)
+            for o, e in zip(out, exp)
+        )
+        same_ret = "expected_return" not in case or np.isclose(
+            float(ret), float(case["expected_return"])
+        )
         assert not (same_out and same_ret), DEVIATIONS[case["id"]]
 
 

@@ -19,21 +19,32 @@ GUIDE = ROOT / "docs" / "guides" / "dp-sgd.md"
 
 def cache_lines(text: str) -> str:
     """The two ``jax.config.update`` calls that turn the cache on, as the text has them."""
-    m = re.search(r'^jax\.config\.update\("jax_compilation_cache_dir",\n.*?'
-                  r'^jax\.config\.update\("jax_persistent_cache_min_compile_time_secs", [\d.]+\)\n', text,
-                  flags=re.S | re.M)
+    m = re.search(
+        r'^jax\.config\.update\("jax_compilation_cache_dir",\n.*?'
+        r'^jax\.config\.update\("jax_persistent_cache_min_compile_time_secs", [\d.]+\)\n',
+        text,
+        flags=re.S | re.M,
+    )
     assert m, "no compilation cache setup"
     return m.group(0)
 
 
 def _configured(env: dict[str, str]) -> dict:
     """The cache folder and threshold after the guide's lines run in a fresh process under ``env``."""
-    code = ("import json, pathlib, jax\n" + cache_lines(GUIDE.read_text())
-            + "print(json.dumps([jax.config.jax_compilation_cache_dir, "
-              "jax.config.jax_persistent_cache_min_compile_time_secs]))")
+    code = (
+        "import json, pathlib, jax\n"
+        + cache_lines(GUIDE.read_text())
+        + "print(json.dumps([jax.config.jax_compilation_cache_dir, "
+        "jax.config.jax_persistent_cache_min_compile_time_secs]))"
+    )
     base = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-    out = subprocess.run([sys.executable, "-c", code], env={**base, **env, "JAX_PLATFORMS": "cpu"},
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**base, **env, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 

@@ -35,9 +35,7 @@ def cases_for(*modules: str) -> list[dict]:
 def arrays(case: dict, key: str, step: int, dtype: Any = np.float64) -> list[np.ndarray]:
     """The tensors of ``case[key][step]`` as numpy arrays with the case's shapes."""
     shapes = case["shapes"]
-    return [
-        np.asarray(_num(v), dtype=dtype).reshape(s) for v, s in zip(case[key][step], shapes)
-    ]
+    return [np.asarray(_num(v), dtype=dtype).reshape(s) for v, s in zip(case[key][step], shapes)]
 
 
 def param(case: dict, name: str, default: Any = None) -> Any:

@@ -58,7 +58,9 @@ class Model:
     name: str
     library: str
     build: Callable[[], Setup]
-    expect: str | None = None  # a text the error must contain (a loss that cannot be clipped per example)
+    expect: str | None = (
+        None  # a text the error must contain (a loss that cannot be clipped per example)
+    )
 
 
 def xent(logits: jax.Array, y: jax.Array) -> jax.Array:
@@ -84,9 +86,12 @@ def token_data(seed: int = 0, n: int = B, t: int = T, vocab: int = V) -> dict[st
     r = _rng(seed)
     mask = np.ones((n, t), np.int32)
     mask[1, -2:] = 0
-    return {"ids": jnp.asarray(r.integers(0, vocab, size=(n, t)), jnp.int32), "mask": jnp.asarray(mask),
-            "segments": jnp.asarray((np.arange(t)[None] >= t // 2).repeat(n, 0), jnp.int32),
-            "y": jnp.asarray(r.integers(0, CLASSES, size=n))}
+    return {
+        "ids": jnp.asarray(r.integers(0, vocab, size=(n, t)), jnp.int32),
+        "mask": jnp.asarray(mask),
+        "segments": jnp.asarray((np.arange(t)[None] >= t // 2).repeat(n, 0), jnp.int32),
+        "y": jnp.asarray(r.integers(0, CLASSES, size=n)),
+    }
 
 
 def image_data(seed: int = 0, n: int = B, size: int = 8, channels: int = 3) -> dict[str, jax.Array]:
@@ -169,8 +174,11 @@ def linen_batchnorm() -> Setup:
     variables = model.init(jax.random.key(3), data["img"])
 
     def loss(p: Any, b: Any) -> jax.Array:
-        out, _ = model.apply({"params": p, "batch_stats": variables["batch_stats"]}, b["img"],
-                             mutable=["batch_stats"])
+        out, _ = model.apply(
+            {"params": p, "batch_stats": variables["batch_stats"]},
+            b["img"],
+            mutable=["batch_stats"],
+        )
         return xent(out, b["y"])
 
     return loss, variables["params"], data
@@ -272,7 +280,9 @@ def eqx_mlp() -> Setup:
     import equinox as eqx
 
     model = eqx.nn.MLP(D, CLASSES, width_size=16, depth=2, key=jax.random.key(7))
-    loss, params = _eqx_loss(model, lambda m, b: xent(jax.vmap(m)(jnp.mean(b["x"], axis=1)), b["y"]))
+    loss, params = _eqx_loss(
+        model, lambda m, b: xent(jax.vmap(m)(jnp.mean(b["x"], axis=1)), b["y"])
+    )
     return loss, params, seq_data(7)
 
 
@@ -280,15 +290,21 @@ def eqx_cnn() -> Setup:
     import equinox as eqx
 
     k = jax.random.split(jax.random.key(8), 3)
-    model = [eqx.nn.Conv2d(3, 4, 3, padding=1, key=k[0]), eqx.nn.MaxPool2d(2, 2),
-             eqx.nn.Conv2d(4, 6, 3, stride=2, key=k[1]), eqx.nn.Linear(6, CLASSES, key=k[2])]
+    model = [
+        eqx.nn.Conv2d(3, 4, 3, padding=1, key=k[0]),
+        eqx.nn.MaxPool2d(2, 2),
+        eqx.nn.Conv2d(4, 6, 3, stride=2, key=k[1]),
+        eqx.nn.Linear(6, CLASSES, key=k[2]),
+    ]
 
     def one(m: Any, img: jax.Array) -> jax.Array:  # img: (H, W, C) -> equinox's (C, H, W)
         x = jnp.transpose(img, (2, 0, 1))
         x = m[1](jax.nn.relu(m[0](x)))
         return m[3](jnp.mean(jax.nn.relu(m[2](x)), axis=(1, 2)))
 
-    loss, params = _eqx_loss(model, lambda m, b: xent(jax.vmap(lambda x: one(m, x))(b["img"]), b["y"]))
+    loss, params = _eqx_loss(
+        model, lambda m, b: xent(jax.vmap(lambda x: one(m, x))(b["img"]), b["y"])
+    )
     return loss, params, image_data(8)
 
 
@@ -297,11 +313,16 @@ def eqx_transformer() -> Setup:
     import equinox as eqx
 
     k = jax.random.split(jax.random.key(9), 6)
-    model = {"embed": eqx.nn.Embedding(V, D, key=k[0]), "pos": jax.random.normal(k[1], (T, D)) * 0.5,
-             "ln1": eqx.nn.LayerNorm(D), "ln2": eqx.nn.LayerNorm(D),
-             "att": eqx.nn.MultiheadAttention(2, D, key=k[2]),
-             "up": eqx.nn.Linear(D, 2 * D, key=k[3]), "down": eqx.nn.Linear(2 * D, D, key=k[4]),
-             "head": eqx.nn.Linear(D, CLASSES, key=k[5])}
+    model = {
+        "embed": eqx.nn.Embedding(V, D, key=k[0]),
+        "pos": jax.random.normal(k[1], (T, D)) * 0.5,
+        "ln1": eqx.nn.LayerNorm(D),
+        "ln2": eqx.nn.LayerNorm(D),
+        "att": eqx.nn.MultiheadAttention(2, D, key=k[2]),
+        "up": eqx.nn.Linear(D, 2 * D, key=k[3]),
+        "down": eqx.nn.Linear(2 * D, D, key=k[4]),
+        "head": eqx.nn.Linear(D, CLASSES, key=k[5]),
+    }
 
     def one(m: Any, ids: jax.Array) -> jax.Array:
         h = jax.vmap(m["embed"])(ids) + m["pos"]
@@ -310,7 +331,9 @@ def eqx_transformer() -> Setup:
         h = h + jax.vmap(lambda x: m["down"](jax.nn.gelu(m["up"](m["ln2"](x)))))(h)
         return m["head"](jnp.mean(h, axis=0))
 
-    loss, params = _eqx_loss(model, lambda m, b: xent(jax.vmap(lambda i: one(m, i))(b["ids"]), b["y"]))
+    loss, params = _eqx_loss(
+        model, lambda m, b: xent(jax.vmap(lambda i: one(m, i))(b["ids"]), b["y"])
+    )
     return loss, params, token_data(9)
 
 
@@ -325,7 +348,9 @@ def eqx_gru_scan() -> Setup:
         h, _ = lax.scan(lambda h, x: (m["cell"](x, h), None), jnp.zeros(D), xs)
         return m["head"](h)
 
-    loss, params = _eqx_loss(model, lambda m, b: xent(jax.vmap(lambda x: one(m, x))(b["x"]), b["y"]))
+    loss, params = _eqx_loss(
+        model, lambda m, b: xent(jax.vmap(lambda x: one(m, x))(b["x"]), b["y"])
+    )
     return loss, params, seq_data(10)
 
 
@@ -339,8 +364,11 @@ def eqx_lstm_scan() -> Setup:
     def run(m: Any, b: Any) -> jax.Array:
         n = b["x"].shape[0]
         zeros = jnp.zeros((n, D))
-        (h, _), _ = lax.scan(lambda hc, x: (jax.vmap(m["cell"])(x, hc), None), (zeros, zeros),
-                             jnp.swapaxes(b["x"], 0, 1))
+        (h, _), _ = lax.scan(
+            lambda hc, x: (jax.vmap(m["cell"])(x, hc), None),
+            (zeros, zeros),
+            jnp.swapaxes(b["x"], 0, 1),
+        )
         return xent(jax.vmap(m["head"])(h), b["y"])
 
     loss, params = _eqx_loss(model, run)
@@ -367,9 +395,13 @@ def haiku_transformer() -> Setup:
     import haiku as hk
 
     def fwd(ids: jax.Array) -> jax.Array:
-        h = hk.Embed(V, D)(ids) + hk.get_parameter("pos", (T, D), init=hk.initializers.RandomNormal(0.5))
+        h = hk.Embed(V, D)(ids) + hk.get_parameter(
+            "pos", (T, D), init=hk.initializers.RandomNormal(0.5)
+        )
         a = hk.LayerNorm(axis=-1, create_scale=True, create_offset=True)(h)
-        h = h + hk.MultiHeadAttention(num_heads=2, key_size=4, w_init=hk.initializers.VarianceScaling())(a, a, a)
+        h = h + hk.MultiHeadAttention(
+            num_heads=2, key_size=4, w_init=hk.initializers.VarianceScaling()
+        )(a, a, a)
         a = hk.LayerNorm(axis=-1, create_scale=True, create_offset=True)(h)
         h = h + hk.nets.MLP([2 * D, D], activation=jax.nn.gelu)(a)
         return hk.Linear(CLASSES)(h)
@@ -399,13 +431,20 @@ def _haiku_resnet(is_training: bool, seed: int) -> Setup:
     import haiku as hk
 
     def fwd(x: jax.Array, training: bool) -> jax.Array:
-        net = hk.nets.ResNet(blocks_per_group=(1, 1, 1, 1), num_classes=CLASSES, bottleneck=False,
-                             channels_per_group=(4, 4, 8, 8), initial_conv_config={"output_channels": 4})
+        net = hk.nets.ResNet(
+            blocks_per_group=(1, 1, 1, 1),
+            num_classes=CLASSES,
+            bottleneck=False,
+            channels_per_group=(4, 4, 8, 8),
+            initial_conv_config={"output_channels": 4},
+        )
         return net(x, is_training=training)
 
     f = hk.transform_with_state(fwd)
     data = image_data(seed, size=16)
-    params, state = f.init(jax.random.key(seed), data["img"], True)  # the moving averages exist after a step
+    params, state = f.init(
+        jax.random.key(seed), data["img"], True
+    )  # the moving averages exist after a step
 
     def loss(p: Any, b: Any) -> jax.Array:
         out, _ = f.apply(p, state, None, b["img"], is_training)
@@ -433,13 +472,16 @@ def _keras() -> Any:
     import keras
 
     if keras.backend.backend() != "jax":
-        raise ImportError(f"keras runs on the {keras.backend.backend()!r} backend, not 'jax' (set KERAS_BACKEND=jax)")
+        raise ImportError(
+            f"keras runs on the {keras.backend.backend()!r} backend, not 'jax' (set KERAS_BACKEND=jax)"
+        )
     keras.utils.set_random_seed(0)
     return keras
 
 
-def _keras_loss(model: Any, inputs: Callable[[Any], Any], data: Any,
-                training: bool = False) -> tuple[Callable[..., Any], Any]:
+def _keras_loss(
+    model: Any, inputs: Callable[[Any], Any], data: Any, training: bool = False
+) -> tuple[Callable[..., Any], Any]:
     """A loss over ``model``'s trainable variables (by path) and a dense head on its output (a
     keras-hub backbone's sequence output, averaged over positions), its other variables fixed."""
     out = model(inputs(data))
@@ -449,10 +491,14 @@ def _keras_loss(model: Any, inputs: Callable[[Any], Any], data: Any,
     names = [v.path for v in model.trainable_variables]
     fixed = [v.value for v in model.non_trainable_variables]
     params = {"model": {n: v.value for n, v in zip(names, model.trainable_variables, strict=True)}}
-    params["head"] = jnp.asarray(_rng(99).normal(size=(out_dim, CLASSES)) / math.sqrt(out_dim), jnp.float32)
+    params["head"] = jnp.asarray(
+        _rng(99).normal(size=(out_dim, CLASSES)) / math.sqrt(out_dim), jnp.float32
+    )
 
     def loss(p: Any, b: Any) -> jax.Array:
-        out, _ = model.stateless_call([p["model"][n] for n in names], fixed, inputs(b), training=training)
+        out, _ = model.stateless_call(
+            [p["model"][n] for n in names], fixed, inputs(b), training=training
+        )
         if isinstance(out, dict):
             out = out["sequence_output"]
         return xent(out @ p["head"], b["y"])
@@ -474,8 +520,14 @@ def keras_hub_gpt2() -> Setup:
     _keras()
     import keras_hub
 
-    m = keras_hub.models.GPT2Backbone(vocabulary_size=V, num_layers=2, num_heads=2, hidden_dim=D,
-                                      intermediate_dim=2 * D, max_sequence_length=T)
+    m = keras_hub.models.GPT2Backbone(
+        vocabulary_size=V,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=D,
+        intermediate_dim=2 * D,
+        max_sequence_length=T,
+    )
     data = token_data(20)
     loss, params = _keras_loss(m, _text_inputs(), data)
     return loss, params, data
@@ -485,8 +537,15 @@ def keras_hub_bert() -> Setup:
     _keras()
     import keras_hub
 
-    m = keras_hub.models.BertBackbone(vocabulary_size=V, num_layers=2, num_heads=2, hidden_dim=D,
-                                      intermediate_dim=2 * D, max_sequence_length=T, num_segments=2)
+    m = keras_hub.models.BertBackbone(
+        vocabulary_size=V,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=D,
+        intermediate_dim=2 * D,
+        max_sequence_length=T,
+        num_segments=2,
+    )
     data = token_data(21)
     loss, params = _keras_loss(m, _text_inputs(segments=True), data)
     return loss, params, data
@@ -496,8 +555,9 @@ def keras_hub_vit() -> Setup:
     _keras()
     import keras_hub
 
-    m = keras_hub.models.ViTBackbone(image_shape=(8, 8, 3), patch_size=4, num_layers=2, num_heads=2,
-                                     hidden_dim=D, mlp_dim=2 * D)
+    m = keras_hub.models.ViTBackbone(
+        image_shape=(8, 8, 3), patch_size=4, num_layers=2, num_heads=2, hidden_dim=D, mlp_dim=2 * D
+    )
     data = image_data(22)
     loss, params = _keras_loss(m, lambda b: b["img"], data)
     return loss, params, data
@@ -507,8 +567,15 @@ def keras_hub_gemma() -> Setup:
     _keras()
     import keras_hub
 
-    m = keras_hub.models.GemmaBackbone(vocabulary_size=V, num_layers=2, num_query_heads=2, num_key_value_heads=1,
-                                       hidden_dim=D, intermediate_dim=2 * D, head_dim=4)
+    m = keras_hub.models.GemmaBackbone(
+        vocabulary_size=V,
+        num_layers=2,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=D,
+        intermediate_dim=2 * D,
+        head_dim=4,
+    )
     data = token_data(23)
     loss, params = _keras_loss(m, _text_inputs(), data)
     return loss, params, data
@@ -518,8 +585,14 @@ def keras_hub_llama() -> Setup:
     _keras()
     import keras_hub
 
-    m = keras_hub.models.LlamaBackbone(vocabulary_size=V, num_layers=2, num_query_heads=2, num_key_value_heads=1,
-                                       hidden_dim=D, intermediate_dim=2 * D)
+    m = keras_hub.models.LlamaBackbone(
+        vocabulary_size=V,
+        num_layers=2,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=D,
+        intermediate_dim=2 * D,
+    )
     data = token_data(24)
     loss, params = _keras_loss(m, _text_inputs(), data)
     return loss, params, data
@@ -529,8 +602,16 @@ def keras_hub_mixtral() -> Setup:
     _keras()
     import keras_hub
 
-    m = keras_hub.models.MixtralBackbone(vocabulary_size=V, num_layers=2, num_query_heads=2, num_key_value_heads=1,
-                                         hidden_dim=D, intermediate_dim=2 * D, num_experts=4, top_k=2)
+    m = keras_hub.models.MixtralBackbone(
+        vocabulary_size=V,
+        num_layers=2,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=D,
+        intermediate_dim=2 * D,
+        num_experts=4,
+        top_k=2,
+    )
     data = token_data(25)
     loss, params = _keras_loss(m, _text_inputs(), data)
     return loss, params, data
@@ -541,9 +622,15 @@ def _keras_hub_resnet(training: bool, seed: int) -> Setup:
     import keras_hub
 
     m = keras_hub.models.ResNetBackbone(
-        input_conv_filters=[64], input_conv_kernel_sizes=[3], stackwise_num_filters=[64, 16],
-        stackwise_num_blocks=[1, 1], stackwise_num_strides=[1, 2], block_type="basic_block",
-        use_pre_activation=False, image_shape=(8, 8, 3))
+        input_conv_filters=[64],
+        input_conv_kernel_sizes=[3],
+        stackwise_num_filters=[64, 16],
+        stackwise_num_blocks=[1, 1],
+        stackwise_num_strides=[1, 2],
+        block_type="basic_block",
+        use_pre_activation=False,
+        image_shape=(8, 8, 3),
+    )
     data = image_data(seed)
     loss, params = _keras_loss(m, lambda b: b["img"], data, training=training)
     return loss, params, data
@@ -624,9 +711,11 @@ def relative_errors(loss: Callable[..., Any], params: Any, data: Any) -> dict[st
     nv, ng = np.asarray(want_info.norms, np.float64), np.asarray(got_info.norms, np.float64)
     sv = np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(want)])
     sg = np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(got)])
-    return {"norms": float(np.max(np.abs(ng - nv)) / max(np.max(np.abs(nv)), 1e-30)),
-            "sum": float(np.max(np.abs(sg - sv)) / max(np.max(np.abs(sv)), 1e-30)),
-            "clip": float(clip)}
+    return {
+        "norms": float(np.max(np.abs(ng - nv)) / max(np.max(np.abs(nv)), 1e-30)),
+        "sum": float(np.max(np.abs(sg - sv)) / max(np.max(np.abs(sv)), 1e-30)),
+        "clip": float(clip),
+    }
 
 
 def measure(model: Model) -> dict[str, Any]:
@@ -640,7 +729,12 @@ def measure(model: Model) -> dict[str, Any]:
     except ImportError as err:
         return {**row, "status": "skipped", "error": _first_line(err)}
     except Exception as err:
-        return {**row, "status": "build failed", "error": _first_line(err), "trace": traceback.format_exc()}
+        return {
+            **row,
+            "status": "build failed",
+            "error": _first_line(err),
+            "trace": traceback.format_exc(),
+        }
     row["leaves"] = len(jax.tree.leaves(params))
     row["parameters"] = int(sum(np.size(x) for x in jax.tree.leaves(params)))
     stage = "ghost_report"
@@ -683,29 +777,52 @@ def measure(model: Model) -> dict[str, Any]:
 
 def markdown(rows: Sequence[dict[str, Any]]) -> str:
     """The table (one row per model), then the fallback reasons and errors, model by model."""
-    head = ("model", "library", "leaves", "ghost", "of which formed", "fallback", "status", "norms rel. err",
-            "sum rel. err", "s")
+    head = (
+        "model",
+        "library",
+        "leaves",
+        "ghost",
+        "of which formed",
+        "fallback",
+        "status",
+        "norms rel. err",
+        "sum rel. err",
+        "s",
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     totals = [0, 0]
     for r in rows:
         err = r.get("error_rel", {})
-        cells = [r["name"], r["library"], r.get("leaves", ""), r.get("ghost", ""), r.get("formed", ""),
-                 r.get("fallback", ""), r["status"],
-                 f"{err['norms']:.1e}" if err else "", f"{err['sum']:.1e}" if err else "", r.get("seconds", "")]
+        cells = [
+            r["name"],
+            r["library"],
+            r.get("leaves", ""),
+            r.get("ghost", ""),
+            r.get("formed", ""),
+            r.get("fallback", ""),
+            r["status"],
+            f"{err['norms']:.1e}" if err else "",
+            f"{err['sum']:.1e}" if err else "",
+            r.get("seconds", ""),
+        ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
         if "fallback" in r and r["status"] not in ("expected error", "skipped"):
             totals[0] += r["leaves"]
             totals[1] += r["fallback"]
     lines.append("")
     share = f" ({100 * totals[1] / totals[0]:.1f}%)" if totals[0] else ""
-    lines.append(f"Leaves on the fallback: {totals[1]} of {totals[0]}{share}, over the models that ran.")
+    lines.append(
+        f"Leaves on the fallback: {totals[1]} of {totals[0]}{share}, over the models that ran."
+    )
     for r in rows:
         notes = [f"- {r['error']}"] if "error" in r else []
         by_reason: dict[str, list[str]] = {}
         for path, why in r.get("reasons", {}).items():
             by_reason.setdefault(why, []).append(path)
-        notes += [f"- {len(paths)} leaves: {', '.join(paths[:4])}{' ...' if len(paths) > 4 else ''}: {why}"
-                  for why, paths in by_reason.items()]
+        notes += [
+            f"- {len(paths)} leaves: {', '.join(paths[:4])}{' ...' if len(paths) > 4 else ''}: {why}"
+            for why, paths in by_reason.items()
+        ]
         if notes:
             lines += ["", f"**{r['name']}**", *notes]
     return "\n".join(lines) + "\n"
@@ -718,13 +835,17 @@ def selected(only: str | None) -> list[Model]:
     names = {n.strip() for n in only.split(",") if n.strip()}
     unknown = names - {m.name for m in MODELS} - {m.library for m in MODELS}
     if unknown:
-        raise SystemExit(f"coverage_real: unknown model or library {sorted(unknown)}; "
-                         f"models: {', '.join(m.name for m in MODELS)}")
+        raise SystemExit(
+            f"coverage_real: unknown model or library {sorted(unknown)}; "
+            f"models: {', '.join(m.name for m in MODELS)}"
+        )
     return [m for m in MODELS if m.name in names or m.library in names]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.coverage_real", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.coverage_real", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--out", required=True, help="folder for coverage.md and coverage.json")
     parser.add_argument("--only", default=None, help="comma-separated model or library names")
     args = parser.parse_args(argv)
@@ -734,8 +855,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for model in selected(args.only):
         row = measure(model)
         rows.append(row)
-        print(f"{model.name}: {row['status']} leaves={row.get('leaves')} fallback={row.get('fallback')} "
-              f"err={row.get('error_rel')} {row.get('error', '')}", flush=True)
+        print(
+            f"{model.name}: {row['status']} leaves={row.get('leaves')} fallback={row.get('fallback')} "
+            f"err={row.get('error_rel')} {row.get('error', '')}",
+            flush=True,
+        )
     (out / "coverage.json").write_text(json.dumps({"jax": jax.__version__, "rows": rows}, indent=1))
     (out / "coverage.md").write_text(markdown(rows))
     print(f"wrote {out / 'coverage.md'} and {out / 'coverage.json'}")

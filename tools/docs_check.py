@@ -29,21 +29,65 @@ from typing import NamedTuple
 #: Elements whose text is not checked (code shows backticks and headers as written).
 SKIPPED = frozenset({"code", "pre", "script", "style", "kbd", "samp"})
 #: Elements that end a paragraph-like block: a raw header is one at the start of such a block.
-BLOCKS = frozenset({"p", "li", "td", "th", "div", "dd", "dt", "h1", "h2", "h3", "h4", "h5", "h6", "blockquote"})
-SECTION_HEADERS = ("Args", "Arguments", "Returns", "Yields", "Raises", "Attributes", "Example", "Examples",
-                   "Note", "Notes", "Warning", "Warnings", "See Also", "Other Parameters", "Keyword Args")
+BLOCKS = frozenset(
+    {"p", "li", "td", "th", "div", "dd", "dt", "h1", "h2", "h3", "h4", "h5", "h6", "blockquote"}
+)
+SECTION_HEADERS = (
+    "Args",
+    "Arguments",
+    "Returns",
+    "Yields",
+    "Raises",
+    "Attributes",
+    "Example",
+    "Examples",
+    "Note",
+    "Notes",
+    "Warning",
+    "Warnings",
+    "See Also",
+    "Other Parameters",
+    "Keyword Args",
+)
 RAW_HEADER = re.compile(rf"^\s*(?:{'|'.join(SECTION_HEADERS)}):(?:\s|$)")
 # Python escapes that eat a TeX command's backslash and first letter: \t, \b, \f, \r, \n, \a, \v.
 # A control character left in math, or the whitespace an editor made of it followed by the rest of
 # a command that starts with the eaten letter (\top -> TAB + "op"), is an error.
-_EATEN = ("op", "imes", "ext", "heta", "ilde", "frac", "eta", "ig", "oldsymbol", "inom", "egin", "rac",
-          "orall", "ight", "ho", "angle", "abla", "orm", "eq", "lpha", "pprox", "ert", "arepsilon", "arphi")
-MATH_CONTROL = re.compile(r"[\x00-\x09\x0b\x0c\x0e-\x1f]")  # tabs and control characters; newlines are fine
+_EATEN = (
+    "op",
+    "imes",
+    "ext",
+    "heta",
+    "ilde",
+    "frac",
+    "eta",
+    "ig",
+    "oldsymbol",
+    "inom",
+    "egin",
+    "rac",
+    "orall",
+    "ight",
+    "ho",
+    "angle",
+    "abla",
+    "orm",
+    "eq",
+    "lpha",
+    "pprox",
+    "ert",
+    "arepsilon",
+    "arphi",
+)
+MATH_CONTROL = re.compile(
+    r"[\x00-\x09\x0b\x0c\x0e-\x1f]"
+)  # tabs and control characters; newlines are fine
 # after a sub/superscript or an opening brace any whitespace, after an operand two or more (a tab an
 # editor expanded), then the rest of a command: a_b^<TAB>op g_b
 MATH_EATEN = re.compile(
     r"(?:[\^_{(][ \t\x07-\x0d]+|[A-Za-z0-9}][ \t\x07-\x0d]{2,})(?:"
-    + "|".join(sorted(_EATEN, key=len, reverse=True)) + r")\b"
+    + "|".join(sorted(_EATEN, key=len, reverse=True))
+    + r")\b"
 )
 MATH_CLASS = "arithmatex"
 SECTION_TITLE_CLASS = "doc-section-title"  # mkdocstrings' own section titles ("Returns:")
@@ -108,7 +152,7 @@ class _Texts(html.parser.HTMLParser):
 
 
 def _snippet(text: str, start: int, end: int, width: int = 40) -> str:
-    return " ".join(text[max(0, start - width): end + width].split())
+    return " ".join(text[max(0, start - width) : end + width].split())
 
 
 def check_html(page: str, text: str) -> list[Problem]:
@@ -120,18 +164,35 @@ def check_html(page: str, text: str) -> list[Problem]:
     for kind, data in parser.items:
         if kind in ("text", "math"):
             for m in re.finditer(r"``", data):
-                found.append(Problem(page, f"double backticks in {kind}", _snippet(data, m.start(), m.end())))
+                found.append(
+                    Problem(page, f"double backticks in {kind}", _snippet(data, m.start(), m.end()))
+                )
         if kind == "math":
             for m in MATH_CONTROL.finditer(data):
-                found.append(Problem(page, f"control character {m.group()!r} in math",
-                                     _snippet(data, m.start(), m.end())))
+                found.append(
+                    Problem(
+                        page,
+                        f"control character {m.group()!r} in math",
+                        _snippet(data, m.start(), m.end()),
+                    )
+                )
             for m in MATH_EATEN.finditer(data):
-                found.append(Problem(page, "a TeX command's backslash lost in math (a Python escape?)",
-                                     _snippet(data, m.start(), m.end())))
+                found.append(
+                    Problem(
+                        page,
+                        "a TeX command's backslash lost in math (a Python escape?)",
+                        _snippet(data, m.start(), m.end()),
+                    )
+                )
         header = RAW_HEADER.match(data) if kind == "block" else None
         if header:
-            found.append(Problem(page, "raw docstring header in text",
-                                 _snippet(data, header.start(), header.end())))
+            found.append(
+                Problem(
+                    page,
+                    "raw docstring header in text",
+                    _snippet(data, header.start(), header.end()),
+                )
+            )
     return found
 
 
@@ -148,8 +209,12 @@ def _pages(site: pathlib.Path) -> Iterator[pathlib.Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.docs_check", description=__doc__.splitlines()[0])
-    parser.add_argument("site", type=pathlib.Path, help="the built site (mkdocs build --site-dir SITE)")
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.docs_check", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "site", type=pathlib.Path, help="the built site (mkdocs build --site-dir SITE)"
+    )
     args = parser.parse_args(argv)
     if not any(_pages(args.site)):
         print(f"docs_check: no HTML page under {args.site}", file=sys.stderr)

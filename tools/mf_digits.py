@@ -33,7 +33,9 @@ OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
 }
 
 
-def train_plan(plan: Any, data: tuple[np.ndarray, ...], seed: int, optimizer: optax.GradientTransformation) -> float:
+def train_plan(
+    plan: Any, data: tuple[np.ndarray, ...], seed: int, optimizer: optax.GradientTransformation
+) -> float:
     """Trains the demo's MLP with ``plan`` (an MFPlan) for its iterations; the test accuracy."""
     from jax_privacy.batch_selection import pad_to_multiple_of
 
@@ -65,25 +67,61 @@ def run_plan(bands: int, epsilon: float, seed: int, optimizer: str) -> dict[str,
     from gradclip_jax.interop.correlated_noise import bandmf_plan
 
     data = load_digits_split(seed)
-    plan = bandmf_plan(num_examples=len(data[0]), expected_batch_size=BATCH, iterations=STEPS, num_bands=bands,
-                       epsilon=epsilon, delta=DELTA, l2_clip_norm=CLIP, method="vmap", noise_seed=seed)
+    plan = bandmf_plan(
+        num_examples=len(data[0]),
+        expected_batch_size=BATCH,
+        iterations=STEPS,
+        num_bands=bands,
+        epsilon=epsilon,
+        delta=DELTA,
+        l2_clip_norm=CLIP,
+        method="vmap",
+        noise_seed=seed,
+    )
     name = "DP-SGD (plan, 1 band)" if bands == 1 else f"BandMF ({bands} bands)"
-    return {"run": name, "optimizer": optimizer, "target": epsilon, "seed": seed, "epsilon": plan.epsilon,
-            "noise_multiplier": plan.noise_multiplier, "accuracy": train_plan(plan, data, seed, OPTIMIZERS[optimizer]())}
+    return {
+        "run": name,
+        "optimizer": optimizer,
+        "target": epsilon,
+        "seed": seed,
+        "epsilon": plan.epsilon,
+        "noise_multiplier": plan.noise_multiplier,
+        "accuracy": train_plan(plan, data, seed, OPTIMIZERS[optimizer]()),
+    }
 
 
 def run_make_private(epsilon: float, seed: int) -> dict[str, Any]:
     """The demo's DP-SGD run (``make_private``, Adam 1e-2) with the same settings: a table row."""
     from gradclip_jax.demo import run
 
-    r = run(steps=STEPS, batch_size=BATCH, method="vmap", epsilon=epsilon, seed=seed, l2_clip_norm=CLIP,
-            delta=DELTA, methods=("dp-sgd",), progress=False)["dp-sgd"]
-    return {"run": "DP-SGD (make_private)", "optimizer": "adam", "target": epsilon, "seed": seed,
-            "epsilon": r.epsilon, "noise_multiplier": r.noise_multiplier, "accuracy": r.test_accuracy}
+    r = run(
+        steps=STEPS,
+        batch_size=BATCH,
+        method="vmap",
+        epsilon=epsilon,
+        seed=seed,
+        l2_clip_norm=CLIP,
+        delta=DELTA,
+        methods=("dp-sgd",),
+        progress=False,
+    )["dp-sgd"]
+    return {
+        "run": "DP-SGD (make_private)",
+        "optimizer": "adam",
+        "target": epsilon,
+        "seed": seed,
+        "epsilon": r.epsilon,
+        "noise_multiplier": r.noise_multiplier,
+        "accuracy": r.test_accuracy,
+    }
 
 
-def compare(epsilons: Sequence[float] = (1.0, 4.0), seeds: Sequence[int] = (0, 1, 2),
-            bands: Sequence[int] = (1, 4, 8), optimizers: Sequence[str] = ("adam",)) -> list[dict[str, Any]]:
+def compare(
+    epsilons: Sequence[float] = (1.0, 4.0),
+    seeds: Sequence[int] = (0, 1, 2),
+    bands: Sequence[int] = (1, 4, 8),
+    optimizers: Sequence[str] = ("adam",),
+) -> list[dict[str, Any]]:
     """Every run of the table, one row per (run, optimizer, target epsilon, seed)."""
     rows = []
     for eps in epsilons:
@@ -98,15 +136,19 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     """Markdown: test accuracy, mean +- sd over seeds (largest epsilon spent), per run and target."""
     targets = sorted({r["target"] for r in rows})
     keys = list(dict.fromkeys((r["run"], r["optimizer"]) for r in rows))
-    lines = ["| run | optimizer | " + " | ".join(f"epsilon = {t:g}" for t in targets) + " |",
-             "|---|---|" + "---:|" * len(targets)]
+    lines = [
+        "| run | optimizer | " + " | ".join(f"epsilon = {t:g}" for t in targets) + " |",
+        "|---|---|" + "---:|" * len(targets),
+    ]
     for run, opt in keys:
         cells = []
         for t in targets:
             sel = [r for r in rows if (r["run"], r["optimizer"], r["target"]) == (run, opt, t)]
             acc = [r["accuracy"] for r in sel]
             sd = statistics.stdev(acc) if len(acc) > 1 else 0.0
-            cells.append(f"{statistics.mean(acc):.3f} ± {sd:.3f} ({max(r['epsilon'] for r in sel):.3f})")
+            cells.append(
+                f"{statistics.mean(acc):.3f} ± {sd:.3f} ({max(r['epsilon'] for r in sel):.3f})"
+            )
         lines.append(f"| {run} | {opt} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -60,8 +60,12 @@ def run_notebook(path: pathlib.Path, timeout: int, save: pathlib.Path | None) ->
 
     nb = nbformat.read(path, as_version=4)
     t0 = time.perf_counter()
-    NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    NotebookClient(
+        nb,
+        timeout=timeout,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(path.parent)}},
+    ).execute()
     seconds = time.perf_counter() - t0
     if save is not None:
         save.mkdir(parents=True, exist_ok=True)
@@ -70,7 +74,9 @@ def run_notebook(path: pathlib.Path, timeout: int, save: pathlib.Path | None) ->
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.notebook_figures", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m tools.notebook_figures", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("names", nargs="*", help="notebooks to run (default: all in notebooks/)")
     p.add_argument("--jobs", type=int, default=2, help="notebooks executed at once (default 2)")
     p.add_argument("--timeout", type=int, default=600, help="seconds per cell (default 600)")
@@ -81,9 +87,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     missing = [x.name for x in paths if not x.is_file()]
     unlisted = [x.name for x in paths if x.name not in EXPECTED_FIGURES]
     if missing or unlisted:
-        print(f"error: no such notebook {missing}" if missing else
-              f"error: {unlisted} not in EXPECTED_FIGURES of {__name__}: say how many figures it shows",
-              file=sys.stderr)
+        print(
+            f"error: no such notebook {missing}"
+            if missing
+            else f"error: {unlisted} not in EXPECTED_FIGURES of {__name__}: say how many figures it shows",
+            file=sys.stderr,
+        )
         return 2
 
     def one(path: pathlib.Path) -> tuple[str, str | None, int, float]:
@@ -105,8 +114,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"FAIL {name}: a cell raised\n{err}")
         elif n < want:
             failed = True
-            print(f"FAIL {name}: {n} figure(s), expected at least {want} (is matplotlib.use('Agg') "
-                  "back, or a plt.show() missing?)")
+            print(
+                f"FAIL {name}: {n} figure(s), expected at least {want} (is matplotlib.use('Agg') "
+                "back, or a plt.show() missing?)"
+            )
         else:
             print(f"ok   {name}: {n} figure(s) (at least {want}), {sec:.1f} s")
     return 1 if failed else 0

@@ -20,11 +20,20 @@ from benchmarks.steps import fresh_state
 def footprint_bytes(step: Callable, state: Any, data: Any) -> int:
     """What ``jax.jit(step)`` (state donated) holds on the device at its peak, by ``memory_analysis()``."""
     m = jax.jit(step, donate_argnums=0).lower(state, data).compile().memory_analysis()
-    return int(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
+    return int(
+        m.temp_size_in_bytes
+        + m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+    )
 
 
-def largest_batch(fits: Callable[[int], bool], cap: int = 1 << 16, start: int = 1,
-                  give_up: Callable[[], bool] = lambda: False) -> tuple[int, bool]:
+def largest_batch(
+    fits: Callable[[int], bool],
+    cap: int = 1 << 16,
+    start: int = 1,
+    give_up: Callable[[], bool] = lambda: False,
+) -> tuple[int, bool]:
     """The largest ``B <= cap`` with ``fits(B)``, for a ``fits`` that holds up to some batch and not
     beyond (0 when ``fits(1)`` does not hold), and whether it is exact: the batch doubles from
     ``start`` (a guess saves compiles) and then bisects, O(log B) calls; once ``give_up()`` says so
@@ -52,9 +61,15 @@ def device_limit_bytes(default: int) -> int:
     return int(stats.get("bytes_limit", default))
 
 
-def max_batches(make_step: Callable[[Callable, int], Callable], model: Callable[[int], tuple[Any, Any, Any]],
-                names: tuple[str, ...], limit: int, cap: int = 1 << 12, start: int = 1,
-                deadline: float = float("inf")) -> dict[str, tuple[int, bool]]:
+def max_batches(
+    make_step: Callable[[Callable, int], Callable],
+    model: Callable[[int], tuple[Any, Any, Any]],
+    names: tuple[str, ...],
+    limit: int,
+    cap: int = 1 << 12,
+    start: int = 1,
+    deadline: float = float("inf"),
+) -> dict[str, tuple[int, bool]]:
     """Per step name, the largest batch whose compiled step fits in ``limit`` bytes, and whether it
     is exact (:func:`largest_batch`; the search stops at ``deadline``, ``time.perf_counter()``'s).
 
@@ -63,11 +78,17 @@ def max_batches(make_step: Callable[[Callable, int], Callable], model: Callable[
     """
     out = {}
     for name in names:
+
         def fits(b: int, name: str = name) -> bool:
             losses, params, data = model(b)
             try:
-                return footprint_bytes(make_step(losses, b)[name], fresh_state(params, 0), data) <= limit
-            except Exception as err:  # a compiler that refuses the program for its size: does not fit
+                return (
+                    footprint_bytes(make_step(losses, b)[name], fresh_state(params, 0), data)
+                    <= limit
+                )
+            except (
+                Exception
+            ) as err:  # a compiler that refuses the program for its size: does not fit
                 if "RESOURCE_EXHAUSTED" in str(err) or "memory" in str(err).lower():
                     return False
                 raise

@@ -21,7 +21,14 @@ RESULTS_MD = "GHOST_GPU.md"
 _TABLES = (  # title, baseline key and format, ratio key and format, baseline unit
     ("Step time (ratio to non-private)", "ms", ".2f", "time_x", ".2f", "ms"),
     ("Compiled temporaries (ratio to non-private)", "temp_mb", ".1f", "temp_x", ".2f", "MiB"),
-    ("Trace + lower + compile time (ratio to non-private)", "compile_s", ".1f", "compile_x", ".2f", "s"),
+    (
+        "Trace + lower + compile time (ratio to non-private)",
+        "compile_s",
+        ".1f",
+        "compile_x",
+        ".2f",
+        "s",
+    ),
 )
 
 
@@ -29,10 +36,16 @@ def meta(tiny: bool) -> dict[str, Any]:
     """The versions, device and sizes a run's results were measured with."""
     import flax
 
-    return {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
-            "backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
-            "machine": f"{platform.machine()} {platform.system()}", "sizes": "tiny (smoke)" if tiny else "full",
-            "date": time.strftime("%Y-%m-%d %H:%M")}
+    return {
+        "jax": jax.__version__,
+        "flax": flax.__version__,
+        "optax": optax.__version__,
+        "backend": jax.default_backend(),
+        "device": str(jax.devices()[0].device_kind),
+        "machine": f"{platform.machine()} {platform.system()}",
+        "sizes": "tiny (smoke)" if tiny else "full",
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
 
 
 def _fmt(x: Any, spec: str) -> str:
@@ -67,15 +80,23 @@ def _tables(configs: Sequence[dict[str, Any]]) -> list[str]:
     steps = [s for s in STEPS if s != "nonprivate"]
     lines = []
     for title, base_key, base_spec, key, spec, unit in _TABLES:
-        lines += [f"## {title}", "",
-                  f"| config | model | params | B | non-private ({unit}) | "
-                  + " | ".join(STEP_TITLES[s] for s in steps) + " |",
-                  "|---|---|---:|---:|---:|" + "---:|" * len(steps)]
+        lines += [
+            f"## {title}",
+            "",
+            f"| config | model | params | B | non-private ({unit}) | "
+            + " | ".join(STEP_TITLES[s] for s in steps)
+            + " |",
+            "|---|---|---:|---:|---:|" + "---:|" * len(steps),
+        ]
         for c in configs:
             recs = c["steps"]
             cells = [_step_cell(recs.get(s, {"skipped": ""}), key, spec) for s in steps]
-            lines.append(f"| {c['config']} | {c['label']} | {c['params'] / 1e6:.1f}M | {c['batch']} | "
-                         f"{_step_cell(recs.get('nonprivate', {}), base_key, base_spec)} | " + " | ".join(cells) + " |")
+            lines.append(
+                f"| {c['config']} | {c['label']} | {c['params'] / 1e6:.1f}M | {c['batch']} | "
+                f"{_step_cell(recs.get('nonprivate', {}), base_key, base_spec)} | "
+                + " | ".join(cells)
+                + " |"
+            )
         lines.append("")
     return lines
 
@@ -83,10 +104,12 @@ def _tables(configs: Sequence[dict[str, Any]]) -> list[str]:
 def _report_note(g: dict[str, Any]) -> str:
     if "error" in g:
         return f"ghost_report failed: {g['error']}"
-    reasons = "; ".join(f"{n}x \"{r}\"" for r, n in g.get("fallback_reasons", {}).items()) or "none"
+    reasons = "; ".join(f'{n}x "{r}"' for r, n in g.get("fallback_reasons", {}).items()) or "none"
     kinds = ", ".join(f"{k} {n}" for k, n in g.get("ghost_kinds", {}).items()) or "none"
-    rep = (f"ghost_report: {g.get('ghost')}/{g.get('leaves')} leaves on the ghost path ({kinds}); "
-           f"{g.get('fallback')} fall back to per-example gradients, reasons: {reasons}")
+    rep = (
+        f"ghost_report: {g.get('ghost')}/{g.get('leaves')} leaves on the ghost path ({kinds}); "
+        f"{g.get('fallback')} fall back to per-example gradients, reasons: {reasons}"
+    )
     if g.get("fallback_leaves"):
         shown = g["fallback_leaves"][:8]
         more = len(g["fallback_leaves"]) - len(shown)
@@ -105,7 +128,9 @@ def _step_note(rec: dict[str, Any]) -> str:
     if "peak_mb" in rec:
         extra.append(f"peak {rec['peak_mb']:.0f} MiB")
     if "conditionals" in rec:
-        extra.append(f"{rec['conditionals']} conditionals, {rec['loops']} loops in the compiled program")
+        extra.append(
+            f"{rec['conditionals']} conditionals, {rec['loops']} loops in the compiled program"
+        )
     if "lower_s" in rec:
         extra.append(f"trace+lower {rec['lower_s']:.1f} s, XLA {rec['xla_compile_s']:.1f} s")
     if "xla_noautotune_s" in rec:
@@ -123,8 +148,10 @@ def _accuracy_notes(c: dict[str, Any]) -> list[str]:
         elif "error" in acc:
             lines.append(f"  - products at {setting}: accuracy check failed: {acc['error']}")
         else:
-            lines.append(f"  - products at {setting} against HIGHEST: per-example norms within "
-                         f"{acc['norm_rel_err']:.1e} relative, clipped sum within {acc['sum_rel_err']:.1e}")
+            lines.append(
+                f"  - products at {setting} against HIGHEST: per-example norms within "
+                f"{acc['norm_rel_err']:.1e} relative, clipped sum within {acc['sum_rel_err']:.1e}"
+            )
     return lines
 
 
@@ -162,7 +189,9 @@ def merge_config(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def write_results(out: pathlib.Path, m: dict[str, Any], configs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def write_results(
+    out: pathlib.Path, m: dict[str, Any], configs: Sequence[dict[str, Any]]
+) -> list[dict[str, Any]]:
     """Merges ``configs`` into ``out/ghost_gpu.json`` (by config name, then by step: see
     :func:`merge_config`) when its sizes and device match (:func:`~benchmarks.common.same_measurement`),
     and rewrites both files."""
@@ -176,7 +205,10 @@ def write_results(out: pathlib.Path, m: dict[str, Any], configs: Sequence[dict[s
     for c in configs:
         known[c["config"]] = merge_config(known[c["config"]], c) if c["config"] in known else c
     order = [c.name for c in CONFIGS]
-    merged = sorted(known.values(), key=lambda c: order.index(c["config"]) if c["config"] in order else len(order))
+    merged = sorted(
+        known.values(),
+        key=lambda c: order.index(c["config"]) if c["config"] in order else len(order),
+    )
     path.write_text(json.dumps({"meta": m, "configs": merged}, indent=1))
     (out / RESULTS_MD).write_text(markdown(m, merged))
     return merged
@@ -189,13 +221,24 @@ def rows_of(res: dict[str, Any]) -> list[dict]:
     for name, rec in res["steps"].items():
         if name == "nonprivate" or "ms" not in rec or "ms" not in base:
             continue
-        note = (f"{res['label']}; temporaries {_fmt(rec.get('temp_x'), '.2f')}x ({rec['temp_mb']:.0f} MiB), "
-                f"compile {_fmt(rec.get('compile_x'), '.2f')}x ({rec['compile_s']:.1f} s)")
+        note = (
+            f"{res['label']}; temporaries {_fmt(rec.get('temp_x'), '.2f')}x ({rec['temp_mb']:.0f} MiB), "
+            f"compile {_fmt(rec.get('compile_x'), '.2f')}x ({rec['compile_s']:.1f} s)"
+        )
         if "same_program_as" in rec:
             note += f"; same program as {rec['same_program_as']}"
         kind = "step" if name.startswith("nonprivate") else "DP step"
-        out.append(row("ghost-gpu", f"{res['config']} {STEP_TITLES[name]} {kind} vs non-private step, "
-                       f"B={res['batch']}", rec["ms"], base["ms"], note, temp_mb=rec["temp_mb"],
-                       baseline_temp_mb=base.get("temp_mb"), compile_s=rec["compile_s"],
-                       baseline_compile_s=base.get("compile_s")))
+        out.append(
+            row(
+                "ghost-gpu",
+                f"{res['config']} {STEP_TITLES[name]} {kind} vs non-private step, B={res['batch']}",
+                rec["ms"],
+                base["ms"],
+                note,
+                temp_mb=rec["temp_mb"],
+                baseline_temp_mb=base.get("temp_mb"),
+                compile_s=rec["compile_s"],
+                baseline_compile_s=base.get("compile_s"),
+            )
+        )
     return out

@@ -59,10 +59,14 @@ def _ghost_report(losses: Callable, params: Any, data: Any) -> dict[str, Any]:
         rep = gcx.ghost_report(losses, params, data)
     except Exception as err:  # recorded; the timing goes on
         return {"error": error_text(err)}
-    return {"leaves": len(rep.ghost) + len(rep.fallback), "ghost": len(rep.ghost),
-            "fallback": len(rep.fallback), "ghost_kinds": dict(Counter(k for _, k in rep.ghost)),
-            "fallback_reasons": dict(Counter(r for _, r in rep.fallback)),
-            "fallback_leaves": [p for p, _ in rep.fallback]}
+    return {
+        "leaves": len(rep.ghost) + len(rep.fallback),
+        "ghost": len(rep.ghost),
+        "fallback": len(rep.fallback),
+        "ghost_kinds": dict(Counter(k for _, k in rep.ghost)),
+        "fallback_reasons": dict(Counter(r for _, r in rep.fallback)),
+        "fallback_leaves": [p for p, _ in rep.fallback],
+    }
 
 
 @dataclass
@@ -97,18 +101,28 @@ class _Compiler:
         rec["temp_mb"], rec["peak_mb"] = memory_mb(compiled)
         rec.update(control_flow(compiled))
         same = f" (same program as {rec['same_program_as']})" if "same_program_as" in rec else ""
-        self.log(f"{name}: traced+lowered {rec['lower_s']:.1f} s, compiled {xla_s:.1f} s{same}, "
-                 f"temporaries {rec['temp_mb']:.1f} MiB")
+        self.log(
+            f"{name}: traced+lowered {rec['lower_s']:.1f} s, compiled {xla_s:.1f} s{same}, "
+            f"temporaries {rec['temp_mb']:.1f} MiB"
+        )
         return compiled
 
-    def runner(self, name: str, step: Callable | str, state: Callable[[], Any], data: Any,
-               rec: dict[str, Any]) -> Runner | None:
+    def runner(
+        self,
+        name: str,
+        step: Callable | str,
+        state: Callable[[], Any],
+        data: Any,
+        rec: dict[str, Any],
+    ) -> Runner | None:
         """A :class:`Runner` of the compiled step, or None with why in ``rec`` (skipped, out of time, failed)."""
         if isinstance(step, str):
             rec["skipped"] = step
             return None
         if time.perf_counter() + self.clock.get("max_compile_s", 0.0) > self.deadline:
-            rec["skipped"] = "skipped: time budget (GHOST_GPU_BUDGET_S) would be spent before it compiled"
+            rec["skipped"] = (
+                "skipped: time budget (GHOST_GPU_BUDGET_S) would be spent before it compiled"
+            )
             self.log(f"{name}: {rec['skipped']}")
             return None
         try:
@@ -121,14 +135,22 @@ class _Compiler:
             return None
 
 
-def _time(runners: dict[str, Runner], res: dict[str, Any], reps: int, max_s: float, deadline: float,
-          log: Callable[[str], None]) -> None:
+def _time(
+    runners: dict[str, Runner],
+    res: dict[str, Any],
+    reps: int,
+    max_s: float,
+    deadline: float,
+    log: Callable[[str], None],
+) -> None:
     """Median step times over interleaved rounds, into ``res['steps'][name]['ms']`` (and ``rounds``)."""
     left = max(deadline - time.perf_counter(), 0.0)
     log(f"timing {', '.join(runners)}: {reps} interleaved rounds")
     try:
         rounds: dict[str, int] = {}
-        ms = interleaved_ms(dict(runners), reps, warmup=2, max_s=min(max_s, max(left, 10.0)), rounds=rounds)
+        ms = interleaved_ms(
+            dict(runners), reps, warmup=2, max_s=min(max_s, max(left, 10.0)), rounds=rounds
+        )
         for name, t in ms.items():
             res["steps"][name]["ms"] = t
             res["steps"][name]["rounds"] = rounds[name]
@@ -139,10 +161,18 @@ def _time(runners: dict[str, Runner], res: dict[str, Any], reps: int, max_s: flo
         traceback.print_exc()
 
 
-def _accuracy(res: dict[str, Any], timed: Sequence[str], model: tuple[Callable, Any, Any], deadline: float,
-              clock: dict[str, float], log: Callable[[str], None]) -> None:
+def _accuracy(
+    res: dict[str, Any],
+    timed: Sequence[str],
+    model: tuple[Callable, Any, Any],
+    deadline: float,
+    clock: dict[str, float],
+    log: Callable[[str], None],
+) -> None:
     """The reduced-pass product settings' accuracy against HIGHEST, where the budget allows."""
-    settings = [PRODUCT_STEPS[n] for n in timed if n in PRODUCT_STEPS and PRODUCT_STEPS[n] != "highest"]
+    settings = [
+        PRODUCT_STEPS[n] for n in timed if n in PRODUCT_STEPS and PRODUCT_STEPS[n] != "highest"
+    ]
     default = gcx.per_example.PRODUCT_PRECISION.get(jax.default_backend(), "highest")
     if settings and default != "highest":
         settings.insert(0, default)  # the default ("tf32" on GPUs) against HIGHEST too
@@ -166,9 +196,18 @@ def add_ratios(res: dict[str, Any]) -> None:
                 rec[ratio] = rec[key] / base[key]
 
 
-def measure(cfg: Config, *, tiny: bool, reps: int, max_s: float, deadline: float,
-            wanted: Sequence[str] = STEPS, clock: dict[str, float] | None = None,
-            on_update: Callable[[dict[str, Any]], Any] | None = None, split_compile: bool = False) -> dict[str, Any]:
+def measure(
+    cfg: Config,
+    *,
+    tiny: bool,
+    reps: int,
+    max_s: float,
+    deadline: float,
+    wanted: Sequence[str] = STEPS,
+    clock: dict[str, float] | None = None,
+    on_update: Callable[[dict[str, Any]], Any] | None = None,
+    split_compile: bool = False,
+) -> dict[str, Any]:
     """Builds, compiles (once each) and times every step of one config; returns its result record.
 
     A step is skipped when the longest compile seen so far (``clock['max_compile_s']``,
@@ -183,12 +222,20 @@ def measure(cfg: Config, *, tiny: bool, reps: int, max_s: float, deadline: float
         print(f"[ghost-gpu {cfg.name}] {msg}", flush=True)
 
     losses, params, data, label, batch = build(cfg, tiny)
-    res: dict[str, Any] = {"config": cfg.name, "label": label, "batch": batch, "params": num_params(params),
-                           "steps": {}}
+    res: dict[str, Any] = {
+        "config": cfg.name,
+        "label": label,
+        "batch": batch,
+        "params": num_params(params),
+        "steps": {},
+    }
     log(f"{label}: {res['params'] / 1e6:.2f}M params, B={batch}")
     res["ghost_report"] = g = _ghost_report(losses, params, data)
-    log(g["error"] if "error" in g else
-        f"ghost_report: {g['ghost']}/{g['leaves']} leaves ghost; fallback reasons {g['fallback_reasons']}")
+    log(
+        g["error"]
+        if "error" in g
+        else f"ghost_report: {g['ghost']}/{g['leaves']} leaves ghost; fallback reasons {g['fallback_reasons']}"
+    )
     compiler = _Compiler(deadline, clock, split_compile, log)
     runners: dict[str, Runner] = {}
     for i, (name, step) in enumerate(step_variants(cfg, losses, batch, wanted).items()):

@@ -73,12 +73,16 @@ def _clipped(s: StepParts, name: str) -> Callable | str:
 def _products(s: StepParts, name: str) -> Callable | str:
     if name == "ghost_tf32x3" and not has_gpu():
         return "skipped: TF32 products need an NVIDIA GPU (Ampere or later)"
-    setting = functools.partial(backend_setting, gcx.per_example.PRODUCT_PRECISION, PRODUCT_STEPS[name])
+    setting = functools.partial(
+        backend_setting, gcx.per_example.PRODUCT_PRECISION, PRODUCT_STEPS[name]
+    )
     return traced_within(s.dp(s.clipped_sum()), setting)
 
 
 def _noise_shapes(s: StepParts, name: str) -> Callable | str:
-    return traced_within(s.dp(s.clipped_sum()), functools.partial(backend_setting, NOISE_STRATEGY, "shapes"))
+    return traced_within(
+        s.dp(s.clipped_sum()), functools.partial(backend_setting, NOISE_STRATEGY, "shapes")
+    )
 
 
 def _nonprivate_noise(s: StepParts, name: str) -> Callable | str:
@@ -95,14 +99,23 @@ def _jax_privacy(s: StepParts, name: str) -> Callable | str:
 
 
 VARIANTS: dict[str, Callable[[StepParts, str], Callable | str]] = {
-    "nonprivate": _nonprivate, "ghost": _clipped, "backward": _clipped, "bookkeeping": _clipped, "vmap": _clipped,
-    "jax_privacy": _jax_privacy, "nonprivate_highest": _nonprivate_highest,
-    **dict.fromkeys(PRODUCT_STEPS, _products), "ghost_noise_shapes": _noise_shapes,
-    "nonprivate_noise": _nonprivate_noise, "ghost_noise_unstored": _noise_unstored,
+    "nonprivate": _nonprivate,
+    "ghost": _clipped,
+    "backward": _clipped,
+    "bookkeeping": _clipped,
+    "vmap": _clipped,
+    "jax_privacy": _jax_privacy,
+    "nonprivate_highest": _nonprivate_highest,
+    **dict.fromkeys(PRODUCT_STEPS, _products),
+    "ghost_noise_shapes": _noise_shapes,
+    "nonprivate_noise": _nonprivate_noise,
+    "ghost_noise_unstored": _noise_unstored,
 }
 
 
-def step_variants(cfg: Config, losses: Callable, batch_size: int, wanted: Sequence[str]) -> dict[str, Callable | str]:
+def step_variants(
+    cfg: Config, losses: Callable, batch_size: int, wanted: Sequence[str]
+) -> dict[str, Callable | str]:
     """Each step function of ``cfg``, or a string saying why the step is skipped.
 
     ``nonprivate`` comes first, then the ``wanted`` steps in the order asked for (a run cut
@@ -110,13 +123,21 @@ def step_variants(cfg: Config, losses: Callable, batch_size: int, wanted: Sequen
     """
     parts = StepParts(losses, batch_size, optax.adamw(LEARNING_RATE), NOISE_MULTIPLIER * CLIP)
     out: dict[str, Callable | str] = {"nonprivate": _nonprivate(parts, "nonprivate")}
-    order = [n for n in wanted if n in cfg.steps[1:]] + [n for n in cfg.steps[1:] if n not in wanted]
+    order = [n for n in wanted if n in cfg.steps[1:]] + [
+        n for n in cfg.steps[1:] if n not in wanted
+    ]
     for name in order:
-        out[name] = VARIANTS[name](parts, name) if name in wanted else "skipped: not selected (GHOST_GPU_STEPS)"
+        out[name] = (
+            VARIANTS[name](parts, name)
+            if name in wanted
+            else "skipped: not selected (GHOST_GPU_STEPS)"
+        )
     return out
 
 
-def product_accuracy(losses: Callable, params: Any, data: Any, settings: Sequence[str]) -> dict[str, Any]:
+def product_accuracy(
+    losses: Callable, params: Any, data: Any, settings: Sequence[str]
+) -> dict[str, Any]:
     """How far the clipped sum and the per-example norms at each reduced-pass ``setting`` are
     from those at ``Precision.HIGHEST`` (ghost path, same batch): max relative error of the
     norms, and the sum's L2 error relative to its norm."""
@@ -137,7 +158,12 @@ def product_accuracy(losses: Callable, params: Any, data: Any, settings: Sequenc
         except Exception as err:  # recorded; the other settings go on
             out[setting] = {"error": error_text(err)}
             continue
-        diff = sum(np.sum((np.asarray(a, np.float64) - b) ** 2) for a, b in zip(jax.tree.leaves(g), ref_leaves))
-        out[setting] = {"norm_rel_err": float(np.max(np.abs(np.asarray(n, np.float64) / ref_n - 1))),
-                        "sum_rel_err": float(np.sqrt(diff)) / ref_norm}
+        diff = sum(
+            np.sum((np.asarray(a, np.float64) - b) ** 2)
+            for a, b in zip(jax.tree.leaves(g), ref_leaves)
+        )
+        out[setting] = {
+            "norm_rel_err": float(np.max(np.abs(np.asarray(n, np.float64) / ref_n - 1))),
+            "sum_rel_err": float(np.sqrt(diff)) / ref_norm,
+        }
     return out

@@ -8,7 +8,9 @@ from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 import jax
 
 
-def per_backend(table: Mapping[str, str], setting: str, default: str, allowed: Sequence[str]) -> str:
+def per_backend(
+    table: Mapping[str, str], setting: str, default: str, allowed: Sequence[str]
+) -> str:
     """The entry of ``table`` for the default backend (``default`` if it has none).
 
     ``setting`` is the table's public name, for the error raised when the entry
@@ -36,4 +38,3 @@ def backend_setting(table: MutableMapping[str, str], value: str | None) -> Itera
             table.pop(backend, None)
         else:
             table[backend] = old
-

@@ -19,7 +19,9 @@ from jax import lax
 __all__ = ["cond"]
 
 
-def cond(pred: Any, true_fn: Callable[..., Any], false_fn: Callable[..., Any], *operands: Any) -> Any:
+def cond(
+    pred: Any, true_fn: Callable[..., Any], false_fn: Callable[..., Any], *operands: Any
+) -> Any:
     """``lax.cond(pred, true_fn, false_fn, *operands)``, taken in Python when ``pred`` is concrete."""
     if isinstance(pred, jax.core.Tracer):
         return lax.cond(pred, true_fn, false_fn, *operands)

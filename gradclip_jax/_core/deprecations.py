@@ -26,7 +26,9 @@ def warn_moved(old: str, new: str) -> None:
     warnings.warn(moved_message(old, new), DeprecationWarning, stacklevel=3)
 
 
-def deprecation_getattr(module: str, deprecations: Mapping[str, tuple[str, Any]]) -> Callable[[str], Any]:
+def deprecation_getattr(
+    module: str, deprecations: Mapping[str, tuple[str, Any]]
+) -> Callable[[str], Any]:
     """A module ``__getattr__`` serving deprecated names.
 
     Args:
@@ -48,7 +50,9 @@ def deprecation_getattr(module: str, deprecations: Mapping[str, tuple[str, Any]]
     return getattr_
 
 
-def moved_names(old: str, new: Any, names: Sequence[str] | None = None) -> dict[str, tuple[str, Any]]:
+def moved_names(
+    old: str, new: Any, names: Sequence[str] | None = None
+) -> dict[str, tuple[str, Any]]:
     """The deprecations of the names of module ``new`` shown at the old path ``old``.
 
     Args:
@@ -59,5 +63,7 @@ def moved_names(old: str, new: Any, names: Sequence[str] | None = None) -> dict[
     Returns:
       Each name's ``(message, object)``, for :func:`deprecation_getattr`.
     """
-    return {name: (moved_message(f"{old}.{name}", f"{new.__name__}.{name}"), getattr(new, name))
-            for name in (new.__all__ if names is None else names)}
+    return {
+        name: (moved_message(f"{old}.{name}", f"{new.__name__}.{name}"), getattr(new, name))
+        for name in (new.__all__ if names is None else names)
+    }

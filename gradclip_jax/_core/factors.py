@@ -26,12 +26,19 @@ def scale_leaf(x: jax.Array, factor: jax.Array, settled: jax.Array | None = None
     stored result would exceed the bound) replaces that lowered factor.
     """
     f = factor.astype(_norms.acc_dtype(x.dtype))
-    return stored_scale(x, bounded_factor(f, x.dtype) if settled is None else settled.astype(f.dtype))
+    return stored_scale(
+        x, bounded_factor(f, x.dtype) if settled is None else settled.astype(f.dtype)
+    )
 
 
 def _settled(
-    arrays: Sequence[jax.Array], factors: Sequence[jax.Array], axes: Sequence[tuple[int, ...]], bound: Any,
-    spec: _norms.NormSpec, combine: bool, axis_name: Any,
+    arrays: Sequence[jax.Array],
+    factors: Sequence[jax.Array],
+    axes: Sequence[tuple[int, ...]],
+    bound: Any,
+    spec: _norms.NormSpec,
+    combine: bool,
+    axis_name: Any,
 ) -> list[Any]:
     """The exactly checked factors of :func:`rescale_tree` (``None`` each: the margin).
 
@@ -140,8 +147,15 @@ def rescale_tree(
     if dim == "global":
         norm = _norms.global_norm(arrays, spec, axis_name, dtype=norm_dtype)
         factor = factor_fn(norm)
-        settled = _settled(arrays, [factor] * len(arrays), [tuple(range(x.ndim)) for x in arrays], bound, spec,
-                           True, axis_name)
+        settled = _settled(
+            arrays,
+            [factor] * len(arrays),
+            [tuple(range(x.ndim)) for x in arrays],
+            bound,
+            spec,
+            True,
+            axis_name,
+        )
         out = flat.rebuild([scale_leaf(x, factor, s) for x, s in zip(arrays, settled, strict=True)])
         return out, norm, factor < 1
     _norms.check_axes_exist(fn, [x.shape for x in arrays], dim)
@@ -152,7 +166,9 @@ def rescale_tree(
             todo.append(pos)
             axes.append(ax)
     measured = _norms.slice_norms([arrays[p] for p in todo], axes, spec, then=factor_fn)
-    oks = _settled([arrays[p] for p in todo], [f for _, f in measured], axes, bound, spec, False, axis_name)
+    oks = _settled(
+        [arrays[p] for p in todo], [f for _, f in measured], axes, bound, spec, False, axis_name
+    )
     new = list(arrays)
     reported: list[Any] = [None] * len(arrays)
     clipped: list[Any] = [None] * len(arrays)
@@ -212,7 +228,9 @@ def validate_shape_args(fn: str, ord: Any, dim: Any, inverse_dims: Any, min_size
     d = _norms.check_dim(fn, dim, bool(inv))
     ms = static_value(fn, "min_size", min_size)
     if not is_int(ms):
-        raise TypeError(f"{fn}: `min_size` must be a non-negative int, got {type(ms).__name__} {ms!r}")
+        raise TypeError(
+            f"{fn}: `min_size` must be a non-negative int, got {type(ms).__name__} {ms!r}"
+        )
     if ms < 0:
         raise ValueError(f"{fn}: `min_size` must be a non-negative int, got {ms!r}")
     return spec, d, bool(inv), int(ms)

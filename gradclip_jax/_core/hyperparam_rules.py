@@ -25,6 +25,7 @@ Numeric = float | int | jax.Array | np.ndarray
 Hyperparam = Numeric | Callable[[jax.Array], Numeric]
 """A hyperparameter: a number, an array (also traced) or a schedule ``step -> value``."""
 
+
 def resolve(value: Hyperparam | None, count: jax.Array) -> Any:
     """The hyperparameter's value at step ``count`` (schedules are called)."""
     if callable(value):
@@ -37,9 +38,7 @@ def as_scalar(value: Any, dtype: Any) -> jax.Array:
     arr = jnp.asarray(value, dtype=dtype)
     if arr.ndim:
         if arr.size != 1:
-            raise ValueError(
-                f"hyperparameters must be scalars, got an array of shape {arr.shape}"
-            )
+            raise ValueError(f"hyperparameters must be scalars, got an array of shape {arr.shape}")
         arr = arr.reshape(())
     return arr
 
@@ -47,8 +46,6 @@ def as_scalar(value: Any, dtype: Any) -> jax.Array:
 def increment(count: jax.Array) -> jax.Array:
     """Step counter + 1, saturating instead of overflowing."""
     return optax.safe_increment(count)
-
-
 
 
 def mark_static(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

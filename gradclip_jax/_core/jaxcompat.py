@@ -38,8 +38,24 @@ import jax
 from jax.extend import core as _jcore, random as _jrandom
 
 __all__ = [
-    "LayoutError", "Params", "ScanInfo", "bind", "gpu_threefry_on_cpu", "is_literal", "is_tracer", "jax_version", "name_stack", "open_jaxpr", "param",
-    "params", "scan_info", "scan_or_none", "shape", "sub_jaxpr", "sub_jaxprs", "with_params",
+    "LayoutError",
+    "Params",
+    "ScanInfo",
+    "bind",
+    "gpu_threefry_on_cpu",
+    "is_literal",
+    "is_tracer",
+    "jax_version",
+    "name_stack",
+    "open_jaxpr",
+    "param",
+    "params",
+    "scan_info",
+    "scan_or_none",
+    "shape",
+    "sub_jaxpr",
+    "sub_jaxprs",
+    "with_params",
 ]
 
 _MISSING = object()
@@ -71,7 +87,8 @@ class Params(dict):
     def __missing__(self, name: str) -> Any:
         raise LayoutError(
             f"the {self.primitive!r} equations of jax {jax_version()} have no parameter {name!r} "
-            f"(they have {sorted(self)}): gradclip_jax does not know this layout")
+            f"(they have {sorted(self)}): gradclip_jax does not know this layout"
+        )
 
 
 def params(eqn: Any) -> Params:
@@ -122,19 +139,29 @@ def _scan_groups(eqn: Any) -> tuple[int, int]:
     if "num_consts" in p and "num_carry" in p:  # jax <= 0.10
         return int(p["num_consts"]), int(p["num_carry"])
     ft_in = p.get("ft_in")
-    if ft_in is not None and hasattr(ft_in, "unpack"):  # jax >= 0.11: FlatTree of (consts, carry, xs)
+    if ft_in is not None and hasattr(
+        ft_in, "unpack"
+    ):  # jax >= 0.11: FlatTree of (consts, carry, xs)
         groups = ft_in.unpack()
         if len(groups) == 3:
             return len(groups[0]), len(groups[1])
-    return param(eqn, "num_consts"), param(eqn, "num_carry")  # a LayoutError naming both layouts' miss
+    return param(eqn, "num_consts"), param(
+        eqn, "num_carry"
+    )  # a LayoutError naming both layouts' miss
 
 
 def scan_info(eqn: Any) -> ScanInfo:
     """The structure of a ``scan`` equation in jax <= 0.10's layout (``num_consts``,
     ``num_carry``) or jax >= 0.11's (``ft_in``, ``ft_out``)."""
     n_consts, n_carry = _scan_groups(eqn)
-    return ScanInfo(param(eqn, "jaxpr"), n_consts, n_carry, int(param(eqn, "length")),
-                    bool(param(eqn, "reverse", False)), param(eqn, "unroll", 1))
+    return ScanInfo(
+        param(eqn, "jaxpr"),
+        n_consts,
+        n_carry,
+        int(param(eqn, "length")),
+        bool(param(eqn, "reverse", False)),
+        param(eqn, "unroll", 1),
+    )
 
 
 def scan_or_none(eqn: Any) -> ScanInfo | None:
@@ -223,6 +250,7 @@ def gpu_threefry_on_cpu() -> Iterator[bool]:
     """
     try:
         from jax._src.interpreters import mlir
+
         cpu_rules = mlir._platform_specific_lowerings["cpu"]
     except (ImportError, AttributeError, KeyError):
         yield False

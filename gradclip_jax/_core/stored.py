@@ -61,7 +61,9 @@ def _round_down(bound: Any, acc: Any) -> jax.Array:
     if not isinstance(bound, jax.Array) and not hasattr(bound, "aval"):
         given = np.asarray(bound, np.float64)
         near = np.asarray(given, acc)
-        return jnp.asarray(np.nextafter(near, np.zeros_like(near)) if float(near) > float(given) else near, acc)
+        return jnp.asarray(
+            np.nextafter(near, np.zeros_like(near)) if float(near) > float(given) else near, acc
+        )
     b = lax.stop_gradient(jnp.asarray(bound))
     r = b.astype(acc)
     return jnp.where(r.astype(b.dtype) > b, jnp.nextafter(r, jnp.zeros_like(r)), r)
@@ -142,19 +144,30 @@ def _within(total: _Dd, bound: jax.Array, count: int) -> tuple[jax.Array, jax.Ar
     r1, r1e = _two_sum(total[1], -lo)
     r2, r2e = _two_sum(r1, de)
     s1, s1e = _two_sum(d, r2)
-    q = s1e + (slack + jnp.abs(r1e) + jnp.abs(r2e))  # small, >= 0 up to s1e: bound its rounding from above
+    q = s1e + (
+        slack + jnp.abs(r1e) + jnp.abs(r2e)
+    )  # small, >= 0 up to s1e: bound its rounding from above
     over = s1 + (q + 2 * eps * jnp.abs(q))
     return over <= 0, jnp.maximum(over / (2 * hi), 0)
 
 
 def _check(
-    stored: Sequence[jax.Array], axes: Sequence[tuple[int, ...]], bound: jax.Array, combine: bool, rms: bool,
+    stored: Sequence[jax.Array],
+    axes: Sequence[tuple[int, ...]],
+    bound: jax.Array,
+    combine: bool,
+    rms: bool,
 ) -> tuple[list[jax.Array], list[jax.Array]]:
     """:func:`_within` for each array (``combine``: the arrays together, reduced axes dropped)."""
     acc = bound.dtype
     _, ex = jnp.frexp(bound)
-    scale = jnp.ldexp(jnp.ones((), acc), -ex)  # a power of two: scaling is exact, squares stay in range
-    sums = [_sumsq(lax.stop_gradient(x).astype(acc) * scale, ax) for x, ax in zip(stored, axes, strict=True)]
+    scale = jnp.ldexp(
+        jnp.ones((), acc), -ex
+    )  # a power of two: scaling is exact, squares stay in range
+    sums = [
+        _sumsq(lax.stop_gradient(x).astype(acc) * scale, ax)
+        for x, ax in zip(stored, axes, strict=True)
+    ]
     sizes = [int(np.prod([x.shape[a] for a in ax])) for x, ax in zip(stored, axes, strict=True)]
     bs = bound * scale
     if not combine:
@@ -176,8 +189,14 @@ def _lowering(excess: jax.Array, extra: float, dtype: Any) -> jax.Array:
 
 
 def certified_factors(
-    arrays: Sequence[jax.Array], factors: Sequence[jax.Array], axes: Sequence[tuple[int, ...]], bound: Any, *,
-    combine: bool, rms: bool = False, stores: Sequence[Any] | None = None,
+    arrays: Sequence[jax.Array],
+    factors: Sequence[jax.Array],
+    axes: Sequence[tuple[int, ...]],
+    bound: Any,
+    *,
+    combine: bool,
+    rms: bool = False,
+    stores: Sequence[Any] | None = None,
 ) -> list[jax.Array]:
     """The factors to store with: as small a lowering as the exact check allows.
 
@@ -205,11 +224,20 @@ def certified_factors(
     if not arrays:
         return []
     stores = [x.dtype for x in arrays] if stores is None else list(stores)
-    if sum(int(np.size(x)) for x in arrays) > EXACT_CHECK_MAX or any(jnp.iscomplexobj(x) for x in arrays):
+    if sum(int(np.size(x)) for x in arrays) > EXACT_CHECK_MAX or any(
+        jnp.iscomplexobj(x) for x in arrays
+    ):
         return [bounded_factor(f, s) for f, s in zip(factors, stores, strict=True)]
     acc = jnp.result_type(*[f.dtype for f in factors])
-    return _certified(list(arrays), list(factors), _round_down(bound, acc), axes=tuple(map(tuple, axes)),
-                      combine=bool(combine), rms=bool(rms), stores=tuple(jnp.dtype(s) for s in stores))
+    return _certified(
+        list(arrays),
+        list(factors),
+        _round_down(bound, acc),
+        axes=tuple(map(tuple, axes)),
+        combine=bool(combine),
+        rms=bool(rms),
+        stores=tuple(jnp.dtype(s) for s in stores),
+    )
 
 
 # One program, traced once per shapes and options: called eagerly, the check's few hundred
@@ -217,25 +245,49 @@ def certified_factors(
 # outer jit the nested call is inlined by XLA, so the compiled step is the same.
 @functools.partial(jax.jit, static_argnames=("axes", "combine", "rms", "stores"))
 def _certified(
-    arrays: list[jax.Array], factors: list[jax.Array], b: jax.Array, *, axes: tuple[tuple[int, ...], ...],
-    combine: bool, rms: bool, stores: tuple[Any, ...],
+    arrays: list[jax.Array],
+    factors: list[jax.Array],
+    b: jax.Array,
+    *,
+    axes: tuple[tuple[int, ...], ...],
+    combine: bool,
+    rms: bool,
+    stores: tuple[Any, ...],
 ) -> list[jax.Array]:
     """:func:`certified_factors` past its early exits, with the bound ``b`` already rounded down."""
     acc = b.dtype
     plain = [lax.stop_gradient(f) for f in factors]
-    ok0, over = _check([stored_scale(x, f, s) for x, f, s in zip(arrays, plain, stores, strict=True)],
-                       axes, b, combine, rms)
+    ok0, over = _check(
+        [stored_scale(x, f, s) for x, f, s in zip(arrays, plain, stores, strict=True)],
+        axes,
+        b,
+        combine,
+        rms,
+    )
     # with combine the answers dropped the reduced axes: give them each factor's shape
-    ok0, over = ([jnp.reshape(a, f.shape) for a, f in zip(t, plain, strict=True)] for t in (ok0, over))
+    ok0, over = (
+        [jnp.reshape(a, f.shape) for a, f in zip(t, plain, strict=True)] for t in (ok0, over)
+    )
     eps = float(jnp.finfo(acc).eps)
     # tried from the last to the first, so the first that checks wins: the margin, then the
     # plain factor lowered by the excess and one ulp, by the excess alone, then the plain factor
     out = [bounded_factor(f, s) for f, s in zip(factors, stores, strict=True)]
     for ulps, ok in ((1.0, None), (0.0, None), (None, ok0)):
-        cand = [f if ulps is None else f * _lowering(o, ulps * eps, f.dtype) for f, o in zip(factors, over, strict=True)]
+        cand = [
+            f if ulps is None else f * _lowering(o, ulps * eps, f.dtype)
+            for f, o in zip(factors, over, strict=True)
+        ]
         if ok is None:
-            got, _ = _check([stored_scale(x, lax.stop_gradient(c), s) for x, c, s in
-                             zip(arrays, cand, stores, strict=True)], axes, b, combine, rms)
+            got, _ = _check(
+                [
+                    stored_scale(x, lax.stop_gradient(c), s)
+                    for x, c, s in zip(arrays, cand, stores, strict=True)
+                ],
+                axes,
+                b,
+                combine,
+                rms,
+            )
             ok = [jnp.reshape(a, f.shape) for a, f in zip(got, plain, strict=True)]
         out = [jnp.where(a, c, o) for a, c, o in zip(ok, cand, out, strict=True)]
     return [jnp.where(f < 1, o, f) for f, o in zip(factors, out, strict=True)]

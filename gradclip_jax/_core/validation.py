@@ -91,9 +91,7 @@ def check_scalar(
     if np.issubdtype(arr.dtype, np.complexfloating):
         raise TypeError(f"{fn}: `{name}` must be a real number, got complex {value!r}")
     if arr.size != 1:
-        raise ValueError(
-            f"{fn}: `{name}` must be a scalar, got an array of shape {arr.shape}"
-        )
+        raise ValueError(f"{fn}: `{name}` must be a scalar, got an array of shape {arr.shape}")
     v = float(arr.reshape(()))
     if math.isnan(v):
         raise ValueError(f"{fn}: `{name}` must not be NaN")
@@ -196,7 +194,9 @@ def check_choice(fn: str, name: str, value: Any, choices: Sequence[str]) -> str:
     """
     value = static_value(fn, name, value)
     if not isinstance(value, str):
-        raise TypeError(f"{fn}: `{name}` must be one of the strings {tuple(choices)}, got {value!r}")
+        raise TypeError(
+            f"{fn}: `{name}` must be one of the strings {tuple(choices)}, got {value!r}"
+        )
     if value.lower() in choices:
         return value.lower()
     raise ValueError(f"{fn}: `{name}` must be one of {tuple(choices)}, got {value!r}")
@@ -211,7 +211,9 @@ def check_transform(fn: str, name: str, value: Any) -> None:
     if value is None:
         return
     if not (callable(getattr(value, "init", None)) and callable(getattr(value, "update", None))):
-        raise TypeError(f"{fn}: `{name}` must be an optax.GradientTransformation or None, got {value!r}")
+        raise TypeError(
+            f"{fn}: `{name}` must be an optax.GradientTransformation or None, got {value!r}"
+        )
 
 
 def check_mask(fn: str, mask: Any, rows: int) -> jax.Array | None:
@@ -241,11 +243,15 @@ def check_mask(fn: str, mask: Any, rows: int) -> jax.Array | None:
         return None
     m = jnp.asarray(mask)
     if m.shape != (rows,):
-        raise ValueError(f"{fn}: `mask` must have shape (B,) = ({rows},) (one entry per row of the batch), "
-                         f"got shape {m.shape}")
+        raise ValueError(
+            f"{fn}: `mask` must have shape (B,) = ({rows},) (one entry per row of the batch), "
+            f"got shape {m.shape}"
+        )
     if m.dtype != jnp.bool_:
-        raise TypeError(f"{fn}: `mask` must be a bool array (True for a real example), got dtype {m.dtype}; "
-                        "a numeric mask is not cast, write `mask != 0` if that is what you mean")
+        raise TypeError(
+            f"{fn}: `mask` must be a bool array (True for a real example), got dtype {m.dtype}; "
+            "a numeric mask is not cast, write `mask != 0` if that is what you mean"
+        )
     return m
 
 
@@ -307,9 +313,7 @@ def static_value(fn: str, name: str, value: Any) -> Any:
         if arr.size != 1:
             raise ValueError(f"{fn}: `{name}` must be a scalar, got shape {arr.shape}")
         item = arr.reshape(()).item()
-        if isinstance(item, float) and item.is_integer() and np.issubdtype(
-            arr.dtype, np.integer
-        ):
+        if isinstance(item, float) and item.is_integer() and np.issubdtype(arr.dtype, np.integer):
             return int(item)
         return item
     return value
@@ -346,7 +350,9 @@ def renamed_kwarg(
     if not _given(old_value, default):
         return new_value
     if _given(new_value, default):
-        raise TypeError(f"{fn}: got both `{new}` and its deprecated spelling `{old}`; pass `{new}` only")
+        raise TypeError(
+            f"{fn}: got both `{new}` and its deprecated spelling `{old}`; pass `{new}` only"
+        )
     warnings.warn(
         f"{fn}: `{old}` is deprecated, use `{new}` (same meaning)", DeprecationWarning, stacklevel=3
     )
@@ -383,7 +389,9 @@ def either_spelling(
         )
     out = alias_value if value is None else value
     if out is None and required:
-        raise TypeError(f"{fn}: missing the required argument `{name}` (or its other spelling `{alias}`)")
+        raise TypeError(
+            f"{fn}: missing the required argument `{name}` (or its other spelling `{alias}`)"
+        )
     return out
 
 
@@ -401,4 +409,6 @@ def clip_norm_arg(fn: str, l2_clip_norm: Any, l2_norm_clip: Any) -> Any:
       >>> clip_norm_arg("dpsgd", None, 0.5)
       0.5
     """
-    return either_spelling(fn, "l2_clip_norm", "l2_norm_clip", l2_clip_norm, l2_norm_clip, required=True)
+    return either_spelling(
+        fn, "l2_clip_norm", "l2_norm_clip", l2_clip_norm, l2_norm_clip, required=True
+    )

@@ -12,7 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-__all__ = ["accuracy", "batch_indices", "init_mlp", "mlp", "per_example_loss"]  # the others: gradclip_jax.demo
+__all__ = [
+    "accuracy",
+    "batch_indices",
+    "init_mlp",
+    "mlp",
+    "per_example_loss",
+]  # the others: gradclip_jax.demo
 
 
 def load_digits_split(seed: int = 0, test_fraction: float = 0.25) -> tuple[np.ndarray, ...]:
@@ -39,8 +45,12 @@ def init_mlp(key: jax.Array, sizes: Sequence[int] = (64, 64, 10)) -> list[dict[s
     params = []
     for k, (n_in, n_out) in zip(jax.random.split(key, len(sizes) - 1), itertools.pairwise(sizes)):
         lim = math.sqrt(6.0 / (n_in + n_out))
-        params.append({"w": jax.random.uniform(k, (n_in, n_out), jnp.float32, -lim, lim),
-                       "b": jnp.zeros(n_out, jnp.float32)})
+        params.append(
+            {
+                "w": jax.random.uniform(k, (n_in, n_out), jnp.float32, -lim, lim),
+                "b": jnp.zeros(n_out, jnp.float32),
+            }
+        )
     return params
 
 
@@ -68,5 +78,5 @@ def batch_indices(n: int, batch_size: int, steps: int, seed: int) -> np.ndarray:
     out: list[np.ndarray] = []
     while len(out) < steps:
         perm = rng.permutation(n)
-        out.extend(perm[i * batch_size:(i + 1) * batch_size] for i in range(per_epoch))
+        out.extend(perm[i * batch_size : (i + 1) * batch_size] for i in range(per_epoch))
     return np.stack(out[:steps]).astype(np.int32)

@@ -40,8 +40,10 @@ def check_output_path(path: str) -> None:
     ext = os.path.splitext(path)[1].lstrip(".").lower()
     formats = Figure().canvas.get_supported_filetypes()
     if ext not in formats:
-        raise ValueError(f"out={path!r}: unknown image format {ext!r}; use one of "
-                         f"{', '.join(sorted(formats))} (e.g. demo.png)")
+        raise ValueError(
+            f"out={path!r}: unknown image format {ext!r}; use one of "
+            f"{', '.join(sorted(formats))} (e.g. demo.png)"
+        )
     try:  # a real write: os.access is wrong for root and some file systems
         with tempfile.TemporaryFile(dir=folder):
             pass
@@ -55,10 +57,14 @@ def format_table(results: dict[str, DemoResult], delta: float = DELTA) -> str:
     lines = [head, "-" * len(head)]
     for r in results.values():
         eps = "inf" if math.isinf(r.epsilon) else f"{r.epsilon:.3f}"
-        lines.append(f"{r.name:<8} {r.test_accuracy:>8.3f} {eps:>9} {r.noise_multiplier:>8.3f} "
-                     f"{1e3 * r.sec_per_step:>8.3f} {r.clip_fraction:>8.3f}")
-    lines.append(f"epsilon at delta={delta:g}; 'clipped': dp-sgd = fraction of examples clipped, "
-                 "global = fraction of steps clipped (means over steps)")
+        lines.append(
+            f"{r.name:<8} {r.test_accuracy:>8.3f} {eps:>9} {r.noise_multiplier:>8.3f} "
+            f"{1e3 * r.sec_per_step:>8.3f} {r.clip_fraction:>8.3f}"
+        )
+    lines.append(
+        f"epsilon at delta={delta:g}; 'clipped': dp-sgd = fraction of examples clipped, "
+        "global = fraction of steps clipped (means over steps)"
+    )
     for r in results.values():
         if r.accountant is not None:
             sizes = np.asarray(r.batch_sizes)
@@ -84,10 +90,18 @@ def plot_results(results: dict[str, DemoResult], path: str) -> None:
         ax1.plot(smooth(r.losses), label=f"{r.name} (test acc {r.test_accuracy:.2f})")
         if r.name != "none":
             ax2.plot(smooth(r.clip_fractions), label=r.name)
-    ax1.set(xlabel="step", ylabel="training loss (moving avg. 20)", yscale="log",
-            title="digits MLP: training loss")
-    ax2.set(xlabel="step", ylabel="fraction clipped (moving avg. 20)", ylim=(-0.02, 1.02),
-            title="clip fraction (dp-sgd: examples, global: steps)")
+    ax1.set(
+        xlabel="step",
+        ylabel="training loss (moving avg. 20)",
+        yscale="log",
+        title="digits MLP: training loss",
+    )
+    ax2.set(
+        xlabel="step",
+        ylabel="fraction clipped (moving avg. 20)",
+        ylim=(-0.02, 1.02),
+        title="clip fraction (dp-sgd: examples, global: steps)",
+    )
     ax1.legend()
     ax2.legend()
     fig.tight_layout()

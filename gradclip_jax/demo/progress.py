@@ -20,8 +20,9 @@ class TextBar:
         self.n += k
         if self.n % self._every == 0 or self.n == self.total:
             filled = int(30 * self.n / max(self.total, 1))
-            sys.stderr.write(f"\r{self.desc:>8} [{'#' * filled}{'.' * (30 - filled)}] "
-                             f"{self.n}/{self.total}")
+            sys.stderr.write(
+                f"\r{self.desc:>8} [{'#' * filled}{'.' * (30 - filled)}] {self.n}/{self.total}"
+            )
             sys.stderr.flush()
 
     def close(self) -> None:

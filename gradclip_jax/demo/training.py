@@ -110,15 +110,31 @@ def train(
 
 
 def private_run(
-    method: str, epsilon: float, delta: float, clip: float, learning_rate: float,
-    batch_size: int, steps: int, n_train: int, seed: int,
+    method: str,
+    epsilon: float,
+    delta: float,
+    clip: float,
+    learning_rate: float,
+    batch_size: int,
+    steps: int,
+    n_train: int,
+    seed: int,
 ) -> Any:
     """The DP-SGD run's :class:`gradclip_jax.dp.PrivateTraining` (single process)."""
     try:
         return gcx.dp.make_private(
-            per_example_loss, optax.adam(learning_rate), dataset_size=n_train,
-            expected_batch_size=batch_size, steps=steps, target_epsilon=epsilon, delta=delta,
-            l2_clip_norm=clip, method=method, seed=seed, process_index=0, process_count=1,
+            per_example_loss,
+            optax.adam(learning_rate),
+            dataset_size=n_train,
+            expected_batch_size=batch_size,
+            steps=steps,
+            target_epsilon=epsilon,
+            delta=delta,
+            l2_clip_norm=clip,
+            method=method,
+            seed=seed,
+            process_index=0,
+            process_count=1,
         )
     except ValueError as err:
         if method == "ghost" and "method" in str(err):
@@ -194,8 +210,19 @@ def run(
         if name in ("none", "global"):
             setup = _plain_setup(name, learning_rate, clip_norm, params0, idx, batch_size, steps)
         else:
-            setup = _private_setup(method, epsilon, delta, clip, dp_learning_rate, batch_size, steps,
-                                   n_train, seed, params0, progress)
+            setup = _private_setup(
+                method,
+                epsilon,
+                delta,
+                clip,
+                dp_learning_rate,
+                batch_size,
+                steps,
+                n_train,
+                seed,
+                params0,
+                progress,
+            )
         try:
             results[name] = _result(name, setup, params0, steps, data, delta, progress)
         except ValueError as err:
@@ -221,8 +248,15 @@ class _Setup(NamedTuple):
     live: bool  # the DP-SGD run shows priv.batches' bar (with the epsilon) instead of train's
 
 
-def _plain_setup(name: str, learning_rate: float, clip_norm: float, params0: Any, idx: np.ndarray,
-                 batch_size: int, steps: int) -> _Setup:
+def _plain_setup(
+    name: str,
+    learning_rate: float,
+    clip_norm: float,
+    params0: Any,
+    idx: np.ndarray,
+    batch_size: int,
+    steps: int,
+) -> _Setup:
     """The ``'none'`` or ``'global'`` run: Adam, with global-norm clipping for ``'global'``."""
     if name == "none":
         tx = optax.adam(learning_rate)
@@ -239,15 +273,35 @@ def _plain_setup(name: str, learning_rate: float, clip_norm: float, params0: Any
             frac = (norm > clip_norm).astype(jnp.float32)
         return optax.apply_updates(p, u), s, loss, frac
 
-    return _Setup(plain_step, tx.init(params0), ((b,) for b in idx), [batch_size] * steps, batch_size, 0.0,
-                  None, False)
+    return _Setup(
+        plain_step,
+        tx.init(params0),
+        ((b,) for b in idx),
+        [batch_size] * steps,
+        batch_size,
+        0.0,
+        None,
+        False,
+    )
 
 
-def _private_setup(method: str, epsilon: float, delta: float, clip: float, learning_rate: float,
-                   batch_size: int, steps: int, n_train: int, seed: int, params0: Any,
-                   progress: bool) -> _Setup:
+def _private_setup(
+    method: str,
+    epsilon: float,
+    delta: float,
+    clip: float,
+    learning_rate: float,
+    batch_size: int,
+    steps: int,
+    n_train: int,
+    seed: int,
+    params0: Any,
+    progress: bool,
+) -> _Setup:
     """The ``'dp-sgd'`` run: :func:`gradclip_jax.make_private`'s step on its Poisson batches."""
-    priv = private_run(method, epsilon, delta, clip, learning_rate, batch_size, steps, n_train, seed)
+    priv = private_run(
+        method, epsilon, delta, clip, learning_rate, batch_size, steps, n_train, seed
+    )
     noise_key = jax.random.fold_in(jax.random.key(seed), 1)
 
     def dp_step(p, s, x, y, b, mask, t):
@@ -265,9 +319,16 @@ def _private_setup(method: str, epsilon: float, delta: float, clip: float, learn
             sizes.append(int(pb.mask.sum()))
             yield pb.indices, pb.mask, np.int32(pb.step)
 
-    return _Setup(dp_step, priv.init(params0), poisson_batches(), sizes, priv.sampler.max_batch_size,
-                  priv.noise_multiplier, priv.accountant, live)
-
+    return _Setup(
+        dp_step,
+        priv.init(params0),
+        poisson_batches(),
+        sizes,
+        priv.sampler.max_batch_size,
+        priv.noise_multiplier,
+        priv.accountant,
+        live,
+    )
 
 
 def _check_runs(methods: Iterable[str], steps: int) -> tuple[str, ...]:
@@ -281,11 +342,26 @@ def _check_runs(methods: Iterable[str], steps: int) -> tuple[str, ...]:
     return methods
 
 
-def _result(name: str, setup: _Setup, params0: Any, steps: int, data: tuple[np.ndarray, ...], delta: float,
-            progress: bool) -> DemoResult:
+def _result(
+    name: str,
+    setup: _Setup,
+    params0: Any,
+    steps: int,
+    data: tuple[np.ndarray, ...],
+    delta: float,
+    progress: bool,
+) -> DemoResult:
     """Trains one run as ``setup`` says and measures it."""
-    params, losses, fracs, sec = train(name, setup.step_fn, params0, setup.opt_state, setup.batches, steps,
-                                       data, progress and not setup.live)
+    params, losses, fracs, sec = train(
+        name,
+        setup.step_fn,
+        params0,
+        setup.opt_state,
+        setup.batches,
+        steps,
+        data,
+        progress and not setup.live,
+    )
     accountant = setup.accountant
     return DemoResult(
         name=name,
@@ -301,6 +377,9 @@ def _result(name: str, setup: _Setup, params0: Any, steps: int, data: tuple[np.n
         accountant=accountant,
     )
 
+
 def ghost_message(err: BaseException) -> str:
-    return (f"clipped_grad(method='ghost') is not available in this version of gradclip_jax "
-            f"({err}); use --method vmap")
+    return (
+        f"clipped_grad(method='ghost') is not available in this version of gradclip_jax "
+        f"({err}); use --method vmap"
+    )

@@ -28,7 +28,9 @@ def refuse_update_averaging(fn: str) -> None:
     """Raises ValueError when called (at any depth) from ``optax.MultiSteps.update``."""
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:
-        owner = frame.f_locals.get("self") if frame.f_code.co_name in ("update", "_do_update") else None
+        owner = (
+            frame.f_locals.get("self") if frame.f_code.co_name in ("update", "_do_update") else None
+        )
         if isinstance(owner, optax.MultiSteps):
             raise ValueError(
                 f"{fn} inside optax.MultiSteps: MultiSteps passes the mean of its k accumulated "

@@ -10,7 +10,11 @@ from gradclip_jax.dp import sampling as _new
 
 warn_moved(__name__, _new.__name__)
 
-_deprecations = moved_names(__name__, _new, ("NEIGHBORING", "BatchSampler", "IndexSampler", "SampledBatch", "check_sampler", "processes"))
+_deprecations = moved_names(
+    __name__,
+    _new,
+    ("NEIGHBORING", "BatchSampler", "IndexSampler", "SampledBatch", "check_sampler", "processes"),
+)
 __getattr__ = deprecation_getattr(__name__, _deprecations)
 
 

@@ -16,7 +16,13 @@ from gradclip_jax._core.backend import per_backend
 from gradclip_jax.dp.philox import philox_normal
 from gradclip_jax.per_example.internal import explicit_spec
 
-__all__ = ["NOISE_BLOCK_SIZE", "NOISE_STRATEGY", "add_gaussian_noise", "noised_leaves", "split_stored"]
+__all__ = [
+    "NOISE_BLOCK_SIZE",
+    "NOISE_STRATEGY",
+    "add_gaussian_noise",
+    "noised_leaves",
+    "split_stored",
+]
 
 # Per backend, how :func:`add_gaussian_noise` draws the noise of a tree:
 #
@@ -60,7 +66,9 @@ _SHAPES_DRAW_MAX = 1 << 26
 
 
 def _noise_strategy() -> str:
-    return per_backend(NOISE_STRATEGY, "gradclip_jax.dp.noise.NOISE_STRATEGY", "leaves", _NOISE_STRATEGIES)
+    return per_backend(
+        NOISE_STRATEGY, "gradclip_jax.dp.noise.NOISE_STRATEGY", "leaves", _NOISE_STRATEGIES
+    )
 
 
 def add_gaussian_noise(tree: Any, stddev: Any, key: jax.Array) -> Any:
@@ -110,7 +118,12 @@ def add_gaussian_noise(tree: Any, stddev: Any, key: jax.Array) -> Any:
     arrays = [x.astype(_norms.sum_dtype(x.dtype)) for x in flat.arrays]
     if not arrays:
         return tree
-    check_key_varies("add_gaussian_noise", arrays, key, [jax.tree_util.keystr(flat.paths[i]) for i in flat.active])
+    check_key_varies(
+        "add_gaussian_noise",
+        arrays,
+        key,
+        [jax.tree_util.keystr(flat.paths[i]) for i in flat.active],
+    )
     block_key, *keys = split_stored(key, len(arrays) + 1)
     strategy = _noise_strategy()
     blocked = strategy == "blocks"
@@ -127,13 +140,17 @@ def add_gaussian_noise(tree: Any, stddev: Any, key: jax.Array) -> Any:
         for i, y in _noised_by_shape(arrays, keys, single, stddev).items():
             out[i] = y
         single = [i for i in single if out[i] is None]
-    drawn = noised_leaves([arrays[i] for i in single], [keys[i] for i in single], stddev, philox=philox)
+    drawn = noised_leaves(
+        [arrays[i] for i in single], [keys[i] for i in single], stddev, philox=philox
+    )
     for i, y in zip(single, drawn, strict=True):
         out[i] = y
     for b, (dtype, idx) in enumerate(by_dtype.items()):
         # one flat draw per real dtype, its blocks keyed by fold_in(fold_in(k0, b), j)
         group = [arrays[i] for i in idx]
-        for i, y in zip(idx, _blocked_noise(group, jax.random.fold_in(block_key, b), stddev, dtype), strict=True):
+        for i, y in zip(
+            idx, _blocked_noise(group, jax.random.fold_in(block_key, b), stddev, dtype), strict=True
+        ):
             out[i] = y
     return flat.rebuild(out)
 
@@ -147,7 +164,9 @@ def _varying(x: Any) -> frozenset:
     return frozenset(getattr(t, "vma", ()))  # older jax
 
 
-def check_key_varies(fn: str, arrays: Sequence[Any], key: Any, paths: Sequence[str] | None = None) -> None:
+def check_key_varies(
+    fn: str, arrays: Sequence[Any], key: Any, paths: Sequence[str] | None = None
+) -> None:
     """Raises when a leaf is a per-device shard (inside ``shard_map``) and the key is the same on every device.
 
     Every device would then draw the same noise for its own shard: the shards'
@@ -187,7 +206,9 @@ def _shaped(z: jax.Array, x: jax.Array) -> jax.Array:
     return jnp.reshape(z, x.shape)
 
 
-def _blocked_noise(arrays: Sequence[jax.Array], key: jax.Array, stddev: Any, dtype: np.dtype) -> list[jax.Array]:
+def _blocked_noise(
+    arrays: Sequence[jax.Array], key: jax.Array, stddev: Any, dtype: np.dtype
+) -> list[jax.Array]:
     """``x + stddev * N(0, 1)`` for ``arrays`` (all of ``dtype``) laid end to end and drawn in blocks.
 
     One ``lax.map`` over the blocks: its state is one block, not the whole draw,
@@ -213,8 +234,9 @@ def _blocked_noise(arrays: Sequence[jax.Array], key: jax.Array, stddev: Any, dty
     return out
 
 
-def _noised_by_shape(arrays: Sequence[jax.Array], keys: Sequence[jax.Array], idx: Sequence[int],
-                     stddev: Any) -> dict[int, jax.Array]:
+def _noised_by_shape(
+    arrays: Sequence[jax.Array], keys: Sequence[jax.Array], idx: Sequence[int], stddev: Any
+) -> dict[int, jax.Array]:
     """``x + stddev * jax.random.normal(k, x.shape)`` for the real, unsharded leaves among ``idx``
     that share their shape and dtype with another: one vmapped draw per such group (the random
     bits of the per-leaf draw), stored, in chunks of at most :data:`_SHAPES_DRAW_MAX` elements
@@ -232,11 +254,13 @@ def _noised_by_shape(arrays: Sequence[jax.Array], keys: Sequence[jax.Array], idx
         per = max(1, _SHAPES_DRAW_MAX // max(1, int(np.prod(shape, dtype=np.int64))))
         std = jnp.asarray(stddev, dtype)
         for c in range(0, len(members), per):
-            chunk = members[c:c + per]
+            chunk = members[c : c + per]
             # the caller checked its key against every leaf: keys split from it vary alike
             ks = _once_ready(jnp.stack([keys[i] for i in chunk]), [arrays[i] for i in chunk])
             z = jax.vmap(lambda k, shape=shape, dtype=dtype: jax.random.normal(k, shape, dtype))(ks)
-            z = _stored(z)  # one kernel draws the chunk, not a copy of the draw's code in each leaf's
+            z = _stored(
+                z
+            )  # one kernel draws the chunk, not a copy of the draw's code in each leaf's
             out.update({i: _stored(arrays[i] + std * z[j]) for j, i in enumerate(chunk)})
     return out
 
@@ -251,8 +275,12 @@ def _once_ready(keys: jax.Array, leaves: Sequence[jax.Array]) -> jax.Array:
 
 
 def noised_leaves(
-    arrays: Sequence[jax.Array], keys: Sequence[jax.Array], stddev: Any, divisor: Any = None,
-    fn: str = "add_gaussian_noise", philox: bool = False,
+    arrays: Sequence[jax.Array],
+    keys: Sequence[jax.Array],
+    stddev: Any,
+    divisor: Any = None,
+    fn: str = "add_gaussian_noise",
+    philox: bool = False,
 ) -> list[jax.Array]:
     """``(x + stddev * N(0, 1)) / divisor`` per leaf, one key per leaf, drawn and added in ``x``'s dtype.
 
@@ -271,7 +299,11 @@ def noised_leaves(
     out = []
     for x, k in zip(arrays, keys, strict=True):
         real = _real(x.dtype)
-        draw = philox_normal if philox and real == np.float32 else functools.partial(jax.random.normal, dtype=real)
+        draw = (
+            philox_normal
+            if philox and real == np.float32
+            else functools.partial(jax.random.normal, dtype=real)
+        )
         # a complex leaf: not jax's complex normal, which gives each part half the variance
         z = _shaped(draw(k, (2 * x.size,)), x) if jnp.iscomplexobj(x) else draw(k, x.shape)
         noised = x + jnp.asarray(stddev, real).astype(x.dtype) * z

@@ -36,7 +36,9 @@ def _mulhi(a: int, b: jax.Array) -> jax.Array:
     return a_hi * b_hi + ((a_hi * b_lo) >> 16) + ((a_lo * b_hi) >> 16) + (cross >> 16)
 
 
-def philox4x32(counter: tuple[jax.Array, ...], key: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
+def philox4x32(
+    counter: tuple[jax.Array, ...], key: tuple[jax.Array, jax.Array]
+) -> tuple[jax.Array, ...]:
     """Philox4x32-10 of the four uint32 counter words and two uint32 key words (broadcast together).
 
     Each round: ``(c0, c1, c2, c3) <- (hi(M1 c2) ^ c1 ^ k0, lo(M1 c2), hi(M0 c0) ^ c3 ^ k1,
@@ -82,7 +84,9 @@ def philox_normal(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     full = tuple(shape) or (1,)
     counts = (*full[:-1], -(-full[-1] // 4))
     if int(np.prod(counts, dtype=np.int64)) > 2**32:
-        raise ValueError(f"philox_normal: {np.prod(full)} draws in one array exceed the 2**34 of one key")
+        raise ValueError(
+            f"philox_normal: {np.prod(full)} draws in one array exceed the 2**34 of one key"
+        )
     k0, k1 = jax.random.bits(key, (2,), jnp.uint32)
     zero = jnp.zeros((), jnp.uint32)
     words = philox4x32((_counters(counts), zero, zero, zero), (k0, k1))
@@ -96,7 +100,9 @@ def normal_from_bits(bits: jax.Array) -> jax.Array:
     Each word becomes a uniform ``u`` in ``(-1, 1)`` from its top 23 bits, and the
     draw is ``sqrt(2) erfinv(u)``.
     """
-    unit = lax.bitcast_convert_type((bits >> 9) | jnp.uint32(0x3F800000), jnp.float32) - 1.0  # [0, 1)
+    unit = (
+        lax.bitcast_convert_type((bits >> 9) | jnp.uint32(0x3F800000), jnp.float32) - 1.0
+    )  # [0, 1)
     lo = np.nextafter(np.float32(-1.0), np.float32(0.0))
     u = jnp.maximum(lo, unit * 2.0 - 1.0)  # (-1, 1): erfinv(-1) would be -inf
     return np.float32(np.sqrt(2.0)) * lax.erf_inv(u)

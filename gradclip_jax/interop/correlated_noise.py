@@ -107,7 +107,9 @@ def _plan_clipped_grad(fixed: dict[str, Any]) -> Any:
     def clipped_grad(fun: Any, *args: Any, **kwargs: Any) -> Any:
         taken = sorted(set(kwargs) & set(fixed))
         if taken:
-            raise TypeError(f"clipped_grad: the plan sets {taken}; build the plan with other values instead")
+            raise TypeError(
+                f"clipped_grad: the plan sets {taken}; build the plan with other values instead"
+            )
         return _dropin.clipped_grad(fun, *args, **{**kwargs, **fixed})
 
     return clipped_grad
@@ -144,17 +146,29 @@ def with_gradclip(
       1.0
     """
     if not isinstance(config, execution_plan.BandMFExecutionPlanConfig):
-        raise TypeError(f"with_gradclip: `config` must be a BandMFExecutionPlanConfig, got {type(config).__name__}")
+        raise TypeError(
+            f"with_gradclip: `config` must be a BandMFExecutionPlanConfig, got {type(config).__name__}"
+        )
     if method not in _METHODS:
         raise ValueError(f"with_gradclip: `method` must be one of {_METHODS}, got {method!r}")
     plan = config.plan
-    clipped_grad = _plan_clipped_grad({
-        "l2_clip_norm": config.l2_clip_norm, "normalize_by": config.normalize_by,
-        "rescale_to_unit_norm": config.rescale_to_unit_norm, "dtype": config.dtype, "method": method})
+    clipped_grad = _plan_clipped_grad(
+        {
+            "l2_clip_norm": config.l2_clip_norm,
+            "normalize_by": config.normalize_by,
+            "rescale_to_unit_norm": config.rescale_to_unit_norm,
+            "dtype": config.dtype,
+            "method": method,
+        }
+    )
     relation = config.accountant.neighboring_relation
     ours, theirs = clipped_grad(lambda: None), plan.clipped_grad(lambda: None)
-    if ours.sensitivity(relation) != theirs.sensitivity(relation):  # pragma: no cover - a broken drop-in
-        raise AssertionError("with_gradclip: the clipped sum's sensitivity differs from jax-privacy's")
+    if ours.sensitivity(relation) != theirs.sensitivity(
+        relation
+    ):  # pragma: no cover - a broken drop-in
+        raise AssertionError(
+            "with_gradclip: the clipped sum's sensitivity differs from jax-privacy's"
+        )
     return dataclasses.replace(plan, clipped_grad=clipped_grad)
 
 
@@ -169,28 +183,52 @@ def _real(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating))
 
 
-def _check(num_examples: int, expected_batch_size: int, iterations: int, num_bands: int,
-           epsilon: float, delta: float, l2_clip_norm: float, method: str, neighboring_relation: str) -> None:
+def _check(
+    num_examples: int,
+    expected_batch_size: int,
+    iterations: int,
+    num_bands: int,
+    epsilon: float,
+    delta: float,
+    l2_clip_norm: float,
+    method: str,
+    neighboring_relation: str,
+) -> None:
     """Raises ValueError naming the first bad argument of :func:`bandmf_plan`."""
-    for name, value in (("num_examples", num_examples), ("expected_batch_size", expected_batch_size),
-                        ("iterations", iterations), ("num_bands", num_bands)):
+    for name, value in (
+        ("num_examples", num_examples),
+        ("expected_batch_size", expected_batch_size),
+        ("iterations", iterations),
+        ("num_bands", num_bands),
+    ):
         if not (_real(value) and isinstance(value, (int, np.integer)) and value >= 1):
             raise ValueError(f"bandmf_plan: `{name}` must be a positive int, got {value!r}")
     if num_bands > iterations:
-        raise ValueError(f"bandmf_plan: `num_bands` ({num_bands}) must be at most `iterations` ({iterations})")
+        raise ValueError(
+            f"bandmf_plan: `num_bands` ({num_bands}) must be at most `iterations` ({iterations})"
+        )
     if expected_batch_size * num_bands > num_examples:
-        raise ValueError(f"bandmf_plan: `expected_batch_size` * `num_bands` ({expected_batch_size} * {num_bands}) "
-                         f"must be at most `num_examples` ({num_examples}): each band's group feeds one batch")
+        raise ValueError(
+            f"bandmf_plan: `expected_batch_size` * `num_bands` ({expected_batch_size} * {num_bands}) "
+            f"must be at most `num_examples` ({num_examples}): each band's group feeds one batch"
+        )
     bounds: tuple[tuple[str, Any, float], ...] = (
-        ("epsilon", epsilon, math.inf), ("delta", delta, 1.0), ("l2_clip_norm", l2_clip_norm, math.inf))
+        ("epsilon", epsilon, math.inf),
+        ("delta", delta, 1.0),
+        ("l2_clip_norm", l2_clip_norm, math.inf),
+    )
     for name, value, high in bounds:
         if not (_real(value) and 0 < value < high):
-            raise ValueError(f"bandmf_plan: `{name}` must be a number in (0, {high}), got {value!r}")
+            raise ValueError(
+                f"bandmf_plan: `{name}` must be a number in (0, {high}), got {value!r}"
+            )
     if method not in _METHODS:
         raise ValueError(f"bandmf_plan: `method` must be one of {_METHODS}, got {method!r}")
     if neighboring_relation not in _RELATIONS:
-        raise ValueError(f"bandmf_plan: `neighboring_relation` must be one of {tuple(_RELATIONS)}, "
-                         f"got {neighboring_relation!r}")
+        raise ValueError(
+            f"bandmf_plan: `neighboring_relation` must be one of {tuple(_RELATIONS)}, "
+            f"got {neighboring_relation!r}"
+        )
 
 
 def bandmf_plan(
@@ -246,25 +284,49 @@ def bandmf_plan(
       >>> plan.sampling_prob, plan.epsilon <= 2.0, plan.strategy.shape
       (0.2, True, (4,))
     """
-    _check(num_examples, expected_batch_size, iterations, num_bands, epsilon, delta, l2_clip_norm, method,
-           neighboring_relation)
+    _check(
+        num_examples,
+        expected_batch_size,
+        iterations,
+        num_bands,
+        epsilon,
+        delta,
+        l2_clip_norm,
+        method,
+        neighboring_relation,
+    )
     relation, partition = _RELATIONS[neighboring_relation]
     sampling_prob = expected_batch_size * num_bands / num_examples
     config = execution_plan.BandMFExecutionPlanConfig.default(
-        num_bands=num_bands, iterations=iterations, strategy_optimization_steps=strategy_optimization_steps,
-        epsilon=epsilon, delta=delta, l2_clip_norm=l2_clip_norm, rescale_to_unit_norm=False,
-        normalize_by=float(expected_batch_size), sampling_prob=sampling_prob, partition_type=partition,
-        accountant=dp_accounting.pld.PLDAccountant(relation), noise_seed=noise_seed)
+        num_bands=num_bands,
+        iterations=iterations,
+        strategy_optimization_steps=strategy_optimization_steps,
+        epsilon=epsilon,
+        delta=delta,
+        l2_clip_norm=l2_clip_norm,
+        rescale_to_unit_norm=False,
+        normalize_by=float(expected_batch_size),
+        sampling_prob=sampling_prob,
+        partition_type=partition,
+        accountant=dp_accounting.pld.PLDAccountant(relation),
+        noise_seed=noise_seed,
+    )
     plan = with_gradclip(config, method)
     spent = copy.deepcopy(config.accountant).compose(plan.dp_event).get_epsilon(delta)
-    return MFPlan(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)},
-                  noise_multiplier=_noise_multiplier(plan.dp_event), epsilon=float(spent), delta=delta,
-                  sampling_prob=sampling_prob, strategy=np.asarray(config.strategy),
-                  neighboring_relation=relation)
+    return MFPlan(
+        **{f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)},
+        noise_multiplier=_noise_multiplier(plan.dp_event),
+        epsilon=float(spent),
+        delta=delta,
+        sampling_prob=sampling_prob,
+        strategy=np.asarray(config.strategy),
+        neighboring_relation=relation,
+    )
 
 
-def _blt_inverse(iterations: int, cycle_length: int, participations: int, num_buffers: int,
-                 optimize: bool) -> Any:
+def _blt_inverse(
+    iterations: int, cycle_length: int, participations: int, num_buffers: int, optimize: bool
+) -> Any:
     """:math:`C^{-1}` as a float32 BLT, :math:`C` the rational approximation of the optimal max-error
     Toeplitz strategy or jax-privacy's optimized one for this min-separated participation.
 
@@ -272,13 +334,19 @@ def _blt_inverse(iterations: int, cycle_length: int, participations: int, num_bu
     reliable in float32), then the inverse's parameters are rounded to float32: the noise is made
     with those, and the sensitivity is computed for the inverse of exactly those.
     """
-    if not (_real(num_buffers) and isinstance(num_buffers, (int, np.integer)) and 1 <= num_buffers <= 10):
+    if not (
+        _real(num_buffers) and isinstance(num_buffers, (int, np.integer)) and 1 <= num_buffers <= 10
+    ):
         raise ValueError(f"blt_plan: `num_buffers` must be an int in [1, 10], got {num_buffers!r}")
     num_buffers = int(num_buffers)
     with jax.enable_x64(True):
         if optimize:
-            blt = buffered_toeplitz.optimize(n=iterations, min_sep=cycle_length,
-                                             max_participations=participations, max_buffers=num_buffers)
+            blt = buffered_toeplitz.optimize(
+                n=iterations,
+                min_sep=cycle_length,
+                max_participations=participations,
+                max_buffers=num_buffers,
+            )
         else:
             blt = buffered_toeplitz.BufferedToeplitz.from_rational_approx_to_sqrt_x(num_buffers)
         inv = blt.inverse()
@@ -286,8 +354,9 @@ def _blt_inverse(iterations: int, cycle_length: int, participations: int, num_bu
     return buffered_toeplitz.BufferedToeplitz.build(decay, scale, dtype=jnp.float32)
 
 
-def _strategy_and_sensitivity(inverse: Any, iterations: int, cycle_length: int,
-                              participations: int) -> tuple[np.ndarray, float]:
+def _strategy_and_sensitivity(
+    inverse: Any, iterations: int, cycle_length: int, participations: int
+) -> tuple[np.ndarray, float]:
     """The Toeplitz coefficients of the :math:`C` whose inverse makes the noise, and :math:`C`'s
     sensitivity (in units of one participation's) under participations ``cycle_length`` apart.
 
@@ -298,21 +367,29 @@ def _strategy_and_sensitivity(inverse: Any, iterations: int, cycle_length: int,
     with jax.enable_x64(True):
         inv = jnp.asarray(np.asarray(inverse.toeplitz_coefs(iterations), np.float64))
         coefs = toeplitz.inverse_coef(inv)
-        sens2 = toeplitz.minsep_sensitivity_squared(coefs, min_sep=cycle_length,
-                                                    max_participations=participations)
+        sens2 = toeplitz.minsep_sensitivity_squared(
+            coefs, min_sep=cycle_length, max_participations=participations
+        )
         return np.asarray(coefs), float(np.sqrt(float(sens2)))
 
 
-def _gaussian_calibration(relation: Any, epsilon: float, delta: float) -> tuple[Callable[[], Any], float]:
+def _gaussian_calibration(
+    relation: Any, epsilon: float, delta: float
+) -> tuple[Callable[[], Any], float]:
     """A fresh PLD accountant's factory for ``relation``, and the Gaussian noise multiplier that
     spends ``(epsilon, delta)`` in one release (the participations are in the sensitivity)."""
 
     def fresh() -> Any:
         return dp_accounting.pld.PLDAccountant(relation)
 
-    z = float(dp_accounting.calibrate_dp_mechanism(
-        make_fresh_accountant=fresh, make_event_from_param=dp_accounting.GaussianDpEvent,
-        target_epsilon=epsilon, target_delta=delta))
+    z = float(
+        dp_accounting.calibrate_dp_mechanism(
+            make_fresh_accountant=fresh,
+            make_event_from_param=dp_accounting.GaussianDpEvent,
+            target_epsilon=epsilon,
+            target_delta=delta,
+        )
+    )
     return fresh, z
 
 
@@ -378,8 +455,17 @@ def blt_plan(
       >>> plan.sampling_prob, plan.epsilon <= 4.0, plan.strategy.shape
       (1.0, True, (30,))
     """
-    _check(num_examples, expected_batch_size, iterations, 1, epsilon, delta, l2_clip_norm, method,
-           neighboring_relation)
+    _check(
+        num_examples,
+        expected_batch_size,
+        iterations,
+        1,
+        epsilon,
+        delta,
+        l2_clip_norm,
+        method,
+        neighboring_relation,
+    )
     relation, partition = _RELATIONS[neighboring_relation]
     cycle = num_examples // expected_batch_size
     participations = -(-iterations // cycle)
@@ -387,13 +473,31 @@ def blt_plan(
     coefs, sens = _strategy_and_sensitivity(inverse, iterations, cycle, participations)
     fresh, z = _gaussian_calibration(relation, epsilon, delta)
     event = dp_accounting.GaussianDpEvent(z)
-    clipped_grad = _plan_clipped_grad({"l2_clip_norm": l2_clip_norm, "normalize_by": float(expected_batch_size),
-                                       "rescale_to_unit_norm": False, "dtype": None, "method": method})
+    clipped_grad = _plan_clipped_grad(
+        {
+            "l2_clip_norm": l2_clip_norm,
+            "normalize_by": float(expected_batch_size),
+            "rescale_to_unit_norm": False,
+            "dtype": None,
+            "method": method,
+        }
+    )
     query = float(clipped_grad(lambda: None).sensitivity(relation))
     privatizer = noise_addition.matrix_factorization_privatizer(
-        inverse.as_streaming_matrix(), stddev=z * query * sens, prng_key=noise_seed)
+        inverse.as_streaming_matrix(), stddev=z * query * sens, prng_key=noise_seed
+    )
     sampling = batch_selection.CyclicPoissonSampling(
-        sampling_prob=1.0, iterations=iterations, cycle_length=cycle, partition_type=partition)
-    return MFPlan(clipped_grad=clipped_grad, batch_selection_strategy=sampling, noise_addition_transform=privatizer,
-                  dp_event=event, noise_multiplier=z, epsilon=float(fresh().compose(event).get_epsilon(delta)),
-                  delta=delta, sampling_prob=1.0, strategy=coefs, neighboring_relation=relation)
+        sampling_prob=1.0, iterations=iterations, cycle_length=cycle, partition_type=partition
+    )
+    return MFPlan(
+        clipped_grad=clipped_grad,
+        batch_selection_strategy=sampling,
+        noise_addition_transform=privatizer,
+        dp_event=event,
+        noise_multiplier=z,
+        epsilon=float(fresh().compose(event).get_epsilon(delta)),
+        delta=delta,
+        sampling_prob=1.0,
+        strategy=coefs,
+        neighboring_relation=relation,
+    )

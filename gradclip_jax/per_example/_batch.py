@@ -116,9 +116,13 @@ def batchnorm_error(err: BaseException, fn: str) -> ValueError | None:
     ``err`` (flax nnx ``TraceContextError`` on a ``BatchStat``, linen's immutable ``batch_stats``
     collection, haiku's ``batch_norm`` state); ``None`` when ``err`` is not about them."""
     text = f"{type(err).__name__}: {err}"
-    if not any(sign in text.lower() for sign in _BATCHNORM_SIGNS):  # not _BN_SCOPE: error texts name no scopes
+    if not any(
+        sign in text.lower() for sign in _BATCHNORM_SIGNS
+    ):  # not _BN_SCOPE: error texts name no scopes
         return None
-    return ValueError(f"{fn}: loss_fn updates BatchNorm statistics ({text.splitlines()[0]}); {BATCHNORM_REMEDY}")
+    return ValueError(
+        f"{fn}: loss_fn updates BatchNorm statistics ({text.splitlines()[0]}); {BATCHNORM_REMEDY}"
+    )
 
 
 def _names_in(jaxpr: Any) -> Iterator[str]:
@@ -130,6 +134,7 @@ def _names_in(jaxpr: Any) -> Iterator[str]:
 
 def _abstract(batch: Any, rows: int | None = None) -> Any:
     """``batch`` as shapes and dtypes only (unsharded), with ``rows`` rows on axis 0 where given."""
+
     def spec(x: Any) -> jax.ShapeDtypeStruct:
         shape = np.shape(x) if rows is None else (rows, *np.shape(x)[1:])
         return jax.ShapeDtypeStruct(shape, jnp.result_type(x))
@@ -137,7 +142,9 @@ def _abstract(batch: Any, rows: int | None = None) -> Any:
     return jax.tree_util.tree_map(spec, batch)
 
 
-def batchnorm_in_loss(loss_fn: Callable[..., Any], params: Any, batch: Any, args: Sequence[Any]) -> str | None:
+def batchnorm_in_loss(
+    loss_fn: Callable[..., Any], params: Any, batch: Any, args: Sequence[Any]
+) -> str | None:
     """The first BatchNorm layer (a name-scope, as flax names its modules) in the trace of
     ``loss_fn`` on ``batch``, or ``None`` (also when the loss cannot be traced)."""
     try:
@@ -147,7 +154,9 @@ def batchnorm_in_loss(loss_fn: Callable[..., Any], params: Any, batch: Any, args
     return next((n for n in _names_in(closed.jaxpr) if _names_batchnorm(n)), None)
 
 
-def _fails_on_the_batch(loss_fn: Callable[..., Any], params: Any, batch: Any, args: Sequence[Any]) -> bool:
+def _fails_on_the_batch(
+    loss_fn: Callable[..., Any], params: Any, batch: Any, args: Sequence[Any]
+) -> bool:
     """Whether tracing ``loss_fn`` (shapes only) on the whole ``batch`` raises."""
     try:
         jax.eval_shape(loss_fn, params, _abstract(batch), *args)
@@ -156,8 +165,14 @@ def _fails_on_the_batch(loss_fn: Callable[..., Any], params: Any, batch: Any, ar
     return False
 
 
-def check_one_example(fn: str, loss_fn: Callable[..., Any], has_aux: bool, params: Any, batch: Any,
-                      args: Sequence[Any]) -> None:
+def check_one_example(
+    fn: str,
+    loss_fn: Callable[..., Any],
+    has_aux: bool,
+    params: Any,
+    batch: Any,
+    args: Sequence[Any],
+) -> None:
     """Traces ``loss_fn`` (shapes only) on the first example as a batch of one; ValueError stating
     the contract when that fails or does not give one loss.
 
@@ -174,14 +189,18 @@ def check_one_example(fn: str, loss_fn: Callable[..., Any], has_aux: bool, param
             raise bn from err
         if _fails_on_the_batch(loss_fn, params, batch, args):
             return
-        raise ValueError(f"{fn}: calling loss_fn on a batch of one example failed ({type(err).__name__}: "
-                         f"{str(err).splitlines()[0] if str(err) else ''}); {LOSS_CONTRACT}") from err
+        raise ValueError(
+            f"{fn}: calling loss_fn on a batch of one example failed ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}); {LOSS_CONTRACT}"
+        ) from err
     loss = out[0] if has_aux and isinstance(out, tuple) and len(out) == 2 else out
     shape = getattr(loss, "shape", None)
     if shape is None or tuple(shape) != (1,):
-        raise ValueError(f"{fn}: on a batch of one example loss_fn returned "
-                         f"{'shape ' + str(tuple(shape)) if shape is not None else repr(loss)} instead of (1,); "
-                         f"{LOSS_CONTRACT}")
+        raise ValueError(
+            f"{fn}: on a batch of one example loss_fn returned "
+            f"{'shape ' + str(tuple(shape)) if shape is not None else repr(loss)} instead of (1,); "
+            f"{LOSS_CONTRACT}"
+        )
 
 
 class Call(NamedTuple):
@@ -308,4 +327,6 @@ def vary_like_batch(params: Any, batch: Any) -> Any:
         axes = axes | _vma(x)
     if not axes:
         return params
-    return jax.tree_util.tree_map(lambda p: _vary_over(p, axes) if hasattr(p, "dtype") else p, params)
+    return jax.tree_util.tree_map(
+        lambda p: _vary_over(p, axes) if hasattr(p, "dtype") else p, params
+    )

@@ -56,7 +56,9 @@ def _from_chunks(x: Any, bsize: int) -> Any:
     return jnp.reshape(x, (-1, *x.shape[2:]))[:bsize]
 
 
-def scan_chunks(chunk: Chunk, init: list[jax.Array], batch: Any, valid: Any, bsize: int, mb: int) -> tuple:
+def scan_chunks(
+    chunk: Chunk, init: list[jax.Array], batch: Any, valid: Any, bsize: int, mb: int
+) -> tuple:
     """Runs ``chunk`` over ``ceil(B/mb)`` chunks of ``mb`` examples in a ``lax.scan``.
 
     Chunk ``j`` holds examples ``j, j + n, j + 2n, ...`` (``n`` chunks): a batch
@@ -89,7 +91,9 @@ def carry_dtype(config: ClipConfig, leaf_dtype: Any) -> np.dtype:
     return acc if config.dtype is None else np.dtype(jnp.promote_types(acc, config.dtype))
 
 
-def finish_sums(config: ClipConfig, sums: list[jax.Array], carry: list[Any], out: list[Any]) -> list[jax.Array]:
+def finish_sums(
+    config: ClipConfig, sums: list[jax.Array], carry: list[Any], out: list[Any]
+) -> list[jax.Array]:
     """The sums as returned: divided by the clip norm (``rescale_to_unit_norm``) in the
     running sum's dtype, then rounded once to the output dtype.
 
@@ -100,8 +104,10 @@ def finish_sums(config: ClipConfig, sums: list[jax.Array], carry: list[Any], out
     sums = [s.astype(a) for s, a in zip(sums, carry, strict=True)]
     if config.rescale_to_unit_norm:
         c = config.clip_norm()
-        sums = [s * (jnp.asarray(rounding_margin(o, s.dtype), s.dtype) / jnp.asarray(c, s.dtype))
-                for s, o in zip(sums, out, strict=True)]
+        sums = [
+            s * (jnp.asarray(rounding_margin(o, s.dtype), s.dtype) / jnp.asarray(c, s.dtype))
+            for s, o in zip(sums, out, strict=True)
+        ]
     return [s.astype(o) for s, o in zip(sums, out, strict=True)]
 
 
@@ -118,13 +124,18 @@ def run_chunks(chunk: Chunk, config: ClipConfig, call: Call) -> tuple[Any, Clipp
             out = chunk(batch, valid)
             return ([s.astype(a) for s, a in zip(out[0], carry, strict=True)], *out[1:])
 
-        sums, ns, flags, vals, aux = scan_chunks(cast_chunk, init, call.batch, call.valid, call.bsize, mb)
+        sums, ns, flags, vals, aux = scan_chunks(
+            cast_chunk, init, call.batch, call.valid, call.bsize, mb
+        )
     sums = finish_sums(config, sums, carry, [config.acc_dtype(x.dtype) for x in pflat.arrays])
     if config.per_layer:
-        num_clipped: Any = per_layer_tree(config, pflat, [jnp.sum(fl).astype(jnp.int32) for fl in flags])
+        num_clipped: Any = per_layer_tree(
+            config, pflat, [jnp.sum(fl).astype(jnp.int32) for fl in flags]
+        )
         ns = per_layer_tree(config, pflat, ns)
     else:
         num_clipped = jnp.sum(flags).astype(jnp.int32)
     grads = pflat.rebuild(sums, fill=None)
-    return grads, ClippedGradInfo(num_clipped=num_clipped, norms=ns, values=vals,
-                                  aux=aux if config.has_aux else None)
+    return grads, ClippedGradInfo(
+        num_clipped=num_clipped, norms=ns, values=vals, aux=aux if config.has_aux else None
+    )

@@ -57,7 +57,10 @@ def _bcast(v: jax.Array, x: jax.Array) -> jax.Array:
 
 
 def scan_weighted_sum(
-    init: list[jax.Array], keep: jax.Array, weights: Sequence[jax.Array], xs: Any,
+    init: list[jax.Array],
+    keep: jax.Array,
+    weights: Sequence[jax.Array],
+    xs: Any,
     rows_of: Callable[[Any], Sequence[jax.Array]],
 ) -> list[jax.Array]:
     """``sum_b [keep_b] w_{l,b} rows_of(x_b)[l]`` one example at a time in a ``lax.scan``.
@@ -84,8 +87,12 @@ def scan_weighted_sum(
 SAFE_BLOCK_ELEMENTS = 1 << 14
 
 
-def _column_blocks(rows: Sequence[jax.Array], weights: Sequence[jax.Array], keep: jax.Array,
-                   accs: Sequence[np.dtype]) -> list[jax.Array]:
+def _column_blocks(
+    rows: Sequence[jax.Array],
+    weights: Sequence[jax.Array],
+    keep: jax.Array,
+    accs: Sequence[np.dtype],
+) -> list[jax.Array]:
     """``sum_b [keep_b] w_b r_b`` of every leaf's rows ``(B, D)``, a block of columns at a time.
 
     Each step of one loop slices a block of columns of every leaf, zeroes its dropped examples and
@@ -114,19 +121,30 @@ def _column_blocks(rows: Sequence[jax.Array], weights: Sequence[jax.Array], keep
     return lax.fori_loop(0, steps, body, init)  # type: ignore[no-any-return]
 
 
-def _safe_sums(rows: Sequence[jax.Array], weights: Sequence[jax.Array], keep: jax.Array,
-               accs: Sequence[np.dtype]) -> list[jax.Array]:
+def _safe_sums(
+    rows: Sequence[jax.Array],
+    weights: Sequence[jax.Array],
+    keep: jax.Array,
+    accs: Sequence[np.dtype],
+) -> list[jax.Array]:
     """The sums with the dropped rows zeroed (some hold NaN or inf, which a weight of 0 leaves in).
 
     Rows explicitly sharded are zeroed by a select (a loop cannot slice them); the others a block
     of columns at a time (:func:`_column_blocks`).
     """
-    plain = [i for i, r in enumerate(rows) if r.ndim == 2 and r.size > 0 and explicit_spec(r) is None]
-    out = [_row_dot(w, jnp.where(_bcast(keep, r), r, jnp.zeros((), r.dtype)), a)
-           if i not in plain else None for i, (r, w, a) in enumerate(zip(rows, weights, accs, strict=True))]
+    plain = [
+        i for i, r in enumerate(rows) if r.ndim == 2 and r.size > 0 and explicit_spec(r) is None
+    ]
+    out = [
+        _row_dot(w, jnp.where(_bcast(keep, r), r, jnp.zeros((), r.dtype)), a)
+        if i not in plain
+        else None
+        for i, (r, w, a) in enumerate(zip(rows, weights, accs, strict=True))
+    ]
     if plain:
-        sums = _column_blocks([rows[i] for i in plain], [weights[i] for i in plain], keep,
-                              [accs[i] for i in plain])
+        sums = _column_blocks(
+            [rows[i] for i in plain], [weights[i] for i in plain], keep, [accs[i] for i in plain]
+        )
         for i, v in zip(plain, sums, strict=True):
             out[i] = v
     return out  # type: ignore[return-value]
@@ -186,8 +204,13 @@ class Weights(NamedTuple):
 
 
 def weigh(
-    meas: Measured, clips: Any, n_leaves: int, *, factor_fn: FactorFn = clip_factors,
-    valid: jax.Array | None = None, nan_safe: bool = False,
+    meas: Measured,
+    clips: Any,
+    n_leaves: int,
+    *,
+    factor_fn: FactorFn = clip_factors,
+    valid: jax.Array | None = None,
+    nan_safe: bool = False,
 ) -> Weights:
     """Factors from measured norms (guarded where a norm was not representable) and kept examples.
 
@@ -197,12 +220,22 @@ def weigh(
     are dropped too.
     """
     if isinstance(clips, LeafGroups):
-        return _weigh_groups(meas, clips, n_leaves, factor_fn=factor_fn, valid=valid, nan_safe=nan_safe)
+        return _weigh_groups(
+            meas, clips, n_leaves, factor_fn=factor_fn, valid=valid, nan_safe=nan_safe
+        )
     per_leaf = isinstance(clips, list)
     norms = meas.norms if per_leaf else [meas.norms]
     cs = clips if per_leaf else [clips]
-    unmeasured = meas.unmeasured if per_leaf and meas.unmeasured is not None else [meas.unmeasured] * len(norms)
-    scales = meas.bound_scale if per_leaf and meas.bound_scale is not None else [meas.bound_scale] * len(norms)
+    unmeasured = (
+        meas.unmeasured
+        if per_leaf and meas.unmeasured is not None
+        else [meas.unmeasured] * len(norms)
+    )
+    scales = (
+        meas.bound_scale
+        if per_leaf and meas.bound_scale is not None
+        else [meas.bound_scale] * len(norms)
+    )
     fs = []
     for n, c, bad, sc in zip(norms, cs, unmeasured, scales, strict=True):
         f = factor_fn(n, c)
@@ -223,20 +256,35 @@ def _upper_norms(meas: Measured) -> list[jax.Array]:
     ``sqrt(D) max|x|`` (inf where that overflows too: the example then contributes zero)."""
     if meas.unmeasured is None:
         return list(meas.norms)
-    return [jnp.where(bad, 1.0 / jnp.where(bad, sc, 1.0), n)
-            for n, bad, sc in zip(meas.norms, meas.unmeasured, meas.bound_scale, strict=True)]
+    return [
+        jnp.where(bad, 1.0 / jnp.where(bad, sc, 1.0), n)
+        for n, bad, sc in zip(meas.norms, meas.unmeasured, meas.bound_scale, strict=True)
+    ]
 
 
-def _weigh_groups(meas: Measured, groups: LeafGroups, n_leaves: int, *, factor_fn: FactorFn,
-                  valid: jax.Array | None, nan_safe: bool) -> Weights:
+def _weigh_groups(
+    meas: Measured,
+    groups: LeafGroups,
+    n_leaves: int,
+    *,
+    factor_fn: FactorFn,
+    valid: jax.Array | None,
+    nan_safe: bool,
+) -> Weights:
     """:func:`weigh` for clip norms of groups of leaves: each group's norm is its leaves' norms
     combined, its factor scales each of its leaves (so each group's contribution is within its
     clip norm)."""
     leaf_norms = _upper_norms(meas)
     zero = jnp.zeros_like(leaf_norms[0])
     norms = [combine_l2([leaf_norms[j] for j in m]) if m else zero for m in groups.members]
-    per_group = weigh(Measured(norms, meas.finite), list(groups.budgets), len(norms), factor_fn=factor_fn,
-                      valid=valid, nan_safe=nan_safe)
+    per_group = weigh(
+        Measured(norms, meas.finite),
+        list(groups.budgets),
+        len(norms),
+        factor_fn=factor_fn,
+        valid=valid,
+        nan_safe=nan_safe,
+    )
     factors: list[Any] = [None] * n_leaves
     for k, m in enumerate(groups.members):
         for j in m:
@@ -245,8 +293,12 @@ def _weigh_groups(meas: Measured, groups: LeafGroups, n_leaves: int, *, factor_f
 
 
 def clip_and_sum(
-    rows: Sequence[jax.Array], clips: Any, *, factor_fn: FactorFn = clip_factors,
-    valid: jax.Array | None = None, nan_safe: bool = False,
+    rows: Sequence[jax.Array],
+    clips: Any,
+    *,
+    factor_fn: FactorFn = clip_factors,
+    valid: jax.Array | None = None,
+    nan_safe: bool = False,
     settle: Callable[[list[jax.Array]], list[jax.Array]] | None = None,
 ) -> tuple[list[jax.Array], Weights]:
     """Measure, factor, guard, keep, sum: the clipped sum of per-example rows ``(B, D)``.

@@ -94,7 +94,9 @@ class ClipConfig:
     prng_argnum: int | None = None
     pre_clipping_transform: Callable[[Any], Any] | None = None
     rescale_to_unit_norm: bool = False
-    dtype: Any = None  # accumulation/output dtype of the sums (None: each leaf's accumulation dtype)
+    dtype: Any = (
+        None  # accumulation/output dtype of the sums (None: each leaf's accumulation dtype)
+    )
     origin: Origin = field(default_factory=Origin)
 
     @property
@@ -111,14 +113,20 @@ class ClipConfig:
         store = n.dtype if self.dtype is None else self.dtype
         if not self.normalize:
             return clip_factors(n, c, store)
-        return bounded_factor(divide_or_zero(_margined(c, n.dtype), n + jnp.asarray(self.gamma, n.dtype)), store)
+        return bounded_factor(
+            divide_or_zero(_margined(c, n.dtype), n + jnp.asarray(self.gamma, n.dtype)), store
+        )
 
     def acc_dtype(self, leaf_dtype: Any) -> np.dtype:
         """The dtype a leaf's clipped sum is accumulated across chunks and returned in."""
         if self.dtype is not None:
             out = np.dtype(self.dtype)
-            if np.issubdtype(leaf_dtype, np.complexfloating) and not np.issubdtype(out, np.complexfloating):
-                out = np.dtype(jnp.promote_types(out, np.complex64))  # a complex sum keeps its imaginary part
+            if np.issubdtype(leaf_dtype, np.complexfloating) and not np.issubdtype(
+                out, np.complexfloating
+            ):
+                out = np.dtype(
+                    jnp.promote_types(out, np.complex64)
+                )  # a complex sum keeps its imaginary part
             return out
         return _norms.sum_dtype(leaf_dtype)
 
@@ -202,7 +210,9 @@ class ClippedGradFn:
         self._sens = sens
         self.__doc__ = doc
 
-    def __call__(self, params: Any, batch: Any, *args: Any, mask: Any = None) -> tuple[Any, ClippedGradInfo]:
+    def __call__(
+        self, params: Any, batch: Any, *args: Any, mask: Any = None
+    ) -> tuple[Any, ClippedGradInfo]:
         return self._impl(params, batch, *args, mask=mask)  # type: ignore[no-any-return]
 
     def sensitivity(self, relation: Any = "add_or_remove") -> Any:

@@ -54,7 +54,9 @@ def combine_l2(leaf_norms: Sequence[jax.Array]) -> jax.Array:
     dtype = np.dtype(jnp.result_type(*[n.dtype for n in leaf_norms]))
     # stored once: each reduction over the stack would otherwise fuse in the whole stack (K
     # operands per kernel, several kernels), which compiles slowly for many leaves
-    return combine_l2_stacked(lax.optimization_barrier(jnp.stack([x.astype(dtype) for x in leaf_norms])))
+    return combine_l2_stacked(
+        lax.optimization_barrier(jnp.stack([x.astype(dtype) for x in leaf_norms]))
+    )
 
 
 def combine_l2_stacked(n: jax.Array) -> jax.Array:
@@ -73,11 +75,15 @@ def combine_l2_stacked(n: jax.Array) -> jax.Array:
     return jnp.where(fast, direct, scaled)
 
 
-def _per_example(arrays: Sequence[jax.Array], spec: _norms.NormSpec, branch_free: bool = False) -> list[jax.Array]:
+def _per_example(
+    arrays: Sequence[jax.Array], spec: _norms.NormSpec, branch_free: bool = False
+) -> list[jax.Array]:
     """Per-example norm ``spec`` of each leaf: a list of ``(B,)`` arrays (accumulation dtype)."""
     if not arrays:
         return []
-    measured = _norms.slice_norms(arrays, [tuple(range(1, x.ndim)) for x in arrays], spec, branch_free=branch_free)
+    measured = _norms.slice_norms(
+        arrays, [tuple(range(1, x.ndim)) for x in arrays], spec, branch_free=branch_free
+    )
     return [jnp.reshape(nrm, (x.shape[0],)) for nrm, x in zip(measured, arrays, strict=True)]
 
 
@@ -132,7 +138,8 @@ def measure(rows: Sequence[jax.Array], per_leaf: bool = False) -> Measured:
     leaf_fin = [jnp.isfinite(m) for m in leaf_m]
     finite = jnp.all(jnp.stack(leaf_fin), axis=0)
     leaf_bad = [
-        f & ~(jnp.isfinite(n) & (n >= m * _TOL)) for n, m, f in zip(leaf_n, leaf_m, leaf_fin, strict=True)
+        f & ~(jnp.isfinite(n) & (n >= m * _TOL))
+        for n, m, f in zip(leaf_n, leaf_m, leaf_fin, strict=True)
     ]
     if per_leaf:
         norms = [jnp.where(b, jnp.inf, n) for n, b in zip(leaf_n, leaf_bad, strict=True)]
@@ -149,12 +156,16 @@ def measure(rows: Sequence[jax.Array], per_leaf: bool = False) -> Measured:
 def from_leaf_norms(leaf_norms: Sequence[jax.Array], per_leaf: bool) -> Measured:
     """:class:`Measured` of per-leaf norms computed elsewhere (ghost): a non-finite norm is non-finite."""
     if per_leaf:
-        return Measured(list(leaf_norms), jnp.all(jnp.stack([jnp.isfinite(n) for n in leaf_norms]), axis=0))
+        return Measured(
+            list(leaf_norms), jnp.all(jnp.stack([jnp.isfinite(n) for n in leaf_norms]), axis=0)
+        )
     n = combine_l2(leaf_norms)
     return Measured(n, jnp.isfinite(n))
 
 
-def guarded_factor(factor: jax.Array, measured_bad: jax.Array, bound_scale: jax.Array, clip: Any) -> jax.Array:
+def guarded_factor(
+    factor: jax.Array, measured_bad: jax.Array, bound_scale: jax.Array, clip: Any
+) -> jax.Array:
     """``factor``, replaced by ``min(1, C / (sqrt(D) max|x|))`` for unmeasured examples."""
     c = jnp.asarray(clip, factor.dtype)
     return jnp.where(measured_bad, jnp.minimum(1.0, c * bound_scale.astype(factor.dtype)), factor)
@@ -212,10 +223,16 @@ def _clip_groups(clip_tree: Any, params: Any, fn: str) -> tuple[list[Any], list[
             f"(one clip norm per leaf or per subtree); got {c_def} for params "
             f"{jax.tree_util.tree_structure(params)}"
         ) from None
-    return c_leaves, [k for k, sub in enumerate(subtrees) for _ in jax.tree_util.tree_leaves(sub)], c_def
+    return (
+        c_leaves,
+        [k for k, sub in enumerate(subtrees) for _ in jax.tree_util.tree_leaves(sub)],
+        c_def,
+    )
 
 
-def clip_budgets(config: ClipConfig, params: Any, pflat: _norms.FlatTree) -> list[Any] | LeafGroups | None:
+def clip_budgets(
+    config: ClipConfig, params: Any, pflat: _norms.FlatTree
+) -> list[Any] | LeafGroups | None:
     """The clip norm of each active leaf (per-layer clipping), ``None`` for global clipping, or the
     :class:`LeafGroups` of a clip tree that is a strict prefix of ``params``."""
     if config.layer_mode is LayerMode.GLOBAL:

@@ -44,7 +44,9 @@ def _per_example_out(out: Any, has_aux: bool, fn: str) -> tuple:
         )
     if has_aux:
         aux = jax.tree_util.tree_map(
-            lambda x: jnp.squeeze(x, 0) if getattr(x, "ndim", 0) >= 1 and x.shape[0] == 1 else x, aux)
+            lambda x: jnp.squeeze(x, 0) if getattr(x, "ndim", 0) >= 1 and x.shape[0] == 1 else x,
+            aux,
+        )
     return jnp.reshape(loss, ()), aux
 
 
@@ -78,7 +80,12 @@ def keyed_loss(loss_fn: Callable[..., Any], pos: int, has_aux: bool, fn: str) ->
 
 
 def split_key_arg(
-    loss_fn: Callable[..., Any], prng_argnum: int, has_aux: bool, batch: Any, args: Sequence[Any], fn: str
+    loss_fn: Callable[..., Any],
+    prng_argnum: int,
+    has_aux: bool,
+    batch: Any,
+    args: Sequence[Any],
+    fn: str,
 ) -> tuple[Callable[..., Any], Any, tuple]:
     """``(loss, batch, args)`` with the key argument moved into the batch as one key per example."""
     pos = prng_argnum - 2

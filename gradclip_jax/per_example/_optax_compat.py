@@ -80,10 +80,16 @@ def per_example_global_norm_clip(
     arrays = flat.arrays
     if not arrays:
         return grads, count0()
-    out = np.dtype(jnp.result_type(*[x.dtype for x in arrays]))  # optax's: the tree's promoted dtype
+    out = np.dtype(
+        jnp.result_type(*[x.dtype for x in arrays])
+    )  # optax's: the tree's promoted dtype
     rows = [as_rows(x) for x in arrays]
-    summed, w = clip_and_sum(rows, l2_norm_clip, factor_fn=plain_clip_factors,
-                             settle=lambda fs: _settle(rows, fs, l2_norm_clip, out, combine=True))
+    summed, w = clip_and_sum(
+        rows,
+        l2_norm_clip,
+        factor_fn=plain_clip_factors,
+        settle=lambda fs: _settle(rows, fs, l2_norm_clip, out, combine=True),
+    )
     num_clipped = jnp.sum(w.factors[0] < 1).astype(jnp.int32)
     return flat.rebuild([s.astype(out) for s in unrow(summed, arrays)]), num_clipped
 
@@ -137,7 +143,9 @@ def per_example_layer_norm_clip(
     budgets = layer_budgets(arrays, global_l2_norm_clip, uniform)
     sums: list[Any] = [None] * len(arrays)
     counts: list[Any] = [None] * len(arrays)
-    for dtype in {np.dtype(x.dtype) for x in arrays}:  # leaves clip independently: one margin per dtype
+    for dtype in {
+        np.dtype(x.dtype) for x in arrays
+    }:  # leaves clip independently: one margin per dtype
         idx = [i for i, x in enumerate(arrays) if np.dtype(x.dtype) == dtype]
         part = [arrays[i] for i in idx]
         rows = [as_rows(x) for x in part]
@@ -150,18 +158,27 @@ def per_example_layer_norm_clip(
     return flat.rebuild(sums), flat.rebuild(counts)
 
 
-def _settle(rows: list[jax.Array], factors: list[jax.Array], clip: Any, store: Any, *, combine: bool) -> list:
+def _settle(
+    rows: list[jax.Array], factors: list[jax.Array], clip: Any, store: Any, *, combine: bool
+) -> list:
     """Per-example factors that lower the plain ones only where an example's clipped
     gradient, stored in ``store``, would exceed ``clip`` (one norm over ``rows`` with ``combine``)."""
     axes = [tuple(range(1, r.ndim)) for r in rows]
-    keep = [jnp.reshape(f, f.shape + (1,) * (r.ndim - 1)) for f, r in zip(factors, rows, strict=True)]
+    keep = [
+        jnp.reshape(f, f.shape + (1,) * (r.ndim - 1)) for f, r in zip(factors, rows, strict=True)
+    ]
     got = certified_factors(rows, keep, axes, clip, combine=combine, stores=[store] * len(rows))
     return [jnp.reshape(g, f.shape) for g, f in zip(got, factors, strict=True)]
 
 
-def _settle_each(rows: list[jax.Array], factors: list[jax.Array], *, clips: list[Any], store: Any) -> list:
+def _settle_each(
+    rows: list[jax.Array], factors: list[jax.Array], *, clips: list[Any], store: Any
+) -> list:
     """:func:`_settle` leaf by leaf, each against its own budget."""
-    return [_settle([r], [f], c, store, combine=False)[0] for r, f, c in zip(rows, factors, clips, strict=True)]
+    return [
+        _settle([r], [f], c, store, combine=False)[0]
+        for r, f, c in zip(rows, factors, clips, strict=True)
+    ]
 
 
 def per_example_norms(grads: Any) -> jax.Array:

@@ -131,9 +131,11 @@ ONCE_ROUNDING = 2.0**-11 * (1.0 + 2.0**-10)
 # margin too small for the products' error would let a clipped contribution exceed the clip
 # norm, silently. XLA:GPU's BF16_BF16_F32_X6 products were measured about 1e-3 relative off the
 # float32 ones, not the 8 units of 2**-24 the margin allows (benchmarks/results/MEASUREMENTS.md).
-_REFUSED = {("bf16x6", "gpu"): "measured about 1e-3 relative off the float32 products on NVIDIA "
-                               "GPUs, far beyond the 8 units of float32 roundoff its clip-norm "
-                               "margin allows"}
+_REFUSED = {
+    ("bf16x6", "gpu"): "measured about 1e-3 relative off the float32 products on NVIDIA "
+    "GPUs, far beyond the 8 units of float32 roundoff its clip-norm "
+    "margin allows"
+}
 
 
 def product_refusal(name: str) -> str | None:
@@ -144,8 +146,12 @@ def product_refusal(name: str) -> str | None:
 
 def product_setting() -> str:
     """The :data:`PRODUCT_PRECISION` setting of the default backend (validated)."""
-    return per_backend(PRODUCT_PRECISION, "gradclip_jax.per_example.PRODUCT_PRECISION", "highest",
-                       tuple(_ALGORITHMS))
+    return per_backend(
+        PRODUCT_PRECISION,
+        "gradclip_jax.per_example.PRODUCT_PRECISION",
+        "highest",
+        tuple(_ALGORITHMS),
+    )
 
 
 def _reduced(*dtypes: Any) -> str | None:
@@ -155,8 +161,10 @@ def _reduced(*dtypes: Any) -> str | None:
     name = product_setting()
     why = product_refusal(name)
     if why is not None:
-        raise ValueError(f"{setting}: {name!r} is refused on {jax.default_backend()!r}: {why}; use 'tf32' "
-                         "(the default on GPUs) or 'highest'")
+        raise ValueError(
+            f"{setting}: {name!r} is refused on {jax.default_backend()!r}: {why}; use 'tf32' "
+            "(the default on GPUs) or 'highest'"
+        )
     if name == "highest" or any(np.dtype(d) != np.float32 for d in dtypes):
         return None
     return name
@@ -266,13 +274,20 @@ def product_einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     ``Precision.DEFAULT`` with a float32 result: exact products, float32 accumulation, the
     values their float32 widening gives at ``"highest"`` up to the order of the sum."""
     if exact_in_float32(a.dtype, b.dtype):
-        return jnp.einsum(spec, a, b, precision=lax.Precision.DEFAULT, preferred_element_type=jnp.float32)
+        return jnp.einsum(
+            spec, a, b, precision=lax.Precision.DEFAULT, preferred_element_type=jnp.float32
+        )
     if a.dtype != b.dtype:  # a 16-bit view beside a wider one: both widened, then as for those
         wide = jnp.promote_types(a.dtype, b.dtype)
         a, b = a.astype(wide), b.astype(wide)
     if rounds_to_tf32(a.dtype, b.dtype):
-        return jnp.einsum(spec, tf32_round(a), tf32_round(b), precision=lax.Precision.DEFAULT,
-                          preferred_element_type=jnp.float32)
+        return jnp.einsum(
+            spec,
+            tf32_round(a),
+            tf32_round(b),
+            precision=lax.Precision.DEFAULT,
+            preferred_element_type=jnp.float32,
+        )
     prec = product_precision(a.dtype, b.dtype)
     if isinstance(prec, lax.Precision):
         return jnp.einsum(spec, a, b, precision=prec)

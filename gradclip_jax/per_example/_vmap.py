@@ -32,10 +32,13 @@ def per_example_grads(config: ClipConfig, call: Call, batch: Any) -> tuple:
 
     in_axes = (None, 0) + (None,) * len(call.args)
     return jax.vmap(one, in_axes=in_axes, spmd_axis_name=config.spmd_axis_name)(  # type: ignore[no-any-return]
-        call.params, batch, *call.args)
+        call.params, batch, *call.args
+    )
 
 
-def _chunk(config: ClipConfig, call: Call, clips: Any, batch: Any, valid: jax.Array | None) -> tuple:
+def _chunk(
+    config: ClipConfig, call: Call, clips: Any, batch: Any, valid: jax.Array | None
+) -> tuple:
     vals, g, aux = per_example_grads(config, call, batch)
     arrays = _norms.flatten(g, config.fn).arrays
     if not arrays:  # params without a floating-point leaf: nothing to clip
@@ -46,18 +49,37 @@ def _chunk(config: ClipConfig, call: Call, clips: Any, batch: Any, valid: jax.Ar
     rows = [as_rows(x) for x in arrays]
     if valid is not None:
         valid = match_batch_sharding(valid, rows[0])
-    sums, w = clip_and_sum(rows, config.l2_clip_norm if clips is None else clips,
-                           factor_fn=config.factors, valid=valid, nan_safe=config.nan_safe)
+    sums, w = clip_and_sum(
+        rows,
+        config.l2_clip_norm if clips is None else clips,
+        factor_fn=config.factors,
+        valid=valid,
+        nan_safe=config.nan_safe,
+    )
     flags, ns = clip_flags(w, valid, clips is not None)
     return unrow(sums, arrays), ns, flags, vals, aux
 
 
-def run_vmap(config: ClipConfig, call: Call, *, checked: bool = False) -> tuple[Any, ClippedGradInfo]:
+def run_vmap(
+    config: ClipConfig, call: Call, *, checked: bool = False
+) -> tuple[Any, ClippedGradInfo]:
     """``(grads, info)`` by the vmap strategy; ``checked``: the loss's shape is already known to be ``(B,)``."""
     params = call.params
-    if not checked:  # one trace of the whole batch: losses of shape (B,), no example combined with another
-        check_per_example(config.fn, loss_crossing(config.loss_fn, config.has_aux, config.fn, call.params,
-                                                   call.batch, call.args, call.bsize))
+    if (
+        not checked
+    ):  # one trace of the whole batch: losses of shape (B,), no example combined with another
+        check_per_example(
+            config.fn,
+            loss_crossing(
+                config.loss_fn,
+                config.has_aux,
+                config.fn,
+                call.params,
+                call.batch,
+                call.args,
+                call.bsize,
+            ),
+        )
     if config.pre_clipping_transform is not None:  # clip (and sum) what the transform returns
         shapes = jax.eval_shape(config.pre_clipping_transform, call.params)
         template = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)

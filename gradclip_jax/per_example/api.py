@@ -68,11 +68,17 @@ def _layer_mode(l2_clip_norm: Any, per_layer: Any) -> LayerMode:
     """The clip-norm layout; checks every clip norm."""
     per_layer = static_value(_FN, "per_layer", per_layer)
     if per_layer not in (False, True, "uniform", "size"):
-        raise ValueError(f"{_FN}: per_layer must be False, True, 'uniform' or 'size', got {per_layer!r}")
+        raise ValueError(
+            f"{_FN}: per_layer must be False, True, 'uniform' or 'size', got {per_layer!r}"
+        )
     if _tree_is_scalar(l2_clip_norm):
         check_scalar(_FN, "l2_clip_norm", l2_clip_norm)
-        return {False: LayerMode.GLOBAL, True: LayerMode.UNIFORM, "uniform": LayerMode.UNIFORM,
-                "size": LayerMode.SIZE}[per_layer]
+        return {
+            False: LayerMode.GLOBAL,
+            True: LayerMode.UNIFORM,
+            "uniform": LayerMode.UNIFORM,
+            "size": LayerMode.SIZE,
+        }[per_layer]
     if not jax.tree_util.tree_leaves(l2_clip_norm):
         raise ValueError(f"{_FN}: l2_clip_norm is an empty tree")
     for path, c in jax.tree_util.tree_flatten_with_path(l2_clip_norm)[0]:
@@ -83,18 +89,23 @@ def _layer_mode(l2_clip_norm: Any, per_layer: Any) -> LayerMode:
 def _grad_fn(config: ClipConfig) -> Callable[..., tuple[Any, ClippedGradInfo]]:
     """The strategy for ``config.method``: ghost (which falls back to vmap by itself) or vmap."""
 
-    def grad_fn(params: Any, batch: Any, *args: Any, mask: Any = None) -> tuple[Any, ClippedGradInfo]:
+    def grad_fn(
+        params: Any, batch: Any, *args: Any, mask: Any = None
+    ) -> tuple[Any, ClippedGradInfo]:
         cfg = config
         if config.prng_argnum is not None:
-            loss, batch, args = split_key_arg(config.loss_fn, config.prng_argnum, config.has_aux, batch, args,
-                                              config.fn)
+            loss, batch, args = split_key_arg(
+                config.loss_fn, config.prng_argnum, config.has_aux, batch, args, config.fn
+            )
             cfg = dataclasses.replace(config, loss_fn=loss)
         call = prepare_call(params, batch, args, mask, cfg.fn)
         run = run_vmap if cfg.method is Method.VMAP else run_ghost
         try:
             return run(cfg, call)
         except ValueError as err:
-            if "combines examples at" in str(err):  # the batch-crossing check: a BatchNorm's statistics?
+            if "combines examples at" in str(
+                err
+            ):  # the batch-crossing check: a BatchNorm's statistics?
                 layer = batchnorm_in_loss(cfg.loss_fn, call.params, call.batch, call.args)
                 if layer is not None:
                     raise ValueError(
@@ -141,7 +152,9 @@ def _method(method: Any, transform: Any) -> Method:
     if transform is None:
         return m  # type: ignore[no-any-return]
     if not callable(transform):
-        raise TypeError(f"{_FN}: pre_clipping_transform must be callable or None, got {transform!r}")
+        raise TypeError(
+            f"{_FN}: pre_clipping_transform must be callable or None, got {transform!r}"
+        )
     if m is Method.GHOST:
         raise ValueError(
             f"{_FN}: pre_clipping_transform needs each example's gradient, which method='ghost' never "
@@ -332,8 +345,12 @@ def clipped_grad(
     check_scalar(_FN, "gamma", gamma)
     layer_mode = _layer_mode(l2_clip_norm, per_layer)
     rescale = bool(static_value(_FN, "rescale_to_unit_norm", rescale_to_unit_norm))
-    if (rescale and layer_mode is not LayerMode.TREE and not is_traced(l2_clip_norm)
-            and float(np.asarray(l2_clip_norm).reshape(())) == 0.0):
+    if (
+        rescale
+        and layer_mode is not LayerMode.TREE
+        and not is_traced(l2_clip_norm)
+        and float(np.asarray(l2_clip_norm).reshape(())) == 0.0
+    ):
         raise ValueError(f"{_FN}: rescale_to_unit_norm=True divides by l2_clip_norm, which is 0")
     config = ClipConfig(
         loss_fn=loss_fn,

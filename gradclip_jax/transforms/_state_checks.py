@@ -30,7 +30,9 @@ def check_state(fn: str, state: Any, cls: type) -> None:
         )
     elif state is None:
         hint = " (call tx.init(params) first)"
-    raise TypeError(f"{fn}: expected a {cls.__name__} (from this transform's init) as state, got {got}{hint}")
+    raise TypeError(
+        f"{fn}: expected a {cls.__name__} (from this transform's init) as state, got {got}{hint}"
+    )
 
 
 def _is_none(x: Any) -> bool:
@@ -96,7 +98,11 @@ def check_tree(
 
 
 def _check_derived_shapes(
-    fn: str, what: str, keys: list[str], t_pairs: list, u_pairs: list,
+    fn: str,
+    what: str,
+    keys: list[str],
+    t_pairs: list,
+    u_pairs: list,
     shape_of: Callable[[Any], tuple[int, ...] | None],
 ) -> None:
     """The ``shape_of`` half of :func:`check_tree`: a state whose shapes would change raises."""

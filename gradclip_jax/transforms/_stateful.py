@@ -60,7 +60,10 @@ def zero_norms(params: Any, fn: str, tensorwise: bool, slots: int = 1) -> tuple[
     jitted step (``donate_argnums`` rejects a buffer passed twice).
     """
     if tensorwise:
-        norms = [per_leaf(params, fn, lambda x: jnp.zeros((), _norms.acc_dtype(x.dtype))) for _ in range(slots)]
+        norms = [
+            per_leaf(params, fn, lambda x: jnp.zeros((), _norms.acc_dtype(x.dtype)))
+            for _ in range(slots)
+        ]
         return (*norms, per_leaf(params, fn, lambda x: jnp.zeros((), bool)))
     dt = scalar_dtype(params)
     return (*(jnp.zeros((), dt) for _ in range(slots)), jnp.zeros((), bool))
@@ -86,7 +89,8 @@ def like(tree: Any, leaves: Sequence[Any]) -> Any:
     """``leaves`` put back into ``tree``'s structure, each cast to the old leaf's dtype."""
     old, treedef = jax.tree_util.tree_flatten(tree)
     return jax.tree_util.tree_unflatten(
-        treedef, [jnp.asarray(n).astype(o.dtype).reshape(o.shape) for n, o in zip(leaves, old, strict=True)]
+        treedef,
+        [jnp.asarray(n).astype(o.dtype).reshape(o.shape) for n, o in zip(leaves, old, strict=True)],
     )
 
 
@@ -278,7 +282,12 @@ def init_inner(inner: optax.GradientTransformation | None, params: Any) -> Any:
 
 
 def finish(
-    flat: _norms.FlatTree, f: jax.Array, n: jax.Array, thr: jax.Array, state: Any, skip: bool,
+    flat: _norms.FlatTree,
+    f: jax.Array,
+    n: jax.Array,
+    thr: jax.Array,
+    state: Any,
+    skip: bool,
     invalid: jax.Array | None,
 ) -> tuple[Any, jax.Array, dict[str, jax.Array]]:
     """The shared ending of the global-norm clippers (autoclip, zclip, quantile_clip).

@@ -52,8 +52,14 @@ class AdaGCState(NamedTuple):
 
 
 def _warmup_step(
-    arrays: list[jax.Array], spec: _norms.NormSpec, n: jax.Array, gamma: jax.Array, in_warmup: jax.Array,
-    v: dict, sdt: Any, global_warmup: bool,
+    arrays: list[jax.Array],
+    spec: _norms.NormSpec,
+    n: jax.Array,
+    gamma: jax.Array,
+    in_warmup: jax.Array,
+    v: dict,
+    sdt: Any,
+    global_warmup: bool,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(factor, bound, gamma)`` of a warm-up step: global clipping at ``warmup_max_norm`` (the
     global norm is only computed during warm-up; none without ``global_warmup``), and each
@@ -73,7 +79,9 @@ def _warmup_step(
     return fg, bound_w, jnp.where(post > 0, jnp.minimum(gamma, post), gamma)
 
 
-def _adaptive_step(n: jax.Array, gamma: jax.Array, v: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _adaptive_step(
+    n: jax.Array, gamma: jax.Array, v: dict
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(factors, bounds, gamma)`` after warm-up: each leaf clipped at ``clip_ratio * gamma``, and
     ``gamma`` an EMA of the clipped norm."""
     base = jnp.maximum(jnp.where(jnp.isinf(gamma), n, gamma), v["min_gamma"])
@@ -173,7 +181,9 @@ def adagc(
         n = _st.stack(_st.whole_leaf_norms(arrays, spec), sdt)
 
         global_warmup = warmup_max_norm is not None and warm > 0
-        fg, bound_w, gamma_w = _warmup_step(arrays, spec, n, gamma, in_warmup, v, sdt, global_warmup)
+        fg, bound_w, gamma_w = _warmup_step(
+            arrays, spec, n, gamma, in_warmup, v, sdt, global_warmup
+        )
         f, bound, gamma_a = _adaptive_step(n, gamma, v)
 
         ok = (_st.all_finite([n]) if skip else jnp.ones((), bool)) & counts(invalid)
@@ -181,17 +191,25 @@ def adagc(
         out = _st.scale_all(flat, _st.unstack(factors))
         return out, AdaGCState(
             count=jnp.where(ok, increment(count), count),
-            gamma=_st.pack(True, state.gamma, jnp.where(ok, jnp.where(in_warmup, gamma_w, gamma_a), gamma)),
+            gamma=_st.pack(
+                True, state.gamma, jnp.where(ok, jnp.where(in_warmup, gamma_w, gamma_a), gamma)
+            ),
             norm=_st.pack(True, state.norm, n),
-            clip_norm=_st.pack(True, state.clip_norm, jnp.where(ok, jnp.where(in_warmup, bound_w, bound), old)),
+            clip_norm=_st.pack(
+                True, state.clip_norm, jnp.where(ok, jnp.where(in_warmup, bound_w, bound), old)
+            ),
             clipped=_st.pack(True, state.clipped, ok & jnp.where(in_warmup, fg < 1, f < 1)),
         )
 
     return optax.GradientTransformation(_adagc_init, update_fn)
 
 
-def _adagc_hyperparams(clip_ratio: Hyperparam, beta: Hyperparam, warmup_max_norm: Hyperparam | None,
-                       min_gamma: Hyperparam) -> Hyperparams:
+def _adagc_hyperparams(
+    clip_ratio: Hyperparam,
+    beta: Hyperparam,
+    warmup_max_norm: Hyperparam | None,
+    min_gamma: Hyperparam,
+) -> Hyperparams:
     """AdaGC's checked hyperparameters (numbers, arrays or schedules)."""
     hps = Hyperparams("adagc")
     hps.add("clip_ratio", clip_ratio, low=0.0, low_inclusive=False, allow_inf=False)
@@ -205,7 +223,9 @@ def _adagc_init(params: Any) -> AdaGCState:
     """AdaGC's first state: per leaf, an infinite ``gamma`` and zero norms."""
 
     def scalar(value: Any) -> Any:
-        return _st.per_leaf(params, "adagc", lambda x: jnp.full((), value, _norms.acc_dtype(x.dtype)))
+        return _st.per_leaf(
+            params, "adagc", lambda x: jnp.full((), value, _norms.acc_dtype(x.dtype))
+        )
 
     return AdaGCState(
         count=_st.count0(),

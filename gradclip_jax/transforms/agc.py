@@ -40,7 +40,6 @@ class AdaptiveGradClipState(NamedTuple):
     clipped: Any
 
 
-
 def unit_axes(shape: tuple[int, ...], axis: Any, fn: str = "adaptive_grad_clip") -> tuple[int, ...]:
     """The axes one AGC "unit" norm reduces over (optax's ``unitwise_norm`` rules).
 
@@ -65,7 +64,9 @@ def unit_axes(shape: tuple[int, ...], axis: Any, fn: str = "adaptive_grad_clip")
     )
 
 
-def _paired_leaves(fn: str, updates: Any, params: Any, axis: Any) -> tuple[_norms.FlatTree, list[jax.Array], list]:
+def _paired_leaves(
+    fn: str, updates: Any, params: Any, axis: Any
+) -> tuple[_norms.FlatTree, list[jax.Array], list]:
     """``(updates flattened, the parameter arrays beside them, each leaf's unit axes)``.
 
     Raises:

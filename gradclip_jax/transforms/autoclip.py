@@ -149,9 +149,7 @@ def autoclip(
         n = _norms.global_norm(flat.arrays, spec, axis_name, dtype=dt)
         # an invalid traced hyperparameter leaves the statistics as they were (house rule)
         record = jnp.isfinite(n) & (n > 0) & counts(invalid)
-        history = state.history.at[state.head].set(
-            jnp.where(record, n, state.history[state.head])
-        )
+        history = state.history.at[state.head].set(jnp.where(record, n, state.history[state.head]))
         head = jnp.where(record, (state.head + 1) % size, state.head)
         filled = jnp.where(record, jnp.minimum(state.filled + 1, size), state.filled)
         thr = jnp.maximum(_percentile(history, filled, v["percentile"] / 100), v["min_clip_norm"])

@@ -24,7 +24,6 @@ class CentralizeState(NamedTuple):
     """State of :func:`centralize` (it measures no norm)."""
 
 
-
 @mark_static("dim", "inverse_dims", "min_size")
 def centralize(
     dim: DimLike = None, inverse_dims: bool = False, min_size: int = 2

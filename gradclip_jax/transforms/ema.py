@@ -105,7 +105,9 @@ def _lerp(e: jax.Array, x: jax.Array, beta: jax.Array) -> jax.Array:
     return e + (1 - b) * (x.astype(e.dtype) - e)
 
 
-def _ema_hyperparams(fn: str, beta: Any, max_ema_growth: Any, init: Any, min_norm: Any) -> Hyperparams:
+def _ema_hyperparams(
+    fn: str, beta: Any, max_ema_growth: Any, init: Any, min_norm: Any
+) -> Hyperparams:
     hps = Hyperparams(fn)
     hps.add("beta", beta, low=0.0, high=1.0, high_inclusive=False)
     hps.add("max_ema_growth", max_ema_growth, low=0.0, allow_none=True)
@@ -114,10 +116,14 @@ def _ema_hyperparams(fn: str, beta: Any, max_ema_growth: Any, init: Any, min_nor
     return hps
 
 
-def _init_norm_by_ema(params: Any, fn: str, tensorwise: bool, init: Any, inner: Any) -> NormByEMAState:
+def _init_norm_by_ema(
+    params: Any, fn: str, tensorwise: bool, init: Any, inner: Any
+) -> NormByEMAState:
     count = _st.count0()
     fill = resolve(init, count)
-    exp_avg = _st.per_leaf(params, fn, lambda x: jnp.full(x.shape, jnp.asarray(fill).real, _st.array_dtype(x)))
+    exp_avg = _st.per_leaf(
+        params, fn, lambda x: jnp.full(x.shape, jnp.asarray(fill).real, _st.array_dtype(x))
+    )
     prev, norm, cap, no = _st.zero_norms(params, fn, tensorwise, slots=3)
     return NormByEMAState(
         count=count,
@@ -131,7 +137,11 @@ def _init_norm_by_ema(params: Any, fn: str, tensorwise: bool, init: Any, inner: 
 
 
 def _measure(
-    ema: list[jax.Array], state: NormByEMAState, spec: _norms.NormSpec, tensorwise: bool, fn: str,
+    ema: list[jax.Array],
+    state: NormByEMAState,
+    spec: _norms.NormSpec,
+    tensorwise: bool,
+    fn: str,
     dt: Any,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(e, prev, old_clip)``: the EMA's norms and the stored ones, stacked.
@@ -166,8 +176,14 @@ def _growth_limit(
 
 
 def _limit_ema_growth(
-    ema: list[jax.Array], e: jax.Array, prev: jax.Array, first: jax.Array, v: dict, dt: Any,
-    tensorwise: bool, ok: jax.Array,
+    ema: list[jax.Array],
+    e: jax.Array,
+    prev: jax.Array,
+    first: jax.Array,
+    v: dict,
+    dt: Any,
+    tensorwise: bool,
+    ok: jax.Array,
 ) -> tuple[list[jax.Array], jax.Array]:
     """The growth limit: ``(ema, e)`` with each EMA norm ``e`` grown by at most ``max_ema_growth``
     over ``prev`` (floored at ``min_norm``), the stored EMA rescaled where the limit acted."""
@@ -182,7 +198,12 @@ def _limit_ema_growth(
 
 
 def _rescaling(
-    a: jax.Array, e: jax.Array, dt: Any, normalize: bool, ok: jax.Array, invalid: jax.Array | None,
+    a: jax.Array,
+    e: jax.Array,
+    dt: Any,
+    normalize: bool,
+    ok: jax.Array,
+    invalid: jax.Array | None,
 ) -> tuple[jax.Array, jax.Array]:
     """``(factors, flags)`` of the update's rescaling, ``a / max(e, eps)`` clamped (torchzero's
     denominator): 1 on a step that does not count, NaN where a hyperparameter is invalid."""
@@ -222,15 +243,20 @@ def _norm_by_ema(
         first = count == 0
         old_ema = _st.leaves_of(state.exp_avg, len(arrays), fn, "exp_avg")
         v, invalid = hps.at(count, _norms.tree_acc_dtype(arrays))
-        a_list = (_st.whole_leaf_norms(arrays, spec) if tensorwise
-                  else [_norms.global_norm(arrays, spec, dtype=state.norm.dtype)])
+        a_list = (
+            _st.whole_leaf_norms(arrays, spec)
+            if tensorwise
+            else [_norms.global_norm(arrays, spec, dtype=state.norm.dtype)]
+        )
         dt = _norms.tree_acc_dtype(a_list)
         a = _st.stack(a_list, dt)
         # Whether the step counts is known before the EMA is formed, so the kept EMA is written
         # in the same elementwise pass as the new one. The stored EMA is then read by that pass
         # only, and a donated state is updated in place (no copy kept for a skipped step).
         ok = (_st.all_finite([a]) if skip else jnp.ones((), bool)) & counts(invalid)
-        ema = [jnp.where(ok, _lerp(o, u, v["beta"]), o) for o, u in zip(old_ema, arrays, strict=True)]
+        ema = [
+            jnp.where(ok, _lerp(o, u, v["beta"]), o) for o, u in zip(old_ema, arrays, strict=True)
+        ]
         e, prev, old_clip = _measure(ema, state, spec, tensorwise, fn, dt)
 
         if max_ema_growth is not None:
@@ -317,8 +343,16 @@ def clip_norm_by_ema(
       (5.0, 2.5)
     """
     return _norm_by_ema(
-        "clip_norm_by_ema", False, beta, ord, tensorwise, max_ema_growth, init, min_norm,
-        inner, skip_nonfinite,
+        "clip_norm_by_ema",
+        False,
+        beta,
+        ord,
+        tensorwise,
+        max_ema_growth,
+        init,
+        min_norm,
+        inner,
+        skip_nonfinite,
     )
 
 
@@ -372,8 +406,16 @@ def normalize_by_ema(
       [0.9, 1.2]
     """
     return _norm_by_ema(
-        "normalize_by_ema", True, beta, ord, tensorwise, max_ema_growth, init, min_norm,
-        inner, skip_nonfinite,
+        "normalize_by_ema",
+        True,
+        beta,
+        ord,
+        tensorwise,
+        max_ema_growth,
+        init,
+        min_norm,
+        inner,
+        skip_nonfinite,
     )
 
 
@@ -402,7 +444,12 @@ def _value_ema(u: jax.Array, e: jax.Array, count: jax.Array, v: dict) -> jax.Arr
 
 
 def _screen_value_step(
-    arrays: list[jax.Array], old: list[jax.Array], count: jax.Array, v: dict, plain: bool, skip: bool,
+    arrays: list[jax.Array],
+    old: list[jax.Array],
+    count: jax.Array,
+    v: dict,
+    plain: bool,
+    skip: bool,
     ok: jax.Array,
 ) -> tuple[jax.Array, list[jax.Array] | None]:
     """``(ok, hits)``: whether the step counts, and (``plain``: no ``inner``, no ``exp_avg_tfm``)
@@ -424,8 +471,12 @@ def _screen_value_step(
 
 
 def _value_bounds(
-    exp_avg_tfm: optax.GradientTransformation | None, bound_tree: Any, ema: list[jax.Array], tfm_state: Any,
-    params: Any, fn: str,
+    exp_avg_tfm: optax.GradientTransformation | None,
+    bound_tree: Any,
+    ema: list[jax.Array],
+    tfm_state: Any,
+    params: Any,
+    fn: str,
 ) -> tuple[list[jax.Array], Any]:
     """``(bounds, tfm_state)``: each leaf's clip bound, the kept EMA (``bound_tree``) passed through
     ``exp_avg_tfm`` when given, in the EMA's dtype."""
@@ -433,7 +484,9 @@ def _value_bounds(
         bound_tree, tfm_state = exp_avg_tfm.update(bound_tree, tfm_state, params)
     bounds = [
         jnp.asarray(b).astype(e.dtype)
-        for b, e in zip(_st.leaves_of(bound_tree, len(ema), fn, "exp_avg_tfm output"), ema, strict=True)
+        for b, e in zip(
+            _st.leaves_of(bound_tree, len(ema), fn, "exp_avg_tfm output"), ema, strict=True
+        )
     ]
     return bounds, tfm_state
 
@@ -521,9 +574,12 @@ def clip_value_by_ema(
         # The kept EMA is computed in one pass and is both the new state and the
         # bound's source (a skipped step's output ignores the bound), so every
         # element of the state is read and written once.
-        ema = [jnp.where(ok, _value_ema(u, e, count, v), e) for e, u in zip(old, arrays, strict=True)]
+        ema = [
+            jnp.where(ok, _value_ema(u, e, count, v), e) for e, u in zip(old, arrays, strict=True)
+        ]
         bounds, tfm_state = _value_bounds(
-            exp_avg_tfm, _st.like(state.exp_avg, ema), ema, state.exp_avg_tfm_state, params, fn)
+            exp_avg_tfm, _st.like(state.exp_avg, ema), ema, state.exp_avg_tfm_state, params, fn
+        )
 
         out_flat, inner_state = _st.run_inner(inner, updates, flat, state.inner_state, params, fn)
         outs, flags = [], []

@@ -264,9 +264,13 @@ def clip_norm_growth(
 
     def init_fn(params: Any) -> ClipNormGrowthState:
         prev, norm, cap, no = _st.zero_norms(params, fn, tensorwise, slots=3)
-        return ClipNormGrowthState(count=_st.count0(), prev_norm=prev, norm=norm, clip_norm=cap, clipped=no)
+        return ClipNormGrowthState(
+            count=_st.count0(), prev_norm=prev, norm=norm, clip_norm=cap, clipped=no
+        )
 
-    steps = _GrowthSteps(add is not None, mul is not None, min_value is not None, max_decay is not None)
+    steps = _GrowthSteps(
+        add is not None, mul is not None, min_value is not None, max_decay is not None
+    )
 
     def update_fn(updates: Any, state: ClipNormGrowthState, params: Any = None) -> tuple:
         del params
@@ -300,7 +304,9 @@ def clip_norm_growth(
             count=jnp.where(ok, increment(count), count),
             prev_norm=_st.pack(tensorwise, state.prev_norm, jnp.where(ok, tracked, prev)),
             norm=_st.pack(tensorwise, state.norm, nrm),
-            clip_norm=_st.pack(tensorwise, state.clip_norm, jnp.where(ok, bound, _st.stack(old_list, dt))),
+            clip_norm=_st.pack(
+                tensorwise, state.clip_norm, jnp.where(ok, bound, _st.stack(old_list, dt))
+            ),
             clipped=_st.pack(tensorwise, state.clipped, (f < 1) & ok),
         )
         return out, new_state
@@ -380,7 +386,9 @@ def clip_value_growth(
         mul is None or _fixed_product(mul, max_decay) >= 1
     )
 
-    bounds = _GrowthSteps(add is not None, mul is not None, min_value is not None, max_decay is not None)
+    bounds = _GrowthSteps(
+        add is not None, mul is not None, min_value is not None, max_decay is not None
+    )
 
     def update_fn(updates: Any, state: ClipValueGrowthState, params: Any = None) -> tuple:
         del params
@@ -394,7 +402,10 @@ def clip_value_growth(
         v, invalid = hps.at(count, _norms.tree_acc_dtype(arrays))
         # One read-only pass per leaf finds whether the update is finite and whether it
         # clips anything, before the output and the new state are written.
-        screens = [_st.screen(lambda x, r: bounds.hits(x, r, v), u, r) for u, r in zip(arrays, prevs, strict=True)]
+        screens = [
+            _st.screen(lambda x, r: bounds.hits(x, r, v), u, r)
+            for u, r in zip(arrays, prevs, strict=True)
+        ]
         finite = _st.every([f for f, _ in screens])
         ok = (finite if skip else jnp.ones((), bool)) & counts(invalid)
         outs, new_prev, flags = [], [], []
@@ -410,7 +421,9 @@ def clip_value_growth(
             tracked = out if same else jnp.where(first, u.astype(r.dtype), y)
             if max_decay is not None:
                 a = jnp.abs(out) if same and decay_from_output else bounds.after_add(u, r, v)
-                tracked = jnp.where(bounds.decays(a, r, v) & ~first, r / v["max_decay"].astype(r.dtype), tracked)
+                tracked = jnp.where(
+                    bounds.decays(a, r, v) & ~first, r / v["max_decay"].astype(r.dtype), tracked
+                )
             new_prev.append(jnp.where(ok, tracked, r))
             flags.append(hit & ok & ~first)
         new_state = ClipValueGrowthState(

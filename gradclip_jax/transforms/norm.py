@@ -79,7 +79,6 @@ class NormalizeState(NamedTuple):
     norm: Any
 
 
-
 @mark_static("ord", "axis_name")
 def clip_by_global_norm(
     max_norm: Hyperparam,
@@ -128,7 +127,9 @@ def clip_by_global_norm(
 
     def init_fn(params: Any) -> ClipByGlobalNormState:
         dtype = tree_dtype(params)
-        return ClipByGlobalNormState(count=_count0(), norm=jnp.zeros((), dtype), clipped=jnp.zeros((), bool))
+        return ClipByGlobalNormState(
+            count=_count0(), norm=jnp.zeros((), dtype), clipped=jnp.zeros((), bool)
+        )
 
     def update_fn(updates: Any, state: ClipByGlobalNormState | None, params: Any = None) -> tuple:
         del params
@@ -220,7 +221,11 @@ def clip_by_norm(
     def factor_of(v: dict, invalid: Any) -> Any:
         hi, lo = v["max_norm"], v["min_norm"]
         return lambda n: poison(
-            clip_factor(n, None if hi is None else hi.astype(n.dtype), None if lo is None else lo.astype(n.dtype)),
+            clip_factor(
+                n,
+                None if hi is None else hi.astype(n.dtype),
+                None if lo is None else lo.astype(n.dtype),
+            ),
             invalid,
         )
 
@@ -255,7 +260,9 @@ def _slice_transform(
         check_state(fn, state, state_cls)
         if dim != "global":
             # per-slice norms: a leaf of another shape would change the state's shapes
-            check_tree(fn, "norm", state.norm, updates, shape_of=lambda x: norm_shape(x, dim, inv, ms))
+            check_tree(
+                fn, "norm", state.norm, updates, shape_of=lambda x: norm_shape(x, dim, inv, ms)
+            )
         v, invalid = hps.at(state.count, tree_dtype(updates))
         out, nrm, clipped = rescale_tree(
             updates,
@@ -266,12 +273,16 @@ def _slice_transform(
             inverse_dims=inv,
             min_size=ms,
             norm_dtype=state_dtype(state.norm),
-            bound=hps.exact("max_norm", v) if "max_norm" in v else None,  # normalize: no bound, the margin
+            bound=hps.exact("max_norm", v)
+            if "max_norm" in v
+            else None,  # normalize: no bound, the margin
         )
         # the factors are NaN already; leaves left unchanged (no axis to reduce, min_size) must be too
         out = poison(out, invalid)
         extra = {"clipped": clipped} if flags else {}
-        return out, state_cls(count=increment(state.count), norm=like_state(nrm, state.norm), **extra)
+        return out, state_cls(
+            count=increment(state.count), norm=like_state(nrm, state.norm), **extra
+        )
 
     return optax.GradientTransformation(init_fn, update_fn)
 

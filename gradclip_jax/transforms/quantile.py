@@ -105,7 +105,10 @@ def quantile_clip(
         count = _st.count0()
         c0 = jnp.asarray(resolve(initial_norm, count), dt).reshape(())
         return QuantileClipState(
-            count=count, estimate=c0, norm=jnp.zeros((), dt), clip_norm=jnp.array(c0),  # a copy: donatable
+            count=count,
+            estimate=c0,
+            norm=jnp.zeros((), dt),
+            clip_norm=jnp.array(c0),  # a copy: donatable
             clipped=jnp.zeros((), bool),
         )
 

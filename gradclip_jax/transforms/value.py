@@ -50,9 +50,14 @@ class ClipByBlockRmsState(NamedTuple):
     clipped: Any
 
 
-
 def clip_value_tree(
-    tree: Any, bound: Any, fn: str, invalid: Any = None, *, raw_bound: Any = None, bools: bool = False
+    tree: Any,
+    bound: Any,
+    fn: str,
+    invalid: Any = None,
+    *,
+    raw_bound: Any = None,
+    bools: bool = False,
 ) -> Any:
     """Clamps every element to ``[-bound, bound]`` (complex: the magnitude).
 
@@ -161,7 +166,9 @@ def _clip_value(fn: str, name: str, bound: Hyperparam, bools: bool) -> optax.Gra
         state = init_fn(updates) if state is None else state
         check_state(fn, state, ClipByValueState)
         v, invalid = hps.at(state.count, tree_dtype(updates))
-        out = clip_value_tree(updates, v[name], fn, invalid, raw_bound=resolve(bound, state.count), bools=bools)
+        out = clip_value_tree(
+            updates, v[name], fn, invalid, raw_bound=resolve(bound, state.count), bools=bools
+        )
         return out, ClipByValueState(count=increment(state.count))
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -209,12 +216,19 @@ def clip_by_block_rms(threshold: Hyperparam) -> optax.GradientTransformation:
         state = init_fn(updates) if state is None else state
         check_state(fn, state, ClipByBlockRmsState)
         check_tree(fn, "norm", state.norm, updates)
-        updates = _norms.promote_ints(updates, bools=True)  # optax parity: computed in the default float dtype
+        updates = _norms.promote_ints(
+            updates, bools=True
+        )  # optax parity: computed in the default float dtype
         v, invalid = hps.at(state.count, tree_dtype(updates))
         out, nrm, clipped = rescale_tree(
-            updates, lambda n: poison(clip_factor(n, v["threshold"].astype(n.dtype)), invalid), fn=fn, ord=rms,
+            updates,
+            lambda n: poison(clip_factor(n, v["threshold"].astype(n.dtype)), invalid),
+            fn=fn,
+            ord=rms,
             bound=hps.exact("threshold", v),
         )
-        return out, ClipByBlockRmsState(count=increment(state.count), norm=like_state(nrm, state.norm), clipped=clipped)
+        return out, ClipByBlockRmsState(
+            count=increment(state.count), norm=like_state(nrm, state.norm), clipped=clipped
+        )
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -165,7 +165,9 @@ def zclip(
         if max_grad_norm is not None:
             cap = jnp.minimum(cap, v["max_grad_norm"])
         out, ok, fields = finish(flat, _clip_factor(n, cap), n, cap, state, skip, invalid)
-        mean, var = _zclip_statistics(n, state, in_warmup, jnp.where(spike, tau, n), spike & skip_stats, v)
+        mean, var = _zclip_statistics(
+            n, state, in_warmup, jnp.where(spike, tau, n), spike & skip_stats, v
+        )
         return out, ZClipState(
             mean=jnp.where(ok, mean, state.mean),
             var=jnp.where(ok, var, state.var),
@@ -176,8 +178,14 @@ def zclip(
     return optax.GradientTransformation(_zclip_init, update_fn)
 
 
-def _zclip_hyperparams(alpha: Hyperparam, z_thresh: Hyperparam, max_grad_norm: Hyperparam | None,
-                       clip_factor: Hyperparam, eps: Hyperparam, rel_std_floor: Hyperparam) -> Hyperparams:
+def _zclip_hyperparams(
+    alpha: Hyperparam,
+    z_thresh: Hyperparam,
+    max_grad_norm: Hyperparam | None,
+    clip_factor: Hyperparam,
+    eps: Hyperparam,
+    rel_std_floor: Hyperparam,
+) -> Hyperparams:
     """ZClip's checked hyperparameters (numbers, arrays or schedules)."""
     hps = Hyperparams("zclip")
     hps.add("alpha", alpha, low=0.0, high=1.0, high_inclusive=False)
@@ -193,12 +201,25 @@ def _zclip_init(params: Any) -> ZClipState:
     """ZClip's first state: zero statistics in the dtype of ``params``' scalars."""
     dt = _st.scalar_dtype(params)
     mean, var, norm, cap = (jnp.zeros((), dt) for _ in range(4))  # distinct buffers: donatable
-    return ZClipState(count=_st.count0(), mean=mean, var=var, norm=norm, clip_norm=cap,
-                      clipped=jnp.zeros((), bool), spike=jnp.zeros((), bool))
+    return ZClipState(
+        count=_st.count0(),
+        mean=mean,
+        var=var,
+        norm=norm,
+        clip_norm=cap,
+        clipped=jnp.zeros((), bool),
+        spike=jnp.zeros((), bool),
+    )
 
 
 def _zclip_threshold(
-    n: jax.Array, mean: jax.Array, var: jax.Array, active: jax.Array, v: dict, mode: str, option: str
+    n: jax.Array,
+    mean: jax.Array,
+    var: jax.Array,
+    active: jax.Array,
+    v: dict,
+    mode: str,
+    option: str,
 ) -> tuple[jax.Array, jax.Array]:
     """ZClip's adaptive threshold ``tau`` and spike flag against the previous statistics."""
     zt = v["z_thresh"]

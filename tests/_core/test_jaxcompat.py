@@ -55,13 +55,20 @@ def _real_flattree(n_consts: int, n_carry: int, n_xs: int) -> Any | None:
     if not hasattr(ft, "nones"):
         return None
     # consts in two sub-groups, as jax's own transpose rule nests them
-    return ft.pack(((ft.nones(1), ft.nones(n_consts - 1)) if n_consts > 1 else ft.nones(n_consts),
-                    ft.nones(n_carry), ft.nones(n_xs)))
+    return ft.pack(
+        (
+            (ft.nones(1), ft.nones(n_consts - 1)) if n_consts > 1 else ft.nones(n_consts),
+            ft.nones(n_carry),
+            ft.nones(n_xs),
+        )
+    )
 
 
 def _to_v011(eqn: Any) -> Any:
     """A scan equation of the jax <= 0.10 layout in the jax >= 0.11 one (nested jaxprs too)."""
-    p = {k: _closed_v011(v) if isinstance(v, jcore.ClosedJaxpr) else v for k, v in eqn.params.items()}
+    p = {
+        k: _closed_v011(v) if isinstance(v, jcore.ClosedJaxpr) else v for k, v in eqn.params.items()
+    }
     if eqn.primitive.name == "scan" and "num_consts" in p:
         n_consts, n_carry = p.pop("num_consts"), p.pop("num_carry")
         p.pop("linear", None)
@@ -74,7 +81,9 @@ def _to_v011(eqn: Any) -> Any:
 
 
 def _closed_v011(closed: Any) -> Any:
-    return jcore.ClosedJaxpr(closed.jaxpr.replace(eqns=[_to_v011(e) for e in closed.jaxpr.eqns]), closed.consts)
+    return jcore.ClosedJaxpr(
+        closed.jaxpr.replace(eqns=[_to_v011(e) for e in closed.jaxpr.eqns]), closed.consts
+    )
 
 
 def _to_v010(params: dict[str, Any]) -> dict[str, Any]:
@@ -97,7 +106,9 @@ def jax_011_scans(monkeypatch):
         return lambda *args, **kw: _closed_v011(make_jaxpr(fun, *a, **k)(*args, **kw))
 
     def bind_v011(eqn, invals, eqn_params=None):
-        return bind(eqn, invals, _to_v010(jc.params(eqn) if eqn_params is None else dict(eqn_params)))
+        return bind(
+            eqn, invals, _to_v010(jc.params(eqn) if eqn_params is None else dict(eqn_params))
+        )
 
     monkeypatch.setattr(jax, "make_jaxpr", make_jaxpr_v011)
     monkeypatch.setattr(jc, "bind", bind_v011)
@@ -105,13 +116,21 @@ def jax_011_scans(monkeypatch):
 
 def _scan_eqn(n_consts: int = 1):
     """A real scan equation: ``n_consts`` constants, one carry, two xs, two outputs (carry, y)."""
+
     def f(w, x, c, *consts):
         def body(h, xs):
             wi, xi = xs
             h = jnp.tanh(h @ wi + xi + sum(consts))
             return h, h.sum()
+
         return lax.scan(body, x, (w, c))
-    args = (jnp.ones((3, 4, 4)), jnp.ones((2, 4)), jnp.ones((3, 2, 4)), *[jnp.full((4,), i + 1.0) for i in range(n_consts)])
+
+    args = (
+        jnp.ones((3, 4, 4)),
+        jnp.ones((2, 4)),
+        jnp.ones((3, 2, 4)),
+        *[jnp.full((4,), i + 1.0) for i in range(n_consts)],
+    )
     closed = jax.make_jaxpr(f)(*args)
     return next(e for e in closed.jaxpr.eqns if e.primitive.name == "scan")
 
@@ -128,7 +147,10 @@ def test_scan_info_reads_both_layouts(n_consts):
     assert a.body is old.params["jaxpr"]
 
 
-@pytest.mark.skipif(_real_flattree(2, 1, 2) is None, reason="the installed jax has no FlatTree scan layout (jax < 0.11)")
+@pytest.mark.skipif(
+    _real_flattree(2, 1, 2) is None,
+    reason="the installed jax has no FlatTree scan layout (jax < 0.11)",
+)
 def test_scan_info_reads_jax_flattree():
     eqn = _scan_eqn(2)
     p = {k: v for k, v in eqn.params.items() if k not in ("num_consts", "num_carry", "linear")}
@@ -141,7 +163,9 @@ def test_unknown_layout_is_a_layout_error_naming_the_parameter():
     eqn = _scan_eqn(1)
     layouts = ("num_consts", "num_carry", "ft_in", "ft_out")  # jax <= 0.10's and jax >= 0.11's
     stripped = eqn.replace(params={k: v for k, v in eqn.params.items() if k not in layouts})
-    with pytest.raises(jc.LayoutError, match=r"'scan' equations of jax .* no parameter 'num_consts'"):
+    with pytest.raises(
+        jc.LayoutError, match=r"'scan' equations of jax .* no parameter 'num_consts'"
+    ):
         jc.scan_info(stripped)
     assert jc.scan_or_none(stripped) is None
     assert jc.scan_or_none(_scan_eqn(1)) is not None
@@ -177,7 +201,9 @@ def test_open_and_closed_jaxprs():
 
 
 def test_bind_runs_an_equation_in_its_context():
-    closed = jax.make_jaxpr(lambda a, b: lax.dot_general(a, b, (((1,), (0,)), ((), ()))))(jnp.ones((2, 3)), jnp.ones((3, 4)))
+    closed = jax.make_jaxpr(lambda a, b: lax.dot_general(a, b, (((1,), (0,)), ((), ()))))(
+        jnp.ones((2, 3)), jnp.ones((3, 4))
+    )
     eqn = closed.jaxpr.eqns[0]
     a, b = jnp.arange(6.0).reshape(2, 3), jnp.ones((3, 4))
     (out,) = jc.bind(eqn, [a, b])
@@ -185,18 +211,30 @@ def test_bind_runs_an_equation_in_its_context():
     changed = jc.params(eqn)
     changed["precision"] = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
     np.testing.assert_allclose(jc.bind(eqn, [a, b], changed)[0], a @ b)
-    assert jc.with_params(eqn, precision=changed["precision"]).params["precision"] == changed["precision"]
+    assert (
+        jc.with_params(eqn, precision=changed["precision"]).params["precision"]
+        == changed["precision"]
+    )
 
 
 def _rnn(seed=0, steps=5):
     """One weight shared by every step (the scan is unrolled for the analysis)."""
     r = np.random.default_rng(seed)
-    params = {"w": jnp.asarray(r.normal(size=(6, 6)) / 3, jnp.float32), "head": jnp.asarray(r.normal(size=(6, 3)), jnp.float32)}
-    data = {"x": jnp.asarray(r.normal(size=(4, steps, 6)), jnp.float32), "y": jnp.asarray(r.integers(0, 3, 4))}
+    params = {
+        "w": jnp.asarray(r.normal(size=(6, 6)) / 3, jnp.float32),
+        "head": jnp.asarray(r.normal(size=(6, 3)), jnp.float32),
+    }
+    data = {
+        "x": jnp.asarray(r.normal(size=(4, steps, 6)), jnp.float32),
+        "y": jnp.asarray(r.integers(0, 3, 4)),
+    }
 
     def loss(p, b):
-        h, _ = lax.scan(lambda h, x: (jnp.tanh(h @ p["w"] + x), None), jnp.tanh(b["x"][:, 0]),
-                        jnp.swapaxes(b["x"][:, 1:], 0, 1))
+        h, _ = lax.scan(
+            lambda h, x: (jnp.tanh(h @ p["w"] + x), None),
+            jnp.tanh(b["x"][:, 0]),
+            jnp.swapaxes(b["x"][:, 1:], 0, 1),
+        )
         return xent(h @ p["head"], b["y"])
 
     return loss, params, data
@@ -220,8 +258,11 @@ def test_loss_combining_examples_in_a_jax_011_scan_is_an_error(jax_011_scans):
     _, params, data = _rnn()
 
     def batch_mixing(p, b):  # the carry is normalized over the batch at every step
-        h, _ = lax.scan(lambda h, x: (jnp.tanh(h @ p["w"] + x) / jnp.mean(h * h + 1.0), None),
-                        jnp.ones_like(b["x"][:, 0]), jnp.swapaxes(b["x"], 0, 1))
+        h, _ = lax.scan(
+            lambda h, x: (jnp.tanh(h @ p["w"] + x) / jnp.mean(h * h + 1.0), None),
+            jnp.ones_like(b["x"][:, 0]),
+            jnp.swapaxes(b["x"], 0, 1),
+        )
         return xent(h @ p["head"], b["y"])
 
     for method in ("vmap", "ghost"):
@@ -235,7 +276,12 @@ def test_an_unreadable_layout_falls_back_with_the_reason(monkeypatch):
     one-example program; nothing crashes, and the result is the vmap path's."""
     make_jaxpr, bind = jax.make_jaxpr, jc.bind
     # both supported layouts renamed (jax <= 0.10's counts, jax >= 0.11's FlatTrees)
-    future = {"num_consts": "consts_count", "num_carry": "carry_count", "ft_in": "groups_in", "ft_out": "groups_out"}
+    future = {
+        "num_consts": "consts_count",
+        "num_carry": "carry_count",
+        "ft_in": "groups_in",
+        "ft_out": "groups_out",
+    }
 
     def eq(e):
         if e.primitive.name != "scan":
@@ -243,18 +289,26 @@ def test_an_unreadable_layout_falls_back_with_the_reason(monkeypatch):
         return e.replace(params={future.get(k, k): v for k, v in e.params.items()})
 
     def strip(closed):
-        return jcore.ClosedJaxpr(closed.jaxpr.replace(eqns=[eq(e) for e in closed.jaxpr.eqns]), closed.consts)
+        return jcore.ClosedJaxpr(
+            closed.jaxpr.replace(eqns=[eq(e) for e in closed.jaxpr.eqns]), closed.consts
+        )
 
     def bind_future(eqn, invals, eqn_params=None):  # the stand-in for that JAX's own scan
         back = {v: k for k, v in future.items()}
         p = jc.params(eqn) if eqn_params is None else dict(eqn_params)
         return bind(eqn, invals, {back.get(k, k): v for k, v in p.items()})
 
-    monkeypatch.setattr(jax, "make_jaxpr", lambda f, *a, **k: lambda *x, **kw: strip(make_jaxpr(f, *a, **k)(*x, **kw)))
+    monkeypatch.setattr(
+        jax,
+        "make_jaxpr",
+        lambda f, *a, **k: lambda *x, **kw: strip(make_jaxpr(f, *a, **k)(*x, **kw)),
+    )
     monkeypatch.setattr(jc, "bind", bind_future)
     loss, params, data = _rnn()
     report = ghost_report(loss, params, data)
-    assert {p for p, _ in report.fallback} == {"['w']"} and dict(report.ghost) == {"['head']": "dense"}
+    assert {p for p, _ in report.fallback} == {"['w']"} and dict(report.ghost) == {
+        "['head']": "dense"
+    }
     assert all("could not be analysed" in why and "num_consts" in why for _, why in report.fallback)
     with pytest.warns(UserWarning, match="could not be analysed"):
         got = clipped_grad(loss, 1.0, method="ghost")(params, data)

@@ -29,7 +29,10 @@ def strategy(request, monkeypatch):
     return _set(monkeypatch, request.param)
 
 
-@pytest.fixture(params=[(s, p) for s in STRATEGIES for p in (False, True)], ids=lambda sp: f"{sp[0]}-pack{sp[1]}")
+@pytest.fixture(
+    params=[(s, p) for s in STRATEGIES for p in (False, True)],
+    ids=lambda sp: f"{sp[0]}-pack{sp[1]}",
+)
 def packed_strategy(request, monkeypatch):
     return _set(monkeypatch, *request.param)
 
@@ -51,7 +54,10 @@ CASES = {
     "tiny+medium": [jnp.full((1000,), 1e-25, jnp.float32), jnp.array([1e-10], jnp.float32)],
     "bf16-huge": [jnp.full((8,), 1e30, jnp.bfloat16), jnp.full((3,), 2.0, jnp.bfloat16)],
     "fp16-300": [jnp.full((4,), 300.0, jnp.float16), jnp.full((1000,), 10.0, jnp.float16)],
-    "ordinary": [jnp.arange(12.0, dtype=jnp.float32).reshape(3, 4), jnp.array([-2.5, 7.0], jnp.float32)],
+    "ordinary": [
+        jnp.arange(12.0, dtype=jnp.float32).reshape(3, 4),
+        jnp.array([-2.5, 7.0], jnp.float32),
+    ],
 }
 
 
@@ -69,7 +75,9 @@ def test_gradient_is_x_over_norm_without_overflow(strategy, case):
     n = _exact(leaves)
     for g, x in zip(grads, leaves):
         assert np.all(np.isfinite(np.asarray(g)))
-        np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(x, np.float64) / n, rtol=1e-5, atol=1e-30)
+        np.testing.assert_allclose(
+            np.asarray(g, np.float64), np.asarray(x, np.float64) / n, rtol=1e-5, atol=1e-30
+        )
 
 
 def test_gradient_at_zero_is_zero(strategy):
@@ -96,16 +104,22 @@ def test_nan_and_inf_propagate(strategy):
 def test_per_slice_norms_and_rms_match_numpy(strategy):
     w = np.array([[3e30, 0.0, 1e-30], [4e30, 1.0, 1e-30]], np.float32)
     got = fresh_jit(lambda t: gcx.leaf_norms(t, dim=0))({"w": jnp.asarray(w)})["w"]
-    np.testing.assert_allclose(np.asarray(got), np.sqrt(np.sum(np.square(w.astype(np.float64)), 0)), rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(got), np.sqrt(np.sum(np.square(w.astype(np.float64)), 0)), rtol=1e-6
+    )
     x = jnp.array([3.0, 4.0, 0.0, 12.0])
     rms = float(fresh_jit(lambda t: gcx.tree_norm(t, ord="rms"))([x]))
-    np.testing.assert_allclose(rms, np.sqrt(np.mean(np.square(np.asarray(x, np.float64)))), rtol=1e-6)
+    np.testing.assert_allclose(
+        rms, np.sqrt(np.mean(np.square(np.asarray(x, np.float64)))), rtol=1e-6
+    )
 
 
 def test_empty_tree_and_vmap(strategy):
     assert float(fresh_jit(gcx.tree_norm)([])) == 0.0
     xs = jnp.array([[3.0, 4.0], [1e30, 0.0], [0.0, 0.0]])
-    np.testing.assert_allclose(np.asarray(fresh_jit(jax.vmap(lambda v: gcx.tree_norm([v])))(xs)), [5.0, 1e30, 0.0])
+    np.testing.assert_allclose(
+        np.asarray(fresh_jit(jax.vmap(lambda v: gcx.tree_norm([v])))(xs)), [5.0, 1e30, 0.0]
+    )
 
 
 def test_clip_by_global_norm_clips_huge_updates_to_the_bound(packed_strategy):
@@ -116,7 +130,9 @@ def test_clip_by_global_norm_clips_huge_updates_to_the_bound(packed_strategy):
     np.testing.assert_allclose(float(state.norm), _exact(list(u.values())), rtol=1e-6)
 
 
-@pytest.mark.cpu_only(reason="reads XLA:CPU's optimized program; other compilers may turn a conditional into selects")
+@pytest.mark.cpu_only(
+    reason="reads XLA:CPU's optimized program; other compilers may turn a conditional into selects"
+)
 def test_branch_free_strategies_compile_without_a_conditional(strategy):
     txt = fresh_jit(gcx.tree_norm).lower([jnp.ones(3), jnp.ones((2, 2))]).compile().as_text()
     assert ("conditional(" in txt) == (strategy == "cond")
@@ -148,7 +164,9 @@ def _row_case(scale_a, scale_b, dtype=jnp.float32):
     return [jnp.asarray(a, dtype), jnp.asarray(b, dtype)]
 
 
-@pytest.mark.parametrize(("scale_a", "scale_b"), [(1.0, 1.0), (1e25, 1e-25), (1e-30, 1e20), (3e18, 3e18)])
+@pytest.mark.parametrize(
+    ("scale_a", "scale_b"), [(1.0, 1.0), (1e25, 1e-25), (1e-30, 1e20), (3e18, 3e18)]
+)
 def test_joint_row_norms_are_each_examples_norm_for_every_range(scale_a, scale_b):
     arrays = _row_case(scale_a, scale_b)
     got = np.asarray(jax.jit(norms.joint_row_norms)(arrays), np.float64)
@@ -157,7 +175,9 @@ def test_joint_row_norms_are_each_examples_norm_for_every_range(scale_a, scale_b
 
 
 def test_joint_row_norms_take_16_bit_rows_in_float32_without_a_conditional():
-    arrays = [x.astype(jnp.bfloat16) for x in _row_case(1e30, 1.0)] + [jnp.full((5, 3), 300.0, jnp.float16)]
+    arrays = [x.astype(jnp.bfloat16) for x in _row_case(1e30, 1.0)] + [
+        jnp.full((5, 3), 300.0, jnp.float16)
+    ]
     f = jax.jit(norms.joint_row_norms)
     got = f(arrays)
     assert got.dtype == jnp.float32
@@ -179,8 +199,13 @@ def test_joint_row_norms_derivative_is_x_over_norm(scale_a, scale_b):
     grads = jax.jit(jax.grad(lambda xs: jnp.sum(w * norms.joint_row_norms(xs))))(arrays)
     n = _exact_rows(arrays)
     for g, x in zip(grads, arrays, strict=True):
-        want = np.asarray(w, np.float64).reshape((-1,) + (1,) * (x.ndim - 1)) * np.asarray(x, np.float64)
-        want = np.where(n.reshape(want.shape[:1] + (1,) * (x.ndim - 1)) > 0,
-                        want / np.maximum(n, 1e-300).reshape((-1,) + (1,) * (x.ndim - 1)), 0.0)
+        want = np.asarray(w, np.float64).reshape((-1,) + (1,) * (x.ndim - 1)) * np.asarray(
+            x, np.float64
+        )
+        want = np.where(
+            n.reshape(want.shape[:1] + (1,) * (x.ndim - 1)) > 0,
+            want / np.maximum(n, 1e-300).reshape((-1,) + (1,) * (x.ndim - 1)),
+            0.0,
+        )
         assert np.all(np.isfinite(np.asarray(g)))
         np.testing.assert_allclose(np.asarray(g, np.float64), want, rtol=1e-5, atol=1e-30)

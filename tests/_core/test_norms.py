@@ -13,8 +13,29 @@ import pytest
 import gradclip_jax as gcx
 from tests import oracle
 
-ORDS = [1, 2, 3, 1.5, 0.5, -1, -2.5, 0, math.inf, -math.inf, "l0", "l1", "l2", "l3", "l4",
-        "linf", "mad", "rms", "std", "var", "sum"]
+ORDS = [
+    1,
+    2,
+    3,
+    1.5,
+    0.5,
+    -1,
+    -2.5,
+    0,
+    math.inf,
+    -math.inf,
+    "l0",
+    "l1",
+    "l2",
+    "l3",
+    "l4",
+    "linf",
+    "mad",
+    "rms",
+    "std",
+    "var",
+    "sum",
+]
 
 
 def _tree(seed=0, dtype=np.float64):
@@ -41,8 +62,9 @@ def test_global_norm_equals_norm_of_concatenation(ord_):
 
 
 @pytest.mark.parametrize("ord_", ORDS, ids=str)
-@pytest.mark.parametrize("dim,inverse", [(None, False), (0, False), (-1, False), ((0, 1), False),
-                                         (0, True), (-1, True)])
+@pytest.mark.parametrize(
+    "dim,inverse", [(None, False), (0, False), (-1, False), ((0, 1), False), (0, True), (-1, True)]
+)
 def test_leaf_norms_match_numpy(ord_, dim, inverse):
     tree = _tree(1, np.float32)
     got = gcx.leaf_norms(tree, ord=ord_, dim=dim, inverse_dims=inverse)
@@ -61,7 +83,9 @@ def test_leaf_norms_keepdims_broadcasts():
     x = jnp.arange(12.0).reshape(3, 4)
     n = gcx.leaf_norms([x], dim=1, keepdims=True)[0]
     assert n.shape == (3, 1)
-    np.testing.assert_allclose(n[:, 0], np.linalg.norm(np.arange(12.0).reshape(3, 4), axis=1), rtol=1e-6)
+    np.testing.assert_allclose(
+        n[:, 0], np.linalg.norm(np.arange(12.0).reshape(3, 4), axis=1), rtol=1e-6
+    )
 
 
 def test_axes_a_leaf_lacks_are_ignored():
@@ -128,8 +152,15 @@ def test_nan_ord_and_bool_ord_are_rejected():
 
 def test_ord_string_aliases():
     x = [jnp.array([1.0, -2.0, 0.0, 4.0])]
-    for alias, num in [("l1", 1), ("l2", 2), ("linf", math.inf), ("l0", 0), ("inf", math.inf),
-                       ("-inf", -math.inf), ("L2", 2)]:
+    for alias, num in [
+        ("l1", 1),
+        ("l2", 2),
+        ("linf", math.inf),
+        ("l0", 0),
+        ("inf", math.inf),
+        ("-inf", -math.inf),
+        ("L2", 2),
+    ]:
         assert float(gcx.tree_norm(x, ord=alias)) == float(gcx.tree_norm(x, ord=num))
 
 
@@ -184,8 +215,11 @@ def test_tiny_values_do_not_underflow_to_zero(ord_):
 def test_negative_p_with_a_zero_element_is_zero_and_robust():
     assert float(gcx.tree_norm([jnp.array([0.0, 1.0])], ord=-1)) == 0.0
     x = np.array([1e-30, 2e-30])
-    np.testing.assert_allclose(float(gcx.tree_norm([jnp.asarray(x, jnp.float32)], ord=-2)),
-                               float(oracle.norm(x, -2).reshape(())), rtol=1e-5)
+    np.testing.assert_allclose(
+        float(gcx.tree_norm([jnp.asarray(x, jnp.float32)], ord=-2)),
+        float(oracle.norm(x, -2).reshape(())),
+        rtol=1e-5,
+    )
 
 
 def test_bf16_thousand_leaves_accumulate_in_float32():
@@ -220,18 +254,28 @@ def test_norm_under_jit_and_vmap():
     f = jax.jit(lambda t: gcx.tree_norm([t]))
     np.testing.assert_allclose(f(x), np.linalg.norm(np.arange(6.0)), rtol=1e-6)
     per_row = jax.vmap(lambda r: gcx.tree_norm({"r": r}))(x)
-    np.testing.assert_allclose(per_row, np.linalg.norm(np.arange(6.0).reshape(2, 3), axis=1), rtol=1e-6)
+    np.testing.assert_allclose(
+        per_row, np.linalg.norm(np.arange(6.0).reshape(2, 3), axis=1), rtol=1e-6
+    )
     # vmap with a batched fallback predicate (one row huge, one normal)
     big = jnp.array([[1e30, 1e30], [3.0, 4.0]], jnp.float32)
-    np.testing.assert_allclose(jax.vmap(lambda r: gcx.tree_norm([r]))(big), [math.sqrt(2) * 1e30, 5.0], rtol=1e-6)
+    np.testing.assert_allclose(
+        jax.vmap(lambda r: gcx.tree_norm([r]))(big), [math.sqrt(2) * 1e30, 5.0], rtol=1e-6
+    )
 
 
 @pytest.mark.parametrize("big", [1e38, 3e38, 3.4e38])
 def test_per_slice_norm_near_float32_max(big):
     """Regression: dividing by max|x| ~ 1e38 flushed its reciprocal to zero."""
-    n = gcx.leaf_norms({"w": jnp.array([big, 0.0], jnp.float32), "m": jnp.array([[big, big]], jnp.float32)}, dim=None)
+    n = gcx.leaf_norms(
+        {"w": jnp.array([big, 0.0], jnp.float32), "m": jnp.array([[big, big]], jnp.float32)},
+        dim=None,
+    )
     np.testing.assert_allclose(float(n["w"]), big, rtol=1e-6)
-    assert float(n["m"]) == math.inf or abs(float(n["m"]) - big * math.sqrt(2)) / (big * math.sqrt(2)) < 1e-6
+    assert (
+        float(n["m"]) == math.inf
+        or abs(float(n["m"]) - big * math.sqrt(2)) / (big * math.sqrt(2)) < 1e-6
+    )
     tx = gcx.clip_by_norm(1.0)
     out, state = tx.update([jnp.array([big, 0.0], jnp.float32)], tx.init([jnp.zeros(2)]))
     np.testing.assert_allclose(float(state.norm[0]), big, rtol=1e-6)
@@ -249,7 +293,9 @@ def test_stateful_finiteness_and_change_checks():
         assert not bool(st.all_finite([jnp.array([1.0, bad])]))
         assert not bool(jax.jit(st.all_finite)([jnp.array([[0.0], [bad]], jnp.bfloat16)]))
         assert not bool(st.all_finite([jnp.array([1.0, complex(bad, 0)], jnp.complex64)]))
-    assert bool(st.all_finite([jnp.array([3e38, -3e38, 1e-45])]))  # huge and subnormal values are finite
+    assert bool(
+        st.all_finite([jnp.array([3e38, -3e38, 1e-45])])
+    )  # huge and subnormal values are finite
     assert bool(st.any_exceeds(jnp.array([0.5, -2.0]), jnp.array([1.0, 1.5])))
     assert not bool(st.any_exceeds(jnp.array([0.5, -1.5]), jnp.array([1.0, 1.5])))
     assert bool(st.any_exceeds(jnp.array([1j]), jnp.array([0.5])))
@@ -266,10 +312,23 @@ def test_guard_power_of_two_from_exponent_bits(dtype):
 
     info = jnp.finfo(dtype)
     r = np.random.default_rng(0)
-    vals = np.concatenate([
-        [0.0, np.inf, np.nan, float(info.tiny), float(info.smallest_subnormal), float(info.max), 1.0, 2.0, 3.0, 0.75],
-        np.abs(r.standard_normal(500)) * 10.0 ** r.integers(-45, 45, 500),
-    ])
+    vals = np.concatenate(
+        [
+            [
+                0.0,
+                np.inf,
+                np.nan,
+                float(info.tiny),
+                float(info.smallest_subnormal),
+                float(info.max),
+                1.0,
+                2.0,
+                3.0,
+                0.75,
+            ],
+            np.abs(r.standard_normal(500)) * 10.0 ** r.integers(-45, 45, 500),
+        ]
+    )
     with np.errstate(over="ignore"):
         m = jnp.asarray(vals.astype(np.float64).clip(0, float(info.max)), dtype)
 
@@ -298,8 +357,13 @@ def test_slice_norms_of_stacked_equal_arrays_match_separate_ones():
     from gradclip_jax._core.norms import NormSpec, slice_norms
 
     r = np.random.default_rng(0)
-    arrays = [jnp.asarray(r.standard_normal((4, 6)) * s, jnp.float32) for s in (1.0, 1e30, 1e-30, 0.0)]
-    arrays += [jnp.asarray(r.standard_normal((4, 6)), jnp.bfloat16), jnp.asarray(r.standard_normal((5, 6)))]
+    arrays = [
+        jnp.asarray(r.standard_normal((4, 6)) * s, jnp.float32) for s in (1.0, 1e30, 1e-30, 0.0)
+    ]
+    arrays += [
+        jnp.asarray(r.standard_normal((4, 6)), jnp.bfloat16),
+        jnp.asarray(r.standard_normal((5, 6))),
+    ]
     axes = [(1,), (-1,), (1,), (1,), (1,), (1,)]
     jaxpr = jax.make_jaxpr(lambda *xs: slice_norms(list(xs), axes, NormSpec("pow", p=2.0)))(*arrays)
     conds = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "cond"]

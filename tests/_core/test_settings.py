@@ -43,7 +43,11 @@ def test_a_forwarded_name_reads_and_assigns_its_home(monkeypatch):
 
 def _program(method: str, nan_safe: bool = False, **kw):
     loss, params, data = mlp_setup()
-    return str(jax.make_jaxpr(clipped_grad(loss, 1.0, method=method, nan_safe=nan_safe, **kw))(params, data))
+    return str(
+        jax.make_jaxpr(clipped_grad(loss, 1.0, method=method, nan_safe=nan_safe, **kw))(
+            params, data
+        )
+    )
 
 
 @pytest.mark.parametrize("public", [ghost_pkg, OLD_GHOST], ids=["per_example.ghost", "gcx.ghost"])
@@ -75,13 +79,16 @@ def test_bookkeeping_max_share_set_from_its_public_path_takes_effect(public, mon
     assert _program("ghost", True) != _program("ghost", True, ghost_sum="backward")
 
 
-@pytest.mark.parametrize("public,home,name", [
-    (OLD_PRIVACY, noise, "NOISE_BLOCK_SIZE"),
-    (noise, noise, "NOISE_BLOCK_SIZE"),
-    (core_norms, _reduce, "PACK_MAX_SIZE"),
-    (core_norms, _reduce, "SLICE_PACK_MAX_SIZE"),
-    (hardened, _discrete_gaussian, "MAX_SIGMA"),
-])
+@pytest.mark.parametrize(
+    "public,home,name",
+    [
+        (OLD_PRIVACY, noise, "NOISE_BLOCK_SIZE"),
+        (noise, noise, "NOISE_BLOCK_SIZE"),
+        (core_norms, _reduce, "PACK_MAX_SIZE"),
+        (core_norms, _reduce, "SLICE_PACK_MAX_SIZE"),
+        (hardened, _discrete_gaussian, "MAX_SIGMA"),
+    ],
+)
 def test_other_forwarded_settings_assign_their_defining_module(public, home, name, monkeypatch):
     before = getattr(home, name)
     assert getattr(public, name) == before

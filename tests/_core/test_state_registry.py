@@ -20,8 +20,13 @@ def test_every_public_state_class_is_registered_once():
 
 def test_monitor_imports_nothing_at_run_time():
     tree = ast.parse(pathlib.Path(monitor.__file__).read_text())
-    inner = [n for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
-             for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    inner = [
+        n
+        for f in ast.walk(tree)
+        if isinstance(f, ast.FunctionDef)
+        for n in ast.walk(f)
+        if isinstance(n, (ast.Import, ast.ImportFrom))
+    ]
     assert inner == []
 
 

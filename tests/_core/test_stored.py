@@ -33,4 +33,6 @@ def test_stored_scale_keeps_complex_values_complex():
     np.testing.assert_array_equal(np.asarray(out), np.asarray(z) * 0.5)
     half = _stored.stored_scale(jnp.ones(3, jnp.bfloat16), jnp.float32(1 / 3))
     assert half.dtype == jnp.bfloat16  # computed in float32, rounded once to the leaf's dtype
-    np.testing.assert_array_equal(np.asarray(half, np.float32), np.float32(jnp.bfloat16(np.float32(1 / 3))))
+    np.testing.assert_array_equal(
+        np.asarray(half, np.float32), np.float32(jnp.bfloat16(np.float32(1 / 3)))
+    )

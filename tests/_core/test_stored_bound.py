@@ -34,12 +34,22 @@ def mixed_trees(draw, batch=None):
 
 
 def _norm64(tree) -> float:
-    return float(np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree_util.tree_leaves(tree))))
+    return float(
+        np.sqrt(
+            sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree_util.tree_leaves(tree))
+        )
+    )
 
 
 def test_the_reported_case():
-    tree = [jnp.full((7,), 0.7, jnp.float16), jnp.full((5,), -1.3, jnp.bfloat16), jnp.full((3,), 0.9, jnp.float32)]
-    out, _ = gcx.clip_by_global_norm(1.0).update(tree, None if False else gcx.clip_by_global_norm(1.0).init(tree))
+    tree = [
+        jnp.full((7,), 0.7, jnp.float16),
+        jnp.full((5,), -1.3, jnp.bfloat16),
+        jnp.full((3,), 0.9, jnp.float32),
+    ]
+    out, _ = gcx.clip_by_global_norm(1.0).update(
+        tree, None if False else gcx.clip_by_global_norm(1.0).init(tree)
+    )
     assert _norm64(out) <= 1.0
     assert _norm64(out) > 1.0 - 2**-7  # and nothing much was lost
 
@@ -54,7 +64,9 @@ def test_clip_by_global_norm(case):
     assert [x.dtype for x in out] == [x.dtype for x in tree]
     assert _norm64(out) <= clip
     if _norm64(tree) <= clip * (1 - 1e-3):  # below the bound: untouched
-        assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(out, tree, strict=True))
+        assert all(
+            np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(out, tree, strict=True)
+        )
 
 
 @settings(max_examples=25, deadline=None)

@@ -38,7 +38,9 @@ def test_either_spelling_returns_the_one_given_without_a_warning():
 def test_either_spelling_rejects_both_and_names_them():
     with pytest.raises(TypeError, match=r"^f: got both `a` and `b`"):
         either_spelling("f", "a", "b", 1, 1)
-    with pytest.raises(TypeError, match=r"^g: missing the required argument `l2_clip_norm`.*`l2_norm_clip`"):
+    with pytest.raises(
+        TypeError, match=r"^g: missing the required argument `l2_clip_norm`.*`l2_norm_clip`"
+    ):
         clip_norm_arg("g", None, None)
 
 
@@ -104,8 +106,17 @@ def test_check_bool_choice_transform():
 def test_one_definition_of_each_check():
     """Every check of the package is defined once, in _core.validation (the duplicates of issue 30)."""
     root = pathlib.Path(validation.__file__).parents[1]
-    names = ("check_int", "check_mask", "check_bool", "check_choice", "check_transform", "check_scalar",
-             "check_number", "renamed_kwarg", "static_value")
+    names = (
+        "check_int",
+        "check_mask",
+        "check_bool",
+        "check_choice",
+        "check_transform",
+        "check_scalar",
+        "check_number",
+        "renamed_kwarg",
+        "static_value",
+    )
     defs = {n: [] for n in names}
     for path in root.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):

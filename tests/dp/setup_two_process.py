@@ -17,14 +17,29 @@ N, EXPECTED, STEPS = 512, 48, 4
 
 def data() -> dict[str, np.ndarray]:
     r = np.random.default_rng(0)
-    return {"x": r.normal(size=(N, 64)).astype(np.float32), "y": r.integers(0, 10, N).astype(np.int32)}
+    return {
+        "x": r.normal(size=(N, 64)).astype(np.float32),
+        "y": r.integers(0, 10, N).astype(np.int32),
+    }
 
 
 def build(process_index: int = 0, process_count: int = 1, **kw: Any) -> PrivateTraining:
     return make_private(
-        per_example_loss, optax.sgd(0.5), dataset_size=N, expected_batch_size=EXPECTED, steps=STEPS,
-        target_epsilon=4.0, delta=1e-4, l2_clip_norm=0.5, seed=3, max_batch_size=96, method="vmap",
-        process_index=process_index, process_count=process_count, accountant="rdp", **kw,
+        per_example_loss,
+        optax.sgd(0.5),
+        dataset_size=N,
+        expected_batch_size=EXPECTED,
+        steps=STEPS,
+        target_epsilon=4.0,
+        delta=1e-4,
+        l2_clip_norm=0.5,
+        seed=3,
+        max_batch_size=96,
+        method="vmap",
+        process_index=process_index,
+        process_count=process_count,
+        accountant="rdp",
+        **kw,
     )
 
 

@@ -37,7 +37,12 @@ def _direct_rdp(z, q, steps, delta):
 
 @pytest.mark.parametrize(
     "z,q,steps,delta",
-    [(1.1, 256 / 60000, 14062, 1e-5), (0.8, 0.01, 1000, 1e-6), (4.0, 1.0, 10, 1e-5), (1.0, 0.1, 1, 1e-3)],
+    [
+        (1.1, 256 / 60000, 14062, 1e-5),
+        (0.8, 0.01, 1000, 1e-6),
+        (4.0, 1.0, 10, 1e-5),
+        (1.0, 0.1, 1, 1e-3),
+    ],
 )
 def test_epsilon_matches_rdp_accountant(z, q, steps, delta):
     eps = accounting.epsilon(z, q, steps, delta, accountant="rdp")
@@ -59,7 +64,9 @@ def test_epsilon_known_value_and_pld():
     fine = dp_accounting.pld.PLDAccountant()
     fine.compose(accounting.dp_sgd_event(1.1, 0.01, 200))
     assert fine.get_epsilon(1e-5) <= pld <= fine.get_epsilon(1e-5) * (1 + 1e-4)
-    assert pld <= accounting.epsilon(1.1, 0.01, 200, 1e-5, accountant="rdp") * 1.01  # PLD is at least as tight
+    assert (
+        pld <= accounting.epsilon(1.1, 0.01, 200, 1e-5, accountant="rdp") * 1.01
+    )  # PLD is at least as tight
 
 
 def test_epsilon_is_monotone():
@@ -84,7 +91,11 @@ def test_calibrate_inverts_epsilon(target):
     assert eps == pytest.approx(target, rel=1e-2)
     # and the other way round
     z2 = accounting.calibrate_noise_multiplier(
-        accounting.epsilon(1.3, q, steps, delta, accountant="rdp"), q, steps, delta, accountant="rdp"
+        accounting.epsilon(1.3, q, steps, delta, accountant="rdp"),
+        q,
+        steps,
+        delta,
+        accountant="rdp",
     )
     assert z2 == pytest.approx(1.3, abs=2e-3)
 
@@ -153,11 +164,17 @@ def test_calibrate_unreachable_target_names_it():
 
 def _direct_accountant(kind, phases):
     """dp-accounting's accountant, from scratch (PLD: on the grid of the smallest z and all the steps)."""
-    acc = dp_accounting.pld.PLDAccountant(value_discretization_interval=_grid(phases)) if kind == "pld" else \
-        dp_accounting.rdp.RdpAccountant()
+    acc = (
+        dp_accounting.pld.PLDAccountant(value_discretization_interval=_grid(phases))
+        if kind == "pld"
+        else dp_accounting.rdp.RdpAccountant()
+    )
     for z, q, t in phases:
-        acc.compose(dp_accounting.SelfComposedDpEvent(
-            dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), t))
+        acc.compose(
+            dp_accounting.SelfComposedDpEvent(
+                dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), t
+            )
+        )
     return acc
 
 
@@ -178,7 +195,9 @@ def test_accountant_equals_dp_accounting(kind):
     # any time: after the first phase it equals the one-phase formula
     first = PrivacyAccountant(kind)
     first.step(1.1, 0.02, 160)
-    assert first.epsilon(1e-5) == pytest.approx(accounting.epsilon(1.1, 0.02, 160, 1e-5, accountant=kind), rel=1e-9)
+    assert first.epsilon(1e-5) == pytest.approx(
+        accounting.epsilon(1.1, 0.02, 160, 1e-5, accountant=kind), rel=1e-9
+    )
     assert first.epsilon(1e-5) < acc.epsilon(1e-5)
     # delta(epsilon) is the inverse
     assert first.delta(first.epsilon(1e-5)) == pytest.approx(1e-5, rel=0.05)
@@ -219,8 +238,11 @@ def test_accountant_truncated_poisson_equals_dp_accounting():
     acc = PrivacyAccountant()
     acc.step(1.0, 0.1, 10, truncated_batch_size=15, dataset_size=100)
     direct = dp_accounting.pld.PLDAccountant()
-    direct.compose(dp_accounting.SelfComposedDpEvent(
-        dp_accounting.TruncatedSubsampledGaussianDpEvent(100, 0.1, 15, 1.0), 10))
+    direct.compose(
+        dp_accounting.SelfComposedDpEvent(
+            dp_accounting.TruncatedSubsampledGaussianDpEvent(100, 0.1, 15, 1.0), 10
+        )
+    )
     assert acc.epsilon(1e-5) == pytest.approx(direct.get_epsilon(1e-5), rel=1e-6)
     plain = PrivacyAccountant()
     plain.step(1.0, 0.1, 10)
@@ -255,7 +277,9 @@ def test_load_state_dict_restores_in_place_and_checks_the_kind():
     other.step(5.0, 0.5, 1)
     other.load_state_dict(acc.state_dict())
     assert other.phases == acc.phases and other.epsilon(1e-5) == acc.epsilon(1e-5)
-    with pytest.raises(ValueError, match=r"`state` was saved by a 'pld' accountant, this one is 'rdp'"):
+    with pytest.raises(
+        ValueError, match=r"`state` was saved by a 'pld' accountant, this one is 'rdp'"
+    ):
         PrivacyAccountant("rdp").load_state_dict(acc.state_dict())
     with pytest.raises(ValueError, match=r"`state` must be a dict"):
         other.load_state_dict([1, 2])
@@ -285,7 +309,9 @@ def test_pld_grid_follows_the_smallest_noise():
     acc = PrivacyAccountant()
     acc.step(2.0, 0.01, 10)
     acc.step(0.5, 0.01, 10)  # the grid of z=0.5 for the whole record
-    direct = dp_accounting.pld.PLDAccountant(value_discretization_interval=_grid([(2.0, 0.01, 10), (0.5, 0.01, 10)]))
+    direct = dp_accounting.pld.PLDAccountant(
+        value_discretization_interval=_grid([(2.0, 0.01, 10), (0.5, 0.01, 10)])
+    )
     direct.compose(acc.dp_event())
     assert acc.epsilon(1e-5) == pytest.approx(direct.get_epsilon(1e-5), rel=1e-8)
 
@@ -301,13 +327,19 @@ def test_accountant_epsilon_reuses_its_composition_and_equals_a_fresh_one(kind, 
     _composition._step_pld_cached.cache_clear()
     _composition._step_rdp_cached.cache_clear()
     built = []  # each step's PLD, or RDP vector, that is built
-    module, name = ((privacy_loss_distribution, "from_gaussian_mechanism") if kind == "pld" else
-                    (dp_accounting.rdp.rdp_privacy_accountant, "_compute_rdp_poisson_subsampled_gaussian"))
+    module, name = (
+        (privacy_loss_distribution, "from_gaussian_mechanism")
+        if kind == "pld"
+        else (dp_accounting.rdp.rdp_privacy_accountant, "_compute_rdp_poisson_subsampled_gaussian")
+    )
     make = getattr(module, name)
     monkeypatch.setattr(module, name, lambda *a, **k: built.append(1) or make(*a, **k))
     z, q, delta = 2.0, 0.05, 1e-5
     acc = PrivacyAccountant(kind)
-    done, counts = 0, (1, 2, 3, 10, 17, 40, 41, 120)  # extensions by 1, 7, ...; 120 is on a coarser grid
+    done, counts = (
+        0,
+        (1, 2, 3, 10, 17, 40, 41, 120),
+    )  # extensions by 1, 7, ...; 120 is on a coarser grid
     answers = []
     for t in counts:
         acc.step(z, q, steps=t - done)
@@ -316,7 +348,11 @@ def test_accountant_epsilon_reuses_its_composition_and_equals_a_fresh_one(kind, 
     grids = {_grid([(z, q, t)]) for t in counts} if kind == "pld" else {None}
     assert len(built) == len(grids) < 4  # a step's PLD per grid (RDP: one), not one per call
     for t, eps in zip(counts, answers, strict=True):
-        fresh = _direct(kind, [(z, q, t)], delta) if t == 41 else accounting.epsilon(z, q, t, delta, kind)
+        fresh = (
+            _direct(kind, [(z, q, t)], delta)
+            if t == 41
+            else accounting.epsilon(z, q, t, delta, kind)
+        )
         assert eps == pytest.approx(fresh, rel=1e-8)
     resumed = PrivacyAccountant.from_state_dict(acc.state_dict())
     assert resumed.epsilon(delta) == pytest.approx(acc.epsilon(delta), rel=1e-8)
@@ -329,7 +365,9 @@ def _direct_delta(kind, phases, epsilon):
     return _direct_accountant(kind, phases).get_delta(epsilon)
 
 
-@pytest.mark.parametrize(("kind", "target"), [("rdp", 0.1), ("rdp", 8.0), ("rdp", 1e6), ("pld", 1.0)])
+@pytest.mark.parametrize(
+    ("kind", "target"), [("rdp", 0.1), ("rdp", 8.0), ("rdp", 1e6), ("pld", 1.0)]
+)
 def test_calibration_takes_few_evaluations_and_lands_near_the_target(kind, target, monkeypatch):
     """A bracket from secant steps on log z, then Brent's method: a handful of accountant
     evaluations at any target, and the epsilon planned within the tolerance below the target."""
@@ -337,8 +375,9 @@ def test_calibration_takes_few_evaluations_and_lands_near_the_target(kind, targe
 
     calls = []
     epsilon = _composition.Composition.epsilon
-    monkeypatch.setattr(_composition.Composition, "epsilon",
-                        lambda self, *a: calls.append(1) or epsilon(self, *a))
+    monkeypatch.setattr(
+        _composition.Composition, "epsilon", lambda self, *a: calls.append(1) or epsilon(self, *a)
+    )
     q, steps, delta = 64 / 1500, 100, 1e-5
     z = accounting.calibrate_noise_multiplier(target, q, steps, delta, accountant=kind)
     assert len(calls) <= 10

@@ -55,7 +55,9 @@ def _close(a, b, rtol=1e-5, atol=1e-6):
 def test_dp_aggregate_matches_optax(noise_multiplier, clip):
     """Same seed, same key splitting: the same noise draw, step after step."""
     ours = dp_aggregate(clip, noise_multiplier, seed=42)
-    ref = optax.contrib.differentially_private_aggregate(clip, noise_multiplier, key=jax.random.key(42))
+    ref = optax.contrib.differentially_private_aggregate(
+        clip, noise_multiplier, key=jax.random.key(42)
+    )
     params = _params()
     s1, s2 = ours.init(params), ref.init(params)
     up1, up2 = jax.jit(ours.update), jax.jit(ref.update)
@@ -110,11 +112,20 @@ def test_dp_aggregate_noise_statistics(dtype):
     tx = dp_aggregate(clip, z, seed=3)
     out, state = jax.jit(tx.update)(g, tx.init(None))
     assert out["w"].dtype == dtype
-    noise = np.concatenate([np.asarray(out["w"], np.float64), np.asarray(out["v"], np.float64)]) * batch
+    noise = (
+        np.concatenate([np.asarray(out["w"], np.float64), np.asarray(out["v"], np.float64)]) * batch
+    )
     assert abs(noise.mean()) < 4 * clip * z / math.sqrt(noise.size)
     assert noise.std() == pytest.approx(clip * z, rel=0.03)
     # leaves get independent noise, and the next step fresh noise
-    assert abs(np.corrcoef(np.asarray(out["w"][:10000], np.float64), np.asarray(out["v"], np.float64))[0, 1]) < 0.05
+    assert (
+        abs(
+            np.corrcoef(np.asarray(out["w"][:10000], np.float64), np.asarray(out["v"], np.float64))[
+                0, 1
+            ]
+        )
+        < 0.05
+    )
     out2, _ = jax.jit(tx.update)(g, state)
     assert not np.allclose(np.asarray(out2["w"], np.float32), np.asarray(out["w"], np.float32))
 
@@ -124,14 +135,17 @@ def test_dp_noise_after_clipped_grad():
         return 0.5 * jnp.sum((b["x"] * w - b["y"]) ** 2, axis=-1)
 
     r = np.random.default_rng(0)
-    batch = {"x": jnp.asarray(r.normal(size=(16, 5000)), jnp.float32), "y": jnp.asarray(r.normal(size=(16, 5000)), jnp.float32)}
+    batch = {
+        "x": jnp.asarray(r.normal(size=(16, 5000)), jnp.float32),
+        "y": jnp.asarray(r.normal(size=(16, 5000)), jnp.float32),
+    }
     grad_fn = clipped_grad(loss, 1.0)
     w = jnp.zeros(5000)
     grads, _ = jax.jit(grad_fn)(w, batch)
     z = 2.0
     tx = dp_noise(z * grad_fn.sensitivity(), seed=0, normalize_by=16)
     noised, _ = jax.jit(tx.update)(grads, tx.init(w))
-    resid = (np.asarray(noised, np.float64) * 16 - np.asarray(grads, np.float64))
+    resid = np.asarray(noised, np.float64) * 16 - np.asarray(grads, np.float64)
     assert resid.std() == pytest.approx(z * 1.0, rel=0.05)
     tx0 = dp_noise(0.0, seed=0, normalize_by=4)
     out, _ = tx0.update({"w": jnp.array([2.0])}, tx0.init(None))
@@ -226,7 +240,9 @@ def test_construction_errors():
     with pytest.raises(ValueError, match="initial_l2_norm_clip"):
         dp_quantile_aggregate(1.0, seed=0, expected_batch_size=100, initial_l2_norm_clip=0.0)
     with pytest.raises(ValueError, match="min_l2_norm_clip"):
-        dp_quantile_aggregate(1.0, seed=0, expected_batch_size=100, min_l2_norm_clip=2.0, max_l2_norm_clip=1.0)
+        dp_quantile_aggregate(
+            1.0, seed=0, expected_batch_size=100, min_l2_norm_clip=2.0, max_l2_norm_clip=1.0
+        )
     with pytest.raises(ValueError, match=r"leaf \['b'\] has batch size"):
         tx = dp_aggregate(1.0, 1.0, seed=0)
         tx.update({"w": jnp.ones((4, 2)), "b": jnp.ones((3, 2))}, tx.init(None))
@@ -278,8 +294,14 @@ def test_quantile_update_noiseless_exact(geometric):
     g = _norm_rows(norms)
     c0, gamma, eta = 5.5, 0.8, 0.2
     tx = dp_quantile_aggregate(
-        0.0, seed=0, initial_l2_norm_clip=c0, target_unclipped_quantile=gamma,
-        clip_learning_rate=eta, expected_batch_size=10, count_noise_std=0.0, geometric_update=geometric,
+        0.0,
+        seed=0,
+        initial_l2_norm_clip=c0,
+        target_unclipped_quantile=gamma,
+        clip_learning_rate=eta,
+        expected_batch_size=10,
+        count_noise_std=0.0,
+        geometric_update=geometric,
     )
     state = tx.init({"g": jnp.zeros(2)})
     out, state = jax.jit(tx.update)(g, state)
@@ -290,8 +312,14 @@ def test_quantile_update_noiseless_exact(geometric):
     summed, _ = per_example_global_norm_clip(g, c0)
     _close(out, jax.tree.map(lambda s: s / 10, summed))
     # an example exactly at the clip norm counts as unclipped
-    tx2 = dp_quantile_aggregate(0.0, seed=0, initial_l2_norm_clip=2.0, expected_batch_size=2, count_noise_std=0.0,
-                                target_unclipped_quantile=1.0)
+    tx2 = dp_quantile_aggregate(
+        0.0,
+        seed=0,
+        initial_l2_norm_clip=2.0,
+        expected_batch_size=2,
+        count_noise_std=0.0,
+        target_unclipped_quantile=1.0,
+    )
     _, s2 = tx2.update({"g": jnp.array([[2.0, 0.0], [0.0, 0.0]])}, tx2.init(None))
     assert float(s2.clip_norm) == pytest.approx(2.0)
 
@@ -299,12 +327,19 @@ def test_quantile_update_noiseless_exact(geometric):
 def test_quantile_clamps_and_bounds():
     g = _norm_rows(np.full(10, 100.0))
     tx = dp_quantile_aggregate(
-        0.0, seed=0, initial_l2_norm_clip=1.0, expected_batch_size=10, count_noise_std=0.0, max_l2_norm_clip=1.1
+        0.0,
+        seed=0,
+        initial_l2_norm_clip=1.0,
+        expected_batch_size=10,
+        count_noise_std=0.0,
+        max_l2_norm_clip=1.1,
     )
     _, s = tx.update(g, tx.init(None))
     assert float(s.clip_norm) == pytest.approx(1.1)  # exp(0.1) = 1.105 clamped to 1.1
     # huge count noise: the fraction is clamped to [0, 1], so one step moves C by at most e^(eta/2)
-    tx = dp_quantile_aggregate(1.0, seed=0, initial_l2_norm_clip=1.0, expected_batch_size=10, count_noise_std=1e6)
+    tx = dp_quantile_aggregate(
+        1.0, seed=0, initial_l2_norm_clip=1.0, expected_batch_size=10, count_noise_std=1e6
+    )
     state = tx.init(None)
     upd = jax.jit(tx.update)
     for _ in range(20):
@@ -316,8 +351,9 @@ def test_quantile_clamps_and_bounds():
 def test_quantile_converges_to_target_quantile():
     r = np.random.default_rng(0)
     m = 256
-    tx = dp_quantile_aggregate(1.0, seed=0, initial_l2_norm_clip=0.1, expected_batch_size=m,
-                               target_unclipped_quantile=0.5)
+    tx = dp_quantile_aggregate(
+        1.0, seed=0, initial_l2_norm_clip=0.1, expected_batch_size=m, target_unclipped_quantile=0.5
+    )
     keys = jax.random.split(jax.random.key(1), 300)
 
     def step(state, k):
@@ -347,8 +383,14 @@ def test_quantile_mask_excludes_padding():
     norms = np.array([1.0, 1.0, 1.0, 1.0, 50.0, 50.0])
     g = _norm_rows(norms)
     mask = jnp.array([True, True, True, True, False, False])
-    tx = dp_quantile_aggregate(0.0, seed=0, initial_l2_norm_clip=2.0, expected_batch_size=4, count_noise_std=0.0,
-                               target_unclipped_quantile=0.5)
+    tx = dp_quantile_aggregate(
+        0.0,
+        seed=0,
+        initial_l2_norm_clip=2.0,
+        expected_batch_size=4,
+        count_noise_std=0.0,
+        target_unclipped_quantile=0.5,
+    )
     _, s = tx.update(g, tx.init(None), mask=mask)
     # all 4 real examples are unclipped: fraction 1 -> C shrinks by exp(-0.2 * 0.5)
     assert float(s.clip_norm) == pytest.approx(2.0 * math.exp(-0.1), rel=1e-6)
@@ -356,7 +398,10 @@ def test_quantile_mask_excludes_padding():
 
 def test_aggregates_refuse_multisteps():
     grads = {"w": jnp.ones((4, 2))}
-    for tx in (dp_aggregate(1.0, 1.0, seed=0), dp_quantile_aggregate(1.0, seed=0, expected_batch_size=4, count_noise_std=1.0)):
+    for tx in (
+        dp_aggregate(1.0, 1.0, seed=0),
+        dp_quantile_aggregate(1.0, seed=0, expected_batch_size=4, count_noise_std=1.0),
+    ):
         ms = optax.MultiSteps(tx, every_k_schedule=2)
         with pytest.raises(ValueError, match="MultiSteps"):
             ms.update(grads, ms.init({"w": jnp.zeros(2)}))
@@ -396,14 +441,31 @@ def test_both_spellings_of_the_clip_norm_are_accepted_without_a_warning(factory,
 # ----------------------------------------------------------------------------
 
 _INJECTED = {
-    "dp_aggregate": (dp_aggregate, {"l2_norm_clip": 1.0, "noise_multiplier": 1.0, "seed": 0, "batch_size": 8.0}),
-    "dpsgd": (dpsgd, {"learning_rate": 0.1, "l2_norm_clip": 1.0, "noise_multiplier": 1.0, "seed": 0,
-                      "momentum": 0.9}),
+    "dp_aggregate": (
+        dp_aggregate,
+        {"l2_norm_clip": 1.0, "noise_multiplier": 1.0, "seed": 0, "batch_size": 8.0},
+    ),
+    "dpsgd": (
+        dpsgd,
+        {
+            "learning_rate": 0.1,
+            "l2_norm_clip": 1.0,
+            "noise_multiplier": 1.0,
+            "seed": 0,
+            "momentum": 0.9,
+        },
+    ),
     "dp_noise": (dp_noise, {"stddev": 1.0, "seed": 0, "normalize_by": 4.0}),
 }
-_BAD = {"l2_norm_clip": (-1.0, math.nan), "noise_multiplier": (-1.0, math.nan), "stddev": (-1.0, math.nan),
-        "batch_size": (-8.0, 0.0, math.nan), "normalize_by": (-4.0, 0.0, math.nan),
-        "learning_rate": (-0.1, math.nan), "momentum": (-1.0, 1.0, math.nan)}
+_BAD = {
+    "l2_norm_clip": (-1.0, math.nan),
+    "noise_multiplier": (-1.0, math.nan),
+    "stddev": (-1.0, math.nan),
+    "batch_size": (-8.0, 0.0, math.nan),
+    "normalize_by": (-4.0, 0.0, math.nan),
+    "learning_rate": (-0.1, math.nan),
+    "momentum": (-1.0, 1.0, math.nan),
+}
 
 
 @pytest.mark.parametrize("name", sorted(_INJECTED))
@@ -431,10 +493,13 @@ def test_invalid_traced_noise_clip_and_learning_rate_give_nan(name):
 
 
 def test_dpsgd_rejects_ascent_and_bad_momentum():
-    for kwargs, match in (({"learning_rate": -0.1}, "learning_rate"), ({"learning_rate": math.nan}, "learning_rate"),
-                          ({"learning_rate": 0.1, "momentum": -1.0}, "momentum"),
-                          ({"learning_rate": 0.1, "momentum": 1.0}, "momentum"),
-                          ({"learning_rate": 0.1, "momentum": math.nan}, "momentum")):
+    for kwargs, match in (
+        ({"learning_rate": -0.1}, "learning_rate"),
+        ({"learning_rate": math.nan}, "learning_rate"),
+        ({"learning_rate": 0.1, "momentum": -1.0}, "momentum"),
+        ({"learning_rate": 0.1, "momentum": 1.0}, "momentum"),
+        ({"learning_rate": 0.1, "momentum": math.nan}, "momentum"),
+    ):
         with pytest.raises(ValueError, match=rf"^dpsgd: .*{match}"):
             dpsgd(l2_norm_clip=1.0, noise_multiplier=1.0, seed=0, **kwargs)
     # a schedule that turns negative gives a NaN update at the step it does (never ascent)
@@ -455,13 +520,29 @@ def test_quantile_aggregate_takes_both_spellings_of_its_clip_norms():
     grads = {"w": jnp.arange(12.0).reshape(4, 3)}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        a = dp_quantile_aggregate(0.0, 0, initial_l2_clip_norm=0.5, min_l2_clip_norm=0.1, max_l2_clip_norm=2.0,
-                                  expected_batch_size=4)
-        b = dp_quantile_aggregate(0.0, 0, initial_l2_norm_clip=0.5, min_l2_norm_clip=0.1, max_l2_norm_clip=2.0,
-                                  expected_batch_size=4)
+        a = dp_quantile_aggregate(
+            0.0,
+            0,
+            initial_l2_clip_norm=0.5,
+            min_l2_clip_norm=0.1,
+            max_l2_clip_norm=2.0,
+            expected_batch_size=4,
+        )
+        b = dp_quantile_aggregate(
+            0.0,
+            0,
+            initial_l2_norm_clip=0.5,
+            min_l2_norm_clip=0.1,
+            max_l2_norm_clip=2.0,
+            expected_batch_size=4,
+        )
     (ua, sa), (ub, sb) = a.update(grads, a.init(grads)), b.update(grads, b.init(grads))
     assert jnp.array_equal(ua["w"], ub["w"]) and jnp.array_equal(sa.clip_norm, sb.clip_norm)
     for name in ("initial", "min", "max"):
         with pytest.raises(TypeError, match=f"{name}_l2_clip_norm"):
-            dp_quantile_aggregate(0.0, 0, expected_batch_size=4,
-                                  **{f"{name}_l2_clip_norm": 1.0, f"{name}_l2_norm_clip": 1.0})
+            dp_quantile_aggregate(
+                0.0,
+                0,
+                expected_batch_size=4,
+                **{f"{name}_l2_clip_norm": 1.0, f"{name}_l2_norm_clip": 1.0},
+            )

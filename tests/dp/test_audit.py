@@ -89,7 +89,9 @@ def test_clipped_canary_gradient_is_c_times_its_own_coordinate_and_an_out_canary
     audited = can.wrap_data(_lin_data(4))
     params = can.wrap_params(jnp.ones(3))
     grad_fn = gcx.clipped_grad(can.wrap_loss(_lin_loss), c)
-    per_row = [grad_fn(params, jax.tree.map(lambda a, i=i: a[i:i + 1], audited))[0] for i in range(7)]
+    per_row = [
+        grad_fn(params, jax.tree.map(lambda a, i=i: a[i : i + 1], audited))[0] for i in range(7)
+    ]
     for i in range(4):  # real rows: the model's gradient, none on the canaries
         assert float(jnp.abs(per_row[i]["canary"]).max()) == 0.0
         assert float(jnp.linalg.norm(per_row[i]["model"])) > 0.0
@@ -109,8 +111,17 @@ def test_scores_are_how_far_training_moved_each_canary_against_its_gradient():
 
 def test_audit_of_a_tiny_honest_run_reports_the_accountants_epsilon_and_a_lower_bound_below_it():
     res = audit_epsilon(
-        _lin_loss, jnp.zeros(3), _lin_data(50), num_canaries=100, target_epsilon=2.0, delta=1e-4,
-        l2_clip_norm=1.0, expected_batch_size=15, steps=10, process_index=0, process_count=1,
+        _lin_loss,
+        jnp.zeros(3),
+        _lin_data(50),
+        num_canaries=100,
+        target_epsilon=2.0,
+        delta=1e-4,
+        l2_clip_norm=1.0,
+        expected_batch_size=15,
+        steps=10,
+        process_index=0,
+        process_count=1,
     )
     assert res.claimed_epsilon <= 2.0 + 1e-9 and res.delta == 1e-4
     assert res.scores.shape == res.included.shape == (100,)
@@ -129,9 +140,17 @@ def digits():
 
 
 def _private(canaries, audited, target_epsilon, **kw):
-    args = dict(dataset_size=int(audited["canary"].shape[0]), target_epsilon=target_epsilon, delta=DELTA,
-                l2_clip_norm=canaries.l2_clip_norm, expected_batch_size=BATCH, steps=STEPS, seed=0,
-                process_index=0, process_count=1)
+    args = dict(
+        dataset_size=int(audited["canary"].shape[0]),
+        target_epsilon=target_epsilon,
+        delta=DELTA,
+        l2_clip_norm=canaries.l2_clip_norm,
+        expected_batch_size=BATCH,
+        steps=STEPS,
+        seed=0,
+        process_index=0,
+        process_count=1,
+    )
     return gcx.make_private(canaries.wrap_loss(per_example_loss), optax.sgd(0.5), **{**args, **kw})
 
 
@@ -152,7 +171,9 @@ def _canary_trajectory(step, priv, params, batches):
     """``(steps + 1, m)``: the canary coordinates before training and after each step."""
     opt_state, out = priv.init(params), [np.asarray(params["canary"])]
     for t, (batch, mask) in enumerate(batches):
-        params, opt_state = step(params, opt_state, batch, mask, jax.random.fold_in(jax.random.key(1), t))[:2]
+        params, opt_state = step(
+            params, opt_state, batch, mask, jax.random.fold_in(jax.random.key(1), t)
+        )[:2]
         out.append(np.asarray(params["canary"]))
     return np.stack(out)
 
@@ -166,9 +187,18 @@ def _report(case, claimed, bound):
 def test_honest_make_private_run_stays_below_the_accountants_epsilon(digits, epsilon):
     data, params = digits
     res = audit_epsilon(
-        per_example_loss, params, data, num_canaries=CANARIES, target_epsilon=epsilon, delta=DELTA,
-        l2_clip_norm=1.0, expected_batch_size=BATCH, steps=STEPS, optimizer=optax.sgd(0.5),
-        process_index=0, process_count=1,
+        per_example_loss,
+        params,
+        data,
+        num_canaries=CANARIES,
+        target_epsilon=epsilon,
+        delta=DELTA,
+        l2_clip_norm=1.0,
+        expected_batch_size=BATCH,
+        steps=STEPS,
+        optimizer=optax.sgd(0.5),
+        process_index=0,
+        process_count=1,
     )
     _report(f"honest, epsilon {epsilon:g}", res.claimed_epsilon, res.epsilon_lower_bound)
     assert res.claimed_epsilon == pytest.approx(epsilon, rel=1e-3)
@@ -184,9 +214,12 @@ def test_audit_flags_a_pipeline_with_too_little_noise(digits, bug, epsilon):
     audited = canaries.wrap_data(data)
     priv = _private(canaries, audited, epsilon)
     z, c = priv.noise_multiplier, priv.l2_clip_norm
-    std = 0.0 if bug == "no noise" else z * c / priv.expected_batch_size  # the accountant assumes z*C
-    traj = _canary_trajectory(_step_with_noise_std(priv, std), priv, canaries.wrap_params(params),
-                              priv.batches(audited))
+    std = (
+        0.0 if bug == "no noise" else z * c / priv.expected_batch_size
+    )  # the accountant assumes z*C
+    traj = _canary_trajectory(
+        _step_with_noise_std(priv, std), priv, canaries.wrap_params(params), priv.batches(audited)
+    )
     bound = canaries.epsilon_lower_bound(traj[0] - traj[-1], DELTA)
     _report(f"{bug}, epsilon {epsilon:g}", priv.epsilon(), bound)
     assert priv.epsilon() == pytest.approx(epsilon, rel=1e-3)
@@ -230,20 +263,30 @@ class ShuffledReportedAsPoisson(IndexSampler):
     reported to the accountant as Poisson sampling at ``q = b / n``."""
 
     def __init__(self, dataset_size, batch_size, *, steps, seed=0):
-        super().__init__(dataset_size, steps=steps, max_batch_size=batch_size, seed=seed,
-                         process_index=0, process_count=1)
+        super().__init__(
+            dataset_size,
+            steps=steps,
+            max_batch_size=batch_size,
+            seed=seed,
+            process_index=0,
+            process_count=1,
+        )
         self.batch_size = self.expected_batch_size = batch_size
         self._epochs = {}
 
     def draw(self, step):
         epoch, k = divmod(step, self.dataset_size // self.batch_size)
         if epoch not in self._epochs:
-            self._epochs[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.dataset_size)
-        return np.sort(self._epochs[epoch][k * self.batch_size:(k + 1) * self.batch_size])
+            self._epochs[epoch] = np.random.default_rng([self.seed, epoch]).permutation(
+                self.dataset_size
+            )
+        return np.sort(self._epochs[epoch][k * self.batch_size : (k + 1) * self.batch_size])
 
     def dp_event(self, noise_multiplier):
         q = self.batch_size / self.dataset_size
-        return dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(noise_multiplier))
+        return dp_accounting.PoissonSampledDpEvent(
+            q, dp_accounting.GaussianDpEvent(noise_multiplier)
+        )
 
 
 def _shuffled(n=400, b=4, steps=100):
@@ -251,9 +294,18 @@ def _shuffled(n=400, b=4, steps=100):
 
 
 def _poisson(n=400, b=4, steps=100):
-    m = PoissonSampler(n, expected_batch_size=b, steps=steps, process_index=0, process_count=1).max_batch_size
-    return lambda seed: PoissonSampler(n, expected_batch_size=b, steps=steps, seed=seed, max_batch_size=m,
-                                       process_index=0, process_count=1)
+    m = PoissonSampler(
+        n, expected_batch_size=b, steps=steps, process_index=0, process_count=1
+    ).max_batch_size
+    return lambda seed: PoissonSampler(
+        n,
+        expected_batch_size=b,
+        steps=steps,
+        seed=seed,
+        max_batch_size=m,
+        process_index=0,
+        process_count=1,
+    )
 
 
 def test_shuffled_sampler_puts_every_example_in_exactly_one_batch_per_epoch():
@@ -282,27 +334,35 @@ def test_sampling_canary_and_background_rows_clip_to_plus_c_e0_and_minus_c_e0_or
     w = jnp.array([0.3, -0.2])
     for canary_in, canary_row in ((True, [c, 0.0]), (False, [0.0, 0.0])):
         data = _sampling_data(5, canary_in, background)
-        rows = [grad_fn(w, jax.tree.map(lambda a, i=i: a[i:i + 1], data))[0] for i in range(5)]
+        rows = [grad_fn(w, jax.tree.map(lambda a, i=i: a[i : i + 1], data))[0] for i in range(5)]
         np.testing.assert_allclose(rows[0], canary_row, rtol=1e-6)
         for row in rows[1:]:
-            np.testing.assert_allclose(row, [-c, 0.0] if background == "opposite" else [0.0, c], rtol=1e-6)
+            np.testing.assert_allclose(
+                row, [-c, 0.0] if background == "opposite" else [0.0, c], rtol=1e-6
+            )
 
 
 def test_sampling_scores_are_the_canary_batchs_noisy_sum_over_c():
     """At tiny noise, with batches of 4 and the opposite background, the step of the canary's batch
     sums -3 + 1 (canary in) or -3 + 0 (zeroed out) times C along e_0, every other step -4 C: the
     score, the largest step, is -2 or -3."""
-    res = audit_sampling(_shuffled(40, 4, 10), target_epsilon=60.0, delta=1e-5, runs=64, l2_clip_norm=0.5)
+    res = audit_sampling(
+        _shuffled(40, 4, 10), target_epsilon=60.0, delta=1e-5, runs=64, l2_clip_norm=0.5
+    )
     assert res.noise_multiplier < 0.3 and res.runs == 64
     assert res.in_scores.shape == res.out_scores.shape == (64,)
     assert abs(np.median(res.in_scores) + 2.0) < 0.2 and abs(np.median(res.out_scores) + 3.0) < 0.2
-    assert res.epsilon_lower_bound > 1.0  # perfectly told apart: the bound is the runs' (about ln 64/4)
+    assert (
+        res.epsilon_lower_bound > 1.0
+    )  # perfectly told apart: the bound is the runs' (about ln 64/4)
 
 
 def test_sampling_scores_by_epoch_add_each_epochs_largest_step():
     """Two epochs of 10 steps at tiny noise, scored per epoch: the canary's batch in each epoch
     gives -2 (in) or -3 (out), so the scores are about -4 and -6."""
-    res = audit_sampling(_shuffled(40, 4, 20), target_epsilon=60.0, delta=1e-5, runs=32, epoch_steps=10)
+    res = audit_sampling(
+        _shuffled(40, 4, 20), target_epsilon=60.0, delta=1e-5, runs=32, epoch_steps=10
+    )
     assert abs(np.median(res.in_scores) + 4.0) < 0.4 and abs(np.median(res.out_scores) + 6.0) < 0.4
     with pytest.raises(ValueError, match="epoch_steps"):
         audit_sampling(_shuffled(40, 4, 20), target_epsilon=2.0, delta=1e-5, runs=2, epoch_steps=3)
@@ -316,16 +376,27 @@ def test_small_honest_poisson_sampling_audit_reports_the_claim_and_stays_below_i
 
 def test_sampling_audit_rejects_bad_arguments():
     with pytest.raises(ValueError, match="background"):
-        audit_sampling(_poisson(100, 5, 2), target_epsilon=2.0, delta=1e-5, runs=4, background="aligned")
+        audit_sampling(
+            _poisson(100, 5, 2), target_epsilon=2.0, delta=1e-5, runs=4, background="aligned"
+        )
     with pytest.raises(ValueError, match="runs"):
         audit_sampling(_poisson(100, 5, 2), target_epsilon=2.0, delta=1e-5, runs=0)
     with pytest.raises(ValueError, match="process_count"):
-        audit_sampling(lambda s: PoissonSampler(100, expected_batch_size=4, steps=2, seed=s, process_index=0,
-                                                process_count=2),
-                       target_epsilon=2.0, delta=1e-5, runs=4)
+        audit_sampling(
+            lambda s: PoissonSampler(
+                100, expected_batch_size=4, steps=2, seed=s, process_index=0, process_count=2
+            ),
+            target_epsilon=2.0,
+            delta=1e-5,
+            runs=4,
+        )
     with pytest.raises(ValueError, match="same dataset_size"):
-        audit_sampling(lambda s: ShuffledReportedAsPoisson(40 + 4 * s, 4, steps=2, seed=s),
-                       target_epsilon=2.0, delta=1e-5, runs=2)
+        audit_sampling(
+            lambda s: ShuffledReportedAsPoisson(40 + 4 * s, 4, steps=2, seed=s),
+            target_epsilon=2.0,
+            delta=1e-5,
+            runs=2,
+        )
     with pytest.raises(TypeError, match="BatchSampler"):
         audit_sampling(lambda s: object(), target_epsilon=2.0, delta=1e-5, runs=2)
 
@@ -341,7 +412,11 @@ def test_sampling_audit_flags_shuffled_batches_reported_as_poisson_and_passes_po
     bounds = {}
     for name, sampler in (("shuffled, reported as Poisson", _shuffled()), ("Poisson", _poisson())):
         res = audit_sampling(sampler, target_epsilon=1.0, delta=1e-5, runs=RUNS)
-        _report(f"{name}: {RUNS} runs each side, max-step scores", res.claimed_epsilon, res.epsilon_lower_bound)
+        _report(
+            f"{name}: {RUNS} runs each side, max-step scores",
+            res.claimed_epsilon,
+            res.epsilon_lower_bound,
+        )
         assert res.claimed_epsilon == pytest.approx(1.0, rel=1e-3)
         bounds[name] = res.epsilon_lower_bound
     assert bounds["shuffled, reported as Poisson"] > 1.0 > bounds["Poisson"]
@@ -352,6 +427,9 @@ def test_sampling_audit_loses_shuffled_batches_at_large_noise():
     """The limit of the audit: at claimed epsilon 0.25 (noise multiplier 1.65), the same shuffled
     pipeline is not caught; the gap between shuffling and Poisson sampling closes as the noise grows."""
     res = audit_sampling(_shuffled(), target_epsilon=0.25, delta=1e-5, runs=RUNS)
-    _report(f"shuffled, reported as Poisson, epsilon 0.25: {RUNS} runs each side", res.claimed_epsilon,
-            res.epsilon_lower_bound)
+    _report(
+        f"shuffled, reported as Poisson, epsilon 0.25: {RUNS} runs each side",
+        res.claimed_epsilon,
+        res.epsilon_lower_bound,
+    )
     assert res.noise_multiplier > 1.5 and not res.falsified

@@ -27,8 +27,14 @@ class FixedSizeSampler(IndexSampler):
     neighboring = "replace"
 
     def __init__(self, dataset_size: int, batch_size: int, *, steps: int, seed: int = 0):
-        super().__init__(dataset_size, steps=steps, max_batch_size=batch_size, seed=seed,
-                         process_index=0, process_count=1)
+        super().__init__(
+            dataset_size,
+            steps=steps,
+            max_batch_size=batch_size,
+            seed=seed,
+            process_index=0,
+            process_count=1,
+        )
         self.batch_size = batch_size
         self.expected_batch_size = float(batch_size)  # exact: every batch has this size
 
@@ -38,7 +44,8 @@ class FixedSizeSampler(IndexSampler):
 
     def dp_event(self, noise_multiplier: float) -> dp_accounting.DpEvent:
         return dp_accounting.SampledWithoutReplacementDpEvent(
-            self.dataset_size, self.batch_size, dp_accounting.GaussianDpEvent(noise_multiplier))
+            self.dataset_size, self.batch_size, dp_accounting.GaussianDpEvent(noise_multiplier)
+        )
 
     def plan(self) -> dict:
         return {"sampler": "fixed_size", "batch_size": self.batch_size, "seed": self.seed}
@@ -59,7 +66,9 @@ def _private(sampler, **kw):
 
 
 def _direct_epsilon(z: float, steps: int, delta: float) -> float:
-    acc = dp_accounting.rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    acc = dp_accounting.rdp.RdpAccountant(
+        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE
+    )
     event = dp_accounting.SampledWithoutReplacementDpEvent(N, B, dp_accounting.GaussianDpEvent(z))
     acc.compose(dp_accounting.SelfComposedDpEvent(event, steps))
     return float(acc.get_epsilon(delta))
@@ -67,14 +76,25 @@ def _direct_epsilon(z: float, steps: int, delta: float) -> float:
 
 def test_both_samplers_follow_the_protocol():
     poisson = PoissonSampler(N, steps=T, expected_batch_size=B, process_index=0, process_count=1)
-    assert isinstance(poisson, BatchSampler) and isinstance(FixedSizeSampler(N, B, steps=T), BatchSampler)
+    assert isinstance(poisson, BatchSampler) and isinstance(
+        FixedSizeSampler(N, B, steps=T), BatchSampler
+    )
     assert gcx.dp.PoissonBatch is SampledBatch and isinstance(poisson.batch(0), SampledBatch)
     assert poisson.neighboring == "add_or_remove"
     want = dp_accounting.PoissonSampledDpEvent(B / N, dp_accounting.GaussianDpEvent(1.3))
     assert poisson.dp_event(1.3) == want
-    trunc = PoissonSampler(N, steps=T, expected_batch_size=B, on_overflow="truncate", max_batch_size=30,
-                           process_index=0, process_count=1)
-    assert trunc.dp_event(1.3) == dp_accounting.TruncatedSubsampledGaussianDpEvent(N, B / N, 30, 1.3)
+    trunc = PoissonSampler(
+        N,
+        steps=T,
+        expected_batch_size=B,
+        on_overflow="truncate",
+        max_batch_size=30,
+        process_index=0,
+        process_count=1,
+    )
+    assert trunc.dp_event(1.3) == dp_accounting.TruncatedSubsampledGaussianDpEvent(
+        N, B / N, 30, 1.3
+    )
 
 
 def test_a_custom_sampler_plugs_into_make_private_with_its_own_accounting():

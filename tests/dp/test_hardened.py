@@ -23,11 +23,12 @@ from gradclip_jax.dp.hardened import _discrete_gaussian as dg
 def _pmf(sigma: float, ks: np.ndarray) -> np.ndarray:
     """The discrete Gaussian's pmf at ``ks`` (float64 is plenty for a goodness-of-fit test)."""
     k = np.arange(-int(14 * sigma) - 3, int(14 * sigma) + 4)
-    z = np.exp(-k.astype(float) ** 2 / (2 * sigma**2)).sum()
-    return np.exp(-ks.astype(float) ** 2 / (2 * sigma**2)) / z
+    z = np.exp(-(k.astype(float) ** 2) / (2 * sigma**2)).sum()
+    return np.exp(-(ks.astype(float) ** 2) / (2 * sigma**2)) / z
 
 
 # --- entropy ------------------------------------------------------------------------------------
+
 
 def test_os_keys_differ_and_a_given_generator_decides_the_key():
     a, b = h.os_key(), h.os_key()
@@ -68,6 +69,7 @@ def test_an_integer_or_other_non_generator_is_refused_naming_rng(rng):
 
 # --- the discrete Gaussian -----------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("sigma", [0.4, 3.0, 1000.5])
 def test_table_is_the_exact_cdf_to_96_bits(sigma):
     table = dg.cdf_table(sigma)
@@ -76,7 +78,9 @@ def test_table_is_the_exact_cdf_to_96_bits(sigma):
     p = np.array([float(v) for v in np.diff(np.concatenate([[0], c]))]) / 2**96
     k = np.arange(len(p))
     exact = _pmf(sigma, k) * np.where(k == 0, 1, 2)
-    np.testing.assert_allclose(p[:50], exact[:50], rtol=1e-12, atol=2.0**-95)  # each entry floored to 2**-96
+    np.testing.assert_allclose(
+        p[:50], exact[:50], rtol=1e-12, atol=2.0**-95
+    )  # each entry floored to 2**-96
     assert len(p) >= 13 * sigma  # the tail is cut where exp(-k^2 / 2 sigma^2) < 2**-128
     assert h.sampler_tv_bound(sigma) < 1e-22
 
@@ -111,8 +115,10 @@ def test_discrete_gaussian_same_key_same_draw_and_works_under_vmap_and_blocks(mo
     np.testing.assert_array_equal(h.discrete_gaussian(k, (4,), 0.0), np.zeros(4, np.int32))
 
 
-@pytest.mark.parametrize("sigma,match", [(-1.0, "sigma"), (float("nan"), "sigma"), (2.0**17, "grid_scale"),
-                                         ("1", "sigma")])
+@pytest.mark.parametrize(
+    "sigma,match",
+    [(-1.0, "sigma"), (float("nan"), "sigma"), (2.0**17, "grid_scale"), ("1", "sigma")],
+)
 def test_bad_sigma_names_it(sigma, match):
     with pytest.raises((ValueError, TypeError), match=match):
         h.discrete_gaussian(jax.random.key(0), (3,), sigma)
@@ -120,8 +126,11 @@ def test_bad_sigma_names_it(sigma, match):
 
 # --- the integer grid ----------------------------------------------------------------------------
 
+
 def _exact_sq_norms(r: dict) -> np.ndarray:
-    rows = np.concatenate([np.asarray(v, np.int64).reshape(v.shape[0], -1) for v in r.values()], axis=1)
+    rows = np.concatenate(
+        [np.asarray(v, np.int64).reshape(v.shape[0], -1) for v in r.values()], axis=1
+    )
     return (rows.astype(object) ** 2).sum(axis=1)
 
 
@@ -134,19 +143,29 @@ def test_each_examples_integer_vector_has_norm_at_most_grid_scale_times_c_exactl
     g = rng.normal(size=(64, 300)).astype(np.float32)
     g = g / np.linalg.norm(g, axis=1, keepdims=True) * c * scale
     for i in range(0, 64, 8):
-        r = jax.vmap(lambda x: h.grid_clipped_sum({"w": x[None]}, c, gamma))(jnp.asarray(g[i:i + 8]))
+        r = jax.vmap(lambda x: h.grid_clipped_sum({"w": x[None]}, c, gamma))(
+            jnp.asarray(g[i : i + 8])
+        )
         sq = _exact_sq_norms(r)
         assert all(s <= (gamma * c) ** 2 for s in sq), sq
-        assert all(s >= (gamma * c - math.sqrt(300)) ** 2 for s in sq)  # truncation loses < 1 per coordinate
+        assert all(
+            s >= (gamma * c - math.sqrt(300)) ** 2 for s in sq
+        )  # truncation loses < 1 per coordinate
 
 
 def test_grid_sum_is_the_exact_sum_of_the_rounded_examples_and_masks_and_drops_nan():
     rng = np.random.default_rng(1)
-    g = {"a": rng.normal(size=(6, 4, 3)).astype(np.float32), "b": rng.normal(size=(6, 5)).astype(np.float32)}
+    g = {
+        "a": rng.normal(size=(6, 4, 3)).astype(np.float32),
+        "b": rng.normal(size=(6, 5)).astype(np.float32),
+    }
     g["b"][2, 0] = np.nan
     mask = np.array([True, True, True, True, False, True])
     s = h.grid_clipped_sum(g, 1.0, 64.0, mask=mask)
-    parts = [h.grid_clipped_sum(jax.tree.map(lambda x, i=i: x[i:i + 1], g), 1.0, 64.0) for i in range(6)]
+    parts = [
+        h.grid_clipped_sum(jax.tree.map(lambda x, i=i: x[i : i + 1], g), 1.0, 64.0)
+        for i in range(6)
+    ]
     for name in g:
         assert s[name].dtype == jnp.int32
         want = sum(np.asarray(p[name], np.int64) for i, p in enumerate(parts) if mask[i] and i != 2)
@@ -186,14 +205,20 @@ def test_add_discrete_noise_is_integer_per_leaf_and_refuses_float_leaves():
 
 
 def test_from_grid_and_sensitivity():
-    np.testing.assert_array_equal(h.from_grid({"w": jnp.array([512, -64], jnp.int32)}, 256.0, 2.0)["w"], [1.0, -0.125])
-    assert h.grid_sensitivity(1.5, 1024.0) == 1536.0 and h.grid_sensitivity(1.5, 1024.0, "replace") == 3072.0
+    np.testing.assert_array_equal(
+        h.from_grid({"w": jnp.array([512, -64], jnp.int32)}, 256.0, 2.0)["w"], [1.0, -0.125]
+    )
+    assert (
+        h.grid_sensitivity(1.5, 1024.0) == 1536.0
+        and h.grid_sensitivity(1.5, 1024.0, "replace") == 3072.0
+    )
     assert h.grid_noise_multiplier(3072.0, 1.5, 1024.0) == 2.0
     with pytest.raises(ValueError, match="neighbouring relation"):
         h.grid_sensitivity(1.0, 2.0, "swap")
 
 
 # --- sum of normals ------------------------------------------------------------------------------
+
 
 def test_sum_of_normals_is_standard_normal_and_keeps_the_signal():
     """KS against N(0, sigma^2) at a fixed key; the signal is added once, not halved."""
@@ -211,9 +236,10 @@ def test_sum_of_normals_is_standard_normal_and_keeps_the_signal():
 
 # --- accounting of the discrete mechanism ------------------------------------------------------
 
+
 def _log_pmf(sigma: float, y: np.ndarray, mu: float = 0.0) -> np.ndarray:
     logw = -((y - mu) ** 2) / (2 * sigma**2)
-    return logw - np.logaddexp.reduce(-(y.astype(float)) ** 2 / (2 * sigma**2))
+    return logw - np.logaddexp.reduce(-((y.astype(float)) ** 2) / (2 * sigma**2))
 
 
 def _exact_subsampled_rdp(q, shift, sigma, orders):
@@ -227,8 +253,12 @@ def _exact_subsampled_rdp(q, shift, sigma, orders):
     return np.array(up), np.array(down)
 
 
-@pytest.mark.parametrize("q,shift,sigma", [(1.0, 4, 5.0), (0.1, 4, 5.0), (0.01, 3, 2.4), (0.3, 1, 0.9)])
-def test_discrete_mechanisms_renyi_divergences_are_below_dp_accountings_gaussian_rdp(q, shift, sigma):
+@pytest.mark.parametrize(
+    "q,shift,sigma", [(1.0, 4, 5.0), (0.1, 4, 5.0), (0.01, 3, 2.4), (0.3, 1, 0.9)]
+)
+def test_discrete_mechanisms_renyi_divergences_are_below_dp_accountings_gaussian_rdp(
+    q, shift, sigma
+):
     """Both directions of the Poisson-subsampled discrete Gaussian's Renyi divergence (1-D,
     integer shift, computed exactly over the integers) stay below dp-accounting's RDP of the
     subsampled Gaussian at noise multiplier sigma / shift in these cases: an observation, not a
@@ -236,13 +266,17 @@ def test_discrete_mechanisms_renyi_divergences_are_below_dp_accountings_gaussian
     dp_accounting = pytest.importorskip("dp_accounting")
     orders = np.arange(2, 33)
     acc = dp_accounting.rdp.RdpAccountant(orders=list(map(float, orders)))
-    acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma / shift)))
+    acc.compose(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma / shift))
+    )
     gaussian = np.asarray(acc._rdp)
     up, down = _exact_subsampled_rdp(q, shift, sigma, orders)
     assert np.all(np.maximum(up, down) <= gaussian * (1 + 1e-9) + 1e-12), (up, down, gaussian)
 
 
-@pytest.mark.parametrize("q,shift,sigma", [(1.0, 4, 5.0), (0.1, 4, 5.0), (0.01, 3, 2.4), (0.3, 1, 0.9)])
+@pytest.mark.parametrize(
+    "q,shift,sigma", [(1.0, 4, 5.0), (0.1, 4, 5.0), (0.01, 3, 2.4), (0.3, 1, 0.9)]
+)
 def test_the_discrete_events_rdp_bounds_both_directions_exactly_computed(q, shift, sigma):
     """What make_private(hardened='discrete') records (Zhu and Wang's general bound on the
     discrete Gaussian's RDP) is above both exact directions, at integer and fractional orders."""
@@ -256,12 +290,16 @@ def test_the_discrete_events_rdp_bounds_both_directions_exactly_computed(q, shif
 def test_the_general_bound_is_the_base_rdp_unsampled_and_above_the_sampled_gaussians():
     dp_accounting = pytest.importorskip("dp_accounting")
     orders = np.arange(2.0, 65.0)
-    np.testing.assert_allclose(PoissonSampledDiscreteGaussianEvent(1.0, 2.0).rdp(orders), orders / 8.0)
+    np.testing.assert_allclose(
+        PoissonSampledDiscreteGaussianEvent(1.0, 2.0).rdp(orders), orders / 8.0
+    )
     for q, z in [(0.01, 1.0), (0.1, 0.8), (0.5, 3.0)]:
         acc = dp_accounting.rdp.RdpAccountant(orders=list(orders))
         acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)))
         ours = poisson_subsampled_rdp(q, lambda a, z=z: a / (2 * z * z), orders)
-        assert np.all(ours >= np.asarray(acc._rdp) * (1 - 1e-9))  # the exact Gaussian's is the tighter
+        assert np.all(
+            ours >= np.asarray(acc._rdp) * (1 - 1e-9)
+        )  # the exact Gaussian's is the tighter
         assert np.all(np.isfinite(ours))
     assert np.all(np.isinf(PoissonSampledDiscreteGaussianEvent(0.1, 0.0).rdp(orders)))
 
@@ -288,7 +326,9 @@ def test_hardened_discrete_run_accounts_the_discrete_gaussians_bound():
     assert resumed.accountant.steps == 3 and resumed.epsilon() == pytest.approx(expected, rel=1e-12)
     pld = gcx.PrivacyAccountant("pld")
     pld.step(priv.noise_multiplier, sampler=priv.sampler)
-    with pytest.raises(ValueError, match="has no privacy loss distribution here: use the 'rdp' accountant"):
+    with pytest.raises(
+        ValueError, match="has no privacy loss distribution here: use the 'rdp' accountant"
+    ):
         pld.epsilon(1e-4)
     assert priv.plan()["grid_scale"] == 256.0 and priv.plan()["hardened"] == "discrete"
     with pytest.raises(ValueError, match="grid_scale"):  # resumed on another grid
@@ -297,6 +337,7 @@ def test_hardened_discrete_run_accounts_the_discrete_gaussians_bound():
 
 
 # --- make_private(hardened=...) ------------------------------------------------------------------
+
 
 def _loss(w, batch):
     return 0.5 * (batch["x"] @ w - batch["y"]) ** 2
@@ -308,8 +349,17 @@ def _data(n=200):
 
 
 def _run(hardened=True, **kw):
-    args = dict(dataset_size=200, expected_batch_size=20, steps=5, target_epsilon=4.0, delta=1e-4,
-                l2_clip_norm=1.0, process_index=0, process_count=1, hardened=hardened)
+    args = dict(
+        dataset_size=200,
+        expected_batch_size=20,
+        steps=5,
+        target_epsilon=4.0,
+        delta=1e-4,
+        l2_clip_norm=1.0,
+        process_index=0,
+        process_count=1,
+        hardened=hardened,
+    )
     if hardened == "discrete":
         args.update(grid_scale=256.0, accountant="rdp")
     return make_private(_loss, optax.sgd(0.1), **{**args, **kw})
@@ -318,11 +368,15 @@ def _run(hardened=True, **kw):
 def test_hardened_runs_seed_their_sampler_from_the_os_and_differ():
     a, b = _run(), _run()
     assert a.plan()["seed"] != b.plan()["seed"]
-    assert max(a.plan()["seed"], b.plan()["seed"]) >= 2**64  # 128-bit seeds (both below: probability 2**-128)
+    assert (
+        max(a.plan()["seed"], b.plan()["seed"]) >= 2**64
+    )  # 128-bit seeds (both below: probability 2**-128)
     assert a.plan()["hardened"] == "sum_of_normals" and "hardened" not in _run(False).plan()
     ia, ib = a.sampler.batch(0).indices, b.sampler.batch(0).indices
     assert not np.array_equal(ia, ib)
-    assert not np.array_equal(jax.random.key_data(a.noise_key()), jax.random.key_data(a.noise_key()))
+    assert not np.array_equal(
+        jax.random.key_data(a.noise_key()), jax.random.key_data(a.noise_key())
+    )
 
 
 def test_hardened_run_draws_its_seed_from_secrets_never_a_user_int(monkeypatch):
@@ -337,7 +391,9 @@ def test_a_hardened_run_takes_no_caller_chosen_noise_key():
     # batches(noise_key=) and step_key derive each step's key from the caller's key: in a
     # hardened run that would bring back the user-chosen seed the OS keys replace
     priv = _run()
-    with pytest.raises(ValueError, match=r"priv\.noise_key\(\) for each step instead of passing `noise_key`"):
+    with pytest.raises(
+        ValueError, match=r"priv\.noise_key\(\) for each step instead of passing `noise_key`"
+    ):
         next(priv.batches(_data(), noise_key=jax.random.key(0)))
     assert priv.accountant.steps == 0  # refused before a step was recorded
     with pytest.raises(ValueError, match="`noise_key`"):
@@ -347,7 +403,9 @@ def test_a_hardened_run_takes_no_caller_chosen_noise_key():
 def test_a_given_generator_makes_a_hardened_run_reproducible():
     a, b = _run(rng=random.Random(3)), _run(rng=random.Random(3))
     assert a.plan()["seed"] == b.plan()["seed"]
-    np.testing.assert_array_equal(jax.random.key_data(a.noise_key()), jax.random.key_data(b.noise_key()))
+    np.testing.assert_array_equal(
+        jax.random.key_data(a.noise_key()), jax.random.key_data(b.noise_key())
+    )
 
 
 @pytest.mark.parametrize("mode", [True, "discrete"])
@@ -379,33 +437,51 @@ def test_hardened_resume_keeps_the_os_drawn_seed():
     np.testing.assert_array_equal(next(resumed.batches()).indices, priv.sampler.batch(1).indices)
 
 
-@pytest.mark.parametrize("kw,exc,match", [
-    (dict(seed=0), ValueError, "`seed`"),
-    (dict(seed=7), ValueError, "`seed`"),
-    (dict(rng=0), TypeError, "`rng`"),
-    (dict(rng=np.random.default_rng(0)), TypeError, "`rng`"),
-    (dict(hardened="yes"), ValueError, "`hardened`"),
-    (dict(hardened=1), ValueError, "`hardened`"),
-    (dict(hardened=False, rng=random.Random(0)), ValueError, "`rng`"),
-    (dict(hardened=False, grid_scale=4.0), ValueError, "`grid_scale`"),
-    (dict(grid_scale=4.0), ValueError, "`grid_scale`"),
-    (dict(hardened="discrete", grid_scale=None), ValueError, "`grid_scale`"),
-    (dict(hardened="discrete", accountant="pld"), ValueError, "accountant"),
-    (dict(hardened="discrete", grid_scale=3.0, accountant="rdp"), ValueError, "grid_scale"),
-    (dict(hardened="discrete", grid_scale=2.0**20, accountant="rdp"), ValueError, "grid_scale"),
-    (dict(hardened="discrete", grid_scale=4.0, accountant="rdp", physical_batch_size=4), ValueError,
-     "physical_batch_size"),
-    (dict(hardened="discrete", grid_scale=4.0, accountant="rdp", method="ghost"), ValueError, "`method`"),
-])
+@pytest.mark.parametrize(
+    "kw,exc,match",
+    [
+        (dict(seed=0), ValueError, "`seed`"),
+        (dict(seed=7), ValueError, "`seed`"),
+        (dict(rng=0), TypeError, "`rng`"),
+        (dict(rng=np.random.default_rng(0)), TypeError, "`rng`"),
+        (dict(hardened="yes"), ValueError, "`hardened`"),
+        (dict(hardened=1), ValueError, "`hardened`"),
+        (dict(hardened=False, rng=random.Random(0)), ValueError, "`rng`"),
+        (dict(hardened=False, grid_scale=4.0), ValueError, "`grid_scale`"),
+        (dict(grid_scale=4.0), ValueError, "`grid_scale`"),
+        (dict(hardened="discrete", grid_scale=None), ValueError, "`grid_scale`"),
+        (dict(hardened="discrete", accountant="pld"), ValueError, "accountant"),
+        (dict(hardened="discrete", grid_scale=3.0, accountant="rdp"), ValueError, "grid_scale"),
+        (dict(hardened="discrete", grid_scale=2.0**20, accountant="rdp"), ValueError, "grid_scale"),
+        (
+            dict(hardened="discrete", grid_scale=4.0, accountant="rdp", physical_batch_size=4),
+            ValueError,
+            "physical_batch_size",
+        ),
+        (
+            dict(hardened="discrete", grid_scale=4.0, accountant="rdp", method="ghost"),
+            ValueError,
+            "`method`",
+        ),
+    ],
+)
 def test_bad_hardened_arguments_are_named(kw, exc, match):
     with pytest.raises(exc, match=match):
         _run(**kw)
 
 
 def test_hardened_refuses_a_given_sampler():
-    sampler = PoissonSampler(200, steps=5, expected_batch_size=20, seed=1, process_index=0, process_count=1)
+    sampler = PoissonSampler(
+        200, steps=5, expected_batch_size=20, seed=1, process_index=0, process_count=1
+    )
     with pytest.raises(ValueError, match="`sampler`"):
-        _run(sampler=sampler, dataset_size=None, expected_batch_size=None, process_index=None, process_count=None)
+        _run(
+            sampler=sampler,
+            dataset_size=None,
+            expected_batch_size=None,
+            process_index=None,
+            process_count=None,
+        )
 
 
 @pytest.mark.parametrize("sigma", [0.3, 2.0, 50.0, 1024.0])
@@ -415,22 +491,36 @@ def test_guided_search_is_the_full_inversion_on_every_boundary(sigma):
     table = dg.cdf_table(sigma)
     rows = table[:: max(1, len(table) // 300)]
     t = np.array([(int(a) << 64) + (int(b) << 32) + int(c) for a, b, c in table], dtype=object)
-    us = sorted({int(v) + d for a, b, c in rows for v in [(int(a) << 64) + (int(b) << 32) + int(c)]
-                 for d in (0, 1) if int(v) + d < 2**96} | {0, 2**96 - 1})
+    us = sorted(
+        {
+            int(v) + d
+            for a, b, c in rows
+            for v in [(int(a) << 64) + (int(b) << 32) + int(c)]
+            for d in (0, 1)
+            if int(v) + d < 2**96
+        }
+        | {0, 2**96 - 1}
+    )
     words = np.array([[(u >> s) & 0xFFFFFFFF for u in us] for s in (64, 32, 0)], np.uint32)
     lo_b, hi_b = dg._guide(sigma)
-    got = np.asarray(dg._magnitudes(jnp.asarray(table), (jnp.asarray(lo_b), jnp.asarray(hi_b)), jnp.asarray(words)))
+    got = np.asarray(
+        dg._magnitudes(
+            jnp.asarray(table), (jnp.asarray(lo_b), jnp.asarray(hi_b)), jnp.asarray(words)
+        )
+    )
     want = [int(np.argmax(t >= u)) for u in us]
     np.testing.assert_array_equal(got, want)
 
 
 # --- the guide -----------------------------------------------------------------------------------
 
+
 def test_the_guides_code_runs_as_written(capsys):
     """docs/guides/hardened-noise.md's python blocks, in order in one namespace: both hardened runs
     train (the discrete one to the right weights within its noise) and spend at most their target."""
     import pathlib
     import re
+
     guide = pathlib.Path(__file__).resolve().parents[2] / "docs" / "guides" / "hardened-noise.md"
     blocks = re.findall(r"```python\n(.*?)```", guide.read_text(), re.S)
     assert len(blocks) == 3
@@ -446,17 +536,32 @@ def test_the_guides_code_runs_as_written(capsys):
 
 # --- the audit -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kw", [dict(hardened=True), dict(hardened="discrete", grid_scale=256.0, accountant="rdp")])
+
+@pytest.mark.parametrize(
+    "kw", [dict(hardened=True), dict(hardened="discrete", grid_scale=256.0, accountant="rdp")]
+)
 def test_audit_of_a_hardened_run_stays_below_its_epsilon(kw):
     """The one-run canary audit (gradclip_jax.dp.audit) of a hardened run: its empirical lower
     bound is below the accountant's epsilon (a small run: the audit's power is low here; the
     docs' slow audit is the default run's)."""
     pytest.importorskip("jax_privacy.auditing")
     from gradclip_jax.dp.audit import audit_epsilon
+
     x = np.arange(150, dtype=np.float32).reshape(50, 3) / 100
-    res = audit_epsilon(_loss, jnp.zeros(3), {"x": x, "y": np.ones(50, np.float32)}, num_canaries=200,
-                        target_epsilon=2.0, delta=1e-4, l2_clip_norm=1.0, expected_batch_size=25, steps=10,
-                        process_index=0, process_count=1, **kw)
+    res = audit_epsilon(
+        _loss,
+        jnp.zeros(3),
+        {"x": x, "y": np.ones(50, np.float32)},
+        num_canaries=200,
+        target_epsilon=2.0,
+        delta=1e-4,
+        l2_clip_norm=1.0,
+        expected_batch_size=25,
+        steps=10,
+        process_index=0,
+        process_count=1,
+        **kw,
+    )
     assert res.claimed_epsilon <= 2.0 + 1e-9
     assert 0.0 <= res.epsilon_lower_bound < res.claimed_epsilon and not res.falsified
 
@@ -466,9 +571,15 @@ def test_constant_time_search_gives_the_same_draws_in_a_fixed_number_of_steps():
     fast = h.discrete_gaussian(k, (5000,), 700.0)
     fixed = h.discrete_gaussian(k, (5000,), 700.0, constant_time=True)
     np.testing.assert_array_equal(fast, fixed)
+
     def jaxpr(ct):
-        return str(jax.make_jaxpr(lambda kk: h.discrete_gaussian(kk, (100,), 700.0, constant_time=ct))(k))
-    assert "while[" in jaxpr(False) and "while[" not in jaxpr(True)  # a fixed trip count: no data-dependent loop
+        return str(
+            jax.make_jaxpr(lambda kk: h.discrete_gaussian(kk, (100,), 700.0, constant_time=ct))(k)
+        )
+
+    assert "while[" in jaxpr(False) and "while[" not in jaxpr(
+        True
+    )  # a fixed trip count: no data-dependent loop
     zero = {"w": jnp.zeros(5000, jnp.int32)}
     noised = h.add_discrete_gaussian_noise(zero, 700.0, k, constant_time=True)
     np.testing.assert_array_equal(noised["w"], h.add_discrete_gaussian_noise(zero, 700.0, k)["w"])

@@ -33,8 +33,13 @@ def strategy(request, monkeypatch):
 
 
 def _tree():
-    return {"a": jnp.zeros((300, 70)), "b": jnp.zeros(5), "c": jnp.zeros((), jnp.float32),
-            "d": jnp.zeros((64, 33), jnp.bfloat16), "e": jnp.zeros(1000)}
+    return {
+        "a": jnp.zeros((300, 70)),
+        "b": jnp.zeros(5),
+        "c": jnp.zeros((), jnp.float32),
+        "d": jnp.zeros((64, 33), jnp.bfloat16),
+        "e": jnp.zeros(1000),
+    }
 
 
 def test_leaves_draw_is_documented(monkeypatch):
@@ -50,8 +55,16 @@ def test_leaves_draw_is_documented(monkeypatch):
 def test_shapes_draw_is_the_leaves_draw(monkeypatch):
     """Drawn once per distinct shape and dtype, the values are the per-leaf draws' (same keys, same
     random bits; XLA may round the transform to normals differently by an ulp)."""
-    tree = {"a": jnp.ones((4, 3)), "b": jnp.ones(5), "c": jnp.ones((4, 3)), "d": jnp.ones((4, 3), jnp.bfloat16),
-            "e": jnp.ones(5), "f": jnp.ones((4, 3), jnp.complex64), "g": jnp.ones(()), "h": jnp.ones(7)}
+    tree = {
+        "a": jnp.ones((4, 3)),
+        "b": jnp.ones(5),
+        "c": jnp.ones((4, 3)),
+        "d": jnp.ones((4, 3), jnp.bfloat16),
+        "e": jnp.ones(5),
+        "f": jnp.ones((4, 3), jnp.complex64),
+        "g": jnp.ones(()),
+        "h": jnp.ones(7),
+    }
     key = jax.random.key(5)
     outs = {}
     for name in ("leaves", "shapes"):
@@ -59,8 +72,13 @@ def test_shapes_draw_is_the_leaves_draw(monkeypatch):
         outs[name] = _jitted()(tree, 1.5, key)
     for path in tree:
         # bfloat16 leaves are noised in float32; the complex leaf is drawn per leaf as before
-        np.testing.assert_allclose(np.asarray(outs["shapes"][path]), np.asarray(outs["leaves"][path]),
-                                   rtol=1e-6, atol=1e-6, err_msg=path)
+        np.testing.assert_allclose(
+            np.asarray(outs["shapes"][path]),
+            np.asarray(outs["leaves"][path]),
+            rtol=1e-6,
+            atol=1e-6,
+            err_msg=path,
+        )
         assert outs["shapes"][path].dtype == outs["leaves"][path].dtype
     # leaves of one shape get different draws
     assert not np.allclose(outs["shapes"]["a"], outs["shapes"]["c"])
@@ -68,7 +86,9 @@ def test_shapes_draw_is_the_leaves_draw(monkeypatch):
 
 def test_shapes_draw_is_one_draw_per_shape(monkeypatch):
     monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, "shapes")
-    tree = {f"w{i}": jnp.zeros((8, 4)) for i in range(6)} | {f"b{i}": jnp.zeros(4) for i in range(6)}
+    tree = {f"w{i}": jnp.zeros((8, 4)) for i in range(6)} | {
+        f"b{i}": jnp.zeros(4) for i in range(6)
+    }
     jaxpr = str(jax.make_jaxpr(lambda t, k: add_gaussian_noise(t, 1.0, k))(tree, jax.random.key(0)))
     assert jaxpr.count("random_bits") == 2  # one per shape, not one per leaf
 
@@ -78,7 +98,9 @@ def test_shapes_draw_waits_for_its_leaves(monkeypatch):
     makes it just before the addition instead of early, holding every group's draw at once."""
     monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, "shapes")
     tree = {"a": jnp.ones((6, 5)), "c": jnp.ones((6, 5))}
-    jaxpr = jax.make_jaxpr(lambda t, k: add_gaussian_noise(t, 1.0, k))(tree, jax.random.key(0)).jaxpr
+    jaxpr = jax.make_jaxpr(lambda t, k: add_gaussian_noise(t, 1.0, k))(
+        tree, jax.random.key(0)
+    ).jaxpr
     deps = {v: {i} for i, v in enumerate(jaxpr.invars)}
     for eqn in jaxpr.eqns:
         got = set().union(*(deps.get(v, set()) for v in eqn.invars if not is_literal(v)))
@@ -95,7 +117,9 @@ def test_philox_draw_is_documented(monkeypatch):
     _, ka, kb, kh = jax.random.split(key, 4)
     np.testing.assert_array_equal(out["a"], 1.0 + 2.0 * philox_normal(ka, (4, 3)))
     np.testing.assert_array_equal(out["b"], 1.0 + 2.0 * philox_normal(kb, (5,)))
-    np.testing.assert_array_equal(out["h"], 1.0 + 2.0 * philox_normal(kh, (6,)))  # float32 after the cast
+    np.testing.assert_array_equal(
+        out["h"], 1.0 + 2.0 * philox_normal(kh, (6,))
+    )  # float32 after the cast
     assert not np.allclose(out["a"], 1.0 + 2.0 * jax.random.normal(ka, (4, 3)))  # not threefry's
 
 
@@ -107,7 +131,9 @@ def test_blocks_draw_is_documented(monkeypatch):
     out = add_gaussian_noise(tree, 2.0, key)
     k0 = jax.random.split(key, 4)[0]
     group = jax.random.fold_in(k0, 0)  # all three leaves accumulate in float32: one group
-    flat = jnp.concatenate([jax.random.normal(jax.random.fold_in(group, j), (8,)) for j in range(3)])
+    flat = jnp.concatenate(
+        [jax.random.normal(jax.random.fold_in(group, j), (8,)) for j in range(3)]
+    )
     assert_equal_on_cpu(out["a"], 1.0 + 2.0 * flat[:12].reshape(4, 3))
     assert_equal_on_cpu(out["b"], 1.0 + 2.0 * flat[12:17])
     assert_equal_on_cpu(out["h"], 1.0 + 2.0 * flat[17:23])
@@ -192,7 +218,9 @@ def _noise_program(n_leaves: int):
     return compiled, nbytes
 
 
-@pytest.mark.skipif(BACKEND != "cpu", reason="the CPU lowering of threefry is what the blocked draw avoids")
+@pytest.mark.skipif(
+    BACKEND != "cpu", reason="the CPU lowering of threefry is what the blocked draw avoids"
+)
 def test_blocked_draw_compiles_one_loop_and_holds_only_the_noise(monkeypatch):
     monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, "blocks")
     monkeypatch.setattr(noise_mod, "NOISE_BLOCK_SIZE", 1 << 12)
@@ -201,7 +229,9 @@ def test_blocked_draw_compiles_one_loop_and_holds_only_the_noise(monkeypatch):
         compiled, nbytes = _noise_program(n)
         loops.append(len(re.findall(r" while\(", compiled.as_text())))
         temp = compiled.memory_analysis().temp_size_in_bytes
-        assert temp <= 1.25 * nbytes + (1 << 20)  # the flat draw plus one block, not uint32 copies per leaf
+        assert temp <= 1.25 * nbytes + (
+            1 << 20
+        )  # the flat draw plus one block, not uint32 copies per leaf
     assert loops[0] == loops[1]  # the loop count does not grow with the leaves
 
 
@@ -210,8 +240,13 @@ def _fusions_drawing(text: str) -> list[int]:
     a counter-based generator's rounds (threefry2x32: 20 of add, rotate, xor, about 22 xors;
     philox: 10 of two multiplies and xors) and returns floats (a key's derivation returns integers)."""
     bodies = re.split(r"\n(?=\S.*\{\n)", text)
-    return [b.count(" xor(") for b in bodies if b.startswith("%fused") and b.count(" xor(") >= 20
-            and re.search(r"-> \(?f32", b.split("\n")[0])]
+    return [
+        b.count(" xor(")
+        for b in bodies
+        if b.startswith("%fused")
+        and b.count(" xor(") >= 20
+        and re.search(r"-> \(?f32", b.split("\n")[0])
+    ]
 
 
 def _adamw_step(noise_fn):
@@ -233,27 +268,41 @@ def _draw_fusions(noise_fn) -> list[int]:
     step, args = _adamw_step(noise_fn)
     with gpu_threefry_on_cpu() as swapped:
         if not swapped:
-            pytest.skip("this JAX keeps threefry's CPU lowering where gpu_threefry_on_cpu cannot swap it")
-        compiled = jax.jit(step).lower(*args).compile(
-            compiler_options={"xla_disable_hlo_passes": "cse_barrier_expander"})
+            pytest.skip(
+                "this JAX keeps threefry's CPU lowering where gpu_threefry_on_cpu cannot swap it"
+            )
+        compiled = (
+            jax.jit(step)
+            .lower(*args)
+            .compile(compiler_options={"xla_disable_hlo_passes": "cse_barrier_expander"})
+        )
     return _fusions_drawing(compiled.as_text())
 
 
 @pytest.mark.skipif(BACKEND != "cpu", reason="reads the CPU's fusions of a GPU-style draw")
 @pytest.mark.parametrize("strategy_name", ["leaves", "shapes", "philox", "blocks"])
-def test_each_leaf_is_drawn_once_however_many_times_the_optimizer_reads_it(strategy_name, monkeypatch):
+def test_each_leaf_is_drawn_once_however_many_times_the_optimizer_reads_it(
+    strategy_name, monkeypatch
+):
     """adamw reads its gradient in several fusions; without the barrier XLA fuses the whole draw
     into each of them (checked first, on optax's way of drawing), with it each leaf's draw runs once."""
+
     def unstored(grads, key):  # optax's per-leaf draw, nothing stored
         keys = jax.random.split(key, 2)
-        return {k: g + jax.random.normal(kk, g.shape) for (k, g), kk in zip(sorted(grads.items()), keys)}
+        return {
+            k: g + jax.random.normal(kk, g.shape) for (k, g), kk in zip(sorted(grads.items()), keys)
+        }
 
     if len(_draw_fusions(unstored)) <= 2:
         pytest.skip("this XLA does not fuse a draw into each of its readers")
     monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, strategy_name)
-    monkeypatch.setattr(noise_mod, "NOISE_BLOCK_SIZE", 1 << 10)  # a loop of 4 blocks, not one inlined
+    monkeypatch.setattr(
+        noise_mod, "NOISE_BLOCK_SIZE", 1 << 10
+    )  # a loop of 4 blocks, not one inlined
     draws = _draw_fusions(lambda grads, key: add_gaussian_noise(grads, 1.0, key))
-    assert len(draws) == (1 if strategy_name == "blocks" else 2)  # per leaf; "blocks": one, in its loop
+    assert len(draws) == (
+        1 if strategy_name == "blocks" else 2
+    )  # per leaf; "blocks": one, in its loop
     if strategy_name in ("leaves", "shapes"):
         # the split of the leaves' keys is stored too: a draw reads its key, it does not hash it again
         assert max(draws) < 30, draws
@@ -267,9 +316,13 @@ def test_noised_leaves_are_stored_on_every_path(strategy):
     # the leaves and their keys' split ("shapes": and the draw of the two (6, 5) leaves, and its
     # keys held until those leaves exist)
     assert str(jaxpr).count("optimization_barrier") == 3 + 1 + 2 * (strategy == "shapes")
-    grads = jax.grad(lambda t: sum(jnp.sum(v) for v in add_gaussian_noise(t, 1.0, jax.random.key(0)).values()))
+    grads = jax.grad(
+        lambda t: sum(jnp.sum(v) for v in add_gaussian_noise(t, 1.0, jax.random.key(0)).values())
+    )
     assert all(np.all(np.asarray(g) == 1.0) for g in grads(tree).values())
-    batched = jax.vmap(lambda k: add_gaussian_noise(tree, 0.0, k))(jax.random.split(jax.random.key(1), 2))
+    batched = jax.vmap(lambda k: add_gaussian_noise(tree, 0.0, k))(
+        jax.random.split(jax.random.key(1), 2)
+    )
     np.testing.assert_array_equal(batched["a"], np.ones((2, 6, 5)))
 
 
@@ -280,8 +333,10 @@ def test_explicitly_sharded_leaf_is_drawn_on_its_own(monkeypatch):
     mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,))
     key = jax.random.key(5)
     with jax.set_mesh(mesh):
-        tree = {"s": jax.device_put(jnp.zeros((16, 4)), NamedSharding(mesh, P("x", None))),
-                "r": jax.device_put(jnp.zeros(10), NamedSharding(mesh, P()))}
+        tree = {
+            "s": jax.device_put(jnp.zeros((16, 4)), NamedSharding(mesh, P("x", None))),
+            "r": jax.device_put(jnp.zeros(10), NamedSharding(mesh, P())),
+        }
         out = _jitted()(tree, 1.0, key)
         assert out["s"].sharding.spec == P("x", None)
         _, _, ks = jax.random.split(key, 3)  # leaves in key order: 'r', 's'
@@ -306,12 +361,17 @@ def test_shards_inside_shard_map_need_their_own_keys(strategy_name, monkeypatch)
     key = jax.random.key(0)
 
     same, g = _shard_mapped(lambda x, k: add_gaussian_noise({"g": x}, 1.0, k)["g"], 4)
-    with pytest.raises(ValueError, match=r"add_gaussian_noise: leaf \['g'\] differs across the manual mesh axes "
-                                         r"\('x',\).*fold_in\(key, jax.lax.axis_index\('x'\)\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"add_gaussian_noise: leaf \['g'\] differs across the manual mesh axes "
+        r"\('x',\).*fold_in\(key, jax.lax.axis_index\('x'\)\)",
+    ):
         same(g, key)
 
     def own_key(x, k):
-        return add_gaussian_noise({"g": x}, 1.0, jax.random.fold_in(k, jax.lax.axis_index("x")))["g"]
+        return add_gaussian_noise({"g": x}, 1.0, jax.random.fold_in(k, jax.lax.axis_index("x")))[
+            "g"
+        ]
 
     fixed, g = _shard_mapped(own_key, 4)
     shards = np.asarray(fixed(g, key)).reshape(4, 4)
@@ -339,7 +399,9 @@ def test_dp_aggregate_inside_shard_map_on_shards_is_an_error():
         return tx.update({"w": x}, state)[0]["w"]
 
     fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(None, "x"), out_specs=P("x")))
-    with pytest.raises(ValueError, match=r"dp_aggregate: leaf 0 differs across the manual mesh axes \('x',\)"):
+    with pytest.raises(
+        ValueError, match=r"dp_aggregate: leaf 0 differs across the manual mesh axes \('x',\)"
+    ):
         fn(grads)
 
 
@@ -358,10 +420,14 @@ def test_shapes_draw_is_chunked_and_each_chunk_is_the_leaves_draw(monkeypatch):
     leaves = _jitted()(tree, 0.5, key)
     monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, "shapes")
     monkeypatch.setattr(noise_mod, "_SHAPES_DRAW_MAX", 2 * 30)  # two leaves per stored draw
-    counts = primitive_counts(jax.make_jaxpr(lambda t, k: add_gaussian_noise(t, 0.5, k))(tree, key).jaxpr)
+    counts = primitive_counts(
+        jax.make_jaxpr(lambda t, k: add_gaussian_noise(t, 0.5, k))(tree, key).jaxpr
+    )
     assert counts["random_bits"] == 3  # chunks of 2, 2 and 1 leaves
     # the leaves, their keys, the chunks' draws and their keys held until their leaves exist
     assert counts["optimization_barrier"] == 5 + 1 + 3 + 3
     shapes = _jitted()(tree, 0.5, key)
     for name in tree:
-        np.testing.assert_allclose(np.asarray(shapes[name]), np.asarray(leaves[name]), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(shapes[name]), np.asarray(leaves[name]), rtol=1e-6, atol=1e-6
+        )

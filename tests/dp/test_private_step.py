@@ -37,19 +37,40 @@ def _lin_data(n=400, seed=0):
 
 
 def _priv(**kw):
-    args = dict(dataset_size=400, expected_batch_size=40, steps=30, target_epsilon=3.0, delta=1e-4,
-                l2_clip_norm=1.0, seed=0, process_index=0, process_count=1, accountant="rdp")
+    args = dict(
+        dataset_size=400,
+        expected_batch_size=40,
+        steps=30,
+        target_epsilon=3.0,
+        delta=1e-4,
+        l2_clip_norm=1.0,
+        seed=0,
+        process_index=0,
+        process_count=1,
+        accountant="rdp",
+    )
     args.update(kw)
     return make_private(_lin_loss, optax.sgd(0.1), **args)
 
 
 def test_reaches_target_epsilon_and_accounts_the_run():
-    priv = make_private(_lin_loss, optax.sgd(0.1), dataset_size=400, expected_batch_size=40, epochs=3,
-                        target_epsilon=2.0, delta=1e-4, l2_clip_norm=1.0, process_index=0, process_count=1)
+    priv = make_private(
+        _lin_loss,
+        optax.sgd(0.1),
+        dataset_size=400,
+        expected_batch_size=40,
+        epochs=3,
+        target_epsilon=2.0,
+        delta=1e-4,
+        l2_clip_norm=1.0,
+        process_index=0,
+        process_count=1,
+    )
     assert priv.steps == 30 and priv.sample_rate == 0.1 and priv.expected_batch_size == 40
     assert priv.planned_epsilon <= 2.0 and priv.planned_epsilon == pytest.approx(2.0, rel=0.01)
     assert priv.planned_epsilon == pytest.approx(
-        accounting.epsilon(priv.noise_multiplier, 0.1, 30, 1e-4), rel=1e-9)
+        accounting.epsilon(priv.noise_multiplier, 0.1, 30, 1e-4), rel=1e-9
+    )
     assert priv.epsilon() == 0.0
     for i, _ in enumerate(priv.batches()):
         assert priv.accountant.steps == i + 1  # recorded before the batch is used
@@ -64,13 +85,17 @@ def test_step_is_dp_sgd_with_expected_batch_divisor():
     key = jax.random.key(3)
     new_w, _, metrics = jax.jit(priv.step)(w, priv.init(w), batch, mask, key)
     # by hand: clip each real example, sum, add z*C*N(0,1) drawn by add_gaussian_noise, / (q n), sgd
-    g = jax.vmap(jax.grad(lambda w, x, y: _lin_loss(w, {"x": x[None], "y": y[None]})[0]),
-                 in_axes=(None, 0, 0))(w, batch["x"], batch["y"])
+    g = jax.vmap(
+        jax.grad(lambda w, x, y: _lin_loss(w, {"x": x[None], "y": y[None]})[0]),
+        in_axes=(None, 0, 0),
+    )(w, batch["x"], batch["y"])
     norms = jnp.linalg.norm(g, axis=1)
     clipped = g * jnp.minimum(1.0, 1.0 / norms)[:, None]
     summed = jnp.sum(jnp.where(jnp.asarray(mask)[:, None], clipped, 0.0), 0)
     noised = add_gaussian_noise(summed, priv.noise_multiplier * 1.0, key)
-    np.testing.assert_allclose(np.asarray(new_w), np.asarray(w - 0.1 * noised / 40.0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(new_w), np.asarray(w - 0.1 * noised / 40.0), rtol=1e-5, atol=1e-6
+    )
     assert int(metrics.num_clipped) == int(jnp.sum((norms > 1.0) & jnp.asarray(mask)))
 
 
@@ -82,18 +107,25 @@ def test_padded_rows_contribute_nothing_and_neighbours_differ_by_sensitivity():
     for batch, mask in list(priv.batches(d))[:5]:
         s, _ = fn(params, batch, mask)
         # garbage (huge, NaN) in the padding rows changes nothing
-        bad = {k: np.where(mask.reshape(-1, *[1] * (v.ndim - 1)), v, np.float32(1e30)) for k, v in batch.items()}
+        bad = {
+            k: np.where(mask.reshape(-1, *[1] * (v.ndim - 1)), v, np.float32(1e30))
+            for k, v in batch.items()
+        }
         bad["y"] = np.where(mask, bad["y"], np.nan).astype(np.float32)
         s_bad, _ = fn(params, bad, mask)
         # bit for bit on a CPU; to float32 rounding on a GPU, whose reductions need not add in
         # one order from run to run (H200, jax 0.11.2: 2.6e-7 relative)
-        assert_equal_on_cpu(np.asarray(s), np.asarray(s_bad), rtol=1e-6, atol=1e-6 * float(jnp.abs(s).max()))
+        assert_equal_on_cpu(
+            np.asarray(s), np.asarray(s_bad), rtol=1e-6, atol=1e-6 * float(jnp.abs(s).max())
+        )
         # the neighbour without one example of the batch (its row turned into padding)
         for i in np.flatnonzero(mask)[:3]:
             m2 = mask.copy()
             m2[i] = False
             s2, _ = fn(params, batch, m2)
-            rounding = 4e-7 * float(jnp.linalg.norm(s)) * len(mask) ** 0.5  # float32 sums of ~40 rows
+            rounding = (
+                4e-7 * float(jnp.linalg.norm(s)) * len(mask) ** 0.5
+            )  # float32 sums of ~40 rows
             assert float(jnp.linalg.norm(s - s2)) <= priv.grad_fn.sensitivity() + rounding
 
 
@@ -104,9 +136,19 @@ def test_one_compilation_for_the_whole_run():
         traces.append(1)
         return _lin_loss(w, batch)
 
-    priv = make_private(loss, optax.adam(0.05), dataset_size=400, expected_batch_size=40, steps=40,
-                        target_epsilon=3.0, delta=1e-4, l2_clip_norm=1.0, process_index=0,
-                        process_count=1, accountant="rdp")
+    priv = make_private(
+        loss,
+        optax.adam(0.05),
+        dataset_size=400,
+        expected_batch_size=40,
+        steps=40,
+        target_epsilon=3.0,
+        delta=1e-4,
+        l2_clip_norm=1.0,
+        process_index=0,
+        process_count=1,
+        accountant="rdp",
+    )
     step = jax.jit(priv.step)
     w = jnp.zeros(4)
     state = priv.init(w)
@@ -187,8 +229,17 @@ def test_errors_name_the_argument():
 
 def test_both_spellings_of_the_clip_norm_are_accepted_without_a_warning():
     # optax's spelling as well as the canonical one (jax-privacy's): no warning, the same run
-    args = dict(dataset_size=400, expected_batch_size=40, steps=30, target_epsilon=3.0, delta=1e-4, seed=0,
-                process_index=0, process_count=1, accountant="rdp")
+    args = dict(
+        dataset_size=400,
+        expected_batch_size=40,
+        steps=30,
+        target_epsilon=3.0,
+        delta=1e-4,
+        seed=0,
+        process_index=0,
+        process_count=1,
+        accountant="rdp",
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         priv = make_private(_lin_loss, optax.sgd(0.1), l2_norm_clip=1.0, **args)
@@ -199,7 +250,9 @@ def test_both_spellings_of_the_clip_norm_are_accepted_without_a_warning():
     got = priv.step(w, priv.init(w), batch, mask, jax.random.key(1))[0]
     want = ref.step(w, ref.init(w), batch, mask, jax.random.key(1))[0]
     np.testing.assert_array_equal(got, want)
-    with pytest.raises(TypeError, match=r"make_private: got both `l2_clip_norm` and `l2_norm_clip`"):
+    with pytest.raises(
+        TypeError, match=r"make_private: got both `l2_clip_norm` and `l2_norm_clip`"
+    ):
         make_private(_lin_loss, optax.sgd(0.1), l2_norm_clip=1.0, l2_clip_norm=1.0, **args)
     with pytest.raises(TypeError, match=r"make_private: missing.*l2_clip_norm"):
         make_private(_lin_loss, optax.sgd(0.1), **args)
@@ -207,9 +260,19 @@ def test_both_spellings_of_the_clip_norm_are_accepted_without_a_warning():
 
 def test_digits_mlp_reaches_90_percent_at_epsilon_3():
     x_tr, y_tr, x_te, y_te = load_digits_split(0)
-    priv = make_private(per_example_loss, optax.adam(1e-2), dataset_size=len(x_tr),
-                        expected_batch_size=128, steps=300, target_epsilon=3.0, delta=1e-5,
-                        l2_clip_norm=1.0, seed=0, process_index=0, process_count=1)
+    priv = make_private(
+        per_example_loss,
+        optax.adam(1e-2),
+        dataset_size=len(x_tr),
+        expected_batch_size=128,
+        steps=300,
+        target_epsilon=3.0,
+        delta=1e-5,
+        l2_clip_norm=1.0,
+        seed=0,
+        process_index=0,
+        process_count=1,
+    )
     assert priv.planned_epsilon == pytest.approx(3.0, rel=0.01)
     params = init_mlp(jax.random.key(0))
     state = priv.init(params)
@@ -232,7 +295,12 @@ def test_eight_devices_equal_one_device():
     priv8 = dp_setup.build()
     with jax.set_mesh(mesh):
         out = dp_setup.run_steps(
-            priv8, d, lambda b, m: (jax.device_put(b, rows), jax.device_put(m, rows)), dp_setup.STEPS, rep)
+            priv8,
+            d,
+            lambda b, m: (jax.device_put(b, rows), jax.device_put(m, rows)),
+            dp_setup.STEPS,
+            rep,
+        )
     for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True):
         assert a.sharding.is_fully_replicated
         shards = [np.asarray(s.data) for s in a.addressable_shards]
@@ -253,9 +321,16 @@ def test_two_processes_equal_one_process(tmp_path):
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     outs = [tmp_path / f"p{i}.npz" for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, str(worker), str(i), "2", str(port), str(outs[i])],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(worker), str(i), "2", str(port), str(outs[i])],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     logs = []
     try:
         for p in procs:
@@ -269,7 +344,9 @@ def test_two_processes_equal_one_process(tmp_path):
     got = [np.load(o) for o in outs]
     for i, layer in enumerate(ref):
         for k, v in layer.items():
-            np.testing.assert_array_equal(got[0][f"{i}_{k}"], got[1][f"{i}_{k}"])  # same noise everywhere
+            np.testing.assert_array_equal(
+                got[0][f"{i}_{k}"], got[1][f"{i}_{k}"]
+            )  # same noise everywhere
             np.testing.assert_allclose(got[0][f"{i}_{k}"], np.asarray(v), rtol=1e-5, atol=1e-6)
     assert not np.allclose(np.asarray(ref[0]["w"]), np.asarray(init_mlp(jax.random.key(0))[0]["w"]))
 
@@ -283,13 +360,17 @@ def test_the_plan_is_a_limit():
     assert len(first) == 5 and priv.accountant.steps == 5
     assert list(priv.batches(d)) == []  # the plan is spent: nothing more, nothing recorded
     assert priv.accountant.steps == 5 and priv.epsilon() <= priv.target_epsilon
-    with pytest.raises(gcx.PrivacyBudgetError, match=r"beyond the planned 5 steps.*allow_beyond_plan=True"):
+    with pytest.raises(
+        gcx.PrivacyBudgetError, match=r"beyond the planned 5 steps.*allow_beyond_plan=True"
+    ):
         priv.record_step()
     assert priv.accountant.steps == 5
     over = _priv(steps=5, allow_beyond_plan=True)
     for _ in over.batches():
         pass
-    with pytest.warns(gcx.PrivacyBudgetWarning, match=r"6 steps recorded, beyond the planned 5: epsilon spent"):
+    with pytest.warns(
+        gcx.PrivacyBudgetWarning, match=r"6 steps recorded, beyond the planned 5: epsilon spent"
+    ):
         over.record_step()
     assert over.epsilon() > over.planned_epsilon and over.accountant.steps == 6
 
@@ -314,13 +395,17 @@ def test_batches_resume_where_the_accountant_stands():
 def test_data_rows_must_match_dataset_size(rows):
     priv = _priv()
     data = {"x": np.zeros((rows, 4), np.float32), "y": np.zeros(400, np.float32)}
-    with pytest.raises(ValueError, match=rf"`dataset_size`=400, but leaf \['x'\] of `data` has {rows} rows"):
+    with pytest.raises(
+        ValueError, match=rf"`dataset_size`=400, but leaf \['x'\] of `data` has {rows} rows"
+    ):
         next(priv.batches(data))
     assert priv.accountant.steps == 0  # nothing recorded
 
 
 def test_method_is_checked_before_calibration():
-    with pytest.raises(ValueError, match=r"`method` must be one of \('vmap', 'ghost', 'auto'\), got 'foo'"):
+    with pytest.raises(
+        ValueError, match=r"`method` must be one of \('vmap', 'ghost', 'auto'\), got 'foo'"
+    ):
         _priv(method="foo")
 
 
@@ -350,14 +435,22 @@ def test_stopped_and_resumed_run_equals_the_uninterrupted_run(tmp_path, accounta
     w, s = _train(first, w0, first.init(w0), d, key, stop_after=3)
     assert first.accountant.steps == 3
     with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
-        mngr.save(3, args=ocp.args.Composite(
-            state=ocp.args.StandardSave({"params": w, "opt_state": s}),
-            priv=ocp.args.JsonSave(first.state_dict())))
+        mngr.save(
+            3,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave({"params": w, "opt_state": s}),
+                priv=ocp.args.JsonSave(first.state_dict()),
+            ),
+        )
         mngr.wait_until_finished()
     with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
         like = {"params": w0, "opt_state": first.init(w0)}
-        back = mngr.restore(mngr.latest_step(), args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(like), priv=ocp.args.JsonRestore()))
+        back = mngr.restore(
+            mngr.latest_step(),
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(like), priv=ocp.args.JsonRestore()
+            ),
+        )
     assert back.priv == first.state_dict()  # JSON round-trips the floats exactly
 
     resumed = _priv(**kw, resume_from=back.priv)
@@ -385,11 +478,18 @@ def test_state_dict_is_plain_and_pickles():
     assert state["accountant"]["phases"] == [[priv.noise_multiplier, 0.1, 1, None, None]]
 
 
-@pytest.mark.parametrize(("change", "field"), [
-    (dict(steps=5), "steps"), (dict(target_epsilon=4.0), "target_epsilon"), (dict(seed=1), "seed"),
-    (dict(l2_clip_norm=2.0), "l2_clip_norm"), (dict(expected_batch_size=20), "sample_rate"),
-    (dict(accountant="pld"), "accountant"), (dict(delta=1e-5), "delta"),
-])
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (dict(steps=5), "steps"),
+        (dict(target_epsilon=4.0), "target_epsilon"),
+        (dict(seed=1), "seed"),
+        (dict(l2_clip_norm=2.0), "l2_clip_norm"),
+        (dict(expected_batch_size=20), "sample_rate"),
+        (dict(accountant="pld"), "accountant"),
+        (dict(delta=1e-5), "delta"),
+    ],
+)
 def test_resume_from_another_plan_names_the_field(change, field):
     state = _priv(steps=4).state_dict()
     with pytest.raises(ValueError, match=rf"`resume_from` was saved by another plan: {field}="):
@@ -398,14 +498,23 @@ def test_resume_from_another_plan_names_the_field(change, field):
 
 def test_resume_from_a_changed_calibration_or_a_bad_state_is_an_error():
     state = _priv(steps=4).state_dict()
-    state["plan"]["noise_multiplier"] *= 0.9  # less noise than calibrated: spends more than the target
-    with pytest.warns(UserWarning, match=r"`resume_from`'s noise_multiplier=.* above `target_epsilon`=3"):
+    state["plan"]["noise_multiplier"] *= (
+        0.9  # less noise than calibrated: spends more than the target
+    )
+    with pytest.warns(
+        UserWarning, match=r"`resume_from`'s noise_multiplier=.* above `target_epsilon`=3"
+    ):
         resumed = _priv(steps=4, resume_from=state)
-    assert resumed.noise_multiplier == state["plan"]["noise_multiplier"] and resumed.planned_epsilon > 3.0
+    assert (
+        resumed.noise_multiplier == state["plan"]["noise_multiplier"]
+        and resumed.planned_epsilon > 3.0
+    )
     state["plan"]["noise_multiplier"] = -1.0
     with pytest.raises(ValueError, match=r"no positive plan field 'noise_multiplier'"):
         _priv(steps=4, resume_from=state)
-    with pytest.raises(ValueError, match=r"`resume_from` must be a dict from PrivateTraining.state_dict"):
+    with pytest.raises(
+        ValueError, match=r"`resume_from` must be a dict from PrivateTraining.state_dict"
+    ):
         _priv(steps=4, resume_from={"plan": {}})
     good = _priv(steps=4).state_dict()
     good["sampler"]["steps_taken"] = 2
@@ -527,7 +636,10 @@ def test_batches_give_each_step_its_noise_key_and_a_resume_draws_the_same():
     w_all, _, keys_all = run(whole, w0, whole.init(w0))
     # the old idiom's keys, fold_in(noise_key, accountant.steps - 1) inside the loop, are the same
     old = _priv(steps=8)
-    old_keys = [jax.random.key_data(jax.random.fold_in(key, old.accountant.steps - 1)) for _ in old.batches()]
+    old_keys = [
+        jax.random.key_data(jax.random.fold_in(key, old.accountant.steps - 1))
+        for _ in old.batches()
+    ]
     for a, b in zip(old_keys, keys_all, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     first = _priv(steps=8)
@@ -537,8 +649,9 @@ def test_batches_give_each_step_its_noise_key_and_a_resume_draws_the_same():
     for a, b in zip(keys_a + keys_b, keys_all, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert_equal_on_cpu(np.asarray(w_end), np.asarray(w_all), rtol=1e-6, atol=1e-7)
-    np.testing.assert_array_equal(np.asarray(jax.random.key_data(resumed.step_key(key))),
-                                  np.asarray(keys_all[-1]))  # the last recorded step's
+    np.testing.assert_array_equal(
+        np.asarray(jax.random.key_data(resumed.step_key(key))), np.asarray(keys_all[-1])
+    )  # the last recorded step's
     with pytest.raises(ValueError, match="no step recorded"):
         _priv(steps=8).step_key(key)
     # without data: (sampled batch, key)

@@ -14,9 +14,17 @@ from gradclip_jax.dp import sampling
 from gradclip_jax.dp.sampling import poisson
 
 #: each old module, and the names it served (their home: gradclip_jax.dp.sampling)
-MOVED = {"gradclip_jax.dp.batch_selection": ["NEIGHBORING", "BatchSampler", "IndexSampler", "SampledBatch",
-                                             "check_sampler", "processes"],
-         "gradclip_jax.dp.user_sampling": ["UserBatch", "UserPoissonSampler", "user_loss"]}
+MOVED = {
+    "gradclip_jax.dp.batch_selection": [
+        "NEIGHBORING",
+        "BatchSampler",
+        "IndexSampler",
+        "SampledBatch",
+        "check_sampler",
+        "processes",
+    ],
+    "gradclip_jax.dp.user_sampling": ["UserBatch", "UserPoissonSampler", "user_loss"],
+}
 
 
 def _fresh_import(name: str):
@@ -27,11 +35,16 @@ def _fresh_import(name: str):
 @pytest.mark.parametrize("old,new", MOVED.items(), ids=list(MOVED))
 def test_old_module_warns_naming_the_new_path_and_serves_the_same_objects(old, new, monkeypatch):
     monkeypatch.delitem(sys.modules, old, raising=False)
-    with pytest.warns(DeprecationWarning, match=f"{old} is deprecated .* import from gradclip_jax.dp.sampling"):
+    with pytest.warns(
+        DeprecationWarning, match=f"{old} is deprecated .* import from gradclip_jax.dp.sampling"
+    ):
         shim = importlib.import_module(old)
     assert sorted(dir(shim)) == sorted(new)
     for name in new:
-        with pytest.warns(DeprecationWarning, match=f"{old}.{name} is deprecated .* gradclip_jax.dp.sampling.{name}"):
+        with pytest.warns(
+            DeprecationWarning,
+            match=f"{old}.{name} is deprecated .* gradclip_jax.dp.sampling.{name}",
+        ):
             assert getattr(shim, name) is getattr(sampling, name)
         assert name in sampling.__all__
     with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
@@ -47,8 +60,17 @@ def test_from_import_of_an_old_path_still_works():
 
 
 def test_public_names_through_gcx_dp_are_unchanged():
-    for name in ("BatchOverflowError", "BatchSampler", "IndexSampler", "SampledBatch", "PoissonBatch",
-                 "PoissonSampler", "UserBatch", "UserPoissonSampler", "user_loss"):
+    for name in (
+        "BatchOverflowError",
+        "BatchSampler",
+        "IndexSampler",
+        "SampledBatch",
+        "PoissonBatch",
+        "PoissonSampler",
+        "UserBatch",
+        "UserPoissonSampler",
+        "user_loss",
+    ):
         assert getattr(gcx.dp, name) is getattr(sampling, name), name
         assert name in sampling.__all__ or name in gcx.__all__  # each name's one home
     assert sampling.PoissonSampler is poisson.PoissonSampler

@@ -17,14 +17,19 @@ C = 1.0
 
 
 def _sampler(**kw):
-    args = dict(expected_users=6, max_examples_per_user=3, steps=5, seed=1, process_index=0, process_count=1)
+    args = dict(
+        expected_users=6, max_examples_per_user=3, steps=5, seed=1, process_index=0, process_count=1
+    )
     return UserPoissonSampler(kw.pop("user_ids", np.repeat(np.arange(30), 5)), **{**args, **kw})
 
 
 def _mlp_params(d=4, h=8):
     rng = np.random.default_rng(0)
-    return {"w1": jnp.asarray(rng.normal(size=(d, h)), jnp.float32), "b1": jnp.zeros(h),
-            "w2": jnp.asarray(rng.normal(size=(h,)), jnp.float32)}
+    return {
+        "w1": jnp.asarray(rng.normal(size=(d, h)), jnp.float32),
+        "b1": jnp.zeros(h),
+        "w2": jnp.asarray(rng.normal(size=(h,)), jnp.float32),
+    }
 
 
 def _example_loss(p, ex):
@@ -35,14 +40,17 @@ def _example_loss(p, ex):
 
 def _user_batch(users=6, k=3, seed=0):
     rng = np.random.default_rng(seed)
-    ex = {"x": jnp.asarray(rng.normal(size=(users, k, 4)), jnp.float32),
-          "y": jnp.asarray(rng.normal(size=(users, k)), jnp.float32)}
+    ex = {
+        "x": jnp.asarray(rng.normal(size=(users, k, 4)), jnp.float32),
+        "y": jnp.asarray(rng.normal(size=(users, k)), jnp.float32),
+    }
     em = rng.random((users, k)) < 0.7
     em[:, 0] = True  # every user has an example
     return UserBatch(ex, jnp.asarray(em))
 
 
 # --- the sampler ---
+
 
 def test_protocol_and_layout():
     s = _sampler()
@@ -62,8 +70,12 @@ def test_protocol_and_layout():
 def test_deterministic_and_processes():
     s = _sampler(steps=20)
     b1, b2 = s.batch(7), _sampler(steps=20).batch(7)
-    assert np.array_equal(b1.indices, b2.indices) and np.array_equal(b1.example_mask, b2.example_mask)
-    halves = [_sampler(steps=20, process_index=i, process_count=2, max_users=20).batch(7) for i in (0, 1)]
+    assert np.array_equal(b1.indices, b2.indices) and np.array_equal(
+        b1.example_mask, b2.example_mask
+    )
+    halves = [
+        _sampler(steps=20, process_index=i, process_count=2, max_users=20).batch(7) for i in (0, 1)
+    ]
     full = _sampler(steps=20, max_users=20).batch(7)
     assert np.array_equal(np.concatenate([h.indices for h in halves]), full.indices)
     assert np.array_equal(np.concatenate([h.example_mask for h in halves]), full.example_mask)
@@ -79,8 +91,12 @@ def test_example_choice():
     ids = np.repeat(np.arange(4), [2, 6, 6, 1])
     first = _sampler(user_ids=ids, expected_users=4, steps=10, example_choice="first")
     rand = _sampler(user_ids=ids, expected_users=4, steps=10)
-    assert np.array_equal(first.examples_of(1, 0), [2, 3, 4]) and np.array_equal(first.examples_of(1, 9), [2, 3, 4])
-    assert np.array_equal(rand.examples_of(0, 3), [0, 1]) and np.array_equal(rand.examples_of(3, 3), [14])
+    assert np.array_equal(first.examples_of(1, 0), [2, 3, 4]) and np.array_equal(
+        first.examples_of(1, 9), [2, 3, 4]
+    )
+    assert np.array_equal(rand.examples_of(0, 3), [0, 1]) and np.array_equal(
+        rand.examples_of(3, 3), [14]
+    )
     picks = {tuple(rand.examples_of(1, t)) for t in range(10)}
     assert len(picks) > 1 and all(set(p) <= set(range(2, 8)) and len(p) == 3 for p in picks)
     # a short user's row is padded and masked
@@ -89,28 +105,39 @@ def test_example_choice():
 
 
 def test_user_examples_form():
-    s = UserPoissonSampler(user_examples=[[0, 5], [1], [2, 3, 4]], expected_users=3, max_examples_per_user=2,
-                           steps=2, process_index=0, process_count=1, dataset_size=8, example_choice="first")
+    s = UserPoissonSampler(
+        user_examples=[[0, 5], [1], [2, 3, 4]],
+        expected_users=3,
+        max_examples_per_user=2,
+        steps=2,
+        process_index=0,
+        process_count=1,
+        dataset_size=8,
+        example_choice="first",
+    )
     assert s.num_users == 3 and s.dataset_size == 8
     b = s.batch(0)
     assert b.indices[:3].tolist() == [[0, 5], [1, 0], [2, 3]]  # rate 1: every user, the first k
     assert b.example_mask.sum(1).tolist() == [2, 1, 2]
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(user_ids=np.array([0, -1])), "user_ids"),
-    (dict(user_ids=np.array([0.5, 1.0])), "user_ids"),
-    (dict(user_ids=None), "exactly one of `user_ids` and `user_examples`"),
-    (dict(user_ids=None, user_examples=[[0], [0, 1]]), "under two users"),
-    (dict(user_ids=None, user_examples=[[0], [9]], dataset_size=5), "outside"),
-    (dict(user_ids=None, user_examples=[[0], []]), r"user_examples\[1\]"),
-    (dict(max_examples_per_user=0), "max_examples_per_user"),
-    (dict(expected_users=31), "expected_users"),
-    (dict(expected_users=0), "expected_users"),
-    (dict(max_users=3), "max_users"),
-    (dict(example_choice="last"), "example_choice"),
-    (dict(dataset_size=10), "dataset_size"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(user_ids=np.array([0, -1])), "user_ids"),
+        (dict(user_ids=np.array([0.5, 1.0])), "user_ids"),
+        (dict(user_ids=None), "exactly one of `user_ids` and `user_examples`"),
+        (dict(user_ids=None, user_examples=[[0], [0, 1]]), "under two users"),
+        (dict(user_ids=None, user_examples=[[0], [9]], dataset_size=5), "outside"),
+        (dict(user_ids=None, user_examples=[[0], []]), r"user_examples\[1\]"),
+        (dict(max_examples_per_user=0), "max_examples_per_user"),
+        (dict(expected_users=31), "expected_users"),
+        (dict(expected_users=0), "expected_users"),
+        (dict(max_users=3), "max_users"),
+        (dict(example_choice="last"), "example_choice"),
+        (dict(dataset_size=10), "dataset_size"),
+    ],
+)
 def test_bad_arguments(kw, match):
     with pytest.raises(ValueError, match=match):
         _sampler(**kw)
@@ -130,6 +157,7 @@ def test_user_loss_reduce():
 
 
 # --- per-user clipping: the user is the unit on vmap and ghost ---
+
 
 @pytest.mark.parametrize("reduce", ["sum", "mean"])
 def test_ghost_equals_vmap_per_user(reduce):
@@ -182,7 +210,9 @@ def _direct_pld(event, steps, z):
     from gradclip_jax.dp.accounting import pld_interval
     from gradclip_jax.dp.accounting._composition import loss_std
 
-    acc = dp_accounting.pld.PLDAccountant(value_discretization_interval=pld_interval(z, loss_std([(event, steps)])))
+    acc = dp_accounting.pld.PLDAccountant(
+        value_discretization_interval=pld_interval(z, loss_std([(event, steps)]))
+    )
     acc.compose(event, steps)
     return acc
 
@@ -190,7 +220,9 @@ def _direct_pld(event, steps, z):
 def test_accounting_is_poisson_over_users():
     s = _sampler(steps=50)
     z, delta = 1.1, 1e-5
-    direct = _direct_pld(dp_accounting.PoissonSampledDpEvent(6 / 30, dp_accounting.GaussianDpEvent(z)), 50, z)
+    direct = _direct_pld(
+        dp_accounting.PoissonSampledDpEvent(6 / 30, dp_accounting.GaussianDpEvent(z)), 50, z
+    )
     acc = gcx.PrivacyAccountant("pld")
     acc.step(z, sampler=s, steps=50)
     assert acc.epsilon(delta) == pytest.approx(direct.get_epsilon(delta), rel=1e-8)
@@ -204,6 +236,7 @@ def test_accounting_is_poisson_over_users():
 
 # --- make_private end to end ---
 
+
 def _data(n_users=40, per_user=6, seed=0):
     rng = np.random.default_rng(seed)
     ids = np.repeat(np.arange(n_users), rng.integers(1, per_user + 1, n_users))
@@ -214,24 +247,43 @@ def _data(n_users=40, per_user=6, seed=0):
 @pytest.mark.parametrize("method", ["vmap", "ghost"])
 def test_make_private_end_to_end(method):
     ids, data = _data()
-    sampler = UserPoissonSampler(ids, expected_users=8, max_examples_per_user=4, steps=12, seed=0,
-                                 process_index=0, process_count=1)
+    sampler = UserPoissonSampler(
+        ids,
+        expected_users=8,
+        max_examples_per_user=4,
+        steps=12,
+        seed=0,
+        process_index=0,
+        process_count=1,
+    )
 
     def example_loss(w, ex):
         return 0.5 * (ex["x"] @ w - ex["y"]) ** 2
 
-    priv = make_private(user_loss(example_loss, "mean"), optax.sgd(0.5), target_epsilon=4.0, delta=1e-3,
-                        l2_clip_norm=1.0, sampler=sampler, method=method)
+    priv = make_private(
+        user_loss(example_loss, "mean"),
+        optax.sgd(0.5),
+        target_epsilon=4.0,
+        delta=1e-3,
+        l2_clip_norm=1.0,
+        sampler=sampler,
+        method=method,
+    )
     step = jax.jit(priv.step)
     w, state, key = jnp.zeros(3), priv.init(jnp.zeros(3)), jax.random.key(0)
     for batch, mask in priv.batches(data):
-        assert isinstance(batch, UserBatch) and batch.examples["x"].shape[:2] == (sampler.max_batch_size, 4)
+        assert isinstance(batch, UserBatch) and batch.examples["x"].shape[:2] == (
+            sampler.max_batch_size,
+            4,
+        )
         key, sub = jax.random.split(key)
         w, state, metrics = step(w, state, batch, mask, sub)
         assert int(metrics.num_clipped) <= int(mask.sum())  # users clipped, of the real users
     assert np.isfinite(np.asarray(w)).all() and priv.accountant.steps == 12
     z = priv.noise_multiplier
-    direct = _direct_pld(dp_accounting.PoissonSampledDpEvent(8 / 40, dp_accounting.GaussianDpEvent(z)), 12, z)
+    direct = _direct_pld(
+        dp_accounting.PoissonSampledDpEvent(8 / 40, dp_accounting.GaussianDpEvent(z)), 12, z
+    )
     # the same event, on the accountant's grid, up to FFT rounding
     assert priv.epsilon() == pytest.approx(direct.get_epsilon(1e-3), rel=1e-6)
     assert priv.epsilon() <= 4.0 + 1e-9 and priv.sample_rate == pytest.approx(0.2)
@@ -240,8 +292,15 @@ def test_make_private_end_to_end(method):
 
 def test_make_private_warns_delta_over_users():
     ids, _ = _data()
-    sampler = UserPoissonSampler(ids, expected_users=8, max_examples_per_user=4, steps=3,
-                                 process_index=0, process_count=1)
+    sampler = UserPoissonSampler(
+        ids, expected_users=8, max_examples_per_user=4, steps=3, process_index=0, process_count=1
+    )
     with pytest.warns(UserWarning, match="num_users"):
-        make_private(user_loss(lambda w, ex: (ex["x"] @ w) ** 2), optax.sgd(0.1), target_epsilon=8.0,
-                     delta=0.03, l2_clip_norm=1.0, sampler=sampler)
+        make_private(
+            user_loss(lambda w, ex: (ex["x"] @ w) ** 2),
+            optax.sgd(0.1),
+            target_epsilon=8.0,
+            delta=0.03,
+            l2_clip_norm=1.0,
+            sampler=sampler,
+        )

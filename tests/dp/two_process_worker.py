@@ -26,8 +26,9 @@ def main() -> None:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(f"localhost:{port}", num_processes=nproc, process_id=pid,
-                               initialization_timeout=60)
+    jax.distributed.initialize(
+        f"localhost:{port}", num_processes=nproc, process_id=pid, initialization_timeout=60
+    )
     # the repository root (this file is in tests/dp/), so `tests` imports as a package
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.path.insert(0, root)
@@ -45,7 +46,10 @@ def main() -> None:
     with jax.set_mesh(mesh):
         params = run_steps(priv, data(), to_global, STEPS, replicated=NamedSharding(mesh, P()))
     # every process holds the same (replicated) parameters: each saves its copy
-    np.savez(out, **{f"{i}_{k}": np.asarray(v) for i, layer in enumerate(params) for k, v in layer.items()})
+    np.savez(
+        out,
+        **{f"{i}_{k}": np.asarray(v) for i, layer in enumerate(params) for k, v in layer.items()},
+    )
     jax.distributed.shutdown()
 
 

@@ -26,8 +26,16 @@ from gradclip_jax.interop import correlated_noise as cn  # noqa: E402
 from tests.per_example.models import assert_tree_close, mlp_setup  # noqa: E402
 
 REL = dp_accounting.NeighboringRelation
-SMALL = {"num_examples": 1000, "expected_batch_size": 50, "iterations": 12, "num_bands": 4, "epsilon": 2.0,
-         "delta": 1e-5, "noise_seed": 0, "strategy_optimization_steps": 50}
+SMALL = {
+    "num_examples": 1000,
+    "expected_batch_size": 50,
+    "iterations": 12,
+    "num_bands": 4,
+    "epsilon": 2.0,
+    "delta": 1e-5,
+    "noise_seed": 0,
+    "strategy_optimization_steps": 50,
+}
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +60,12 @@ def test_noise_is_the_strategy_inverse_times_iid_gaussians(small_plan):
     t, d = SMALL["iterations"], 200_000
     noise = _noise(small_plan.noise_addition_transform, (d,), t)
     c = np.asarray(toeplitz.materialize_lower_triangular(small_plan.strategy, n=t), np.float64)
-    sigma = small_plan.noise_multiplier * 0.5 / SMALL["expected_batch_size"] * np.linalg.norm(small_plan.strategy)
+    sigma = (
+        small_plan.noise_multiplier
+        * 0.5
+        / SMALL["expected_batch_size"]
+        * np.linalg.norm(small_plan.strategy)
+    )
     z = c @ noise
     np.testing.assert_allclose(np.cov(z), sigma**2 * np.eye(t), atol=0.02 * sigma**2)
     c_inv = np.linalg.inv(c)
@@ -75,14 +88,24 @@ def test_epsilon_at_most_target_by_dp_accounting(relation, bands, target):
     """The run's event, rebuilt from the public description (ceil(T/b) Poisson-sampled Gaussians of
     rate q = B b / n) and composed by dp-accounting's PLD and RDP accountants: epsilon <= target."""
     n, batch, steps, delta = 1347, 64, 100, 1e-5
-    plan = cn.bandmf_plan(num_examples=n, expected_batch_size=batch, iterations=steps, num_bands=bands,
-                          epsilon=target, delta=delta, neighboring_relation=relation,
-                          strategy_optimization_steps=20)
+    plan = cn.bandmf_plan(
+        num_examples=n,
+        expected_batch_size=batch,
+        iterations=steps,
+        num_bands=bands,
+        epsilon=target,
+        delta=delta,
+        neighboring_relation=relation,
+        strategy_optimization_steps=20,
+    )
     rel = {"add_or_remove": REL.ADD_OR_REMOVE_ONE, "zero_out": REL.REPLACE_SPECIAL}[relation]
-    assert plan.neighboring_relation == rel and plan.sampling_prob == pytest.approx(batch * bands / n)
+    assert plan.neighboring_relation == rel and plan.sampling_prob == pytest.approx(
+        batch * bands / n
+    )
     gauss = dp_accounting.GaussianDpEvent(plan.noise_multiplier)
     event = dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(batch * bands / n, gauss), math.ceil(steps / bands))
+        dp_accounting.PoissonSampledDpEvent(batch * bands / n, gauss), math.ceil(steps / bands)
+    )
     pld = dp_accounting.pld.PLDAccountant(rel).compose(event).get_epsilon(delta)
     assert pld <= target and pld == pytest.approx(plan.epsilon, rel=1e-9)
     assert pld > 0.97 * target  # calibrated, not merely safe
@@ -123,14 +146,24 @@ def test_noised_sum_is_our_clipped_sum(method):
     padding = jnp.arange(rows) >= rows - 2
     plan = cn.bandmf_plan(**{**SMALL, "expected_batch_size": 10}, method=method)
     # jitted: called eagerly, each clipped sum dispatches (and compiles) its operations one by one
-    grads = jax.jit(plan.clipped_grad(_mean_loss(loss), batch_argnums=1))(params, data, is_padding_example=padding)
+    grads = jax.jit(plan.clipped_grad(_mean_loss(loss), batch_argnums=1))(
+        params, data, is_padding_example=padding
+    )
     state = plan.noise_addition_transform.init(params)
     noisy, _ = plan.noise_addition_transform.update(grads, state)
     noise, _ = plan.noise_addition_transform.update(jax.tree.map(jnp.zeros_like, grads), state)
     core, _ = jax.jit(gcx.clipped_grad(loss, 1.0, method=method))(params, data, mask=~padding)
-    theirs = jax.jit(jp_clipping.clipped_grad(_mean_loss(loss), l2_clip_norm=1.0, batch_argnums=1, normalize_by=10.0))
-    assert_tree_close(jax.tree.map(jnp.subtract, noisy, noise), jax.tree.map(lambda g: g / 10, core),
-                      rtol=1e-4, atol=1e-6)
+    theirs = jax.jit(
+        jp_clipping.clipped_grad(
+            _mean_loss(loss), l2_clip_norm=1.0, batch_argnums=1, normalize_by=10.0
+        )
+    )
+    assert_tree_close(
+        jax.tree.map(jnp.subtract, noisy, noise),
+        jax.tree.map(lambda g: g / 10, core),
+        rtol=1e-4,
+        atol=1e-6,
+    )
     assert_tree_close(grads, theirs(params, data, is_padding_example=padding), rtol=2e-5, atol=1e-6)
 
 
@@ -149,11 +182,23 @@ def test_ghost_and_vmap_plans_give_the_same_noisy_gradient():
 
 
 def test_with_gradclip_keeps_jax_privacys_plan():
-    config = BandMFExecutionPlanConfig(strategy=np.array([0.8, 0.6]), iterations=6, noise_multiplier=1.5,
-                                       epsilon=None, delta=None, sampling_prob=0.5, noise_seed=3,
-                                       l2_clip_norm=2.0, normalize_by=4.0, rescale_to_unit_norm=False)
+    config = BandMFExecutionPlanConfig(
+        strategy=np.array([0.8, 0.6]),
+        iterations=6,
+        noise_multiplier=1.5,
+        epsilon=None,
+        delta=None,
+        sampling_prob=0.5,
+        noise_seed=3,
+        l2_clip_norm=2.0,
+        normalize_by=4.0,
+        rescale_to_unit_norm=False,
+    )
     theirs, ours = config.plan, cn.with_gradclip(config, method="vmap")
-    assert ours.dp_event == theirs.dp_event and ours.batch_selection_strategy == theirs.batch_selection_strategy
+    assert (
+        ours.dp_event == theirs.dp_event
+        and ours.batch_selection_strategy == theirs.batch_selection_strategy
+    )
     loss, params, data = mlp_setup()
     g_ours = ours.clipped_grad(_mean_loss(loss), batch_argnums=1)
     g_theirs = theirs.clipped_grad(_mean_loss(loss), batch_argnums=1)
@@ -163,34 +208,40 @@ def test_with_gradclip_keeps_jax_privacys_plan():
     np.testing.assert_array_equal(n_ours, _noise(theirs.noise_addition_transform, (5,), 3))
 
 
-@pytest.mark.parametrize(("kwargs", "name"), [
-    ({"num_bands": 0}, "num_bands"),
-    ({"num_bands": 13}, "num_bands"),
-    ({"num_bands": 2.0}, "num_bands"),
-    ({"iterations": -1}, "iterations"),
-    ({"expected_batch_size": 300}, "expected_batch_size"),
-    ({"num_examples": True}, "num_examples"),
-    ({"epsilon": 0.0}, "epsilon"),
-    ({"epsilon": math.inf}, "epsilon"),
-    ({"delta": 1.0}, "delta"),
-    ({"delta": "1e-5"}, "delta"),
-    ({"l2_clip_norm": -1.0}, "l2_clip_norm"),
-    ({"method": "fast"}, "method"),
-    ({"neighboring_relation": "replace"}, "neighboring_relation"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"num_bands": 0}, "num_bands"),
+        ({"num_bands": 13}, "num_bands"),
+        ({"num_bands": 2.0}, "num_bands"),
+        ({"iterations": -1}, "iterations"),
+        ({"expected_batch_size": 300}, "expected_batch_size"),
+        ({"num_examples": True}, "num_examples"),
+        ({"epsilon": 0.0}, "epsilon"),
+        ({"epsilon": math.inf}, "epsilon"),
+        ({"delta": 1.0}, "delta"),
+        ({"delta": "1e-5"}, "delta"),
+        ({"l2_clip_norm": -1.0}, "l2_clip_norm"),
+        ({"method": "fast"}, "method"),
+        ({"neighboring_relation": "replace"}, "neighboring_relation"),
+    ],
+)
 def test_bad_arguments_are_named(kwargs, name):
     with pytest.raises(ValueError, match=f"`{name}`"):
         cn.bandmf_plan(**{**SMALL, **kwargs})
 
 
 def test_with_gradclip_bad_arguments():
-    config = BandMFExecutionPlanConfig(strategy=[1.0], iterations=2, noise_multiplier=1.0, epsilon=None,
-                                       delta=None)
+    config = BandMFExecutionPlanConfig(
+        strategy=[1.0], iterations=2, noise_multiplier=1.0, epsilon=None, delta=None
+    )
     with pytest.raises(ValueError, match="`method`"):
         cn.with_gradclip(config, method="ghosts")
     with pytest.raises(TypeError, match="`config`"):
         cn.with_gradclip(config.plan)
-    with pytest.raises(TypeError, match="l2_clip_norm"):  # the plan's clip norm is the one the noise fits
+    with pytest.raises(
+        TypeError, match="l2_clip_norm"
+    ):  # the plan's clip norm is the one the noise fits
         cn.with_gradclip(config).clipped_grad(lambda p, x: p * x, l2_clip_norm=3.0)
 
 
@@ -213,7 +264,11 @@ def test_digits_comparison():
     from tools import mf_digits
 
     rows = mf_digits.compare(epsilons=(4.0,), seeds=(0,), bands=(1, 4))
-    assert {r["run"] for r in rows} >= {"DP-SGD (make_private)", "DP-SGD (plan, 1 band)", "BandMF (4 bands)"}
+    assert {r["run"] for r in rows} >= {
+        "DP-SGD (make_private)",
+        "DP-SGD (plan, 1 band)",
+        "BandMF (4 bands)",
+    }
     for r in rows:
         assert r["epsilon"] <= 4.0 and r["accuracy"] > 0.6, r
 
@@ -222,8 +277,14 @@ def test_digits_comparison():
 # BLT (buffered linear Toeplitz) noise
 # ----------------------------------------------------------------------------
 
-BLT = {"num_examples": 600, "expected_batch_size": 100, "iterations": 15, "epsilon": 4.0, "delta": 1e-5,
-       "noise_seed": 0}
+BLT = {
+    "num_examples": 600,
+    "expected_batch_size": 100,
+    "iterations": 15,
+    "epsilon": 4.0,
+    "delta": 1e-5,
+    "noise_seed": 0,
+}
 
 
 @pytest.fixture(scope="module")
@@ -237,14 +298,18 @@ def _blt_sensitivity_by_brute_force(coefs, t, cycle):
     return max(np.linalg.norm(c[:, j::cycle].sum(axis=1)) for j in range(cycle))
 
 
-def test_blt_noise_is_the_strategy_inverse_times_iid_gaussians_at_the_min_sep_sensitivity(blt_small):
+def test_blt_noise_is_the_strategy_inverse_times_iid_gaussians_at_the_min_sep_sensitivity(
+    blt_small,
+):
     """N = C^{-1} Z with C the plan's strategy: C @ N is white, of standard deviation
     noise_multiplier * (C_clip / B) * Delta, Delta = max over the cyclic participation patterns (6
     steps apart, 3 each in 15 steps) of ||C 1_P||, computed here by brute force; and the noise is
     correlated for real (not white)."""
     t, d, cycle = BLT["iterations"], 200_000, 6
     delta_sens = _blt_sensitivity_by_brute_force(blt_small.strategy, t, cycle)
-    assert delta_sens > 1.1 * np.linalg.norm(blt_small.strategy)  # three participations cost more than one
+    assert delta_sens > 1.1 * np.linalg.norm(
+        blt_small.strategy
+    )  # three participations cost more than one
     noise = _noise(blt_small.noise_addition_transform, (d,), t)
     c = np.asarray(toeplitz.materialize_lower_triangular(blt_small.strategy, n=t), np.float64)
     sigma = blt_small.noise_multiplier * 0.5 / BLT["expected_batch_size"] * delta_sens
@@ -258,10 +323,19 @@ def test_blt_strategy_is_a_decaying_toeplitz_and_its_epsilon_is_one_gaussian_mec
     coefs = blt_small.strategy
     assert coefs.shape == (BLT["iterations"],) and coefs[0] == pytest.approx(1.0)
     assert np.all(coefs > 0) and np.all(np.diff(coefs) <= 0)
-    assert blt_small.sampling_prob == 1.0 and blt_small.neighboring_relation == REL.ADD_OR_REMOVE_ONE
-    pld = dp_accounting.pld.PLDAccountant(REL.ADD_OR_REMOVE_ONE).compose(
-        dp_accounting.GaussianDpEvent(blt_small.noise_multiplier)).get_epsilon(BLT["delta"])
-    assert pld <= BLT["epsilon"] and pld > 0.97 * BLT["epsilon"] and pld == pytest.approx(blt_small.epsilon)
+    assert (
+        blt_small.sampling_prob == 1.0 and blt_small.neighboring_relation == REL.ADD_OR_REMOVE_ONE
+    )
+    pld = (
+        dp_accounting.pld.PLDAccountant(REL.ADD_OR_REMOVE_ONE)
+        .compose(dp_accounting.GaussianDpEvent(blt_small.noise_multiplier))
+        .get_epsilon(BLT["delta"])
+    )
+    assert (
+        pld <= BLT["epsilon"]
+        and pld > 0.97 * BLT["epsilon"]
+        and pld == pytest.approx(blt_small.epsilon)
+    )
     assert blt_small.dp_event == dp_accounting.GaussianDpEvent(blt_small.noise_multiplier)
 
 
@@ -280,13 +354,19 @@ def test_blt_batches_take_each_example_every_cycle_length_steps(blt_small):
 def test_blt_noised_sum_is_our_clipped_sum():
     loss, params, data = mlp_setup()
     plan = cn.blt_plan(**{**BLT, "expected_batch_size": 10}, method="ghost")
-    grads = jax.jit(plan.clipped_grad(_mean_loss(loss), batch_argnums=1))(params, data)  # eager: op by op
+    grads = jax.jit(plan.clipped_grad(_mean_loss(loss), batch_argnums=1))(
+        params, data
+    )  # eager: op by op
     state = plan.noise_addition_transform.init(params)
     noisy, _ = plan.noise_addition_transform.update(grads, state)
     noise, _ = plan.noise_addition_transform.update(jax.tree.map(jnp.zeros_like, grads), state)
     core, _ = jax.jit(gcx.clipped_grad(loss, 1.0, method="vmap"))(params, data)
-    assert_tree_close(jax.tree.map(jnp.subtract, noisy, noise), jax.tree.map(lambda g: g / 10, core),
-                      rtol=1e-4, atol=1e-6)
+    assert_tree_close(
+        jax.tree.map(jnp.subtract, noisy, noise),
+        jax.tree.map(lambda g: g / 10, core),
+        rtol=1e-4,
+        atol=1e-6,
+    )
 
 
 def test_blt_more_buffers_or_zero_out_still_calibrate_and_bad_buffers_are_named():
@@ -306,7 +386,10 @@ def test_blt_optimized_strategy_is_calibrated_alike_and_no_worse_than_the_ration
     under C, and its max prefix-sum error times sensitivity squared at most the rational strategy's."""
     opt = cn.blt_plan(**BLT, optimize=True, num_buffers=2)
     rat = cn.blt_plan(**BLT, num_buffers=2)
-    assert opt.noise_multiplier == pytest.approx(rat.noise_multiplier) and opt.epsilon <= BLT["epsilon"]
+    assert (
+        opt.noise_multiplier == pytest.approx(rat.noise_multiplier)
+        and opt.epsilon <= BLT["epsilon"]
+    )
     assert np.all(np.diff(opt.strategy) <= 0) and not np.allclose(opt.strategy, rat.strategy)
     t, cycle = BLT["iterations"], 6
 
@@ -318,5 +401,9 @@ def test_blt_optimized_strategy_is_calibrated_alike_and_no_worse_than_the_ration
     assert loss(opt) <= 1.01 * loss(rat)
     noise = _noise(opt.noise_addition_transform, (100_000,), t)
     c = np.asarray(toeplitz.materialize_lower_triangular(opt.strategy, n=t), np.float64)
-    sigma = opt.noise_multiplier / BLT["expected_batch_size"] * _blt_sensitivity_by_brute_force(opt.strategy, t, cycle)
+    sigma = (
+        opt.noise_multiplier
+        / BLT["expected_batch_size"]
+        * _blt_sensitivity_by_brute_force(opt.strategy, t, cycle)
+    )
     np.testing.assert_allclose(np.cov(c @ noise), sigma**2 * np.eye(t), atol=0.03 * sigma**2)

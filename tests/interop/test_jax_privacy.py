@@ -25,10 +25,15 @@ CLIP = 1.0
 def seq_setup(seed=3, batch=7):
     """A sequence model: embeddings, a per-position dense layer, mean over positions."""
     r = np.random.default_rng(seed)
-    params = {"emb": jnp.asarray(r.normal(size=(12, 6)), jnp.float32),
-              "w": jnp.asarray(r.normal(size=(6, 6)) / 2, jnp.float32),
-              "out": jnp.asarray(r.normal(size=(6, 3)), jnp.float32)}
-    data = {"tokens": jnp.asarray(r.integers(0, 12, size=(batch, 5))), "y": jnp.asarray(r.integers(0, 3, size=batch))}
+    params = {
+        "emb": jnp.asarray(r.normal(size=(12, 6)), jnp.float32),
+        "w": jnp.asarray(r.normal(size=(6, 6)) / 2, jnp.float32),
+        "out": jnp.asarray(r.normal(size=(6, 3)), jnp.float32),
+    }
+    data = {
+        "tokens": jnp.asarray(r.integers(0, 12, size=(batch, 5))),
+        "y": jnp.asarray(r.integers(0, 3, size=batch)),
+    }
 
     def loss(p, b):
         h = jnp.tanh(p["emb"][b["tokens"]] @ p["w"])  # (B, T, 6)
@@ -67,7 +72,9 @@ def test_parity_values_norms_and_sensitivity(model, method):
     _close(ao.values, aj.values)
     _close(ao.grad_norms, aj.grad_norms, rtol=1e-5)
     assert ao.aux is None and aj.aux is None
-    assert np.min(np.asarray(aj.grad_norms)) < CLIP < np.max(np.asarray(aj.grad_norms))  # some clipped, some not
+    assert (
+        np.min(np.asarray(aj.grad_norms)) < CLIP < np.max(np.asarray(aj.grad_norms))
+    )  # some clipped, some not
     for rel in REL:
         if rel in (REL.ADD_OR_REMOVE_ONE, REL.REPLACE_ONE, REL.REPLACE_SPECIAL):
             assert g_ours.sensitivity(rel) == g_jp.sensitivity(rel)
@@ -82,7 +89,9 @@ def test_returns_jax_privacy_types():
     assert isinstance(aux, jp.AuxiliaryOutput) and aux.grad_norms is None
     assert ours.AuxiliaryOutput is jp.AuxiliaryOutput
     plain = ours.clipped_grad(_scalar(loss), l2_clip_norm=CLIP)
-    assert not plain.has_aux and jax.tree.structure(plain(params, data)) == jax.tree.structure(params)
+    assert not plain.has_aux and jax.tree.structure(plain(params, data)) == jax.tree.structure(
+        params
+    )
 
 
 @pytest.mark.slow
@@ -103,8 +112,10 @@ def test_ghost_and_vmap_agree():
 def _both(fun, *args, method="auto", jit=True, call_kw=None, **kw):
     wrap = jax.jit if jit else (lambda f: f)
     call_kw = call_kw or {}
-    return (wrap(ours.clipped_grad(fun, method=method, **kw))(*args, **call_kw),
-            wrap(jp.clipped_grad(fun, **kw))(*args, **call_kw))
+    return (
+        wrap(ours.clipped_grad(fun, method=method, **kw))(*args, **call_kw),
+        wrap(jp.clipped_grad(fun, **kw))(*args, **call_kw),
+    )
 
 
 @pytest.mark.parametrize("method", ["vmap", "ghost"])
@@ -140,7 +151,9 @@ def test_keep_batch_dim_false_per_example_and_per_user(method):
     o, j = _both(per_example, params, data, method=method, l2_clip_norm=CLIP, keep_batch_dim=False)
     _close(o, j)
     users = jax.tree.map(lambda x: x[:6].reshape(3, 2, *x.shape[1:]), data)  # 3 users of 2 examples
-    o, j = _both(_scalar(loss), params, users, method=method, l2_clip_norm=CLIP, keep_batch_dim=False)
+    o, j = _both(
+        _scalar(loss), params, users, method=method, l2_clip_norm=CLIP, keep_batch_dim=False
+    )
     _close(o, j)
 
 
@@ -151,22 +164,29 @@ def test_has_aux_and_keep_batch_dim_aux_shapes(method):
     def fun(p, b):
         return jnp.mean(loss(p, b)), {"x0": b["x"][:, 0], "x": b["x"], "s": jnp.sum(b["x"])}
 
-    (go, ao), (gj, aj) = _both(fun, params, data, has_aux=True, method=method, l2_clip_norm=CLIP,
-                               return_values=True)
+    (go, ao), (gj, aj) = _both(
+        fun, params, data, has_aux=True, method=method, l2_clip_norm=CLIP, return_values=True
+    )
     _close(go, gj)
     _close(ao.aux, aj.aux)
     assert ao.aux["x0"].shape == (7,) and ao.aux["x"].shape == (7, 6) and ao.aux["s"].shape == (7,)
     assert ao.grad_norms is None and ao.values.shape == (7,)
 
 
-@pytest.mark.parametrize("rescale,clip", [(True, 0.5), (True, 0.0), (False, 0.0), (False, np.inf), (True, np.inf)])
+@pytest.mark.parametrize(
+    "rescale,clip", [(True, 0.5), (True, 0.0), (False, 0.0), (False, np.inf), (True, np.inf)]
+)
 def test_rescale_and_clip_norm_edges(rescale, clip):
     loss, params, data = mlp_setup()
     kw = {"l2_clip_norm": clip, "rescale_to_unit_norm": rescale, "normalize_by": 4.0}
     o, j = _both(_scalar(loss), params, data, **kw)
     _close(o, j, rtol=1e-5)
     g = ours.clipped_grad(_scalar(loss), **kw)
-    assert g.sensitivity() == jp.clipped_grad(_scalar(loss), **kw).sensitivity() == (1.0 if rescale else clip) / 4.0
+    assert (
+        g.sensitivity()
+        == jp.clipped_grad(_scalar(loss), **kw).sensitivity()
+        == (1.0 if rescale else clip) / 4.0
+    )
 
 
 @pytest.mark.parametrize("method", ["vmap", "ghost"])
@@ -176,14 +196,22 @@ def test_padding_examples(method):
     loss, params, data = mlp_setup()
     pad = jnp.array([False, True, False, False, True, True, False])
     kw = {"l2_clip_norm": CLIP, "return_values": True, "return_grad_norms": True}
-    (go, ao), (gj, aj) = _both(_scalar(loss), params, data, method=method, call_kw={"is_padding_example": pad}, **kw)
+    (go, ao), (gj, aj) = _both(
+        _scalar(loss), params, data, method=method, call_kw={"is_padding_example": pad}, **kw
+    )
     _close(go, gj)
     _close(ao.values, aj.values)
     np.testing.assert_array_equal(np.asarray(ao.grad_norms)[np.asarray(pad)], 0.0)
-    _close(np.asarray(ao.grad_norms)[~np.asarray(pad)], np.asarray(aj.grad_norms)[~np.asarray(pad)], rtol=1e-5)
+    _close(
+        np.asarray(ao.grad_norms)[~np.asarray(pad)],
+        np.asarray(aj.grad_norms)[~np.asarray(pad)],
+        rtol=1e-5,
+    )
     real = jax.tree.map(lambda x: x[~np.asarray(pad)], data)
     _close(go, ours.clipped_grad(_scalar(loss), l2_clip_norm=CLIP)(params, real))
-    all_pad = ours.clipped_grad(_scalar(loss), l2_clip_norm=CLIP)(params, data, is_padding_example=jnp.ones(7, bool))
+    all_pad = ours.clipped_grad(_scalar(loss), l2_clip_norm=CLIP)(
+        params, data, is_padding_example=jnp.ones(7, bool)
+    )
     assert all(float(jnp.max(jnp.abs(x))) == 0.0 for x in jax.tree.leaves(all_pad))
 
 
@@ -191,7 +219,9 @@ def test_padding_examples(method):
 def test_microbatch_size_any(microbatch_size):
     """Any positive size (jax-privacy needs one dividing the batch): the same sums."""
     loss, params, data = mlp_setup()
-    got = ours.clipped_grad(_scalar(loss), l2_clip_norm=CLIP, microbatch_size=microbatch_size)(params, data)
+    got = ours.clipped_grad(_scalar(loss), l2_clip_norm=CLIP, microbatch_size=microbatch_size)(
+        params, data
+    )
     _close(got, jp.clipped_grad(_scalar(loss), l2_clip_norm=CLIP)(params, data))
 
 
@@ -203,7 +233,9 @@ def test_pre_clipping_transform():
         o, j = _both(_scalar(loss), params, data, l2_clip_norm=CLIP, pre_clipping_transform=t)
         _close(o, j)
     with pytest.raises(ValueError, match=r"pre_clipping_transform.*ghost"):
-        ours.clipped_grad(_scalar(loss), l2_clip_norm=CLIP, pre_clipping_transform=scale, method="ghost")
+        ours.clipped_grad(
+            _scalar(loss), l2_clip_norm=CLIP, pre_clipping_transform=scale, method="ghost"
+        )
 
 
 @pytest.mark.parametrize("method", ["vmap", "ghost"])
@@ -221,8 +253,16 @@ def test_prng_argnum_per_example_keys(method):
     _close(go, gj)
     _close(ao.values, aj.values)
     keys = {"a": key, "b": jax.random.key(6)}  # a pytree of keys: each one split
-    o, j = _both(lambda p, ks, b: fun(p, ks["a"], b) + 0 * jax.random.normal(ks["b"]), params, keys, data,
-                 method=method, l2_clip_norm=CLIP, batch_argnums=2, prng_argnum=1)
+    o, j = _both(
+        lambda p, ks, b: fun(p, ks["a"], b) + 0 * jax.random.normal(ks["b"]),
+        params,
+        keys,
+        data,
+        method=method,
+        l2_clip_norm=CLIP,
+        batch_argnums=2,
+        prng_argnum=1,
+    )
     _close(o, j)
 
 
@@ -231,7 +271,9 @@ def test_dtype_and_low_precision():
     p16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
     d16 = {**data, "x": data["x"].astype(jnp.bfloat16)}
     got = ours.clipped_grad(_scalar(loss), l2_clip_norm=CLIP)(p16, d16)
-    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(got))  # the gradients' dtype, as jax-privacy
+    assert all(
+        x.dtype == jnp.bfloat16 for x in jax.tree.leaves(got)
+    )  # the gradients' dtype, as jax-privacy
     got32 = ours.clipped_grad(_scalar(loss), l2_clip_norm=CLIP, dtype=jnp.float32)(p16, d16)
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(got32))
     ref = jp.clipped_grad(_scalar(loss), l2_clip_norm=CLIP, dtype=jnp.float32)(p16, d16)
@@ -242,7 +284,9 @@ def test_nan_safe_example_contributes_zero():
     loss, params, data = mlp_setup()
     bad = {**data, "x": data["x"].at[2, 0].set(jnp.nan)}
     good = jax.tree.map(lambda x: jnp.delete(x, 2, axis=0), data)
-    got, aux = ours.clipped_grad(_scalar(loss), l2_clip_norm=CLIP, return_grad_norms=True)(params, bad)
+    got, aux = ours.clipped_grad(_scalar(loss), l2_clip_norm=CLIP, return_grad_norms=True)(
+        params, bad
+    )
     _close(got, ours.clipped_grad(_scalar(loss), l2_clip_norm=CLIP)(params, good))
     assert not np.isfinite(float(aux.grad_norms[2]))
 
@@ -274,18 +318,28 @@ def test_clip_pytree_matches_jax_privacy(clip, rescale, nan_safe):
     tree = {**TREE, "a": TREE["a"].at[1].set(jnp.inf)} if nan_safe else TREE
     o, no = ours.clip_pytree(tree, clip, rescale, nan_safe)
     j, nj = jp.clip_pytree(tree, clip, rescale, nan_safe)
-    if not nan_safe:  # the float32 leaves to float32 rounding (ours: a margin of a few units below the bound)
+    if (
+        not nan_safe
+    ):  # the float32 leaves to float32 rounding (ours: a margin of a few units below the bound)
         _close({k: o[k] for k in "ab"}, {k: j[k] for k in "ab"}, rtol=2e-6)
-    _close(o["c"], j["c"], rtol=1e-2)  # bfloat16: jax-privacy scales in bfloat16, ours in float32, then rounds
+    _close(
+        o["c"], j["c"], rtol=1e-2
+    )  # bfloat16: jax-privacy scales in bfloat16, ours in float32, then rounds
     assert no.dtype == nj.dtype == jnp.float32 and float(no) == pytest.approx(float(nj))
     assert jax.tree.map(lambda x: x.dtype, o) == jax.tree.map(lambda x: x.dtype, tree)
     bound = 1.0 if rescale else clip
-    assert float(ours.clip_pytree(o, np.inf)[1]) <= bound  # the bound, as stored (rounding included)
+    assert (
+        float(ours.clip_pytree(o, np.inf)[1]) <= bound
+    )  # the bound, as stored (rounding included)
 
 
 def _exact_sq_norm(tree):
     """The stored tree's squared 2-norm in exact rational arithmetic (no rounding at all)."""
-    return sum(Fraction(float(v)) ** 2 for x in jax.tree.leaves(tree) for v in np.asarray(x, np.float64).ravel())
+    return sum(
+        Fraction(float(v)) ** 2
+        for x in jax.tree.leaves(tree)
+        for v in np.asarray(x, np.float64).ravel()
+    )
 
 
 @pytest.mark.slow
@@ -307,17 +361,24 @@ def test_clip_pytree_rescaled_output_is_within_the_unit_bound_as_stored_when_jus
 
 
 @pytest.mark.parametrize("rescale", [False, True])
-def test_clip_pytree_stores_within_the_bound_exactly_and_keeps_the_plain_factor_where_that_is_within(rescale):
+def test_clip_pytree_stores_within_the_bound_exactly_and_keeps_the_plain_factor_where_that_is_within(
+    rescale,
+):
     """Clipped trees of random norms: the stored norm, in exact arithmetic, is at most the bound
     (C, or 1 rescaled); where jax-privacy's plain factor already stores within it, ours is the same
     tree, bit for bit, unless the two norms rounded apart (the exact check of gradclip_jax._core.stored keeps
     the factor unlowered there). jax-privacy's own outputs exceed the bound in about half the trees."""
     rng = np.random.default_rng(1)
-    ours_clip, jp_clip = jax.jit(ours.clip_pytree, static_argnums=2), jax.jit(jp.clip_pytree, static_argnums=2)
+    ours_clip, jp_clip = (
+        jax.jit(ours.clip_pytree, static_argnums=2),
+        jax.jit(jp.clip_pytree, static_argnums=2),
+    )
     within = same = 0
     for _ in range(200):
-        tree = {"a": jnp.asarray(rng.normal(size=5) * 3, jnp.float32),
-                "b": jnp.asarray(rng.normal(size=(2, 3)), jnp.float32)}
+        tree = {
+            "a": jnp.asarray(rng.normal(size=5) * 3, jnp.float32),
+            "b": jnp.asarray(rng.normal(size=(2, 3)), jnp.float32),
+        }
         c = np.float32(rng.uniform(0.1, 2.0))
         o, _ = ours_clip(tree, c, rescale)
         j, _ = jp_clip(tree, c, rescale)
@@ -343,7 +404,9 @@ def test_clip_pytree_cannot_meet_jax_privacys_unit_norm_test_within_the_bound():
         g = np.nextafter(g, np.float32(0), dtype=np.float32)  # 6 factors below 0.2 ...
     for _ in range(13):  # ... 0.2 and 6 above
         stored = jax.tree.map(lambda v, g=g: (v * g).astype(jnp.float32), x)
-        passes = round(abs(float(optax.tree.norm(stored)) - 1.0), 7) == 0  # the test's assertAlmostEqual
+        passes = (
+            round(abs(float(optax.tree.norm(stored)) - 1.0), 7) == 0
+        )  # the test's assertAlmostEqual
         within = _exact_sq_norm(stored) <= 1
         assert not (passes and within)
         passing += [passes]
@@ -361,12 +424,16 @@ def test_clip_pytree_traced_and_return_zero():
     out, norm = f(TREE, 1.0, return_zero=jnp.bool_(True))
     assert all(float(jnp.max(jnp.abs(x))) == 0 for x in jax.tree.leaves(out)) and float(norm) > 0
     nan_kept, _ = ours.clip_pytree(jnp.array([1.0, jnp.nan]), 1.0, nan_safe=False)
-    np.testing.assert_array_equal(nan_kept, jp.clip_pytree(jnp.array([1.0, jnp.nan]), 1.0, nan_safe=False)[0])
+    np.testing.assert_array_equal(
+        nan_kept, jp.clip_pytree(jnp.array([1.0, jnp.nan]), 1.0, nan_safe=False)[0]
+    )
     assert np.isnan(float(nan_kept[1]))
 
 
 @pytest.mark.parametrize("keep_batch_dim", [True, False])
-@pytest.mark.parametrize("has_aux,return_norms", [(False, False), (True, True), (True, False), (False, True)])
+@pytest.mark.parametrize(
+    "has_aux,return_norms", [(False, False), (True, True), (True, False), (False, True)]
+)
 def test_clipped_fun_matches_jax_privacy(keep_batch_dim, has_aux, return_norms):
     data = jax.random.normal(jax.random.key(0), (6, 4)) * jnp.arange(1, 7)[:, None]
 
@@ -374,8 +441,14 @@ def test_clipped_fun_matches_jax_privacy(keep_batch_dim, has_aux, return_norms):
         v = jnp.mean(x, axis=0) if keep_batch_dim else x + 1.0
         return (v, jnp.sum(x)) if has_aux else v
 
-    kw = {"has_aux": has_aux, "keep_batch_dim": keep_batch_dim, "l2_clip_norm": 2.0, "return_norms": return_norms,
-          "normalize_by": 3.0, "microbatch_size": 2}
+    kw = {
+        "has_aux": has_aux,
+        "keep_batch_dim": keep_batch_dim,
+        "l2_clip_norm": 2.0,
+        "return_norms": return_norms,
+        "normalize_by": 3.0,
+        "microbatch_size": 2,
+    }
     pad = jnp.array([False, False, True, False, False, False])
     o = ours.clipped_fun(fun, **kw)
     j = jp.clipped_fun(fun, **kw)
@@ -397,7 +470,10 @@ def test_clipped_fun_prng_and_dtype():
 # jax-privacy's current source (GitHub): per-layer clip norms, grid_scale
 # ----------------------------------------------------------------------------
 
-LAYERS = {"l1": 0.5, "l2": 2.0}  # a prefix of mlp_setup's params: each layer's w and b clipped jointly
+LAYERS = {
+    "l1": 0.5,
+    "l2": 2.0,
+}  # a prefix of mlp_setup's params: each layer's w and b clipped jointly
 
 
 def _layer_loop(loss, params, data, clips, rescale=False):
@@ -406,11 +482,13 @@ def _layer_loop(loss, params, data, clips, rescale=False):
     total = jax.tree.map(lambda x: np.zeros(x.shape), params)
     norms = {k: [] for k in clips}
     for i in range(jax.tree.leaves(data)[0].shape[0]):
-        g = jax.grad(_scalar(loss))(params, jax.tree.map(lambda x: x[i:i + 1], data))
+        g = jax.grad(_scalar(loss))(params, jax.tree.map(lambda x: x[i : i + 1], data))
         for k, c in clips.items():
             n = np.sqrt(sum(np.sum(np.asarray(v, np.float64) ** 2) for v in jax.tree.leaves(g[k])))
             f = min(1.0, c / n) / (c if rescale else 1.0)
-            total[k] = jax.tree.map(lambda t, v, f=f: t + f * np.asarray(v, np.float64), total[k], g[k])
+            total[k] = jax.tree.map(
+                lambda t, v, f=f: t + f * np.asarray(v, np.float64), total[k], g[k]
+            )
             norms[k].append(n)
     return total, norms
 
@@ -422,8 +500,14 @@ def test_per_layer_prefix_clips_each_subtree_to_its_norm(method, rescale):
     prefix semantics), on both paths; grad_norms is a tree of the layers' norms; the sensitivity is
     sqrt(sum C_i**2) / normalize_by (sqrt(K) / normalize_by rescaled)."""
     loss, params, data = mlp_setup()
-    g = ours.clipped_grad(_scalar(loss), l2_clip_norm=LAYERS, rescale_to_unit_norm=rescale, normalize_by=2.0,
-                          return_grad_norms=True, method=method)
+    g = ours.clipped_grad(
+        _scalar(loss),
+        l2_clip_norm=LAYERS,
+        rescale_to_unit_norm=rescale,
+        normalize_by=2.0,
+        return_grad_norms=True,
+        method=method,
+    )
     got, aux = jax.jit(g)(params, data)
     want, norms = _layer_loop(loss, params, data, LAYERS, rescale)
     _close(got, jax.tree.map(lambda x: x / 2.0, want), atol=1e-5)
@@ -432,7 +516,9 @@ def test_per_layer_prefix_clips_each_subtree_to_its_norm(method, rescale):
         _close(aux.grad_norms[k], np.array(norms[k]), rtol=1e-5)
         assert min(norms[k]) < LAYERS[k] < max(norms[k])  # some clipped, some not, in every layer
     want_bound = (np.sqrt(2.0) if rescale else np.sqrt(0.5**2 + 2.0**2)) / 2.0
-    assert g.sensitivity() == pytest.approx(want_bound) and g.l2_norm_bound == pytest.approx(want_bound)
+    assert g.sensitivity() == pytest.approx(want_bound) and g.l2_norm_bound == pytest.approx(
+        want_bound
+    )
     assert g.sensitivity(REL.REPLACE_ONE) == pytest.approx(2 * want_bound)
 
 
@@ -448,8 +534,11 @@ def test_per_layer_ghost_equals_vmap_and_full_tree_equals_per_leaf():
     per_leaf = ours.clipped_grad(_scalar(loss), l2_clip_norm=full, method="ghost")(params, data)
     got = {jax.tree_util.keystr(p): g for p, g in jax.tree_util.tree_flatten_with_path(per_leaf)[0]}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+
         def leaf_loss(q, b, path=path):  # the loss as a function of this leaf alone
-            return _scalar(loss)(jax.tree_util.tree_map_with_path(lambda p, x: q if p == path else x, params), b)
+            return _scalar(loss)(
+                jax.tree_util.tree_map_with_path(lambda p, x: q if p == path else x, params), b
+            )
 
         alone = ours.clipped_grad(leaf_loss, l2_clip_norm=0.2, method="vmap")(leaf, data)
         _close(got[jax.tree_util.keystr(path)], alone, atol=1e-5)
@@ -457,23 +546,45 @@ def test_per_layer_ghost_equals_vmap_and_full_tree_equals_per_leaf():
 
 def test_clip_pytree_and_clipped_fun_per_layer_prefix():
     """clip_pytree with a prefix tree clips each subtree as a whole tree; clipped_fun sums those."""
-    tree = {"layer1": {"w": jnp.array([0.0, 3.0]), "b": jnp.array([4.0])},
-            "layer2": {"w": jnp.array([0.0, 8.0]), "b": jnp.array([6.0])}}
+    tree = {
+        "layer1": {"w": jnp.array([0.0, 3.0]), "b": jnp.array([4.0])},
+        "layer2": {"w": jnp.array([0.0, 8.0]), "b": jnp.array([6.0])},
+    }
     clips = {"layer1": 2.0, "layer2": 5.0}
     out, norms = ours.clip_pytree(tree, clips)
     for k, c in clips.items():
         alone, n = ours.clip_pytree(tree[k], c)
-        assert jax.tree.all(jax.tree.map(np.array_equal, out[k], alone)) and float(norms[k]) == float(n)
+        assert jax.tree.all(jax.tree.map(np.array_equal, out[k], alone)) and float(
+            norms[k]
+        ) == float(n)
     scales = {"layer1": 0.4, "layer2": 0.5}  # 2 / 5 and 5 / 10
     _close(out, {k: jax.tree.map(lambda v, k=k: v * scales[k], tree[k]) for k in tree}, rtol=1e-6)
-    cf = ours.clipped_fun(lambda x: jax.tree.map(lambda v: v * x, tree), keep_batch_dim=False, l2_clip_norm=clips,
-                          return_norms=True, normalize_by=4.0)
-    value, (_, per_example) = cf(jnp.array([1.0, 2.0, 3.0]))  # x times the layer: the same clipped layer, 3 times
-    _close(value, {k: jax.tree.map(lambda v, k=k: v * 3 * scales[k] / 4.0, tree[k]) for k in tree}, rtol=1e-6)
-    _close(per_example, {"layer1": np.array([5.0, 10.0, 15.0]), "layer2": np.array([10.0, 20.0, 30.0])})
+    cf = ours.clipped_fun(
+        lambda x: jax.tree.map(lambda v: v * x, tree),
+        keep_batch_dim=False,
+        l2_clip_norm=clips,
+        return_norms=True,
+        normalize_by=4.0,
+    )
+    value, (_, per_example) = cf(
+        jnp.array([1.0, 2.0, 3.0])
+    )  # x times the layer: the same clipped layer, 3 times
+    _close(
+        value,
+        {k: jax.tree.map(lambda v, k=k: v * 3 * scales[k] / 4.0, tree[k]) for k in tree},
+        rtol=1e-6,
+    )
+    _close(
+        per_example, {"layer1": np.array([5.0, 10.0, 15.0]), "layer2": np.array([10.0, 20.0, 30.0])}
+    )
     assert cf.sensitivity() == pytest.approx(np.sqrt(4 + 25) / 4)
-    rescaled = ours.clipped_fun(jnp.square, keep_batch_dim=False, l2_clip_norm={"a": 1.0, "b": 2.0, "c": 3.0},
-                                rescale_to_unit_norm=True, normalize_by=5.0)
+    rescaled = ours.clipped_fun(
+        jnp.square,
+        keep_batch_dim=False,
+        l2_clip_norm={"a": 1.0, "b": 2.0, "c": 3.0},
+        rescale_to_unit_norm=True,
+        normalize_by=5.0,
+    )
     assert rescaled.sensitivity() == pytest.approx(np.sqrt(3) / 5)
 
 
@@ -481,15 +592,21 @@ def test_grid_scale_rounds_ties_to_even_and_sums_exactly():
     """clip_and_round_to_grid: clip to C - sqrt(d) C / (2 s), scale by s / C, round to nearest (ties to
     even, as jax-privacy's jnp.round), int64; clipped_grad / clipped_fun sum those exactly."""
     with jax.enable_x64(True):
-        x = {"w": jnp.array([12.5, 13.5, -2.5, 700.0], jnp.float32) / 1024}  # exact halves on the grid
+        x = {
+            "w": jnp.array([12.5, 13.5, -2.5, 700.0], jnp.float32) / 1024
+        }  # exact halves on the grid
         rounded, norm = ours.clip_and_round_to_grid(x, 1.0, 1024)
-        assert rounded["w"].dtype == jnp.int64 and float(norm) == pytest.approx(np.linalg.norm(x["w"]), rel=1e-6)
+        assert rounded["w"].dtype == jnp.int64 and float(norm) == pytest.approx(
+            np.linalg.norm(x["w"]), rel=1e-6
+        )
         np.testing.assert_array_equal(rounded["w"], [12, 14, -2, 700])
         big = {"w": jnp.asarray(np.random.default_rng(0).normal(size=50) * 10, jnp.float32)}
         r, _ = ours.clip_and_round_to_grid(big, 2.0, 300)
         adjusted = 2.0 - np.sqrt(50) * (2.0 / 300) * 0.5
         clipped, _ = ours.clip_pytree(big, adjusted)
-        np.testing.assert_array_equal(r["w"], np.round(np.asarray(clipped["w"]) * np.float32(300 / 2.0)))
+        np.testing.assert_array_equal(
+            r["w"], np.round(np.asarray(clipped["w"]) * np.float32(300 / 2.0))
+        )
         assert np.sum(np.asarray(r["w"], np.int64) ** 2) <= 300**2
 
         loss = lambda p, d: jnp.mean((d - p) ** 2)  # noqa: E731
@@ -497,13 +614,17 @@ def test_grid_scale_rounds_ties_to_even_and_sums_exactly():
         pad = jnp.arange(10) >= 8
         g = ours.clipped_grad(loss, l2_clip_norm=1.0, grid_scale=1000, return_grad_norms=True)
         total, aux = jax.jit(g)(jnp.zeros(4), data, is_padding_example=pad)
-        per_example = [ours.clip_and_round_to_grid(jax.grad(loss)(jnp.zeros(4), data[i:i + 1]), 1.0, 1000)[0]
-                       for i in range(8)]
+        per_example = [
+            ours.clip_and_round_to_grid(jax.grad(loss)(jnp.zeros(4), data[i : i + 1]), 1.0, 1000)[0]
+            for i in range(8)
+        ]
         assert total.dtype == jnp.int64
         np.testing.assert_array_equal(total, np.sum(np.stack(per_example), axis=0))
         assert g.sensitivity() == 1000.0 and g.sensitivity(REL.REPLACE_ONE) == 2000.0
         assert aux.grad_norms.shape == (10,)
-        cf = ours.clipped_fun(lambda v: v * 3.0, keep_batch_dim=False, l2_clip_norm=1.0, grid_scale=1000)
+        cf = ours.clipped_fun(
+            lambda v: v * 3.0, keep_batch_dim=False, l2_clip_norm=1.0, grid_scale=1000
+        )
         for i in range(5):
             out = cf(jax.random.normal(jax.random.key(i), (1, 20)))
             assert out.dtype == jnp.int64 and np.sum(np.asarray(out) ** 2) <= 1000**2
@@ -523,7 +644,11 @@ def test_installed_version_is_read():
     from gradclip_jax.interop.jax_privacy import _version
 
     assert _version.after_2_0_0(jax_privacy.__version__) == _version.AFTER_2_0_0
-    assert not _version.after_2_0_0("2.0.0") and _version.after_2_0_0("2.0.1") and _version.after_2_0_0("2.3.0.dev0")
+    assert (
+        not _version.after_2_0_0("2.0.0")
+        and _version.after_2_0_0("2.0.1")
+        and _version.after_2_0_0("2.3.0.dev0")
+    )
 
 
 def test_beside_a_later_jax_privacy_return_norms_and_nan_safe_follow_it(later_jax_privacy):
@@ -537,7 +662,9 @@ def test_beside_a_later_jax_privacy_return_norms_and_nan_safe_follow_it(later_ja
     assert not np.isfinite(float(norm))
     add = ours.clipped_fun(lambda x: x, keep_batch_dim=False, l2_clip_norm=10.0)
     data = jnp.array([[1.0, 2.0], [jnp.nan, 5.0], [3.0, 4.0]])
-    np.testing.assert_array_equal(add(data), [4.0, 6.0])  # the example with a NaN contributes nothing
+    np.testing.assert_array_equal(
+        add(data), [4.0, 6.0]
+    )  # the example with a NaN contributes nothing
 
 
 def test_beside_jax_privacy_2_0_0_nan_safe_zeroes_elements():
@@ -547,7 +674,9 @@ def test_beside_jax_privacy_2_0_0_nan_safe_zeroes_elements():
         pytest.skip("a later jax-privacy is installed")
     add = ours.clipped_fun(lambda x: x, keep_batch_dim=False, l2_clip_norm=10.0)
     np.testing.assert_array_equal(add(jnp.array([[1.0, 2.0], [jnp.nan, 5.0]])), [1.0, 7.0])
-    _, (_, norms) = ours.clipped_fun(jnp.square, keep_batch_dim=False, return_norms=True)(jnp.ones(3))
+    _, (_, norms) = ours.clipped_fun(jnp.square, keep_batch_dim=False, return_norms=True)(
+        jnp.ones(3)
+    )
     assert norms.shape == (3,)
 
 
@@ -555,7 +684,11 @@ _GRID_ERRORS = [
     ({"grid_scale": 0}, ValueError, "`grid_scale` must be >= 1"),
     ({"grid_scale": 2.5}, TypeError, "`grid_scale` must be an int"),
     ({"grid_scale": True}, TypeError, "`grid_scale` must be an int"),
-    ({"grid_scale": 100, "rescale_to_unit_norm": True}, ValueError, "grid_scale=100 cannot be combined with resc"),
+    (
+        {"grid_scale": 100, "rescale_to_unit_norm": True},
+        ValueError,
+        "grid_scale=100 cannot be combined with resc",
+    ),
     ({"grid_scale": 100, "normalize_by": 2.0}, ValueError, "grid_scale=100 needs normalize_by=1"),
     ({"grid_scale": 100, "l2_clip_norm": {"a": 1.0}}, ValueError, "grid_scale needs one clip norm"),
     ({"grid_scale": 100, "l2_clip_norm": 0.0}, ValueError, "`l2_clip_norm` must be > 0"),
@@ -566,7 +699,10 @@ _GRID_ERRORS = [
 @pytest.mark.parametrize("kw,err,match", _GRID_ERRORS)
 def test_grid_scale_bad_arguments(kw, err, match):
     with jax.enable_x64(True):
-        for make in (lambda **k: ours.clipped_grad(_f, **k), lambda **k: ours.clipped_fun(jnp.square, **k)):
+        for make in (
+            lambda **k: ours.clipped_grad(_f, **k),
+            lambda **k: ours.clipped_fun(jnp.square, **k),
+        ):
             with pytest.raises(err, match=match):
                 make(**{"l2_clip_norm": 1.0, **kw})
 
@@ -575,18 +711,30 @@ def test_grid_scale_needs_x64_per_example_gradients_and_a_fine_enough_grid():
     with pytest.raises(ValueError, match="grid_scale needs 64-bit mode"):
         ours.clipped_grad(_f, l2_clip_norm=1.0, grid_scale=100)
     with jax.enable_x64(True):
-        with pytest.raises(ValueError, match=r"grid_scale rounds each example's gradient.*method='ghost'"):
+        with pytest.raises(
+            ValueError, match=r"grid_scale rounds each example's gradient.*method='ghost'"
+        ):
             ours.clipped_grad(_f, l2_clip_norm=1.0, grid_scale=100, method="ghost")
-        with pytest.raises(ValueError, match=r"grid_scale=3 is too small for 100 parameters.*grid_scale > 5"):
+        with pytest.raises(
+            ValueError, match=r"grid_scale=3 is too small for 100 parameters.*grid_scale > 5"
+        ):
             ours.clip_and_round_to_grid(jnp.ones(100), 1.0, 3)
         with pytest.raises(ValueError, match="grid_scale=3 is too small"):
-            ours.clipped_grad(_f, l2_clip_norm=1.0, grid_scale=3)(jnp.zeros(100), jnp.zeros((2, 100)))
+            ours.clipped_grad(_f, l2_clip_norm=1.0, grid_scale=3)(
+                jnp.zeros(100), jnp.zeros((2, 100))
+            )
 
 
-@pytest.mark.parametrize("clips,match", [
-    ({"l1": 1.0, "l3": 1.0}, "must be a prefix of the structure of params"),
-    ({"l1": 1.0, "l2": {"w": 1.0, "b": 1.0, "c": 1.0}}, "must be a prefix of the structure of params"),
-])
+@pytest.mark.parametrize(
+    "clips,match",
+    [
+        ({"l1": 1.0, "l3": 1.0}, "must be a prefix of the structure of params"),
+        (
+            {"l1": 1.0, "l2": {"w": 1.0, "b": 1.0, "c": 1.0}},
+            "must be a prefix of the structure of params",
+        ),
+    ],
+)
 def test_per_layer_tree_that_is_not_a_prefix(clips, match):
     loss, params, data = mlp_setup()
     for method in ("vmap", "ghost"):
@@ -595,18 +743,25 @@ def test_per_layer_tree_that_is_not_a_prefix(clips, match):
     with pytest.raises(ValueError, match="clip_pytree: `clip_norm` must be a prefix"):
         ours.clip_pytree(params, clips)
     with pytest.raises(ValueError, match="clipped_fun: `l2_clip_norm` must be a prefix"):
-        ours.clipped_fun(lambda x: jax.tree.map(lambda p: p * jnp.sum(x), params), l2_clip_norm=clips)(data["x"])
+        ours.clipped_fun(
+            lambda x: jax.tree.map(lambda p: p * jnp.sum(x), params), l2_clip_norm=clips
+        )(data["x"])
 
 
-@pytest.mark.parametrize("clips,err,match", [
-    ({"a": 1.0, "b": -1.0}, ValueError, r"`l2_clip_norm\['b'\]` must be >= 0"),
-    ({"a": 1.0, "b": float("nan")}, ValueError, r"`l2_clip_norm\['b'\]` must not be NaN"),
-    ({"a": "1"}, TypeError, r"`l2_clip_norm\['a'\]` must be a number"),
-    ({}, ValueError, "`l2_clip_norm` is an empty tree"),
-])
+@pytest.mark.parametrize(
+    "clips,err,match",
+    [
+        ({"a": 1.0, "b": -1.0}, ValueError, r"`l2_clip_norm\['b'\]` must be >= 0"),
+        ({"a": 1.0, "b": float("nan")}, ValueError, r"`l2_clip_norm\['b'\]` must not be NaN"),
+        ({"a": "1"}, TypeError, r"`l2_clip_norm\['a'\]` must be a number"),
+        ({}, ValueError, "`l2_clip_norm` is an empty tree"),
+    ],
+)
 def test_per_layer_bad_clip_norms_name_the_leaf(clips, err, match):
-    for make in (lambda: ours.clipped_grad(_f, l2_clip_norm=clips), lambda: ours.clipped_fun(jnp.square,
-                                                                                             l2_clip_norm=clips)):
+    for make in (
+        lambda: ours.clipped_grad(_f, l2_clip_norm=clips),
+        lambda: ours.clipped_fun(jnp.square, l2_clip_norm=clips),
+    ):
         with pytest.raises(err, match=match):
             make()
     with pytest.raises(err, match=match.replace("l2_clip_norm", "clip_norm")):
@@ -625,25 +780,28 @@ def test_per_layer_rescale_with_a_zero_layer_is_refused():
 _f = lambda p, x: jnp.mean((x - p) ** 2)  # noqa: E731
 
 
-@pytest.mark.parametrize("kw,err,match", [
-    ({"argnums": 1, "batch_argnums": 1}, ValueError, "overlap"),
-    ({"batch_argnums": ()}, ValueError, "`batch_argnums` must not be empty"),
-    ({"argnums": ()}, ValueError, "`argnums` must not be empty"),
-    ({"argnums": -1}, ValueError, "`argnums`.*>= 0"),
-    ({"batch_argnums": (1, 1)}, ValueError, "`batch_argnums`.*twice"),
-    ({"argnums": "w"}, TypeError, "`argnums` must be an int"),
-    ({"argnums": True}, TypeError, "`argnums` must be an int"),
-    ({"prng_argnum": 1}, ValueError, "prng_argnum=1 is also in batch_argnums"),
-    ({"prng_argnum": 1.5}, TypeError, "`prng_argnum` must be None or an int"),
-    ({"normalize_by": 0.0}, ValueError, "`normalize_by` must be > 0"),
-    ({"l2_clip_norm": -1.0}, ValueError, "`l2_clip_norm` must be >= 0"),
-    ({"l2_clip_norm": float("nan")}, ValueError, "`l2_clip_norm` must not be NaN"),
-    ({"l2_clip_norm": "1"}, TypeError, "`l2_clip_norm` must be a number"),
-    ({"microbatch_size": 0}, ValueError, "microbatch_size"),
-    ({"method": "fast"}, ValueError, "unknown method 'fast'"),
-    ({"dtype": jnp.int32}, ValueError, "dtype must be a floating-point dtype"),
-    ({"pre_clipping_transform": 3}, TypeError, "pre_clipping_transform must be callable"),
-])
+@pytest.mark.parametrize(
+    "kw,err,match",
+    [
+        ({"argnums": 1, "batch_argnums": 1}, ValueError, "overlap"),
+        ({"batch_argnums": ()}, ValueError, "`batch_argnums` must not be empty"),
+        ({"argnums": ()}, ValueError, "`argnums` must not be empty"),
+        ({"argnums": -1}, ValueError, "`argnums`.*>= 0"),
+        ({"batch_argnums": (1, 1)}, ValueError, "`batch_argnums`.*twice"),
+        ({"argnums": "w"}, TypeError, "`argnums` must be an int"),
+        ({"argnums": True}, TypeError, "`argnums` must be an int"),
+        ({"prng_argnum": 1}, ValueError, "prng_argnum=1 is also in batch_argnums"),
+        ({"prng_argnum": 1.5}, TypeError, "`prng_argnum` must be None or an int"),
+        ({"normalize_by": 0.0}, ValueError, "`normalize_by` must be > 0"),
+        ({"l2_clip_norm": -1.0}, ValueError, "`l2_clip_norm` must be >= 0"),
+        ({"l2_clip_norm": float("nan")}, ValueError, "`l2_clip_norm` must not be NaN"),
+        ({"l2_clip_norm": "1"}, TypeError, "`l2_clip_norm` must be a number"),
+        ({"microbatch_size": 0}, ValueError, "microbatch_size"),
+        ({"method": "fast"}, ValueError, "unknown method 'fast'"),
+        ({"dtype": jnp.int32}, ValueError, "dtype must be a floating-point dtype"),
+        ({"pre_clipping_transform": 3}, TypeError, "pre_clipping_transform must be callable"),
+    ],
+)
 def test_bad_arguments_at_construction(kw, err, match):
     with pytest.raises(err, match=match):
         ours.clipped_grad(_f, **{"l2_clip_norm": 1.0, **kw})
@@ -661,9 +819,13 @@ def test_missing_clip_norm_and_bad_fun():
 def test_bad_arguments_at_call():
     g = ours.clipped_grad(lambda p, x, y: _f(p, x + y), l2_clip_norm=1.0, batch_argnums=(1, 2))
     x = jnp.zeros((4, 2))
-    with pytest.raises(ValueError, match=r"Batch axis sizes differ \(argument 1: 4, argument 2: 3\)"):
+    with pytest.raises(
+        ValueError, match=r"Batch axis sizes differ \(argument 1: 4, argument 2: 3\)"
+    ):
         g(jnp.zeros(2), x, jnp.zeros((3, 2)))
-    with pytest.raises(ValueError, match=r"batch_argnums=\(1, 2\) names argument 2, but .* 2 positional"):
+    with pytest.raises(
+        ValueError, match=r"batch_argnums=\(1, 2\) names argument 2, but .* 2 positional"
+    ):
         g(jnp.zeros(2), x)
     with pytest.raises(ValueError, match=r"`is_padding_example` must have shape \(B,\) = \(4,\)"):
         g(jnp.zeros(2), x, x, is_padding_example=jnp.zeros(3, bool))
@@ -689,10 +851,14 @@ def test_clip_pytree_bad_arguments():
 
 
 def test_import_error_names_the_extra():
-    code = ("import sys; sys.modules['jax_privacy'] = None\n"
-            "try:\n    import gradclip_jax.interop.jax_privacy\n"
-            "except ImportError as e:\n    print(e)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    code = (
+        "import sys; sys.modules['jax_privacy'] = None\n"
+        "try:\n    import gradclip_jax.interop.jax_privacy\n"
+        "except ImportError as e:\n    print(e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     assert "pip install 'gradclip_jax[jax-privacy]'" in out
 
 

@@ -24,11 +24,19 @@ def xent(logits, y):
 def mlp_setup(seed=0, batch=B):
     r = np.random.default_rng(seed)
     params = {
-        "l1": {"w": jnp.asarray(r.normal(size=(6, 8)), jnp.float32), "b": jnp.asarray(r.normal(size=8), jnp.float32)},
-        "l2": {"w": jnp.asarray(r.normal(size=(8, 3)), jnp.float32), "b": jnp.zeros(3, jnp.float32)},
+        "l1": {
+            "w": jnp.asarray(r.normal(size=(6, 8)), jnp.float32),
+            "b": jnp.asarray(r.normal(size=8), jnp.float32),
+        },
+        "l2": {
+            "w": jnp.asarray(r.normal(size=(8, 3)), jnp.float32),
+            "b": jnp.zeros(3, jnp.float32),
+        },
     }
     data = {
-        "x": jnp.asarray(r.normal(size=(batch, 6)) * r.uniform(0.1, 3.0, size=(batch, 1)), jnp.float32),
+        "x": jnp.asarray(
+            r.normal(size=(batch, 6)) * r.uniform(0.1, 3.0, size=(batch, 1)), jnp.float32
+        ),
         "y": jnp.asarray(r.integers(0, 3, size=batch)),
     }
 
@@ -47,13 +55,19 @@ def cnn_setup(seed=1, batch=B):
         "dense": jnp.asarray(r.normal(size=(4, 3)), jnp.float32),
     }
     data = {
-        "img": jnp.asarray(r.normal(size=(batch, 8, 8, 1)) * r.uniform(0.2, 3.0, size=(batch, 1, 1, 1)), jnp.float32),
+        "img": jnp.asarray(
+            r.normal(size=(batch, 8, 8, 1)) * r.uniform(0.2, 3.0, size=(batch, 1, 1, 1)),
+            jnp.float32,
+        ),
         "y": jnp.asarray(r.integers(0, 3, size=batch)),
     }
 
     def loss(p, b):
         h = lax.conv_general_dilated(
-            b["img"], p["conv"], window_strides=(1, 1), padding="SAME",
+            b["img"],
+            p["conv"],
+            window_strides=(1, 1),
+            padding="SAME",
             dimension_numbers=("NHWC", "HWIO", "NHWC"),
         )
         h = jax.nn.relu(h + p["conv_b"])
@@ -104,7 +118,9 @@ def per_example_grads_loop(loss, params, data):
     return out
 
 
-def loop_reference(loss, params, data, clip, *, mask=None, mode="clip", gamma=0.01, layer_clips=None):
+def loop_reference(
+    loss, params, data, clip, *, mask=None, mode="clip", gamma=0.01, layer_clips=None
+):
     grads = per_example_grads_loop(loss, params, data)
     treedef = jax.tree.structure(params)
     total = [np.zeros_like(leaf) for leaf in grads[0]]
@@ -140,6 +156,7 @@ def median_clip(loss, params, data):
     grads = per_example_grads_loop(loss, params, data)
     norms = [math.sqrt(sum(float(np.sum(leaf**2)) for leaf in g)) for g in grads]
     return float(np.median(norms))
+
 
 def random_per_example_grads(seed, shapes, batch=6, zero_row=2):
     r = np.random.default_rng(seed)

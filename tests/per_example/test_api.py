@@ -56,7 +56,8 @@ def test_clipped_grad_matches_loop(model, microbatch_size):
 def test_microbatch_size_does_not_change_result():
     loss, params, data = mlp_setup(batch=10)
     outs = [
-        jax.jit(clipped_grad(loss, 1.0, microbatch_size=m))(params, data) for m in (None, 1, 3, 4, 64)
+        jax.jit(clipped_grad(loss, 1.0, microbatch_size=m))(params, data)
+        for m in (None, 1, 3, 4, 64)
     ]
     for g, info in outs[1:]:
         assert_tree_close(g, outs[0][0], rtol=1e-5, atol=1e-6)
@@ -96,10 +97,14 @@ def test_has_aux():
         return losses, {"h": h, "count": jnp.sum(b["y"]), "tag": jnp.ones((2, 2))}
 
     for mb in (None, 3):
-        grads, info = jax.jit(clipped_grad(loss_aux, 0.5, has_aux=True, microbatch_size=mb))(params, data)
+        grads, info = jax.jit(clipped_grad(loss_aux, 0.5, has_aux=True, microbatch_size=mb))(
+            params, data
+        )
         ref, _, _ = loop_reference(loss, params, data, 0.5)
         assert_tree_close(grads, ref)
-        np.testing.assert_allclose(info.aux["h"], data["x"] @ params["l1"]["w"], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            info.aux["h"], data["x"] @ params["l1"]["w"], rtol=1e-5, atol=1e-5
+        )
         np.testing.assert_array_equal(info.aux["count"], data["y"])
         assert info.aux["tag"].shape == (B, 2, 2)
     _, info = clipped_grad(loss, 0.5)(params, data)
@@ -110,7 +115,9 @@ def test_has_aux():
 def test_per_layer(per_layer):
     loss, params, data = mlp_setup()
     clip = 1.5
-    grads, info = jax.jit(clipped_grad(loss, clip, per_layer=per_layer, microbatch_size=3))(params, data)
+    grads, info = jax.jit(clipped_grad(loss, clip, per_layer=per_layer, microbatch_size=3))(
+        params, data
+    )
     leaves = jax.tree.leaves(params)
     if per_layer is True:
         clips = [clip / math.sqrt(len(leaves))] * len(leaves)
@@ -145,6 +152,7 @@ def test_per_layer_prefix_tree_clips_each_subtree_jointly():
     for method in ("vmap", "ghost"):
         grads, info = jax.jit(clipped_grad(loss, clips, method=method))(params, data)
         for name, c in clips.items():
+
             def sub_loss(q, b, name=name):
                 return loss({**params, name: q}, b)
 
@@ -158,9 +166,9 @@ def test_per_layer_prefix_tree_clips_each_subtree_jointly():
 @pytest.mark.parametrize("microbatch_size", [None, 3])
 def test_normalize(microbatch_size):
     loss, params, data = cnn_setup()
-    grads, info = jax.jit(clipped_grad(loss, 2.0, normalize=True, gamma=0.01, microbatch_size=microbatch_size))(
-        params, data
-    )
+    grads, info = jax.jit(
+        clipped_grad(loss, 2.0, normalize=True, gamma=0.01, microbatch_size=microbatch_size)
+    )(params, data)
     ref, ref_norms, _ = loop_reference(loss, params, data, 2.0, mode="normalize", gamma=0.01)
     assert_tree_close(grads, ref)
     np.testing.assert_allclose(info.norms, ref_norms, rtol=1e-5)
@@ -209,7 +217,9 @@ def test_bfloat16_params_accumulate_in_float32():
     for i in range(B):
         one = jax.tree.map(lambda x: x[i : i + 1], data)
         g, _ = one_fn(params16, one)
-        n = math.sqrt(sum(float(np.sum(np.asarray(leaf, np.float64) ** 2)) for leaf in jax.tree.leaves(g)))
+        n = math.sqrt(
+            sum(float(np.sum(np.asarray(leaf, np.float64) ** 2)) for leaf in jax.tree.leaves(g))
+        )
         assert n <= 0.5 * (1 + 1e-5)
 
 
@@ -238,7 +248,9 @@ def test_extreme_scales_contribution_bounded():
         assert reported == pytest.approx(true, rel=1e-6) or reported == np.inf, (row, reported)
     for i in (0, 1, 2):
         _, info = grad_fn(w, {"x": x[i : i + 1]})
-        np.testing.assert_allclose(float(info.norms[0]), np.linalg.norm(np.asarray(rows[i], np.float64)), rtol=1e-6)
+        np.testing.assert_allclose(
+            float(info.norms[0]), np.linalg.norm(np.asarray(rows[i], np.float64)), rtol=1e-6
+        )
     # leaves near the top of the range whose squares (and sum of squares) overflow
     big = [jnp.array([[5e37, 0.0]]), jnp.array([[3e37]])]
     np.testing.assert_allclose(per_example_norms(big), [math.hypot(5e37, 3e37)], rtol=1e-6)
@@ -257,7 +269,12 @@ def test_extreme_scales_contribution_bounded():
 
 
 def _dist(a, b):
-    return math.sqrt(sum(float(np.sum((np.asarray(x, np.float64) - np.asarray(y, np.float64)) ** 2)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)))
+    return math.sqrt(
+        sum(
+            float(np.sum((np.asarray(x, np.float64) - np.asarray(y, np.float64)) ** 2))
+            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+        )
+    )
 
 
 @pytest.mark.parametrize(
@@ -282,7 +299,9 @@ def test_neighbours_move_sum_by_at_most_sensitivity(kwargs):
         assert _dist(full, zeroed) <= grad_fn.sensitivity("zero_out") * (1 + tol)
         # replace one example by an extreme one, and by a NaN one
         for value in (1e6, -1e30, jnp.nan):
-            other = dict(data, x=data["x"].at[i].set(value), y=data["y"].at[i].set((data["y"][i] + 1) % 3))
+            other = dict(
+                data, x=data["x"].at[i].set(value), y=data["y"].at[i].set((data["y"][i] + 1) % 3)
+            )
             replaced, _ = f(params, other)
             d = _dist(full, replaced)
             assert math.isfinite(d)
@@ -319,7 +338,10 @@ def test_bad_batch_and_loss_errors():
         f(params, dict(data, scale=jnp.ones(())))
     with pytest.raises(ValueError, match=r"\['y'\] has batch size 6.*\['x'\] has batch size 7"):
         f(params, dict(data, y=data["y"][:6]))
-    with pytest.raises(ValueError, match=r"loss_fn must return per-example losses of shape \(B,\) = \(7,\).*got shape \(\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"loss_fn must return per-example losses of shape \(B,\) = \(7,\).*got shape \(\)",
+    ):
         clipped_grad(lambda p, b: jnp.mean(loss(p, b)), 1.0)(params, data)
     with pytest.raises(ValueError, match=r"got shape \(7, 1\)"):
         clipped_grad(lambda p, b: loss(p, b)[:, None], 1.0)(params, data)
@@ -339,7 +361,10 @@ def test_bad_construction_errors():
     for mb in (0, -2):
         with pytest.raises(ValueError, match="`microbatch_size` must be >= 1"):
             clipped_grad(loss, 1.0, microbatch_size=mb)
-    for mb in (1.5, True):  # not an int: TypeError, as every int argument (one check, _core.validation)
+    for mb in (
+        1.5,
+        True,
+    ):  # not an int: TypeError, as every int argument (one check, _core.validation)
         with pytest.raises(TypeError, match="`microbatch_size` must be an int"):
             clipped_grad(loss, 1.0, microbatch_size=mb)
     for c in (-1.0, float("nan")):
@@ -352,8 +377,6 @@ def test_bad_construction_errors():
     # 'auto' and 'vmap' are accepted
     clipped_grad(loss, 1.0, method="auto")
     clipped_grad(loss, 1.0, method="vmap")
-
-
 
 
 # ----------------------------------------------------------------------------
@@ -426,7 +449,9 @@ def test_shard_map_psum_matches_single_device(microbatch_size):
         g, info = grad_fn(p, d)
         return jax.lax.psum(g, "x"), jax.lax.psum(info.num_clipped, "x"), info.norms
 
-    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("x")), out_specs=(P(), P(), P("x"))))
+    f = jax.jit(
+        jax.shard_map(local, mesh=mesh, in_specs=(P(), P("x")), out_specs=(P(), P(), P("x")))
+    )
     d_sh = jax.device_put(data, NamedSharding(mesh, P("x")))
     p_rep = jax.device_put(params, NamedSharding(mesh, P()))
     g, n, norms = f(p_rep, d_sh)
@@ -480,7 +505,7 @@ def test_complex_parameters_get_complex_clipped_sums(method):
         got, _ = clipped_grad(loss, clip, method=method)(p, b)
     want = jax.tree.map(jnp.zeros_like, p)
     for i in range(5):
-        gi = jax.grad(lambda q, i=i: loss(q, b[i:i + 1])[0])(p)
+        gi = jax.grad(lambda q, i=i: loss(q, b[i : i + 1])[0])(p)
         norm = np.sqrt(sum(float(jnp.sum(jnp.abs(x) ** 2)) for x in jax.tree.leaves(gi)))
         scale = min(1.0, clip / norm)
         want = jax.tree.map(lambda w, x, s=scale: w + s * x, want, gi)
@@ -490,7 +515,9 @@ def test_complex_parameters_get_complex_clipped_sums(method):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         as_f32, _ = clipped_grad(loss, clip, method=method, dtype=jnp.float32)(p, b)
-    assert as_f32["w"].dtype == jnp.complex64 and as_f32["v"].dtype == jnp.float32  # a real dtype= keeps complex
+    assert (
+        as_f32["w"].dtype == jnp.complex64 and as_f32["v"].dtype == jnp.float32
+    )  # a real dtype= keeps complex
     np.testing.assert_allclose(np.asarray(as_f32["w"]), np.asarray(want["w"]), rtol=1e-5, atol=1e-6)
     if method == "ghost":
         rep = ghost_report(loss, p, b)
@@ -522,8 +549,11 @@ def test_flax_nnx_batchnorm_in_training_mode_is_named_with_its_remedies(method):
     def loss_fn(p, b):
         return (nnx.merge(graphdef, p, rest)(b["x"]) - b["y"]) ** 2
 
-    with pytest.raises(ValueError, match=r"updates BatchNorm statistics.*GroupNorm or LayerNorm.*"
-                                         r"use_running_average=True") as info:
+    with pytest.raises(
+        ValueError,
+        match=r"updates BatchNorm statistics.*GroupNorm or LayerNorm.*"
+        r"use_running_average=True",
+    ) as info:
         clipped_grad(loss_fn, 1.0, method=method)(params, _bn_batch())
     assert type(info.value.__cause__).__name__ == "TraceContextError"
     assert "BatchStat" in str(info.value.__cause__)
@@ -555,17 +585,26 @@ def test_flax_linen_batchnorm_with_batch_statistics_is_named_with_its_remedies(m
 
     def loss_fn(p, b):
         v = {"params": p, "batch_stats": variables["batch_stats"]}
-        out = model.apply(v, b["x"], mutable=["batch_stats"])[0] if mutable else model.apply(v, b["x"])
+        out = (
+            model.apply(v, b["x"], mutable=["batch_stats"])[0]
+            if mutable
+            else model.apply(v, b["x"])
+        )
         return (out - b["y"]) ** 2
 
-    with pytest.raises(ValueError, match=r"BatchNorm.*GroupNorm or LayerNorm.*use_running_average=True") as info:
+    with pytest.raises(
+        ValueError, match=r"BatchNorm.*GroupNorm or LayerNorm.*use_running_average=True"
+    ) as info:
         clipped_grad(loss_fn, 1.0)(variables["params"], batch)
     assert info.value.__cause__ is not None
     if not mutable:
         assert "batch_stats" in str(info.value.__cause__)
 
     def frozen(p, b):
-        return (Net(train=False).apply({"params": p, "batch_stats": variables["batch_stats"]}, b["x"]) - b["y"]) ** 2
+        return (
+            Net(train=False).apply({"params": p, "batch_stats": variables["batch_stats"]}, b["x"])
+            - b["y"]
+        ) ** 2
 
     grads, _ = clipped_grad(frozen, 1.0)(variables["params"], batch)
     assert jax.tree.structure(grads) == jax.tree.structure(variables["params"])

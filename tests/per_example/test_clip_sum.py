@@ -23,7 +23,12 @@ SHARED = ("from_leaf_norms", "combine_l2_stacked", "clip_factor")
 def _kernels_computing(loss, params, data, method: str) -> Counter:
     """How many kernels (fusions of the entry computation) of the compiled clipped sum (global
     clipping) hold ops of each function of :data:`SHARED`."""
-    text = jax.jit(clipped_grad(loss, 1.0, method=method)).lower(params, data).compile(AS_GPU).as_text()
+    text = (
+        jax.jit(clipped_grad(loss, 1.0, method=method))
+        .lower(params, data)
+        .compile(AS_GPU)
+        .as_text()
+    )
     frames = hp._frames(text)
     comps, _ = hp._parse_hlo(text)
 
@@ -43,7 +48,9 @@ def _kernels_computing(loss, params, data, method: str) -> Counter:
     return found
 
 
-@pytest.mark.cpu_only(reason="reads what XLA:CPU fuses, with its barrier pass off as a GPU's pipeline has it")
+@pytest.mark.cpu_only(
+    reason="reads what XLA:CPU fuses, with its barrier pass off as a GPU's pipeline has it"
+)
 @pytest.mark.reads_compiled_names  # the kernels' source functions, from the stack frames
 @pytest.mark.parametrize("method", ["ghost", "vmap"])
 def test_the_global_factor_is_computed_once_for_all_leaves(method: str) -> None:

@@ -17,9 +17,14 @@ B = 7
 
 def _dropout_setup(seed=0):
     r = np.random.default_rng(seed)
-    params = {"w1": jnp.asarray(r.normal(size=(4, 16)), jnp.float32),
-              "w2": jnp.asarray(r.normal(size=(16, 2)), jnp.float32)}
-    batch = {"x": jnp.asarray(r.normal(size=(B, 4)), jnp.float32), "y": jnp.asarray(r.normal(size=(B, 2)), jnp.float32)}
+    params = {
+        "w1": jnp.asarray(r.normal(size=(4, 16)), jnp.float32),
+        "w2": jnp.asarray(r.normal(size=(16, 2)), jnp.float32),
+    }
+    batch = {
+        "x": jnp.asarray(r.normal(size=(B, 4)), jnp.float32),
+        "y": jnp.asarray(r.normal(size=(B, 2)), jnp.float32),
+    }
 
     def loss(p, b, key):  # dropout drawn from `key` for the whole (per-example) batch
         h = jnp.tanh(b["x"] @ p["w1"])
@@ -34,7 +39,7 @@ def _loop(loss, params, batch, keys, clip, transform=lambda g: g):
     """Per-example Python loop: example i's gradient with key i, transformed, clipped, summed (float64)."""
     total = None
     for i in range(B):
-        ex = jax.tree_util.tree_map(lambda x: x[i:i + 1], batch)
+        ex = jax.tree_util.tree_map(lambda x: x[i : i + 1], batch)
         g = transform(jax.grad(lambda p: loss(p, ex, keys[i])[0])(params))
         g = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), g)
         n = np.sqrt(sum(np.sum(x**2) for x in jax.tree_util.tree_leaves(g)))
@@ -45,8 +50,11 @@ def _loop(loss, params, batch, keys, clip, transform=lambda g: g):
 
 
 def _close(a, b, rtol=2e-5, atol=1e-6):
-    jax.tree_util.tree_map(lambda x, y: np.testing.assert_allclose(np.asarray(x, np.float64), y, rtol=rtol, atol=atol),
-                           a, b)
+    jax.tree_util.tree_map(
+        lambda x, y: np.testing.assert_allclose(np.asarray(x, np.float64), y, rtol=rtol, atol=atol),
+        a,
+        b,
+    )
 
 
 @pytest.mark.parametrize("method", ["vmap", "ghost"])
@@ -76,8 +84,12 @@ def test_per_example_dropout_masks_differ():
 def test_per_example_keys_do_not_depend_on_microbatching(method):
     loss, params, batch = _dropout_setup(1)
     key = jax.random.key(5)
-    outs = [jax.jit(clipped_grad(loss, 1.0, prng_argnum=2, method=method, microbatch_size=mb))(params, batch, key)
-            for mb in (None, 1, 3)]
+    outs = [
+        jax.jit(clipped_grad(loss, 1.0, prng_argnum=2, method=method, microbatch_size=mb))(
+            params, batch, key
+        )
+        for mb in (None, 1, 3)
+    ]
     for g, info in outs[1:]:
         _close(g, jax.tree_util.tree_map(np.asarray, outs[0][0]), rtol=1e-5)
         np.testing.assert_allclose(info.values, outs[0][1].values, rtol=1e-6)
@@ -110,8 +122,11 @@ def test_prng_argnum_errors():
 
 def _mlp():
     r = np.random.default_rng(0)
-    params = {"a": jnp.asarray(r.normal(size=(5, 4)), jnp.float32), "b": jnp.asarray(r.normal(size=4), jnp.float32),
-              "c": jnp.asarray(r.normal(size=(4, 1)), jnp.float32)}
+    params = {
+        "a": jnp.asarray(r.normal(size=(5, 4)), jnp.float32),
+        "b": jnp.asarray(r.normal(size=4), jnp.float32),
+        "c": jnp.asarray(r.normal(size=(4, 1)), jnp.float32),
+    }
     batch = jnp.asarray(r.normal(size=(B, 5)) * 3, jnp.float32)
 
     def loss(p, x, key=None):
@@ -120,11 +135,17 @@ def _mlp():
     return loss, params, batch
 
 
-@pytest.mark.parametrize("name,transform", [
-    ("project", lambda g: {**g, "a": g["a"].at[:, :2].set(0.0)}),
-    ("per-layer normalize", lambda g: jax.tree_util.tree_map(lambda x: x / (jnp.linalg.norm(x) + 1.0), g)),
-    ("drop part of the tree", lambda g: {"a": g["a"], "c": g["c"]}),
-])
+@pytest.mark.parametrize(
+    "name,transform",
+    [
+        ("project", lambda g: {**g, "a": g["a"].at[:, :2].set(0.0)}),
+        (
+            "per-layer normalize",
+            lambda g: jax.tree_util.tree_map(lambda x: x / (jnp.linalg.norm(x) + 1.0), g),
+        ),
+        ("drop part of the tree", lambda g: {"a": g["a"], "c": g["c"]}),
+    ],
+)
 def test_pre_clipping_transform_matches_a_loop(name, transform):
     loss, params, batch = _mlp()
     keys = [None] * B
@@ -134,7 +155,9 @@ def test_pre_clipping_transform_matches_a_loop(name, transform):
     assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want), name
     _close(got, want)
     assert fn.sensitivity() == 0.7 and info.norms.shape == (B,)
-    g_mb, _ = clipped_grad(loss, 0.7, pre_clipping_transform=transform, microbatch_size=3)(params, batch)
+    g_mb, _ = clipped_grad(loss, 0.7, pre_clipping_transform=transform, microbatch_size=3)(
+        params, batch
+    )
     _close(g_mb, jax.tree_util.tree_map(np.asarray, got), rtol=1e-5)
 
 
@@ -153,10 +176,17 @@ def test_rescale_to_unit_norm_divides_by_the_clip_norm():
     g, _ = plain(params, batch)
     u, _ = unit(params, batch)
     _close(u, jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64) / 0.25, g), rtol=1e-6)
-    assert unit.sensitivity() == 1.0 and unit.sensitivity("replace") == 2.0 and plain.sensitivity() == 0.25
+    assert (
+        unit.sensitivity() == 1.0
+        and unit.sensitivity("replace") == 2.0
+        and plain.sensitivity() == 0.25
+    )
     one = jax.tree_util.tree_map(lambda x: x[:1], batch)  # a single example: norm <= 1 as stored
     u1, _ = unit(params, one)
-    assert np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree_util.tree_leaves(u1))) <= 1.0
+    assert (
+        np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree_util.tree_leaves(u1)))
+        <= 1.0
+    )
     with pytest.raises(ValueError, match="rescale_to_unit_norm"):
         clipped_grad(loss, 0.0, rescale_to_unit_norm=True)
 
@@ -186,7 +216,9 @@ def test_loss_closing_over_a_batch_length_array_gets_the_contract():
         clipped_grad(bad, 1.0)(params, batch)
 
     def bad_shape(p, x):
-        return jnp.broadcast_to(jnp.sum(loss(p, x)), (x.shape[0],)) + 0.0 * weights  # (B,) broadcasts from (B,)
+        return (
+            jnp.broadcast_to(jnp.sum(loss(p, x)), (x.shape[0],)) + 0.0 * weights
+        )  # (B,) broadcasts from (B,)
 
     with pytest.raises(ValueError, match="own example alone"):
         jax.jit(clipped_grad(bad_shape, 1.0, method="ghost"))(params, batch)
@@ -201,7 +233,9 @@ def test_both_spellings_of_the_clip_norm_are_accepted_without_a_warning():
     want = clipped_grad(loss, 0.3)(params, batch)[0]
     for g in (got, canonical):
         jax.tree.map(np.testing.assert_array_equal, g, want)
-    with pytest.raises(TypeError, match=r"clipped_grad: got both `l2_clip_norm` and `l2_norm_clip`"):
+    with pytest.raises(
+        TypeError, match=r"clipped_grad: got both `l2_clip_norm` and `l2_norm_clip`"
+    ):
         clipped_grad(loss, 0.3, l2_norm_clip=0.3)
     with pytest.raises(TypeError, match="l2_clip_norm"):
         clipped_grad(loss)

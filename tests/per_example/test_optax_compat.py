@@ -27,11 +27,15 @@ from tests.per_example.models import (
 def test_per_example_functions_bad_input():
     with pytest.raises(ValueError, match=r"leaf \[1\] is a scalar"):
         per_example_global_norm_clip([jnp.ones((4, 3)), jnp.ones(())], 1.0)
-    with pytest.raises(ValueError, match=r"leaf \['b'\] has batch size 3.*\['a'\] has batch size 4"):
+    with pytest.raises(
+        ValueError, match=r"leaf \['b'\] has batch size 3.*\['a'\] has batch size 4"
+    ):
         per_example_global_norm_clip({"a": jnp.ones((4, 3)), "b": jnp.ones((3, 3))}, 1.0)
     with pytest.raises(ValueError, match=r"leaf \['b'\] has batch size 3"):
         per_example_layer_norm_clip({"a": jnp.ones((4, 3)), "b": jnp.ones((3, 3))}, 1.0)
-    with pytest.raises(TypeError, match=r"\['k'\]"):  # integers are promoted as in optax; keys are no gradients
+    with pytest.raises(
+        TypeError, match=r"\['k'\]"
+    ):  # integers are promoted as in optax; keys are no gradients
         per_example_global_norm_clip({"k": jax.random.split(jax.random.key(0), 4)}, 1.0)
     with pytest.raises(TypeError, match=r"\['b'\] has dtype bool"):
         per_example_layer_norm_clip({"b": jnp.ones((4, 3), bool)}, 1.0)
@@ -56,7 +60,6 @@ def test_per_example_global_norm_clip_takes_both_spellings_without_a_warning():
 # ----------------------------------------------------------------------------
 # optax parity of the per-example functions
 # ----------------------------------------------------------------------------
-
 
 
 @pytest.mark.parametrize("clip", [0.0, 0.5, 2.0, 1e9, np.inf])
@@ -139,22 +142,39 @@ def test_contribution_never_exceeds_clip(seed, exponent, clip, dtype, zero):
     assert all(x.dtype == jnp.dtype(dtype) for x in out)  # the input dtype, as optax returns it
 
 
-@pytest.mark.parametrize("dtypes", [("int32", "int32"), ("int8", "float32"), ("bfloat16", "bfloat16"),
-                                    ("bfloat16", "float32"), ("float16", "float16")])
+@pytest.mark.parametrize(
+    "dtypes",
+    [
+        ("int32", "int32"),
+        ("int8", "float32"),
+        ("bfloat16", "bfloat16"),
+        ("bfloat16", "float32"),
+        ("float16", "float16"),
+    ],
+)
 def test_integer_and_16_bit_gradients_return_what_optax_returns(dtypes):
     r = np.random.default_rng(0)
-    grads = [jnp.asarray(r.integers(-5, 6, size=(6, 3)), dtypes[0]), jnp.asarray(r.integers(-5, 6, size=(6, 2)), dtypes[1])]
-    for ours, theirs in [(per_example_global_norm_clip, optax.per_example_global_norm_clip),
-                         (per_example_layer_norm_clip, optax.per_example_layer_norm_clip)]:
+    grads = [
+        jnp.asarray(r.integers(-5, 6, size=(6, 3)), dtypes[0]),
+        jnp.asarray(r.integers(-5, 6, size=(6, 2)), dtypes[1]),
+    ]
+    for ours, theirs in [
+        (per_example_global_norm_clip, optax.per_example_global_norm_clip),
+        (per_example_layer_norm_clip, optax.per_example_layer_norm_clip),
+    ]:
         got, n = ours(grads, 2.0)
         want, m = theirs(grads, 2.0)
         assert [x.dtype for x in got] == [x.dtype for x in want]
-        assert jax.tree_util.tree_map(lambda x: x.dtype, n) == jax.tree_util.tree_map(lambda x: x.dtype, m)
+        assert jax.tree_util.tree_map(lambda x: x.dtype, n) == jax.tree_util.tree_map(
+            lambda x: x.dtype, m
+        )
         # each example's factor is lowered by a few ulps so the stored bound holds: a sum of 6 may differ
         # from optax's by ~10 ulps
         tol = max(3 * float(jnp.finfo(want[0].dtype).eps), 16 * float(jnp.finfo(jnp.float32).eps))
         for a, b in zip(got, want, strict=True):
-            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol)
+            np.testing.assert_allclose(
+                np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol
+            )
 
 
 def _complex_grads():

@@ -55,7 +55,9 @@ def test_bf16x6_is_refused_on_gpus(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setitem(PRODUCT_PRECISION, "gpu", "bf16x6")
     loss, params, data = mlp_setup()
-    with pytest.raises(ValueError, match=r"PRODUCT_PRECISION: 'bf16x6' is refused on 'gpu': measured"):
+    with pytest.raises(
+        ValueError, match=r"PRODUCT_PRECISION: 'bf16x6' is refused on 'gpu': measured"
+    ):
         clipped_grad(loss, 1.0, method="ghost")(params, data)
     with pytest.raises(ValueError, match="'bf16x6' is refused"):
         product_margin(np.float32)
@@ -99,7 +101,9 @@ def test_default_is_highest_on_the_cpu_and_tf32_on_gpus():
 
 def test_reduced_passes_reach_every_per_example_product(x6):
     loss, params, data = mlp_setup()
-    precs = _algorithms(clipped_grad(loss, 1.0, method="ghost", ghost_sum="bookkeeping"), params, data)
+    precs = _algorithms(
+        clipped_grad(loss, 1.0, method="ghost", ghost_sum="bookkeeping"), params, data
+    )
     # the Gram/formed norms and the book-kept sums all take the algorithm
     assert sum(X6 in p for p in precs) >= 4
     precs = _algorithms(clipped_grad(loss, 1.0, method="vmap"), params, data)
@@ -126,7 +130,9 @@ def test_margin_lowers_the_clip_norm_by_the_product_error(monkeypatch):
     assert product_margin(np.float32) == 1.0 - PRODUCT_UNITS["bf16x6"] * 2.0**-24
     lo, _ = per_example_global_norm_clip(g, 1.0)
     # every example is above the bound: the sum shrinks by the margin (8 units), to rounding
-    ratio = np.linalg.norm(np.asarray(lo["w"], np.float64)) / np.linalg.norm(np.asarray(hi["w"], np.float64))
+    ratio = np.linalg.norm(np.asarray(lo["w"], np.float64)) / np.linalg.norm(
+        np.asarray(hi["w"], np.float64)
+    )
     assert 1.0 - 12 * 2.0**-24 < ratio < 1.0 - 4 * 2.0**-24
 
 
@@ -152,7 +158,10 @@ def tf32x3_on_cpu(monkeypatch):
 
 
 def test_tf32_split_is_exact_and_its_head_has_ten_mantissa_bits():
-    x = jnp.asarray(np.random.default_rng(0).normal(size=1000) * 10.0 ** np.arange(-5, 5).repeat(100), jnp.float32)
+    x = jnp.asarray(
+        np.random.default_rng(0).normal(size=1000) * 10.0 ** np.arange(-5, 5).repeat(100),
+        jnp.float32,
+    )
     head, tail = _products._tf32_split(x)
     np.testing.assert_array_equal(np.asarray(head + tail), np.asarray(x))
     assert not np.any(np.asarray(head).view(np.uint32) & 0x1FFF)  # low 13 of 23 mantissa bits clear
@@ -168,8 +177,13 @@ def test_tf32x3_writes_convolution_sums_out_as_three_passes(tf32x3_on_cpu, monke
     # each of the CNN's two kernels' sums is one convolution at "highest" and three at "tf32x3"
     lowered = jax.jit(f).trace(params, data).lower().as_text().count("stablehlo.convolution")
     monkeypatch.setitem(PRODUCT_PRECISION, jax.default_backend(), "highest")
-    at_highest = jax.jit(clipped_grad(loss, 0.5, method="ghost", ghost_sum="bookkeeping")).trace(
-        params, data).lower().as_text().count("stablehlo.convolution")
+    at_highest = (
+        jax.jit(clipped_grad(loss, 0.5, method="ghost", ghost_sum="bookkeeping"))
+        .trace(params, data)
+        .lower()
+        .as_text()
+        .count("stablehlo.convolution")
+    )
     assert lowered == at_highest + 2 * 2
     monkeypatch.setitem(PRODUCT_PRECISION, jax.default_backend(), "tf32x3")
     # and the result is the clipped sum: on a CPU each pass is a float32 product, so only the
@@ -222,10 +236,14 @@ def test_16bit_products_are_exact_with_float32_accumulation(dt):
     a64 = np.asarray(a.astype(jnp.float32), np.float64)
     exact = np.einsum("btd,bsd->bts", a64, a64)
     size = np.einsum("btd,bsd->bts", np.abs(a64), np.abs(a64))
-    assert np.all(np.abs(np.asarray(got, np.float64) - exact) <= 40 * 2.0**-24 * size)  # float32 sums only
+    assert np.all(
+        np.abs(np.asarray(got, np.float64) - exact) <= 40 * 2.0**-24 * size
+    )  # float32 sums only
     b = jnp.asarray(r.normal(size=(3, 7, 40)), jnp.float32)
-    np.testing.assert_array_equal(product_einsum("btd,bsd->bts", a, b),
-                                  product_einsum("btd,bsd->bts", a.astype(jnp.float32), b))
+    np.testing.assert_array_equal(
+        product_einsum("btd,bsd->bts", a, b),
+        product_einsum("btd,bsd->bts", a.astype(jnp.float32), b),
+    )
 
 
 def test_tf32_round_keeps_ten_mantissa_bits_and_makes_products_exact():
@@ -251,11 +269,16 @@ def test_tf32_weighted_parts_sum_to_the_truncated_weight_times_the_rounded_cotan
     assert np.all(trunc <= wt) and np.all(trunc > wt * (1 - 2.0**-10))
     exact = np.asarray(head, np.float64) + np.asarray(tail, np.float64)
     np.testing.assert_array_equal(exact, trunc[:, :1] * np.asarray(tf32_round(g), np.float64))
-    assert tf32_weighted(g.astype(jnp.float64 if jax.config.jax_enable_x64 else jnp.bfloat16), w) is None
+    assert (
+        tf32_weighted(g.astype(jnp.float64 if jax.config.jax_enable_x64 else jnp.bfloat16), w)
+        is None
+    )
 
 
 def test_tf32_products_are_default_precision_on_rounded_operands(tf32):
-    assert product_precision(np.float32, np.float32) is lax.Precision.HIGHEST  # weighted sums of rows
+    assert (
+        product_precision(np.float32, np.float32) is lax.Precision.HIGHEST
+    )  # weighted sums of rows
     assert product_margin(np.float32) == 1.0 and PRODUCT_UNITS["tf32"] == 0
     loss, params, data = mlp_setup()
     f = clipped_grad(loss, 1.0, method="ghost", ghost_sum="bookkeeping")
@@ -286,15 +309,21 @@ def test_tf32_contribution_stays_within_the_clip_norm(setup, seed, setting, slac
     loss, params, data = setup(seed=seed, batch=1)
     _, info = clipped_grad(loss, 1.0, method="ghost")(params, data)
     # the clip norm as an argument: one compiled program per ghost_sum serves every bound
-    steps = {ghost_sum: jax.jit(lambda p, d, c, s=ghost_sum: clipped_grad(loss, c, method="ghost", ghost_sum=s)(p, d))
-             for ghost_sum in ("bookkeeping", "auto")}
+    steps = {
+        ghost_sum: jax.jit(
+            lambda p, d, c, s=ghost_sum: clipped_grad(loss, c, method="ghost", ghost_sum=s)(p, d)
+        )
+        for ghost_sum in ("bookkeeping", "auto")
+    }
     checked = 0
     for clip in float(info.norms[0]) * np.array([1e-4, 0.37, 0.9, 2.0]):
         for step in steps.values():
             got, info = step(params, data, jnp.float32(clip))
             if float(info.norms[0]) <= clip:  # not clipped: nothing to bound
                 continue
-            norm = np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree.leaves(got)))
+            norm = np.sqrt(
+                sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree.leaves(got))
+            )
             assert norm <= clip
             assert norm > clip * (1 - slack)
             checked += 1
@@ -304,10 +333,14 @@ def test_tf32_contribution_stays_within_the_clip_norm(setup, seed, setting, slac
 def test_tf32_refuses_a_second_backward_pass_and_auto_books_keeps(tf32):
     """The norms measure the gradients of rounded operands, which only book-keeping adds."""
     loss, params, data = cnn_setup()
-    with pytest.raises(ValueError, match=r"ghost_sum='backward' cannot be used here: .*PRODUCT_PRECISION is 'tf32'"):
+    with pytest.raises(
+        ValueError, match=r"ghost_sum='backward' cannot be used here: .*PRODUCT_PRECISION is 'tf32'"
+    ):
         clipped_grad(loss, 0.5, method="ghost", ghost_sum="backward")(params, data)
     got, _ = jax.jit(clipped_grad(loss, 0.5, method="ghost", ghost_sum="auto"))(params, data)
-    want, _ = jax.jit(clipped_grad(loss, 0.5, method="ghost", ghost_sum="bookkeeping"))(params, data)
+    want, _ = jax.jit(clipped_grad(loss, 0.5, method="ghost", ghost_sum="bookkeeping"))(
+        params, data
+    )
     assert_tree_close(got, want, rtol=0, atol=0)
 
 
@@ -325,13 +358,17 @@ def _cancelling_dense(seed: int, tokens: int = 64, width: int = 32):
     data = {"x": jnp.asarray(x, jnp.float32), "t": jnp.asarray(target, jnp.float32)}
 
     def loss(p, b):
-        return jnp.sum((b["x"] @ p["w"]) * b["t"], axis=(1, 2))  # the cotangent of the dense output is t
+        return jnp.sum(
+            (b["x"] @ p["w"]) * b["t"], axis=(1, 2)
+        )  # the cotangent of the dense output is t
 
     return loss, params, data
 
 
 def _added_norm(tree) -> float:
-    return float(np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree.leaves(tree))))
+    return float(
+        np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree.leaves(tree)))
+    )
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -346,7 +383,9 @@ def test_one_pass_dense_sum_stays_within_the_clip_norm_where_tokens_cancel(tf32,
     excess = []
     for scale in (1e-3, 0.3, 0.9):
         clip = norm * scale
-        got, _ = jax.jit(clipped_grad(loss, clip, method="ghost", ghost_sum="bookkeeping"))(params, data)
+        got, _ = jax.jit(clipped_grad(loss, clip, method="ghost", ghost_sum="bookkeeping"))(
+            params, data
+        )
         assert _added_norm(got) <= clip
     monkeypatch.setattr(_products, "ONCE_ROUNDING", 0.0)
     import gradclip_jax.per_example.ghost._measure as measure_mod
@@ -354,13 +393,15 @@ def test_one_pass_dense_sum_stays_within_the_clip_norm_where_tokens_cancel(tf32,
     monkeypatch.setattr(measure_mod, "ONCE_ROUNDING", 0.0)
     for scale in (1e-3, 0.3, 0.9):
         clip = norm * scale
-        got, _ = jax.jit(clipped_grad(loss, clip, method="ghost", ghost_sum="bookkeeping"))(params, data)
+        got, _ = jax.jit(clipped_grad(loss, clip, method="ghost", ghost_sum="bookkeeping"))(
+            params, data
+        )
         excess.append(_added_norm(got) / clip)
     assert max(excess) > 1.0 + 1e-3  # unwidened, one pass overshoots the clip norm
 
 
 def test_one_pass_is_one_product_per_dense_sum_and_tf32x2_keeps_two(monkeypatch):
-    """"tf32" runs each dense book-kept sum as one DEFAULT-precision product; "tf32x2" as two
+    """ "tf32" runs each dense book-kept sum as one DEFAULT-precision product; "tf32x2" as two
     exact passes. Unclipped examples (weight 1) add exactly what "tf32x2" adds."""
     loss, params, data = mlp_setup()
     counts, sums = {}, {}
@@ -372,7 +413,9 @@ def test_one_pass_is_one_product_per_dense_sum_and_tf32x2_keeps_two(monkeypatch)
     assert counts["tf32x2"] - counts["tf32"] >= 2  # at least the two dense kernels' second passes
     # bit for bit on the CPU; a GPU's two programs may accumulate in another order (1e-7 seen)
     exact = jax.default_backend() == "cpu"
-    assert_tree_close(sums["tf32"], sums["tf32x2"], rtol=0 if exact else 1e-6, atol=0 if exact else 1e-6)
+    assert_tree_close(
+        sums["tf32"], sums["tf32x2"], rtol=0 if exact else 1e-6, atol=0 if exact else 1e-6
+    )
 
 
 @pytest.mark.parametrize("setup", [mlp_setup, cnn_setup, embed_setup], ids=["mlp", "cnn", "embed"])
@@ -383,6 +426,10 @@ def test_one_pass_clips_at_most_a_spread_below_two_passes(setup, monkeypatch):
     out = {}
     for name in ("tf32", "tf32x2"):
         monkeypatch.setitem(PRODUCT_PRECISION, jax.default_backend(), name)
-        out[name] = jax.jit(clipped_grad(loss, 0.3, method="ghost", ghost_sum="bookkeeping"))(params, data)
-    np.testing.assert_array_equal(out["tf32"][1].norms, out["tf32x2"][1].norms)  # norms are reported unwidened
+        out[name] = jax.jit(clipped_grad(loss, 0.3, method="ghost", ghost_sum="bookkeeping"))(
+            params, data
+        )
+    np.testing.assert_array_equal(
+        out["tf32"][1].norms, out["tf32x2"][1].norms
+    )  # norms are reported unwidened
     assert_tree_close(out["tf32"][0], out["tf32x2"][0], rtol=1e-2, atol=1e-4)

@@ -15,13 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gradclip_jax.per_example import clipped_grad
 from tests.per_example.models import assert_tree_close
 
-pytestmark = pytest.mark.cpu_only(reason="the compiled memory and collectives of XLA:CPU's programs")
+pytestmark = pytest.mark.cpu_only(
+    reason="the compiled memory and collectives of XLA:CPU's programs"
+)
 
 BATCH, SEQ, WIDTH, HIDDEN = 24, 32, 16, 64
 MESHES = ((8, 1), (2, 4), (1, 8))
@@ -32,8 +33,11 @@ def _setup():
     """A two-layer token model (per-example losses: a mean over tokens) whose activations, as in a
     language model, outweigh its parameters; example 5 has a NaN input, so a non-finite gradient."""
     k = jax.random.split(jax.random.PRNGKey(0), 4)
-    params = {"w1": jax.random.normal(k[0], (WIDTH, HIDDEN)) / 4, "b1": jnp.zeros((HIDDEN,)),
-              "w2": jax.random.normal(k[1], (HIDDEN, WIDTH)) / 8}
+    params = {
+        "w1": jax.random.normal(k[0], (WIDTH, HIDDEN)) / 4,
+        "b1": jnp.zeros((HIDDEN,)),
+        "w2": jax.random.normal(k[1], (HIDDEN, WIDTH)) / 8,
+    }
     x = jax.random.normal(k[2], (BATCH, SEQ, WIDTH)).at[5, 3, 1].set(jnp.nan)
     data = {"x": x, "y": jax.random.normal(k[3], (BATCH, SEQ, WIDTH))}
 
@@ -54,7 +58,10 @@ def _fsdp(shape: tuple[int, ...], fsdp: int) -> P:
 
 def _place(params, data, shape):
     mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(shape), ("data", "fsdp"))
-    params = {k: jax.device_put(v, NamedSharding(mesh, _fsdp(v.shape, shape[1]))) for k, v in params.items()}
+    params = {
+        k: jax.device_put(v, NamedSharding(mesh, _fsdp(v.shape, shape[1])))
+        for k, v in params.items()
+    }
     return params, jax.device_put(data, NamedSharding(mesh, P(("data", "fsdp"))))
 
 

@@ -21,7 +21,9 @@ def feed(tx, norms, dtype=jnp.float32, jit=True):
     outs, states = [], []
     for n in norms:
         out, state = update(vec(n).astype(dtype), state)
-        outs.append(float(jnp.linalg.norm(out)) if np.all(np.isfinite(np.asarray(out))) else math.nan)
+        outs.append(
+            float(jnp.linalg.norm(out)) if np.all(np.isfinite(np.asarray(out))) else math.nan
+        )
         states.append(state)
     return outs, states
 

@@ -28,7 +28,9 @@ def test_adagc_by_hand():
     out, state = tx.update(_tree([0.3, 0.4], [2.0]), state)
     f = 1.0 / math.sqrt(4.25)
     ga, gb = 0.5 * f, 2.0 * f
-    np.testing.assert_allclose([float(state.gamma["a"]), float(state.gamma["b"])], [ga, gb], rtol=1e-6)
+    np.testing.assert_allclose(
+        [float(state.gamma["a"]), float(state.gamma["b"])], [ga, gb], rtol=1e-6
+    )
     assert bool(state.clipped["a"]) and float(state.clip_norm["a"]) == 1.0
     # step 3 (adaptive): a is clipped to 2 * gamma_a; b (1 <= 2 * gamma_b) passes
     out, state = tx.update(_tree([3.0, 4.0], [1.0]), state)
@@ -72,8 +74,12 @@ def test_adagc_no_warmup_and_floor():
 
 
 def test_adagc_invalid_arguments():
-    for kwargs, name in (({"clip_ratio": 0.0}, "clip_ratio"), ({"beta": 1.5}, "beta"),
-                         ({"warmup_steps": -1}, "warmup_steps"), ({"warmup_max_norm": -2.0}, "warmup_max_norm"),
-                         ({"min_gamma": -1.0}, "min_gamma")):
+    for kwargs, name in (
+        ({"clip_ratio": 0.0}, "clip_ratio"),
+        ({"beta": 1.5}, "beta"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"warmup_max_norm": -2.0}, "warmup_max_norm"),
+        ({"min_gamma": -1.0}, "min_gamma"),
+    ):
         with pytest.raises(ValueError, match=name):
             adagc(**kwargs)

@@ -29,7 +29,9 @@ def _autoclip_reference(norms, p, size):
     return outs, thrs
 
 
-@pytest.mark.parametrize("p,size", [(10.0, 1000), (50.0, 5), (0.0, 3), (90.0, 4), (100.0, 2), (33.3, 7)])
+@pytest.mark.parametrize(
+    "p,size", [(10.0, 1000), (50.0, 5), (0.0, 3), (90.0, 4), (100.0, 2), (33.3, 7)]
+)
 def test_autoclip_matches_numpy_percentile(p, size):
     norms = _spiky_norms(30, seed=1)
     norms[3], norms[11] = 0.0, math.nan
@@ -90,11 +92,21 @@ def test_autoclip_nonfinite():
     assert math.isnan(outs[1])  # passes through, not zeroed
     np.testing.assert_allclose(outs[2], 1.1, rtol=1e-6)  # 10th percentile of {1, 2}
     _, states = _feed(autoclip(skip_nonfinite=False), [1.0, math.inf, 2.0])
-    assert [int(s.count) for s in states] == [1, 2, 3] and int(states[-1].filled) == 2  # never recorded
+    assert [int(s.count) for s in states] == [1, 2, 3] and int(
+        states[-1].filled
+    ) == 2  # never recorded
 
 
-@pytest.mark.parametrize("hp,bad", [("percentile", 101.0), ("percentile", -1.0), ("percentile", math.nan),
-                                    ("min_clip_norm", -1.0), ("min_clip_norm", math.nan)])
+@pytest.mark.parametrize(
+    "hp,bad",
+    [
+        ("percentile", 101.0),
+        ("percentile", -1.0),
+        ("percentile", math.nan),
+        ("min_clip_norm", -1.0),
+        ("min_clip_norm", math.nan),
+    ],
+)
 def test_autoclip_invalid_traced_hyperparameter_leaves_the_history_untouched(hp, bad):
     # as zclip, adagc, quantile_clip and the EMA clippers: NaN update, statistics as they were
     tx = gcx.inject_hyperparams(autoclip)(percentile=50.0, history_size=4)
@@ -113,7 +125,11 @@ def test_autoclip_invalid_traced_hyperparameter_leaves_the_history_untouched(hp,
 
 
 def test_autoclip_invalid_arguments():
-    for kwargs, name in (({"percentile": 101.0}, "percentile"), ({"percentile": -1.0}, "percentile"),
-                         ({"history_size": 0}, "history_size"), ({"min_clip_norm": -1.0}, "min_clip_norm")):
+    for kwargs, name in (
+        ({"percentile": 101.0}, "percentile"),
+        ({"percentile": -1.0}, "percentile"),
+        ({"history_size": 0}, "history_size"),
+        ({"min_clip_norm": -1.0}, "min_clip_norm"),
+    ):
         with pytest.raises(ValueError, match=name):
             autoclip(**kwargs)

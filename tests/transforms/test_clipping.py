@@ -17,8 +17,10 @@ import gradclip_jax as gcx
 def random_tree(seed: int, scale: float = 1.0, dtype=jnp.float32):
     k = jax.random.split(jax.random.PRNGKey(seed), 6)
     return {
-        "dense": {"kernel": scale * jax.random.normal(k[0], (8, 5), dtype),
-                  "bias": scale * jax.random.normal(k[1], (5,), dtype)},
+        "dense": {
+            "kernel": scale * jax.random.normal(k[0], (8, 5), dtype),
+            "bias": scale * jax.random.normal(k[1], (5,), dtype),
+        },
         "conv": scale * jax.random.normal(k[2], (3, 3, 2, 4), dtype),
         "mha": scale * jax.random.normal(k[3], (4, 2, 3), dtype),
         "scalar": scale * jax.random.normal(k[4], (), dtype),
@@ -32,7 +34,9 @@ def assert_trees_close(a, b, rtol=1e-6, atol=1e-7):
     assert ta == tb
     for x, y in zip(la, lb):
         assert x.dtype == y.dtype and x.shape == y.shape
-        np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=rtol, atol=atol)
+        np.testing.assert_allclose(
+            np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=rtol, atol=atol
+        )
 
 
 # ------------------------------------------------------------------ optax parity
@@ -55,7 +59,9 @@ def test_clip_matches_optax(seed, delta):
     g = random_tree(seed)
     for ours in (gcx.clip(delta), gcx.clip_by_value(delta)):
         out, _ = ours.update(g, ours.init(g))
-        assert_trees_close(out, optax.clip(delta).update(g, optax.clip(delta).init(g))[0], rtol=0, atol=0)
+        assert_trees_close(
+            out, optax.clip(delta).update(g, optax.clip(delta).init(g))[0], rtol=0, atol=0
+        )
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -87,15 +93,28 @@ def test_adaptive_grad_clip_with_axis_matches_optax():
     g = {"w": jax.random.normal(jax.random.PRNGKey(0), (4, 6))}
     p = {"w": jax.random.normal(jax.random.PRNGKey(1), (4, 6))}
     ours, ref = gcx.adaptive_grad_clip(0.05, axis=1), optax.adaptive_grad_clip(0.05, axis=1)
-    assert_trees_close(ours.update(g, ours.init(p), p)[0], ref.update(g, ref.init(p), p)[0], rtol=2e-6)
+    assert_trees_close(
+        ours.update(g, ours.init(p), p)[0], ref.update(g, ref.init(p), p)[0], rtol=2e-6
+    )
 
 
-INT_LEAVES = {"i32": jnp.array([[3, 4], [1, -2]], jnp.int32), "i8": jnp.array([1, 2], jnp.int8),
-              "b": jnp.array([True, False]), "f": jnp.array([0.5, -3.0])}
+INT_LEAVES = {
+    "i32": jnp.array([[3, 4], [1, -2]], jnp.int32),
+    "i8": jnp.array([1, 2], jnp.int8),
+    "b": jnp.array([True, False]),
+    "f": jnp.array([0.5, -3.0]),
+}
 
 
-@pytest.mark.parametrize("make", [lambda m: m.clip_by_block_rms(1.5), lambda m: m.clip_by_block_rms(0.0),
-                                  lambda m: m.clip_by_block_rms(100.0), lambda m: m.adaptive_grad_clip(0.1)])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda m: m.clip_by_block_rms(1.5),
+        lambda m: m.clip_by_block_rms(0.0),
+        lambda m: m.clip_by_block_rms(100.0),
+        lambda m: m.adaptive_grad_clip(0.1),
+    ],
+)
 def test_block_rms_and_agc_match_optax_on_integer_and_bool_leaves(make):
     # optax computes integer and bool leaves in the default float dtype; we raised TypeError
     ours, ref = make(gcx), make(optax)
@@ -127,22 +146,30 @@ def test_global_clip_zero_norm_zero_bound_no_nan():
     out, state = tx.update([jnp.zeros(3)], tx.init([jnp.zeros(3)]))
     np.testing.assert_array_equal(out[0], np.zeros(3))
     assert float(state.norm) == 0.0
-    assert bool(jnp.all(jnp.isnan(optax.clip_by_global_norm(0.0).update([jnp.zeros(3)], None)[0][0])))
+    assert bool(
+        jnp.all(jnp.isnan(optax.clip_by_global_norm(0.0).update([jnp.zeros(3)], None)[0][0]))
+    )
 
 
 def test_clip_scales_by_exactly_bound_over_norm():
     tx = gcx.clip_by_global_norm(1.0)
     out, _ = tx.update([jnp.array([3.0, 4.0])], tx.init([jnp.zeros(2)]))
     # bound / norm, lowered by a few float32 units so the stored result's norm is <= the bound
-    np.testing.assert_allclose(out[0], np.array([3.0, 4.0], np.float32) * np.float32(1.0 / 5.0), rtol=1e-6)
+    np.testing.assert_allclose(
+        out[0], np.array([3.0, 4.0], np.float32) * np.float32(1.0 / 5.0), rtol=1e-6
+    )
     assert np.linalg.norm(np.asarray(out[0], np.float64)) <= 1.0
     out, _ = tx.update([jnp.array([0.6, 0.8])], tx.init([jnp.zeros(2)]))
-    np.testing.assert_array_equal(out[0], np.array([0.6, 0.8], np.float32))  # at/below the bound: untouched
+    np.testing.assert_array_equal(
+        out[0], np.array([0.6, 0.8], np.float32)
+    )  # at/below the bound: untouched
 
 
 def test_non_finite_updates_stay_non_finite_and_nothing_is_zeroed():
     tx = gcx.clip_by_global_norm(1.0)
-    out, state = tx.update([jnp.array([jnp.inf, 1.0]), jnp.array([2.0])], tx.init([jnp.zeros(2), jnp.zeros(1)]))
+    out, state = tx.update(
+        [jnp.array([jnp.inf, 1.0]), jnp.array([2.0])], tx.init([jnp.zeros(2), jnp.zeros(1)])
+    )
     assert float(out[0][0]) == math.inf and float(out[0][1]) == 1.0 and float(out[1][0]) == 2.0
     assert float(state.norm) == math.inf
     out, state = tx.update([jnp.array([jnp.nan, 1.0])], tx.init([jnp.zeros(2)]))
@@ -151,11 +178,15 @@ def test_non_finite_updates_stay_non_finite_and_nothing_is_zeroed():
 
 def test_clip_by_norm_min_norm_scales_small_slices_up():
     tx = gcx.clip_by_norm(2.0, dim=1, min_norm=1.0)
-    out, state = tx.update([jnp.array([[0.3, 0.4], [3.0, 4.0], [0.0, 0.0], [1.2, 0.9]])], tx.init([jnp.zeros((4, 2))]))
+    out, state = tx.update(
+        [jnp.array([[0.3, 0.4], [3.0, 4.0], [0.0, 0.0], [1.2, 0.9]])], tx.init([jnp.zeros((4, 2))])
+    )
     np.testing.assert_allclose(out[0], [[0.6, 0.8], [1.2, 1.6], [0.0, 0.0], [1.2, 0.9]], rtol=1e-6)
     np.testing.assert_allclose(state.norm[0], [0.5, 5.0, 0.0, 1.5], rtol=1e-6)
     tx = gcx.clip_by_norm(None, min_norm=1.0)
-    np.testing.assert_allclose(tx.update([jnp.array([0.3, 0.4])], tx.init([jnp.zeros(2)]))[0][0], [0.6, 0.8], rtol=1e-6)
+    np.testing.assert_allclose(
+        tx.update([jnp.array([0.3, 0.4])], tx.init([jnp.zeros(2)]))[0][0], [0.6, 0.8], rtol=1e-6
+    )
 
 
 @pytest.mark.parametrize("how", ["traced", "schedule"])
@@ -211,7 +242,9 @@ def test_normalize_and_centralize():
     out, _ = tx.update([jnp.array([[3.0, 0.0], [4.0, 0.0]])], tx.init([jnp.zeros((2, 2))]))
     np.testing.assert_allclose(out[0], [[1.2, 0.0], [1.6, 0.0]], rtol=1e-6)  # zero column untouched
     tx = gcx.centralize(dim="global")
-    out, _ = tx.update([jnp.array([1.0, 2.0]), jnp.asarray(3.0)], tx.init([jnp.zeros(2), jnp.zeros(())]))
+    out, _ = tx.update(
+        [jnp.array([1.0, 2.0]), jnp.asarray(3.0)], tx.init([jnp.zeros(2), jnp.zeros(())])
+    )
     np.testing.assert_allclose(out[0], [-1.0, 0.0]) and np.testing.assert_allclose(out[1], 1.0)
     tx = gcx.centralize(dim=-1, inverse_dims=True)  # per output unit of a dense kernel
     w = jnp.array([[1.0, 10.0], [3.0, 20.0]])
@@ -233,7 +266,9 @@ def test_complex_leaves():
 
 def test_clip_by_value_integers_never_truncate_the_bound_and_nan_stays():
     # an integer bound keeps an int leaf's dtype; a fractional one promotes (as optax.clip), never floor(2.5)
-    out = gcx.clip_grad_value({"i": jnp.array([-5, 2, 7], jnp.int32), "f": jnp.array([jnp.nan, 3.0])}, 2.5)
+    out = gcx.clip_grad_value(
+        {"i": jnp.array([-5, 2, 7], jnp.int32), "f": jnp.array([jnp.nan, 3.0])}, 2.5
+    )
     assert out["i"].dtype == jnp.float32
     np.testing.assert_array_equal(out["i"], [-2.5, 2.0, 2.5])
     assert math.isnan(float(out["f"][0])) and float(out["f"][1]) == 2.5
@@ -260,7 +295,10 @@ def test_clip_matches_optax_exactly_on_integer_and_bool_leaves(bound, key):
     # int32 leaf is float32 1.5, not a truncated int32 1)
     leaf = {key: INT_LEAVES[key]}
     want, _ = optax.clip(bound).update(leaf, None)
-    for run in (lambda u: gcx.clip(bound).update(u, None), jax.jit(lambda u: gcx.clip(bound).update(u, None))):
+    for run in (
+        lambda u: gcx.clip(bound).update(u, None),
+        jax.jit(lambda u: gcx.clip(bound).update(u, None)),
+    ):
         got, _ = run(leaf)
         assert got[key].dtype == want[key].dtype
         assert got[key].weak_type == want[key].weak_type
@@ -279,8 +317,14 @@ def test_clip_matches_optax_exactly_on_integer_and_bool_leaves(bound, key):
 def test_pass_through_leaves():
     f0 = np.zeros((3,), dtype=jax.dtypes.float0)
     tree = {"a": jnp.array([3.0, 4.0]), "n": None, "m": optax.MaskedNode(), "z": f0}
-    for tx in [gcx.clip_by_global_norm(1.0), gcx.clip_by_norm(1.0), gcx.normalize(), gcx.clip_by_block_rms(1.0),
-               gcx.clip(1.0), gcx.centralize()]:
+    for tx in [
+        gcx.clip_by_global_norm(1.0),
+        gcx.clip_by_norm(1.0),
+        gcx.normalize(),
+        gcx.clip_by_block_rms(1.0),
+        gcx.clip(1.0),
+        gcx.centralize(),
+    ]:
         out, _ = tx.update(tree, tx.init(tree))
         assert out["n"] is None and isinstance(out["m"], optax.MaskedNode) and out["z"] is f0
 
@@ -297,25 +341,39 @@ def test_optax_masked_norm_over_masked_in_leaves_only():
 # ------------------------------------------------------------------ hyperparameters
 
 
-@pytest.mark.parametrize("factory,arg", [
-    (gcx.clip_by_global_norm, "max_norm"), (gcx.clip_by_norm, "max_norm"), (gcx.clip_by_value, "max_value"),
-    (gcx.clip, "max_delta"), (gcx.clip_by_block_rms, "threshold"), (gcx.normalize, "norm_value"),
-    (gcx.adaptive_grad_clip, "clipping"),
-])
+@pytest.mark.parametrize(
+    "factory,arg",
+    [
+        (gcx.clip_by_global_norm, "max_norm"),
+        (gcx.clip_by_norm, "max_norm"),
+        (gcx.clip_by_value, "max_value"),
+        (gcx.clip, "max_delta"),
+        (gcx.clip_by_block_rms, "threshold"),
+        (gcx.normalize, "norm_value"),
+        (gcx.adaptive_grad_clip, "clipping"),
+    ],
+)
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), np.array([1.0, 2.0]), "1.0", True])
 def test_invalid_hyperparameters_raise_at_construction(factory, arg, bad):
     with pytest.raises((ValueError, TypeError), match=arg):
         factory(bad)
 
 
-@pytest.mark.parametrize("kwargs,match,err", [
-    ({"ord": "frobenius"}, "ord", ValueError), ({"dim": "rows"}, "dim", ValueError),
-    ({"dim": 1.5}, "dim", TypeError), ({"inverse_dims": True}, "inverse_dims", ValueError),
-    ({"inverse_dims": "yes"}, "inverse_dims", TypeError),
-    ({"min_size": -1}, "min_size", ValueError), ({"min_size": 1.5}, "min_size", TypeError),
-    ({"min_norm": 2.0}, "min_norm", ValueError), ({"min_norm": -1.0}, "min_norm", ValueError),
-    ({"min_norm": "0.5"}, "min_norm", TypeError),
-])
+@pytest.mark.parametrize(
+    "kwargs,match,err",
+    [
+        ({"ord": "frobenius"}, "ord", ValueError),
+        ({"dim": "rows"}, "dim", ValueError),
+        ({"dim": 1.5}, "dim", TypeError),
+        ({"inverse_dims": True}, "inverse_dims", ValueError),
+        ({"inverse_dims": "yes"}, "inverse_dims", TypeError),
+        ({"min_size": -1}, "min_size", ValueError),
+        ({"min_size": 1.5}, "min_size", TypeError),
+        ({"min_norm": 2.0}, "min_norm", ValueError),
+        ({"min_norm": -1.0}, "min_norm", ValueError),
+        ({"min_norm": "0.5"}, "min_norm", TypeError),
+    ],
+)
 def test_invalid_structural_arguments_raise(kwargs, match, err):
     with pytest.raises(err, match=match):
         gcx.clip_by_norm(1.0, **kwargs)
@@ -357,20 +415,29 @@ def test_strongly_typed_float32_bound_with_bf16_updates():
         assert out[0].dtype == jnp.bfloat16
 
 
-@pytest.mark.parametrize("make", [
-    lambda: gcx.inject_hyperparams(gcx.clip_by_global_norm)(max_norm=1.0),
-    lambda: gcx.inject_hyperparams(gcx.clip_by_norm)(max_norm=1.0, ord=2, dim=0, min_size=1),
-    lambda: gcx.inject_hyperparams(gcx.normalize)(norm_value=1.0, ord="l1"),
-    lambda: optax.inject_hyperparams(gcx.clip_by_global_norm, static_args=("ord",))(max_norm=1.0),
-    lambda: optax.inject_hyperparams(gcx.clip_by_value)(max_value=1.0),
-    lambda: optax.inject_hyperparams(gcx.clip_by_block_rms)(threshold=1.0),
-    lambda: gcx.inject_hyperparams(gcx.adaptive_grad_clip)(clipping=1.0),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: gcx.inject_hyperparams(gcx.clip_by_global_norm)(max_norm=1.0),
+        lambda: gcx.inject_hyperparams(gcx.clip_by_norm)(max_norm=1.0, ord=2, dim=0, min_size=1),
+        lambda: gcx.inject_hyperparams(gcx.normalize)(norm_value=1.0, ord="l1"),
+        lambda: optax.inject_hyperparams(gcx.clip_by_global_norm, static_args=("ord",))(
+            max_norm=1.0
+        ),
+        lambda: optax.inject_hyperparams(gcx.clip_by_value)(max_value=1.0),
+        lambda: optax.inject_hyperparams(gcx.clip_by_block_rms)(threshold=1.0),
+        lambda: gcx.inject_hyperparams(gcx.adaptive_grad_clip)(clipping=1.0),
+    ],
+)
 def test_inject_hyperparams_under_jit(make):
     tx = make()
     g = {"w": jnp.full((3, 2), 2.0)}
     state = tx.init(g)
-    key = next(k for k in ("max_norm", "max_value", "threshold", "norm_value", "clipping") if k in state.hyperparams)
+    key = next(
+        k
+        for k in ("max_norm", "max_value", "threshold", "norm_value", "clipping")
+        if k in state.hyperparams
+    )
     state.hyperparams[key] = jnp.asarray(0.5)
     out, state = jax.jit(tx.update)(g, state, g)
     assert bool(jnp.all(jnp.isfinite(out["w"])))
@@ -410,7 +477,9 @@ def test_chain_with_adam_and_state_logging():
 
 def test_multisteps_and_apply_if_finite():
     params = {"w": jnp.ones(2)}
-    tx = optax.MultiSteps(optax.chain(gcx.clip_by_global_norm(1.0), optax.sgd(1.0)), every_k_schedule=2)
+    tx = optax.MultiSteps(
+        optax.chain(gcx.clip_by_global_norm(1.0), optax.sgd(1.0)), every_k_schedule=2
+    )
     state = tx.init(params)
     g = {"w": jnp.array([3.0, 4.0])}
     u, state = tx.update(g, state, params)

@@ -82,10 +82,22 @@ def _expected(case):
 # ----------------------------------------------------------------------------
 
 
-def _oracle(module: str, steps: list[list[np.ndarray]], params: dict, inner_mul: float = 1.0,
-            dtype=np.float64) -> list[list[np.ndarray]]:
-    p = {"beta": 0.99, "ord": 2, "tensorwise": True, "max_ema_growth": 1.5, "init": 0.0,
-         "min_norm": 1e-6, **params}
+def _oracle(
+    module: str,
+    steps: list[list[np.ndarray]],
+    params: dict,
+    inner_mul: float = 1.0,
+    dtype=np.float64,
+) -> list[list[np.ndarray]]:
+    p = {
+        "beta": 0.99,
+        "ord": 2,
+        "tensorwise": True,
+        "max_ema_growth": 1.5,
+        "init": 0.0,
+        "min_norm": 1e-6,
+        **params,
+    }
     beta = p["beta"]
     outs = []
     if module == "ClipValueByEMA":
@@ -94,7 +106,9 @@ def _oracle(module: str, steps: list[list[np.ndarray]], params: dict, inner_mul:
             if ema is None:
                 ema = [p["init"] * np.abs(x) for x in xs]
             ema = [e + (1 - beta) * (np.abs(x) - e) for e, x in zip(ema, xs, strict=True)]
-            outs.append([np.minimum(np.maximum(x * inner_mul, -e), e) for x, e in zip(xs, ema, strict=True)])
+            outs.append(
+                [np.minimum(np.maximum(x * inner_mul, -e), e) for x, e in zip(xs, ema, strict=True)]
+            )
         return outs
     eps = 2 * np.finfo(dtype).tiny
     ema, prev = None, None
@@ -209,8 +223,12 @@ def test_default_first_output_is_one_percent():
 
 def test_zero_update_gives_zero_never_nan():
     z = [jnp.zeros(3), jnp.zeros((2, 2))]
-    for tx in (clip_norm_by_ema(beta=0.5), normalize_by_ema(beta=0.5), clip_value_by_ema(beta=0.5),
-               normalize_by_ema(beta=0.5, tensorwise=False, max_ema_growth=None, min_norm=0.0)):
+    for tx in (
+        clip_norm_by_ema(beta=0.5),
+        normalize_by_ema(beta=0.5),
+        clip_value_by_ema(beta=0.5),
+        normalize_by_ema(beta=0.5, tensorwise=False, max_ema_growth=None, min_norm=0.0),
+    ):
         state = tx.init(z)
         update = jax.jit(tx.update)
         for _ in range(3):
@@ -257,11 +275,15 @@ def test_growth_limit_rescales_the_stored_ema():
     np.testing.assert_allclose(out, [2.0, 0.0], rtol=1e-6)
 
 
-@pytest.mark.parametrize("make", [
-    lambda: clip_norm_by_ema(beta=0.5),
-    lambda: normalize_by_ema(beta=0.5, tensorwise=False),
-    lambda: clip_value_by_ema(beta=0.5),
-], ids=["clip_norm", "normalize_global", "clip_value"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: clip_norm_by_ema(beta=0.5),
+        lambda: normalize_by_ema(beta=0.5, tensorwise=False),
+        lambda: clip_value_by_ema(beta=0.5),
+    ],
+    ids=["clip_norm", "normalize_global", "clip_value"],
+)
 def test_nonfinite_update_passes_and_leaves_state(make):
     tx = make()
     x1 = [jnp.array([1.0, -2.0, 0.5]), jnp.array([[0.3, 0.1], [-0.2, 0.4]])]
@@ -272,7 +294,9 @@ def test_nonfinite_update_passes_and_leaves_state(make):
     for o, b in zip(out, bad, strict=True):
         np.testing.assert_array_equal(np.asarray(o), np.asarray(b))
     assert int(s2.count) == int(s1.count) == 1
-    for a, b in zip(jax.tree_util.tree_leaves(s2.exp_avg), jax.tree_util.tree_leaves(s1.exp_avg), strict=True):
+    for a, b in zip(
+        jax.tree_util.tree_leaves(s2.exp_avg), jax.tree_util.tree_leaves(s1.exp_avg), strict=True
+    ):
         np.testing.assert_array_equal(a, b)
     assert not any(bool(c) for c in jax.tree_util.tree_leaves(s2.clipped))
     want = tx.update(x3, s1)[0]
@@ -309,7 +333,9 @@ def test_clip_value_exp_avg_tfm_changes_bound_not_state():
         out, s = tx.update(xs, s)
         _, r = ref.update(xs, r)
         for o, v, e in zip(out, xs, r.exp_avg, strict=True):  # bound is 2 * EMA
-            np.testing.assert_allclose(o, np.clip(v, -2 * np.asarray(e), 2 * np.asarray(e)), rtol=1e-6)
+            np.testing.assert_allclose(
+                o, np.clip(v, -2 * np.asarray(e), 2 * np.asarray(e)), rtol=1e-6
+            )
         for a, b in zip(s.exp_avg, r.exp_avg, strict=True):  # the stored EMA is untouched
             np.testing.assert_allclose(a, b, rtol=1e-7)
 
@@ -329,7 +355,9 @@ def test_inner_statistics_come_from_the_input():
     (o1, s1), (o2, s2) = tx.update(x, tx.init(x)), plain.update(x, plain.init(x))
     np.testing.assert_allclose(o1, 10 * np.asarray(o2), rtol=1e-6)
     np.testing.assert_allclose(s1.exp_avg, s2.exp_avg)
-    assert isinstance(s1.inner_state, optax.ScaleState) and isinstance(s2.inner_state, optax.EmptyState)
+    assert isinstance(s1.inner_state, optax.ScaleState) and isinstance(
+        s2.inner_state, optax.EmptyState
+    )
 
 
 def test_bfloat16_leaves_keep_dtype_and_float32_state():
@@ -342,11 +370,19 @@ def test_bfloat16_leaves_keep_dtype_and_float32_state():
         np.testing.assert_allclose(np.asarray(out["w"], np.float32), [1.5, 2.0], rtol=1e-2)
 
 
-@pytest.mark.parametrize("kwargs,name", [
-    ({"beta": 1.0}, "beta"), ({"beta": -0.1}, "beta"), ({"beta": math.nan}, "beta"),
-    ({"max_ema_growth": -1.0}, "max_ema_growth"), ({"min_norm": -1e-6}, "min_norm"),
-    ({"init": math.inf}, "init"), ({"ord": "bogus"}, "ord"), ({"inner": 3}, "inner"),
-])
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        ({"beta": 1.0}, "beta"),
+        ({"beta": -0.1}, "beta"),
+        ({"beta": math.nan}, "beta"),
+        ({"max_ema_growth": -1.0}, "max_ema_growth"),
+        ({"min_norm": -1e-6}, "min_norm"),
+        ({"init": math.inf}, "init"),
+        ({"ord": "bogus"}, "ord"),
+        ({"inner": 3}, "inner"),
+    ],
+)
 def test_invalid_arguments_raise(kwargs, name):
     err = TypeError if name == "inner" else ValueError  # wrong type vs wrong value
     for make in (clip_norm_by_ema, normalize_by_ema):
@@ -382,7 +418,10 @@ def test_growth_limit_under_vmap_and_jit_matches_one_by_one(tensorwise):
     tx = clip_norm_by_ema(beta=0.5, max_ema_growth=1.5, tensorwise=tensorwise)
     rng = np.random.default_rng(0)
     scales = jnp.asarray([1.0, 50.0, np.nan, 0.2])  # limit off, limit on, skipped, shrink
-    first = {"a": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32), "b": jnp.asarray(rng.normal(size=(4, 2, 2)), jnp.float32)}
+    first = {
+        "a": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32),
+        "b": jnp.asarray(rng.normal(size=(4, 2, 2)), jnp.float32),
+    }
     second = jax.tree_util.tree_map(lambda x: x * scales.reshape((4,) + (1,) * (x.ndim - 1)), first)
 
     def two_steps(g1, g2):
@@ -392,32 +431,60 @@ def test_growth_limit_under_vmap_and_jit_matches_one_by_one(tensorwise):
     batched = jax.jit(jax.vmap(two_steps))(first, second)
     for i in range(4):
         one = two_steps(*jax.tree_util.tree_map(lambda x, i=i: x[i], (first, second)))
-        for got, want in zip(jax.tree_util.tree_leaves(batched), jax.tree_util.tree_leaves(one), strict=True):
+        for got, want in zip(
+            jax.tree_util.tree_leaves(batched), jax.tree_util.tree_leaves(one), strict=True
+        ):
             np.testing.assert_allclose(np.asarray(got)[i], np.asarray(want), rtol=1e-6)
     assert int(batched[1].count[2]) == 1  # the NaN step was skipped
     # example 1: the EMA's norm grew 50x and was limited to 1.5x its previous norm
-    prev = np.asarray(jax.vmap(lambda g: tx.update(g, tx.init(g))[1].prev_ema_norm)(first)["a"]
-                      if tensorwise else jax.vmap(lambda g: tx.update(g, tx.init(g))[1].prev_ema_norm)(first))
-    np.testing.assert_allclose(np.asarray(batched[1].prev_ema_norm["a"] if tensorwise else batched[1].prev_ema_norm)[1],
-                               1.5 * prev[1], rtol=1e-5)
+    prev = np.asarray(
+        jax.vmap(lambda g: tx.update(g, tx.init(g))[1].prev_ema_norm)(first)["a"]
+        if tensorwise
+        else jax.vmap(lambda g: tx.update(g, tx.init(g))[1].prev_ema_norm)(first)
+    )
+    np.testing.assert_allclose(
+        np.asarray(batched[1].prev_ema_norm["a"] if tensorwise else batched[1].prev_ema_norm)[1],
+        1.5 * prev[1],
+        rtol=1e-5,
+    )
 
 
 def test_clip_value_flags_match_elementwise_comparison():
     tx = clip_value_by_ema(beta=0.5, init=1.0)
     x1 = {"r": jnp.array([1.0, -2.0, 0.5]), "c": jnp.array([1 + 1j, 2.0], jnp.complex64)}
     s = tx.update(x1, tx.init(x1))[1]
-    for x2, want in [({"r": jnp.array([1.0, -2.0, 0.5]), "c": jnp.array([1 + 1j, 2.0], jnp.complex64)}, (False, False)),
-                     ({"r": jnp.array([1.0, -2.5, 0.5]), "c": jnp.array([1 + 1j, 2.0], jnp.complex64)}, (True, False)),
-                     ({"r": jnp.array([1.0, 2.0, -0.5]), "c": jnp.array([1 + 3j, 0.0], jnp.complex64)}, (False, True))]:
+    for x2, want in [
+        (
+            {"r": jnp.array([1.0, -2.0, 0.5]), "c": jnp.array([1 + 1j, 2.0], jnp.complex64)},
+            (False, False),
+        ),
+        (
+            {"r": jnp.array([1.0, -2.5, 0.5]), "c": jnp.array([1 + 1j, 2.0], jnp.complex64)},
+            (True, False),
+        ),
+        (
+            {"r": jnp.array([1.0, 2.0, -0.5]), "c": jnp.array([1 + 3j, 0.0], jnp.complex64)},
+            (False, True),
+        ),
+    ]:
         out, s2 = jax.jit(tx.update)(x2, s)
         assert (bool(s2.clipped["r"]), bool(s2.clipped["c"])) == want
         for k in x2:
             assert bool(jnp.any(out[k] != x2[k])) == bool(s2.clipped[k])
 
 
-@pytest.mark.cpu_only(reason="reads XLA:CPU's buffer assignment and optimized program (copies, temporaries)")
-@pytest.mark.parametrize("make", [clip_norm_by_ema, normalize_by_ema, clip_value_by_ema,
-                                  lambda: clip_norm_by_ema(tensorwise=False)])
+@pytest.mark.cpu_only(
+    reason="reads XLA:CPU's buffer assignment and optimized program (copies, temporaries)"
+)
+@pytest.mark.parametrize(
+    "make",
+    [
+        clip_norm_by_ema,
+        normalize_by_ema,
+        clip_value_by_ema,
+        lambda: clip_norm_by_ema(tensorwise=False),
+    ],
+)
 def test_a_donated_state_is_updated_in_place(make):
     # A training step donates the optimizer state: the stored EMA is read by the one pass
     # that writes the new EMA, so XLA overwrites it in place instead of copying it first.

@@ -70,16 +70,26 @@ def _close(got, want, rtol, atol=1e-15):
 # ----------------------------------------------------------------------------
 
 
-def _norm_oracle(steps, add=None, mul=1.5, min_value=1e-4, max_decay=2.0, ord=2,  # noqa: A002
-                 tensorwise=True, reference_bugs=False):
+def _norm_oracle(
+    steps,
+    add=None,
+    mul=1.5,
+    min_value=1e-4,
+    max_decay=2.0,
+    ord=2,  # noqa: A002
+    tensorwise=True,
+    reference_bugs=False,
+):
     """ClipNormGrowth; ``reference_bugs=True`` adds torchzero's divisor floor at min_value."""
     prev = None
     outs = []
     for xs in steps:
         groups = [[i] for i in range(len(xs))] if tensorwise else [list(range(len(xs)))]
         if prev is None:
-            prev = [float(oracle.norm(np.concatenate([xs[i].ravel() for i in g]), ord).reshape(()))
-                    for g in groups]
+            prev = [
+                float(oracle.norm(np.concatenate([xs[i].ravel() for i in g]), ord).reshape(()))
+                for g in groups
+            ]
             outs.append([x.copy() for x in xs])
             continue
         out = list(xs)
@@ -125,7 +135,9 @@ def _value_oracle(steps, add=None, mul=1.5, min_value=1e-4, max_decay=2.0):
                 rho = np.maximum(np.abs(x) / m, 1e-8)
                 if mul is not None:
                     x = np.where(rho > mul, x * mul / rho, x)
-                prev[i] = np.where(rho < 1 / max_decay, r / max_decay, x) if max_decay is not None else x
+                prev[i] = (
+                    np.where(rho < 1 / max_decay, r / max_decay, x) if max_decay is not None else x
+                )
             out.append(x)
         outs.append(out)
     return outs
@@ -158,8 +170,12 @@ def test_reference_float64(case):
 
 @pytest.mark.parametrize("case", USABLE, ids=_ids(USABLE))
 def test_reference_float32(case):
-    _close(_run(case["module"], case["params"], _steps(case, np.float32))[0], _expected(case),
-           rtol=2e-6, atol=1e-7)
+    _close(
+        _run(case["module"], case["params"], _steps(case, np.float32))[0],
+        _expected(case),
+        rtol=2e-6,
+        atol=1e-7,
+    )
 
 
 @pytest.mark.parametrize("case", USABLE, ids=_ids(USABLE))
@@ -167,7 +183,9 @@ def test_oracle_matches_reference(case):
     """The oracle, with the reference's bugs switched on, reproduces torchzero exactly."""
     dtype = np.float32 if case["dtype"] == "float32" else np.float64
     kw = {"reference_bugs": True} if case["module"] == "ClipNormGrowth" else {}
-    _close(_oracle_for(case, dtype, **kw), _expected(case), rtol=2e-6 if dtype == np.float32 else 1e-12)
+    _close(
+        _oracle_for(case, dtype, **kw), _expected(case), rtol=2e-6 if dtype == np.float32 else 1e-12
+    )
 
 
 def test_every_case_is_covered():
@@ -209,8 +227,11 @@ def test_min_value_above_one_floors_only_the_tracked_norm(tensorwise):
         ours, state = _run("ClipNormGrowth", params, steps)
     _close(ours, _norm_oracle(steps, **params), rtol=1e-12)
     buggy = _norm_oracle(steps, **params, reference_bugs=True)
-    differ = [not np.allclose(o, b) for os_, bs in zip(ours, buggy, strict=True)
-              for o, b in zip(os_, bs, strict=True)]
+    differ = [
+        not np.allclose(o, b)
+        for os_, bs in zip(ours, buggy, strict=True)
+        for o, b in zip(os_, bs, strict=True)
+    ]
     assert any(differ)  # torchzero divides every update after the first by >= 2
     # the tracked norm is floored at 2 from step 2 on
     tracked = np.asarray(jax.tree_util.tree_leaves(state.prev_norm))
@@ -323,14 +344,20 @@ def test_bfloat16():
         out, state = tx.update({"w": 10 * x["w"]}, state)
         assert out["w"].dtype == jnp.bfloat16
         assert all(leaf.dtype != jnp.bfloat16 for leaf in jax.tree_util.tree_leaves(state))
-        np.testing.assert_allclose(np.asarray(out["w"], np.float32), 1.5 * np.asarray(x["w"], np.float32),
-                                   rtol=1e-2)
+        np.testing.assert_allclose(
+            np.asarray(out["w"], np.float32), 1.5 * np.asarray(x["w"], np.float32), rtol=1e-2
+        )
 
 
-@pytest.mark.parametrize("kwargs,name", [
-    ({"add": -1.0}, "add"), ({"mul": math.nan}, "mul"), ({"min_value": -1.0}, "min_value"),
-    ({"max_decay": 0.0}, "max_decay"),
-])
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        ({"add": -1.0}, "add"),
+        ({"mul": math.nan}, "mul"),
+        ({"min_value": -1.0}, "min_value"),
+        ({"max_decay": 0.0}, "max_decay"),
+    ],
+)
 def test_invalid_arguments_raise(kwargs, name):
     for make in (clip_norm_growth, clip_value_growth):
         with pytest.raises(ValueError, match=name):
@@ -361,7 +388,9 @@ def test_clip_value_growth_writes_a_donated_state_in_place(dtype):
     step = jax.jit(lambda u, s: tx.update(u, s)[::-1], donate_argnums=1)  # (state, updates)
     compiled = step.lower(g, state).compile()
     hlo = compiled.as_text()
-    if dtype == jnp.float32 and on_cpu():  # bf16 leaves keep float32 state: the output cannot hold it
+    if (
+        dtype == jnp.float32 and on_cpu()
+    ):  # bf16 leaves keep float32 state: the output cannot hold it
         assert "f32[256,128]{1,0} copy(" not in hlo  # (XLA:CPU's program; other compilers' differ)
     # and the result is the same as without donation
     x1 = {"w": jnp.full((256, 128), 2.0, dtype)}
@@ -369,7 +398,9 @@ def test_clip_value_growth_writes_a_donated_state_in_place(dtype):
     s1 = tx.update(x1, tx.init(x1))[1]
     want_out, want_state = jax.jit(tx.update)(x2, s1)
     got_state, got_out = step(x2, jax.tree.map(jnp.copy, s1))
-    np.testing.assert_array_equal(np.asarray(got_out["w"], np.float32), np.asarray(want_out["w"], np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(got_out["w"], np.float32), np.asarray(want_out["w"], np.float32)
+    )
     np.testing.assert_array_equal(got_state.prev["w"], want_state.prev["w"])
     assert bool(got_state.clipped["w"])
 
@@ -403,13 +434,20 @@ def _value_growth_reference(xs, add, mul, min_value, max_decay):
     return outs, r
 
 
-@pytest.mark.parametrize("cfg", [
-    dict(add=None, mul=1.5, min_value=1e-4, max_decay=2.0),   # the defaults: decay read off the output
-    dict(add=0.5, mul=1.5, min_value=None, max_decay=2.0),
-    dict(add=0.5, mul=None, min_value=1e-4, max_decay=3.0),
-    dict(add=None, mul=0.3, min_value=1e-4, max_decay=2.0),   # mul * max_decay < 1: decay read off the input
-    dict(add=0.2, mul=0.4, min_value=1e-4, max_decay=1.5),
-])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(
+            add=None, mul=1.5, min_value=1e-4, max_decay=2.0
+        ),  # the defaults: decay read off the output
+        dict(add=0.5, mul=1.5, min_value=None, max_decay=2.0),
+        dict(add=0.5, mul=None, min_value=1e-4, max_decay=3.0),
+        dict(
+            add=None, mul=0.3, min_value=1e-4, max_decay=2.0
+        ),  # mul * max_decay < 1: decay read off the input
+        dict(add=0.2, mul=0.4, min_value=1e-4, max_decay=1.5),
+    ],
+)
 def test_clip_value_growth_decay_test_from_output_or_input_agree(cfg):
     # With fixed numbers where mul * max_decay >= 1 the decay test reads |output|; with the
     # same values injected as arrays (or mul * max_decay < 1) it reads the input. Both must
@@ -419,7 +457,9 @@ def test_clip_value_growth_decay_test_from_output_or_input_agree(cfg):
     xs = [(rng.standard_normal(512) * s).astype(np.float32) for s in scales]
     xs[3][:8] = 0.0  # zero tracked values
     fixed = clip_value_growth(**cfg)
-    injected = clip_value_growth(**{k: (None if v is None else jnp.asarray(v)) for k, v in cfg.items()})
+    injected = clip_value_growth(
+        **{k: (None if v is None else jnp.asarray(v)) for k, v in cfg.items()}
+    )
     sf, si = fixed.init(jnp.zeros(512)), injected.init(jnp.zeros(512))
     got = []
     for x in xs:
@@ -442,7 +482,9 @@ def _entry_reads(compiled, name: str) -> int:
     return sum(1 for line in entry.splitlines()[1:] if f"{param})" in line or f"{param}," in line)
 
 
-@pytest.mark.cpu_only(reason="counts reads in XLA:CPU's optimized program and reads its buffer assignment")
+@pytest.mark.cpu_only(
+    reason="counts reads in XLA:CPU's optimized program and reads its buffer assignment"
+)
 @pytest.mark.reads_compiled_names  # finds the update's parameter by its name
 @pytest.mark.parametrize("make, reads", [(clip_value_growth, 2), (clip_value_by_ema, 3)])
 def test_elementwise_clippers_read_the_update_once_per_pass(make, reads):

@@ -44,7 +44,10 @@ def test_quantile_clip_tracks_the_target_quantile():
 
 
 def test_quantile_clip_invalid_arguments():
-    for kwargs, name in (({"target_quantile": 1.5}, "target_quantile"), ({"learning_rate": -0.1}, "learning_rate"),
-                         ({"initial_norm": 0.0}, "initial_norm")):
+    for kwargs, name in (
+        ({"target_quantile": 1.5}, "target_quantile"),
+        ({"learning_rate": -0.1}, "learning_rate"),
+        ({"initial_norm": 0.0}, "initial_norm"),
+    ):
         with pytest.raises(ValueError, match=name):
             quantile_clip(**kwargs)

@@ -17,7 +17,9 @@ def test_skip_on_spike_zeroes_spikes_only():
     assert outs[4] == 0.0 and all(o > 0.5 for i, o in enumerate(outs) if i != 4)
     assert [bool(s.skipped) for s in states] == [False] * 4 + [True, False]
     assert int(states[-1].num_skipped) == 1
-    assert isinstance(states[-1], SkipOnSpikeState) and isinstance(states[-1].inner_state, ZClipState)
+    assert isinstance(states[-1], SkipOnSpikeState) and isinstance(
+        states[-1].inner_state, ZClipState
+    )
 
 
 def test_skip_on_spike_field_and_chain():

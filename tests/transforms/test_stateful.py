@@ -32,8 +32,15 @@ FACTORIES = {
     "quantile_clip": (quantile_clip, {"initial_norm": 1.0}),
 }
 NAMES = [*FACTORIES, "skip_on_spike"]
-NORM_BASED = {"clip_norm_by_ema", "normalize_by_ema", "clip_norm_growth", "autoclip", "zclip", "adagc",
-              "quantile_clip"}
+NORM_BASED = {
+    "clip_norm_by_ema",
+    "normalize_by_ema",
+    "clip_norm_growth",
+    "autoclip",
+    "zclip",
+    "adagc",
+    "quantile_clip",
+}
 
 
 def _make(name):
@@ -89,8 +96,10 @@ def test_scan_jit_eager_and_checkpoint(name):
     for i in range(len(SCALES)):
         out, state = update(_at(batch, i), state)
         outs.append(out)
-        _assert_trees(jax.tree_util.tree_map(lambda x: jnp.zeros_like(x), state),
-                      jax.tree_util.tree_map(lambda x: jnp.zeros_like(x), s0))  # fixed structure
+        _assert_trees(
+            jax.tree_util.tree_map(lambda x: jnp.zeros_like(x), state),
+            jax.tree_util.tree_map(lambda x: jnp.zeros_like(x), s0),
+        )  # fixed structure
         if i == 3:
             mid = state
     eager_out, _ = tx.update(_at(batch, 4), mid)  # eager == jit (the spike step)
@@ -201,8 +210,12 @@ def test_finite_gradients_at_zero_and_after_spikes(name):
 
     def loss(u, s):
         out, _ = tx.update(u, s)
-        return sum(jnp.sum(o * c) for o, c in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(w),
-                                                  strict=True))
+        return sum(
+            jnp.sum(o * c)
+            for o, c in zip(
+                jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(w), strict=True
+            )
+        )
 
     grad = jax.jit(jax.grad(loss))
     update = jax.jit(tx.update)
@@ -211,7 +224,9 @@ def test_finite_gradients_at_zero_and_after_spikes(name):
         if i in (0, 2, 4, 6):  # fresh, warm-up, spike, after warm-up
             for u in (zeros, _at(batch, i)):
                 g = grad(u, state)
-                assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree_util.tree_leaves(g)), (name, i)
+                assert all(
+                    np.all(np.isfinite(np.asarray(x))) for x in jax.tree_util.tree_leaves(g)
+                ), (name, i)
         state = update(_at(batch, i), state)[1]
 
 
@@ -248,7 +263,9 @@ def test_dtypes_bf16_and_x64(name):
         tx = _make(name)
         state = tx.init(_params(jnp.float64))
         out, state = jax.jit(tx.update)(_at(_updates(2, jnp.float64), 0), state)
-        floats = [x for x in jax.tree_util.tree_leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
+        floats = [
+            x for x in jax.tree_util.tree_leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)
+        ]
         assert all(x.dtype == jnp.float64 for x in floats)
         assert all(o.dtype == jnp.float64 for o in jax.tree_util.tree_leaves(out))
 
@@ -284,8 +301,13 @@ def _mesh(kind):
 def _sharded_updates():
     rng = np.random.default_rng(3)
     n = len(jax.devices())
-    return [{"w": jnp.asarray(rng.standard_normal((2 * n, 4)) * s, jnp.float32),
-             "b": jnp.asarray(rng.standard_normal(n) * s, jnp.float32)} for s in (1.0, 1.2, 0.9, 30.0, 1.0)]
+    return [
+        {
+            "w": jnp.asarray(rng.standard_normal((2 * n, 4)) * s, jnp.float32),
+            "b": jnp.asarray(rng.standard_normal(n) * s, jnp.float32),
+        }
+        for s in (1.0, 1.2, 0.9, 30.0, 1.0)
+    ]
 
 
 @pytest.mark.parametrize("name", ["zclip", "autoclip", "quantile_clip"])
@@ -297,7 +319,9 @@ def test_shard_map_axis_name(name):
     ref, tx = factory(**kwargs), factory(**kwargs, axis_name="x")
     mesh = _mesh("explicit")
     spec, rep = jax.sharding.NamedSharding(mesh, P("x")), jax.sharding.NamedSharding(mesh, P())
-    f = jax.jit(jax.shard_map(tx.update, mesh=mesh, in_specs=(P("x"), P()), out_specs=(P("x"), P())))
+    f = jax.jit(
+        jax.shard_map(tx.update, mesh=mesh, in_specs=(P("x"), P()), out_specs=(P("x"), P()))
+    )
     ups = _sharded_updates()
     s_ref, s = ref.init(ups[0]), tx.init(ups[0])
     for u in ups:
@@ -339,7 +363,9 @@ def test_composes_with_optax_wrappers():
         _, state = update(u, state)
     assert int(state.inner_opt_state.count) == 3
     # chained with an optimizer and masked
-    tx = optax.chain(optax.masked(quantile_clip(initial_norm=1.0), {"a": True, "b": False}), optax.adam(1e-3))
+    tx = optax.chain(
+        optax.masked(quantile_clip(initial_norm=1.0), {"a": True, "b": False}), optax.adam(1e-3)
+    )
     state = tx.init({"a": jnp.zeros(2), "b": jnp.zeros(2)})
     _, state = tx.update({"a": _vec(5.0), "b": _vec(5.0)}, state)
     assert float(optax.tree_utils.tree_get(state, "norm")) == pytest.approx(5.0)
@@ -378,9 +404,13 @@ def test_training_with_spikes_stays_stable():
         _, losses = lax.scan(step, (w0, tx.init(w0)), (idx, spike))
         return losses
 
-    run = jax.jit(lambda: [train(optax.sgd(0.05)),
-                           train(optax.chain(zclip(warmup_steps=20), optax.sgd(0.05))),
-                           train(optax.chain(autoclip(percentile=10.0), optax.sgd(0.05)))])
+    run = jax.jit(
+        lambda: [
+            train(optax.sgd(0.05)),
+            train(optax.chain(zclip(warmup_steps=20), optax.sgd(0.05))),
+            train(optax.chain(autoclip(percentile=10.0), optax.sgd(0.05))),
+        ]
+    )
     plain, with_zclip, with_autoclip = (np.asarray(v) for v in run())
     noise = 0.01
     assert plain[59] < 10 * noise + 0.05  # it was training fine before the spike

@@ -18,8 +18,18 @@ from tests.transforms.feeding import feed as _feed, spiky_norms as _spiky_norms
 class RefZClip:
     """The reference algorithm (bluorion-com/ZClip ``zclip.py``), on a scalar norm."""
 
-    def __init__(self, alpha=0.97, z_thresh=2.5, max_grad_norm=None, eps=1e-6, warmup_steps=25,
-                 mode="zscore", clip_option="adaptive_scaling", clip_factor=1.0, skip_update_on_spike=False):
+    def __init__(
+        self,
+        alpha=0.97,
+        z_thresh=2.5,
+        max_grad_norm=None,
+        eps=1e-6,
+        warmup_steps=25,
+        mode="zscore",
+        clip_option="adaptive_scaling",
+        clip_factor=1.0,
+        skip_update_on_spike=False,
+    ):
         self.__dict__.update(locals())
         self.buffer, self.initialized, self.mean, self.var = [], False, None, None
 
@@ -44,7 +54,9 @@ class RefZClip:
             z = (n - self.mean) / (std + self.eps)
             if z > self.z_thresh:
                 if self.clip_option == "adaptive_scaling":
-                    clip_val = (self.mean + self.z_thresh * std / (z / self.z_thresh)) * self.clip_factor
+                    clip_val = (
+                        self.mean + self.z_thresh * std / (z / self.z_thresh)
+                    ) * self.clip_factor
                 else:
                     clip_val = self.mean
         eff = clip_val if clip_val is not None else n
@@ -75,7 +87,9 @@ def test_zclip_matches_reference_port(name):
     ref = RefZClip(**cfg)
     expected = [ref.step(n) for n in norms]
     ours_cfg = {k: v for k, v in cfg.items() if k != "skip_update_on_spike"}
-    tx = zclip(**ours_cfg, skip_stats_on_spike=cfg.get("skip_update_on_spike", False), rel_std_floor=0.0)
+    tx = zclip(
+        **ours_cfg, skip_stats_on_spike=cfg.get("skip_update_on_spike", False), rel_std_floor=0.0
+    )
     with jax.enable_x64(True):
         outs, states = _feed(tx, norms, jnp.float64)
     n_spikes = 0
@@ -95,7 +109,9 @@ def test_zclip_first_spike_by_hand():
     outs, states = _feed(tx, [0.5, 1.5, 3.0, 1.0])
     np.testing.assert_allclose(outs[:2], [0.5, 1.5], rtol=1e-6)  # warm-up: untouched
     s = states[1]
-    np.testing.assert_allclose([float(s.mean), float(s.var)], [1.0, 0.25], rtol=1e-6)  # population var
+    np.testing.assert_allclose(
+        [float(s.mean), float(s.var)], [1.0, 0.25], rtol=1e-6
+    )  # population var
     s = states[2]
     assert bool(s.spike) and bool(s.clipped)
     np.testing.assert_allclose(outs[2], 1.5, rtol=1e-6)
@@ -169,15 +185,25 @@ def test_zclip_nonfinite_is_skipped():
 
 
 def test_zclip_invalid_arguments():
-    for kwargs, name in (({"alpha": 1.0}, "alpha"), ({"z_thresh": 0.0}, "z_thresh"),
-                         ({"warmup_steps": 0}, "warmup_steps"), ({"mode": "median"}, "mode"),
-                         ({"clip_option": "max"}, "clip_option"), ({"max_grad_norm": -1.0}, "max_grad_norm"),
-                         ({"clip_factor": 0.0}, "clip_factor"), ({"eps": math.nan}, "eps")):
+    for kwargs, name in (
+        ({"alpha": 1.0}, "alpha"),
+        ({"z_thresh": 0.0}, "z_thresh"),
+        ({"warmup_steps": 0}, "warmup_steps"),
+        ({"mode": "median"}, "mode"),
+        ({"clip_option": "max"}, "clip_option"),
+        ({"max_grad_norm": -1.0}, "max_grad_norm"),
+        ({"clip_factor": 0.0}, "clip_factor"),
+        ({"eps": math.nan}, "eps"),
+    ):
         with pytest.raises(ValueError, match=name):
             zclip(**kwargs)
     # wrong types are TypeErrors
-    for kwargs, name in (({"warmup_steps": 2.5}, "warmup_steps"), ({"alpha": None}, "alpha"),
-                         ({"z_thresh": "2.5"}, "z_thresh"), ({"mode": 1}, "mode"),
-                         ({"skip_nonfinite": "yes"}, "skip_nonfinite")):
+    for kwargs, name in (
+        ({"warmup_steps": 2.5}, "warmup_steps"),
+        ({"alpha": None}, "alpha"),
+        ({"z_thresh": "2.5"}, "z_thresh"),
+        ({"mode": 1}, "mode"),
+        ({"skip_nonfinite": "yes"}, "skip_nonfinite"),
+    ):
         with pytest.raises(TypeError, match=name):
             zclip(**kwargs)

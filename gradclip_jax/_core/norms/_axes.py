@@ -13,8 +13,10 @@ def check_dim(fn: str, dim: DimLike, inverse_dims: bool, allow_global: bool = Tr
     dim = static_value(fn, "dim", dim)
     if isinstance(dim, str):
         if dim != "global" or not allow_global:
-            allowed = "None, an int, a tuple of ints or 'global'" if allow_global else (
-                "None, an int or a tuple of ints"
+            allowed = (
+                "None, an int, a tuple of ints or 'global'"
+                if allow_global
+                else ("None, an int or a tuple of ints")
             )
             raise ValueError(f"{fn}: dim must be {allowed}, got {dim!r}")
         return dim

@@ -40,7 +40,9 @@ def _blue_parts(job: Job, variadic: bool) -> tuple[jax.Array, jax.Array, jax.Arr
     big, small = mag > tb, mag < ts
     # one per-element scale, squared with its element: a constant scale would let
     # XLA rewrite (x*c)**2 as x*x*(c*c), and c*c over- or underflows
-    scale = jnp.where(big, jnp.asarray(sb, acc), jnp.where(small, jnp.asarray(ss, acc), jnp.ones((), acc)))
+    scale = jnp.where(
+        big, jnp.asarray(sb, acc), jnp.where(small, jnp.asarray(ss, acc), jnp.ones((), acc))
+    )
     u = a * scale
     q = u * u
     qb, qs = jnp.where(big, q, zero), jnp.where(small, q, zero)
@@ -71,7 +73,9 @@ def _blue_finish(b: jax.Array, m: jax.Array, s: jax.Array) -> jax.Array:
     return jnp.where(jnp.isnan(m), m, total)  # NaN lands in the medium sum and wins
 
 
-def _dot_over_norm(x: jax.Array, t: jax.Array, norm: jax.Array, job: Job) -> tuple[jax.Array, jax.Array]:
+def _dot_over_norm(
+    x: jax.Array, t: jax.Array, norm: jax.Array, job: Job
+) -> tuple[jax.Array, jax.Array]:
     """``sum(Re(conj(x) t)) / norm`` over the job's axes without overflow (the 2-norm's JVP)."""
     acc = job.acc
     ok = (norm > 0) & jnp.isfinite(norm)
@@ -119,7 +123,11 @@ def blue_norms(jobs: Sequence[Job], comb: Combiner, combine: bool, variadic: boo
             outs = []
             for m, x, t, n in zip(meta, xs, ts, out):
                 d, ok = _dot_over_norm(x, t, n, Job(x, *m))
-                outs.append(jnp.where(ok, d, jnp.where(n == 0, jnp.zeros_like(n), jnp.full_like(n, jnp.nan))))
+                outs.append(
+                    jnp.where(
+                        ok, d, jnp.where(n == 0, jnp.zeros_like(n), jnp.full_like(n, jnp.nan))
+                    )
+                )
             return out, outs
         ok = (out > 0) & jnp.isfinite(out)
         p2 = jnp.where(ok, power_of_two(out), jnp.ones_like(out))
@@ -139,7 +147,9 @@ def blue_norms(jobs: Sequence[Job], comb: Combiner, combine: bool, variadic: boo
         if comb.axis_name is not None:
             tot = lax.psum(tot, comb.axis_name)
         d = tot / jnp.where(ok, c, jnp.ones_like(c))
-        return out, jnp.where(ok, d, jnp.where(out == 0, jnp.zeros_like(out), jnp.full_like(out, jnp.nan)))
+        return out, jnp.where(
+            ok, d, jnp.where(out == 0, jnp.zeros_like(out), jnp.full_like(out, jnp.nan))
+        )
 
     f.defjvp(jvp)
     return f(tuple(j.x for j in jobs))
@@ -164,7 +174,9 @@ def joint_row_norms(arrays: Sequence[jax.Array]) -> jax.Array:
         for x, j in zip(xs, jobs, strict=True):
             for k, part in enumerate(_blue_parts(Job(x, j.axes, True), variadic=True)):
                 # (a part a 16-bit leaf cannot have is a scalar 0)
-                sums[k] = sums[k] + (part if part.ndim == 0 else jnp.reshape(part, (rows,))).astype(dtype)
+                sums[k] = sums[k] + (part if part.ndim == 0 else jnp.reshape(part, (rows,))).astype(
+                    dtype
+                )
         return _blue_finish(*sums)
 
     f = jax.custom_jvp(value)
@@ -175,10 +187,14 @@ def joint_row_norms(arrays: Sequence[jax.Array]) -> jax.Array:
         d = jnp.zeros_like(out)
         for x, t, j in zip(xs, ts, jobs, strict=True):
             # each array's sum(x t) / norm, scaled as for one norm (the joint one, per example)
-            part, _ = _dot_over_norm(x, t, jnp.reshape(out, (rows,) + (1,) * (x.ndim - 1)), Job(x, j.axes, True))
+            part, _ = _dot_over_norm(
+                x, t, jnp.reshape(out, (rows,) + (1,) * (x.ndim - 1)), Job(x, j.axes, True)
+            )
             d = d + jnp.reshape(part, (rows,))
         ok = (out > 0) & jnp.isfinite(out)
-        return out, jnp.where(ok, d, jnp.where(out == 0, jnp.zeros_like(out), jnp.full_like(out, jnp.nan)))
+        return out, jnp.where(
+            ok, d, jnp.where(out == 0, jnp.zeros_like(out), jnp.full_like(out, jnp.nan))
+        )
 
     f.defjvp(jvp)
     return f(tuple(arrays))

@@ -124,7 +124,9 @@ _SUMSQ_STRATEGIES = ("cond", "blue", "blue-sums")
 
 
 def _sumsq_strategy() -> str:
-    return per_backend(SUMSQ_STRATEGY, "gradclip_jax._core.norms.SUMSQ_STRATEGY", "cond", _SUMSQ_STRATEGIES)
+    return per_backend(
+        SUMSQ_STRATEGY, "gradclip_jax._core.norms.SUMSQ_STRATEGY", "cond", _SUMSQ_STRATEGIES
+    )
 
 
 def _is_sumsq(spec: NormSpec) -> bool:
@@ -132,7 +134,11 @@ def _is_sumsq(spec: NormSpec) -> bool:
 
 
 def _compute(
-    jobs: Sequence[Job], spec: NormSpec, combine: bool, axis_name: Any, dtype: np.dtype | None = None,
+    jobs: Sequence[Job],
+    spec: NormSpec,
+    combine: bool,
+    axis_name: Any,
+    dtype: np.dtype | None = None,
     branch_free: bool = False,
 ) -> tuple[Any, Any]:
     """Norms of ``jobs`` as ``(r, m)`` with norm ``= r * m``.
@@ -225,7 +231,9 @@ def _compute(
         safe = [jnp.where(o, m, jnp.ones_like(m)) for o, m in zip(oks, ms)]
         scaled, _ = one_pass(safe)
         if spec.kind == "var":
-            return [jnp.where(o, r * m * m, mn) for o, r, m, mn in zip(oks, scaled, safe, main)], tree_ones_like(main)
+            return [
+                jnp.where(o, r * m * m, mn) for o, r, m, mn in zip(oks, scaled, safe, main)
+            ], tree_ones_like(main)
         return [jnp.where(o, r, mn) for o, r, mn in zip(oks, scaled, main)], safe
 
     if not jobs:
@@ -243,7 +251,10 @@ def _compute(
 
 
 def global_norm(
-    arrays: Sequence[jax.Array], spec: NormSpec, axis_name: Any = None, dtype: np.dtype | None = None
+    arrays: Sequence[jax.Array],
+    spec: NormSpec,
+    axis_name: Any = None,
+    dtype: np.dtype | None = None,
 ) -> jax.Array:
     """One norm over all ``arrays`` (as if concatenated), in the accumulation dtype.
 
@@ -251,7 +262,9 @@ def global_norm(
     for leaves sharded by hand inside ``shard_map`` or ``pmap``.
     """
     jobs, _ = plan_jobs(arrays, [None] * len(arrays), keepdims=False)
-    r, m = _compute(jobs, spec, combine=True, axis_name=axis_name, dtype=dtype or tree_acc_dtype(arrays))
+    r, m = _compute(
+        jobs, spec, combine=True, axis_name=axis_name, dtype=dtype or tree_acc_dtype(arrays)
+    )
     return r * m
 
 

@@ -141,7 +141,9 @@ def _replicated_type(x: jax.Array) -> bool:
 SLICE_PACK_MAX_SIZE = 1 << 18
 
 
-def plan_jobs(arrays: Sequence[jax.Array], axes: Sequence[Axes], keepdims: bool) -> tuple[list[Job], list[Any]]:
+def plan_jobs(
+    arrays: Sequence[jax.Array], axes: Sequence[Axes], keepdims: bool
+) -> tuple[list[Job], list[Any]]:
     """Builds the reductions for ``arrays``; returns (jobs, where each result lives).
 
     XLA's compile time grows faster than linearly with the number of separate
@@ -213,7 +215,11 @@ class Combiner:
         return total
 
     def max(self, parts: Sequence[jax.Array]) -> jax.Array:
-        total = jnp.max(jnp.stack([p.astype(self.dtype) for p in parts])) if parts else jnp.zeros((), self.dtype)
+        total = (
+            jnp.max(jnp.stack([p.astype(self.dtype) for p in parts]))
+            if parts
+            else jnp.zeros((), self.dtype)
+        )
         if self.axis_name is not None:
             total = lax.pmax(total, self.axis_name)
         return total

@@ -50,7 +50,9 @@ def import_dp_accounting() -> Any:
 
 
 PLD_INTERVAL = 1e-4  # dp-accounting's default value_discretization_interval, used from z = 1 up
-PLD_GRID_POINTS = 2**15  # a run's PLD spans about this many grid points at most (16 standard deviations)
+PLD_GRID_POINTS = (
+    2**15
+)  # a run's PLD spans about this many grid points at most (16 standard deviations)
 
 
 def pld_interval(noise_multiplier: float, loss_std: float = 0.0) -> float:
@@ -110,7 +112,9 @@ def step_loss_std(event: Any) -> float | None:
     grid depends on it, never the guarantee.
     """
     dpa = import_dp_accounting()
-    if isinstance(event, dpa.PoissonSampledDpEvent) and isinstance(event.event, dpa.GaussianDpEvent):
+    if isinstance(event, dpa.PoissonSampledDpEvent) and isinstance(
+        event.event, dpa.GaussianDpEvent
+    ):
         q, z = float(event.sampling_probability), float(event.event.noise_multiplier)
     elif isinstance(event, dpa.TruncatedSubsampledGaussianDpEvent):
         q, z = float(event.sampling_probability), float(event.noise_multiplier)
@@ -128,15 +132,18 @@ def relation_of(neighboring: str) -> Any:
     return rel.REPLACE_ONE if neighboring == "replace" else rel.ADD_OR_REMOVE_ONE
 
 
-def make_accountant(name: str, fn: str, noise_multiplier: float = 1.0, neighboring: str = "add_or_remove") -> Any:
+def make_accountant(
+    name: str, fn: str, noise_multiplier: float = 1.0, neighboring: str = "add_or_remove"
+) -> Any:
     """A fresh dp-accounting accountant; for PLD with the interval of :func:`pld_interval`."""
     dpa = import_dp_accounting()
     key = str(name).lower()
     if key == "rdp":
         return dpa.rdp.RdpAccountant(neighboring_relation=relation_of(neighboring))
     if key == "pld":
-        return dpa.pld.PLDAccountant(relation_of(neighboring),
-                                     value_discretization_interval=pld_interval(noise_multiplier))
+        return dpa.pld.PLDAccountant(
+            relation_of(neighboring), value_discretization_interval=pld_interval(noise_multiplier)
+        )
     raise ValueError(f"{fn}: unknown accountant {name!r}; expected one of {ACCOUNTANTS}")
 
 

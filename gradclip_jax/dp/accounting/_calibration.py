@@ -17,8 +17,14 @@ _MAX_STEP = math.log(100.0)  # a secant step moves z by at most this factor (log
 
 
 def calibrate(
-    event_fn: Any, target_epsilon: float, delta: float, accountant: str = "pld", *,
-    tol: float = 1e-4, max_noise_multiplier: float = 1e3, fn: str = "calibrate",
+    event_fn: Any,
+    target_epsilon: float,
+    delta: float,
+    accountant: str = "pld",
+    *,
+    tol: float = 1e-4,
+    max_noise_multiplier: float = 1e3,
+    fn: str = "calibrate",
     neighboring: str = "add_or_remove",
 ) -> float:
     """The smallest :math:`z` with ``epsilon(event_fn(z)) <= target_epsilon``, to a relative ``tol``.
@@ -52,8 +58,12 @@ def calibrate(
     with quiet():
         start, slope = 1.0, -1.0
         if str(accountant).lower() == "pld":
-            coarse = _Evaluations(Composition(accountant, neighboring, fn, coarsen=_SEARCH_COARSEN), event_fn, delta)
-            with contextlib.suppress(ValueError):  # unreachable on the coarse grid: searched on the exact one
+            coarse = _Evaluations(
+                Composition(accountant, neighboring, fn, coarsen=_SEARCH_COARSEN), event_fn, delta
+            )
+            with contextlib.suppress(
+                ValueError
+            ):  # unreachable on the coarse grid: searched on the exact one
                 start = _search(coarse, *args)
                 slope = coarse.slope_near(target_epsilon)
         exact = _Evaluations(Composition(accountant, neighboring, fn), event_fn, delta)
@@ -74,15 +84,25 @@ class _Evaluations:
 
     def slope_near(self, target: float) -> float:
         """:math:`d\\log\\varepsilon / d\\log z` through the two finite evaluations nearest the target."""
-        near = sorted(((abs(math.log(e / target)), z, e) for z, e in self.seen.items() if 0.0 < e < math.inf))
+        near = sorted(
+            ((abs(math.log(e / target)), z, e) for z, e in self.seen.items() if 0.0 < e < math.inf)
+        )
         if len(near) < 2 or near[0][1] == near[1][1]:
             return -1.0
         (_, z0, e0), (_, z1, e1) = near[:2]
         return min(-0.1, math.log(e1 / e0) / math.log(z1 / z0))
 
 
-def _search(eps_at: _Evaluations, target: float, max_z: float, tol: float, fn: str, delta: float,
-            start: float = 1.0, slope: float = -1.0) -> float:
+def _search(
+    eps_at: _Evaluations,
+    target: float,
+    max_z: float,
+    tol: float,
+    fn: str,
+    delta: float,
+    start: float = 1.0,
+    slope: float = -1.0,
+) -> float:
     """The smallest evaluated :math:`z` meeting ``target``, after bracketing from ``start`` and Brent's method."""
     lo, hi = _bracket(eps_at, target, max_z, tol, fn, delta, start, slope)
     if lo is not None:
@@ -97,8 +117,16 @@ def _excess(eps: float, target: float, tol: float) -> float:
     return 1e3 if math.isinf(eps) else math.log(eps / target)
 
 
-def _bracket(eps_at: Callable[[float], float], target: float, max_z: float, tol: float, fn: str,
-             delta: float, start: float, slope: float) -> tuple[float | None, float]:
+def _bracket(
+    eps_at: Callable[[float], float],
+    target: float,
+    max_z: float,
+    tol: float,
+    fn: str,
+    delta: float,
+    start: float,
+    slope: float,
+) -> tuple[float | None, float]:
     """``(lo, hi)`` with ``eps_at(lo) > target >= eps_at(hi)`` (``lo`` None: ``hi`` is within tolerance already).
 
     Secant steps on :math:`(\\log z, \\log\\varepsilon)` through the last two
@@ -132,10 +160,14 @@ def _bracket(eps_at: Callable[[float], float], target: float, max_z: float, tol:
         step = min(_MAX_STEP, max(-_MAX_STEP, -v / slope))
         prev = (u, v)
         z = min(max_z, math.exp(u + step))
-    raise ValueError(f"{fn}: calibration found no bracket for `target_epsilon`={target:g} (epsilon not monotone?)")
+    raise ValueError(
+        f"{fn}: calibration found no bracket for `target_epsilon`={target:g} (epsilon not monotone?)"
+    )
 
 
-def _brent(eps_at: Callable[[float], float], target: float, lo: float, hi: float, tol: float) -> None:
+def _brent(
+    eps_at: Callable[[float], float], target: float, lo: float, hi: float, tol: float
+) -> None:
     """Brent's method on :math:`\\log z` between ``lo`` and ``hi``; ``eps_at`` records what it evaluates."""
     from scipy.optimize import brentq
 

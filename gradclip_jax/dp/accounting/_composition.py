@@ -28,7 +28,9 @@ from gradclip_jax.dp.accounting._subsampled_rdp import PoissonSampledDiscreteGau
 
 Phases = list[tuple[Any, int]]  # (the DpEvent of one step, how many steps), in composition order
 _MAX_COARSE_INTERVAL = 64.0
-_MAX_EXTEND_PIECES = 3  # grow a kept composition by at most this many compositions, else self-compose
+_MAX_EXTEND_PIECES = (
+    3  # grow a kept composition by at most this many compositions, else self-compose
+)
 
 
 def phases_of(event: Any, count: int = 1) -> Phases:
@@ -70,8 +72,11 @@ def _step_pld_uncached(event: Any, neighboring: str, interval: float) -> Any:
     """
     if isinstance(event, PoissonSampledDiscreteGaussianEvent):
         raise import_dp_accounting().UnsupportedEventError(
-            "the discrete Gaussian's step has no privacy loss distribution here: use the 'rdp' accountant")
-    acc = import_dp_accounting().pld.PLDAccountant(relation_of(neighboring), value_discretization_interval=interval)
+            "the discrete Gaussian's step has no privacy loss distribution here: use the 'rdp' accountant"
+        )
+    acc = import_dp_accounting().pld.PLDAccountant(
+        relation_of(neighboring), value_discretization_interval=interval
+    )
     acc.compose(event)  # UnsupportedEventError for an event it has no PLD of
     return None if acc._contains_non_dp_event else acc._pld
 
@@ -85,7 +90,8 @@ def _step_rdp_uncached(event: Any, neighboring: str) -> tuple[np.ndarray, np.nda
     if isinstance(event, PoissonSampledDiscreteGaussianEvent):
         if neighboring != "add_or_remove":
             raise import_dp_accounting().UnsupportedEventError(
-                f"the discrete Gaussian's subsampled RDP is bounded for add-or-remove neighbours, not {neighboring!r}")
+                f"the discrete Gaussian's subsampled RDP is bounded for add-or-remove neighbours, not {neighboring!r}"
+            )
         return acc.orders, event.rdp(acc.orders)
     acc.compose(event)
     return acc.orders, acc.rdp
@@ -139,8 +145,12 @@ class Composition:
         make_accountant(name, fn)  # validates the name
         self.name, self.neighboring, self.fn = str(name).lower(), neighboring, fn
         self.coarsen = coarsen
-        self._kept: dict[tuple[Any, float], tuple[int, Any]] = {}  # (event, interval) -> (T, PLD of T steps)
-        self._powers: dict[tuple[Any, float], list[Any]] = {}  # (event, interval) -> [PLD of 2**j steps]
+        self._kept: dict[
+            tuple[Any, float], tuple[int, Any]
+        ] = {}  # (event, interval) -> (T, PLD of T steps)
+        self._powers: dict[
+            tuple[Any, float], list[Any]
+        ] = {}  # (event, interval) -> [PLD of 2**j steps]
 
     def epsilon(self, phases: Phases, delta: float, noise_multiplier: float) -> float:
         """:math:`\\varepsilon(\\delta)` of ``phases`` (grid of :func:`pld_interval` at ``noise_multiplier``).
@@ -164,7 +174,11 @@ class Composition:
         """:math:`\\delta(\\varepsilon)` of ``phases``."""
         if self.name == "rdp":
             orders, rdp = self._rdp(phases)
-            return float(import_dp_accounting().rdp.rdp_privacy_accountant.compute_delta(orders, rdp, epsilon)[0])
+            return float(
+                import_dp_accounting().rdp.rdp_privacy_accountant.compute_delta(
+                    orders, rdp, epsilon
+                )[0]
+            )
         pld = self.pld(phases, noise_multiplier)
         return 1.0 if pld is None else float(pld.get_delta_for_epsilon(epsilon))
 
@@ -179,7 +193,9 @@ class Composition:
 
     def _rdp_epsilon(self, phases: Phases, delta: float) -> float:
         orders, rdp = self._rdp(phases)
-        return float(import_dp_accounting().rdp.rdp_privacy_accountant.compute_epsilon(orders, rdp, delta)[0])
+        return float(
+            import_dp_accounting().rdp.rdp_privacy_accountant.compute_epsilon(orders, rdp, delta)[0]
+        )
 
     def pld(self, phases: Phases, noise_multiplier: float) -> Any:
         """The PLD of ``phases`` composed in order (``None`` when a step has no noise)."""
@@ -196,7 +212,9 @@ class Composition:
                 return None
             out = piece if out is None else out.compose(piece)
         if out is None:  # no steps
-            out = import_dp_accounting().pld.privacy_loss_distribution.identity(value_discretization_interval=interval)
+            out = import_dp_accounting().pld.privacy_loss_distribution.identity(
+                value_discretization_interval=interval
+            )
         return out
 
     def _phase_pld(self, event: Any, count: int, interval: float) -> Any:

@@ -13,7 +13,9 @@ from gradclip_jax.dp.accounting._composition import Composition
 
 
 def sampled_gaussian_event(
-    noise_multiplier: float, sample_rate: float, truncated_batch_size: int | None = None,
+    noise_multiplier: float,
+    sample_rate: float,
+    truncated_batch_size: int | None = None,
     dataset_size: int | None = None,
 ) -> Any:
     """The ``dp_accounting.DpEvent`` of one step of (truncated) Poisson sampling.
@@ -26,7 +28,9 @@ def sampled_gaussian_event(
     dpa = import_dp_accounting()
     if truncated_batch_size is None:
         return dpa.PoissonSampledDpEvent(sample_rate, dpa.GaussianDpEvent(noise_multiplier))
-    return dpa.TruncatedSubsampledGaussianDpEvent(dataset_size, sample_rate, truncated_batch_size, noise_multiplier)
+    return dpa.TruncatedSubsampledGaussianDpEvent(
+        dataset_size, sample_rate, truncated_batch_size, noise_multiplier
+    )
 
 
 def dp_sgd_event(noise_multiplier: float, sample_rate: float, steps: int) -> Any:
@@ -98,7 +102,9 @@ def epsilon(
     z = check_number(fn, "noise_multiplier", noise_multiplier, low=0.0)
     q = check_number(fn, "sample_rate", sample_rate, low=0.0, high=1.0, low_inclusive=False)
     t = check_int(fn, "steps", steps, 0)
-    d = check_number(fn, "delta", delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
+    d = check_number(
+        fn, "delta", delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False
+    )
     comp = Composition(accountant, "add_or_remove", fn)  # validates the name
     if t == 0:
         return 0.0
@@ -146,12 +152,16 @@ def calibrate_noise_multiplier(
       True
     """
     fn = "calibrate_noise_multiplier"
-    eps = check_number(fn, "target_epsilon", target_epsilon, low=0.0, low_inclusive=False, allow_inf=False)
+    eps = check_number(
+        fn, "target_epsilon", target_epsilon, low=0.0, low_inclusive=False, allow_inf=False
+    )
     q = check_number(fn, "sample_rate", sample_rate, low=0.0, high=1.0, low_inclusive=False)
     t = check_int(fn, "steps", steps, 0)
     if t == 0:
         raise ValueError(f"{fn}: `steps` must be at least 1 (zero steps spend nothing)")
-    d = check_number(fn, "delta", delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
+    d = check_number(
+        fn, "delta", delta, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False
+    )
     check_number(fn, "tol", tol, low=0.0, low_inclusive=False, allow_inf=False)
     make_accountant(accountant, fn)  # validates the name early
     return calibrate(lambda z: dp_sgd_event(z, q, t), eps, d, accountant, tol=tol, fn=fn)

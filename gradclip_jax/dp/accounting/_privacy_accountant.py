@@ -48,7 +48,9 @@ def phase_event(phase: PrivacyPhase) -> Any:
     if phase.sampler is not None:
         one = phase.sampler.dp_event(z)
     else:
-        one = sampled_gaussian_event(z, phase.sample_rate, phase.truncated_batch_size, phase.dataset_size)
+        one = sampled_gaussian_event(
+            z, phase.sample_rate, phase.truncated_batch_size, phase.dataset_size
+        )
     return import_dp_accounting().SelfComposedDpEvent(one, phase.steps)
 
 
@@ -96,7 +98,9 @@ class PrivacyAccountant:
                 f"PrivacyAccountant: unknown accountant {accountant!r}; expected one of {ACCOUNTANTS}"
             )
         self.accountant = key
-        self.neighboring = check_choice("PrivacyAccountant", "neighboring", neighboring, NEIGHBORING)
+        self.neighboring = check_choice(
+            "PrivacyAccountant", "neighboring", neighboring, NEIGHBORING
+        )
         self._phases: list[PrivacyPhase] = []
         # each step's PLD or RDP built once, and each phase's composition kept and extended
         self._composition = Composition(key, self.neighboring, "PrivacyAccountant")
@@ -150,7 +154,9 @@ class PrivacyAccountant:
         poisson = (sample_rate, truncated_batch_size, dataset_size)
         if sampler is not None:
             if any(v is not None for v in poisson):
-                raise ValueError(f"{fn}: give `sampler` or `sample_rate` (and truncation), not both")
+                raise ValueError(
+                    f"{fn}: give `sampler` or `sample_rate` (and truncation), not both"
+                )
             phase = self._sampler_phase(fn, z, t, sampler)
         else:
             phase = self._poisson_phase(fn, z, t, *poisson)
@@ -173,8 +179,15 @@ class PrivacyAccountant:
         q = getattr(sampler, "sample_rate", sampler.expected_batch_size / sampler.dataset_size)
         return PrivacyPhase(z, float(q), t, sampler=sampler)
 
-    def _poisson_phase(self, fn: str, z: float, t: int, sample_rate: Any, truncated_batch_size: Any,
-                       dataset_size: Any) -> PrivacyPhase:
+    def _poisson_phase(
+        self,
+        fn: str,
+        z: float,
+        t: int,
+        sample_rate: Any,
+        truncated_batch_size: Any,
+        dataset_size: Any,
+    ) -> PrivacyPhase:
         if sample_rate is None:
             raise TypeError(f"{fn}: give `sample_rate` (Poisson sampling) or `sampler`")
         q = check_number(fn, "sample_rate", sample_rate, low=0.0, high=1.0, low_inclusive=False)
@@ -225,8 +238,15 @@ class PrivacyAccountant:
         Returns:
           A Python float: 0 before any step, ``inf`` if a step had no noise.
         """
-        d = check_number("PrivacyAccountant.epsilon", "delta", delta, low=0.0, high=1.0, low_inclusive=False,
-                         high_inclusive=False)
+        d = check_number(
+            "PrivacyAccountant.epsilon",
+            "delta",
+            delta,
+            low=0.0,
+            high=1.0,
+            low_inclusive=False,
+            high_inclusive=False,
+        )
         trivial = self._spends_nothing_or_all()
         if trivial is not None:
             return trivial
@@ -266,7 +286,10 @@ class PrivacyAccountant:
           >>> acc.state_dict()
           {'accountant': 'pld', 'phases': [[1.1, 0.01, 10, None, None]]}
         """
-        out: dict[str, Any] = {"accountant": self.accountant, "phases": [_saved(p) for p in self._phases]}
+        out: dict[str, Any] = {
+            "accountant": self.accountant,
+            "phases": [_saved(p) for p in self._phases],
+        }
         if self.neighboring != "add_or_remove":
             out["neighboring"] = self.neighboring
         return out
@@ -306,7 +329,9 @@ class PrivacyAccountant:
             )
         saved = state.get("neighboring", "add_or_remove")
         if saved != self.neighboring:
-            raise ValueError(f"{fn}: `state` is for {saved!r} neighbours, this accountant for {self.neighboring!r}")
+            raise ValueError(
+                f"{fn}: `state` is for {saved!r} neighbours, this accountant for {self.neighboring!r}"
+            )
         fresh = PrivacyAccountant(self.accountant, self.neighboring)
         for phase in state["phases"]:
             _load_phase(fn, fresh, phase, sampler)
@@ -316,7 +341,9 @@ class PrivacyAccountant:
     def from_state_dict(cls, state: dict[str, Any], *, sampler: Any = None) -> PrivacyAccountant:
         """The accountant saved by :meth:`state_dict` (a new one; see :meth:`load_state_dict`)."""
         if not isinstance(state, dict) or "accountant" not in state:
-            raise ValueError(f"PrivacyAccountant.from_state_dict: `state` must be a dict from state_dict(), got {state!r}")
+            raise ValueError(
+                f"PrivacyAccountant.from_state_dict: `state` must be a dict from state_dict(), got {state!r}"
+            )
         acc = cls(state["accountant"], state.get("neighboring", "add_or_remove"))
         acc.load_state_dict(state, sampler=sampler)
         return acc
@@ -324,16 +351,22 @@ class PrivacyAccountant:
 
 def _saved(p: PrivacyPhase) -> list[Any]:
     """A phase as plain values: ``[z, q, steps, m, n]``, and a sampler's ``plan()`` last."""
-    out = [float(p.noise_multiplier), float(p.sample_rate), int(p.steps),
-           None if p.truncated_batch_size is None else int(p.truncated_batch_size),
-           None if p.dataset_size is None else int(p.dataset_size)]
+    out = [
+        float(p.noise_multiplier),
+        float(p.sample_rate),
+        int(p.steps),
+        None if p.truncated_batch_size is None else int(p.truncated_batch_size),
+        None if p.dataset_size is None else int(p.dataset_size),
+    ]
     return out if p.sampler is None else [*out, dict(p.sampler.plan())]
 
 
 def _load_phase(fn: str, acc: PrivacyAccountant, phase: Any, sampler: Any) -> None:
     """Records a saved phase in ``acc``; a sampler's phase needs that sampler (the same ``plan()``)."""
     if not isinstance(phase, (list, tuple)) or len(phase) not in (5, 6):
-        raise ValueError(f"{fn}: every phase of `state` must be [z, q, steps, m, n(, plan)], got {phase!r}")
+        raise ValueError(
+            f"{fn}: every phase of `state` must be [z, q, steps, m, n(, plan)], got {phase!r}"
+        )
     z, q, t, m, n = phase[:5]
     if len(phase) == 5:
         acc.step(z, q, t, truncated_batch_size=m, dataset_size=n)

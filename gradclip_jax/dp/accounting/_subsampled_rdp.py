@@ -17,7 +17,9 @@ import numpy as np
 from scipy.special import gammaln, logsumexp
 
 
-def poisson_subsampled_rdp(q: float, base_rdp: Callable[[float], float], orders: np.ndarray) -> np.ndarray:
+def poisson_subsampled_rdp(
+    q: float, base_rdp: Callable[[float], float], orders: np.ndarray
+) -> np.ndarray:
     """An upper bound on the RDP of a mechanism run on a Poisson sample of rate ``q``, at ``orders``.
 
     Zhu and Wang (ICML 2019, "Poisson Subsampled Renyi Differential Privacy",
@@ -49,7 +51,13 @@ def _bound_at(alpha: int, q: float, base_rdp: Callable[[float], float]) -> float
     log_binom = gammaln(alpha + 1) - gammaln(j + 1) - gammaln(alpha - j + 1)
     log_q, log_1q = math.log(q), math.log1p(-q)
     exponent = np.array([(k - 1) * base_rdp(float(k)) for k in j])
-    log_terms = log_binom + j * log_q + (alpha - j) * log_1q + exponent + np.where(j >= 3, math.log(3.0), 0.0)
+    log_terms = (
+        log_binom
+        + j * log_q
+        + (alpha - j) * log_1q
+        + exponent
+        + np.where(j >= 3, math.log(3.0), 0.0)
+    )
     first = (alpha - 1) * log_1q + math.log1p((alpha - 1) * q)
     return float(logsumexp(np.append(log_terms, first)) / (alpha - 1))
 
@@ -80,4 +88,6 @@ class PoissonSampledDiscreteGaussianEvent:
         z = self.noise_multiplier
         if z == 0.0:
             return np.full(np.shape(orders), np.inf)
-        return poisson_subsampled_rdp(self.sampling_probability, lambda a: a / (2.0 * z * z), orders)
+        return poisson_subsampled_rdp(
+            self.sampling_probability, lambda a: a / (2.0 * z * z), orders
+        )

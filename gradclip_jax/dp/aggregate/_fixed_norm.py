@@ -133,7 +133,9 @@ def _aggregate(
     hps = Hyperparams(fn)
     hps.add(clip_norm.name, clip_norm.value)
     hps.add("noise_multiplier", noise_multiplier)
-    hps.add("batch_size", batch_size, low=0.0, low_inclusive=False, allow_inf=False, allow_none=True)
+    hps.add(
+        "batch_size", batch_size, low=0.0, low_inclusive=False, allow_inf=False, allow_none=True
+    )
     nan_safe = bool(static_value(fn, "nan_safe", nan_safe))
     key0 = seed_key(seed, fn)
 
@@ -154,7 +156,9 @@ def _aggregate(
         acc = _norms.tree_acc_dtype(arrays)
         v, invalid = hps.at(state.count, acc)
         clip, z = v[clip_norm.name], v["noise_multiplier"]
-        sums, _, _ = clip_sum_rows(arrays, clip, nan_safe, mask, fn, batch, store=lowest_dtype(arrays))
+        sums, _, _ = clip_sum_rows(
+            arrays, clip, nan_safe, mask, fn, batch, store=lowest_dtype(arrays)
+        )
         out = noised_leaves(sums, keys, clip * z, batch_divisor(v["batch_size"], batch, acc), fn=fn)
         # an invalid traced value (a negative z negates the noise) gives NaN, never a finite update
         out = [poison(o, invalid).astype(x.dtype) for o, x in zip(out, arrays, strict=True)]
@@ -224,7 +228,9 @@ def dpsgd(
     hps.add("momentum", momentum, high=1.0, high_inclusive=False, allow_none=True)
     inner = optax.chain(
         _aggregate(fn, clip, noise_multiplier, seed, batch_size, nan_safe),
-        optax.trace(decay=momentum, nesterov=nesterov) if momentum is not None else optax.identity(),
+        optax.trace(decay=momentum, nesterov=nesterov)
+        if momentum is not None
+        else optax.identity(),
         optax.scale_by_learning_rate(learning_rate),
     )
 
@@ -295,7 +301,9 @@ def dp_noise(
             sums = [x.astype(jnp.result_type(_norms.sum_dtype(x.dtype), acc)) for x in arrays]
             out = noised_leaves(sums, keys, v["stddev"], v["normalize_by"], fn=fn)
             # an invalid traced value (a negative stddev negates the noise) gives NaN
-            updates = flat.rebuild([poison(o, invalid).astype(x.dtype) for o, x in zip(out, arrays, strict=True)])
+            updates = flat.rebuild(
+                [poison(o, invalid).astype(x.dtype) for o, x in zip(out, arrays, strict=True)]
+            )
         return updates, DPAggregateState(rng_key=new_key, count=increment(state.count))
 
     return optax.GradientTransformation(init_fn, update_fn)

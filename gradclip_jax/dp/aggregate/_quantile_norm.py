@@ -89,15 +89,23 @@ def noise_multiplier_for_gradient(noise_multiplier: Any, count_noise_std: Any) -
     return jnp.where(zt > 0, jnp.where(inner > 0, inner, jnp.nan) ** -0.5, 0.0)
 
 
-def _clip_norm_arguments(initial: Any, low: Any, high: Any, initial_alias: Any, low_alias: Any,
-                         high_alias: Any) -> tuple[Any, Any, Any]:
+def _clip_norm_arguments(
+    initial: Any, low: Any, high: Any, initial_alias: Any, low_alias: Any, high_alias: Any
+) -> tuple[Any, Any, Any]:
     """The clip norm's start and clamp, each under its DP-API name (``initial_l2_clip_norm``, ...)
     or optax's spelling (``initial_l2_norm_clip``, ...), without a warning; the defaults 0.1, 0, inf."""
     fn = "dp_quantile_aggregate"
-    values = [either_spelling(fn, f"{name}_l2_clip_norm", f"{name}_l2_norm_clip", value, alias)
-              for name, value, alias in (("initial", initial, initial_alias), ("min", low, low_alias),
-                                         ("max", high, high_alias))]
-    initial, low, high = (d if v is None else v for v, d in zip(values, (0.1, 0.0, float("inf")), strict=True))
+    values = [
+        either_spelling(fn, f"{name}_l2_clip_norm", f"{name}_l2_norm_clip", value, alias)
+        for name, value, alias in (
+            ("initial", initial, initial_alias),
+            ("min", low, low_alias),
+            ("max", high, high_alias),
+        )
+    ]
+    initial, low, high = (
+        d if v is None else v for v, d in zip(values, (0.1, 0.0, float("inf")), strict=True)
+    )
     return initial, low, high
 
 
@@ -183,8 +191,13 @@ def dp_quantile_aggregate(
     """
     fn = "dp_quantile_aggregate"
     initial_l2_norm_clip, min_l2_norm_clip, max_l2_norm_clip = _clip_norm_arguments(
-        initial_l2_clip_norm, min_l2_clip_norm, max_l2_clip_norm,
-        initial_l2_norm_clip, min_l2_norm_clip, max_l2_norm_clip)
+        initial_l2_clip_norm,
+        min_l2_clip_norm,
+        max_l2_clip_norm,
+        initial_l2_norm_clip,
+        min_l2_norm_clip,
+        max_l2_norm_clip,
+    )
     check_scalar(fn, "noise_multiplier", noise_multiplier)
     check_scalar(fn, "initial_l2_norm_clip", initial_l2_norm_clip, low=0.0, low_inclusive=False)
     check_scalar(fn, "target_unclipped_quantile", target_unclipped_quantile, high=1.0)
@@ -194,7 +207,14 @@ def dp_quantile_aggregate(
     if float(np.asarray(min_l2_norm_clip)) > float(np.asarray(max_l2_norm_clip)):
         raise ValueError(f"{fn}: min_l2_norm_clip must not exceed max_l2_norm_clip")
     if expected_batch_size is not None:
-        check_scalar(fn, "expected_batch_size", expected_batch_size, low=0.0, low_inclusive=False, allow_inf=False)
+        check_scalar(
+            fn,
+            "expected_batch_size",
+            expected_batch_size,
+            low=0.0,
+            low_inclusive=False,
+            allow_inf=False,
+        )
     if count_noise_std is None:
         if expected_batch_size is None:
             if float(np.asarray(noise_multiplier)) > 0:
@@ -234,7 +254,9 @@ def dp_quantile_aggregate(
             return updates, state._replace(rng_key=new_key, count=increment(state.count))
         acc = np.dtype(jnp.result_type(_norms.tree_acc_dtype(arrays), state.clip_norm.dtype))
         clip = state.clip_norm.astype(acc)
-        sums, n, keep = clip_sum_rows(arrays, clip, nan_safe, mask, fn, batch, store=lowest_dtype(arrays))
+        sums, n, keep = clip_sum_rows(
+            arrays, clip, nan_safe, mask, fn, batch, store=lowest_dtype(arrays)
+        )
         m = batch_divisor(expected_batch_size, batch, acc)
         out = noised_leaves(sums, keys, clip * jnp.asarray(z_grad, acc), m, fn=fn)
         out = [o.astype(x.dtype) for o, x in zip(out, arrays, strict=True)]

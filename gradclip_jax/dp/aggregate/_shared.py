@@ -38,14 +38,25 @@ def lowest_dtype(arrays: list[jax.Array]) -> np.dtype:
 
 
 def clip_sum_rows(
-    arrays: list[jax.Array], clip: jax.Array, nan_safe: bool, mask: Any, fn: str, batch: int, store: Any = None
+    arrays: list[jax.Array],
+    clip: jax.Array,
+    nan_safe: bool,
+    mask: Any,
+    fn: str,
+    batch: int,
+    store: Any = None,
 ) -> tuple[list[jax.Array], jax.Array, jax.Array]:
     """Clipped per-example sums (accumulation dtype), per-example norms and the kept rows.
 
     ``store``: the dtype the result is finally rounded to (for the clip factors' rounding margin).
     """
     valid = check_mask(fn, mask, batch)
-    sums, w = clip_and_sum([as_rows(x) for x in arrays], clip, valid=valid, nan_safe=nan_safe,
-                           factor_fn=lambda n, c: clip_factors(n, c, store))
+    sums, w = clip_and_sum(
+        [as_rows(x) for x in arrays],
+        clip,
+        valid=valid,
+        nan_safe=nan_safe,
+        factor_fn=lambda n, c: clip_factors(n, c, store),
+    )
     keep = jnp.ones((batch,), bool) if w.keep is None else w.keep
     return unrow(sums, arrays), w.norms, keep

@@ -33,7 +33,6 @@ Implementations?", https://arxiv.org/abs/2403.17673). It catches shuffled
 batches accounted as Poisson sampling, at small noise multipliers.
 """
 
-
 from gradclip_jax.dp.audit._canaries import (
     AuditResult,
     GradientCanaries,
@@ -55,4 +54,3 @@ __all__ = [
     "epsilon_lower_bound",
     "epsilon_lower_bound_from_runs",
 ]
-

@@ -93,7 +93,9 @@ class GradientCanaries:
           ValueError: for fewer than 2 canaries.
         """
         if num_canaries < 2:
-            raise ValueError(f"GradientCanaries: `num_canaries` must be at least 2, got {num_canaries}")
+            raise ValueError(
+                f"GradientCanaries: `num_canaries` must be at least 2, got {num_canaries}"
+            )
         included = np.random.default_rng(seed).random(num_canaries) < 0.5
         return cls(included=included, l2_clip_norm=float(l2_clip_norm))
 
@@ -101,7 +103,9 @@ class GradientCanaries:
     def num_canaries(self) -> int:
         return int(self.included.size)
 
-    def wrap_loss(self, loss_fn: Callable[[Any, Any], jax.Array]) -> Callable[[Any, Any], jax.Array]:
+    def wrap_loss(
+        self, loss_fn: Callable[[Any, Any], jax.Array]
+    ) -> Callable[[Any, Any], jax.Array]:
         """The per-example loss over :meth:`wrap_params` and :meth:`wrap_data`.
 
         A real row's loss is ``loss_fn``'s; a canary row's is ``2C`` times its
@@ -132,15 +136,21 @@ class GradientCanaries:
         n = int(jax.tree.leaves(data)[0].shape[0])
         m = self.num_canaries
         # filler rows copy real row 0 (weighted 0): any finite row would do
-        filled = jax.tree.map(lambda x: np.concatenate([np.asarray(x), np.repeat(np.asarray(x)[:1], m, 0)]), data)
-        ids = np.concatenate([np.full(n, -2), np.where(self.included, np.arange(m), -1)]).astype(np.int32)
+        filled = jax.tree.map(
+            lambda x: np.concatenate([np.asarray(x), np.repeat(np.asarray(x)[:1], m, 0)]), data
+        )
+        ids = np.concatenate([np.full(n, -2), np.where(self.included, np.arange(m), -1)]).astype(
+            np.int32
+        )
         return {"data": filled, "canary": ids}
 
     def scores(self, params_before: Any, params_after: Any) -> np.ndarray:
         """How far training moved each canary's coordinate against its gradient (``(m,)``)."""
         return np.asarray(params_before["canary"] - params_after["canary"], np.float64)
 
-    def epsilon_lower_bound(self, scores: np.ndarray, delta: float, significance: float = 0.05) -> float:
+    def epsilon_lower_bound(
+        self, scores: np.ndarray, delta: float, significance: float = 0.05
+    ) -> float:
         """:func:`epsilon_lower_bound` of ``scores`` with these coin flips."""
         return epsilon_lower_bound(scores, self.included, delta, significance)
 
@@ -223,17 +233,26 @@ def audit_epsilon(
     # a hardened run refuses a seed: its sampler and noise come from the OS (see _train)
     seeded: dict[str, Any] = {} if make_private_kwargs.get("hardened") else {"seed": seed}
     priv = make_private(
-        canaries.wrap_loss(loss_fn), optimizer or optax.sgd(0.1),
-        dataset_size=int(audited["canary"].shape[0]), target_epsilon=target_epsilon, delta=delta,
-        l2_clip_norm=l2_clip_norm, expected_batch_size=expected_batch_size, steps=steps, **seeded,
+        canaries.wrap_loss(loss_fn),
+        optimizer or optax.sgd(0.1),
+        dataset_size=int(audited["canary"].shape[0]),
+        target_epsilon=target_epsilon,
+        delta=delta,
+        l2_clip_norm=l2_clip_norm,
+        expected_batch_size=expected_batch_size,
+        steps=steps,
+        **seeded,
         **make_private_kwargs,
     )
     start = canaries.wrap_params(params)
     final = _train(priv, start, audited, jax.random.key(seed))
     scores = canaries.scores(start, final)
     return AuditResult(
-        claimed_epsilon=priv.epsilon(), epsilon_lower_bound=canaries.epsilon_lower_bound(scores, delta, significance),
-        delta=float(delta), scores=scores, included=canaries.included,
+        claimed_epsilon=priv.epsilon(),
+        epsilon_lower_bound=canaries.epsilon_lower_bound(scores, delta, significance),
+        delta=float(delta),
+        scores=scores,
+        included=canaries.included,
     )
 
 

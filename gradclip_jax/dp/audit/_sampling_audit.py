@@ -148,8 +148,9 @@ def _epoch_block(fn: str, steps: int, epoch_steps: Any) -> int:
     return block
 
 
-def _draw_runs(fn: str, first: Any, sampler_for_seed: Callable[[int], Any], seed: int,
-               runs: range) -> tuple[np.ndarray, np.ndarray]:
+def _draw_runs(
+    fn: str, first: Any, sampler_for_seed: Callable[[int], Any], seed: int, runs: range
+) -> tuple[np.ndarray, np.ndarray]:
     """The batch indices and masks of ``runs`` (run ``r`` by the sampler of seed ``seed + r``; run 0
     by ``first``), stacked; every run's sampler must have ``first``'s sizes."""
     sizes = (int(first.dataset_size), int(first.steps), int(first.max_batch_size))
@@ -157,18 +158,24 @@ def _draw_runs(fn: str, first: Any, sampler_for_seed: Callable[[int], Any], seed
     for r in runs:
         sampler = first if r == 0 else check_sampler(fn, sampler_for_seed(seed + r))
         if (int(sampler.dataset_size), int(sampler.steps), int(sampler.max_batch_size)) != sizes:
-            raise ValueError(f"{fn}: every seed's sampler must have the same dataset_size, steps and "
-                             "max_batch_size")
+            raise ValueError(
+                f"{fn}: every seed's sampler must have the same dataset_size, steps and "
+                "max_batch_size"
+            )
         drawn.append(_run_batches(sampler, fn))
     return np.stack([d[0] for d in drawn]), np.stack([d[1] for d in drawn])
 
 
-def _first_sampler(fn: str, sampler_for_seed: Callable[[int], Any], seed: int) -> tuple[Any, int, int]:
+def _first_sampler(
+    fn: str, sampler_for_seed: Callable[[int], Any], seed: int
+) -> tuple[Any, int, int]:
     """The first run's sampler, checked, with its data set size and steps."""
     first = check_sampler(fn, sampler_for_seed(seed))
     n, steps = int(first.dataset_size), int(first.steps)
     if n < 2 or steps < 1:
-        raise ValueError(f"{fn}: the sampler needs at least 2 rows and 1 step, got {n} rows and {steps} steps")
+        raise ValueError(
+            f"{fn}: the sampler needs at least 2 rows and 1 step, got {n} rows and {steps} steps"
+        )
     if getattr(first, "process_count", 1) != 1:
         raise ValueError(f"{fn}: the sampler must give the whole batch (process_count=1)")
     return first, n, steps
@@ -269,29 +276,45 @@ def audit_sampling(
     first, n, steps = _first_sampler(fn, sampler_for_seed, seed)
     block = _epoch_block(fn, steps, epoch_steps)
     priv = make_private(
-        _sampling_loss(c), optax.sgd(1.0), sampler=first, target_epsilon=target_epsilon, delta=delta,
-        l2_clip_norm=c, seed=seed, **make_private_kwargs,
+        _sampling_loss(c),
+        optax.sgd(1.0),
+        sampler=first,
+        target_epsilon=target_epsilon,
+        delta=delta,
+        l2_clip_norm=c,
+        seed=seed,
+        **make_private_kwargs,
     )
     scores_of = _scores_of(priv, steps, block, float(priv.expected_batch_size) / c)
     data = {side: _sampling_data(n, side, background) for side in (True, False)}
-    keys = {side: jax.random.split(jax.random.fold_in(jax.random.key(seed), int(side)), runs)
-            for side in (True, False)}
+    keys = {
+        side: jax.random.split(jax.random.fold_in(jax.random.key(seed), int(side)), runs)
+        for side in (True, False)
+    }
     scores: dict[bool, list[np.ndarray]] = {True: [], False: []}
     for start in range(0, runs, chunk_size):
         stop = min(start + chunk_size, runs)
         indices, masks = _draw_runs(fn, first, sampler_for_seed, seed, range(start, stop))
         for side in (True, False):
-            scores[side].append(np.asarray(scores_of(data[side], indices, masks, keys[side][start:stop])))
+            scores[side].append(
+                np.asarray(scores_of(data[side], indices, masks, keys[side][start:stop]))
+            )
     in_scores, out_scores = np.concatenate(scores[True]), np.concatenate(scores[False])
     return SamplingAuditResult(
         claimed_epsilon=float(priv.planned_epsilon),
-        epsilon_lower_bound=epsilon_lower_bound_from_runs(in_scores, out_scores, delta, significance),
-        delta=float(delta), noise_multiplier=float(priv.noise_multiplier),
-        in_scores=in_scores, out_scores=out_scores,
+        epsilon_lower_bound=epsilon_lower_bound_from_runs(
+            in_scores, out_scores, delta, significance
+        ),
+        delta=float(delta),
+        noise_multiplier=float(priv.noise_multiplier),
+        in_scores=in_scores,
+        out_scores=out_scores,
     )
 
 
-def _scores_of(priv: PrivateTraining, steps: int, block: int, scale: float) -> Callable[..., jax.Array]:
+def _scores_of(
+    priv: PrivateTraining, steps: int, block: int, scale: float
+) -> Callable[..., jax.Array]:
     """The attacker's score of each of a batch of runs: the sum over blocks of ``block`` steps of
     the largest move of the canary's coordinate (``scale``: an iterate's move times this is the
     noisy sum / C), as one jitted function of ``(data, indices, mask, key)`` vmapped over runs."""

@@ -94,7 +94,7 @@ def sampler_tv_bound(sigma: float) -> float:
     if s == 0.0:
         return 0.0
     n = int(cdf_table(s).shape[0])
-    return float(n * 2.0 ** -CDF_BITS + 2.0 ** -TAIL_BITS * (1.0 + 2.0 * s * s))
+    return float(n * 2.0**-CDF_BITS + 2.0**-TAIL_BITS * (1.0 + 2.0 * s * s))
 
 
 @functools.lru_cache(maxsize=8)
@@ -125,8 +125,9 @@ def _search(table: jax.Array, u: jax.Array, lo: jax.Array, hi: jax.Array, steps:
     return lo
 
 
-def _magnitudes(table: jax.Array, guide: tuple[jax.Array, jax.Array], u: jax.Array,
-                constant_time: bool = False) -> jax.Array:
+def _magnitudes(
+    table: jax.Array, guide: tuple[jax.Array, jax.Array], u: jax.Array, constant_time: bool = False
+) -> jax.Array:
     """:math:`|Y|` for the 96-bit uniforms ``u`` (3, m): searched from the guide's buckets, with as
     many halvings as the block's widest bucket needs (:math:`\\lceil \\log_2 \\text{width} \\rceil`),
     or, ``constant_time``, :math:`\\lceil \\log_2 N \\rceil` whatever the draws."""
@@ -140,8 +141,9 @@ def _magnitudes(table: jax.Array, guide: tuple[jax.Array, jax.Array], u: jax.Arr
     return _search(table, u, lo, hi, steps)
 
 
-def discrete_gaussian(key: jax.Array, shape: tuple[int, ...], sigma: float, *,
-                      constant_time: bool = False) -> jax.Array:
+def discrete_gaussian(
+    key: jax.Array, shape: tuple[int, ...], sigma: float, *, constant_time: bool = False
+) -> jax.Array:
     """Independent draws of the discrete Gaussian :math:`\\mathcal{N}_{\\mathbb{Z}}(0, \\sigma^2)`, as int32.
 
     .. math:: P(Y = y) = \\frac{e^{-y^2 / 2\\sigma^2}}{\\sum_{x \\in \\mathbb{Z}} e^{-x^2/2\\sigma^2}},
@@ -193,5 +195,9 @@ def discrete_gaussian(key: jax.Array, shape: tuple[int, ...], sigma: float, *,
         k = _magnitudes(table, guide, bits[:3], constant_time)
         return jnp.where((bits[3] & 1) == 1, -k, k)  # k = 0 either way: its weight is w_0 alone
 
-    y = lax.map(draw, jnp.arange(count, dtype=jnp.uint32)) if count > 1 else draw(jnp.uint32(0))[None]
+    y = (
+        lax.map(draw, jnp.arange(count, dtype=jnp.uint32))
+        if count > 1
+        else draw(jnp.uint32(0))[None]
+    )
     return jnp.reshape(jnp.reshape(y, (-1,))[:size], shape)

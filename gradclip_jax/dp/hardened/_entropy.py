@@ -82,5 +82,7 @@ def os_key(rng: BitGenerator | None = None) -> jax.Array:
     """
     gen = check_generator("os_key", rng)
     shape = jax.random.key_data(jax.random.key(0)).shape  # the default implementation's key size
-    words = np.array([gen.getrandbits(32) for _ in range(int(np.prod(shape)))], np.uint32).reshape(shape)
+    words = np.array([gen.getrandbits(32) for _ in range(int(np.prod(shape)))], np.uint32).reshape(
+        shape
+    )
     return jax.random.wrap_key_data(jnp.asarray(words))

@@ -38,7 +38,9 @@ def check_grid_scale(fn: str, grid_scale: Any) -> float:
     return g
 
 
-def grid_sensitivity(l2_clip_norm: float, grid_scale: float, neighboring: str = "add_remove") -> float:
+def grid_sensitivity(
+    l2_clip_norm: float, grid_scale: float, neighboring: str = "add_remove"
+) -> float:
     """The L2 sensitivity of :func:`grid_clipped_sum` on the grid: :math:`\\gamma C` (replace-one: :math:`2\\gamma C`).
 
     ``neighboring`` is any relation :func:`gradclip_jax.clipped_grad`'s ``sensitivity`` takes
@@ -54,13 +56,16 @@ def grid_sensitivity(l2_clip_norm: float, grid_scale: float, neighboring: str = 
     example.
     """
     fn = "grid_sensitivity"
-    c = check_number(fn, "l2_clip_norm", l2_clip_norm, low=0.0, low_inclusive=False, allow_inf=False)
+    c = check_number(
+        fn, "l2_clip_norm", l2_clip_norm, low=0.0, low_inclusive=False, allow_inf=False
+    )
     g = check_grid_scale(fn, grid_scale)
     return sensitivity_factor(neighboring, fn) * g * c
 
 
-def grid_noise_multiplier(sigma: float, l2_clip_norm: float, grid_scale: float,
-                          neighboring: str = "add_remove") -> float:
+def grid_noise_multiplier(
+    sigma: float, l2_clip_norm: float, grid_scale: float, neighboring: str = "add_remove"
+) -> float:
     """The noise multiplier the accountant records for discrete noise ``sigma`` on the grid: :math:`\\sigma / \\Delta`,
     :math:`\\Delta` = :func:`grid_sensitivity` (RDP of the discrete Gaussian is at most the Gaussian's at it).
 
@@ -73,8 +78,15 @@ def grid_noise_multiplier(sigma: float, l2_clip_norm: float, grid_scale: float,
     return s / grid_sensitivity(l2_clip_norm, grid_scale, neighboring)
 
 
-def grid_clipped_sum(per_example_grads: Any, l2_clip_norm: float, grid_scale: float, *, mask: Any = None,
-                     nan_safe: bool = True, with_norms: bool = False) -> Any:
+def grid_clipped_sum(
+    per_example_grads: Any,
+    l2_clip_norm: float,
+    grid_scale: float,
+    *,
+    mask: Any = None,
+    nan_safe: bool = True,
+    with_norms: bool = False,
+) -> Any:
     """The exact int32 sum of the clipped per-example gradients on the grid of step :math:`1/\\gamma`.
 
     .. math:: S = \\sum_{i:\\ \\text{mask}_i} \\operatorname{trunc}\\Big(\\gamma\\, g_i
@@ -110,7 +122,9 @@ def grid_clipped_sum(per_example_grads: Any, l2_clip_norm: float, grid_scale: fl
       Array([229, 306], dtype=int32)
     """
     fn = "grid_clipped_sum"
-    c = check_number(fn, "l2_clip_norm", l2_clip_norm, low=0.0, low_inclusive=False, allow_inf=False)
+    c = check_number(
+        fn, "l2_clip_norm", l2_clip_norm, low=0.0, low_inclusive=False, allow_inf=False
+    )
     g = check_grid_scale(fn, grid_scale)
     flat, batch = batch_flatten(per_example_grads, fn)
     if batch is None:
@@ -123,21 +137,32 @@ def grid_clipped_sum(per_example_grads: Any, l2_clip_norm: float, grid_scale: fl
         )
     valid = check_mask(fn, mask, batch)
     rows = [as_rows(x.astype(_norms.sum_dtype(x.dtype))) for x in flat.arrays]
-    _, w = clip_and_sum(rows, c, valid=valid, nan_safe=nan_safe)  # its float sums go unused (dead code)
+    _, w = clip_and_sum(
+        rows, c, valid=valid, nan_safe=nan_safe
+    )  # its float sums go unused (dead code)
     keep = jnp.ones((batch,), bool) if w.keep is None else w.keep
-    sums = [_integer_rows(r, f, keep, g).sum(axis=0, dtype=jnp.int32) for r, f in zip(rows, w.factors, strict=True)]
+    sums = [
+        _integer_rows(r, f, keep, g).sum(axis=0, dtype=jnp.int32)
+        for r, f in zip(rows, w.factors, strict=True)
+    ]
     out = flat.rebuild(unrow(sums, flat.arrays))
     return (out, w.norms) if with_norms else out
 
 
-def _integer_rows(rows: jax.Array, factors: jax.Array, keep: jax.Array, grid_scale: float) -> jax.Array:
+def _integer_rows(
+    rows: jax.Array, factors: jax.Array, keep: jax.Array, grid_scale: float
+) -> jax.Array:
     """``trunc(grid_scale * factor_i * row_i)`` as int32, 0 for a dropped row (a NaN row times 0 is NaN)."""
     clipped = rows * factors[:, None].astype(rows.dtype)
     scaled = clipped * jnp.asarray(grid_scale, rows.dtype)  # a power of two: exact
-    return jnp.where(keep[:, None], jnp.trunc(jnp.where(keep[:, None], scaled, 0)), 0).astype(jnp.int32)
+    return jnp.where(keep[:, None], jnp.trunc(jnp.where(keep[:, None], scaled, 0)), 0).astype(
+        jnp.int32
+    )
 
 
-def add_discrete_gaussian_noise(tree: Any, sigma: float, key: jax.Array, *, constant_time: bool = False) -> Any:
+def add_discrete_gaussian_noise(
+    tree: Any, sigma: float, key: jax.Array, *, constant_time: bool = False
+) -> Any:
     """Adds independent :math:`\\mathcal{N}_{\\mathbb{Z}}(0, \\sigma^2)` draws (:func:`discrete_gaussian`) to an integer tree.
 
     Leaf ``i`` gets ``discrete_gaussian(k{i+1}, leaf.shape, sigma)`` with
@@ -168,14 +193,18 @@ def add_discrete_gaussian_noise(tree: Any, sigma: float, key: jax.Array, *, cons
     leaves, treedef = jax.tree.flatten(tree)
     for x in leaves:
         if jnp.asarray(x).dtype != jnp.int32:
-            raise TypeError(f"{fn}: every leaf of `tree` must be int32 (an integer sum on the grid), "
-                            f"got {jnp.asarray(x).dtype}")
+            raise TypeError(
+                f"{fn}: every leaf of `tree` must be int32 (an integer sum on the grid), "
+                f"got {jnp.asarray(x).dtype}"
+            )
     if not leaves:
         return tree
     check_key_varies(fn, leaves, key)
     _, *keys = split_stored(key, len(leaves) + 1)
-    noised = [x + discrete_gaussian(k, x.shape, s, constant_time=constant_time)
-              for x, k in zip(leaves, keys, strict=True)]
+    noised = [
+        x + discrete_gaussian(k, x.shape, s, constant_time=constant_time)
+        for x, k in zip(leaves, keys, strict=True)
+    ]
     return jax.tree.unflatten(treedef, noised)
 
 
@@ -189,4 +218,6 @@ def from_grid(tree: Any, grid_scale: float, divisor: Any = 1.0) -> Any:
       Array([ 1. , -0.5], dtype=float32)
     """
     g = check_grid_scale("from_grid", grid_scale)
-    return jax.tree.map(lambda x: x.astype(jnp.float32) / (jnp.float32(g) * jnp.asarray(divisor, jnp.float32)), tree)
+    return jax.tree.map(
+        lambda x: x.astype(jnp.float32) / (jnp.float32(g) * jnp.asarray(divisor, jnp.float32)), tree
+    )

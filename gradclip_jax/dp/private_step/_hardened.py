@@ -49,17 +49,25 @@ def hardening(fn: str, a: dict[str, Any]) -> Hardening:
     if h is False or h is None:
         for name in ("rng", "grid_scale"):
             if a[name] is not None:
-                raise ValueError(f"{fn}: `{name}` is for hardened runs only: pass hardened=True (or 'discrete')")
+                raise ValueError(
+                    f"{fn}: `{name}` is for hardened runs only: pass hardened=True (or 'discrete')"
+                )
         return Hardening(None, None, None)
     mode = _MODES.get(h) if h is True or isinstance(h, str) else None
     if mode is None:
-        raise ValueError(f"{fn}: `hardened` must be False, True, 'sum_of_normals' or 'discrete', got {h!r}")
+        raise ValueError(
+            f"{fn}: `hardened` must be False, True, 'sum_of_normals' or 'discrete', got {h!r}"
+        )
     if a["seed"] is not None:
-        raise ValueError(f"{fn}: `seed` cannot be given with hardened={h!r}: the sampler's seed is drawn from "
-                         "the OS's entropy (or from `rng`), never from an integer you choose")
+        raise ValueError(
+            f"{fn}: `seed` cannot be given with hardened={h!r}: the sampler's seed is drawn from "
+            "the OS's entropy (or from `rng`), never from an integer you choose"
+        )
     if a["sampler"] is not None:
-        raise ValueError(f"{fn}: `sampler` cannot be given with hardened={h!r}: its seed would be yours; "
-                         "pass the Poisson arguments and let make_private seed the sampler from the OS")
+        raise ValueError(
+            f"{fn}: `sampler` cannot be given with hardened={h!r}: its seed would be yours; "
+            "pass the Poisson arguments and let make_private seed the sampler from the OS"
+        )
     rng = check_generator(fn, a["rng"])
     grid = None
     if mode == "discrete":
@@ -71,18 +79,26 @@ def hardening(fn: str, a: dict[str, Any]) -> Hardening:
 
 def _check_discrete(fn: str, a: dict[str, Any]) -> float:
     if a["grid_scale"] is None:
-        raise ValueError(f"{fn}: hardened='discrete' needs `grid_scale` (a power of two: the grid's step is "
-                         "1/grid_scale, each example's integer norm at most grid_scale * l2_clip_norm)")
+        raise ValueError(
+            f"{fn}: hardened='discrete' needs `grid_scale` (a power of two: the grid's step is "
+            "1/grid_scale, each example's integer norm at most grid_scale * l2_clip_norm)"
+        )
     if str(a["accountant"]).lower() != "rdp":
-        raise ValueError(f"{fn}: hardened='discrete' needs accountant='rdp', got accountant={a['accountant']!r}: "
-                         "its steps are accounted by the RDP of the subsampled discrete Gaussian (Zhu and Wang's "
-                         "bound on Canonne, Kamath and Steinke's), which has no privacy loss distribution here")
+        raise ValueError(
+            f"{fn}: hardened='discrete' needs accountant='rdp', got accountant={a['accountant']!r}: "
+            "its steps are accounted by the RDP of the subsampled discrete Gaussian (Zhu and Wang's "
+            "bound on Canonne, Kamath and Steinke's), which has no privacy loss distribution here"
+        )
     if a["physical_batch_size"] is not None:
-        raise ValueError(f"{fn}: `physical_batch_size` is not supported with hardened='discrete' (its per-example "
-                         "gradients are rounded one batch at a time)")
+        raise ValueError(
+            f"{fn}: `physical_batch_size` is not supported with hardened='discrete' (its per-example "
+            "gradients are rounded one batch at a time)"
+        )
     if a["method"] not in ("auto", "vmap"):
-        raise ValueError(f"{fn}: hardened='discrete' rounds each example's gradient, so `method` must be 'auto' "
-                         f"or 'vmap' (ghost clipping never forms them), got {a['method']!r}")
+        raise ValueError(
+            f"{fn}: hardened='discrete' rounds each example's gradient, so `method` must be 'auto' "
+            f"or 'vmap' (ghost clipping never forms them), got {a['method']!r}"
+        )
     return check_grid_scale(fn, a["grid_scale"])
 
 
@@ -91,7 +107,11 @@ def sampler_seed(h: Hardening, a: dict[str, Any]) -> Any:
     if h.mode is None:
         return 0 if a["seed"] is None else a["seed"]
     resume = a["resume_from"]
-    if isinstance(resume, dict) and isinstance(resume.get("plan"), dict) and "seed" in resume["plan"]:
+    if (
+        isinstance(resume, dict)
+        and isinstance(resume.get("plan"), dict)
+        and "seed" in resume["plan"]
+    ):
         return resume["plan"]["seed"]  # the seed the interrupted run drew from the OS
     return os_seed(h.rng)
 
@@ -118,7 +138,9 @@ class DiscreteGaussianSampling:
         return getattr(self.poisson, name)
 
     def dp_event(self, noise_multiplier: float) -> PoissonSampledDiscreteGaussianEvent:
-        return PoissonSampledDiscreteGaussianEvent(float(self.poisson.sample_rate), float(noise_multiplier))
+        return PoissonSampledDiscreteGaussianEvent(
+            float(self.poisson.sample_rate), float(noise_multiplier)
+        )
 
     def accounting(self) -> dict[str, Any]:
         return {"sampler": self}
@@ -132,8 +154,14 @@ class GridFunctions(NamedTuple):
     noise: Callable[[Any, Any, jax.Array], Any]
 
 
-def grid_functions(loss_fn: Callable[..., Any], clip: float, grid_scale: float, sensitivity: float,
-                   z: float, fn: str) -> GridFunctions:
+def grid_functions(
+    loss_fn: Callable[..., Any],
+    clip: float,
+    grid_scale: float,
+    sensitivity: float,
+    z: float,
+    fn: str,
+) -> GridFunctions:
     """The clipped integer sum of a batch and its discrete noise (back as float32 values).
 
     ``sensitivity`` is the clipped sum's under the sampler's relation (:math:`C` or :math:`2C`);
@@ -141,13 +169,16 @@ def grid_functions(loss_fn: Callable[..., Any], clip: float, grid_scale: float, 
     """
     sigma = z * grid_scale * sensitivity
     if sigma > hardened.MAX_SIGMA:
-        raise ValueError(f"{fn}: `grid_scale`={grid_scale:g} makes the noise's sigma on the grid {sigma:.4g} "
-                         f"(noise multiplier {z:.4g} x grid_scale x sensitivity {sensitivity:g}), above the "
-                         f"sampler's {hardened.MAX_SIGMA:g}: use a coarser grid_scale")
+        raise ValueError(
+            f"{fn}: `grid_scale`={grid_scale:g} makes the noise's sigma on the grid {sigma:.4g} "
+            f"(noise multiplier {z:.4g} x grid_scale x sensitivity {sensitivity:g}), above the "
+            f"sampler's {hardened.MAX_SIGMA:g}: use a coarser grid_scale"
+        )
 
     def per_example(params: Any, batch: Any) -> tuple[Any, jax.Array]:
         def one(p: Any, ex: Any) -> jax.Array:
             return loss_fn(p, jax.tree.map(lambda x: x[None], ex))[0]
+
         values = loss_fn(params, batch)
         return jax.vmap(jax.grad(one), in_axes=(None, 0))(params, batch), values
 
@@ -160,6 +191,8 @@ def grid_functions(loss_fn: Callable[..., Any], clip: float, grid_scale: float, 
     def noise(summed: Any, stddev: Any, key: jax.Array) -> Any:
         del stddev  # the float Gaussian's; the grid's sigma is above
         # constant time: the draw's duration must not tell the noise (Jin et al. 2022's timing channel)
-        return from_grid(add_discrete_gaussian_noise(summed, sigma, key, constant_time=True), grid_scale)
+        return from_grid(
+            add_discrete_gaussian_noise(summed, sigma, key, constant_time=True), grid_scale
+        )
 
     return GridFunctions(clipped_sum, noise)

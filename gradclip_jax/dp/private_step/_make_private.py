@@ -30,8 +30,19 @@ from gradclip_jax.per_example import clipped_grad
 from gradclip_jax.per_example.internal import Method
 
 # the arguments of make_private that build its default PoissonSampler
-_POISSON_ARGS = ("dataset_size", "expected_batch_size", "sample_rate", "steps", "epochs", "seed",
-                 "max_batch_size", "on_overflow", "accountant", "process_index", "process_count")
+_POISSON_ARGS = (
+    "dataset_size",
+    "expected_batch_size",
+    "sample_rate",
+    "steps",
+    "epochs",
+    "seed",
+    "max_batch_size",
+    "on_overflow",
+    "accountant",
+    "process_index",
+    "process_count",
+)
 
 
 def _poisson_sampler(fn: str, a: dict[str, Any]) -> PoissonSampler:
@@ -51,37 +62,58 @@ def _poisson_sampler(fn: str, a: dict[str, Any]) -> PoissonSampler:
             f"truncated Poisson sampling), got accountant={a['accountant']!r}"
         )
     return PoissonSampler(
-        n, steps=t, sample_rate=q, seed=a["sampler_seed"], max_batch_size=a["max_batch_size"],
-        on_overflow=a["on_overflow"], process_index=a["process_index"], process_count=a["process_count"],
+        n,
+        steps=t,
+        sample_rate=q,
+        seed=a["sampler_seed"],
+        max_batch_size=a["max_batch_size"],
+        on_overflow=a["on_overflow"],
+        process_index=a["process_index"],
+        process_count=a["process_count"],
     )
 
 
 def _given_sampler(fn: str, sampler: Any, a: dict[str, Any]) -> BatchSampler:
     """A ``sampler=`` checked against the Poisson arguments, which it replaces."""
     check_sampler(fn, sampler)
-    defaults = {"expected_batch_size": None, "sample_rate": None, "epochs": None, "max_batch_size": None,
-                "process_index": None, "process_count": None, "on_overflow": "raise", "seed": None}
+    defaults = {
+        "expected_batch_size": None,
+        "sample_rate": None,
+        "epochs": None,
+        "max_batch_size": None,
+        "process_index": None,
+        "process_count": None,
+        "on_overflow": "raise",
+        "seed": None,
+    }
     # seed=0 was the default before hardening made it optional: still accepted with a sampler
     clash = [k for k, v in defaults.items() if a[k] != v and not (k == "seed" and a[k] == 0)]
     if clash:
-        raise ValueError(f"{fn}: with `sampler`, leave {', '.join(f'`{k}`' for k in clash)} out: the sampler "
-                         "decides its rate, size, seed and processes")
+        raise ValueError(
+            f"{fn}: with `sampler`, leave {', '.join(f'`{k}`' for k in clash)} out: the sampler "
+            "decides its rate, size, seed and processes"
+        )
     for name in ("dataset_size", "steps"):
         if a[name] is not None and a[name] != getattr(sampler, name):
-            raise ValueError(f"{fn}: `{name}`={a[name]!r}, but the sampler's is {getattr(sampler, name)!r}")
+            raise ValueError(
+                f"{fn}: `{name}`={a[name]!r}, but the sampler's is {getattr(sampler, name)!r}"
+            )
     check_int(fn, "sampler.steps", sampler.steps, 1)
     return sampler  # type: ignore[no-any-return]
 
 
-def _calibrated(sampler: BatchSampler, t: int, target_epsilon: float, delta: float, accountant: str,
-                fn: str) -> float:
+def _calibrated(
+    sampler: BatchSampler, t: int, target_epsilon: float, delta: float, accountant: str, fn: str
+) -> float:
     """The smallest noise multiplier whose ``t`` steps of the sampler's event meet the target."""
     compose = import_dp_accounting().SelfComposedDpEvent
 
     def event(z: float) -> Any:  # the whole run: the sampler's step, T times
         return compose(sampler.dp_event(z), t)
 
-    return calibrate(event, target_epsilon, delta, accountant, fn=fn, neighboring=sampler.neighboring)
+    return calibrate(
+        event, target_epsilon, delta, accountant, fn=fn, neighboring=sampler.neighboring
+    )
 
 
 def make_private(
@@ -210,13 +242,25 @@ def make_private(
     if not callable(loss_fn):
         raise TypeError(f"{fn}: `loss_fn` must be callable, got {loss_fn!r}")
     if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
-        raise TypeError(f"{fn}: `optimizer` must be an optax GradientTransformation, got {optimizer!r}")
+        raise TypeError(
+            f"{fn}: `optimizer` must be an optax GradientTransformation, got {optimizer!r}"
+        )
     methods = tuple(m.value for m in Method)
     if method not in methods:  # before the calibration
         raise ValueError(f"{fn}: `method` must be one of {methods}, got {method!r}")
     args = {k: v for k, v in locals().items() if k in _POISSON_ARGS}
-    hard = hardening(fn, {**args, "hardened": hardened, "rng": rng, "grid_scale": grid_scale, "sampler": sampler,
-                          "physical_batch_size": physical_batch_size, "method": method})
+    hard = hardening(
+        fn,
+        {
+            **args,
+            "hardened": hardened,
+            "rng": rng,
+            "grid_scale": grid_scale,
+            "sampler": sampler,
+            "physical_batch_size": physical_batch_size,
+            "method": method,
+        },
+    )
     args["sampler_seed"] = sampler_seed(hard, {**args, "resume_from": resume_from})
     sampler = _poisson_sampler(fn, args) if sampler is None else _given_sampler(fn, sampler, args)
     if hard.mode == "discrete":  # its steps accounted as the discrete Gaussian's
@@ -238,7 +282,9 @@ def make_private(
         )
     if physical_batch_size is not None:
         physical_batch_size = check_int(fn, "physical_batch_size", physical_batch_size, 1)
-    plan = run_plan(sampler, t, target_epsilon, delta, l2_clip_norm, accountant, hard.mode, hard.grid_scale)
+    plan = run_plan(
+        sampler, t, target_epsilon, delta, l2_clip_norm, accountant, hard.mode, hard.grid_scale
+    )
     rel = sampler.neighboring
     if resume_from is None:
         z = _calibrated(sampler, t, float(target_epsilon), float(delta), accountant, fn)
@@ -248,34 +294,59 @@ def make_private(
     planned = PrivacyAccountant(accountant, rel)
     planned.step(z, **sampler.accounting(), steps=t)
     planned_eps = planned.epsilon(delta)
-    if not planned_eps <= target_epsilon:  # a state saved under another accounting (version), or edited
+    if (
+        not planned_eps <= target_epsilon
+    ):  # a state saved under another accounting (version), or edited
         warnings.warn(
             f"{fn}: `resume_from`'s noise_multiplier={z!r} spends epsilon={planned_eps:.6g} over the planned "
             f"{t} steps under this accounting, above `target_epsilon`={target_epsilon:g}; the accountant "
             "reports what is spent",
-            UserWarning, stacklevel=2,
+            UserWarning,
+            stacklevel=2,
         )
     acc = PrivacyAccountant(accountant, rel)
     if resume_from is not None:
         acc.load_state_dict(resume_from["accountant"], sampler=sampler)
 
-    grad_fn = clipped_grad(loss_fn, l2_clip_norm, microbatch_size=physical_batch_size, method=method)
+    grad_fn = clipped_grad(
+        loss_fn, l2_clip_norm, microbatch_size=physical_batch_size, method=method
+    )
     std = z * float(grad_fn.sensitivity(rel))
 
     grid = None
     if hard.mode == "discrete":
         assert hard.grid_scale is not None  # checked by hardening()
-        grid = grid_functions(loss_fn, float(l2_clip_norm), hard.grid_scale, float(grad_fn.sensitivity(rel)), z, fn)
+        grid = grid_functions(
+            loss_fn, float(l2_clip_norm), hard.grid_scale, float(grad_fn.sensitivity(rel)), z, fn
+        )
     init, step, clipped_sum, noisy_update = step_functions(
-        grad_fn, optimizer, std, divisor, noise=gaussian_noise(hard) if grid is None else grid.noise,
-        summed_by=None if grid is None else grid.clipped_sum)
+        grad_fn,
+        optimizer,
+        std,
+        divisor,
+        noise=gaussian_noise(hard) if grid is None else grid.noise,
+        summed_by=None if grid is None else grid.clipped_sum,
+    )
 
     return PrivateTraining(
-        noise_multiplier=z, l2_clip_norm=float(l2_clip_norm), sample_rate=sampler_rate(sampler),
+        noise_multiplier=z,
+        l2_clip_norm=float(l2_clip_norm),
+        sample_rate=sampler_rate(sampler),
         expected_batch_size=divisor,
-        steps=t, target_epsilon=float(target_epsilon), delta=float(delta), planned_epsilon=planned_eps,
-        sampler=sampler, accountant=acc, optimizer=optimizer, grad_fn=grad_fn,
-        init=init, step=step, clipped_sum=clipped_sum, noisy_update=noisy_update,
-        allow_beyond_plan=bool(allow_beyond_plan), hardened=hard.mode, rng=hard.rng,
+        steps=t,
+        target_epsilon=float(target_epsilon),
+        delta=float(delta),
+        planned_epsilon=planned_eps,
+        sampler=sampler,
+        accountant=acc,
+        optimizer=optimizer,
+        grad_fn=grad_fn,
+        init=init,
+        step=step,
+        clipped_sum=clipped_sum,
+        noisy_update=noisy_update,
+        allow_beyond_plan=bool(allow_beyond_plan),
+        hardened=hard.mode,
+        rng=hard.rng,
         grid_scale=hard.grid_scale,
     )

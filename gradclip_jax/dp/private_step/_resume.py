@@ -24,15 +24,26 @@ def check_resume(state: Any, plan: dict[str, Any]) -> None:
             f"got {type(state).__name__}"
         )
     if state["format"] != STATE_FORMAT:
-        raise ValueError(f"{fn}: `resume_from` has format {state['format']!r}, expected {STATE_FORMAT!r}")
+        raise ValueError(
+            f"{fn}: `resume_from` has format {state['format']!r}, expected {STATE_FORMAT!r}"
+        )
     saved = state["plan"]
     for name, value in plan.items():
         if name not in saved:
             raise ValueError(f"{fn}: `resume_from` has no plan field {name!r}")
         old = saved[name]
-        numeric = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-        same = (not isinstance(old, (str, bool)) and isinstance(old, (int, float, np.integer, np.floating))
-                and float(old) == float(value)) if numeric else old == value
+        numeric = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+            value, bool
+        )
+        same = (
+            (
+                not isinstance(old, (str, bool))
+                and isinstance(old, (int, float, np.integer, np.floating))
+                and float(old) == float(value)
+            )
+            if numeric
+            else old == value
+        )
         if not same:
             raise ValueError(
                 f"{fn}: `resume_from` was saved by another plan: {name}={old!r} there, {value!r} in this "
@@ -51,13 +62,27 @@ def check_resume(state: Any, plan: dict[str, Any]) -> None:
 def resumed_noise(state: dict[str, Any]) -> float:
     """The noise multiplier the interrupted run calibrated (its plan's), checked to be a positive number."""
     z = state["plan"].get("noise_multiplier")
-    if isinstance(z, bool) or not isinstance(z, (int, float, np.integer, np.floating)) or not float(z) > 0.0:
-        raise ValueError(f"make_private: `resume_from` has no positive plan field 'noise_multiplier' (got {z!r})")
+    if (
+        isinstance(z, bool)
+        or not isinstance(z, (int, float, np.integer, np.floating))
+        or not float(z) > 0.0
+    ):
+        raise ValueError(
+            f"make_private: `resume_from` has no positive plan field 'noise_multiplier' (got {z!r})"
+        )
     return float(z)
 
 
-def run_plan(sampler: BatchSampler, steps: int, target_epsilon: float, delta: float, clip: float,
-          accountant: str, hardened: str | None = None, grid_scale: float | None = None) -> dict[str, Any]:
+def run_plan(
+    sampler: BatchSampler,
+    steps: int,
+    target_epsilon: float,
+    delta: float,
+    clip: float,
+    accountant: str,
+    hardened: str | None = None,
+    grid_scale: float | None = None,
+) -> dict[str, Any]:
     """The run's plan (plain values) without the noise multiplier: checked on resume.
 
     A hardened run's plan also holds its mode (``'hardened'``) and, on the integer grid, its
@@ -66,10 +91,16 @@ def run_plan(sampler: BatchSampler, steps: int, target_epsilon: float, delta: fl
     extra: dict[str, Any] = {} if hardened is None else {"hardened": hardened}
     if grid_scale is not None:
         extra["grid_scale"] = float(grid_scale)
-    return {**extra,
-        "dataset_size": int(sampler.dataset_size), "sample_rate": sampler_rate(sampler), "steps": int(steps),
-        "target_epsilon": float(target_epsilon), "delta": float(delta), "l2_clip_norm": float(clip),
-        "accountant": str(accountant).lower(), **sampler.plan(),
+    return {
+        **extra,
+        "dataset_size": int(sampler.dataset_size),
+        "sample_rate": sampler_rate(sampler),
+        "steps": int(steps),
+        "target_epsilon": float(target_epsilon),
+        "delta": float(delta),
+        "l2_clip_norm": float(clip),
+        "accountant": str(accountant).lower(),
+        **sampler.plan(),
     }
 
 

@@ -60,9 +60,14 @@ class _StepFunctions(NamedTuple):
     noisy_update: Callable[..., tuple[Any, Any, jax.Array]]
 
 
-def step_functions(grad_fn: ClippedGradFn, optimizer: optax.GradientTransformation, std: float,
-                    divisor: float, noise: Callable[..., Any] | None = None,
-                    summed_by: Callable[..., tuple[Any, ClippedGradInfo]] | None = None) -> _StepFunctions:
+def step_functions(
+    grad_fn: ClippedGradFn,
+    optimizer: optax.GradientTransformation,
+    std: float,
+    divisor: float,
+    noise: Callable[..., Any] | None = None,
+    summed_by: Callable[..., tuple[Any, ClippedGradInfo]] | None = None,
+) -> _StepFunctions:
     """The pure, jit-able functions of a run: noise of standard deviation ``std``, sum over ``divisor``.
 
     ``noise(summed, stddev, key)`` adds the noise (default :func:`add_gaussian_noise`); ``summed_by``
@@ -76,25 +81,41 @@ def step_functions(grad_fn: ClippedGradFn, optimizer: optax.GradientTransformati
 
     def clipped_sum(params: Any, batch: Any, mask: Any) -> tuple[Any, ClippedGradInfo]:
         if mask is None:  # the sampler's padding mask: a step without one would count padding rows
-            raise TypeError("make_private step: `mask` is required (the mask of the sampler's batch)")
+            raise TypeError(
+                "make_private step: `mask` is required (the mask of the sampler's batch)"
+            )
         mask = check_mask("make_private step", mask, _batch_rows(batch))
         return sum_fn(params, batch, mask=mask)
 
-    def noisy_update(params: Any, opt_state: Any, summed: Any, key: jax.Array) -> tuple[Any, Any, jax.Array]:
+    def noisy_update(
+        params: Any, opt_state: Any, summed: Any, key: jax.Array
+    ) -> tuple[Any, Any, jax.Array]:
         noised = add_noise(summed, std, key)
         grads = jax.tree.map(
-            lambda g, p: (g / jnp.asarray(divisor, g.dtype)).astype(jnp.asarray(p).dtype), noised, params
+            lambda g, p: (g / jnp.asarray(divisor, g.dtype)).astype(jnp.asarray(p).dtype),
+            noised,
+            params,
         )
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, _norms.tree_norm(grads)
 
-    def step(params: Any, opt_state: Any, batch: Any, mask: Any, key: jax.Array) -> tuple[Any, Any, PrivateStepMetrics]:
+    def step(
+        params: Any, opt_state: Any, batch: Any, mask: Any, key: jax.Array
+    ) -> tuple[Any, Any, PrivateStepMetrics]:
         summed, info = clipped_sum(params, batch, mask)
         params, opt_state, gnorm = noisy_update(params, opt_state, summed, key)
         m = jnp.asarray(mask).astype(bool)
         real = jnp.maximum(jnp.sum(m), 1)
         loss = jnp.sum(jnp.where(m, info.values, 0)) / real
-        return params, opt_state, PrivateStepMetrics(
-            loss=loss, num_clipped=info.num_clipped, grad_norm=gnorm, num_nonfinite=_num_nonfinite(info.norms, m))
+        return (
+            params,
+            opt_state,
+            PrivateStepMetrics(
+                loss=loss,
+                num_clipped=info.num_clipped,
+                grad_norm=gnorm,
+                num_nonfinite=_num_nonfinite(info.norms, m),
+            ),
+        )
 
     return _StepFunctions(init, step, clipped_sum, noisy_update)

@@ -123,11 +123,13 @@ class PrivateTraining:
             warnings.warn(
                 f"make_private: {done + 1} steps recorded, beyond the planned {self.steps}: epsilon spent "
                 f"{self.epsilon():.4g} at delta={self.delta:g} (target {self.target_epsilon:g})",
-                PrivacyBudgetWarning, stacklevel=2,
+                PrivacyBudgetWarning,
+                stacklevel=2,
             )
 
-    def batches(self, data: Any = None, *, progress: bool = False,
-                noise_key: jax.Array | None = None) -> Iterator[Any]:
+    def batches(
+        self, data: Any = None, *, progress: bool = False, noise_key: jax.Array | None = None
+    ) -> Iterator[Any]:
         """The run's batches; records each step in the accountant as it is drawn.
 
         A step is recorded **before** its batch is yielded, so the accountant
@@ -186,8 +188,10 @@ class PrivateTraining:
 
     def _check_caller_key(self) -> None:
         if self.hardened is not None:
-            raise ValueError("PrivateTraining: a hardened run's noise keys come from the OS: call "
-                             "priv.noise_key() for each step instead of passing `noise_key`")
+            raise ValueError(
+                "PrivateTraining: a hardened run's noise keys come from the OS: call "
+                "priv.noise_key() for each step instead of passing `noise_key`"
+            )
 
     def step_key(self, noise_key: jax.Array, step: int | None = None) -> jax.Array:
         """The noise key of ``step`` (default: the step last recorded, whose batch is in use).
@@ -205,8 +209,10 @@ class PrivateTraining:
         self._check_caller_key()
         if step is None:
             if self.accountant.steps == 0:
-                raise ValueError("PrivateTraining.step_key: no step recorded yet; pass `step`, or call it "
-                                 "inside the loop over batches()")
+                raise ValueError(
+                    "PrivateTraining.step_key: no step recorded yet; pass `step`, or call it "
+                    "inside the loop over batches()"
+                )
             step = self.accountant.steps - 1
         return jax.random.fold_in(noise_key, step)
 
@@ -218,8 +224,16 @@ class PrivateTraining:
         (a :class:`gradclip_jax.dp.PoissonSampler`'s: ``max_batch_size``,
         ``on_overflow``, ``seed``) and the calibrated ``noise_multiplier``.
         """
-        plan = run_plan(self.sampler, self.steps, self.target_epsilon, self.delta, self.l2_clip_norm,
-                     self.accountant.accountant, self.hardened, self.grid_scale)
+        plan = run_plan(
+            self.sampler,
+            self.steps,
+            self.target_epsilon,
+            self.delta,
+            self.l2_clip_norm,
+            self.accountant.accountant,
+            self.hardened,
+            self.grid_scale,
+        )
         return {**plan, "noise_multiplier": float(self.noise_multiplier)}
 
     def state_dict(self) -> dict[str, Any]:
@@ -261,7 +275,10 @@ class PrivateTraining:
             "format": STATE_FORMAT,
             "plan": self.plan(),
             "accountant": self.accountant.state_dict(),
-            "sampler": {"seed": self.sampler.plan().get("seed"), "steps_taken": int(self.accountant.steps)},
+            "sampler": {
+                "seed": self.sampler.plan().get("seed"),
+                "steps_taken": int(self.accountant.steps),
+            },
         }
 
     def epsilon(self, delta: float | None = None) -> float:

@@ -79,7 +79,8 @@ def poisson_rate(fn: str, dataset_size: int, expected_batch_size: Any, sample_ra
     if (expected_batch_size is None) == (sample_rate is None):
         raise ValueError(f"{fn}: give exactly one of `expected_batch_size` and `sample_rate`")
     name, given = (
-        ("sample_rate", sample_rate) if sample_rate is not None
+        ("sample_rate", sample_rate)
+        if sample_rate is not None
         else ("expected_batch_size", expected_batch_size)
     )
     value = check_number(fn, name, given, low=None)
@@ -90,7 +91,9 @@ def poisson_rate(fn: str, dataset_size: int, expected_batch_size: Any, sample_ra
     return q
 
 
-def overflow_probability(dataset_size: int, sample_rate: float, max_batch_size: int, steps: int) -> float:
+def overflow_probability(
+    dataset_size: int, sample_rate: float, max_batch_size: int, steps: int
+) -> float:
     """The probability that at least one of ``steps`` Poisson batches exceeds ``max_batch_size``.
 
     .. math:: 1 - \\big(1 - P(\\mathrm{Binomial}(n, q) > m)\\big)^T
@@ -240,16 +243,33 @@ class PoissonSampler(IndexSampler):
         self.sample_rate = poisson_rate(fn, n, expected_batch_size, sample_rate)
         self.expected_batch_size = self.sample_rate * n
         if on_overflow not in _ON_OVERFLOW:
-            raise ValueError(f"{fn}: `on_overflow` must be one of {_ON_OVERFLOW}, got {on_overflow!r}")
+            raise ValueError(
+                f"{fn}: `on_overflow` must be one of {_ON_OVERFLOW}, got {on_overflow!r}"
+            )
         self.on_overflow = on_overflow
         index, count = processes(fn, process_index, process_count)
         t = check_int(fn, "steps", steps, 0)
-        check_number(fn, "overflow_bound", overflow_bound, low=0.0, high=1.0, low_inclusive=False,
-                     high_inclusive=False)
+        check_number(
+            fn,
+            "overflow_bound",
+            overflow_bound,
+            low=0.0,
+            high=1.0,
+            low_inclusive=False,
+            high_inclusive=False,
+        )
         if max_batch_size is None:
-            max_batch_size = max_batch_size_for(n, self.sample_rate, max(t, 1), overflow_bound, count)
-        super().__init__(n, steps=t, max_batch_size=max_batch_size, seed=seed, process_index=index,
-                         process_count=count)
+            max_batch_size = max_batch_size_for(
+                n, self.sample_rate, max(t, 1), overflow_bound, count
+            )
+        super().__init__(
+            n,
+            steps=t,
+            max_batch_size=max_batch_size,
+            seed=seed,
+            process_index=index,
+            process_count=count,
+        )
         m = self.max_batch_size
         if m < self.expected_batch_size:
             raise ValueError(
@@ -279,7 +299,9 @@ class PoissonSampler(IndexSampler):
         rng = np.random.default_rng([self.seed, t])
         # Poisson sampling = a Binomial(n, q) size, then a uniform subset of that size.
         size = int(rng.binomial(self.dataset_size, self.sample_rate))
-        chosen = rng.choice(self.dataset_size, size, replace=False) if size else np.zeros(0, np.int64)
+        chosen = (
+            rng.choice(self.dataset_size, size, replace=False) if size else np.zeros(0, np.int64)
+        )
         if size > self.max_batch_size:
             if self.on_overflow == "raise":
                 raise BatchOverflowError(
@@ -319,4 +341,8 @@ class PoissonSampler(IndexSampler):
 
     def plan(self) -> dict[str, Any]:
         """``max_batch_size``, ``on_overflow`` and ``seed``: with the rate and size, the whole sampling."""
-        return {"max_batch_size": self.max_batch_size, "on_overflow": self.on_overflow, "seed": self.seed}
+        return {
+            "max_batch_size": self.max_batch_size,
+            "on_overflow": self.on_overflow,
+            "seed": self.seed,
+        }

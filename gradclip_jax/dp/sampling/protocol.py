@@ -135,8 +135,17 @@ class BatchSampler(Protocol):
 
 def check_sampler(fn: str, sampler: Any) -> BatchSampler:
     """``sampler`` if it has the members of :class:`BatchSampler`; ``TypeError`` naming the missing ones."""
-    members = ("dataset_size", "steps", "expected_batch_size", "max_batch_size", "neighboring",
-               "batch", "dp_event", "accounting", "plan")
+    members = (
+        "dataset_size",
+        "steps",
+        "expected_batch_size",
+        "max_batch_size",
+        "neighboring",
+        "batch",
+        "dp_event",
+        "accounting",
+        "plan",
+    )
     missing = [m for m in members if not hasattr(sampler, m)]
     if missing:
         raise TypeError(
@@ -183,8 +192,16 @@ class IndexSampler(abc.ABC):
     expected_batch_size: float
     bucket_sizes: tuple[int, ...]
 
-    def __init__(self, dataset_size: int, *, steps: int, max_batch_size: int, seed: int = 0,
-                 process_index: int | None = None, process_count: int | None = None):
+    def __init__(
+        self,
+        dataset_size: int,
+        *,
+        steps: int,
+        max_batch_size: int,
+        seed: int = 0,
+        process_index: int | None = None,
+        process_count: int | None = None,
+    ):
         fn = type(self).__name__
         self.dataset_size = check_int(fn, "dataset_size", dataset_size, 1)
         self.steps = check_int(fn, "steps", steps, 0)
@@ -209,7 +226,11 @@ class IndexSampler(abc.ABC):
 
     def plan(self) -> dict[str, Any]:
         """The sampling's identity for resume checks: the class, sizes and seed."""
-        return {"sampler": type(self).__name__, "max_batch_size": self.max_batch_size, "seed": self.seed}
+        return {
+            "sampler": type(self).__name__,
+            "max_batch_size": self.max_batch_size,
+            "seed": self.seed,
+        }
 
     def accounting(self) -> dict[str, Any]:
         """``{'sampler': self}``: the accountant records this sampler's :meth:`dp_event`."""
@@ -260,4 +281,6 @@ class IndexSampler(abc.ABC):
         piece = len(full.indices) // self.process_count
         sl = slice(self.process_index * piece, (self.process_index + 1) * piece)
         example_mask = None if full.example_mask is None else full.example_mask[sl]
-        return SampledBatch(indices=full.indices[sl], mask=full.mask[sl], step=full.step, example_mask=example_mask)
+        return SampledBatch(
+            indices=full.indices[sl], mask=full.mask[sl], step=full.step, example_mask=example_mask
+        )

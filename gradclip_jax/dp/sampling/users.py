@@ -113,8 +113,10 @@ def _users_from_ids(fn: str, user_ids: Any) -> tuple[list[np.ndarray], int]:
     """Each user's example indices (users in increasing id order), and the number of examples."""
     ids = np.asarray(user_ids)
     if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"{fn}: `user_ids` must be a non-empty 1-D integer array (one id per example), "
-                         f"got dtype {ids.dtype} and shape {ids.shape}")
+        raise ValueError(
+            f"{fn}: `user_ids` must be a non-empty 1-D integer array (one id per example), "
+            f"got dtype {ids.dtype} and shape {ids.shape}"
+        )
     if ids.min() < 0:
         raise ValueError(f"{fn}: `user_ids` must be >= 0, got {int(ids.min())}")
     order = np.argsort(ids, kind="stable")  # stable: a user's examples stay in increasing order
@@ -122,7 +124,9 @@ def _users_from_ids(fn: str, user_ids: Any) -> tuple[list[np.ndarray], int]:
     return [a.astype(np.int64) for a in np.split(order, starts[1:])], int(ids.size)
 
 
-def _users_from_lists(fn: str, user_examples: Sequence[Any], dataset_size: int | None) -> tuple[list[np.ndarray], int]:
+def _users_from_lists(
+    fn: str, user_examples: Sequence[Any], dataset_size: int | None
+) -> tuple[list[np.ndarray], int]:
     """``user_examples`` checked: non-empty, in range, each example of one user only."""
     users = [np.sort(np.asarray(e, np.int64).reshape(-1)) for e in user_examples]
     if not users:
@@ -131,9 +135,15 @@ def _users_from_lists(fn: str, user_examples: Sequence[Any], dataset_size: int |
         if e.size == 0:
             raise ValueError(f"{fn}: `user_examples[{u}]` is empty (every user needs an example)")
     flat = np.concatenate(users)
-    n = int(flat.max()) + 1 if dataset_size is None else check_int(fn, "dataset_size", dataset_size, 1)
+    n = (
+        int(flat.max()) + 1
+        if dataset_size is None
+        else check_int(fn, "dataset_size", dataset_size, 1)
+    )
     if flat.min() < 0 or flat.max() >= n:
-        raise ValueError(f"{fn}: `user_examples` holds an example index outside [0, {n}) (dataset_size={n})")
+        raise ValueError(
+            f"{fn}: `user_examples` holds an example index outside [0, {n}) (dataset_size={n})"
+        )
     if np.unique(flat).size != flat.size:
         # an example of two users would be in two clipped units: removing one user would not remove it
         raise ValueError(f"{fn}: `user_examples` lists an example under two users (or twice)")
@@ -227,47 +237,75 @@ class UserPoissonSampler(IndexSampler):
         fn = "UserPoissonSampler"
         self.users, n = self._users(fn, user_ids, user_examples, dataset_size)
         self.num_users = len(self.users)
-        self.max_examples_per_user = check_int(fn, "max_examples_per_user", max_examples_per_user, 1)
+        self.max_examples_per_user = check_int(
+            fn, "max_examples_per_user", max_examples_per_user, 1
+        )
         self.example_choice = check_choice(fn, "example_choice", example_choice, _CHOICES)
         users = self._expected_users(fn, expected_users, self.num_users)
         self.sample_rate = users / self.num_users
         self.expected_batch_size = self.sample_rate * self.num_users
         index, count = processes(fn, process_index, process_count)
         t = check_int(fn, "steps", steps, 0)
-        check_number(fn, "overflow_bound", overflow_bound, low=0.0, high=1.0, low_inclusive=False,
-                     high_inclusive=False)
+        check_number(
+            fn,
+            "overflow_bound",
+            overflow_bound,
+            low=0.0,
+            high=1.0,
+            low_inclusive=False,
+            high_inclusive=False,
+        )
         if max_users is None:
-            max_users = max_batch_size_for(self.num_users, self.sample_rate, max(t, 1), overflow_bound, count)
-        super().__init__(n, steps=t, max_batch_size=max_users, seed=seed, process_index=index,
-                         process_count=count)
+            max_users = max_batch_size_for(
+                self.num_users, self.sample_rate, max(t, 1), overflow_bound, count
+            )
+        super().__init__(
+            n,
+            steps=t,
+            max_batch_size=max_users,
+            seed=seed,
+            process_index=index,
+            process_count=count,
+        )
         if self.max_batch_size < self.expected_batch_size:
-            raise ValueError(f"{fn}: `max_users` ({self.max_batch_size}) is below `expected_users` ({users:g})")
-        self.overflow_probability = overflow_probability(self.num_users, self.sample_rate,
-                                                         self.max_batch_size, self.steps)
+            raise ValueError(
+                f"{fn}: `max_users` ({self.max_batch_size}) is below `expected_users` ({users:g})"
+            )
+        self.overflow_probability = overflow_probability(
+            self.num_users, self.sample_rate, self.max_batch_size, self.steps
+        )
 
     @staticmethod
     def _expected_users(fn: str, expected_users: Any, num_users: int) -> float:
         """``expected_users``, checked: positive and at most the number of users."""
         users = check_number(fn, "expected_users", expected_users, low=0.0, low_inclusive=False)
         if users > num_users:
-            raise ValueError(f"{fn}: `expected_users` ({users:g}) must be at most the number of users "
-                             f"({num_users})")
+            raise ValueError(
+                f"{fn}: `expected_users` ({users:g}) must be at most the number of users "
+                f"({num_users})"
+            )
         return users
 
     @staticmethod
-    def _users(fn: str, user_ids: Any, user_examples: Any, dataset_size: Any) -> tuple[list[np.ndarray], int]:
+    def _users(
+        fn: str, user_ids: Any, user_examples: Any, dataset_size: Any
+    ) -> tuple[list[np.ndarray], int]:
         if (user_ids is None) == (user_examples is None):
             raise ValueError(f"{fn}: give exactly one of `user_ids` and `user_examples`")
         if user_ids is not None:
             if dataset_size is not None:
-                raise ValueError(f"{fn}: with `user_ids`, leave `dataset_size` out (it is len(user_ids))")
+                raise ValueError(
+                    f"{fn}: with `user_ids`, leave `dataset_size` out (it is len(user_ids))"
+                )
             return _users_from_ids(fn, user_ids)
         return _users_from_lists(fn, user_examples, dataset_size)
 
     def __repr__(self) -> str:
-        return (f"UserPoissonSampler(num_users={self.num_users}, sample_rate={self.sample_rate:g}, "
-                f"max_examples_per_user={self.max_examples_per_user}, steps={self.steps}, "
-                f"max_users={self.max_batch_size}, example_choice={self.example_choice!r})")
+        return (
+            f"UserPoissonSampler(num_users={self.num_users}, sample_rate={self.sample_rate:g}, "
+            f"max_examples_per_user={self.max_examples_per_user}, steps={self.steps}, "
+            f"max_users={self.max_batch_size}, example_choice={self.example_choice!r})"
+        )
 
     def draw(self, step: int) -> np.ndarray:
         """The sorted users (positions in ``self.users``) drawn at ``step``: Poisson at rate :math:`q`.
@@ -329,6 +367,11 @@ class UserPoissonSampler(IndexSampler):
 
     def plan(self) -> dict[str, Any]:
         """The sampling's identity for resume checks (plain values)."""
-        return {"sampler": "UserPoissonSampler", "num_users": self.num_users, "max_batch_size": self.max_batch_size,
-                "max_examples_per_user": self.max_examples_per_user, "example_choice": self.example_choice,
-                "seed": self.seed}
+        return {
+            "sampler": "UserPoissonSampler",
+            "num_users": self.num_users,
+            "max_batch_size": self.max_batch_size,
+            "max_examples_per_user": self.max_examples_per_user,
+            "example_choice": self.example_choice,
+            "seed": self.seed,
+        }

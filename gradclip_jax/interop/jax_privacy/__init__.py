@@ -66,5 +66,11 @@ from gradclip_jax.interop.jax_privacy._clipped_fun import clipped_fun
 from gradclip_jax.interop.jax_privacy._clipped_grad import clipped_grad
 from gradclip_jax.interop.jax_privacy._grid import clip_and_round_to_grid
 
-__all__ = ["AuxiliaryOutput", "BoundedSensitivityCallable", "clip_and_round_to_grid", "clip_pytree", "clipped_fun",
-           "clipped_grad"]
+__all__ = [
+    "AuxiliaryOutput",
+    "BoundedSensitivityCallable",
+    "clip_and_round_to_grid",
+    "clip_pytree",
+    "clipped_fun",
+    "clipped_grad",
+]

@@ -38,11 +38,15 @@ def prng_argnum_of(fn: str, value: Any, taken: dict[str, tuple[int, ...]]) -> in
     if not is_int(value):
         raise TypeError(f"{fn}: `prng_argnum` must be None or an int, got {value!r}")
     if value < 0:
-        raise ValueError(f"{fn}: `prng_argnum`={value} must be >= 0 (the position of the key argument)")
+        raise ValueError(
+            f"{fn}: `prng_argnum`={value} must be >= 0 (the position of the key argument)"
+        )
     for name, nums in taken.items():
         if value in nums:
-            raise ValueError(f"{fn}: prng_argnum={value} is also in {name}={nums}; the key argument is split "
-                             "into one key per example and must be neither differentiated nor batched")
+            raise ValueError(
+                f"{fn}: prng_argnum={value} is also in {name}={nums}; the key argument is split "
+                "into one key per example and must be neither differentiated nor batched"
+            )
     return int(value)
 
 
@@ -51,17 +55,23 @@ def check_called(fn: str, args: Sequence[Any], **named: Any) -> None:
     for name, nums in named.items():
         top = max(nums) if isinstance(nums, tuple) else nums
         if top is not None and top >= len(args):
-            raise ValueError(f"{fn}: {name}={nums} names argument {top}, but the function was called with "
-                             f"{len(args)} positional argument(s)")
+            raise ValueError(
+                f"{fn}: {name}={nums} names argument {top}, but the function was called with "
+                f"{len(args)} positional argument(s)"
+            )
 
 
 def common_batch_size(fn: str, batch_argnums: tuple[int, ...], args: Sequence[Any]) -> int:
     """The common size of axis 0 of the batch arguments; ValueError naming them when they differ."""
-    sizes = {i: batch_size_of(args[i], f"{fn}: argument {i} (in batch_argnums)") for i in batch_argnums}
+    sizes = {
+        i: batch_size_of(args[i], f"{fn}: argument {i} (in batch_argnums)") for i in batch_argnums
+    }
     if len(set(sizes.values())) > 1:
         listed = ", ".join(f"argument {i}: {s}" for i, s in sizes.items())
-        raise ValueError(f"{fn}: Batch axis sizes differ ({listed}); every argument in "
-                         f"batch_argnums={batch_argnums} must have the same size on axis 0")
+        raise ValueError(
+            f"{fn}: Batch axis sizes differ ({listed}); every argument in "
+            f"batch_argnums={batch_argnums} must have the same size on axis 0"
+        )
     return sizes[batch_argnums[0]]
 
 
@@ -71,8 +81,10 @@ def padding_mask(fn: str, is_padding_example: Any, bsize: int) -> jax.Array:
         return jnp.zeros((bsize,), jnp.bool_)
     shape = tuple(np.shape(is_padding_example))
     if shape != (bsize,):
-        raise ValueError(f"{fn}: `is_padding_example` must have shape (B,) = ({bsize},) (the batch size of "
-                         f"the batch arguments), got {shape}")
+        raise ValueError(
+            f"{fn}: `is_padding_example` must have shape (B,) = ({bsize},) (the batch size of "
+            f"the batch arguments), got {shape}"
+        )
     return check_mask(fn, is_padding_example, bsize)  # type: ignore[return-value]
 
 
@@ -96,4 +108,3 @@ def expand_axis_1(x: Any) -> Any:
 def check_callable(fn: str, name: str, value: Any) -> None:
     if not callable(value):
         raise TypeError(f"{fn}: `{name}` must be callable, got {value!r}")
-

@@ -39,7 +39,9 @@ def _scale_factor(norm: jax.Array, clip_norm: Any, rescale: bool) -> jax.Array:
     return jnp.nan_to_num(f, nan=0.0, posinf=0.0)
 
 
-def _stored_factors(leaves: list[jax.Array], f: jax.Array, bound: Any, rescale: bool) -> list[jax.Array]:
+def _stored_factors(
+    leaves: list[jax.Array], f: jax.Array, bound: Any, rescale: bool
+) -> list[jax.Array]:
     """Each leaf's factor to store with: ``f`` itself where the stored tree provably has norm
     ``<= bound`` (:func:`gradclip_jax._core.stored.certified_factors`, exact arithmetic), else ``f``
     lowered by the measured excess, else by the rounding margin.
@@ -67,8 +69,14 @@ def _stored_factors(leaves: list[jax.Array], f: jax.Array, bound: Any, rescale: 
         return [bounded_factor(g, x.dtype) * up for x in leaves]
     # scaled in the product's dtype, stored in the leaf's
     arrays = [x.astype(jnp.promote_types(x.dtype, f.dtype)) * up for x in leaves]
-    factors = certified_factors(arrays, [g] * len(arrays), [tuple(range(x.ndim)) for x in arrays], bound,
-                                combine=True, stores=[x.dtype for x in leaves])
+    factors = certified_factors(
+        arrays,
+        [g] * len(arrays),
+        [tuple(range(x.ndim)) for x in arrays],
+        bound,
+        combine=True,
+        stores=[x.dtype for x in leaves],
+    )
     return [fa * up for fa in factors]
 
 
@@ -154,18 +162,34 @@ def clip_pytree(
     f = _scale_factor(norm, clip_norm, rescale)
     bound = 1.0 if rescale else jnp.maximum(jnp.asarray(clip_norm, norm.dtype), 0.0)
     factors = _stored_factors(leaves, f, bound, rescale)
-    out = [jnp.where(return_zero, jnp.zeros_like(x), stored_scale(x, fx)) for x, fx in zip(leaves, factors, strict=True)]
+    out = [
+        jnp.where(return_zero, jnp.zeros_like(x), stored_scale(x, fx))
+        for x, fx in zip(leaves, factors, strict=True)
+    ]
     return flat.rebuild(out), norm.astype(jnp.float32)
 
 
-def clip_per_layer(pytree: PyTree, clip_norm: PyTree, rescale: Any, nan_safe: Any, return_zero: Any, *,
-                   fn: str = "clip_pytree", name: str = "clip_norm") -> tuple[PyTree, PyTree]:
+def clip_per_layer(
+    pytree: PyTree,
+    clip_norm: PyTree,
+    rescale: Any,
+    nan_safe: Any,
+    return_zero: Any,
+    *,
+    fn: str = "clip_pytree",
+    name: str = "clip_norm",
+) -> tuple[PyTree, PyTree]:
     """:func:`clip_pytree` of each subtree of ``pytree`` that a clip norm of the tree ``clip_norm``
     covers; the clipped subtrees and their norms put back in ``clip_norm``'s structure. Errors name
     ``fn`` and the argument ``name``."""
     clip_norm_leaves(fn, name, clip_norm)
-    parts = per_group(fn, name, clip_norm, pytree,
-                      lambda sub, c: clip_pytree(sub, c, rescale, nan_safe, return_zero))
+    parts = per_group(
+        fn,
+        name,
+        clip_norm,
+        pytree,
+        lambda sub, c: clip_pytree(sub, c, rescale, nan_safe, return_zero),
+    )
     c_def = jax.tree_util.tree_structure(clip_norm)
     # the clip tree with each clip norm replaced by its clipped subtree is pytree's structure again
     clipped = jax.tree_util.tree_unflatten(c_def, [out for out, _ in parts])

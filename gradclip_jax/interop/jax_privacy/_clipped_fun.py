@@ -30,8 +30,13 @@ from gradclip_jax.interop.jax_privacy._clip_pytree import clip_per_layer, clip_p
 from gradclip_jax.interop.jax_privacy._grid import clip_and_round_to_grid
 
 
-def _one_group(fun: Callable[..., Any], has_aux: bool, batch_argnums: tuple[int, ...], keep_batch_dim: bool,
-               clip: Callable[..., tuple]) -> Callable[..., tuple]:
+def _one_group(
+    fun: Callable[..., Any],
+    has_aux: bool,
+    batch_argnums: tuple[int, ...],
+    keep_batch_dim: bool,
+    clip: Callable[..., tuple],
+) -> Callable[..., tuple]:
     """``fun`` on one example (or group): its output clipped, its aux and output norm."""
 
     def one(*args: Any, is_padding_example: Any, **kwargs: Any) -> tuple:
@@ -135,7 +140,9 @@ def clipped_fun(
     def cast_then_clip(value: Any, return_zero: Any) -> tuple:
         clipped, norm = clip(optax.tree.cast(value, dtype), return_zero=return_zero)
         if whole:
-            finite = functools.reduce(jnp.logical_and, [jnp.isfinite(n) for n in jax.tree.leaves(norm)])
+            finite = functools.reduce(
+                jnp.logical_and, [jnp.isfinite(n) for n in jax.tree.leaves(norm)]
+            )
             clipped = jax.tree.map(lambda x: jnp.where(finite, x, jnp.zeros_like(x)), clipped)
         return clipped, norm
 
@@ -149,9 +156,15 @@ def clipped_fun(
         split, axes = _split_keys(fn, args, batch, prng, bsize)
         acc = optax.microbatching.AccumulationType
         mapped = optax.microbatching.micro_vmap(
-            one, in_axes=axes, microbatch_size=mb, accumulator=(acc.SUM, acc.CONCAT, acc.CONCAT),
-            vmap_fn=functools.partial(jax.vmap, spmd_axis_name=spmd_axis_name))
-        value, aux, norms = mapped(*split, is_padding_example=padding_mask(fn, is_padding_example, bsize), **kwargs)
+            one,
+            in_axes=axes,
+            microbatch_size=mb,
+            accumulator=(acc.SUM, acc.CONCAT, acc.CONCAT),
+            vmap_fn=functools.partial(jax.vmap, spmd_axis_name=spmd_axis_name),
+        )
+        value, aux, norms = mapped(
+            *split, is_padding_example=padding_mask(fn, is_padding_example, bsize), **kwargs
+        )
         if keep_batch_dim:
             aux = jax.tree.map(squeeze_axis_1, aux)
         if grid_scale is None:  # an integer sum stays integer (normalize_by is 1 then)
@@ -161,15 +174,29 @@ def clipped_fun(
     return BoundedSensitivityCallable(clipped_fn, bound, has_aux or return_norms)
 
 
-def _clip_one(l2_clip_norm: Any, rescale: Any, nan_safe: Any, grid_scale: int | None) -> Callable[..., tuple]:
+def _clip_one(
+    l2_clip_norm: Any, rescale: Any, nan_safe: Any, grid_scale: int | None
+) -> Callable[..., tuple]:
     """One example's clip: :func:`clip_pytree`, or :func:`clip_and_round_to_grid` with ``grid_scale``."""
     if grid_scale is not None:
-        return functools.partial(clip_and_round_to_grid, l2_clip_norm=l2_clip_norm, grid_scale=grid_scale,
-                                 nan_safe=nan_safe)
+        return functools.partial(
+            clip_and_round_to_grid,
+            l2_clip_norm=l2_clip_norm,
+            grid_scale=grid_scale,
+            nan_safe=nan_safe,
+        )
     if is_per_layer(l2_clip_norm):  # errors name clipped_fun's argument
-        return functools.partial(clip_per_layer, clip_norm=l2_clip_norm, rescale=rescale, nan_safe=nan_safe,
-                                 fn="clipped_fun", name="l2_clip_norm")
-    return functools.partial(clip_pytree, clip_norm=l2_clip_norm, rescale_to_unit_norm=rescale, nan_safe=nan_safe)
+        return functools.partial(
+            clip_per_layer,
+            clip_norm=l2_clip_norm,
+            rescale=rescale,
+            nan_safe=nan_safe,
+            fn="clipped_fun",
+            name="l2_clip_norm",
+        )
+    return functools.partial(
+        clip_pytree, clip_norm=l2_clip_norm, rescale_to_unit_norm=rescale, nan_safe=nan_safe
+    )
 
 
 def _microbatch(fn: str, mb: Any) -> int | None:
@@ -179,8 +206,9 @@ def _microbatch(fn: str, mb: Any) -> int | None:
     return None if mb is None else int(mb)
 
 
-def _split_keys(fn: str, args: Sequence[Any], batch: tuple[int, ...], prng: int | None,
-                bsize: int) -> tuple[list[Any], list[int | None]]:
+def _split_keys(
+    fn: str, args: Sequence[Any], batch: tuple[int, ...], prng: int | None, bsize: int
+) -> tuple[list[Any], list[int | None]]:
     """The arguments with the key argument split per example, and the vmap axes (batch and keys: 0)."""
     out = list(args)
     axes: list[int | None] = [0 if i in batch else None for i in range(len(out))]

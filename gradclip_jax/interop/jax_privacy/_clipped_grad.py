@@ -40,9 +40,13 @@ class _Layout:
         self.batch = checked_argnums(fn, "batch_argnums", batch_argnums)
         shared = sorted(set(self.argnums) & set(self.batch))
         if shared:
-            raise ValueError(f"{fn}: argnums={argnums!r} and batch_argnums={batch_argnums!r} overlap at "
-                             f"{shared}: a differentiated argument cannot carry the batch")
-        self.prng = prng_argnum_of(fn, prng_argnum, {"argnums": self.argnums, "batch_argnums": self.batch})
+            raise ValueError(
+                f"{fn}: argnums={argnums!r} and batch_argnums={batch_argnums!r} overlap at "
+                f"{shared}: a differentiated argument cannot carry the batch"
+            )
+        self.prng = prng_argnum_of(
+            fn, prng_argnum, {"argnums": self.argnums, "batch_argnums": self.batch}
+        )
 
     def params(self, args: Sequence[Any]) -> Any:
         return args[self.argnums[0]] if self.single else tuple(args[i] for i in self.argnums)
@@ -51,10 +55,15 @@ class _Layout:
         skip = {*self.argnums, *self.batch, self.prng}
         return [a for i, a in enumerate(args) if i not in skip]
 
-    def assemble(self, n: int, params: Any, example: dict, shared: Sequence[Any], keep_batch_dim: bool) -> list:
+    def assemble(
+        self, n: int, params: Any, example: dict, shared: Sequence[Any], keep_batch_dim: bool
+    ) -> list:
         """``fun``'s ``n`` positional arguments for one example."""
         placed: dict[int, Any] = dict(zip(self.argnums, (params,) if self.single else params))
-        placed |= {i: expand_axis_1(x) if keep_batch_dim else x for i, x in zip(self.batch, example["args"])}
+        placed |= {
+            i: expand_axis_1(x) if keep_batch_dim else x
+            for i, x in zip(self.batch, example["args"])
+        }
         if self.prng is not None:
             placed[self.prng] = example["keys"]  # one key, never expanded (as jax-privacy)
         rest = iter(shared)
@@ -66,7 +75,9 @@ def _split_static(values: Sequence[Any]) -> tuple[list[Any], Callable[[Sequence[
     a function rebuilding ``values`` from them; other leaves (flags, strings) stay Python values,
     as jax-privacy passes them to ``fun``."""
     leaves, treedef = jax.tree.flatten(list(values))
-    dynamic = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray)) or is_traced(x)]
+    dynamic = [
+        i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray)) or is_traced(x)
+    ]
 
     def rebuild(arrays: Sequence[Any]) -> list[Any]:
         out = list(leaves)
@@ -77,8 +88,14 @@ def _split_static(values: Sequence[Any]) -> tuple[list[Any], Callable[[Sequence[
     return [leaves[i] for i in dynamic], rebuild
 
 
-def _per_example_loss(fun: Callable[..., Any], layout: _Layout, n: int, has_aux: bool, keep_batch_dim: bool,
-                      rebuild: Callable[[Sequence[Any]], list[Any]]) -> Callable[..., Any]:
+def _per_example_loss(
+    fun: Callable[..., Any],
+    layout: _Layout,
+    n: int,
+    has_aux: bool,
+    keep_batch_dim: bool,
+    rebuild: Callable[[Sequence[Any]], list[Any]],
+) -> Callable[..., Any]:
     """gradclip_jax's loss contract, ``loss(params, batch, *arrays) -> (B,)`` losses: ``fun`` of each
     example, vmapped over the batch (so ghost clipping sees one batched computation)."""
 
@@ -86,11 +103,15 @@ def _per_example_loss(fun: Callable[..., Any], layout: _Layout, n: int, has_aux:
         shared = rebuild(arrays)
 
         def one(example: dict) -> tuple:
-            out = fun(*layout.assemble(n, params, example, shared, keep_batch_dim), **example["kwargs"])
+            out = fun(
+                *layout.assemble(n, params, example, shared, keep_batch_dim), **example["kwargs"]
+            )
             value, aux = out if has_aux else (out, None)
             if jnp.shape(value) != ():
-                raise TypeError(f"clipped_grad: `fun` must return a scalar loss (of one example or group), "
-                                f"got shape {jnp.shape(value)}")
+                raise TypeError(
+                    f"clipped_grad: `fun` must return a scalar loss (of one example or group), "
+                    f"got shape {jnp.shape(value)}"
+                )
             return value, aux
 
         values, aux = jax.vmap(one)(batch)
@@ -108,9 +129,13 @@ def _grad_dtypes(params: Any, transform: Callable[[Any], Any] | None) -> Any:
 def _ours_options(l2_clip_norm: Any, rescale: bool, **options: Any) -> dict:
     """gradclip_jax.clipped_grad's options. A static zero clip norm with ``rescale_to_unit_norm``
     (jax-privacy: every example scaled to norm 1) is automatic clipping with C = 1, gamma = 0."""
-    zero = not is_traced(l2_clip_norm) and np.ndim(l2_clip_norm) == 0 and not callable(l2_clip_norm) \
-        and isinstance(l2_clip_norm, (int, float, np.number, np.ndarray, jax.Array)) \
+    zero = (
+        not is_traced(l2_clip_norm)
+        and np.ndim(l2_clip_norm) == 0
+        and not callable(l2_clip_norm)
+        and isinstance(l2_clip_norm, (int, float, np.number, np.ndarray, jax.Array))
         and float(l2_clip_norm) == 0.0
+    )
     if rescale and zero:
         return {**options, "l2_clip_norm": 1.0, "normalize": True, "gamma": 0.0}
     return {**options, "l2_clip_norm": l2_clip_norm, "rescale_to_unit_norm": rescale}
@@ -226,33 +251,64 @@ def clipped_grad(
     bound = norm_bound(fn, l2_clip_norm, rescale, normalize_by, grid_scale)
     has_aux = bool(static_value(fn, "has_aux", has_aux))
     if grid_scale is not None:
-        return _grid_clipped_grad(fun, layout, has_aux, method, l2_clip_norm=l2_clip_norm, grid_scale=grid_scale,
-                                  keep_batch_dim=keep_batch_dim, return_values=return_values,
-                                  return_grad_norms=return_grad_norms, transform=pre_clipping_transform,
-                                  microbatch_size=microbatch_size, nan_safe=nan_safe, dtype=dtype,
-                                  spmd_axis_name=spmd_axis_name)
+        return _grid_clipped_grad(
+            fun,
+            layout,
+            has_aux,
+            method,
+            l2_clip_norm=l2_clip_norm,
+            grid_scale=grid_scale,
+            keep_batch_dim=keep_batch_dim,
+            return_values=return_values,
+            return_grad_norms=return_grad_norms,
+            transform=pre_clipping_transform,
+            microbatch_size=microbatch_size,
+            nan_safe=nan_safe,
+            dtype=dtype,
+            spmd_axis_name=spmd_axis_name,
+        )
     per_layer = is_per_layer(l2_clip_norm)
     if per_layer and rescale:
         _check_no_zero_layer(fn, l2_clip_norm)
     # per-layer rescaling divides each subtree by its own clip norm, after the sum (below)
-    ours: Callable[..., Any] = functools.partial(_clipped_grad, **_ours_options(
-        l2_clip_norm, rescale and not per_layer, has_aux=has_aux, microbatch_size=microbatch_size, method=method,
-        nan_safe=nan_safe, spmd_axis_name=spmd_axis_name, dtype=dtype, pre_clipping_transform=pre_clipping_transform))
+    ours: Callable[..., Any] = functools.partial(
+        _clipped_grad,
+        **_ours_options(
+            l2_clip_norm,
+            rescale and not per_layer,
+            has_aux=has_aux,
+            microbatch_size=microbatch_size,
+            method=method,
+            nan_safe=nan_safe,
+            spmd_axis_name=spmd_axis_name,
+            dtype=dtype,
+            pre_clipping_transform=pre_clipping_transform,
+        ),
+    )
     sensitivity = ours(fun).sensitivity()  # also checks every option now, not at the first call
     with_aux = has_aux or bool(return_values) or bool(return_grad_norms)
 
     def grad_fn(*args: Any, is_padding_example: Any = None, **kwargs: Any) -> Any:
-        check_called(fn, args, argnums=layout.argnums, batch_argnums=layout.batch, prng_argnum=layout.prng)
+        check_called(
+            fn, args, argnums=layout.argnums, batch_argnums=layout.batch, prng_argnum=layout.prng
+        )
         bsize = common_batch_size(fn, layout.batch, args)
         padding = padding_mask(fn, is_padding_example, bsize)
-        batch = {"args": tuple(args[i] for i in layout.batch), "kwargs": kwargs,
-                 "keys": None if layout.prng is None else keys_per_example(fn, args[layout.prng], bsize, layout.prng)}
+        batch = {
+            "args": tuple(args[i] for i in layout.batch),
+            "kwargs": kwargs,
+            "keys": None
+            if layout.prng is None
+            else keys_per_example(fn, args[layout.prng], bsize, layout.prng),
+        }
         arrays, rebuild = _split_static(layout.shared(args))
         loss = _per_example_loss(fun, layout, len(args), has_aux, keep_batch_dim, rebuild)
         params = layout.params(args)
         grads, info = ours(loss)(params, batch, *arrays, mask=~padding)
-        out = jax.tree.map(lambda s: s.dtype if dtype is None else np.dtype(dtype),
-                           _grad_dtypes(params, pre_clipping_transform))
+        out = jax.tree.map(
+            lambda s: s.dtype if dtype is None else np.dtype(dtype),
+            _grad_dtypes(params, pre_clipping_transform),
+        )
         if per_layer and rescale:
             grads = _rescale_per_layer(grads, l2_clip_norm, out)
         grads = jax.tree.map(lambda g, o: g.astype(o) / normalize_by, grads, out)
@@ -260,16 +316,21 @@ def clipped_grad(
             return grads
         return grads, _auxiliary(info, keep_batch_dim, has_aux, return_values, return_grad_norms)
 
-    return BoundedSensitivityCallable(grad_fn, bound if per_layer else sensitivity / normalize_by, with_aux)
+    return BoundedSensitivityCallable(
+        grad_fn, bound if per_layer else sensitivity / normalize_by, with_aux
+    )
 
 
-def _auxiliary(info: Any, keep_batch_dim: bool, has_aux: bool, return_values: Any,
-               return_grad_norms: Any) -> AuxiliaryOutput:
+def _auxiliary(
+    info: Any, keep_batch_dim: bool, has_aux: bool, return_values: Any, return_grad_norms: Any
+) -> AuxiliaryOutput:
     """jax-privacy's ``AuxiliaryOutput`` of a call: the fields asked for, the rest ``None``."""
     aux = jax.tree.map(squeeze_axis_1, info.aux) if keep_batch_dim else info.aux
-    return AuxiliaryOutput(values=info.values if return_values else None,
-                           grad_norms=info.norms if return_grad_norms else None,
-                           aux=aux if has_aux else None)
+    return AuxiliaryOutput(
+        values=info.values if return_values else None,
+        grad_norms=info.norms if return_grad_norms else None,
+        aux=aux if has_aux else None,
+    )
 
 
 def _check_no_zero_layer(fn: str, l2_clip_norm: PyTree) -> None:
@@ -277,9 +338,11 @@ def _check_no_zero_layer(fn: str, l2_clip_norm: PyTree) -> None:
     then normalizes that subtree, which gradclip_jax's per-layer clipping does not do)."""
     for path, c in jax.tree_util.tree_flatten_with_path(l2_clip_norm)[0]:
         if not is_traced(c) and float(np.asarray(c)) == 0.0:
-            raise ValueError(f"{fn}: `l2_clip_norm{jax.tree_util.keystr(path)}` is 0 with "
-                             "rescale_to_unit_norm=True (normalizing a layer) is not supported per layer; "
-                             "give it a positive clip norm")
+            raise ValueError(
+                f"{fn}: `l2_clip_norm{jax.tree_util.keystr(path)}` is 0 with "
+                "rescale_to_unit_norm=True (normalizing a layer) is not supported per layer; "
+                "give it a positive clip norm"
+            )
 
 
 def _rescale_per_layer(grads: PyTree, l2_clip_norm: PyTree, out: PyTree) -> PyTree:
@@ -289,9 +352,18 @@ def _rescale_per_layer(grads: PyTree, l2_clip_norm: PyTree, out: PyTree) -> PyTr
     rescaling): one example's subtree, of norm at most ``C_i``, then stays within norm 1 as
     stored in its output dtype ``out``.
     """
+
     def divide(c: Any, sub: PyTree, outs: PyTree) -> PyTree:
-        return jax.tree.map(lambda g, o: g * divide_or_zero(jnp.asarray(rounding_margin(o, g.dtype), g.dtype),
-                                                            jnp.asarray(c, g.dtype)), sub, outs)
+        return jax.tree.map(
+            lambda g, o: (
+                g
+                * divide_or_zero(
+                    jnp.asarray(rounding_margin(o, g.dtype), g.dtype), jnp.asarray(c, g.dtype)
+                )
+            ),
+            sub,
+            outs,
+        )
 
     return jax.tree.map(divide, l2_clip_norm, grads, out)
 
@@ -302,16 +374,31 @@ def _check_grid_method(method: Any, transform: Any) -> None:
     if static_value(fn, "method", method) not in ("auto", "vmap", "ghost"):
         raise ValueError(f"{fn}: unknown method {method!r}; expected 'vmap', 'ghost' or 'auto'")
     if method == "ghost":
-        raise ValueError(f"{fn}: grid_scale rounds each example's gradient, which method='ghost' never forms; "
-                         "use method='vmap' or 'auto' (which then uses vmap)")
+        raise ValueError(
+            f"{fn}: grid_scale rounds each example's gradient, which method='ghost' never forms; "
+            "use method='vmap' or 'auto' (which then uses vmap)"
+        )
     if transform is not None:
         check_callable(fn, "pre_clipping_transform", transform)
 
 
-def _grid_clipped_grad(fun: Callable[..., Any], layout: _Layout, has_aux: bool, method: Any, *,
-                       l2_clip_norm: Any, grid_scale: int, keep_batch_dim: bool, return_values: bool,
-                       return_grad_norms: bool, transform: Callable[[PyTree], PyTree] | None,
-                       microbatch_size: Any, nan_safe: bool, dtype: Any, spmd_axis_name: Any) -> Any:
+def _grid_clipped_grad(
+    fun: Callable[..., Any],
+    layout: _Layout,
+    has_aux: bool,
+    method: Any,
+    *,
+    l2_clip_norm: Any,
+    grid_scale: int,
+    keep_batch_dim: bool,
+    return_values: bool,
+    return_grad_norms: bool,
+    transform: Callable[[PyTree], PyTree] | None,
+    microbatch_size: Any,
+    nan_safe: bool,
+    dtype: Any,
+    spmd_axis_name: Any,
+) -> Any:
     """``clipped_grad`` with ``grid_scale``: each example's gradient (vmap) clipped and rounded by
     :func:`clipped_fun`, whose integer sum is exact. Ghost clipping never forms the gradient to round."""
     _check_grid_method(method, transform)
@@ -325,19 +412,32 @@ def _grid_clipped_grad(fun: Callable[..., Any], layout: _Layout, has_aux: bool, 
         (value, aux), grad = jax.value_and_grad(loss, argnums, has_aux=True)(*args)
         return (grad if transform is None else transform(grad)), (value, aux)
 
-    summed = clipped_fun(example_grad, has_aux=True, batch_argnums=layout.batch, keep_batch_dim=keep_batch_dim,
-                         l2_clip_norm=l2_clip_norm, return_norms=True, microbatch_size=microbatch_size,
-                         nan_safe=nan_safe, dtype=dtype, prng_argnum=layout.prng, spmd_axis_name=spmd_axis_name,
-                         grid_scale=grid_scale)
+    summed = clipped_fun(
+        example_grad,
+        has_aux=True,
+        batch_argnums=layout.batch,
+        keep_batch_dim=keep_batch_dim,
+        l2_clip_norm=l2_clip_norm,
+        return_norms=True,
+        microbatch_size=microbatch_size,
+        nan_safe=nan_safe,
+        dtype=dtype,
+        prng_argnum=layout.prng,
+        spmd_axis_name=spmd_axis_name,
+        grid_scale=grid_scale,
+    )
     with_aux = has_aux or bool(return_values) or bool(return_grad_norms)
 
     def grad_fn(*args: Any, is_padding_example: Any = None, **kwargs: Any) -> Any:
-        grads, ((values, aux), norms) = summed(*args, is_padding_example=is_padding_example, **kwargs)
+        grads, ((values, aux), norms) = summed(
+            *args, is_padding_example=is_padding_example, **kwargs
+        )
         if not with_aux:
             return grads
-        return grads, AuxiliaryOutput(values=values if return_values else None,
-                                      grad_norms=norms if return_grad_norms else None,
-                                      aux=aux if has_aux else None)
+        return grads, AuxiliaryOutput(
+            values=values if return_values else None,
+            grad_norms=norms if return_grad_norms else None,
+            aux=aux if has_aux else None,
+        )
 
     return BoundedSensitivityCallable(grad_fn, summed.l2_norm_bound, with_aux)
-

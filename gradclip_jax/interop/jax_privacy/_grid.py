@@ -33,7 +33,8 @@ def adjusted_clip_norm(fn: str, l2_clip_norm: Any, grid_scale: int, num_params: 
         raise ValueError(
             f"{fn}: grid_scale={grid_scale} is too small for {num_params} parameters: rounding can add "
             f"sqrt({num_params}) / 2 = {math.sqrt(num_params) / 2:.4g} grid steps to the norm, all of the "
-            f"grid_scale; use grid_scale > {math.sqrt(num_params) / 2:.4g}")
+            f"grid_scale; use grid_scale > {math.sqrt(num_params) / 2:.4g}"
+        )
     return adjusted
 
 

@@ -18,14 +18,20 @@ from gradclip_jax.per_example.ghost._analysis import (
     policy,
 )
 
-if TYPE_CHECKING:  # at run time forwarded: ``ghost.AUTO_MIN_ELEMENTS = n`` sets the one the policy reads
+if (
+    TYPE_CHECKING
+):  # at run time forwarded: ``ghost.AUTO_MIN_ELEMENTS = n`` sets the one the policy reads
     from gradclip_jax.per_example.ghost._analysis.policy import (
         AUTO_MIN_ELEMENTS,
         AUTO_MIN_ELEMENTS_NO_FALLBACK,
         BOOKKEEPING_MAX_SHARE,
     )
 
-forward_settings(__name__, policy, ("AUTO_MIN_ELEMENTS", "AUTO_MIN_ELEMENTS_NO_FALLBACK", "BOOKKEEPING_MAX_SHARE"))
+forward_settings(
+    __name__,
+    policy,
+    ("AUTO_MIN_ELEMENTS", "AUTO_MIN_ELEMENTS_NO_FALLBACK", "BOOKKEEPING_MAX_SHARE"),
+)
 
 __all__ = [
     "AUTO_MIN_ELEMENTS",

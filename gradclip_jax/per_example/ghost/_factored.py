@@ -33,8 +33,9 @@ def _chain_perm(closed: Any, chain: Sequence[int]) -> list[int] | None:
     return perm
 
 
-def site_factors(closed: Any, site: Site, ops: Sequence[Any], g: jax.Array, leaf: jax.Array,
-                 acc: Any) -> tuple[Factor, Factor] | None:
+def site_factors(
+    closed: Any, site: Site, ops: Sequence[Any], g: jax.Array, leaf: jax.Array, acc: Any
+) -> tuple[Factor, Factor] | None:
     """A use of a 2-D leaf as a sum of outer products, ``G_b = sum_t x_bt (x) y_bt``, or ``None``."""
     if leaf.ndim != 2:
         return None
@@ -76,13 +77,29 @@ def factored_norm(factors: Sequence[tuple[Factor, Factor]], acc: Any) -> jax.Arr
     and pair: nothing of the leaf's size is formed.
     """
     pairs = [(i, j) for i in range(len(factors)) for j in range(i, len(factors))]
-    inner = {(i, j): (_factor_inner(factors[i][0], factors[j][0]).astype(acc),
-                      _factor_inner(factors[i][1], factors[j][1]).astype(acc)) for i, j in pairs}
-    rows = [_factor_rows(x, inner[i, i][0], acc) * _factor_rows(y, inner[i, i][1], acc)
-            for i, (x, y) in enumerate(factors)]
-    return gram_norm([GramTerm(*inner[i, j], _inner_error(factors[i][0], factors[j][0], acc)
-                               + _inner_error(factors[i][1], factors[j][1], acc),
-                               (rows[i], rows[j]), 1.0 if i == j else 2.0) for i, j in pairs])
+    inner = {
+        (i, j): (
+            _factor_inner(factors[i][0], factors[j][0]).astype(acc),
+            _factor_inner(factors[i][1], factors[j][1]).astype(acc),
+        )
+        for i, j in pairs
+    }
+    rows = [
+        _factor_rows(x, inner[i, i][0], acc) * _factor_rows(y, inner[i, i][1], acc)
+        for i, (x, y) in enumerate(factors)
+    ]
+    return gram_norm(
+        [
+            GramTerm(
+                *inner[i, j],
+                _inner_error(factors[i][0], factors[j][0], acc)
+                + _inner_error(factors[i][1], factors[j][1], acc),
+                (rows[i], rows[j]),
+                1.0 if i == j else 2.0,
+            )
+            for i, j in pairs
+        ]
+    )
 
 
 def factored_is_cheaper(factors: Sequence[tuple[Factor, Factor]], shape: tuple[int, ...]) -> bool:

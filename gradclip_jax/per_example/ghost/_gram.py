@@ -70,7 +70,12 @@ def self_gram_rows(rows: jax.Array | None, gram: jax.Array) -> jax.Array:
     """The norms of ``rows`` ``(..., T, N)`` whose Gram is ``gram`` ``(..., T, T)``, ``(..., T)``:
     the square roots of the Gram's diagonal, read from it or formed again from ``rows``
     (see :data:`DIAGONAL_FROM`; always read when ``rows`` is ``None``)."""
-    where = per_backend(DIAGONAL_FROM, "gradclip_jax.per_example.ghost._gram.DIAGONAL_FROM", "gram", ("gram", "rows"))
+    where = per_backend(
+        DIAGONAL_FROM,
+        "gradclip_jax.per_example.ghost._gram.DIAGONAL_FROM",
+        "gram",
+        ("gram", "rows"),
+    )
     if rows is not None and where == "rows":
         diag = product_einsum("...tn,...tn->...t", rows, rows)
     else:
@@ -105,13 +110,20 @@ def gram_norm(terms: Sequence[GramTerm]) -> jax.Array:
         x, y = term.x, term.y
         grid = tuple(range(1, x.ndim))
         rows = math.prod(x.shape[1:-1])
-        kappa = _products.ROUNDING_SIGMAS * float(jnp.finfo(x.dtype).eps) / 2.0 * (math.sqrt(x.shape[-1]) + math.sqrt(rows))
+        kappa = (
+            _products.ROUNDING_SIGMAS
+            * float(jnp.finfo(x.dtype).eps)
+            / 2.0
+            * (math.sqrt(x.shape[-1]) + math.sqrt(rows))
+        )
         xy = x * y
         t = jnp.sum(xy + kappa * jnp.abs(xy), axis=grid)  # one reduction, fused with the products'
         if term.err:
             lead = grid[:-1]
             rt, rs = term.rows
-            t = t + term.err * jnp.sqrt(jnp.sum(jnp.square(rt), axis=lead) * jnp.sum(jnp.square(rs), axis=lead))
+            t = t + term.err * jnp.sqrt(
+                jnp.sum(jnp.square(rt), axis=lead) * jnp.sum(jnp.square(rs), axis=lead)
+            )
         t = jnp.asarray(term.weight, t.dtype) * t
         total = t if total is None else total + t
     assert total is not None

@@ -29,7 +29,6 @@ parameters on the vmap path. A scan over stacked layers (``nn.scan``,
 parameters are only those stacked leaves stays a loop, measured inside."""
 
 
-
 def narrower(dtype: Any, acc: Any) -> bool:
     """Whether ``dtype`` is a floating dtype with fewer bits than ``acc`` (bf16, fp16, fp8 below float32)."""
     d = np.dtype(dtype)
@@ -44,7 +43,9 @@ def widen(dtype: Any, acc: Any) -> np.dtype:
 _FULL = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
 
 
-def _widened(eqn: Any, invals: Sequence[Any], acc: Any, precision: Any = None) -> tuple[list[Any], dict[str, Any]]:
+def _widened(
+    eqn: Any, invals: Sequence[Any], acc: Any, precision: Any = None
+) -> tuple[list[Any], dict[str, Any]]:
     """``invals`` and ``eqn.params`` with every floating operand and result dtype narrower than
     ``acc`` widened to ``acc``, and products at full precision (dots: :func:`product_precision`),
     or at ``precision`` when given (one pass of a product written out as several)."""
@@ -110,15 +111,16 @@ def _unroll_scan(eqn: Any, invals: Sequence[Any], deps: Sequence[bool]) -> list[
     info = jc.scan_info(eqn)
     n_consts, n_carry, length = info.n_consts, info.n_carry, info.length
     body, body_consts = open_jaxpr(info.body)
-    consts, carry = list(invals[:n_consts]), list(invals[n_consts:n_consts + n_carry])
-    xs = invals[n_consts + n_carry:]
-    d_consts, d_xs = list(deps[:n_consts]), list(deps[n_consts + n_carry:])
-    d_carry = list(deps[n_consts:n_consts + n_carry])
+    consts, carry = list(invals[:n_consts]), list(invals[n_consts : n_consts + n_carry])
+    xs = invals[n_consts + n_carry :]
+    d_consts, d_xs = list(deps[:n_consts]), list(deps[n_consts + n_carry :])
+    d_carry = list(deps[n_consts : n_consts + n_carry])
     ys: list[list[Any]] = [[] for _ in range(length)]
-    for i in (reversed(range(length)) if info.reverse else range(length)):
+    for i in reversed(range(length)) if info.reverse else range(length):
         x_i = [lax.squeeze(lax.slice_in_dim(x, i, i + 1, axis=0), (0,)) for x in xs]
-        outs, out_deps = _inline_eval(body, body_consts or [], [*consts, *carry, *x_i],
-                                      [*d_consts, *d_carry, *d_xs])
+        outs, out_deps = _inline_eval(
+            body, body_consts or [], [*consts, *carry, *x_i], [*d_consts, *d_carry, *d_xs]
+        )
         carry = outs[:n_carry]
         d_carry = [a or b for a, b in zip(d_carry, out_deps[:n_carry], strict=True)]
         ys[i] = outs[n_carry:]
@@ -162,7 +164,10 @@ def _rewritten(eqn: Any, invals: Sequence[Any]) -> list[Any] | None:
         if len(starts) != len(sizes) or any(i is None for i in starts):
             return None
         # dynamic_slice clamps its start so that the slice fits in the operand
-        lo = [min(max(int(i), 0), d - n) for i, d, n in zip(starts, np.shape(x), sizes, strict=True)]  # type: ignore[arg-type]
+        lo = [
+            min(max(int(i or 0), 0), d - n)
+            for i, d, n in zip(starts, np.shape(x), sizes, strict=True)
+        ]
         return [lax.slice(x, lo, [a + n for a, n in zip(lo, sizes, strict=True)])]
     return None
 
@@ -174,14 +179,15 @@ of a parameter table at constant positions (a position embedding) shows its
 indices to the analysis."""
 
 
-
-
 def _folds(eqn: Any, invals: Sequence[Any]) -> bool:
     if eqn.primitive.name not in names.FOLDABLE or any(jc.is_tracer(x) for x in invals):
         return False
     outs = [v.aval for v in eqn.outvars]
-    return all((jnp.issubdtype(a.dtype, jnp.integer) or a.dtype == jnp.bool_)
-               and math.prod(a.shape) <= FOLD_MAX_ELEMENTS for a in outs)
+    return all(
+        (jnp.issubdtype(a.dtype, jnp.integer) or a.dtype == jnp.bool_)
+        and math.prod(a.shape) <= FOLD_MAX_ELEMENTS
+        for a in outs
+    )
 
 
 def const_values(closed: Any) -> dict[Any, Any]:
@@ -222,21 +228,32 @@ def _roll_scan(eqn: Any, invals: Sequence[Any], deps: Sequence[bool]) -> list[An
     info = jc.scan_info(eqn)
     n_consts, n_carry = info.n_consts, info.n_carry
     body, body_consts = open_jaxpr(info.body)
-    consts, carry = list(invals[:n_consts]), list(invals[n_consts:n_consts + n_carry])
+    consts, carry = list(invals[:n_consts]), list(invals[n_consts : n_consts + n_carry])
     # a carry depends on the parameters after one step when any operand does
-    body_deps = [*deps[:n_consts], *([any(deps)] * n_carry), *deps[n_consts + n_carry:]]
+    body_deps = [*deps[:n_consts], *([any(deps)] * n_carry), *deps[n_consts + n_carry :]]
 
     def step(c: list, x: list) -> tuple[list, list]:
         outs, _ = _inline_eval(body, body_consts or [], [*consts, *c, *x], body_deps)
         return outs[:n_carry], outs[n_carry:]
 
-    out_carry, ys = lax.scan(step, carry, list(invals[n_consts + n_carry:]), length=info.length,
-                             reverse=info.reverse, unroll=info.unroll)
+    out_carry, ys = lax.scan(
+        step,
+        carry,
+        list(invals[n_consts + n_carry :]),
+        length=info.length,
+        reverse=info.reverse,
+        unroll=info.unroll,
+    )
     return [*out_carry, *ys]
 
 
-def _inline_eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
-                 deps: Sequence[bool], leaves: Sequence[bool] | None = None) -> tuple[list[Any], list[bool]]:
+def _inline_eval(
+    jaxpr: Any,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    deps: Sequence[bool],
+    leaves: Sequence[bool] | None = None,
+) -> tuple[list[Any], list[bool]]:
     """Evaluates ``jaxpr``, running nested ``jit`` / ``checkpoint`` calls inline and
     unrolling short scans that read a parameter (``deps[i]``: argument ``i``
     depends on a parameter), so that, traced, every use of a parameter appears at
@@ -283,8 +300,6 @@ def _inline_eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
     return [_read(env, v) for v in jaxpr.outvars], [read_dep(v) for v in jaxpr.outvars]
 
 
-
-
 class Remat(NamedTuple):
     """The ``jax.checkpoint`` a scan's body runs under (``nnx.remat`` in ``nnx.scan``)."""
 
@@ -295,6 +310,7 @@ class Remat(NamedTuple):
 def scan_remat(jaxpr: Any) -> Remat | None:
     """The checkpoint found in the body of a top-level scan of ``jaxpr`` (through nested calls),
     or ``None``: the streamed path recomputes each step of the scans it keeps as loops under it."""
+
     def within(j: Any) -> Remat | None:
         for e in j.eqns:
             if e.primitive.name in names.REMAT:
@@ -318,7 +334,9 @@ def trace(loss: Callable[..., Any], params: Any, batch: Any, args: Sequence[Any]
     return trace_kept(loss, params, batch, args)[0]
 
 
-def trace_kept(loss: Callable[..., Any], params: Any, batch: Any, args: Sequence[Any]) -> tuple[Any, Remat | None]:
+def trace_kept(
+    loss: Callable[..., Any], params: Any, batch: Any, args: Sequence[Any]
+) -> tuple[Any, Remat | None]:
     """The closed jaxpr of ``loss(params, batch, args)`` over the flattened inputs, calls
     inlined, scans over stacked layers kept as loops with their bodies inlined, other
     short scans over parameters unrolled, splits and dynamic slices at indices
@@ -329,20 +347,30 @@ def trace_kept(loss: Callable[..., Any], params: Any, batch: Any, args: Sequence
     """
     closed = jax.make_jaxpr(loss)(params, batch, tuple(args))
     remat = scan_remat(closed.jaxpr)
-    if not any(e.primitive.name in names.INLINE or e.primitive.name in names.RETRACED for e in closed.jaxpr.eqns):
+    if not any(
+        e.primitive.name in names.INLINE or e.primitive.name in names.RETRACED
+        for e in closed.jaxpr.eqns
+    ):
         return closed, remat
     n_params = len(jax.tree_util.tree_leaves(params))
     deps = [i < n_params for i in range(len(closed.jaxpr.invars))]
 
     def inlined(p: Any, b: Any, a: Any) -> Any:
-        return _inline_eval(closed.jaxpr, closed.consts, jax.tree_util.tree_leaves((p, b, a)), deps, deps)[0][0]
+        return _inline_eval(
+            closed.jaxpr, closed.consts, jax.tree_util.tree_leaves((p, b, a)), deps, deps
+        )[0][0]
 
     return jax.make_jaxpr(inlined)(params, batch, tuple(args)), remat
 
 
-def run_probed(closed: Any, inputs: Sequence[Any], at: dict[int, int], probes: Sequence[Any],
-               inner: dict[int, dict[int, int]] | None = None,
-               kept: dict[int, tuple[int, ...]] | None = None) -> tuple[list, list]:
+def run_probed(
+    closed: Any,
+    inputs: Sequence[Any],
+    at: dict[int, int],
+    probes: Sequence[Any],
+    inner: dict[int, dict[int, int]] | None = None,
+    kept: dict[int, tuple[int, ...]] | None = None,
+) -> tuple[list, list]:
     """Evaluates ``closed`` on ``inputs``, adding ``probes[j]`` to the output of equation ``k``
     for every ``at[k] = j``, and inside the body of the scan equation ``s`` for every
     ``inner[s][k] = j`` (then ``probes[j]`` is stacked over the steps, and so are the operands
@@ -366,8 +394,14 @@ def run_probed(closed: Any, inputs: Sequence[Any], at: dict[int, int], probes: S
     return evaluate(closed.jaxpr, closed.consts, inputs, probed), operands
 
 
-def _probed_scan(eqn: Any, invals: Sequence[Any], at: dict[int, int], probes: Sequence[Any],
-                 kept: dict[int, tuple[int, ...]], operands: list[Any]) -> list[Any]:
+def _probed_scan(
+    eqn: Any,
+    invals: Sequence[Any],
+    at: dict[int, int],
+    probes: Sequence[Any],
+    kept: dict[int, tuple[int, ...]],
+    operands: list[Any],
+) -> list[Any]:
     """A scan equation run with ``probes[j]`` (stacked over the steps) added to the output of
     equation ``k`` of its body for every ``at[k] = j``; the operands at ``kept[j]`` of each probed
     equation come out of the loop stacked over the steps, into ``operands[j]``."""
@@ -380,13 +414,21 @@ def _probed_scan(eqn: Any, invals: Sequence[Any], at: dict[int, int], probes: Se
     def step(c: list, x: tuple) -> tuple[list, list]:
         xs, prs = x
         res, ops = run_probed(info.body, [*consts, *c, *xs], local, prs)
-        out = [[o if r in kept.get(j, ()) else None for r, o in enumerate(op)]
-               for op, (_, j) in zip(ops, order, strict=True)]
+        out = [
+            [o if r in kept.get(j, ()) else None for r, o in enumerate(op)]
+            for op, (_, j) in zip(ops, order, strict=True)
+        ]
         return res[:n_carry], [res[n_carry:], out]
 
-    xs = (list(invals[n_consts + n_carry:]), [probes[j] for _, j in order])
-    carry, (ys, ops) = lax.scan(step, list(invals[n_consts:n_consts + n_carry]), xs, length=info.length,
-                                reverse=info.reverse, unroll=info.unroll)
+    xs = (list(invals[n_consts + n_carry :]), [probes[j] for _, j in order])
+    carry, (ys, ops) = lax.scan(
+        step,
+        list(invals[n_consts : n_consts + n_carry]),
+        xs,
+        length=info.length,
+        reverse=info.reverse,
+        unroll=info.unroll,
+    )
     for (_, j), op in zip(order, ops, strict=True):
         operands[j] = op
     return [*carry, *ys]
@@ -412,12 +454,18 @@ def _for_one_example(e: Any, bsize: int, axis: int) -> Any:
     if e.primitive.name != names.BROADCAST:
         return e
     out, dims = tuple(jc.param(e, "shape")), tuple(jc.param(e, "broadcast_dimensions"))
-    if len(out) <= axis or out[axis] != bsize or (axis in dims and shape(e.invars[0])[dims.index(axis)] != 1):
+    if (
+        len(out) <= axis
+        or out[axis] != bsize
+        or (axis in dims and shape(e.invars[0])[dims.index(axis)] != 1)
+    ):
         return e
-    return jc.with_params(e, shape=(*out[:axis], 1, *out[axis + 1:]))
+    return jc.with_params(e, shape=(*out[:axis], 1, *out[axis + 1 :]))
 
 
-def fixed_value(jaxpr: Any, v: Any, consts: dict[Any, Any], memo: dict[Any, Any] | None = None) -> Any | None:
+def fixed_value(
+    jaxpr: Any, v: Any, consts: dict[Any, Any], memo: dict[Any, Any] | None = None
+) -> Any | None:
     """The value of ``v`` computed from the jaxpr's constants (``consts``) and literals alone, by
     binding the equations that compute it (staged, under a trace); ``None`` when it depends on an
     input of the jaxpr."""
@@ -438,10 +486,21 @@ def fixed_value(jaxpr: Any, v: Any, consts: dict[Any, Any], memo: dict[Any, Any]
     return memo[v]
 
 
-def replay(closed: Any, eqn: int, chain: Sequence[int], vals: Sequence[Any], pos: int, param: jax.Array,
-           acc: Any = None, precision: Any = None, example_of: int | None = None, example_axis: int = 0,
-           batch_step: int | None = None, zeroed: Sequence[tuple[int, int]] = (),
-           cut_axes: frozenset[int] = frozenset()) -> jax.Array:
+def replay(
+    closed: Any,
+    eqn: int,
+    chain: Sequence[int],
+    vals: Sequence[Any],
+    pos: int,
+    param: jax.Array,
+    acc: Any = None,
+    precision: Any = None,
+    example_of: int | None = None,
+    example_axis: int = 0,
+    batch_step: int | None = None,
+    zeroed: Sequence[tuple[int, int]] = (),
+    cut_axes: frozenset[int] = frozenset(),
+) -> jax.Array:
     """Equation ``eqn`` on ``vals``, with ``param`` passed through the equations ``chain`` as operand ``pos``
     (with ``acc``: every step evaluated in ``acc``, see :func:`bind`; ``precision``: that of
     equation ``eqn``'s product; ``example_of``: the batch size, when ``vals`` hold one example
@@ -457,23 +516,35 @@ def replay(closed: Any, eqn: int, chain: Sequence[int], vals: Sequence[Any], pos
     x = param
     steps = [closed.jaxpr.eqns[k] for k in chain]
     if example_of is not None:
-        steps = [_for_one_example(e, example_of, example_axis) if k == batch_step else e
-                 for k, e in zip(chain, steps, strict=True)]
+        steps = [
+            _for_one_example(e, example_of, example_axis) if k == batch_step else e
+            for k, e in zip(chain, steps, strict=True)
+        ]
     consts = const_values(closed) if any(len(e.invars) > 1 for e in steps) else {}
     memo: dict[Any, Any] = {}
     at_step = dict(zeroed)
     for k, e in zip(chain, steps, strict=True):
-        ops = [fixed_value(closed.jaxpr, v, consts, memo) if len(e.invars) > 1 else None for v in e.invars]
+        ops = [
+            fixed_value(closed.jaxpr, v, consts, memo) if len(e.invars) > 1 else None
+            for v in e.invars
+        ]
         at = at_step.get(k)
         if at is None:
             free = [i for i, o in enumerate(ops) if o is None]
             assert len(free) == 1, "a chain step has one operand computed from the parameter"
             at = free[0]
         else:
-            ops = [jnp.zeros(shape(v), v.aval.dtype) if o is None else o for o, v in zip(ops, e.invars, strict=True)]
+            ops = [
+                jnp.zeros(shape(v), v.aval.dtype) if o is None else o
+                for o, v in zip(ops, e.invars, strict=True)
+            ]
         ops[at] = x
         x = bind(e, ops, acc)[0]
-    if example_of is not None and example_axis in cut_axes and np.shape(x)[example_axis] == example_of:
+    if (
+        example_of is not None
+        and example_axis in cut_axes
+        and np.shape(x)[example_axis] == example_of
+    ):
         x = lax.slice_in_dim(x, 0, 1, axis=example_axis)
     v = list(vals)
     v[pos] = x

@@ -86,7 +86,13 @@ def _pin(xs: list[Any], acc: Any) -> list[Any]:
 def pin_narrow(fwd: Pass, sites: Sequence[Site], acc: Any) -> Pass:
     """``fwd`` with every site's batched operands and cotangent narrower than ``acc`` pinned
     (see :func:`_pin`): what the norms measure is what the sums add."""
-    it = iter(_pin([ops[r] for s, ops in zip(sites, fwd.operands, strict=True) for r in s.rows] + list(fwd.cts), acc))
+    it = iter(
+        _pin(
+            [ops[r] for s, ops in zip(sites, fwd.operands, strict=True) for r in s.rows]
+            + list(fwd.cts),
+            acc,
+        )
+    )
     operands = []
     for s, ops in zip(sites, fwd.operands, strict=True):
         new = list(ops)
@@ -96,14 +102,34 @@ def pin_narrow(fwd: Pass, sites: Sequence[Site], acc: Any) -> Pass:
     return fwd._replace(operands=operands, cts=list(it))
 
 
-def apply_site(closed: Any, site: Site, vals: Sequence[Any], param: jax.Array, acc: Any = None,
-               precision: Any = None, example_of: int | None = None) -> jax.Array:
+def apply_site(
+    closed: Any,
+    site: Site,
+    vals: Sequence[Any],
+    param: jax.Array,
+    acc: Any = None,
+    precision: Any = None,
+    example_of: int | None = None,
+) -> jax.Array:
     """The site's one operation on ``vals``, with ``param`` (through its chain) as the parameter operand;
     with ``acc``, evaluated in ``acc`` (16-bit operands widened, products at full precision, or at
     ``precision`` when given); ``example_of``: the batch size, when ``vals`` hold one example (on
     the output's batch axis)."""
-    return replay(closed, site.eqn, site.chain, vals, site.pos, param, acc, precision, example_of, site.out_axis,
-                  site.batch_step, site.zeroed, site.cut_axes)
+    return replay(
+        closed,
+        site.eqn,
+        site.chain,
+        vals,
+        site.pos,
+        param,
+        acc,
+        precision,
+        example_of,
+        site.out_axis,
+        site.batch_step,
+        site.zeroed,
+        site.cut_axes,
+    )
 
 
 def steps_as_batch(x: jax.Array, axis: int, merged: int = 1) -> jax.Array:
@@ -112,13 +138,19 @@ def steps_as_batch(x: jax.Array, axis: int, merged: int = 1) -> jax.Array:
     rows first, each step's ``merged`` rows together), so that a batch sharded over devices
     stays sharded the same way."""
     steps, shape = x.shape[0], x.shape[1:]
-    y = jnp.reshape(x, (steps, *shape[:axis], shape[axis] // merged, merged, *shape[axis + 1:]))
+    y = jnp.reshape(x, (steps, *shape[:axis], shape[axis] // merged, merged, *shape[axis + 1 :]))
     y = jnp.moveaxis(y, 0, axis + 1)  # (..., B, L, merged, ...)
-    return jnp.reshape(y, (*shape[:axis], -1, *shape[axis + 1:]))
+    return jnp.reshape(y, (*shape[:axis], -1, *shape[axis + 1 :]))
 
 
-def each_step(f: Callable[..., jax.Array], closed: Any, site: Site, param: jax.Array, invals: Sequence[Any],
-              g: jax.Array) -> jax.Array:
+def each_step(
+    f: Callable[..., jax.Array],
+    closed: Any,
+    site: Site,
+    param: jax.Array,
+    invals: Sequence[Any],
+    g: jax.Array,
+) -> jax.Array:
     """``f(body, step_site, block, operands, cotangent)`` of a site in a scan's body for every step
     (its block of the stacked ``param``, its stacked operands and cotangent), stacked on axis 0."""
     body, step_site = site_jaxpr(closed, site), dataclasses.replace(site, scan=None, length=1)
@@ -129,7 +161,9 @@ def _steps_as_one_batch(site: Site, ops: Sequence[Any], g: jax.Array) -> dict[st
     """A site in a scan's body as the site in the body at a batch of ``B * L`` rows: the
     ``site``, ``ops`` and ``g`` arguments of its rule's per-example measures."""
     one = dataclasses.replace(site, scan=None, length=1)
-    flat = [steps_as_batch(o, one.axis, one.merged) if r in one.rows else o for r, o in enumerate(ops)]
+    flat = [
+        steps_as_batch(o, one.axis, one.merged) if r in one.rows else o for r, o in enumerate(ops)
+    ]
     return {"site": one, "ops": flat, "g": steps_as_batch(g, one.out_axis, one.merged)}
 
 
@@ -138,7 +172,9 @@ def _combine_steps(x: jax.Array, length: int) -> jax.Array:
     return combine_l2_stacked(jnp.transpose(jnp.reshape(x, (-1, length))))
 
 
-def site_norm(closed: Any, site: Site, ops: Sequence[Any], g: jax.Array, acc: Any) -> jax.Array | RowNorms | None:
+def site_norm(
+    closed: Any, site: Site, ops: Sequence[Any], g: jax.Array, acc: Any
+) -> jax.Array | RowNorms | None:
     """The site's rule's per-example norm (see :meth:`Rule.norm`). A site in a scan's body is
     measured once on the steps' operands taken as one batch of ``B * L`` rows; the blocks of
     the ``L`` layers are disjoint, so an example's squared norm is the sum over the steps."""
@@ -162,7 +198,9 @@ def site_norm(closed: Any, site: Site, ops: Sequence[Any], g: jax.Array, acc: An
     return over_steps(n)
 
 
-def site_spread(closed: Any, site: Site, ops: Sequence[Any], g: jax.Array, acc: Any) -> jax.Array | None:
+def site_spread(
+    closed: Any, site: Site, ops: Sequence[Any], g: jax.Array, acc: Any
+) -> jax.Array | None:
     """The site's rule's per-example spread (see :meth:`Rule.spread`), ``(B,)``. A site in a scan's
     body: per step on the steps' operands as one batch of ``B * L`` rows, the steps' blocks
     disjoint, so the L2 combination over the steps bounds the stacked leaf's change."""
@@ -180,8 +218,9 @@ def sums_once(site: Site, g: jax.Array, param: jax.Array) -> bool:
     return rounds_weighted_once(site.kind, widen(g.dtype, _norms.acc_dtype(param.dtype)))
 
 
-def weighting_excess(traced: Traced, pflat: _norms.FlatTree, fwd: Pass, rows: dict[int, jax.Array],
-                     acc: Any) -> dict[int, jax.Array]:
+def weighting_excess(
+    traced: Traced, pflat: _norms.FlatTree, fwd: Pass, rows: dict[int, jax.Array], acc: Any
+) -> dict[int, jax.Array]:
     """Per leaf, what its book-kept sum may add beyond ``w_b`` times the measured per-example
     gradient, per unit of weight, ``(B,)``: :data:`ONCE_ROUNDING` times the spread of each site
     whose sum rounds its weighted operand once (:func:`rounds_weighted_once`), summed over a tied
@@ -202,8 +241,9 @@ def weighting_excess(traced: Traced, pflat: _norms.FlatTree, fwd: Pass, rows: di
     return out
 
 
-def local_grads(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any], g: jax.Array,
-                 acc: Any) -> jax.Array:
+def local_grads(
+    closed: Any, site: Site, param: jax.Array, invals: Sequence[Any], g: jax.Array, acc: Any
+) -> jax.Array:
     """Per-example gradients of one parameter leaf through one operation only, ``(B, *leaf)``.
 
     Example ``b``'s gradient is the pull-back of ``g_b`` through that single
@@ -214,7 +254,9 @@ def local_grads(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any]
     A site in a scan's body gives each step's block of the stacked leaf.
     """
     if site.scan is not None:  # (L, B, *block) -> (B, L, *block)
-        steps = each_step(lambda c, s, p, v, gl: local_grads(c, s, p, v, gl, acc), closed, site, param, invals, g)
+        steps = each_step(
+            lambda c, s, p, v, gl: local_grads(c, s, p, v, gl, acc), closed, site, param, invals, g
+        )
         return jnp.moveaxis(steps, 0, 1)
 
     # The batch axes: a dense use may carry the batch elsewhere than on axis 0 (``W @ x.T``, as
@@ -226,12 +268,16 @@ def local_grads(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any]
         vals = list(invals)
         for r, x in zip(site.rows, row_vals, strict=True):
             vals[r] = jnp.expand_dims(x, axis)
-        out, pull = jax.vjp(lambda w: apply_site(closed, site, vals, w, acc, example_of=bsize),
-                            param.astype(widen(param.dtype, acc)))
+        out, pull = jax.vjp(
+            lambda w: apply_site(closed, site, vals, w, acc, example_of=bsize),
+            param.astype(widen(param.dtype, acc)),
+        )
         return pull(jnp.expand_dims(gb, out_axis).astype(out.dtype))[0]  # type: ignore[no-any-return]
 
     ref = invals[site.rows[0]]
-    row_vals = [invals[r] if axis else match_batch_sharding(invals[r], ref) for r in site.rows]  # one batch sharding
+    row_vals = [
+        invals[r] if axis else match_batch_sharding(invals[r], ref) for r in site.rows
+    ]  # one batch sharding
     g = g if axis or out_axis else match_batch_sharding(g, ref)
     per_row = jax.vmap(one, in_axes=([axis] * len(site.rows), out_axis))(row_vals, g)
     if site.merged == 1:
@@ -240,7 +286,9 @@ def local_grads(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any]
     return jnp.sum(jnp.reshape(per_row, (-1, site.merged, *per_row.shape[1:])), axis=1)
 
 
-def _fallback_rows(config: ClipConfig, call: Call, fb: Sequence[int], batch: Any) -> list[jax.Array]:
+def _fallback_rows(
+    config: ClipConfig, call: Call, fb: Sequence[int], batch: Any
+) -> list[jax.Array]:
     """Per-example gradients of the fallback leaves only (others held fixed), one row per example."""
     scalar_loss = one_example_loss(config.loss_fn, config.has_aux)
     pflat = call.pflat
@@ -260,7 +308,9 @@ def _fallback_rows(config: ClipConfig, call: Call, fb: Sequence[int], batch: Any
     return [as_rows(x) for x in g]
 
 
-def _factored_norms(traced: Traced, pflat: _norms.FlatTree, fwd: Pass, uses: Counter, acc: Any) -> dict[int, jax.Array]:
+def _factored_norms(
+    traced: Traced, pflat: _norms.FlatTree, fwd: Pass, uses: Counter, acc: Any
+) -> dict[int, jax.Array]:
     """Norms of the tied leaves whose every use factors (and for which that is cheaper)."""
     factored: dict[int, list | None] = {}
     for s, ops, g in zip(traced.plan.sites, fwd.operands, fwd.cts, strict=True):
@@ -268,8 +318,11 @@ def _factored_norms(traced: Traced, pflat: _norms.FlatTree, fwd: Pass, uses: Cou
         if uses[s.leaf] > 1 and s.leaf not in traced.plan.blocks and prev is not None:
             f2 = site_factors(traced.closed, s, ops, g, pflat.leaves[s.leaf], acc)
             factored[s.leaf] = None if f2 is None else [*prev, f2]
-    return {i: factored_norm(fl, acc) for i, fl in factored.items()
-            if fl is not None and factored_is_cheaper(fl, pflat.leaves[i].shape)}
+    return {
+        i: factored_norm(fl, acc)
+        for i, fl in factored.items()
+        if fl is not None and factored_is_cheaper(fl, pflat.leaves[i].shape)
+    }
 
 
 def _joint_groups(rows: dict[int, jax.Array]) -> list[list[int]]:
@@ -300,8 +353,15 @@ ROW_NORMS = {"cpu": "engine"}
 
 
 def _row_norms_branch_free() -> bool:
-    return per_backend(ROW_NORMS, "gradclip_jax.per_example.ghost._measure.ROW_NORMS", "branch-free",
-                       ("branch-free", "engine")) == "branch-free"
+    return (
+        per_backend(
+            ROW_NORMS,
+            "gradclip_jax.per_example.ghost._measure.ROW_NORMS",
+            "branch-free",
+            ("branch-free", "engine"),
+        )
+        == "branch-free"
+    )
 
 
 def leaf_norms(config: ClipConfig, call: Call, traced: Traced, batch: Any, fwd: Pass) -> LeafNorms:
@@ -329,7 +389,11 @@ def leaf_norms(config: ClipConfig, call: Call, traced: Traced, batch: Any, fwd: 
         alone = s.leaf not in norms and (uses[s.leaf] == 1 or s.leaf in plan.blocks)
         site_norms.append(site_norm(closed, s, ops, g, acc) if alone else None)
     # A leaf with a site no rule measures forms its per-example gradients from all its sites.
-    formed = {s.leaf for s, n in zip(plan.sites, site_norms, strict=True) if n is None and s.leaf not in norms}
+    formed = {
+        s.leaf
+        for s, n in zip(plan.sites, site_norms, strict=True)
+        if n is None and s.leaf not in norms
+    }
     local: dict[int, jax.Array] = {}  # summed per-example gradients of the leaves in `formed`
     for s, ops, g in zip(plan.sites, fwd.operands, fwd.cts, strict=True):
         if s.leaf in formed:
@@ -345,11 +409,17 @@ def leaf_norms(config: ClipConfig, call: Call, traced: Traced, batch: Any, fwd: 
     grouped = {i for g in groups for i in g}
     own = [i for i in rows if i not in grouped]
     together = [jnp.concatenate([rows[i] for i in g], axis=1) for g in groups]
-    measured = iter(leaf_example_norms([*together, *[rows[i] for i in own],
-                                        *[a for r in requests for a in r.arrays]], branch_free=_row_norms_branch_free()))
+    measured = iter(
+        leaf_example_norms(
+            [*together, *[rows[i] for i in own], *[a for r in requests for a in r.arrays]],
+            branch_free=_row_norms_branch_free(),
+        )
+    )
     joint = [next(measured).astype(acc) for _ in together]
     norms.update((i, next(measured)) for i in own)
-    resolved = {r: r.combine([next(measured) for _ in r.arrays]) for r in requests}  # keyed by identity
+    resolved = {
+        r: r.combine([next(measured) for _ in r.arrays]) for r in requests
+    }  # keyed by identity
     parts: dict[int, list[jax.Array]] = {}  # per-block norms (one for a leaf used once)
     for s, n in zip(plan.sites, site_norms, strict=True):
         if s.leaf not in formed and n is not None:

@@ -51,8 +51,17 @@ from gradclip_jax.per_example.ghost._sums import (
 
 def _trace(config: ClipConfig, call: Call, batch: Any, check: bool) -> Traced:
     bsize = first_leaf(batch).shape[0]
-    return trace_and_plan(config.loss_fn, config.has_aux, config.fn, call.params, call.pflat, batch, call.args,
-                          bsize, check=check)
+    return trace_and_plan(
+        config.loss_fn,
+        config.has_aux,
+        config.fn,
+        call.params,
+        call.pflat,
+        batch,
+        call.args,
+        bsize,
+        check=check,
+    )
 
 
 def _forward(call: Call, traced: Traced, batch: Any, backward: bool) -> Pass:
@@ -74,8 +83,12 @@ def _forward(call: Call, traced: Traced, batch: Any, backward: bool) -> Pass:
     of_site = [slot[(s.scan, s.eqn)] for s in plan.sites]
     outs = [site_eqn(closed.jaxpr, s).outvars[0] for s in owners]
     # a site in a scan's body: its probe (and so its cotangent) stacked over the steps
-    probes = [vary_like(jnp.zeros((s.length, *shape(v)) if s.scan is not None else shape(v), v.aval.dtype), ref)
-              for s, v in zip(owners, outs, strict=True)]
+    probes = [
+        vary_like(
+            jnp.zeros((s.length, *shape(v)) if s.scan is not None else shape(v), v.aval.dtype), ref
+        )
+        for s, v in zip(owners, outs, strict=True)
+    ]
     at = {s.eqn: j for j, s in enumerate(owners) if s.scan is None}
     inner: dict[int, dict[int, int]] = {}
     for j, s in enumerate(owners):
@@ -86,7 +99,9 @@ def _forward(call: Call, traced: Traced, batch: Any, backward: bool) -> Pass:
         kept[j] = tuple(sorted({*kept.get(j, ()), *s.rows}))
 
     def probed(p: Any, pr: list) -> tuple:
-        res, operands = run_probed(closed, jax.tree_util.tree_leaves((p, batch, call.args)), at, pr, inner, kept)
+        res, operands = run_probed(
+            closed, jax.tree_util.tree_leaves((p, batch, call.args)), at, pr, inner, kept
+        )
         return res[0], operands
 
     losses: jax.Array
@@ -100,17 +115,24 @@ def _forward(call: Call, traced: Traced, batch: Any, backward: bool) -> Pass:
     return Pass(losses, pull, [operands[i] for i in of_site], [cts[i] for i in of_site])
 
 
-def _values_and_aux(config: ClipConfig, call: Call, batch: Any, losses: jax.Array) -> tuple[jax.Array, Any]:
+def _values_and_aux(
+    config: ClipConfig, call: Call, batch: Any, losses: jax.Array
+) -> tuple[jax.Array, Any]:
     """Per-example losses, and with ``has_aux`` the per-example aux (one forward per example)."""
     if not config.has_aux:
         return losses, None
     scalar_loss = one_example_loss(config.loss_fn, config.has_aux)
     in_axes = (0,) + (None,) * len(call.args)
-    return jax.vmap(lambda ex, *a: scalar_loss(call.params, ex, *a), in_axes=in_axes,  # type: ignore[no-any-return]
-                    spmd_axis_name=config.spmd_axis_name)(batch, *call.args)
+    return jax.vmap(
+        lambda ex, *a: scalar_loss(call.params, ex, *a),
+        in_axes=in_axes,  # type: ignore[no-any-return]
+        spmd_axis_name=config.spmd_axis_name,
+    )(batch, *call.args)
 
 
-def _chunk(config: ClipConfig, call: Call, traced: Traced, clips: Any, batch: Any, valid: jax.Array | None) -> tuple:
+def _chunk(
+    config: ClipConfig, call: Call, traced: Traced, clips: Any, batch: Any, valid: jax.Array | None
+) -> tuple:
     """``(sums, norms, flags, values, aux)`` of the examples of ``batch`` (the whole batch or a microbatch)."""
     m = first_leaf(batch).shape[0]
     if m != call.bsize:  # a microbatch: the jaxpr and plan at its size
@@ -118,11 +140,15 @@ def _chunk(config: ClipConfig, call: Call, traced: Traced, clips: Any, batch: An
     if streams(config, traced, call.pflat):
         return _streamed_chunk(config, call, traced, clips, batch, valid)
     backward = sum_mode(config, traced) is GhostSum.BACKWARD
-    fwd = pin_narrow(_forward(call, traced, batch, backward), traced.plan.sites, acc_dtype_of(call.pflat))
+    fwd = pin_narrow(
+        _forward(call, traced, batch, backward), traced.plan.sites, acc_dtype_of(call.pflat)
+    )
     measured = leaf_norms(config, call, traced, batch, fwd)
     valid = match_batch_sharding(valid, first_leaf(batch)) if valid is not None else None
     vals, aux = _values_and_aux(config, call, batch, fwd.losses)
-    excess = {} if backward else weighting_excess(traced, call.pflat, fwd, measured.rows, measured.acc)
+    excess = (
+        {} if backward else weighting_excess(traced, call.pflat, fwd, measured.rows, measured.acc)
+    )
     w, ws = _step_weights(config, call, clips, measured, excess, valid, batch)
 
     def fast(keep: jax.Array | None) -> list[jax.Array]:
@@ -130,14 +156,24 @@ def _chunk(config: ClipConfig, call: Call, traced: Traced, clips: Any, batch: An
             return backward_sums(config, fwd, ws)
         return bookkept_sums(traced, call.pflat, fwd, measured.rows, ws, keep)
 
-    sums = clipped_sums(fast, config, call, batch, ws, w.keep, w.finite, zeroes_dropped=not backward,
-                        costly=costly_to_zero(traced, call.pflat, fwd))
+    sums = clipped_sums(
+        fast,
+        config,
+        call,
+        batch,
+        ws,
+        w.keep,
+        w.finite,
+        zeroes_dropped=not backward,
+        costly=costly_to_zero(traced, call.pflat, fwd),
+    )
     flags, ns = clip_flags(w, valid, clips is not None)
     return sums, ns, flags, vals, aux
 
 
-def _streamed_chunk(config: ClipConfig, call: Call, traced: Traced, clips: Any, batch: Any,
-                    valid: jax.Array | None) -> tuple:
+def _streamed_chunk(
+    config: ClipConfig, call: Call, traced: Traced, clips: Any, batch: Any, valid: jax.Array | None
+) -> tuple:
     """:func:`_chunk` on the streamed path (:mod:`._streamed`): the norms in one backward pass,
     the sums in a second, each site's inside the pass that holds its operands."""
     losses, measured = streamed_norms(call, traced, batch)
@@ -148,13 +184,22 @@ def _streamed_chunk(config: ClipConfig, call: Call, traced: Traced, clips: Any, 
     def fast(keep: jax.Array | None) -> list[jax.Array]:
         return streamed_sums(call, traced, batch, ws, keep)
 
-    sums = clipped_sums(fast, config, call, batch, ws, w.keep, w.finite, zeroes_dropped=True, costly=False)
+    sums = clipped_sums(
+        fast, config, call, batch, ws, w.keep, w.finite, zeroes_dropped=True, costly=False
+    )
     flags, ns = clip_flags(w, valid, clips is not None)
     return sums, ns, flags, vals, aux
 
 
-def _step_weights(config: ClipConfig, call: Call, clips: Any, measured: LeafNorms, excess: dict[int, jax.Array],
-                  valid: jax.Array | None, batch: Any) -> tuple[Weights, list[jax.Array]]:
+def _step_weights(
+    config: ClipConfig,
+    call: Call,
+    clips: Any,
+    measured: LeafNorms,
+    excess: dict[int, jax.Array],
+    valid: jax.Array | None,
+    batch: Any,
+) -> tuple[Weights, list[jax.Array]]:
     """The clip step and each leaf's weights for the sums: the factors (no gradient), 0 for a
     dropped example (enough when its values are finite or zeroed: see ``site_sum``). With an
     ``excess`` (one-pass sums), a factor other than 1 (exact) comes from the widened norms."""
@@ -162,15 +207,27 @@ def _step_weights(config: ClipConfig, call: Call, clips: Any, measured: LeafNorm
     w = _weights(config, call, clips, measured, {}, valid, ref.shape[0], ref)
     if excess:
         wide = _weights(config, call, clips, measured, excess, valid, ref.shape[0], ref)
-        w = w._replace(factors=[jnp.where(f == 1, f, fw) for f, fw in zip(w.factors, wide.factors, strict=True)])
+        w = w._replace(
+            factors=[
+                jnp.where(f == 1, f, fw) for f, fw in zip(w.factors, wide.factors, strict=True)
+            ]
+        )
     ws = [lax.stop_gradient(f) for f in w.factors]
     if w.keep is not None:
         ws = [jnp.where(w.keep, x, jnp.zeros_like(x)) for x in ws]
     return w, ws
 
 
-def _weights(config: ClipConfig, call: Call, clips: Any, measured: LeafNorms, excess: dict[int, jax.Array],
-             valid: jax.Array | None, m: int, ref: jax.Array) -> Weights:
+def _weights(
+    config: ClipConfig,
+    call: Call,
+    clips: Any,
+    measured: LeafNorms,
+    excess: dict[int, jax.Array],
+    valid: jax.Array | None,
+    m: int,
+    ref: jax.Array,
+) -> Weights:
     """The clip step from the leaves' norms, each raised by its ``excess`` (none: the norms)."""
     acc = measured.acc
 
@@ -180,11 +237,19 @@ def _weights(config: ClipConfig, call: Call, clips: Any, measured: LeafNorms, ex
 
     if clips is None:  # global clipping: the leaves' norms combined (an unused leaf adds nothing)
         parts = [norm(i) for i in call.pflat.active if i in measured.norms] + list(measured.joint)
-        acc_norms = [match_batch_sharding(n.astype(acc), ref) for n in parts] or [jnp.zeros((m,), acc)]
+        acc_norms = [match_batch_sharding(n.astype(acc), ref) for n in parts] or [
+            jnp.zeros((m,), acc)
+        ]
     else:
         acc_norms = [match_batch_sharding(norm(i), ref) for i in call.pflat.active]
-    return weigh(from_leaf_norms(acc_norms, clips is not None), config.l2_clip_norm if clips is None else clips,
-                 len(call.pflat.active), factor_fn=config.factors, valid=valid, nan_safe=config.nan_safe)
+    return weigh(
+        from_leaf_norms(acc_norms, clips is not None),
+        config.l2_clip_norm if clips is None else clips,
+        len(call.pflat.active),
+        factor_fn=config.factors,
+        valid=valid,
+        nan_safe=config.nan_safe,
+    )
 
 
 def run_ghost(config: ClipConfig, call: Call) -> tuple[Any, ClippedGradInfo]:

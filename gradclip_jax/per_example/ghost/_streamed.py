@@ -89,8 +89,9 @@ def _site_norm(closed: Any, site: Site, param: Any, ops: list, g: jax.Array, acc
     gradients above ``2**64``, and the norms combine in range (:func:`combine_l2`)."""
     n = site.rule.norm(site, closed.jaxpr.eqns[site.eqn], ops, g, acc)
     if n is None:
-        n = leaf_example_norms([as_rows(local_grads(closed, site, param, ops, g, acc).astype(acc))],
-                               branch_free=True)[0]
+        n = leaf_example_norms(
+            [as_rows(local_grads(closed, site, param, ops, g, acc).astype(acc))], branch_free=True
+        )[0]
     elif isinstance(n, RowNorms):
         n = n.combine(leaf_example_norms(list(n.arrays), branch_free=True))
     return n.astype(acc)
@@ -99,6 +100,7 @@ def _site_norm(closed: Any, site: Site, param: Any, ops: list, g: jax.Array, acc
 def _op_cotangents(closed: Any, site: Site, param: Any, ops: list, g: jax.Array) -> list:
     """The ordinary cotangents of the site's operands (the parameter's operand: zero, as the
     leaf's gradient comes from its sink)."""
+
     def out(o: list) -> Any:
         return apply_site(closed, site, o, param)
 
@@ -106,8 +108,12 @@ def _op_cotangents(closed: Any, site: Site, param: Any, ops: list, g: jax.Array)
     return list(cts)
 
 
-def _site_fn(closed: Any, site: Site, norm: Callable[..., jax.Array] | None,
-             summed: Callable[..., jax.Array] | None) -> Callable[..., Any]:
+def _site_fn(
+    closed: Any,
+    site: Site,
+    norm: Callable[..., jax.Array] | None,
+    summed: Callable[..., jax.Array] | None,
+) -> Callable[..., Any]:
     """The site's operation as a ``custom_vjp`` of ``(param, ops, z, sink, w, keep)``. Its backward
     gives ``norm(param, ops, g, z)`` as ``z``'s cotangent (the norm pass) or ``summed(param, ops, g, w, keep)``
     as the sink's (the sum pass); every value it reads is an argument, not a closure (a backward
@@ -123,9 +129,19 @@ def _site_fn(closed: Any, site: Site, norm: Callable[..., jax.Array] | None,
     def bwd(res: tuple, g: jax.Array) -> tuple:
         param, ops, z, sink, w, keep = res
         z_ct = None if norm is None else norm(param, ops, g, z)
-        s_ct = None if summed is None else jnp.reshape(summed(param, ops, g, w, keep), sink.shape).astype(sink.dtype)
-        return (jnp.zeros_like(param), _op_cotangents(closed, site, param, ops, g), z_ct, s_ct,
-                None if w is None else jnp.zeros_like(w), None)
+        s_ct = (
+            None
+            if summed is None
+            else jnp.reshape(summed(param, ops, g, w, keep), sink.shape).astype(sink.dtype)
+        )
+        return (
+            jnp.zeros_like(param),
+            _op_cotangents(closed, site, param, ops, g),
+            z_ct,
+            s_ct,
+            None if w is None else jnp.zeros_like(w),
+            None,
+        )
 
     f.defvjp(fwd, bwd)
     return f
@@ -133,6 +149,7 @@ def _site_fn(closed: Any, site: Site, norm: Callable[..., jax.Array] | None,
 
 def _norm_hook(acc: Any) -> Hook:
     """Sites whose backward gives their per-example norm as their sink's cotangent (``(B,)``)."""
+
     def hook(closed: Any, site: Site, param: Any, ops: list, sink: Any) -> Any:
         def norm(p: Any, o: list, g: jax.Array, z: jax.Array) -> jax.Array:
             return _site_norm(closed, site, p, o, g, acc).astype(z.dtype)
@@ -144,17 +161,27 @@ def _norm_hook(acc: Any) -> Hook:
 
 def _sum_hook(weights: dict[int, jax.Array], keep: jax.Array | None) -> Hook:
     """Sites whose backward gives their weighted sum (``weights[leaf]``) as their sink's cotangent."""
+
     def hook(closed: Any, site: Site, param: Any, ops: list, sink: Any) -> Any:
         def summed(p: Any, o: list, g: jax.Array, w: jax.Array, kp: jax.Array | None) -> jax.Array:
             return site_sum(closed, site, p, o, g, w, kp)
 
-        return _site_fn(closed, site, None, summed)(param, ops, None, sink, weights[site.leaf], keep)
+        return _site_fn(closed, site, None, summed)(
+            param, ops, None, sink, weights[site.leaf], keep
+        )
 
     return hook
 
 
-def _evaluate(closed: Any, inputs: Sequence[Any], n_params: int, sites: Sequence[Site], hook: Hook,
-              sinks: Sequence[Any], remat: Any) -> list[Any]:
+def _evaluate(
+    closed: Any,
+    inputs: Sequence[Any],
+    n_params: int,
+    sites: Sequence[Site],
+    hook: Hook,
+    sinks: Sequence[Any],
+    remat: Any,
+) -> list[Any]:
     """``closed`` on ``inputs`` with every site's equation run by ``hook``, with its sink
     (``sinks[j]`` for ``sites[j]``), also inside the scans over stacked layers, whose steps
     run under ``remat``'s checkpoint when given."""
@@ -170,22 +197,30 @@ def _evaluate(closed: Any, inputs: Sequence[Any], n_params: int, sites: Sequence
             s = sites[at[k]]
             return [hook(closed, s, inputs[s.leaf], invals, sinks[at[k]])]
         if k in inner:
-            body_sites = {sites[j].eqn: (dataclasses.replace(sites[j], scan=None, length=1), sinks[j])
-                          for j in inner[k]}
+            body_sites = {
+                sites[j].eqn: (dataclasses.replace(sites[j], scan=None, length=1), sinks[j])
+                for j in inner[k]
+            }
             return _scan(eqn, invals, [leaf_of.get(v) for v in eqn.invars], body_sites, hook, remat)
         return None
 
     return evaluate(closed.jaxpr, closed.consts, inputs, run)
 
 
-def _scan(eqn: Any, invals: list, leaves: list[int | None], sites: dict[int, tuple[Site, Any]], hook: Hook,
-          remat: Any) -> list[Any]:
+def _scan(
+    eqn: Any,
+    invals: list,
+    leaves: list[int | None],
+    sites: dict[int, tuple[Site, Any]],
+    hook: Hook,
+    remat: Any,
+) -> list[Any]:
     """A scan over stacked layers with its body's sites (by equation: the site, its sink stacked
     over the steps) run by ``hook``; the sinks are sliced one step at a time, like the leaves."""
     info = jc.scan_info(eqn)
     n_consts, n_carry = info.n_consts, info.n_carry
     consts = invals[:n_consts]
-    xs_leaves = leaves[n_consts + n_carry:]
+    xs_leaves = leaves[n_consts + n_carry :]
     order = sorted(sites)
 
     def step(c: list, x: tuple) -> tuple[list, list]:
@@ -197,14 +232,25 @@ def _scan(eqn: Any, invals: list, leaves: list[int | None], sites: dict[int, tup
 
     if remat is not None:
         step = jax.checkpoint(step, prevent_cse=remat.prevent_cse, policy=remat.policy)
-    xs = (list(invals[n_consts + n_carry:]), [sites[k][1] for k in order])
-    carry, ys = lax.scan(step, list(invals[n_consts:n_consts + n_carry]), xs, length=info.length,
-                         reverse=info.reverse, unroll=info.unroll)
+    xs = (list(invals[n_consts + n_carry :]), [sites[k][1] for k in order])
+    carry, ys = lax.scan(
+        step,
+        list(invals[n_consts : n_consts + n_carry]),
+        xs,
+        length=info.length,
+        reverse=info.reverse,
+        unroll=info.unroll,
+    )
     return [*carry, *ys]
 
 
-def _body(body: Any, args: Sequence[Any], sites: dict[int, tuple[Site, Any]], leaf_vals: dict[int, Any],
-          hook: Hook) -> list[Any]:
+def _body(
+    body: Any,
+    args: Sequence[Any],
+    sites: dict[int, tuple[Site, Any]],
+    leaf_vals: dict[int, Any],
+    hook: Hook,
+) -> list[Any]:
     """One step of a scan's body, its sites (by equation, with this step's sink) run by ``hook``."""
     j, consts = open_jaxpr(body)
 
@@ -231,7 +277,9 @@ def streamed_norms(call: Call, traced: Traced, batch: Any) -> tuple[jax.Array, L
     inputs = _inputs(call, batch)
 
     def losses(sinks: list[jax.Array]) -> jax.Array:
-        return _evaluate(closed, inputs, len(call.pflat.leaves), plan.sites, _norm_hook(acc), sinks, plan.remat)[0]
+        return _evaluate(
+            closed, inputs, len(call.pflat.leaves), plan.sites, _norm_hook(acc), sinks, plan.remat
+        )[0]
 
     def zeros(length: int | None) -> jax.Array:
         """A site's zero sink, sharded (and varying) like the batch: its cotangent is the norms."""
@@ -246,8 +294,9 @@ def streamed_norms(call: Call, traced: Traced, batch: Any) -> tuple[jax.Array, L
     return out, LeafNorms(norms, {}, acc)
 
 
-def streamed_sums(call: Call, traced: Traced, batch: Any, weights: Sequence[jax.Array],
-                  keep: jax.Array | None) -> list[jax.Array]:
+def streamed_sums(
+    call: Call, traced: Traced, batch: Any, weights: Sequence[jax.Array], keep: jax.Array | None
+) -> list[jax.Array]:
     """Every active leaf's clipped sum :math:`\\sum_b w_{b,l} G_{b,l}` (``weights``: one ``(B,)``
     per active leaf), each site's book-kept in the backward pass that holds its operands, as
     the cotangent of its zero sink shaped like the leaf (stacked over the steps in a scan)."""
@@ -260,12 +309,18 @@ def streamed_sums(call: Call, traced: Traced, batch: Any, weights: Sequence[jax.
     w_of = dict(zip(active, weights, strict=True))
 
     def losses(sinks: list[jax.Array]) -> jax.Array:
-        return _evaluate(closed, inputs, len(pflat.leaves), plan.sites, _sum_hook(w_of, keep), sinks, plan.remat)[0]
+        return _evaluate(
+            closed, inputs, len(pflat.leaves), plan.sites, _sum_hook(w_of, keep), sinks, plan.remat
+        )[0]
 
     dtype = {i: _norms.sum_dtype(pflat.leaves[i].dtype) for i in active}
-    ref = first_leaf(batch)  # (inside shard_map the sinks vary like the batch: each device's own sums)
-    out, pull = jax.vjp(losses, [vary_like(jnp.zeros(pflat.leaves[s.leaf].shape, dtype[s.leaf]), ref)
-                                 for s in plan.sites])
+    ref = first_leaf(
+        batch
+    )  # (inside shard_map the sinks vary like the batch: each device's own sums)
+    out, pull = jax.vjp(
+        losses,
+        [vary_like(jnp.zeros(pflat.leaves[s.leaf].shape, dtype[s.leaf]), ref) for s in plan.sites],
+    )
     totals: dict[int, jax.Array] = {}
     for s, t in zip(plan.sites, pull(jnp.ones_like(out))[0], strict=True):
         totals[s.leaf] = t if s.leaf not in totals else totals[s.leaf] + t

@@ -53,8 +53,15 @@ def _per_row(x: jax.Array, rows: int) -> jax.Array:
     return jnp.reshape(jnp.broadcast_to(x[:, None], (x.shape[0], rows)), (-1,))
 
 
-def site_sum(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any], g: jax.Array,
-              w: jax.Array, keep: jax.Array | None = None) -> jax.Array:
+def site_sum(
+    closed: Any,
+    site: Site,
+    param: jax.Array,
+    invals: Sequence[Any],
+    g: jax.Array,
+    w: jax.Array,
+    keep: jax.Array | None = None,
+) -> jax.Array:
     """``sum_b w_b G_b`` for one use of a leaf: the pull-back of ``w_b g_b`` through its one operation.
 
     The operation is evaluated in the leaf's accumulation dtype: with 16-bit
@@ -71,7 +78,9 @@ def site_sum(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any], g
     scan's body gives each step's block of the stacked leaf.
     """
     if site.scan is not None:
-        return each_step(lambda c, s, p, v, gl: site_sum(c, s, p, v, gl, w, keep), closed, site, param, invals, g)
+        return each_step(
+            lambda c, s, p, v, gl: site_sum(c, s, p, v, gl, w, keep), closed, site, param, invals, g
+        )
     acc = _norms.acc_dtype(param.dtype)
     ct_dtype = widen(g.dtype, acc)
     if site.merged > 1:  # a merged batch: each example's weight on each of its rows
@@ -80,14 +89,18 @@ def site_sum(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any], g
     vals = list(invals)
     p0 = param.astype(widen(param.dtype, acc))
     if rounds_to_tf32(ct_dtype):  # "tf32", "tf32x2": TF32 passes on the operands the norms measured
-        return _tf32_site_sum(closed, site, vals, p0, acc, g.astype(ct_dtype), w.astype(ct_dtype), keep)
+        return _tf32_site_sum(
+            closed, site, vals, p0, acc, g.astype(ct_dtype), w.astype(ct_dtype), keep
+        )
     shape = (1,) * site.out_axis + (-1,) + (1,) * (g.ndim - site.out_axis - 1)
     ct = g.astype(ct_dtype) * w.astype(ct_dtype).reshape(shape)
     if keep is not None:
         ct = _zero_dropped(ct, keep, site.out_axis)
         for r in site.rows:
             vals[r] = _zero_dropped(vals[r], keep, site.axis)
-    passes = tf32_passes(vals[site.rows[0]], ct) if site.kind == "conv" and len(site.rows) == 1 else None
+    passes = (
+        tf32_passes(vals[site.rows[0]], ct) if site.kind == "conv" and len(site.rows) == 1 else None
+    )
     if passes is None:
         _, pull = jax.vjp(lambda p: apply_site(closed, site, vals, p, acc), p0)
         return pull(ct)[0]  # type: ignore[no-any-return]
@@ -95,7 +108,7 @@ def site_sum(closed: Any, site: Site, param: jax.Array, invals: Sequence[Any], g
     row = site.rows[0]
     total = None
     for x, c in passes:
-        v = [*vals[:row], x, *vals[row + 1:]]
+        v = [*vals[:row], x, *vals[row + 1 :]]
         part = _pulled(closed, site, v, p0, acc, [c])
         total = part if total is None else total + part
     return total  # type: ignore[return-value]
@@ -113,8 +126,16 @@ def _weights_operand(site: Site, vals: Sequence[Any], g: jax.Array) -> bool:
     return bool(jnp.issubdtype(x.dtype, jnp.floating)) and x.size < g.size
 
 
-def _tf32_site_sum(closed: Any, site: Site, vals: list[Any], p0: jax.Array, acc: Any, g: jax.Array,
-                   w: jax.Array, keep: jax.Array | None) -> jax.Array:
+def _tf32_site_sum(
+    closed: Any,
+    site: Site,
+    vals: list[Any],
+    p0: jax.Array,
+    acc: Any,
+    g: jax.Array,
+    w: jax.Array,
+    keep: jax.Array | None,
+) -> jax.Array:
     """``sum_b w_b G_b`` at ``PRODUCT_PRECISION`` ``"tf32"`` or ``"tf32x2"``: one or two TF32 passes.
 
     The weights multiply the smaller of the batched operand and the cotangent, both the TF32
@@ -132,7 +153,9 @@ def _tf32_site_sum(closed: Any, site: Site, vals: list[Any], p0: jax.Array, acc:
     target = vals[side] if side is not None else g
     wshape = (1,) * axis + (-1,) + (1,) * (target.ndim - axis - 1)
     if sums_once(site, g, p0):  # one pass; the clip factor allowed for its rounding
-        parts: list[jax.Array] | None = [tf32_weighted_once(target.astype(g.dtype), w.reshape(wshape))]
+        parts: list[jax.Array] | None = [
+            tf32_weighted_once(target.astype(g.dtype), w.reshape(wshape))
+        ]
     else:
         parts = tf32_weighted(target.astype(g.dtype), w.reshape(wshape))
     assert parts is not None  # the caller checked rounds_to_tf32
@@ -141,20 +164,25 @@ def _tf32_site_sum(closed: Any, site: Site, vals: list[Any], p0: jax.Array, acc:
         parts = [_zero_dropped(x, keep, axis) for x in parts]
     for r in site.rows:
         if r != side:
-            vals[r] = as_measured(vals[r]) if keep is None else _zero_dropped(as_measured(vals[r]), keep, site.axis)
+            vals[r] = (
+                as_measured(vals[r])
+                if keep is None
+                else _zero_dropped(as_measured(vals[r]), keep, site.axis)
+            )
     if not on_operand:
         return _pulled(closed, site, vals, p0, acc, parts)
     ct = as_measured(g) if keep is None else _zero_dropped(as_measured(g), keep, site.out_axis)
     row = site.rows[0]
     total = None
     for part in parts:
-        pulled = _pulled(closed, site, [*vals[:row], part, *vals[row + 1:]], p0, acc, [ct])
+        pulled = _pulled(closed, site, [*vals[:row], part, *vals[row + 1 :]], p0, acc, [ct])
         total = pulled if total is None else total + pulled
     return total  # type: ignore[return-value]
 
 
-def _pulled(closed: Any, site: Site, vals: Sequence[Any], p0: jax.Array, acc: Any,
-            cts: Sequence[jax.Array]) -> jax.Array:
+def _pulled(
+    closed: Any, site: Site, vals: Sequence[Any], p0: jax.Array, acc: Any, cts: Sequence[jax.Array]
+) -> jax.Array:
     """The sum of the pull-backs of ``cts`` through the site's operation on ``vals``, its products
     at ``Precision.DEFAULT`` (each pass exact on TF32 operands; TF32 tensor cores on NVIDIA GPUs)."""
     _, pull = jax.vjp(lambda p: apply_site(closed, site, vals, p, acc, lax.Precision.DEFAULT), p0)
@@ -185,8 +213,14 @@ def costly_to_zero(traced: Traced, pflat: _norms.FlatTree, fwd: Pass) -> bool:
     return False
 
 
-def bookkept_sums(traced: Traced, pflat: _norms.FlatTree, fwd: Pass, rows: dict[int, jax.Array],
-                  weights: Sequence[jax.Array], keep: jax.Array | None = None) -> list[jax.Array]:
+def bookkept_sums(
+    traced: Traced,
+    pflat: _norms.FlatTree,
+    fwd: Pass,
+    rows: dict[int, jax.Array],
+    weights: Sequence[jax.Array],
+    keep: jax.Array | None = None,
+) -> list[jax.Array]:
     """The clipped sum of every active leaf, :math:`\\sum_b c_{b,l} G_{b,l}`, by book-keeping.
 
     Nothing is differentiated a second time: a dense or embedding leaf's sum is
@@ -204,9 +238,16 @@ def bookkept_sums(traced: Traced, pflat: _norms.FlatTree, fwd: Pass, rows: dict[
     row_ids = [i for i in pflat.active if i in rows]
     totals: dict[int, jax.Array] = {}
     if row_ids:
-        totals.update(zip(row_ids, fused_sums([rows[i] for i in row_ids], [w_of[i] for i in row_ids], keep),
-                          strict=True))
-    for s, o, g in zip(traced.plan.sites, fwd.operands, fwd.cts, strict=True):  # every use of the other leaves
+        totals.update(
+            zip(
+                row_ids,
+                fused_sums([rows[i] for i in row_ids], [w_of[i] for i in row_ids], keep),
+                strict=True,
+            )
+        )
+    for s, o, g in zip(
+        traced.plan.sites, fwd.operands, fwd.cts, strict=True
+    ):  # every use of the other leaves
         i = s.leaf
         if i in rows or i not in w_of:
             continue
@@ -223,9 +264,17 @@ def bookkept_sums(traced: Traced, pflat: _norms.FlatTree, fwd: Pass, rows: dict[
     return out
 
 
-def clipped_sums(fast: Callable[[jax.Array | None], list[jax.Array]], config: ClipConfig, call: Call, batch: Any,
-                 ws: Sequence[jax.Array], keep: jax.Array | None, finite: jax.Array,
-                 zeroes_dropped: bool, costly: bool = True) -> list[jax.Array]:
+def clipped_sums(
+    fast: Callable[[jax.Array | None], list[jax.Array]],
+    config: ClipConfig,
+    call: Call,
+    batch: Any,
+    ws: Sequence[jax.Array],
+    keep: jax.Array | None,
+    finite: jax.Array,
+    zeroes_dropped: bool,
+    costly: bool = True,
+) -> list[jax.Array]:
     """The clipped sums: ``fast(None)`` (second backward pass or book-keeping), made NaN-safe.
 
     A weight of 0 removes an example's contribution exactly when its values are
@@ -262,7 +311,9 @@ def clipped_sums(fast: Callable[[jax.Array | None], list[jax.Array]], config: Cl
             return unrow(sums, arrays)
         ref = first_leaf(batch)
         init = [vary_like(jnp.zeros(x.shape, _norms.sum_dtype(x.dtype)), ref) for x in pflat.arrays]
-        return scan_weighted_sum(init, keep, ws, batch, lambda ex: _norms.flatten(grad_of(ex), config.fn).arrays)
+        return scan_weighted_sum(
+            init, keep, ws, batch, lambda ex: _norms.flatten(grad_of(ex), config.fn).arrays
+        )
 
     risky = jnp.any(~keep & ~finite)
     # The fast sums are computed outside the conditional, which only picks between

@@ -21,12 +21,19 @@ from tests.per_example.models import mlp_setup, xent
 def mlp(batch, sizes=(64, 256, 10), scale=False, seed=0):
     """An MLP; ``scale`` adds a leaf read through ``sin`` (it falls back to per-example gradients)."""
     r = np.random.default_rng(seed)
-    params = {f"l{i}": {"w": jnp.asarray(r.normal(size=(a, b)) / np.sqrt(a), jnp.float32), "b": jnp.zeros(b)}
-              for i, (a, b) in enumerate(itertools.pairwise(sizes))}
+    params = {
+        f"l{i}": {
+            "w": jnp.asarray(r.normal(size=(a, b)) / np.sqrt(a), jnp.float32),
+            "b": jnp.zeros(b),
+        }
+        for i, (a, b) in enumerate(itertools.pairwise(sizes))
+    }
     if scale:
         params["s"] = jnp.ones(sizes[-1])
-    data = {"x": jnp.asarray(r.normal(size=(batch, sizes[0])), jnp.float32),
-            "y": jnp.asarray(r.integers(0, sizes[-1], batch))}
+    data = {
+        "x": jnp.asarray(r.normal(size=(batch, sizes[0])), jnp.float32),
+        "y": jnp.asarray(r.integers(0, sizes[-1], batch)),
+    }
 
     def loss(p, b):
         h = b["x"]
@@ -41,16 +48,27 @@ def mlp(batch, sizes=(64, 256, 10), scale=False, seed=0):
 def cnn(batch, seed=0):
     """Two small convolutions on 16x16 images: few parameters, large activations."""
     r = np.random.default_rng(seed)
-    params = {"c1": jnp.asarray(r.normal(size=(3, 3, 1, 16)) / 3, jnp.float32), "b1": jnp.zeros(16),
-              "c2": jnp.asarray(r.normal(size=(3, 3, 16, 32)) / 12, jnp.float32), "b2": jnp.zeros(32),
-              "d": jnp.asarray(r.normal(size=(32, 10)) / 6, jnp.float32)}
-    data = {"img": jnp.asarray(r.normal(size=(batch, 16, 16, 1)), jnp.float32),
-            "y": jnp.asarray(r.integers(0, 10, batch))}
+    params = {
+        "c1": jnp.asarray(r.normal(size=(3, 3, 1, 16)) / 3, jnp.float32),
+        "b1": jnp.zeros(16),
+        "c2": jnp.asarray(r.normal(size=(3, 3, 16, 32)) / 12, jnp.float32),
+        "b2": jnp.zeros(32),
+        "d": jnp.asarray(r.normal(size=(32, 10)) / 6, jnp.float32),
+    }
+    data = {
+        "img": jnp.asarray(r.normal(size=(batch, 16, 16, 1)), jnp.float32),
+        "y": jnp.asarray(r.integers(0, 10, batch)),
+    }
     dn = ("NHWC", "HWIO", "NHWC")
 
     def loss(p, b):
-        h = jax.nn.relu(lax.conv_general_dilated(b["img"], p["c1"], (1, 1), "SAME", dimension_numbers=dn) + p["b1"])
-        h = jax.nn.relu(lax.conv_general_dilated(h, p["c2"], (2, 2), "SAME", dimension_numbers=dn) + p["b2"])
+        h = jax.nn.relu(
+            lax.conv_general_dilated(b["img"], p["c1"], (1, 1), "SAME", dimension_numbers=dn)
+            + p["b1"]
+        )
+        h = jax.nn.relu(
+            lax.conv_general_dilated(h, p["c2"], (2, 2), "SAME", dimension_numbers=dn) + p["b2"]
+        )
         return xent(jnp.mean(h, (1, 2)) @ p["d"], b["y"])
 
     return loss, params, data
@@ -59,7 +77,10 @@ def cnn(batch, seed=0):
 def mostly_fallback(batch=128):
     """A dense layer measured by ghost clipping, and a larger leaf read through ``sin`` (it falls back)."""
     r = np.random.default_rng(1)
-    params = {"w": jnp.asarray(r.normal(size=(64, 256)) / 8, jnp.float32), "big": jnp.ones(30000) / 1000}
+    params = {
+        "w": jnp.asarray(r.normal(size=(64, 256)) / 8, jnp.float32),
+        "big": jnp.ones(30000) / 1000,
+    }
     data = jnp.asarray(r.normal(size=(batch, 64)), jnp.float32)
 
     def loss(p, b):
@@ -70,6 +91,7 @@ def mostly_fallback(batch=128):
 
 def path_taken(loss, params, data):
     """``'ghost'`` or ``'vmap'``: the path ``method='auto'`` traced, read off its program."""
+
     def program(method):
         return str(jax.make_jaxpr(clipped_grad(loss, 1.0, method=method))(params, data))
 
@@ -85,7 +107,11 @@ CASES = {
     "cnn, large activations": (lambda: cnn(16), "vmap", "smaller than the output cotangents"),
     "mlp with a fallback leaf": (lambda: mlp(8, scale=True), "vmap", "1 of 5 leaves fall back"),
     "a fallback leaf holding most parameters": (mostly_fallback, "vmap", "less than half"),
-    "large mlp with a fallback leaf": (lambda: mlp(8, (256, 512, 10), scale=True), "ghost", "at least AUTO_MIN_ELEMENTS"),
+    "large mlp with a fallback leaf": (
+        lambda: mlp(8, (256, 512, 10), scale=True),
+        "ghost",
+        "at least AUTO_MIN_ELEMENTS",
+    ),
 }
 
 
@@ -133,5 +159,7 @@ def test_auto_sums_equal_the_vmap_paths(case):
 
 def test_a_report_built_by_hand_has_no_auto_line():
     rep = GhostReport(([("['w']", "dense")], []))
-    assert rep.auto is None and "method='auto'" not in str(rep) and "method='auto'" not in rep.summary
+    assert (
+        rep.auto is None and "method='auto'" not in str(rep) and "method='auto'" not in rep.summary
+    )
     assert str(rep).splitlines()[0] == rep.summary

@@ -91,28 +91,72 @@ def _reference_norms(x, w, g, **kw):
 
 # name: (input shape without the batch, kernel shape, dimension numbers, conv keywords)
 GEOMETRIES = {
-    "nhwc_hwio_same": ((8, 8, 3), (3, 3, 3, 4), ("NHWC", "HWIO", "NHWC"),
-                       dict(window_strides=(1, 1), padding="SAME")),
-    "nchw_oihw_stride2_explicit": ((3, 9, 8), (4, 3, 3, 2), ("NCHW", "OIHW", "NCHW"),
-                                   dict(window_strides=(2, 2), padding=((1, 2), (0, 1)))),
-    "nwc_1d_stride2_valid": ((11, 3), (3, 3, 5), ("NWC", "WIO", "NWC"),
-                             dict(window_strides=(2,), padding="VALID")),
-    "ncw_1d_dilation2": ((3, 12), (4, 3, 3), ("NCW", "OIW", "NCW"),
-                         dict(window_strides=(1,), padding="SAME", rhs_dilation=(2,))),
-    "nhwc_dilation2_stride2": ((9, 9, 2), (3, 2, 2, 3), ("NHWC", "HWIO", "NHWC"),
-                               dict(window_strides=(2, 2), padding="SAME", rhs_dilation=(2, 2))),
-    "ndhwc_3d": ((5, 5, 5, 2), (2, 3, 2, 2, 3), ("NDHWC", "DHWIO", "NDHWC"),
-                 dict(window_strides=(1, 2, 1), padding="SAME")),
-    "depthwise": ((8, 8, 4), (3, 3, 1, 8), ("NHWC", "HWIO", "NHWC"),
-                  dict(window_strides=(1, 1), padding="SAME", feature_group_count=4)),
-    "grouped": ((6, 7, 7), (6, 2, 3, 3), ("NCHW", "OIHW", "NCHW"),
-                dict(window_strides=(2, 1), padding="VALID", feature_group_count=3)),
-    "transposed": ((5, 5, 3), (3, 3, 3, 4), ("NHWC", "HWIO", "NHWC"),
-                   dict(window_strides=(1, 1), padding=((2, 1), (1, 2)), lhs_dilation=(2, 2))),
-    "negative_padding": ((8, 8, 2), (3, 3, 2, 3), ("NHWC", "HWIO", "NHWC"),
-                         dict(window_strides=(1, 2), padding=((-1, 1), (0, -1)))),
-    "mixed_layouts": ((3, 8, 7), (3, 2, 4, 3), ("NCHW", "HWOI", "NHWC"),
-                      dict(window_strides=(1, 1), padding="SAME")),
+    "nhwc_hwio_same": (
+        (8, 8, 3),
+        (3, 3, 3, 4),
+        ("NHWC", "HWIO", "NHWC"),
+        dict(window_strides=(1, 1), padding="SAME"),
+    ),
+    "nchw_oihw_stride2_explicit": (
+        (3, 9, 8),
+        (4, 3, 3, 2),
+        ("NCHW", "OIHW", "NCHW"),
+        dict(window_strides=(2, 2), padding=((1, 2), (0, 1))),
+    ),
+    "nwc_1d_stride2_valid": (
+        (11, 3),
+        (3, 3, 5),
+        ("NWC", "WIO", "NWC"),
+        dict(window_strides=(2,), padding="VALID"),
+    ),
+    "ncw_1d_dilation2": (
+        (3, 12),
+        (4, 3, 3),
+        ("NCW", "OIW", "NCW"),
+        dict(window_strides=(1,), padding="SAME", rhs_dilation=(2,)),
+    ),
+    "nhwc_dilation2_stride2": (
+        (9, 9, 2),
+        (3, 2, 2, 3),
+        ("NHWC", "HWIO", "NHWC"),
+        dict(window_strides=(2, 2), padding="SAME", rhs_dilation=(2, 2)),
+    ),
+    "ndhwc_3d": (
+        (5, 5, 5, 2),
+        (2, 3, 2, 2, 3),
+        ("NDHWC", "DHWIO", "NDHWC"),
+        dict(window_strides=(1, 2, 1), padding="SAME"),
+    ),
+    "depthwise": (
+        (8, 8, 4),
+        (3, 3, 1, 8),
+        ("NHWC", "HWIO", "NHWC"),
+        dict(window_strides=(1, 1), padding="SAME", feature_group_count=4),
+    ),
+    "grouped": (
+        (6, 7, 7),
+        (6, 2, 3, 3),
+        ("NCHW", "OIHW", "NCHW"),
+        dict(window_strides=(2, 1), padding="VALID", feature_group_count=3),
+    ),
+    "transposed": (
+        (5, 5, 3),
+        (3, 3, 3, 4),
+        ("NHWC", "HWIO", "NHWC"),
+        dict(window_strides=(1, 1), padding=((2, 1), (1, 2)), lhs_dilation=(2, 2)),
+    ),
+    "negative_padding": (
+        (8, 8, 2),
+        (3, 3, 2, 3),
+        ("NHWC", "HWIO", "NHWC"),
+        dict(window_strides=(1, 2), padding=((-1, 1), (0, -1))),
+    ),
+    "mixed_layouts": (
+        (3, 8, 7),
+        (3, 2, 4, 3),
+        ("NCHW", "HWOI", "NHWC"),
+        dict(window_strides=(1, 1), padding="SAME"),
+    ),
 }
 
 
@@ -121,11 +165,15 @@ def conv_setup(name, seed=0, batch=B, dtype=jnp.float32):
     in_shape, k_shape, dn, kw = GEOMETRIES[name]
     r = np.random.default_rng(seed)
     cout = k_shape[dn[1].index("O")]
-    params = {"k": jnp.asarray(r.normal(size=k_shape) / 2, dtype),
-              "head": jnp.asarray(r.normal(size=(cout, 3)), dtype)}
+    params = {
+        "k": jnp.asarray(r.normal(size=k_shape) / 2, dtype),
+        "head": jnp.asarray(r.normal(size=(cout, 3)), dtype),
+    }
     scale = r.uniform(0.2, 3.0, size=(batch,) + (1,) * len(in_shape))
-    data = {"x": jnp.asarray(r.normal(size=(batch, *in_shape)) * scale, dtype),
-            "y": jnp.asarray(r.integers(0, 3, size=batch))}
+    data = {
+        "x": jnp.asarray(r.normal(size=(batch, *in_shape)) * scale, dtype),
+        "y": jnp.asarray(r.integers(0, 3, size=batch)),
+    }
 
     def loss(p, b):
         h = jnp.tanh(lax.conv_general_dilated(b["x"], p["k"], dimension_numbers=dn, **kw))
@@ -139,7 +187,10 @@ def conv_setup(name, seed=0, batch=B, dtype=jnp.float32):
 def test_conv_matches_vmap_float64(name, forms, monkeypatch):
     with jax.enable_x64(True):
         loss, params, data = conv_setup(name, dtype=jnp.float64)
-        assert dict(ghost_report(loss, params, data).ghost) == {"['k']": "conv", "['head']": "dense"}
+        assert dict(ghost_report(loss, params, data).ghost) == {
+            "['k']": "conv",
+            "['head']": "dense",
+        }
         ref = _reference(loss, params, data)
         # a GPU runs float64 convolutions by the algorithm its autotuner picks (FFT-based ones
         # too): errors of order 1e-15 of the largest value, not of each value
@@ -164,14 +215,24 @@ def test_patch_gram_from_the_input_equals_the_taps_and_is_taken_where_cheaper():
         eqn = _conv_eqn(x, w, dimension_numbers=dn, **kw)
         g = jnp.asarray(r.normal(size=tuple(eqn.outvars[0].aval.shape)), jnp.float32)
         views = conv.ConvViews(eqn, x, g, jnp.float32)
-        np.testing.assert_allclose(np.asarray(conv._input_gram(views)), np.asarray(conv._tap_gram(views)),
-                                   rtol=1e-5, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(
+            np.asarray(conv._input_gram(views)),
+            np.asarray(conv._tap_gram(views)),
+            rtol=1e-5,
+            atol=1e-5,
+            err_msg=name,
+        )
 
     def cheaper(size, cin, cout, stride):
         x = jnp.zeros((2, size, size, cin), jnp.float32)
         w = jnp.zeros((3, 3, cin, cout), jnp.float32)
-        eqn = _conv_eqn(x, w, window_strides=(stride, stride), padding="SAME",
-                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        eqn = _conv_eqn(
+            x,
+            w,
+            window_strides=(stride, stride),
+            padding="SAME",
+            dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        )
         g = jnp.zeros(tuple(eqn.outvars[0].aval.shape), jnp.float32)
         return conv._input_gram_is_cheaper(conv.ConvViews(eqn, x, g, jnp.float32))
 
@@ -190,8 +251,10 @@ def test_conv_matches_vmap_float32(name, forms):
 def test_cost_choice(forms):
     """Few output positions and many channels: the Gram form; many positions: the gradient."""
     r = np.random.default_rng(1)
-    params = {"a": jnp.asarray(r.normal(size=(3, 3, 8, 32)) / 8, jnp.float32),  # T = 256: formed
-              "b": jnp.asarray(r.normal(size=(3, 3, 32, 32)) / 16, jnp.float32)}  # T = 4 < 9*32*32/(9*32+32)
+    params = {
+        "a": jnp.asarray(r.normal(size=(3, 3, 8, 32)) / 8, jnp.float32),  # T = 256: formed
+        "b": jnp.asarray(r.normal(size=(3, 3, 32, 32)) / 16, jnp.float32),
+    }  # T = 4 < 9*32*32/(9*32+32)
     data = jnp.asarray(r.normal(size=(B, 16, 16, 8)), jnp.float32)
 
     def loss(p, x):
@@ -208,7 +271,12 @@ def test_cost_choice(forms):
 def test_batch_groups_are_not_measured():
     """``batch_group_count > 1`` (the rule never marks it row-wise either): no norm, the fallback."""
     x, w = jnp.ones((4, 3, 6)), jnp.ones((2, 3, 3))
-    kw = dict(window_strides=(1,), padding="VALID", batch_group_count=2, dimension_numbers=("NCW", "OIW", "NCW"))
+    kw = dict(
+        window_strides=(1,),
+        padding="VALID",
+        batch_group_count=2,
+        dimension_numbers=("NCW", "OIW", "NCW"),
+    )
     eqn = _conv_eqn(x, w, **kw)
     g = jnp.ones(lax.conv_general_dilated(x, w, **kw).shape)
     assert conv.Conv().norm(None, eqn, [x, w], g, jnp.float32) is None
@@ -220,7 +288,9 @@ def test_16bit_operands_accumulate_in_float32():
     x = jnp.asarray(r.normal(size=(3, 9, 9, 4)), jnp.bfloat16)
     w = jnp.asarray(r.normal(size=(3, 3, 4, 5)), jnp.bfloat16)
     g = jnp.asarray(r.normal(size=lax.conv_general_dilated(x, w, **kw).shape), jnp.bfloat16)
-    ref = _reference_norms(x.astype(jnp.float32), w.astype(jnp.float32), g.astype(jnp.float32), **kw)
+    ref = _reference_norms(
+        x.astype(jnp.float32), w.astype(jnp.float32), g.astype(jnp.float32), **kw
+    )
     eqn = _conv_eqn(x, w, **kw)
     for form in (conv.gram_norms, conv.formed_norms):
         n = form(conv.ConvViews(eqn, x, g, jnp.float32))
@@ -233,20 +303,39 @@ def test_16bit_operands_accumulate_in_float32():
 @pytest.mark.slow
 @settings(max_examples=15)
 @given(
-    nd=st.integers(1, 2), cin=st.integers(1, 3), groups=st.integers(1, 2), cout_per=st.integers(1, 2),
-    size=st.integers(4, 7), ksize=st.integers(1, 3), stride=st.integers(1, 3), rdil=st.integers(1, 2),
-    ldil=st.integers(1, 2), lo=st.integers(-1, 2), hi=st.integers(-1, 2), layout=st.booleans(),
+    nd=st.integers(1, 2),
+    cin=st.integers(1, 3),
+    groups=st.integers(1, 2),
+    cout_per=st.integers(1, 2),
+    size=st.integers(4, 7),
+    ksize=st.integers(1, 3),
+    stride=st.integers(1, 3),
+    rdil=st.integers(1, 2),
+    ldil=st.integers(1, 2),
+    lo=st.integers(-1, 2),
+    hi=st.integers(-1, 2),
+    layout=st.booleans(),
 )
-def test_views_equal_patches(nd, cin, groups, cout_per, size, ksize, stride, rdil, ldil, lo, hi, layout):
+def test_views_equal_patches(
+    nd, cin, groups, cout_per, size, ksize, stride, rdil, ldil, lo, hi, layout
+):
     """The taps are ``lax.conv_general_dilated_patches`` (channel-major), and both forms give
     the norms of the per-example kernel gradients."""
     sp = "HW"[:nd] if nd == 2 else "W"
-    dn = ("NC" + sp, "OI" + sp, "NC" + sp) if layout else ("N" + sp + "C", sp + "IO", "N" + sp + "C")
+    dn = (
+        ("NC" + sp, "OI" + sp, "NC" + sp) if layout else ("N" + sp + "C", sp + "IO", "N" + sp + "C")
+    )
     c, cout = cin * groups, cout_per * groups
     x_shape = (2, c, *(size,) * nd) if layout else (2, *(size,) * nd, c)
     k_shape = (cout, cin, *(ksize,) * nd) if layout else (*(ksize,) * nd, cin, cout)
-    kw = dict(window_strides=(stride,) * nd, padding=((lo, hi),) * nd, lhs_dilation=(ldil,) * nd,
-              rhs_dilation=(rdil,) * nd, dimension_numbers=dn, feature_group_count=groups)
+    kw = dict(
+        window_strides=(stride,) * nd,
+        padding=((lo, hi),) * nd,
+        lhs_dilation=(ldil,) * nd,
+        rhs_dilation=(rdil,) * nd,
+        dimension_numbers=dn,
+        feature_group_count=groups,
+    )
     extent = (size - 1) * ldil + 1 + lo + hi - (ksize - 1) * rdil
     assume(extent >= 1)  # some output position
     r = np.random.default_rng(size * 7 + ksize)
@@ -257,17 +346,28 @@ def test_views_equal_patches(nd, cin, groups, cout_per, size, ksize, stride, rdi
     views = conv.ConvViews(_conv_eqn(x, w, **kw), x, g, jnp.float32)
     taps = jnp.stack([views.tap(o) for o in views.offsets], axis=3)  # (B, groups, C/groups, K, T)
     patches = lax.conv_general_dilated_patches(
-        x, (ksize,) * nd, kw["window_strides"], kw["padding"], kw["lhs_dilation"], kw["rhs_dilation"], dn,
-        precision=lax.Precision.HIGHEST)
+        x,
+        (ksize,) * nd,
+        kw["window_strides"],
+        kw["padding"],
+        kw["lhs_dilation"],
+        kw["rhs_dilation"],
+        dn,
+        precision=lax.Precision.HIGHEST,
+    )
     out_spec = lax.conv_dimension_numbers(x.shape, w.shape, dn).out_spec
     patches = np.asarray(jnp.transpose(patches, out_spec))  # (B, C K, *out): channel-major features
     rows = (*patches.shape[:2], -1)
-    assert_equal_on_cpu(np.asarray(taps).reshape(rows), patches.reshape(rows), atol=1e-6 * float(np.max(np.abs(x))))
+    assert_equal_on_cpu(
+        np.asarray(taps).reshape(rows), patches.reshape(rows), atol=1e-6 * float(np.max(np.abs(x)))
+    )
     ref = _reference_norms(x, w, g, **kw)
     np.testing.assert_allclose(np.asarray(conv.formed_norms(views)), ref, rtol=2e-5, atol=1e-6)
     # the Gram form is raised by its rounding bound (up to 4e-5 relative seen here), never lowered
     gram = np.asarray(conv.gram_norms(views))
-    assert np.all(gram >= ref * (1 - 1e-6) - 1e-6) and np.all(gram <= ref * (1 + 1e-3) + 1e-6), gram / ref - 1
+    assert np.all(gram >= ref * (1 - 1e-6) - 1e-6) and np.all(gram <= ref * (1 + 1e-3) + 1e-6), (
+        gram / ref - 1
+    )
 
 
 # ----------------------------------------------------------------------------
@@ -290,8 +390,12 @@ def test_flax_linen_cnn_groupnorm(forms):
 
     net = Net()
     r = np.random.default_rng(3)
-    data = {"x": jnp.asarray(r.normal(size=(B, 8, 8, 3)) * r.uniform(0.2, 3.0, (B, 1, 1, 1)), jnp.float32),
-            "y": jnp.asarray(r.integers(0, 3, B))}
+    data = {
+        "x": jnp.asarray(
+            r.normal(size=(B, 8, 8, 3)) * r.uniform(0.2, 3.0, (B, 1, 1, 1)), jnp.float32
+        ),
+        "y": jnp.asarray(r.integers(0, 3, B)),
+    }
     params = net.init(jax.random.key(0), data["x"])
 
     def loss(p, b):
@@ -313,20 +417,34 @@ def wrn_setup(seed=4, batch=B):
         return jnp.asarray(r.normal(size=s) * np.sqrt(2.0 / np.prod(s[:-1])), jnp.float32)
 
     params = {
-        "c1": he(3, 3, 4, 4), "c2": he(3, 3, 4, 4), "c3": he(3, 3, 4, 8), "c4": he(3, 3, 8, 8),
-        "short": he(1, 1, 4, 8), "head": he(8, 5),
-        "n1": {"scale": jnp.ones(4), "bias": jnp.zeros(4)}, "n2": {"scale": jnp.ones(4), "bias": jnp.zeros(4)},
-        "n3": {"scale": jnp.ones(4), "bias": jnp.zeros(4)}, "n4": {"scale": jnp.ones(8), "bias": jnp.zeros(8)},
+        "c1": he(3, 3, 4, 4),
+        "c2": he(3, 3, 4, 4),
+        "c3": he(3, 3, 4, 8),
+        "c4": he(3, 3, 8, 8),
+        "short": he(1, 1, 4, 8),
+        "head": he(8, 5),
+        "n1": {"scale": jnp.ones(4), "bias": jnp.zeros(4)},
+        "n2": {"scale": jnp.ones(4), "bias": jnp.zeros(4)},
+        "n3": {"scale": jnp.ones(4), "bias": jnp.zeros(4)},
+        "n4": {"scale": jnp.ones(8), "bias": jnp.zeros(8)},
     }
-    data = {"x": jnp.asarray(r.normal(size=(batch, 8, 8, 4)) * r.uniform(0.2, 3.0, (batch, 1, 1, 1)), jnp.float32),
-            "y": jnp.asarray(r.integers(0, 5, batch))}
+    data = {
+        "x": jnp.asarray(
+            r.normal(size=(batch, 8, 8, 4)) * r.uniform(0.2, 3.0, (batch, 1, 1, 1)), jnp.float32
+        ),
+        "y": jnp.asarray(r.integers(0, 5, batch)),
+    }
 
     def conv2d(x, w, stride):
-        return lax.conv_general_dilated(x, w, (stride, stride), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return lax.conv_general_dilated(
+            x, w, (stride, stride), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
 
     def act(x, n, groups=2):  # GroupNorm (per example) and relu
         y = x.reshape(*x.shape[:-1], groups, -1)
-        y = (y - jnp.mean(y, axis=(1, 2, 4), keepdims=True)) * lax.rsqrt(jnp.var(y, axis=(1, 2, 4), keepdims=True) + 1e-5)
+        y = (y - jnp.mean(y, axis=(1, 2, 4), keepdims=True)) * lax.rsqrt(
+            jnp.var(y, axis=(1, 2, 4), keepdims=True) + 1e-5
+        )
         return jax.nn.relu(y.reshape(x.shape) * n["scale"] + n["bias"])
 
     def loss(p, b):
@@ -343,12 +461,16 @@ def wrn_setup(seed=4, batch=B):
 @pytest.mark.parametrize("ghost_sum", ["backward", "bookkeeping"])
 def test_wide_resnet_block(ghost_sum, forms):
     loss, params, data = wrn_setup()
-    if refuses_backward(ghost_sum, lambda: clipped_grad(loss, 1.0, method="ghost", ghost_sum=ghost_sum)(params, data)):
+    if refuses_backward(
+        ghost_sum,
+        lambda: clipped_grad(loss, 1.0, method="ghost", ghost_sum=ghost_sum)(params, data),
+    ):
         return
     rep = ghost_report(loss, params, data)
     assert rep.fallback == []
     assert {k: v for k, v in rep.ghost if v == "conv"} == {
-        f"['{n}']": "conv" for n in ("c1", "c2", "c3", "c4", "short")}
+        f"['{n}']": "conv" for n in ("c1", "c2", "c3", "c4", "short")
+    }
     _compare(loss, params, data, rtol=1e-4, atol=1e-6, ghost_sum=ghost_sum)
     assert len(forms) == 5
 
@@ -361,8 +483,11 @@ def test_cnn_setup_microbatched_per_layer(forms):
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 @pytest.mark.slow  # a whole model (or 8 devices): long to compile on 2 cores
-@pytest.mark.parametrize(("form", "from_input"), [("gram", False), ("gram", True), ("formed", None)],
-                         ids=["gram-taps", "gram-input", "formed"])
+@pytest.mark.parametrize(
+    ("form", "from_input"),
+    [("gram", False), ("gram", True), ("formed", None)],
+    ids=["gram-taps", "gram-input", "formed"],
+)
 def test_sharded_batch(form, from_input, monkeypatch):
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
@@ -385,7 +510,10 @@ def test_sharded_batch(form, from_input, monkeypatch):
 
     mesh = jax.make_mesh((8,), ("x",))
     f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("x")), out_specs=(P(), P("x"))))
-    g, norms = f(jax.device_put(params, NamedSharding(mesh, P())), jax.device_put(data, NamedSharding(mesh, P("x"))))
+    g, norms = f(
+        jax.device_put(params, NamedSharding(mesh, P())),
+        jax.device_put(data, NamedSharding(mesh, P("x"))),
+    )
     _close(g, ref, 1e-4, 1e-6)
     _close(norms, ref_i.norms, 1e-4, 1e-6)
 
@@ -412,12 +540,18 @@ def test_formed_norms_take_no_conditional_per_tap_and_stay_finite(monkeypatch):
     the float64 norms."""
     monkeypatch.setattr(conv, "GRAM_RATIO", 0.0)
     r = np.random.default_rng(3)
-    params = {"k": jnp.asarray(r.normal(size=(3, 3, 2, 4)), jnp.float32),
-              "head": jnp.asarray(r.normal(size=(4,)), jnp.float32)}
-    x = r.normal(size=(5, 6, 6, 2)) * r.uniform(0.5, 2.0, size=(5, 1, 1, 1)) * 1e22  # squares overflow float32
+    params = {
+        "k": jnp.asarray(r.normal(size=(3, 3, 2, 4)), jnp.float32),
+        "head": jnp.asarray(r.normal(size=(4,)), jnp.float32),
+    }
+    x = (
+        r.normal(size=(5, 6, 6, 2)) * r.uniform(0.5, 2.0, size=(5, 1, 1, 1)) * 1e22
+    )  # squares overflow float32
 
     def loss(p, b):  # linear in the kernel: its per-example gradients are ~1e22
-        h = lax.conv_general_dilated(b, p["k"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        h = lax.conv_general_dilated(
+            b, p["k"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
         return jnp.mean(h, axis=(1, 2)) @ p["head"]
 
     fn = clipped_grad(loss, 1.0, method="ghost", per_layer=True)
@@ -425,7 +559,9 @@ def test_formed_norms_take_no_conditional_per_tap_and_stay_finite(monkeypatch):
     _, info = jax.jit(fn)(params, jnp.asarray(x, jnp.float32))
     with jax.enable_x64(True):
         p64 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params)
-        _, ref = clipped_grad(loss, 1.0, method="vmap", per_layer=True)(p64, jnp.asarray(x, jnp.float64))
+        _, ref = clipped_grad(loss, 1.0, method="vmap", per_layer=True)(
+            p64, jnp.asarray(x, jnp.float64)
+        )
     got, want = np.asarray(info.norms["k"], np.float64), np.asarray(ref.norms["k"])
     assert np.all(want > 1e19) and np.all(np.isfinite(got))
     np.testing.assert_allclose(got, want, rtol=1e-4)
@@ -433,8 +569,12 @@ def test_formed_norms_take_no_conditional_per_tap_and_stay_finite(monkeypatch):
 
 @pytest.mark.parametrize(
     ("stride", "padding", "lhs_dil", "rhs_dil", "groups"),
-    [((1, 1), "SAME", (1, 1), (1, 1), 1), ((2, 1), ((2, 1), (0, 3)), (1, 1), (2, 1), 1),
-     ((1, 2), ((0, 0), (0, 0)), (2, 1), (1, 1), 2), ((1, 1), ((1, 1), (1, 1)), (1, 2), (1, 3), 3)],
+    [
+        ((1, 1), "SAME", (1, 1), (1, 1), 1),
+        ((2, 1), ((2, 1), (0, 3)), (1, 1), (2, 1), 1),
+        ((1, 2), ((0, 0), (0, 0)), (2, 1), (1, 1), 2),
+        ((1, 1), ((1, 1), (1, 1)), (1, 2), (1, 3), 3),
+    ],
 )
 def test_conv_spread_bounds_the_patches_sum(stride, padding, lhs_dil, rhs_dil, groups):
     """The conv rule's spread, sqrt(K) |x_b| |g_b|, is at least sum over positions and groups of
@@ -442,24 +582,38 @@ def test_conv_spread_bounds_the_patches_sum(stride, padding, lhs_dil, rhs_dil, g
     rounding moves the kernel gradient: for strides, padding, both dilations and groups."""
     r = np.random.default_rng(sum(stride) + groups)
     cin, cout, kh, kw = 3 * groups, 2 * groups, 3, 2
-    x = jnp.asarray(r.normal(size=(4, 9, 8, cin)) * r.uniform(0.1, 5, size=(4, 1, 1, 1)), jnp.float32)
+    x = jnp.asarray(
+        r.normal(size=(4, 9, 8, cin)) * r.uniform(0.1, 5, size=(4, 1, 1, 1)), jnp.float32
+    )
     w = jnp.asarray(r.normal(size=(kh, kw, cin // groups, cout)), jnp.float32)
     dn = ("NHWC", "HWIO", "NHWC")
 
     def f(x, w):
-        return lax.conv_general_dilated(x, w, stride, padding, lhs_dil, rhs_dil, dimension_numbers=dn,
-                                        feature_group_count=groups)
+        return lax.conv_general_dilated(
+            x,
+            w,
+            stride,
+            padding,
+            lhs_dil,
+            rhs_dil,
+            dimension_numbers=dn,
+            feature_group_count=groups,
+        )
 
-    eqn = next(e for e in jax.make_jaxpr(f)(x, w).jaxpr.eqns if e.primitive.name == "conv_general_dilated")
+    eqn = next(
+        e for e in jax.make_jaxpr(f)(x, w).jaxpr.eqns if e.primitive.name == "conv_general_dilated"
+    )
     g = jnp.asarray(r.normal(size=f(x, w).shape), jnp.float32)
     spread = np.asarray(conv.Conv().spread(None, eqn, [x, w], g, jnp.float32), np.float64)
-    patches = lax.conv_general_dilated_patches(x, (kh, kw), stride, padding, lhs_dil, rhs_dil, dimension_numbers=dn)
+    patches = lax.conv_general_dilated_patches(
+        x, (kh, kw), stride, padding, lhs_dil, rhs_dil, dimension_numbers=dn
+    )
     p = np.asarray(patches, np.float64).reshape(4, -1, cin, kh * kw)  # channel-major, then taps
     gg = np.asarray(g, np.float64).reshape(4, -1, cout)
     exact = np.zeros(4)
     for k in range(groups):
-        pk = p[:, :, k * cin // groups:(k + 1) * cin // groups].reshape(4, p.shape[1], -1)
-        gk = gg[:, :, k * cout // groups:(k + 1) * cout // groups]
+        pk = p[:, :, k * cin // groups : (k + 1) * cin // groups].reshape(4, p.shape[1], -1)
+        gk = gg[:, :, k * cout // groups : (k + 1) * cout // groups]
         exact += np.sum(np.linalg.norm(pk, axis=-1) * np.linalg.norm(gk, axis=-1), axis=1)
     assert np.all(exact <= spread * (1 + 1e-6))
     assert np.all(exact >= spread * 0.05)  # a bound, not a blanket: within 20x here
@@ -476,7 +630,9 @@ def test_input_views_wait_for_the_cotangent():
     eqn = _conv_eqn(x, k, window_strides=(1, 1), padding=((1, 1), (1, 1)))
     g = jnp.asarray(r.normal(size=(3, 4, 5, 5)), jnp.float32)
     want = jnp.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1)))
-    np.testing.assert_array_equal(np.asarray(conv.ConvViews(eqn, x, g, jnp.float32).xp), np.asarray(want))
+    np.testing.assert_array_equal(
+        np.asarray(conv.ConvViews(eqn, x, g, jnp.float32).xp), np.asarray(want)
+    )
     bad = conv.ConvViews(eqn, x, g.at[1, 0, 0, 0].set(jnp.inf), jnp.float32).xp
     assert np.all(np.isnan(np.asarray(bad[1, :, 1:-1, 1:-1])))  # (the padding stays 0)
     np.testing.assert_array_equal(np.asarray(bad[::2]), np.asarray(want[::2]))
@@ -489,15 +645,20 @@ def test_conv_views_are_not_held_through_the_backward_pass(monkeypatch):
     the non-private step's temporaries instead of 1.7x)."""
     r = np.random.default_rng(1)
     widths = (3, 16, 16, 16, 16)
-    params = {f"c{i}": jnp.asarray(r.normal(size=(3, 3, a, b)) / np.sqrt(9 * a), jnp.float32)
-              for i, (a, b) in enumerate(itertools.pairwise(widths))}
+    params = {
+        f"c{i}": jnp.asarray(r.normal(size=(3, 3, a, b)) / np.sqrt(9 * a), jnp.float32)
+        for i, (a, b) in enumerate(itertools.pairwise(widths))
+    }
     data = (jnp.asarray(r.normal(size=(8, 16, 16, 3)), jnp.float32), jnp.arange(8) % 10)
 
     def loss(p, batch):
         h, y = batch
         for i in range(len(widths) - 1):
-            h = jax.nn.relu(lax.conv_general_dilated(h, p[f"c{i}"], (1, 1), "SAME",
-                                                     dimension_numbers=("NHWC", "HWIO", "NHWC")))
+            h = jax.nn.relu(
+                lax.conv_general_dilated(
+                    h, p[f"c{i}"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+                )
+            )
         return xent(jnp.mean(h, axis=(1, 2))[:, :10], y)
 
     def temporaries():

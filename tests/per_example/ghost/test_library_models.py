@@ -21,6 +21,7 @@ from tools import coverage_real as cr
 
 def ghost_equals_vmap(loss, params, data, **kw):
     """Ghost and vmap at the median per-example norm: norms and clipped sums to 1e-5 relative."""
+
     def run(method):  # the clip norm an argument: one compilation per method
         return jax.jit(lambda p, b, c: clipped_grad(loss, c, method=method, **kw)(p, b))
 
@@ -80,7 +81,12 @@ def _moe_setup(seed=1, mix=False):
     rows on axis 1) and ``einsum('etm,emh->eth')`` (a product over the experts), weighted and summed over the experts, reshaped back to ``(B, T, D)``. With
     ``mix``, the routing weights are also averaged over all rows (over the batch)."""
     r = np.random.default_rng(seed)
-    params = {"gate": _w(r, D, E), "up": _w(r, E, D, 2 * D), "down": _w(r, E, 2 * D, D), "head": _w(r, D, 4)}
+    params = {
+        "gate": _w(r, D, E),
+        "up": _w(r, E, D, 2 * D),
+        "down": _w(r, E, 2 * D, D),
+        "head": _w(r, D, 4),
+    }
 
     def loss(p, b):
         n, t, _ = b["x"].shape
@@ -99,7 +105,9 @@ def test_mixture_of_experts_on_flattened_tokens_keeps_the_ghost_path():
     loss, params, data = _moe_setup()
     report = ghost_report(loss, params, data)
     assert report.fallback == [] and dict(report.ghost)["['up']"] == "dense"
-    assert dict(report.ghost)["['down']"] == "formed:dense"  # a product with a batch dimension (the experts)
+    assert (
+        dict(report.ghost)["['down']"] == "formed:dense"
+    )  # a product with a batch dimension (the experts)
     ghost_equals_vmap(loss, params, data)
 
 
@@ -154,8 +162,15 @@ def test_a_scope_merely_containing_bn_is_not_named_batchnorm():
         clipped_grad(loss, 1.0, method="ghost")(params, _data(2))
 
 
-@pytest.mark.parametrize("name", ["nnx-batchnorm", "linen-batchnorm", "haiku-resnet-train",
-                                  pytest.param("keras-hub-resnet-train", marks=pytest.mark.slow)])  # 27 s
+@pytest.mark.parametrize(
+    "name",
+    [
+        "nnx-batchnorm",
+        "linen-batchnorm",
+        "haiku-resnet-train",
+        pytest.param("keras-hub-resnet-train", marks=pytest.mark.slow),
+    ],
+)  # 27 s
 def test_batchnorm_in_training_mode_gets_the_clear_error(name):
     """From clipped_grad (both methods) and from ghost_report (nnx's BatchStat update failed
     there with flax's TraceContextError)."""
@@ -175,10 +190,18 @@ def test_batchnorm_in_training_mode_gets_the_clear_error(name):
 
 def _bias_setup(seed=3, how="broadcast_to"):
     r = np.random.default_rng(seed)
-    params = {"w": _w(r, D, D), "b": 0.1 * _w(r, D), "pos": 0.5 * _w(r, 8, D), "scale": 0.1 * _w(r, D),
-              "head": _w(r, D, 4)}
+    params = {
+        "w": _w(r, D, D),
+        "b": 0.1 * _w(r, D),
+        "pos": 0.5 * _w(r, 8, D),
+        "scale": 0.1 * _w(r, D),
+        "head": _w(r, D, 4),
+    }
     # frozen BatchNorm statistics, closed over: constants of the traced loss
-    mean, var = jnp.asarray(r.normal(size=D), jnp.float32), jnp.asarray(r.uniform(0.5, 2.0, size=D), jnp.float32)
+    mean, var = (
+        jnp.asarray(r.normal(size=D), jnp.float32),
+        jnp.asarray(r.uniform(0.5, 2.0, size=D), jnp.float32),
+    )
 
     def loss(p, b):
         n, t, _ = b["x"].shape
@@ -189,7 +212,9 @@ def _bias_setup(seed=3, how="broadcast_to"):
             h = jnp.einsum("btd,de->tbe", b["x"], p["w"]) + p["b"]
             h = jnp.transpose(h, (1, 0, 2)) + p["pos"][:t]
         h = jnp.tanh(h) * (1.0 + p["scale"])  # Gemma's RMSNorm scale
-        h = (h - mean) * (p["scale"] * jax.lax.rsqrt(var + 1e-5))  # a BatchNorm with frozen statistics
+        h = (h - mean) * (
+            p["scale"] * jax.lax.rsqrt(var + 1e-5)
+        )  # a BatchNorm with frozen statistics
         return xent(jnp.mean(h, axis=1) @ p["head"], b["y"])
 
     return loss, params, _data(seed)
@@ -205,7 +230,10 @@ def test_broadcast_and_computed_parameters_keep_the_ghost_path(how, ghost_sum):
     loss, params, data = _bias_setup(how=how)
     report = ghost_report(loss, params, data)
     assert report.fallback == []
-    assert dict(report.ghost)["['b']"] == "elementwise" and dict(report.ghost)["['scale']"] == "tied:elementwise+elementwise"
+    assert (
+        dict(report.ghost)["['b']"] == "elementwise"
+        and dict(report.ghost)["['scale']"] == "tied:elementwise+elementwise"
+    )
     ghost_equals_vmap(loss, params, data, ghost_sum=ghost_sum)
 
 
@@ -246,9 +274,17 @@ def _summed_leaves_setup(seed=6):
     offset added to a value of the scale), and flax's ``OptimizedLSTMCell`` (the gates' kernels and
     biases joined by ``concatenate`` before one product)."""
     r = np.random.default_rng(seed)
-    params = {"gamma": 1.0 + 0.1 * _w(r, D), "beta": 0.1 * _w(r, D), "k": [_w(r, D, D) for _ in range(3)],
-              "b": [0.1 * _w(r, D) for _ in range(3)], "head": _w(r, 3 * D, 4)}
-    mean, var = jnp.asarray(r.normal(size=D), jnp.float32), jnp.asarray(r.uniform(0.5, 2.0, size=D), jnp.float32)
+    params = {
+        "gamma": 1.0 + 0.1 * _w(r, D),
+        "beta": 0.1 * _w(r, D),
+        "k": [_w(r, D, D) for _ in range(3)],
+        "b": [0.1 * _w(r, D) for _ in range(3)],
+        "head": _w(r, 3 * D, 4),
+    }
+    mean, var = (
+        jnp.asarray(r.normal(size=D), jnp.float32),
+        jnp.asarray(r.uniform(0.5, 2.0, size=D), jnp.float32),
+    )
 
     def loss(p, b):
         inv = jax.lax.rsqrt(var + 1e-3) * p["gamma"]
@@ -269,7 +305,9 @@ def test_leaves_summed_or_joined_before_their_use_keep_the_ghost_path(ghost_sum)
     assert report.fallback == []
     kinds = dict(report.ghost)
     assert kinds["['k'][0]"] == "formed:dense" and kinds["['b'][1]"] == "elementwise"
-    assert kinds["['gamma']"] == "tied:elementwise+elementwise" and kinds["['beta']"] == "elementwise"
+    assert (
+        kinds["['gamma']"] == "tied:elementwise+elementwise" and kinds["['beta']"] == "elementwise"
+    )
     ghost_equals_vmap(loss, params, data, ghost_sum=ghost_sum)
 
 
@@ -297,11 +335,17 @@ def _rnn_setup(seed=8, batched_cell=True):
     flax's LSTMs), or ``jnp.zeros(D)`` in a per-example cell under ``jax.vmap`` (equinox's GRU), so at
     the first step the recurrent weight and bias meet a constant ``(B, ...)`` value, not the batch."""
     r = np.random.default_rng(seed)
-    params = {"wx": _w(r, D, 2 * D), "wh": [0.5 * _w(r, D, D) for _ in range(2)], "bh": [0.1 * _w(r, D) for _ in range(2)],
-              "head": _w(r, D, 4)}
+    params = {
+        "wx": _w(r, D, 2 * D),
+        "wh": [0.5 * _w(r, D, D) for _ in range(2)],
+        "bh": [0.1 * _w(r, D) for _ in range(2)],
+        "head": _w(r, D, 4),
+    }
 
     def cell(p, h, x):
-        z = x @ p["wx"] + (h @ jnp.concatenate(p["wh"], axis=-1) + jnp.concatenate(p["bh"], axis=-1))
+        z = x @ p["wx"] + (
+            h @ jnp.concatenate(p["wh"], axis=-1) + jnp.concatenate(p["bh"], axis=-1)
+        )
         a, g = jnp.split(z, 2, axis=-1)
         return jax.nn.sigmoid(a) * jnp.tanh(g) + 0.5 * h
 
@@ -310,7 +354,9 @@ def _rnn_setup(seed=8, batched_cell=True):
         if batched_cell:
             h, _ = jax.lax.scan(lambda h, x: (cell(p, h, x), None), jnp.zeros((xs.shape[1], D)), xs)
         else:
-            h = jax.vmap(lambda seq: jax.lax.scan(lambda h, x: (cell(p, h, x), None), jnp.zeros(D), seq)[0])(b["x"])
+            h = jax.vmap(
+                lambda seq: jax.lax.scan(lambda h, x: (cell(p, h, x), None), jnp.zeros(D), seq)[0]
+            )(b["x"])
         return xent(h @ p["head"], b["y"])
 
     return loss, params, _data(seed)
@@ -328,7 +374,9 @@ def test_recurrent_weights_on_a_zero_initial_state_keep_the_ghost_path(batched_c
 
 
 @pytest.mark.slow  # 20-35 s each on 2 busy cores
-@pytest.mark.parametrize("name", ["eqx-gru-scan", "eqx-lstm-scan", "linen-lstm", "keras-lstm", "haiku-lstm"])
+@pytest.mark.parametrize(
+    "name", ["eqx-gru-scan", "eqx-lstm-scan", "linen-lstm", "keras-lstm", "haiku-lstm"]
+)
 def test_library_recurrent_models_keep_the_ghost_path(name):
     """equinox's GRU under scan crashed ("vmap got inconsistent sizes"); equinox's and keras'
     LSTMs, flax's OptimizedLSTMCell and haiku's LSTM had leaves on the fallback."""
@@ -340,15 +388,22 @@ def test_library_recurrent_models_keep_the_ghost_path(name):
 _SLOW = pytest.mark.slow  # a real library's model: 20 s to minutes to trace and compile on 2 cores
 
 
-@pytest.mark.parametrize("name", [
-    "haiku-mlp",  # biases broadcast by jnp.broadcast_to (fell back: "used by 'add'")
-    pytest.param("haiku-transformer", marks=_SLOW),  # the same, and a learned position table
-    pytest.param("haiku-resnet-eval", marks=_SLOW),  # BatchNorm with frozen statistics ("used by 'mul'")
-    pytest.param("keras-hub-gpt2", marks=_SLOW),  # position embeddings broadcast over the batch
-    pytest.param("keras-hub-bert", marks=_SLOW),  # the same
-    pytest.param("keras-hub-gemma", marks=_SLOW),  # RMSNorm's x * (1 + scale)
-    pytest.param("keras-hub-resnet-eval", marks=_SLOW),  # keras' BatchNormalization, frozen statistics
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "haiku-mlp",  # biases broadcast by jnp.broadcast_to (fell back: "used by 'add'")
+        pytest.param("haiku-transformer", marks=_SLOW),  # the same, and a learned position table
+        pytest.param(
+            "haiku-resnet-eval", marks=_SLOW
+        ),  # BatchNorm with frozen statistics ("used by 'mul'")
+        pytest.param("keras-hub-gpt2", marks=_SLOW),  # position embeddings broadcast over the batch
+        pytest.param("keras-hub-bert", marks=_SLOW),  # the same
+        pytest.param("keras-hub-gemma", marks=_SLOW),  # RMSNorm's x * (1 + scale)
+        pytest.param(
+            "keras-hub-resnet-eval", marks=_SLOW
+        ),  # keras' BatchNormalization, frozen statistics
+    ],
+)
 def test_library_model_keeps_every_leaf_on_the_ghost_path(name):
     loss, params, data = _model(name)
     assert ghost_report(loss, params, data).fallback == []

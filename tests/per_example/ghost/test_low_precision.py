@@ -36,9 +36,14 @@ def _arrays(params, data, dt):
 
 def mlp16(dt, seed=0, batch=B):
     r = np.random.default_rng(seed)
-    params = {"l1": {"w": r.normal(size=(6, 16)) / 2, "b": r.normal(size=16) * 0.1},
-              "l2": {"w": r.normal(size=(16, 3)) / 4, "b": np.zeros(3)}}
-    data = {"x": r.normal(size=(batch, 6)) * r.uniform(0.3, 3.0, size=(batch, 1)), "y": r.integers(0, 3, size=batch)}
+    params = {
+        "l1": {"w": r.normal(size=(6, 16)) / 2, "b": r.normal(size=16) * 0.1},
+        "l2": {"w": r.normal(size=(16, 3)) / 4, "b": np.zeros(3)},
+    }
+    data = {
+        "x": r.normal(size=(batch, 6)) * r.uniform(0.3, 3.0, size=(batch, 1)),
+        "y": r.integers(0, 3, size=batch),
+    }
 
     def loss(p, b):
         h = jnp.tanh(b["x"].astype(p["l1"]["w"].dtype) @ p["l1"]["w"] + p["l1"]["b"])
@@ -58,15 +63,26 @@ def lm16(dt, seed=3, batch=B, vocab=64, d=16, seq=6):
     def norm():
         return {"scale": 1 + 0.1 * r.normal(size=d), "bias": 0.1 * r.normal(size=d)}
 
-    params = {"wte": r.normal(size=(vocab, d)) * 0.5, "wpe": r.normal(size=(seq, d)) * 0.1, "ln1": norm(),
-              "ln2": norm(), "lnf": norm(), "qkv": dense(d, 3 * d), "proj": dense(d, d), "up": dense(d, 2 * d),
-              "up_b": 0.1 * r.normal(size=2 * d), "down": dense(2 * d, d)}
+    params = {
+        "wte": r.normal(size=(vocab, d)) * 0.5,
+        "wpe": r.normal(size=(seq, d)) * 0.1,
+        "ln1": norm(),
+        "ln2": norm(),
+        "lnf": norm(),
+        "qkv": dense(d, 3 * d),
+        "proj": dense(d, d),
+        "up": dense(d, 2 * d),
+        "up_b": 0.1 * r.normal(size=2 * d),
+        "down": dense(2 * d, d),
+    }
     tok = r.integers(0, vocab, size=(batch, seq + 1))
     data = {"x": tok[:, :-1], "y": tok[:, 1:]}
 
     def ln(h, p):  # statistics in float32, normalized values back in the activation dtype
         h32 = h.astype(jnp.float32)
-        z = (h32 - jnp.mean(h32, -1, keepdims=True)) * lax.rsqrt(jnp.var(h32, -1, keepdims=True) + 1e-5)
+        z = (h32 - jnp.mean(h32, -1, keepdims=True)) * lax.rsqrt(
+            jnp.var(h32, -1, keepdims=True) + 1e-5
+        )
         return z.astype(h.dtype) * p["scale"] + p["bias"]
 
     def loss(p, b):
@@ -74,7 +90,10 @@ def lm16(dt, seed=3, batch=B, vocab=64, d=16, seq=6):
         q, k, v = jnp.split(ln(h, p["ln1"]) @ p["qkv"], 3, axis=-1)
         s = jnp.einsum("btd,bsd->bts", q, k).astype(jnp.float32) / np.sqrt(d)
         s = jnp.where(jnp.tril(jnp.ones((seq, seq), bool)), s, -1e9)
-        h = h + jnp.einsum("bts,bsd->btd", jax.nn.softmax(s, axis=-1).astype(h.dtype), v) @ p["proj"]
+        h = (
+            h
+            + jnp.einsum("bts,bsd->btd", jax.nn.softmax(s, axis=-1).astype(h.dtype), v) @ p["proj"]
+        )
         h = h + jax.nn.gelu(ln(h, p["ln2"]) @ p["up"] + p["up_b"]) @ p["down"]
         logits = (ln(h, p["lnf"]) @ p["wte"].T).astype(jnp.float32)
         ll = jnp.take_along_axis(jax.nn.log_softmax(logits), b["y"][..., None], axis=-1)[..., 0]
@@ -85,14 +104,24 @@ def lm16(dt, seed=3, batch=B, vocab=64, d=16, seq=6):
 
 def cnn16(dt, seed=2, batch=B):
     r = np.random.default_rng(seed)
-    params = {"conv": r.normal(size=(3, 3, 2, 4)) * 0.4, "conv_b": r.normal(size=4) * 0.1,
-              "dense": r.normal(size=(4, 3))}
-    data = {"img": r.normal(size=(batch, 8, 8, 2)) * r.uniform(0.3, 3.0, size=(batch, 1, 1, 1)),
-            "y": r.integers(0, 3, size=batch)}
+    params = {
+        "conv": r.normal(size=(3, 3, 2, 4)) * 0.4,
+        "conv_b": r.normal(size=4) * 0.1,
+        "dense": r.normal(size=(4, 3)),
+    }
+    data = {
+        "img": r.normal(size=(batch, 8, 8, 2)) * r.uniform(0.3, 3.0, size=(batch, 1, 1, 1)),
+        "y": r.integers(0, 3, size=batch),
+    }
 
     def loss(p, b):
-        h = lax.conv_general_dilated(b["img"].astype(p["conv"].dtype), p["conv"], (1, 1), "SAME",
-                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        h = lax.conv_general_dilated(
+            b["img"].astype(p["conv"].dtype),
+            p["conv"],
+            (1, 1),
+            "SAME",
+            dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        )
         h = jax.nn.relu(h + p["conv_b"])
         return xent((jnp.mean(h, axis=(1, 2)) @ p["dense"]).astype(jnp.float32), b["y"])
 
@@ -131,11 +160,15 @@ def _clip(model):
 
 
 def _norm64(tree):
-    return float(np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree.leaves(tree))))
+    return float(
+        np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree.leaves(tree)))
+    )
 
 
 def _dist64(a, b):
-    return _norm64(jax.tree.map(lambda x, y: np.asarray(x, np.float64) - np.asarray(y, np.float64), a, b))
+    return _norm64(
+        jax.tree.map(lambda x, y: np.asarray(x, np.float64) - np.asarray(y, np.float64), a, b)
+    )
 
 
 def _budget(norms, clip):
@@ -169,8 +202,11 @@ def test_norms_and_sums(model, dt):
     g, info = _fn(model, dt, "ghost")(params, data, everyone, clip)
     g_vmap, info_vmap = _fn(model, dt, "vmap")(params, data, everyone, clip)
     _, info32 = _fn(model, jnp.float32, "vmap")(p32, data, everyone, clip)
-    assert [x.dtype for x in jax.tree.leaves(g)] == [x.dtype for x in jax.tree.leaves(g_vmap)] == (
-        [jnp.float32] * len(jax.tree.leaves(params)))
+    assert (
+        [x.dtype for x in jax.tree.leaves(g)]
+        == [x.dtype for x in jax.tree.leaves(g_vmap)]
+        == ([jnp.float32] * len(jax.tree.leaves(params)))
+    )
     assert info.norms.dtype == info_vmap.norms.dtype == jnp.float32
     # The gap to float32 is the 16-bit model's own (the vmap path's norms show the same gap).
     np.testing.assert_allclose(info.norms, info32.norms, rtol=1e-2)
@@ -195,9 +231,13 @@ def test_16bit_layers_are_measured_on_their_own_values(model, least, dt):
     multiplied the same way."""
     loss, params, data = MODELS[model](dt)
     jaxpr = jax.make_jaxpr(clipped_grad(loss, 1.0, method="ghost"))(params, data).jaxpr
-    products = [e for e in equations(jaxpr) if e.primitive is lax.dot_general_p
-                and all(v.aval.dtype == dt for v in e.invars)
-                and e.params["preferred_element_type"] == jnp.float32]
+    products = [
+        e
+        for e in equations(jaxpr)
+        if e.primitive is lax.dot_general_p
+        and all(v.aval.dtype == dt for v in e.invars)
+        and e.params["preferred_element_type"] == jnp.float32
+    ]
     assert len(products) >= least
 
 
@@ -208,8 +248,11 @@ def test_a_16bit_tied_table_is_measured_on_its_own_values(dt):
     16-bit transformer (none multiplies a float32 copy)."""
     loss, params, data = MODELS["transformer"](dt)
     jaxpr = jax.make_jaxpr(clipped_grad(loss, 1.0, method="ghost"))(params, data).jaxpr
-    grams = [e for e in equations(jaxpr) if e.primitive is lax.dot_general_p
-             and e.outvars[0].aval.shape == (B, 6, 6)]  # (B, T, T): the model's attention and ghost's Grams
+    grams = [
+        e
+        for e in equations(jaxpr)
+        if e.primitive is lax.dot_general_p and e.outvars[0].aval.shape == (B, 6, 6)
+    ]  # (B, T, T): the model's attention and ghost's Grams
     assert len(grams) >= 12 and all(v.aval.dtype == dt for e in grams for v in e.invars)
 
 
@@ -228,16 +271,27 @@ def test_clipped_contribution_within_clip_norm(model, dt):
 def test_explicit_backward_is_an_error(dt):
     loss, params, data = mlp16(dt)
     name = np.dtype(dt).name
-    with pytest.raises(ValueError, match=rf"ghost_sum='backward'.*\['l1'\]\['b'\] is {name}.*'bookkeeping' or 'auto'"):
+    with pytest.raises(
+        ValueError,
+        match=rf"ghost_sum='backward'.*\['l1'\]\['b'\] is {name}.*'bookkeeping' or 'auto'",
+    ):
         clipped_grad(loss, 1.0, method="ghost", ghost_sum="backward")(params, data)
-    with pytest.raises(ValueError, match="ghost_sum='backward'"):  # 'auto' too: the choice must not depend on size
+    with pytest.raises(
+        ValueError, match="ghost_sum='backward'"
+    ):  # 'auto' too: the choice must not depend on size
         clipped_grad(loss, 1.0, method="auto", ghost_sum="backward")(params, data)
-    programs = {gs: str(jax.make_jaxpr(clipped_grad(loss, 1.0, method="ghost", ghost_sum=gs))(params, data))
-                for gs in ("auto", "bookkeeping")}
+    programs = {
+        gs: str(jax.make_jaxpr(clipped_grad(loss, 1.0, method="ghost", ghost_sum=gs))(params, data))
+        for gs in ("auto", "bookkeeping")
+    }
     assert programs["auto"] == programs["bookkeeping"]
-    jax.make_jaxpr(clipped_grad(loss, 1.0, method="vmap", ghost_sum="backward"))(params, data)  # ignored by vmap
+    jax.make_jaxpr(clipped_grad(loss, 1.0, method="vmap", ghost_sum="backward"))(
+        params, data
+    )  # ignored by vmap
     # per-layer clipping always book-keeps: nothing to refuse
-    jax.make_jaxpr(clipped_grad(loss, 1.0, method="ghost", ghost_sum="backward", per_layer=True))(params, data)
+    jax.make_jaxpr(clipped_grad(loss, 1.0, method="ghost", ghost_sum="backward", per_layer=True))(
+        params, data
+    )
 
 
 def test_float32_params_with_bfloat16_activations():
@@ -249,10 +303,16 @@ def test_float32_params_with_bfloat16_activations():
     def loss(p, b):
         return loss16(jax.tree.map(lambda x: x.astype(jnp.bfloat16), p), b)
 
-    with pytest.raises(ValueError, match=r"computes bfloat16 values .*first at 'convert_element_type'"):
+    with pytest.raises(
+        ValueError, match=r"computes bfloat16 values .*first at 'convert_element_type'"
+    ):
         clipped_grad(loss, 1.0, method="ghost", ghost_sum="backward")(params, data)
     auto = str(jax.make_jaxpr(clipped_grad(loss, 1.0, method="ghost"))(params, data))
-    assert auto == str(jax.make_jaxpr(clipped_grad(loss, 1.0, method="ghost", ghost_sum="bookkeeping"))(params, data))
+    assert auto == str(
+        jax.make_jaxpr(clipped_grad(loss, 1.0, method="ghost", ghost_sum="bookkeeping"))(
+            params, data
+        )
+    )
 
     def run(method):
         return jax.jit(lambda p, d, m, c: clipped_grad(loss, c, method=method)(p, d, mask=m))
@@ -278,7 +338,9 @@ def test_nan_example_microbatches_per_layer():
         g, info = jax.jit(clipped_grad(loss, clip, method="ghost", **kw))(params, bad, mask=mask)
         assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(g))
         assert not np.isfinite(np.asarray(jax.tree.leaves(info.norms)[0])[2])
-        g_vmap, info_vmap = jax.jit(clipped_grad(loss, clip, method="vmap", **kw))(params, data, mask=keep)
+        g_vmap, info_vmap = jax.jit(clipped_grad(loss, clip, method="vmap", **kw))(
+            params, data, mask=keep
+        )
         # per-layer: each example's contribution is within C too
         budget = _budget(info_vmap.norms, clip) if not kw else float(B * clip)
         assert _dist64(g, g_vmap) <= 8 * U16["bfloat16"] * budget
@@ -293,7 +355,9 @@ def test_nan_example_sharded_batch():
     loss, params, data = mlp16(jnp.bfloat16, batch=16)
     bad = {**data, "x": data["x"].at[2].set(jnp.nan)}
     mask = jnp.arange(16) % 3 != 1
-    g_vmap, info_vmap = jax.jit(clipped_grad(loss, 1.0, method="vmap"))(params, data, mask=mask & (jnp.arange(16) != 2))
+    g_vmap, info_vmap = jax.jit(clipped_grad(loss, 1.0, method="vmap"))(
+        params, data, mask=mask & (jnp.arange(16) != 2)
+    )
     mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,))
     with jax.set_mesh(mesh):
         p_rep = jax.tree.map(lambda x: jax.sharding.reshard(x, P()), params)
@@ -310,7 +374,11 @@ def test_reduced_precision_backend_book_keeps(monkeypatch):
     loss, params, data = cnn_setup()
 
     def jaxpr(ghost_sum):
-        return str(jax.make_jaxpr(clipped_grad(loss, 0.5, method="ghost", ghost_sum=ghost_sum))(params, data))
+        return str(
+            jax.make_jaxpr(clipped_grad(loss, 0.5, method="ghost", ghost_sum=ghost_sum))(
+                params, data
+            )
+        )
 
     with jax.default_matmul_precision("float32"):  # full-precision products (a CPU's), any backend
         full = {g: jaxpr(g) for g in ("auto", "backward", "bookkeeping")}
@@ -319,11 +387,15 @@ def test_reduced_precision_backend_book_keeps(monkeypatch):
     with backend_default_precision():
         with library_default_products():  # 'tf32': the norms measure TF32-rounded operands
             assert jaxpr("auto") == jaxpr("bookkeeping")
-            with pytest.raises(ValueError, match=r"ghost_sum='backward'.*PRODUCT_PRECISION is 'tf32'"):
+            with pytest.raises(
+                ValueError, match=r"ghost_sum='backward'.*PRODUCT_PRECISION is 'tf32'"
+            ):
                 jaxpr("backward")
         with library_default_products("highest"):  # products at HIGHEST: the model's TF32 remains
             assert jaxpr("auto") == jaxpr("bookkeeping")
-            with pytest.raises(ValueError, match=r"ghost_sum='backward'.*gpu backend.*jax_default_matmul_precision"):
+            with pytest.raises(
+                ValueError, match=r"ghost_sum='backward'.*gpu backend.*jax_default_matmul_precision"
+            ):
                 jaxpr("backward")
     with jax.default_matmul_precision("float32"), library_default_products("highest"):
         jaxpr("backward")  # full-precision products, HIGHEST norms: the second pass is allowed
@@ -337,11 +409,15 @@ def test_the_backends_default_precision(setup):
     reduced (the library's rule: not on a CPU)."""
     loss, params, data = setup()
     with backend_default_precision(), library_default_products():
-        refused = refuses_backward("backward", lambda: clipped_grad(loss, 1.0, method="ghost", ghost_sum="backward")(
-            params, data))
+        refused = refuses_backward(
+            "backward",
+            lambda: clipped_grad(loss, 1.0, method="ghost", ghost_sum="backward")(params, data),
+        )
         assert refused == (jax.default_backend() != "cpu")
         if not refused:
-            jax.make_jaxpr(clipped_grad(loss, 1.0, method="ghost", ghost_sum="backward"))(params, data)
+            jax.make_jaxpr(clipped_grad(loss, 1.0, method="ghost", ghost_sum="backward"))(
+                params, data
+            )
         step = jax.jit(lambda m, c: clipped_grad(loss, c, method="ghost")(params, data, mask=m))
         _, info = step(jnp.ones(B, bool), 1.0)
         clip = 1e-3 * float(np.min(np.asarray(info.norms)))  # every example clipped hard

@@ -34,8 +34,16 @@ def rope(x):
 def rope_attention_setup(seed=0):
     """A pre-norm attention block with rotary embeddings on queries and keys, then an MLP."""
     r = np.random.default_rng(seed)
-    params = {"q": _w(r, D, H * D), "k": _w(r, D, H * D), "v": _w(r, D, H * D), "o": _w(r, H * D, D),
-              "norm": 1.0 + 0.1 * _w(r, D), "up": _w(r, D, 2 * D), "down": _w(r, 2 * D, D), "head": _w(r, D, 4)}
+    params = {
+        "q": _w(r, D, H * D),
+        "k": _w(r, D, H * D),
+        "v": _w(r, D, H * D),
+        "o": _w(r, H * D, D),
+        "norm": 1.0 + 0.1 * _w(r, D),
+        "up": _w(r, D, 2 * D),
+        "down": _w(r, 2 * D, D),
+        "head": _w(r, D, 4),
+    }
 
     def loss(p, b):
         x = b["x"]
@@ -56,14 +64,21 @@ def lstm_setup(seed=1, stacked_gates=False):
     """An LSTM over time under ``lax.scan`` whose gates are cut by ``jnp.unstack`` (as Keras and
     haiku LSTMs do with a split), or computed one by one and joined by ``jnp.stack``."""
     r = np.random.default_rng(seed)
-    params = {"wx": _w(r, D, 4 * D), "wh": _w(r, D, 4 * D, scale=0.5), "b": 0.1 * _w(r, 4 * D),
-              "w0": _w(r, D, D), "head": _w(r, D, 4)}
+    params = {
+        "wx": _w(r, D, 4 * D),
+        "wh": _w(r, D, 4 * D, scale=0.5),
+        "b": 0.1 * _w(r, 4 * D),
+        "w0": _w(r, D, D),
+        "head": _w(r, D, 4),
+    }
 
     def step(p, carry, x):
         h, c = carry
         z = x @ p["wx"] + h @ p["wh"] + p["b"]
         if stacked_gates:
-            z = jnp.stack([z[:, j * D:(j + 1) * D] for j in range(4)], axis=0)  # (4, B, D): batch on axis 1
+            z = jnp.stack(
+                [z[:, j * D : (j + 1) * D] for j in range(4)], axis=0
+            )  # (4, B, D): batch on axis 1
             i, f, g, o = jnp.unstack(z, axis=0)
         else:
             i, f, g, o = jnp.unstack(z.reshape(z.shape[0], 4, D), axis=1)
@@ -72,7 +87,9 @@ def lstm_setup(seed=1, stacked_gates=False):
 
     def loss(p, b):
         h0 = jnp.tanh(b["x"][:, 0] @ p["w0"])
-        (h, _), _ = lax.scan(lambda carry, x: step(p, carry, x), (h0, h0), jnp.swapaxes(b["x"][:, 1:], 0, 1))
+        (h, _), _ = lax.scan(
+            lambda carry, x: step(p, carry, x), (h0, h0), jnp.swapaxes(b["x"][:, 1:], 0, 1)
+        )
         return xent(h @ p["head"], b["y"])
 
     return loss, params, _data(seed)
@@ -118,28 +135,42 @@ def test_tile_reduce_update_and_barrier_on_batched_values():
         h, g = lax.optimization_barrier((h, h @ p["u"]))
         tiled = jnp.tile(h, (1, 1, 2))  # (B, T, 2D)
         upd = lax.dynamic_update_slice(tiled, g[:, :2], (0, 1, 3))
-        mx, mn = lax.reduce((upd, -upd), (-jnp.inf, -jnp.inf), lambda a, c: (jnp.maximum(a[0], c[0]),
-                                                                            jnp.maximum(a[1], c[1])), (1,))
+        mx, mn = lax.reduce(
+            (upd, -upd),
+            (-jnp.inf, -jnp.inf),
+            lambda a, c: (jnp.maximum(a[0], c[0]), jnp.maximum(a[1], c[1])),
+            (1,),
+        )
         top, _ = lax.approx_max_k(jnp.mean(g, axis=1), 2)
-        feats = jnp.concatenate([mx[..., :D], mn[..., :2 * D], top], axis=-1)
+        feats = jnp.concatenate([mx[..., :D], mn[..., : 2 * D], top], axis=-1)
         return xent(feats @ p["head"], b["y"])
 
     _ghost_equals_vmap(loss, params, _data(4))
 
 
 def _eqn(f, *args):
-    return next(e for e in jax.make_jaxpr(f)(*args).jaxpr.eqns if e.primitive.name in ("stack", "unstack", "tile"))
+    return next(
+        e
+        for e in jax.make_jaxpr(f)(*args).jaxpr.eqns
+        if e.primitive.name in ("stack", "unstack", "tile")
+    )
 
 
-@pytest.mark.parametrize(("axis", "batch_axis", "want"), [(0, 0, 1), (1, 0, 0), (-1, 0, 0), (0, 1, 2), (2, 1, 1)])
+@pytest.mark.parametrize(
+    ("axis", "batch_axis", "want"), [(0, 0, 1), (1, 0, 0), (-1, 0, 0), (0, 1, 2), (2, 1, 1)]
+)
 def test_stack_moves_the_batch_axis(axis, batch_axis, want):
     x = jnp.ones((B, 3) if batch_axis == 0 else (3, B))
     eqn = _eqn(lambda a, c: jnp.stack([a, c], axis=axis), x, x)
     assert row_rule(eqn, [batch_axis, batch_axis], B) == [want]
-    assert row_rule(eqn, [batch_axis, CONST], B) == [want]  # stacked with a value shared by the batch
+    assert row_rule(eqn, [batch_axis, CONST], B) == [
+        want
+    ]  # stacked with a value shared by the batch
 
 
-@pytest.mark.parametrize(("axis", "batch_axis", "want"), [(1, 0, 0), (0, 1, 0), (2, 1, 1), (0, 0, MIXED), (-2, 1, MIXED)])
+@pytest.mark.parametrize(
+    ("axis", "batch_axis", "want"), [(1, 0, 0), (0, 1, 0), (2, 1, 1), (0, 0, MIXED), (-2, 1, MIXED)]
+)
 def test_unstack_moves_the_batch_axis(axis, batch_axis, want):
     shape = [3, 4, 2]
     shape[batch_axis] = B
@@ -162,7 +193,9 @@ def test_a_loss_unstacking_the_batch_falls_back_with_a_reason():
 
     def loss(p, b):
         rows = jnp.unstack(b["x"].mean(axis=1) @ p["w"], axis=0)
-        return jnp.stack([xent(rows[i][None] + rows[0][None], b["y"][i:i + 1])[0] for i in range(B)])
+        return jnp.stack(
+            [xent(rows[i][None] + rows[0][None], b["y"][i : i + 1])[0] for i in range(B)]
+        )
 
     report = ghost_report(loss, params, _data(5))
     assert [p for p, _ in report.fallback] == ["['w']"] and "'unstack'" in report.fallback[0][1]
@@ -170,8 +203,17 @@ def test_a_loss_unstacking_the_batch_falls_back_with_a_reason():
 
 # Primitives of jax.lax added since jax 0.5.3 (the names of jax/lax/__init__.py's ``*_p`` objects
 # of jax-v0.10.2 that jax-v0.5.3 lacks), and call primitives added in jax 0.11.
-ADDED_SINCE_MINIMUM = ("dce_sink", "mulhi", "stack", "stage", "tile", "unstack", "xla_metadata_call",
-                      "log2", "one_minus_square")  # the last two: jax 0.11 (run on 0.11.2, CPU and GPU)
+ADDED_SINCE_MINIMUM = (
+    "dce_sink",
+    "mulhi",
+    "stack",
+    "stage",
+    "tile",
+    "unstack",
+    "xla_metadata_call",
+    "log2",
+    "one_minus_square",
+)  # the last two: jax 0.11 (run on 0.11.2, CPU and GPU)
 
 
 @pytest.mark.parametrize("name", ADDED_SINCE_MINIMUM)

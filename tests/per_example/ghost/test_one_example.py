@@ -23,8 +23,9 @@ from tests.per_example.models import assert_tree_close, cnn_setup, mlp_setup, xe
 
 def _primitives(jaxpr):
     """The primitives of ``jaxpr`` and of the jaxprs nested in it."""
-    return {e.primitive.name for e in jaxpr.eqns}.union(*(_primitives(j) for e in jaxpr.eqns
-                                                          for j in jc.sub_jaxprs(e)))
+    return {e.primitive.name for e in jaxpr.eqns}.union(
+        *(_primitives(j) for e in jaxpr.eqns for j in jc.sub_jaxprs(e))
+    )
 
 
 def _plan(loss, params, data):
@@ -36,7 +37,9 @@ def _plan(loss, params, data):
 def _ghost_equals_vmap(loss, params, data, ghost_sums=("bookkeeping", "backward"), **kw):
     want, want_info = jax.jit(clipped_grad(loss, 1.0, method="vmap", **kw))(params, data)
     for ghost_sum in ghost_sums:
-        got, info = jax.jit(clipped_grad(loss, 1.0, method="ghost", ghost_sum=ghost_sum, **kw))(params, data)
+        got, info = jax.jit(clipped_grad(loss, 1.0, method="ghost", ghost_sum=ghost_sum, **kw))(
+            params, data
+        )
         assert_tree_close(info.norms, want_info.norms, rtol=3e-5, atol=3e-6)
         assert_tree_close(got, want, rtol=3e-5, atol=3e-6)
 
@@ -61,15 +64,21 @@ _TRI = jnp.tril(jnp.ones((D, D))) + D * jnp.eye(D)
 # vmap path whole: the rules cannot tell that they keep the examples apart)
 MIXES = {
     "scatter-add": lambda h: h.at[:, :, jnp.array([0, 0, 3])].add(h[:, :, 1:4]),
-    "segment_sum": lambda h: jax.vmap(jax.vmap(lambda r: jax.ops.segment_sum(r, jnp.arange(D) % 3, D)))(h),
-    "triangular_solve": lambda h: jax.vmap(lambda m: jax.scipy.linalg.solve_triangular(_TRI, m.T, lower=True).T)(h),
+    "segment_sum": lambda h: jax.vmap(
+        jax.vmap(lambda r: jax.ops.segment_sum(r, jnp.arange(D) % 3, D))
+    )(h),
+    "triangular_solve": lambda h: jax.vmap(
+        lambda m: jax.scipy.linalg.solve_triangular(_TRI, m.T, lower=True).T
+    )(h),
 }
 
 
 @pytest.mark.parametrize("name", sorted(MIXES))
 def test_a_primitive_without_a_rule_keeps_every_leaf_on_the_ghost_path(name):
     loss, params, data = _head_loss(MIXES[name]), _head_params(1), _data(1)
-    assert _primitives(jax.make_jaxpr(loss)(params, data).jaxpr) - set(RULES), "no primitive without a rule"
+    assert _primitives(jax.make_jaxpr(loss)(params, data).jaxpr) - set(RULES), (
+        "no primitive without a rule"
+    )
     plan = _plan(loss, params, data)
     assert plan.one_example and plan.row_wise
     assert ghost_report(loss, params, data).fallback == []
@@ -92,8 +101,12 @@ def test_a_parameter_read_by_such_a_primitive_falls_back_alone():
     _ghost_equals_vmap(loss, params, data)
 
 
-@pytest.mark.parametrize("removed", [("stack",), pytest.param(("split", "reshape"), marks=pytest.mark.slow)])
-def test_a_jax_release_adding_primitives_does_not_send_a_model_to_the_fallback(monkeypatch, removed):
+@pytest.mark.parametrize(
+    "removed", [("stack",), pytest.param(("split", "reshape"), marks=pytest.mark.slow)]
+)
+def test_a_jax_release_adding_primitives_does_not_send_a_model_to_the_fallback(
+    monkeypatch, removed
+):
     """As jax 0.10 made ``jnp.stack`` a primitive: with the rules of the rotary embedding's
     ``stack`` (or of ``split`` and ``reshape``) removed, the rules cannot follow the batched loss;
     the one-example program keeps every leaf measured, with the same kinds."""
@@ -147,7 +160,9 @@ def test_a_loss_failing_on_one_example_keeps_the_batched_plan():
 
     def loss(p, b):
         rows = jnp.unstack(b["x"].mean(axis=1) @ p["w"], axis=0)
-        return jnp.stack([xent(rows[i][None] + rows[0][None], b["y"][i:i + 1])[0] for i in range(B)])
+        return jnp.stack(
+            [xent(rows[i][None] + rows[0][None], b["y"][i : i + 1])[0] for i in range(B)]
+        )
 
     data = _data(5)
     assert not _plan(loss, params, data).one_example
@@ -191,8 +206,12 @@ def test_a_batch_merged_with_other_axes_is_not_followed():
 def test_vmapped_loss_is_the_loss_on_each_example_alone():
     loss, params, data = mlp_setup()
     n = data["y"].shape[0]
-    want = jnp.stack([loss(params, jax.tree.map(lambda x, i=i: x[i:i + 1], data))[0] for i in range(n)])
-    np.testing.assert_allclose(vmapped_loss(loss, False)(params, data, ()), want, rtol=1e-6, atol=1e-6)
+    want = jnp.stack(
+        [loss(params, jax.tree.map(lambda x, i=i: x[i : i + 1], data))[0] for i in range(n)]
+    )
+    np.testing.assert_allclose(
+        vmapped_loss(loss, False)(params, data, ()), want, rtol=1e-6, atol=1e-6
+    )
 
 
 def test_under_jit_and_microbatches():

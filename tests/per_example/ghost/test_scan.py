@@ -20,7 +20,9 @@ B, T, D = 5, 4, 8
 
 
 def _w(r, *shape, scale=1.0):
-    return jnp.asarray(scale * r.normal(size=shape) / np.sqrt(shape[-2] if len(shape) > 1 else 1.0), jnp.float32)
+    return jnp.asarray(
+        scale * r.normal(size=shape) / np.sqrt(shape[-2] if len(shape) > 1 else 1.0), jnp.float32
+    )
 
 
 def _data(seed=0, classes=4, batch=B):
@@ -34,9 +36,14 @@ def stacked_transformer(layers=3, seed=0, reverse=False, dtype=jnp.float32, batc
     three, a layer-norm scale, an MLP applied to the rows merged across positions
     (``h.reshape(-1, D) @ w``), the block under ``jax.checkpoint``."""
     r = np.random.default_rng(seed)
-    params = {"qkv": _w(r, layers, D, 3 * D), "o": _w(r, layers, D, D, scale=0.5),
-              "scale": 1.0 + 0.1 * _w(r, layers, D), "up": _w(r, layers, D, 2 * D),
-              "down": _w(r, layers, 2 * D, D, scale=0.5), "head": _w(r, D, 4)}
+    params = {
+        "qkv": _w(r, layers, D, 3 * D),
+        "o": _w(r, layers, D, D, scale=0.5),
+        "scale": 1.0 + 0.1 * _w(r, layers, D),
+        "up": _w(r, layers, D, 2 * D),
+        "down": _w(r, layers, 2 * D, D, scale=0.5),
+        "head": _w(r, D, 4),
+    }
     params = jax.tree.map(lambda x: x.astype(dtype), params)
 
     def block(h, lp):
@@ -57,13 +64,18 @@ def stacked_transformer(layers=3, seed=0, reverse=False, dtype=jnp.float32, batc
 
 def _close(a, b, rtol=2e-5, atol=2e-6):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=rtol, atol=atol)
+        np.testing.assert_allclose(
+            np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=rtol, atol=atol
+        )
 
 
 def _compare(loss, params, data, clip=1.0, rtol=2e-5, atol=2e-6, **kw):
     """Ghost against vmap; ``None`` where this backend refuses ``ghost_sum='backward'`` (checked)."""
-    if refuses_backward(kw.get("ghost_sum"), lambda: jax.make_jaxpr(clipped_grad(loss, clip, method="ghost", **kw))(
-            params, data), per_layer=bool(kw.get("per_layer"))):
+    if refuses_backward(
+        kw.get("ghost_sum"),
+        lambda: jax.make_jaxpr(clipped_grad(loss, clip, method="ghost", **kw))(params, data),
+        per_layer=bool(kw.get("per_layer")),
+    ):
         return None
     ref, ref_info = jax.jit(clipped_grad(loss, clip, method="vmap", **kw))(params, data)
     got, info = jax.jit(clipped_grad(loss, clip, method="ghost", **kw))(params, data)
@@ -76,8 +88,14 @@ def test_stacked_leaves_are_measured_inside_the_loop():
     loss, params, data = stacked_transformer()
     rep = ghost_report(loss, params, data)
     assert rep.fallback == []
-    assert dict(rep.ghost) == {"['down']": "scan:dense", "['head']": "dense", "['o']": "scan:dense",
-                               "['qkv']": "scan:dense", "['scale']": "scan:elementwise", "['up']": "scan:dense"}
+    assert dict(rep.ghost) == {
+        "['down']": "scan:dense",
+        "['head']": "dense",
+        "['o']": "scan:dense",
+        "['qkv']": "scan:dense",
+        "['scale']": "scan:elementwise",
+        "['up']": "scan:dense",
+    }
 
 
 @pytest.mark.parametrize("ghost_sum", ["backward", "bookkeeping"])
@@ -144,10 +162,22 @@ def test_stacked_convolutions():
     """Residual conv blocks stacked on axis 0 (kernels ``(L, 3, 3, C, C)``), run by a scan."""
     r = np.random.default_rng(5)
     c, layers = 4, 3
-    params = {"stem": _w(r, 3, 3, 2, c), "k": _w(r, layers, 3, 3, c, c, scale=0.3), "head": _w(r, c, 4)}
-    data = {"x": jnp.asarray(r.normal(size=(B, 6, 6, 2)), jnp.float32), "y": jnp.asarray(r.integers(0, 4, size=B))}
-    conv = lambda x, k: lax.conv_general_dilated(x, k, (1, 1), "SAME",  # noqa: E731
-                                                 dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    params = {
+        "stem": _w(r, 3, 3, 2, c),
+        "k": _w(r, layers, 3, 3, c, c, scale=0.3),
+        "head": _w(r, c, 4),
+    }
+    data = {
+        "x": jnp.asarray(r.normal(size=(B, 6, 6, 2)), jnp.float32),
+        "y": jnp.asarray(r.integers(0, 4, size=B)),
+    }
+    conv = lambda x, k: lax.conv_general_dilated(  # noqa: E731
+        x,
+        k,
+        (1, 1),
+        "SAME",
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+    )
 
     def loss(p, b):
         h = conv(b["x"], p["stem"])
@@ -209,7 +239,10 @@ def test_equinox_filter_vmap_stack():
 
     data = _data(7)
     rep = ghost_report(loss, params, data)
-    assert rep.fallback == [] and {k for p, k in rep.ghost if "stack" in p} == {"scan:dense", "scan:elementwise"}
+    assert rep.fallback == [] and {k for p, k in rep.ghost if "stack" in p} == {
+        "scan:dense",
+        "scan:elementwise",
+    }
     _compare(loss, params, data, clip=0.5)
 
 
@@ -240,8 +273,13 @@ def test_sharded_batch_matches_single_device():
             return jax.lax.psum(g, "x"), info.norms
 
         mesh = jax.make_mesh((8,), ("x",))
-        f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("x"), P("x")), out_specs=(P(), P("x"))))
-        g, norms = f(jax.device_put(params, NamedSharding(mesh, P())),
-                     jax.device_put(data, NamedSharding(mesh, P("x"))), jax.device_put(mask, NamedSharding(mesh, P("x"))))
+        f = jax.jit(
+            jax.shard_map(local, mesh=mesh, in_specs=(P(), P("x"), P("x")), out_specs=(P(), P("x")))
+        )
+        g, norms = f(
+            jax.device_put(params, NamedSharding(mesh, P())),
+            jax.device_put(data, NamedSharding(mesh, P("x"))),
+            jax.device_put(mask, NamedSharding(mesh, P("x"))),
+        )
         _close(g, ref, 1e-5, 1e-6)
         _close(norms, ref_i.norms, 1e-5, 1e-6)

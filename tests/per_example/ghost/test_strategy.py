@@ -29,7 +29,8 @@ def seq_setup(seq=3, seed=3, batch=B, dtype=jnp.float32):
     """Dense layers on a (B, T, d) input: Gram identity for T=3, materialized for T=8."""
     r = np.random.default_rng(seed)
     params = {
-        "w1": jnp.asarray(r.normal(size=(6, 8)) / 2, dtype), "b1": jnp.asarray(r.normal(size=8), dtype),
+        "w1": jnp.asarray(r.normal(size=(6, 8)) / 2, dtype),
+        "b1": jnp.asarray(r.normal(size=8), dtype),
         "w2": jnp.asarray(r.normal(size=(8, 3)) / 3, dtype),
     }
     data = {
@@ -53,8 +54,10 @@ def layernorm_setup(seed=4, batch=B):
         "bias": jnp.asarray(0.3 * r.normal(size=6), jnp.float32),
         "head": jnp.asarray(r.normal(size=(6,)), jnp.float32),
     }
-    data = {"x": jnp.asarray(r.normal(size=(batch, 4, 5)) * _scales(r, batch, 3), jnp.float32),
-            "y": jnp.asarray(r.normal(size=batch), jnp.float32)}
+    data = {
+        "x": jnp.asarray(r.normal(size=(batch, 4, 5)) * _scales(r, batch, 3), jnp.float32),
+        "y": jnp.asarray(r.normal(size=batch), jnp.float32),
+    }
 
     def loss(p, b):
         h = b["x"] @ p["w"]
@@ -69,9 +72,14 @@ def layernorm_setup(seed=4, batch=B):
 def tied_setup(seed=5, batch=B):
     """Tied input/output embedding (used twice), plus an elementwise sin of a parameter."""
     r = np.random.default_rng(seed)
-    params = {"emb": jnp.asarray(r.normal(size=(6, 4)), jnp.float32),
-              "freq": jnp.asarray(r.normal(size=4), jnp.float32)}
-    data = {"tok": jnp.asarray(r.integers(0, 6, size=(batch, 5))), "y": jnp.asarray(r.integers(0, 6, size=batch))}
+    params = {
+        "emb": jnp.asarray(r.normal(size=(6, 4)), jnp.float32),
+        "freq": jnp.asarray(r.normal(size=4), jnp.float32),
+    }
+    data = {
+        "tok": jnp.asarray(r.integers(0, 6, size=(batch, 5))),
+        "y": jnp.asarray(r.integers(0, 6, size=batch)),
+    }
 
     def loss(p, b):
         h = jnp.mean(p["emb"][b["tok"]], axis=1) * jnp.sin(p["freq"])
@@ -94,9 +102,14 @@ def mixing_setup(seed=6, batch=B):
 def embed_seq_setup(seed=7, batch=B):
     """Embedding lookup with repeated tokens in each sequence (small vocabulary)."""
     r = np.random.default_rng(seed)
-    params = {"emb": jnp.asarray(r.normal(size=(5, 3)), jnp.float32),
-              "w": jnp.asarray(r.normal(size=(3, 2)), jnp.float32)}
-    data = {"tok": jnp.asarray(r.integers(0, 5, size=(batch, 6))), "y": jnp.asarray(r.integers(0, 2, size=batch))}
+    params = {
+        "emb": jnp.asarray(r.normal(size=(5, 3)), jnp.float32),
+        "w": jnp.asarray(r.normal(size=(3, 2)), jnp.float32),
+    }
+    data = {
+        "tok": jnp.asarray(r.integers(0, 5, size=(batch, 6))),
+        "y": jnp.asarray(r.integers(0, 2, size=batch)),
+    }
 
     def loss(p, b):
         return xent(jnp.sum(p["emb"][b["tok"]] @ p["w"], axis=1), b["y"])
@@ -105,9 +118,15 @@ def embed_seq_setup(seed=7, batch=B):
 
 
 MODELS = {
-    "mlp": mlp_setup, "seq_gram": seq_setup, "seq_materialized": lambda: seq_setup(seq=8),
-    "cnn": cnn_setup, "embed": embed_setup, "embed_seq": embed_seq_setup, "layernorm": layernorm_setup,
-    "tied": tied_setup, "not_row_wise": lambda: not_row_wise_setup(),
+    "mlp": mlp_setup,
+    "seq_gram": seq_setup,
+    "seq_materialized": lambda: seq_setup(seq=8),
+    "cnn": cnn_setup,
+    "embed": embed_setup,
+    "embed_seq": embed_seq_setup,
+    "layernorm": layernorm_setup,
+    "tied": tied_setup,
+    "not_row_wise": lambda: not_row_wise_setup(),
 }
 
 
@@ -120,6 +139,7 @@ def not_row_wise_setup(seed=9, batch=B):
         return loss0(p, {**b, "x": jnp.fft.fft(b["x"], axis=-1).real})
 
     return loss, params, data
+
 
 # ----------------------------------------------------------------------------
 # Helpers
@@ -140,9 +160,16 @@ def _close(a, b, rtol, atol):
 
 def _compare(loss, params, data, clip, rtol=1e-5, atol=1e-6, mask=None, **kw):
     """Ghost against vmap; ``None`` where this backend refuses ``ghost_sum='backward'`` (checked)."""
-    per_layer = bool(kw.get("per_layer")) or not jax.tree_util.treedef_is_leaf(jax.tree.structure(clip))
-    if refuses_backward(kw.get("ghost_sum"), lambda: jax.make_jaxpr(clipped_grad(loss, clip, method="ghost", **kw))(
-            params, data, mask=mask), per_layer=per_layer):
+    per_layer = bool(kw.get("per_layer")) or not jax.tree_util.treedef_is_leaf(
+        jax.tree.structure(clip)
+    )
+    if refuses_backward(
+        kw.get("ghost_sum"),
+        lambda: jax.make_jaxpr(clipped_grad(loss, clip, method="ghost", **kw))(
+            params, data, mask=mask
+        ),
+        per_layer=per_layer,
+    ):
         return None
     ref_g, ref_i = jax.jit(clipped_grad(loss, clip, method="vmap", **kw))(params, data, mask=mask)
     g, i = jax.jit(clipped_grad(loss, clip, method="ghost", **kw))(params, data, mask=mask)
@@ -172,14 +199,26 @@ def test_ghost_matches_vmap(model, ghost_sum):
 
 def test_report_classifies_leaves():
     kinds = dict(ghost_report(*mlp_setup()).ghost)
-    assert kinds == {"['l1']['b']": "elementwise", "['l1']['w']": "dense",
-                     "['l2']['b']": "elementwise", "['l2']['w']": "dense"}
+    assert kinds == {
+        "['l1']['b']": "elementwise",
+        "['l1']['w']": "dense",
+        "['l2']['b']": "elementwise",
+        "['l2']['w']": "dense",
+    }
     rep = ghost_report(*cnn_setup())
-    assert dict(rep.ghost) == {"['conv']": "conv", "['conv_b']": "elementwise", "['dense']": "dense"}
+    assert dict(rep.ghost) == {
+        "['conv']": "conv",
+        "['conv_b']": "elementwise",
+        "['dense']": "dense",
+    }
     assert rep.fallback == []
     rep = ghost_report(*layernorm_setup())
-    assert dict(rep.ghost) == {"['w']": "dense", "['scale']": "elementwise", "['bias']": "elementwise",
-                               "['head']": "dense"}
+    assert dict(rep.ghost) == {
+        "['w']": "dense",
+        "['scale']": "elementwise",
+        "['bias']": "elementwise",
+        "['head']": "dense",
+    }
     rep = ghost_report(*embed_seq_setup())
     assert dict(rep.ghost) == {"['emb']": "embedding", "['w']": "dense"}
     rep = ghost_report(*tied_setup())
@@ -194,7 +233,10 @@ def test_report_prints_as_a_table():
     constructor-like one-liner, and IPython shows the table."""
     rep = ghost_report(*tied_setup())
     lines = str(rep).splitlines()
-    assert lines[0] == "ghost clipping measures 1 of 2 parameter leaves; 1 falls back to per-example gradients"
+    assert (
+        lines[0]
+        == "ghost clipping measures 1 of 2 parameter leaves; 1 falls back to per-example gradients"
+    )
     assert lines[1].split() == ["leaf", "clipping", "kind", "/", "why", "it", "falls", "back"]
     assert lines[3].split() == ["['emb']", "ghost", "tied:embedding+dense"]
     _, why = rep.fallback[0]
@@ -275,7 +317,10 @@ def test_nan_example_is_dropped(model, ghost_sum):
     elif model == "cnn":
         data = {**data, "img": data["img"].at[2, 3, 3, 0].set(jnp.nan)}
     else:
-        params = {**params, "emb": params["emb"].at[0, 0].set(jnp.inf)}  # token 0 poisons its examples
+        params = {
+            **params,
+            "emb": params["emb"].at[0, 0].set(jnp.inf),
+        }  # token 0 poisons its examples
     grad_fn = clipped_grad(loss, 1.0, method="ghost", ghost_sum=ghost_sum)
     if refuses_backward(ghost_sum, lambda: grad_fn(params, data)):
         return
@@ -302,17 +347,31 @@ def test_nan_example_is_dropped_on_tf32_operands(products, monkeypatch):
     assert bad.tolist() == [k == 2 for k in range(B)]
     ref, ref_info = grad_fn(params, data, mask=jnp.asarray(~bad))
     _close(g, ref, 1e-6, 1e-7)
-    np.testing.assert_allclose(np.asarray(i.norms)[~bad], np.asarray(ref_info.norms)[~bad], rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(i.norms)[~bad], np.asarray(ref_info.norms)[~bad], rtol=1e-6
+    )
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(g))
 
 
-@pytest.mark.cpu_only(reason="counts the conditionals of XLA:CPU's optimized program; other backends' "
-                            "compilers keep, merge or remove conditionals their own way")
-@pytest.mark.parametrize("model, products, conditionals", [
-    ("mlp", "highest", 0), ("seq_gram", "highest", 0), ("embed_seq", "highest", 0), ("cnn", "highest", 1),
-    ("mlp", "tf32", 0), ("cnn", "tf32", 0), ("cnn", "tf32x2", 0)])
-def test_bookkeeping_holds_a_conditional_only_for_convolutions_read_in_place(model, products, conditionals,
-                                                                               monkeypatch):
+@pytest.mark.cpu_only(
+    reason="counts the conditionals of XLA:CPU's optimized program; other backends' "
+    "compilers keep, merge or remove conditionals their own way"
+)
+@pytest.mark.parametrize(
+    "model, products, conditionals",
+    [
+        ("mlp", "highest", 0),
+        ("seq_gram", "highest", 0),
+        ("embed_seq", "highest", 0),
+        ("cnn", "highest", 1),
+        ("mlp", "tf32", 0),
+        ("cnn", "tf32", 0),
+        ("cnn", "tf32x2", 0),
+    ],
+)
+def test_bookkeeping_holds_a_conditional_only_for_convolutions_read_in_place(
+    model, products, conditionals, monkeypatch
+):
     # NaN-safe book-keeping zeroes the dropped examples' values in the one sum where that is
     # cheap, and the per-example norms are taken by Blue's algorithm (no overflow
     # conditional). Zeroing a convolution's input read in place is a pass of its own, so there
@@ -345,7 +404,10 @@ def test_cpu_row_norms_take_no_variadic_reduction(scale, monkeypatch):
     for setting in ("branch-free", "engine"):
         monkeypatch.setitem(_measure.ROW_NORMS, jax.default_backend(), setting)
         f = jax.jit(clipped_grad(loss, 1.0, method="ghost"))
-        out[setting] = (len(VARIADIC_REDUCE.findall(f.lower(params, data).compile().as_text())), f(params, data))
+        out[setting] = (
+            len(VARIADIC_REDUCE.findall(f.lower(params, data).compile().as_text())),
+            f(params, data),
+        )
     monkeypatch.undo()
     assert _measure.ROW_NORMS.get("cpu") == "engine"
     assert out["branch-free"][0] > 0 and out["engine"][0] == 0
@@ -370,7 +432,9 @@ def test_has_aux_and_per_layer():
 def test_float64_tight():
     with jax.enable_x64(True):
         loss, params, data = seq_setup(dtype=jnp.float64)
-        _compare(loss, params, data, _clip_between_norms(loss, params, data), rtol=1e-12, atol=1e-13)
+        _compare(
+            loss, params, data, _clip_between_norms(loss, params, data), rtol=1e-12, atol=1e-13
+        )
 
 
 def test_extra_args_and_closure_under_jit():
@@ -410,8 +474,10 @@ def lhs_param_setup(seed=8, batch=B):
     """``W @ x.T`` (the parameter on the left, the batch on axis 1 of the product)."""
     r = np.random.default_rng(seed)
     params = {"w": jnp.asarray(r.normal(size=(3, 4)), jnp.float32)}
-    data = {"x": jnp.asarray(r.normal(size=(batch, 4)) * _scales(r, batch, 2), jnp.float32),
-            "y": jnp.asarray(r.integers(0, 3, size=batch))}
+    data = {
+        "x": jnp.asarray(r.normal(size=(batch, 4)) * _scales(r, batch, 2), jnp.float32),
+        "y": jnp.asarray(r.integers(0, 3, size=batch)),
+    }
 
     def loss(p, b):
         return xent(jnp.tanh(p["w"] @ b["x"].T).T, b["y"])
@@ -491,7 +557,11 @@ def test_equinox_model_unchanged():
 
         def __init__(self, key):
             k1, k2 = jax.random.split(key)
-            self.l1, self.ln, self.l2 = eqx.nn.Linear(6, 8, key=k1), eqx.nn.LayerNorm(8), eqx.nn.Linear(8, 3, key=k2)
+            self.l1, self.ln, self.l2 = (
+                eqx.nn.Linear(6, 8, key=k1),
+                eqx.nn.LayerNorm(8),
+                eqx.nn.Linear(8, 3, key=k2),
+            )
 
         def __call__(self, x):
             return self.l2(jnp.tanh(self.ln(self.l1(x))))
@@ -514,7 +584,9 @@ def _nnx_lm(vocab, d=16, heads=2, seq=6, seed=0):
     class Block(nnx.Module):
         def __init__(self, rngs):
             self.ln1 = nnx.LayerNorm(d, rngs=rngs)
-            self.att = nnx.MultiHeadAttention(num_heads=heads, in_features=d, decode=False, rngs=rngs)
+            self.att = nnx.MultiHeadAttention(
+                num_heads=heads, in_features=d, decode=False, rngs=rngs
+            )
             self.ln2 = nnx.RMSNorm(d, rngs=rngs)
             self.up = nnx.Linear(d, 2 * d, rngs=rngs)
             self.down = nnx.Linear(2 * d, d, rngs=rngs)
@@ -545,13 +617,17 @@ def _nnx_lm(vocab, d=16, heads=2, seq=6, seed=0):
     return loss, params, data
 
 
-@pytest.mark.parametrize(("vocab", "ghost_sum"), [
-    # every pairing runs with the slow tests (each sum mode and each tied form is tested above on
-    # smaller models in the default suite; these whole-transformer runs are among the longest)
-    pytest.param(13, "bookkeeping", marks=pytest.mark.slow),
-    pytest.param(64, "backward", marks=pytest.mark.slow),
-    pytest.param(13, "backward", marks=pytest.mark.slow), pytest.param(64, "bookkeeping", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    ("vocab", "ghost_sum"),
+    [
+        # every pairing runs with the slow tests (each sum mode and each tied form is tested above on
+        # smaller models in the default suite; these whole-transformer runs are among the longest)
+        pytest.param(13, "bookkeeping", marks=pytest.mark.slow),
+        pytest.param(64, "backward", marks=pytest.mark.slow),
+        pytest.param(13, "backward", marks=pytest.mark.slow),
+        pytest.param(64, "bookkeeping", marks=pytest.mark.slow),
+    ],
+)
 def test_flax_nnx_transformer_tied_embedding(vocab, ghost_sum):
     # vocab 13: the tied table's per-example gradients are cheaper to form;
     # vocab 64: its norm comes from factors, nothing of shape (B, vocab, d) exists.
@@ -563,8 +639,12 @@ def test_flax_nnx_transformer_tied_embedding(vocab, ghost_sum):
     assert kinds["['block']['att']['query']['kernel'].value"] == "dense"
     clip = _clip_between_norms(loss, params, data)
     _compare(loss, params, data, clip, ghost_sum=ghost_sum)
-    _compare(loss, params, data, jax.tree.map(lambda _: clip / 3, params), ghost_sum=ghost_sum)  # per-layer
-    jaxpr = str(jax.make_jaxpr(clipped_grad(loss, clip, method="ghost", ghost_sum=ghost_sum))(params, data))
+    _compare(
+        loss, params, data, jax.tree.map(lambda _: clip / 3, params), ghost_sum=ghost_sum
+    )  # per-layer
+    jaxpr = str(
+        jax.make_jaxpr(clipped_grad(loss, clip, method="ghost", ghost_sum=ghost_sum))(params, data)
+    )
     assert (f"[{B},{vocab},16]" in jaxpr) == (vocab == 13)
 
 
@@ -576,16 +656,25 @@ def test_auto_sum_mode_follows_cotangent_share():
         loss, params, data = setup
 
         def program(ghost_sum):
-            return str(jax.make_jaxpr(clipped_grad(loss, 1.0, method="ghost", ghost_sum=ghost_sum))(params, data))
+            return str(
+                jax.make_jaxpr(clipped_grad(loss, 1.0, method="ghost", ghost_sum=ghost_sum))(
+                    params, data
+                )
+            )
 
         auto, backward, bookkeeping = program("auto"), program("backward"), program("bookkeeping")
         assert backward != bookkeeping
         return {backward: "backward", bookkeeping: "bookkeeping"}.get(auto)
 
     loss, params, data = mlp_setup()
-    if refuses_backward("backward", lambda: clipped_grad(loss, 1.0, method="ghost", ghost_sum="backward")(params, data)):
-        pytest.skip("float32 products at reduced precision here: 'auto' always book-keeps "
-                    "(test_low_precision.py::test_reduced_precision_backend_book_keeps)")
+    if refuses_backward(
+        "backward",
+        lambda: clipped_grad(loss, 1.0, method="ghost", ghost_sum="backward")(params, data),
+    ):
+        pytest.skip(
+            "float32 products at reduced precision here: 'auto' always book-keeps "
+            "(test_low_precision.py::test_reduced_precision_backend_book_keeps)"
+        )
     assert mode(MODELS["seq_materialized"]()) == "backward"
     assert mode(MODELS["layernorm"]()) == "bookkeeping"
     assert mode(_nnx_lm(64)) == "bookkeeping"
@@ -596,8 +685,10 @@ def test_weight_shared_twice_cross_terms():
     """One square matrix applied twice: its norm needs the cross term of the two uses."""
     r = np.random.default_rng(11)
     params = {"w": jnp.asarray(r.normal(size=(6, 6)) / 2, jnp.float32)}
-    data = {"x": jnp.asarray(r.normal(size=(B, 6)) * _scales(r, B, 2), jnp.float32),
-            "y": jnp.asarray(r.integers(0, 6, size=B))}
+    data = {
+        "x": jnp.asarray(r.normal(size=(B, 6)) * _scales(r, B, 2), jnp.float32),
+        "y": jnp.asarray(r.integers(0, 6, size=B)),
+    }
 
     def loss(p, b):
         return xent(jnp.tanh(b["x"] @ p["w"]) @ p["w"].T, b["y"])
@@ -631,9 +722,14 @@ def test_sharded_batch_matches_single_device():
         return jax.lax.psum(g, "x"), info.norms
 
     mesh = jax.make_mesh((8,), ("x",))
-    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("x"), P("x")), out_specs=(P(), P("x"))))
-    g, norms = f(jax.device_put(params, NamedSharding(mesh, P())), jax.device_put(data, NamedSharding(mesh, P("x"))),
-                 jax.device_put(mask, NamedSharding(mesh, P("x"))))
+    f = jax.jit(
+        jax.shard_map(local, mesh=mesh, in_specs=(P(), P("x"), P("x")), out_specs=(P(), P("x")))
+    )
+    g, norms = f(
+        jax.device_put(params, NamedSharding(mesh, P())),
+        jax.device_put(data, NamedSharding(mesh, P("x"))),
+        jax.device_put(mask, NamedSharding(mesh, P("x"))),
+    )
     _close(g, ref, 1e-5, 1e-6)
     _close(norms, ref_i.norms, 1e-5, 1e-6)
 
@@ -664,8 +760,14 @@ def _shared_component_layer(ratio, zero_sum, seq=32, width=64, seed=0):
         return jnp.sum(jnp.einsum("btd,dp->btp", b["x"], prm["w"]) * b["c"], axis=(1, 2))
 
     assert ghost_report(loss, params, {"x": x[:1], "c": c[:1]}) == ([("['w']", "dense")], [])
-    _, info = jax.jit(clipped_grad(loss, 1.0, method="ghost"))(params, {"x": jnp.asarray(x), "c": jnp.asarray(c)})
-    exact = np.sqrt((np.einsum("btd,btp->bdp", x.astype(np.float64), c.astype(np.float64)) ** 2).sum(axis=(1, 2)))
+    _, info = jax.jit(clipped_grad(loss, 1.0, method="ghost"))(
+        params, {"x": jnp.asarray(x), "c": jnp.asarray(c)}
+    )
+    exact = np.sqrt(
+        (np.einsum("btd,btp->bdp", x.astype(np.float64), c.astype(np.float64)) ** 2).sum(
+            axis=(1, 2)
+        )
+    )
     return np.asarray(info.norms, np.float64), exact
 
 
@@ -690,7 +792,9 @@ def test_gram_norms_raised_little_without_cancellation(ratio):
     assert np.all(ghost >= exact) and np.all(ghost <= exact * (1 + 3e-5)), ghost / exact - 1
 
 
-@pytest.mark.parametrize("scale", [1.0, 1e20])  # 1e20: squares past float32's range, the engine's fallback
+@pytest.mark.parametrize(
+    "scale", [1.0, 1e20]
+)  # 1e20: squares past float32's range, the engine's fallback
 def test_global_clipping_measures_small_formed_rows_together(scale, monkeypatch):
     """Global clipping needs only each example's norm over all leaves: the small per-example
     gradients ghost forms (a LayerNorm's scale and bias) are laid side by side and measured as

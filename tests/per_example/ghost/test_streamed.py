@@ -43,8 +43,12 @@ def _compare(losses, params, data, per_layer=False, rtol=1e-4, atol=1e-6):
     assert sum(int(n) for n in jax.tree.leaves(vi.num_clipped)) >= 1  # the clip bites
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(v), strict=True):
         scale = float(np.max(np.abs(np.asarray(b, np.float64)))) or 1.0
-        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=rtol,
-                                   atol=atol + rtol * scale)
+        np.testing.assert_allclose(
+            np.asarray(a, np.float64),
+            np.asarray(b, np.float64),
+            rtol=rtol,
+            atol=atol + rtol * scale,
+        )
 
 
 @pytest.mark.slow
@@ -57,7 +61,9 @@ def test_remat_scan_decoder_equals_vmap(streamed, per_layer):
 
 @pytest.mark.slow
 def test_remat_scan_decoder_bfloat16_within_rounding(streamed):
-    losses, params, data = models.llama(0, 4, models.LlamaConfig(layers=2, dtype=jnp.bfloat16, **TINY))
+    losses, params, data = models.llama(
+        0, 4, models.LlamaConfig(layers=2, dtype=jnp.bfloat16, **TINY)
+    )
     _compare(losses, params, data, rtol=1e-2)
     assert streamed
 
@@ -66,8 +72,10 @@ def test_huge_gradients_stay_in_range(streamed):
     """A use's norm leaves the backward pass as a norm, not a square: gradients near 1e22
     (squares beyond float32) give the float64 norms."""
     r = np.random.default_rng(0)
-    params = {"w": jnp.asarray(r.normal(size=(3, 4, 4)) / 2, jnp.float32),
-              "head": jnp.asarray(r.normal(size=(4,)), jnp.float32)}
+    params = {
+        "w": jnp.asarray(r.normal(size=(3, 4, 4)) / 2, jnp.float32),
+        "head": jnp.asarray(r.normal(size=(4,)), jnp.float32),
+    }
     x = r.normal(size=(5, 6, 4)) * r.uniform(0.5, 2.0, size=(5, 1, 1)) * 1e22
 
     def loss(p, b):  # linear in every weight: per-example gradients ~1e22
@@ -99,7 +107,7 @@ def test_step_used_twice_is_not_streamed(streamed):
             return jnp.tanh(jnp.tanh(h @ w) @ w), None
 
         h, _ = lax.scan(jax.checkpoint(step), b, p["w"])
-        return jnp.sum(h ** 2, axis=(1, 2))
+        return jnp.sum(h**2, axis=(1, 2))
 
     _compare(loss, params, x)
     assert not streamed

@@ -26,7 +26,9 @@ def _data(seed=0, classes=4):
 
 
 def _w(r, *shape):
-    return jnp.asarray(r.normal(size=shape) / np.sqrt(shape[-2] if len(shape) > 1 else 1.0), jnp.float32)
+    return jnp.asarray(
+        r.normal(size=shape) / np.sqrt(shape[-2] if len(shape) > 1 else 1.0), jnp.float32
+    )
 
 
 def block_setup(seed=0, layers=L, layer_scale=1.0):
@@ -34,8 +36,13 @@ def block_setup(seed=0, layers=L, layer_scale=1.0):
     then ``L`` residual layers stacked on axis 0 and run by ``lax.scan``, each a
     ``jax.checkpoint`` block."""
     r = np.random.default_rng(seed)
-    params = {"qkv": _w(r, D, 3 * D), "o": _w(r, D, D), "stack_w": layer_scale * _w(r, layers, D, D),
-              "stack_b": 0.1 * _w(r, layers, D), "head": _w(r, D, 4)}
+    params = {
+        "qkv": _w(r, D, 3 * D),
+        "o": _w(r, D, D),
+        "stack_w": layer_scale * _w(r, layers, D, D),
+        "stack_b": 0.1 * _w(r, layers, D),
+        "head": _w(r, D, 4),
+    }
 
     def loss(p, b):
         x = b["x"]
@@ -43,7 +50,9 @@ def block_setup(seed=0, layers=L, layer_scale=1.0):
         heads = []
         for h in range(2):  # two heads of width D/2, joined again
             s = slice(h * D // 2, (h + 1) * D // 2)
-            att = jax.nn.softmax(jnp.einsum("btd,bsd->bts", q[..., s], k[..., s]) / np.sqrt(D / 2), axis=-1)
+            att = jax.nn.softmax(
+                jnp.einsum("btd,bsd->bts", q[..., s], k[..., s]) / np.sqrt(D / 2), axis=-1
+            )
             heads.append(jnp.einsum("bts,bsd->btd", att, v[..., s]))
         h = x + jnp.concatenate(heads, axis=-1) @ p["o"]
 
@@ -73,7 +82,10 @@ def _compare(loss, params, data, clip=1.0, **kw):
 @pytest.mark.parametrize("ghost_sum", ["backward", "bookkeeping"])
 def test_split_concat_scan_checkpoint_keep_the_ghost_path(ghost_sum):
     loss, params, data = block_setup()
-    if refuses_backward(ghost_sum, lambda: clipped_grad(loss, 1.0, method="ghost", ghost_sum=ghost_sum)(params, data)):
+    if refuses_backward(
+        ghost_sum,
+        lambda: clipped_grad(loss, 1.0, method="ghost", ghost_sum=ghost_sum)(params, data),
+    ):
         return
     rep = ghost_report(loss, params, data)
     assert rep.fallback == []
@@ -84,8 +96,15 @@ def test_split_concat_scan_checkpoint_keep_the_ghost_path(ghost_sum):
     assert kinds["['stack_b']"] == "scan:elementwise"
     with warnings.catch_warnings():
         warnings.simplefilter("error", GhostFallbackWarning)  # nothing falls back
-        info = _compare(loss, params, data, clip=float(np.median(np.asarray(
-            clipped_grad(loss, 1.0, method="vmap")(params, data)[1].norms))), ghost_sum=ghost_sum)
+        info = _compare(
+            loss,
+            params,
+            data,
+            clip=float(
+                np.median(np.asarray(clipped_grad(loss, 1.0, method="vmap")(params, data)[1].norms))
+            ),
+            ghost_sum=ghost_sum,
+        )
     assert 0 < int(info.num_clipped) < B
 
 
@@ -105,7 +124,9 @@ def test_flax_linen_scanned_layers():
     class Model(nn.Module):
         @nn.compact
         def __call__(self, x):
-            stack = nn.scan(Layer, variable_axes={"params": 0}, split_rngs={"params": True}, length=L)
+            stack = nn.scan(
+                Layer, variable_axes={"params": 0}, split_rngs={"params": True}, length=L
+            )
             h, _ = stack()(nn.Dense(D)(x), None)
             return nn.Dense(4)(jnp.mean(h, axis=1))
 
@@ -136,8 +157,11 @@ def _shared_weight_rnn(steps):
     params = {"w": 0.5 * _w(r, D, D), "head": _w(r, D, 4)}
 
     def loss(p, b):
-        h, _ = jax.lax.scan(lambda h, x: (jnp.tanh(h @ p["w"] + x), None), b["x"][:, 0],
-                            jnp.swapaxes(b["x"], 0, 1)[:steps])
+        h, _ = jax.lax.scan(
+            lambda h, x: (jnp.tanh(h @ p["w"] + x), None),
+            b["x"][:, 0],
+            jnp.swapaxes(b["x"], 0, 1)[:steps],
+        )
         return xent(h @ p["head"], b["y"])
 
     return loss, params, _data(4)
@@ -168,8 +192,11 @@ def test_overlapping_slices_are_measured_and_unsupported_uses_fall_back_exactly(
     params = {"w_overlap": _w(r, D, D), "w_sin": _w(r, D, 4)}
 
     def loss(p, b):
-        h = b["x"] @ p["w_overlap"][:, :6] + jnp.pad(b["x"] @ p["w_overlap"][:, 2:], ((0, 0), (0, 0), (2, 0)))[..., :6]
-        return xent(jnp.mean(h[..., :D // 2] @ jnp.sin(p["w_sin"][:4]), axis=1), b["y"])
+        h = (
+            b["x"] @ p["w_overlap"][:, :6]
+            + jnp.pad(b["x"] @ p["w_overlap"][:, 2:], ((0, 0), (0, 0), (2, 0)))[..., :6]
+        )
+        return xent(jnp.mean(h[..., : D // 2] @ jnp.sin(p["w_sin"][:4]), axis=1), b["y"])
 
     data = _data(seed=4)
     report = ghost_report(loss, params, data)
@@ -200,13 +227,19 @@ def test_dot_product_attention_and_custom_jvp_activations():
 
     def loss(p, b):
         x = b["x"]
-        q, k, v = (a.reshape(*a.shape[:2], heads, D // heads) for a in jnp.split(x @ p["qkv"], 3, axis=-1))
+        q, k, v = (
+            a.reshape(*a.shape[:2], heads, D // heads) for a in jnp.split(x @ p["qkv"], 3, axis=-1)
+        )
         att = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(x.shape)
         return xent(jnp.mean(jax.nn.relu(att @ p["o"]), axis=1) @ p["head"], b["y"])
 
     data = _data(seed=6)
     rep = ghost_report(loss, params, data)
-    assert rep.fallback == [] and dict(rep.ghost) == {"['qkv']": "dense", "['o']": "dense", "['head']": "dense"}
+    assert rep.fallback == [] and dict(rep.ghost) == {
+        "['qkv']": "dense",
+        "['o']": "dense",
+        "['head']": "dense",
+    }
     _compare(loss, params, data, clip=0.5)
 
 
@@ -226,7 +259,10 @@ def test_position_embedding_at_constant_positions(ghost_sum):
 
     rep = ghost_report(loss, params, data)
     assert rep.fallback == [] and dict(rep.ghost)["['wpe']"] == "elementwise"
-    if refuses_backward(ghost_sum, lambda: clipped_grad(loss, 0.3, method="ghost", ghost_sum=ghost_sum)(params, data)):
+    if refuses_backward(
+        ghost_sum,
+        lambda: clipped_grad(loss, 0.3, method="ghost", ghost_sum=ghost_sum)(params, data),
+    ):
         return
     with warnings.catch_warnings():
         warnings.simplefilter("error", GhostFallbackWarning)
@@ -248,7 +284,10 @@ def test_flax_nnx_position_embedding():
 
     graphdef, params = nnx.split(Model(nnx.Rngs(0)), nnx.Param)
     r = np.random.default_rng(8)
-    data = {"ids": jnp.asarray(r.integers(0, 11, size=(B, T))), "y": jnp.asarray(r.integers(0, 4, size=B))}
+    data = {
+        "ids": jnp.asarray(r.integers(0, 11, size=(B, T))),
+        "y": jnp.asarray(r.integers(0, 4, size=B)),
+    }
 
     def loss(p, b):
         return xent(nnx.merge(graphdef, p)(b["ids"]), b["y"])
@@ -295,7 +334,7 @@ def test_dead_code_does_not_send_a_leaf_to_the_fallback():
     def loss(p, b):
         _unused = b["x"] @ p["qkv"]  # overlaps every slice below, but feeds nothing
         w = p["qkv"]
-        h = jnp.tanh(b["x"] @ w[:, :D]) * (b["x"] @ w[:, D:2 * D]) + b["x"] @ w[:, 2 * D:]
+        h = jnp.tanh(b["x"] @ w[:, :D]) * (b["x"] @ w[:, D : 2 * D]) + b["x"] @ w[:, 2 * D :]
         return xent(jnp.mean(h, axis=1) @ p["head"], b["y"])
 
     assert ghost_report(loss, params, data).fallback == []
@@ -326,8 +365,11 @@ def test_fft_and_flip_of_features_keep_the_ghost_path_and_flipping_the_batch_rai
     params, data = _fused_weight_setup(), _data(6)
 
     def features(p, b):
-        h = jnp.abs(jnp.fft.rfft(b["x"] @ p["qkv"][:, :D], axis=-1)) + jnp.flip(b["x"], axis=-1)[..., :5]
-        return jnp.sum(h ** 2, axis=(1, 2)) + xent(jnp.mean(b["x"], axis=1) @ p["head"], b["y"])
+        h = (
+            jnp.abs(jnp.fft.rfft(b["x"] @ p["qkv"][:, :D], axis=-1))
+            + jnp.flip(b["x"], axis=-1)[..., :5]
+        )
+        return jnp.sum(h**2, axis=(1, 2)) + xent(jnp.mean(b["x"], axis=1) @ p["head"], b["y"])
 
     assert ghost_report(features, params, data).fallback == []
     _compare(features, params, data, clip=0.5)
@@ -365,8 +407,12 @@ def test_each_clipped_grad_function_warns_once_from_the_users_line():
 
 
 def test_fallback_reasons_say_why_for_long_scans_and_custom_derivatives():
-    def scanned(p, b):  # a stacked leaf reshaped before the loop: not one layer per step of the leaf itself
-        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), b["x"], p["stack"].reshape(130, D, D))
+    def scanned(
+        p, b
+    ):  # a stacked leaf reshaped before the loop: not one layer per step of the leaf itself
+        h, _ = jax.lax.scan(
+            lambda h, w: (jnp.tanh(h @ w), None), b["x"], p["stack"].reshape(130, D, D)
+        )
         return jnp.sum(h, axis=(1, 2))
 
     rep = ghost_report(scanned, {"stack": jnp.zeros((130 * D, D))}, _data())
@@ -376,8 +422,13 @@ def test_fallback_reasons_say_why_for_long_scans_and_custom_derivatives():
     def dense(x, w):
         return x @ w
 
-    dense.defvjp(lambda x, w: (x @ w, (x, w)), lambda r, g: (g @ r[1].T, jnp.einsum("...i,...j->ij", r[0], g)))
-    rep = ghost_report(lambda p, b: jnp.sum(dense(b["x"], p["w"]), axis=(1, 2)), {"w": jnp.zeros((D, D))}, _data())
+    dense.defvjp(
+        lambda x, w: (x @ w, (x, w)),
+        lambda r, g: (g @ r[1].T, jnp.einsum("...i,...j->ij", r[0], g)),
+    )
+    rep = ghost_report(
+        lambda p, b: jnp.sum(dense(b["x"], p["w"]), axis=(1, 2)), {"w": jnp.zeros((D, D))}, _data()
+    )
     assert "custom derivative" in rep.fallback[0][1]
 
 
@@ -395,7 +446,11 @@ def test_flattened_cross_entropy_keeps_the_ghost_path():
 
     def loss(p, b):
         logits = jnp.tanh(b["x"] @ p["w"]) @ p["o"]
-        return flat_xent(logits, jnp.broadcast_to(b["y"][:, None], b["x"].shape[:2])).reshape(-1, T).mean(-1)
+        return (
+            flat_xent(logits, jnp.broadcast_to(b["y"][:, None], b["x"].shape[:2]))
+            .reshape(-1, T)
+            .mean(-1)
+        )
 
     assert ghost_report(loss, params, data).fallback == []
     _compare(loss, params, data, clip=0.3)
@@ -430,7 +485,12 @@ def test_layers_on_flattened_tokens_keep_the_ghost_path(ghost_sum):
     merged batch (each example's rows regrouped as positions), tied too; a dropped example that
     holds NaN contributes nothing."""
     r = np.random.default_rng(10)
-    params = {"w": _w(r, D, D), "b": 0.1 * _w(r, D), "s": jnp.asarray(1.3, jnp.float32), "head": _w(r, D, 4)}
+    params = {
+        "w": _w(r, D, D),
+        "b": 0.1 * _w(r, D),
+        "s": jnp.asarray(1.3, jnp.float32),
+        "head": _w(r, D, 4),
+    }
     data = _data(10)
 
     def loss(p, b):
@@ -439,9 +499,16 @@ def test_layers_on_flattened_tokens_keep_the_ghost_path(ghost_sum):
         return xent(jnp.mean(back, axis=1) @ p["head"], b["y"])
 
     kinds = dict(ghost_report(loss, params, data).ghost)
-    assert kinds == {"['w']": "tied:dense+dense", "['b']": "elementwise", "['s']": "elementwise",
-                     "['head']": "dense"}
-    if refuses_backward(ghost_sum, lambda: clipped_grad(loss, 0.5, method="ghost", ghost_sum=ghost_sum)(params, data)):
+    assert kinds == {
+        "['w']": "tied:dense+dense",
+        "['b']": "elementwise",
+        "['s']": "elementwise",
+        "['head']": "dense",
+    }
+    if refuses_backward(
+        ghost_sum,
+        lambda: clipped_grad(loss, 0.5, method="ghost", ghost_sum=ghost_sum)(params, data),
+    ):
         return
     _compare(loss, params, data, clip=0.5, ghost_sum=ghost_sum)
     mask = jnp.arange(B) != 2
@@ -463,7 +530,11 @@ def test_class_token_joined_to_the_patches_keeps_the_ghost_path(how):
     def loss(p, b):
         x = b["x"]
         n = x.shape[0]
-        cls = jnp.tile(p["cls"], (n, 1, 1)) if how == "tile" else jnp.broadcast_to(p["cls"], (n, 1, D))
+        cls = (
+            jnp.tile(p["cls"], (n, 1, 1))
+            if how == "tile"
+            else jnp.broadcast_to(p["cls"], (n, 1, D))
+        )
         h = jnp.tanh(jnp.concatenate([cls, x], axis=1) @ p["w"])
         return xent(h[:, 0] @ p["head"], b["y"])
 

@@ -51,11 +51,17 @@ __all__ = [
     "warn_fallback",
 ]
 
-if TYPE_CHECKING:  # at run time forwarded: reading and assigning them here reads and assigns policy's
+if (
+    TYPE_CHECKING
+):  # at run time forwarded: reading and assigning them here reads and assigns policy's
     from gradclip_jax.per_example.ghost._analysis.policy import (
         AUTO_MIN_ELEMENTS,
         AUTO_MIN_ELEMENTS_NO_FALLBACK,
         BOOKKEEPING_MAX_SHARE,
     )
 
-forward_settings(__name__, policy, ("AUTO_MIN_ELEMENTS", "AUTO_MIN_ELEMENTS_NO_FALLBACK", "BOOKKEEPING_MAX_SHARE"))
+forward_settings(
+    __name__,
+    policy,
+    ("AUTO_MIN_ELEMENTS", "AUTO_MIN_ELEMENTS_NO_FALLBACK", "BOOKKEEPING_MAX_SHARE"),
+)

@@ -30,8 +30,11 @@ _WARNED: dict[int, set[str]] = {}
 
 
 # gradclip_jax's folder (four up from this file's) and jax's
-_LIBRARY_DIRS = (os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-                 + os.sep, os.path.dirname(os.path.abspath(jax.__file__)) + os.sep)
+_LIBRARY_DIRS = (
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    + os.sep,
+    os.path.dirname(os.path.abspath(jax.__file__)) + os.sep,
+)
 
 
 def _user_stacklevel() -> int:
@@ -43,8 +46,9 @@ def _user_stacklevel() -> int:
     return level if frame is not None else 2
 
 
-def warn_fallback(plan: Plan, pflat: _norms.FlatTree, bsize: int, method: Method, fn: str,
-                  owner: object = None) -> None:
+def warn_fallback(
+    plan: Plan, pflat: _norms.FlatTree, bsize: int, method: Method, fn: str, owner: object = None
+) -> None:
     """Tells the user once per clipped-grad function (``owner``: its configuration's origin) and distinct
     message which leaves fall back to vmap and why.
 
@@ -60,11 +64,15 @@ def warn_fallback(plan: Plan, pflat: _norms.FlatTree, bsize: int, method: Method
     by_reason: dict[str, list[str]] = {}
     for i in fb:
         by_reason.setdefault(plan.reasons[i], []).append(keystr(pflat.paths[i]))
-    parts = [f"{', '.join(paths[:6])}{f' and {len(paths) - 6} more' if len(paths) > 6 else ''} ({why})"
-             for why, paths in by_reason.items()]
-    msg = (f"{fn}: ghost clipping forms the per-example gradients of {len(fb)} of {len(pflat.active)} "
-           f"parameter leaves (vmap fallback): {'; '.join(parts)}. "
-           "ghost_report(loss_fn, params, batch) lists every leaf.")
+    parts = [
+        f"{', '.join(paths[:6])}{f' and {len(paths) - 6} more' if len(paths) > 6 else ''} ({why})"
+        for why, paths in by_reason.items()
+    ]
+    msg = (
+        f"{fn}: ghost clipping forms the per-example gradients of {len(fb)} of {len(pflat.active)} "
+        f"parameter leaves (vmap fallback): {'; '.join(parts)}. "
+        "ghost_report(loss_fn, params, batch) lists every leaf."
+    )
     key = id(owner)
     if key not in _WARNED:
         _WARNED[key] = set()

@@ -65,7 +65,10 @@ def batch_states(at_b: Any, at_c: Any, b: int, c: int) -> dict[Any, State] | Non
     states: dict[Any, State] = {}
 
     def pair(x: Any, y: Any) -> bool:
-        if any(len(getattr(x, f)) != len(getattr(y, f)) for f in ("constvars", "invars", "eqns", "outvars")):
+        if any(
+            len(getattr(x, f)) != len(getattr(y, f))
+            for f in ("constvars", "invars", "eqns", "outvars")
+        ):
             return False
         for u, v in zip((*x.constvars, *x.invars), (*y.constvars, *y.invars), strict=True):
             states[u] = _state(shape(u), shape(v), b, c)
@@ -76,7 +79,9 @@ def batch_states(at_b: Any, at_c: Any, b: int, c: int) -> dict[Any, State] | Non
                 if not is_literal(u):
                     states[u] = _state(shape(u), shape(v), b, c)
             inner_x, inner_y = sub_jaxprs(e), sub_jaxprs(f)
-            if len(inner_x) != len(inner_y) or not all(pair(i, j) for i, j in zip(inner_x, inner_y, strict=True)):
+            if len(inner_x) != len(inner_y) or not all(
+                pair(i, j) for i, j in zip(inner_x, inner_y, strict=True)
+            ):
                 return False
         return True
 

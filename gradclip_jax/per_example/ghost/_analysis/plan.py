@@ -35,14 +35,26 @@ class Plan:
     sites: list[Site]
     ghost: set[int]  # leaf indices (flattened params) measured without materializing
     reasons: dict[int, str] = field(default_factory=dict)  # fallback leaf -> why
-    act_elems: int = 0  # elements of the batched intermediates of the loss (a proxy for activations)
+    act_elems: int = (
+        0  # elements of the batched intermediates of the loss (a proxy for activations)
+    )
     blocks: set[int] = field(default_factory=set)  # ghost leaves whose uses read disjoint blocks
     crossing: str | None = None  # the first primitive that certainly combines examples
-    narrow_leaf: int | None = None  # the first active leaf narrower than the accumulation dtype (16-bit)
-    narrow_op: tuple[str, str] | None = None  # (primitive, dtype): the first narrower value computed from params
-    one_example: bool = False  # analysed (and run) as the one-example program vmapped (see one_example)
-    unknown: str | None = None  # where the rules lost the batch: a primitive with no rule, an unreadable layout
-    remat: Remat | None = None  # the checkpoint the scans' bodies ran under (the streamed path keeps it)
+    narrow_leaf: int | None = (
+        None  # the first active leaf narrower than the accumulation dtype (16-bit)
+    )
+    narrow_op: tuple[str, str] | None = (
+        None  # (primitive, dtype): the first narrower value computed from params
+    )
+    one_example: bool = (
+        False  # analysed (and run) as the one-example program vmapped (see one_example)
+    )
+    unknown: str | None = (
+        None  # where the rules lost the batch: a primitive with no rule, an unreadable layout
+    )
+    remat: Remat | None = (
+        None  # the checkpoint the scans' bodies ran under (the streamed path keeps it)
+    )
 
     def ct_elems(self, jaxpr: Any) -> int:
         """Elements of the site output cotangents that book-keeping holds at once."""
@@ -62,20 +74,22 @@ def _disjoint(boxes: Sequence[Box]) -> bool:
     if len(static) != len(boxes):
         return False
     for i, (s1, l1) in enumerate(static):
-        for s2, l2 in static[i + 1:]:
+        for s2, l2 in static[i + 1 :]:
             if all(max(a, c) < min(b, d) for a, b, c, d in zip(s1, l1, s2, l2, strict=True)):
                 return False
     return True
 
 
 # Why some uses of a parameter are not measured, where the primitive's name alone does not say.
-_CUSTOM = (" (a parameter inside a function with a custom derivative: its gradient is the custom rule's, "
-           "which ghost clipping cannot see; custom functions of activations are measured)")
+_CUSTOM = (
+    " (a parameter inside a function with a custom derivative: its gradient is the custom rule's, "
+    "which ghost clipping cannot see; custom functions of activations are measured)"
+)
 _WHY = {
     **REASONS,
     names.SCAN: f" (a scan is measured inside the loop when its only parameters are leaves stacked on "
-            f"axis 0, read one layer per step; one that reads a parameter otherwise is unrolled for "
-            f"the analysis when it runs at most MAX_UNROLL={_jaxpr.MAX_UNROLL} steps)",
+    f"axis 0, read one layer per step; one that reads a parameter otherwise is unrolled for "
+    f"the analysis when it runs at most MAX_UNROLL={_jaxpr.MAX_UNROLL} steps)",
     names.CUSTOM_VJP: _CUSTOM,
     names.CUSTOM_JVP: _CUSTOM,
 }
@@ -88,13 +102,23 @@ def _leaf_verdict(u: list[Site | str]) -> tuple[list[Site], bool, str | None]:
         return [], False, None
     bad = [x for x in u if isinstance(x, str)]
     if bad:
-        return [], False, f"used by {bad[0]!r}, which ghost clipping does not measure{_WHY.get(bad[0], '')}"
+        return (
+            [],
+            False,
+            f"used by {bad[0]!r}, which ghost clipping does not measure{_WHY.get(bad[0], '')}",
+        )
     sites = [x for x in u if isinstance(x, Site)]
     if len(sites) == 1:
         return sites, False, None
     if any(x.scan is not None for x in sites):
-        return [], False, (f"used {len(sites)} times, in a scan over stacked layers (one use of a layer's "
-                           "block per step is measured inside the loop)")
+        return (
+            [],
+            False,
+            (
+                f"used {len(sites)} times, in a scan over stacked layers (one use of a layer's "
+                "block per step is measured inside the loop)"
+            ),
+        )
     if _disjoint([x.box for x in sites]):  # stacked layers: one block per use
         return sites, True, None
     # tied: measured from factors when every use reads the whole leaf through transposes and casts
@@ -109,7 +133,10 @@ def _narrow_dtype(eqn: Any, acc: Any) -> Any | None:
         dtype = getattr(v.aval, "dtype", None)
         if dtype is not None and narrower(dtype, acc):
             return dtype
-    return next((d for j in sub_jaxprs(eqn) for e in j.eqns if (d := _narrow_dtype(e, acc)) is not None), None)
+    return next(
+        (d for j in sub_jaxprs(eqn) for e in j.eqns if (d := _narrow_dtype(e, acc)) is not None),
+        None,
+    )
 
 
 def _narrow_op(jaxpr: Any, n_params: int, acc: Any) -> tuple[str, str] | None:
@@ -131,14 +158,25 @@ def _not_row_wise(mixing: str | None, unreadable: str | None = None) -> str:
     if unreadable is not None:
         return f"the loss could not be analysed: {unreadable}"
     if mixing is not None and mixing not in RULES:
-        return (f"ghost clipping has no rule for {mixing!r}{REASONS.get(mixing, '')}, which the loss applies to "
-                "batched values, so it cannot tell that each example's loss depends on that example alone")
-    return (f"the loss mixes examples (first at {mixing!r}: an operation across the batch axis, or one "
-            "that changes its length)")
+        return (
+            f"ghost clipping has no rule for {mixing!r}{REASONS.get(mixing, '')}, which the loss applies to "
+            "batched values, so it cannot tell that each example's loss depends on that example alone"
+        )
+    return (
+        f"the loss mixes examples (first at {mixing!r}: an operation across the batch axis, or one "
+        "that changes its length)"
+    )
 
 
-def analyse(jaxpr: Any, n_params: int, active: Sequence[int], n_batch: int, bsize: int,
-            consts: dict[Any, Any] | None = None, known: dict[Any, Any] | None = None) -> Plan:
+def analyse(
+    jaxpr: Any,
+    n_params: int,
+    active: Sequence[int],
+    n_batch: int,
+    bsize: int,
+    consts: dict[Any, Any] | None = None,
+    known: dict[Any, Any] | None = None,
+) -> Plan:
     """Classifies every active parameter leaf of the top-level ``jaxpr``.
 
     ``jaxpr.invars`` are the flattened ``(params, batch, args)``; the first output
@@ -150,9 +188,17 @@ def analyse(jaxpr: Any, n_params: int, active: Sequence[int], n_batch: int, bsiz
     narrow_leaf = next((i for i in active if narrower(jaxpr.invars[i].aval.dtype, acc)), None)
     # where the rules lost the batch, if they did (not where they found examples mixed)
     unknown = walk.unreadable if walk.unreadable is not None else walk.unknown
-    plan = Plan(walk.row_wise, [], set(), {}, act_elems=walk.act_elems, crossing=walk.crossing,
-                narrow_leaf=narrow_leaf, narrow_op=_narrow_op(jaxpr, n_params, acc),
-                unknown=None if walk.row_wise else unknown)
+    plan = Plan(
+        walk.row_wise,
+        [],
+        set(),
+        {},
+        act_elems=walk.act_elems,
+        crossing=walk.crossing,
+        narrow_leaf=narrow_leaf,
+        narrow_op=_narrow_op(jaxpr, n_params, acc),
+        unknown=None if walk.row_wise else unknown,
+    )
     for leaf in active:
         if not walk.row_wise:
             plan.reasons[leaf] = _not_row_wise(walk.mixing, walk.unreadable)
@@ -170,8 +216,17 @@ def analyse(jaxpr: Any, n_params: int, active: Sequence[int], n_batch: int, bsiz
     return plan
 
 
-def trace_and_plan(loss_fn: Callable[..., Any], has_aux: bool, fn: str, params: Any, pflat: _norms.FlatTree,
-                   batch: Any, args: Sequence[Any], bsize: int, check: bool = True) -> Traced:
+def trace_and_plan(
+    loss_fn: Callable[..., Any],
+    has_aux: bool,
+    fn: str,
+    params: Any,
+    pflat: _norms.FlatTree,
+    batch: Any,
+    args: Sequence[Any],
+    bsize: int,
+    check: bool = True,
+) -> Traced:
     """Traces ``loss_fn`` once (checking, with ``check``, that it returns losses of shape ``(B,)``)
     and analyses the jaxpr once.
 
@@ -183,21 +238,35 @@ def trace_and_plan(loss_fn: Callable[..., Any], has_aux: bool, fn: str, params: 
 
     closed, remat = trace_kept(_flat_loss(loss_fn, has_aux, fn, bsize, check), params, batch, args)
     n_batch = len(jax.tree_util.tree_leaves(batch))
-    plan = analyse(closed.jaxpr, len(pflat.leaves), pflat.active, n_batch, bsize, const_values(closed))
+    plan = analyse(
+        closed.jaxpr, len(pflat.leaves), pflat.active, n_batch, bsize, const_values(closed)
+    )
     plan.remat = remat
     if plan.unknown is None or plan.crossing is not None:
         return Traced(closed, plan)
     one = _one_example(loss_fn, has_aux, params, pflat, batch, args, bsize, n_batch)
-    return one if one is not None and len(one.plan.ghost) > len(plan.ghost) else Traced(closed, plan)
+    return (
+        one if one is not None and len(one.plan.ghost) > len(plan.ghost) else Traced(closed, plan)
+    )
 
 
-def _one_example(loss_fn: Callable[..., Any], has_aux: bool, params: Any, pflat: _norms.FlatTree, batch: Any,
-                 args: Sequence[Any], bsize: int, n_batch: int) -> Traced | None:
+def _one_example(
+    loss_fn: Callable[..., Any],
+    has_aux: bool,
+    params: Any,
+    pflat: _norms.FlatTree,
+    batch: Any,
+    args: Sequence[Any],
+    bsize: int,
+    n_batch: int,
+) -> Traced | None:
     """The one-example program traced at ``B`` and ``B + 1`` examples and analysed with the
     states read from the two (``None`` when they differ in more than their shapes, or the loss
     fails on one example: the batched plan stands, and the path it takes reports that)."""
     loss = vmapped_loss(loss_fn, has_aux)
-    more = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct((bsize + 1, *x.shape[1:]), x.dtype), batch)
+    more = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct((bsize + 1, *x.shape[1:]), x.dtype), batch
+    )
     try:
         closed = trace(loss, params, batch, args)
         known = batch_states(closed.jaxpr, trace(loss, params, more, args).jaxpr, bsize, bsize + 1)
@@ -205,12 +274,16 @@ def _one_example(loss_fn: Callable[..., Any], has_aux: bool, params: Any, pflat:
         return None
     if known is None:
         return None
-    plan = analyse(closed.jaxpr, len(pflat.leaves), pflat.active, n_batch, bsize, const_values(closed), known)
+    plan = analyse(
+        closed.jaxpr, len(pflat.leaves), pflat.active, n_batch, bsize, const_values(closed), known
+    )
     plan.one_example = True
     return Traced(closed, plan)
 
 
-def _flat_loss(loss_fn: Callable[..., Any], has_aux: bool, fn: str, bsize: int, check: bool) -> Callable[..., Any]:
+def _flat_loss(
+    loss_fn: Callable[..., Any], has_aux: bool, fn: str, bsize: int, check: bool
+) -> Callable[..., Any]:
     """``(params, batch, args) -> losses``, checked (with ``check``) to be of shape ``(B,)``."""
 
     def flat_loss(p: Any, b: Any, a: Any) -> Any:
@@ -234,13 +307,23 @@ def check_per_example(fn: str, crossing: str | None) -> None:
         )
 
 
-def loss_crossing(loss_fn: Callable[..., Any], has_aux: bool, fn: str, params: Any, batch: Any,
-                  args: Sequence[Any], bsize: int) -> str | None:
+def loss_crossing(
+    loss_fn: Callable[..., Any],
+    has_aux: bool,
+    fn: str,
+    params: Any,
+    batch: Any,
+    args: Sequence[Any],
+    bsize: int,
+) -> str | None:
     """Traces ``loss_fn`` once on the whole batch: checks it returns losses of shape ``(B,)`` and
     returns the first primitive that certainly combines examples (``None``: none does).
 
     Nested ``jit`` and ``checkpoint`` calls are inlined first (as for the ghost
     analysis), so a batch statistic inside a wrapped layer is found too."""
     closed = trace(_flat_loss(loss_fn, has_aux, fn, bsize, check=True), params, batch, args)
-    n_params, n_batch = len(jax.tree_util.tree_leaves(params)), len(jax.tree_util.tree_leaves(batch))
+    n_params, n_batch = (
+        len(jax.tree_util.tree_leaves(params)),
+        len(jax.tree_util.tree_leaves(batch)),
+    )
     return walk_jaxpr(closed.jaxpr, n_params, n_batch, bsize).crossing

@@ -68,13 +68,19 @@ def reduced_matmul_precision() -> str | None:
     (10-bit mantissas) and TPUs in bfloat16 passes, unless
     ``jax_default_matmul_precision`` asks for float32.
     """
-    if str(getattr(jax.config, "jax_default_matmul_precision", None)).lower() in ("highest", "float32", "precision.highest"):
+    if str(getattr(jax.config, "jax_default_matmul_precision", None)).lower() in (
+        "highest",
+        "float32",
+        "precision.highest",
+    ):
         return None
     backend = jax.default_backend()
     if backend == "cpu":
         return None
-    return (f"on the {backend} backend float32 products default to reduced precision (TF32 or "
-            "bfloat16 passes; jax_default_matmul_precision is not 'float32')")
+    return (
+        f"on the {backend} backend float32 products default to reduced precision (TF32 or "
+        "bfloat16 passes; jax_default_matmul_precision is not 'float32')"
+    )
 
 
 def tf32_products() -> str | None:
@@ -83,8 +89,10 @@ def tf32_products() -> str | None:
     TF32-rounded activations and cotangents, which only book-keeping adds."""
     if not rounds_to_tf32(np.float32):
         return None
-    return (f"gradclip_jax.per_example.PRODUCT_PRECISION is {product_setting()!r} for this backend (the norms measure "
-            "the per-example gradients of TF32-rounded activations and cotangents)")
+    return (
+        f"gradclip_jax.per_example.PRODUCT_PRECISION is {product_setting()!r} for this backend (the norms measure "
+        "the per-example gradients of TF32-rounded activations and cotangents)"
+    )
 
 
 def backward_refusal() -> str | None:
@@ -111,8 +119,13 @@ def check_sum_precision(config: ClipConfig, plan: Plan, pflat: _norms.FlatTree) 
     narrow, tf32 = narrow_values(plan, pflat), tf32_products()
     why = narrow or backward_refusal()
     if why is not None:
-        fix = ("" if narrow else ", or set PRODUCT_PRECISION[jax.default_backend()] = 'highest'" if tf32
-               else ", or set jax.config.update('jax_default_matmul_precision', 'float32')")
+        fix = (
+            ""
+            if narrow
+            else ", or set PRODUCT_PRECISION[jax.default_backend()] = 'highest'"
+            if tf32
+            else ", or set jax.config.update('jax_default_matmul_precision', 'float32')"
+        )
         raise ValueError(
             f"{config.fn}: ghost_sum='backward' cannot be used here: {why}, and a second backward "
             "pass would round each example's clipped contribution at that precision (its norm could "
@@ -159,24 +172,42 @@ def auto_choice(traced: Traced, pflat: _norms.FlatTree, bsize: int) -> AutoChoic
     total, ghost_size = sum(sizes.values()), sum(sizes[i] for i in plan.ghost)
     formed = bsize * ghost_size
     if formed >= AUTO_MIN_ELEMENTS and 2 * ghost_size >= total:
-        return AutoChoice("ghost", f"the measured leaves' per-example gradients would hold B x {ghost_size:,} = "
-                                   f"{formed:,} elements, at least AUTO_MIN_ELEMENTS = {AUTO_MIN_ELEMENTS:,}")
+        return AutoChoice(
+            "ghost",
+            f"the measured leaves' per-example gradients would hold B x {ghost_size:,} = "
+            f"{formed:,} elements, at least AUTO_MIN_ELEMENTS = {AUTO_MIN_ELEMENTS:,}",
+        )
     if plan.reasons:
-        small = (f"' per-example gradients hold {formed:,} elements, below AUTO_MIN_ELEMENTS = {AUTO_MIN_ELEMENTS:,}"
-                 if formed < AUTO_MIN_ELEMENTS else f" hold {ghost_size:,} of the {total:,} parameters, less than half")
-        return AutoChoice("vmap", f"{len(plan.reasons)} of {len(sizes)} leaves fall back (the ghost path would "
-                                  f"compile the vmap path for them too) and the measured leaves{small}")
+        small = (
+            f"' per-example gradients hold {formed:,} elements, below AUTO_MIN_ELEMENTS = {AUTO_MIN_ELEMENTS:,}"
+            if formed < AUTO_MIN_ELEMENTS
+            else f" hold {ghost_size:,} of the {total:,} parameters, less than half"
+        )
+        return AutoChoice(
+            "vmap",
+            f"{len(plan.reasons)} of {len(sizes)} leaves fall back (the ghost path would "
+            f"compile the vmap path for them too) and the measured leaves{small}",
+        )
     cts = plan.ct_elems(closed.jaxpr)
     if formed < AUTO_MIN_ELEMENTS_NO_FALLBACK:
-        return AutoChoice("vmap", f"the per-example gradients hold B x {ghost_size:,} = {formed:,} elements, below "
-                                  f"AUTO_MIN_ELEMENTS_NO_FALLBACK = {AUTO_MIN_ELEMENTS_NO_FALLBACK:,}: tiny either way")
+        return AutoChoice(
+            "vmap",
+            f"the per-example gradients hold B x {ghost_size:,} = {formed:,} elements, below "
+            f"AUTO_MIN_ELEMENTS_NO_FALLBACK = {AUTO_MIN_ELEMENTS_NO_FALLBACK:,}: tiny either way",
+        )
     if formed < cts:
-        return AutoChoice("vmap", f"the per-example gradients ({formed:,} elements) are smaller than the output "
-                                  f"cotangents the ghost norms read ({cts:,}): the vmap path runs and compiles faster")
-    return AutoChoice("ghost", f"every leaf is measured, and the per-example gradients ({formed:,} elements) are at "
-                               f"least the output cotangents the ghost norms read ({cts:,}): the vmap path would write and "
-                               "read more than the ghost path measures (slower steps, which repay any extra compile "
-                               "time in a short run)")
+        return AutoChoice(
+            "vmap",
+            f"the per-example gradients ({formed:,} elements) are smaller than the output "
+            f"cotangents the ghost norms read ({cts:,}): the vmap path runs and compiles faster",
+        )
+    return AutoChoice(
+        "ghost",
+        f"every leaf is measured, and the per-example gradients ({formed:,} elements) are at "
+        f"least the output cotangents the ghost norms read ({cts:,}): the vmap path would write and "
+        "read more than the ghost path measures (slower steps, which repay any extra compile "
+        "time in a short run)",
+    )
 
 
 def use_ghost(traced: Traced, pflat: _norms.FlatTree, bsize: int, method: Method) -> bool:

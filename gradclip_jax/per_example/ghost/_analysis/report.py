@@ -59,8 +59,10 @@ class GhostReport(tuple):
           "ghost clipping measures 1 of 1 parameter leaves; 0 fall back to per-example gradients; method='auto' takes the vmap path: tiny"
         """
         n = len(self.ghost) + len(self.fallback)
-        line = (f"ghost clipping measures {len(self.ghost)} of {n} parameter leaves; "
-                f"{len(self.fallback)} fall{'s' if len(self.fallback) == 1 else ''} back to per-example gradients")
+        line = (
+            f"ghost clipping measures {len(self.ghost)} of {n} parameter leaves; "
+            f"{len(self.fallback)} fall{'s' if len(self.fallback) == 1 else ''} back to per-example gradients"
+        )
         return line if self.auto is None else f"{line}; {self._auto_line()}"
 
     def _auto_line(self) -> str:
@@ -85,7 +87,11 @@ class GhostReport(tuple):
         head = ("leaf", "clipping", "kind / why it falls back")
         width = [max(len(r[i]) for r in (head, *rows)) for i in range(2)]
         lines = [GhostReport(tuple(self)).summary]
-        for r in (head, tuple("-" * len(h) if i == 2 else "-" * width[i] for i, h in enumerate(head)), *rows):
+        for r in (
+            head,
+            tuple("-" * len(h) if i == 2 else "-" * width[i] for i, h in enumerate(head)),
+            *rows,
+        ):
             lines.append(f"{r[0]:<{width[0]}}  {r[1]:<{width[1]}}  {r[2]}".rstrip())
         if self.auto is not None:
             lines.append(self._auto_line())
@@ -96,7 +102,9 @@ class GhostReport(tuple):
         printer.text("GhostReport(...)" if cycle else str(self))
 
 
-def ghost_report(loss_fn: Callable[..., Any], params: Any, batch: Any, *args: Any, has_aux: bool = False) -> GhostReport:
+def ghost_report(
+    loss_fn: Callable[..., Any], params: Any, batch: Any, *args: Any, has_aux: bool = False
+) -> GhostReport:
     """Which leaves of ``params`` ghost clipping measures directly, why others fall back, and the
     path ``method='auto'`` takes for this batch size (``report.auto``, and the last line of the
     table ``print(report)`` shows; ``report.summary`` is one line).
@@ -118,8 +126,12 @@ def ghost_report(loss_fn: Callable[..., Any], params: Any, batch: Any, *args: An
     pflat = _norms.flatten(params, fn)
     bsize = batch_size_of(batch, fn)
     try:
-        traced = trace_and_plan(loss_fn, has_aux, fn, params, pflat, batch, args, bsize, check=False)
-    except Exception as err:  # as clipped_grad: a loss updating BatchNorm statistics gets the remedies
+        traced = trace_and_plan(
+            loss_fn, has_aux, fn, params, pflat, batch, args, bsize, check=False
+        )
+    except (
+        Exception
+    ) as err:  # as clipped_grad: a loss updating BatchNorm statistics gets the remedies
         bn = batchnorm_error(err, fn)
         if bn is not None:
             raise bn from err
@@ -129,8 +141,14 @@ def ghost_report(loss_fn: Callable[..., Any], params: Any, batch: Any, *args: An
     for site in plan.sites:
         kind = f"formed:{site.kind}" if isinstance(site.rule, Formed) else site.kind
         by_leaf.setdefault(site.leaf, []).append(kind if site.scan is None else f"scan:{kind}")
-    kinds = {i: (k[0] if len(k) == 1 else ("stacked:" if i in plan.blocks else "tied:") + "+".join(k))
-             for i, k in by_leaf.items()}
-    ghost = [(keystr(pflat.paths[i]), kinds.get(i, "unused")) for i in pflat.active if i in plan.ghost]
-    fallback = [(keystr(pflat.paths[i]), plan.reasons[i]) for i in pflat.active if i not in plan.ghost]
+    kinds = {
+        i: (k[0] if len(k) == 1 else ("stacked:" if i in plan.blocks else "tied:") + "+".join(k))
+        for i, k in by_leaf.items()
+    }
+    ghost = [
+        (keystr(pflat.paths[i]), kinds.get(i, "unused")) for i in pflat.active if i in plan.ghost
+    ]
+    fallback = [
+        (keystr(pflat.paths[i]), plan.reasons[i]) for i in pflat.active if i not in plan.ghost
+    ]
     return GhostReport((ghost, fallback), auto_choice(traced, pflat, bsize))

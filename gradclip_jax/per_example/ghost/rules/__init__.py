@@ -34,5 +34,33 @@ from gradclip_jax.per_example.ghost.rules._registry import (
 )
 from gradclip_jax.per_example.ghost.rules.gather import is_row_lookup
 
-__all__ = ["CONST", "MIXED", "OPAQUE", "ROW", "RULES", "Box", "Factor", "Formed", "Merged", "RowCtx", "RowNorms", "Rule", "Site", "State", "Use", "row_rule", "rule_for", "unmerged", "is_row_lookup",
-           "calls", "conv", "dense", "elementwise", "gather", "names", "prng", "structural", "unsupported"]
+__all__ = [
+    "CONST",
+    "MIXED",
+    "OPAQUE",
+    "ROW",
+    "RULES",
+    "Box",
+    "Factor",
+    "Formed",
+    "Merged",
+    "RowCtx",
+    "RowNorms",
+    "Rule",
+    "Site",
+    "State",
+    "Use",
+    "row_rule",
+    "rule_for",
+    "unmerged",
+    "is_row_lookup",
+    "calls",
+    "conv",
+    "dense",
+    "elementwise",
+    "gather",
+    "names",
+    "prng",
+    "structural",
+    "unsupported",
+]

@@ -117,10 +117,14 @@ class Use:
     in_states: list[State]
     out_states: list[State]
     box: Box = None  # the block of the leaf the chain selects
-    through: bool = False  # the chain computes with the leaf and constants (``1 + scale``, ``W @ h0``)
+    through: bool = (
+        False  # the chain computes with the leaf and constants (``1 + scale``, ``W @ h0``)
+    )
     batch_axes: frozenset[int] = frozenset()  # axes the chain broadcasts its value along, B copies
     batch_step: int | None = None  # the chain's equation making those copies
-    zeroed: tuple[tuple[int, int], ...] = ()  # (chain step, the leaf's operand): the other operands' leaves zeroed
+    zeroed: tuple[
+        tuple[int, int], ...
+    ] = ()  # (chain step, the leaf's operand): the other operands' leaves zeroed
 
     def row_operands(self) -> tuple[int, ...] | None:
         """Operand positions with the batch on axis 0, if the output and every batched operand has it there."""
@@ -191,10 +195,24 @@ class Rule:
         return None
 
     def site(self, use: Use, rows: tuple[int, ...], axis: int = 0, out_axis: int = 0) -> Site:
-        return Site(self.kind, self, use.leaf, use.k, use.pos, use.chain, rows, axis, out_axis, use.box,
-                    batch_step=use.batch_step, zeroed=use.zeroed)
+        return Site(
+            self.kind,
+            self,
+            use.leaf,
+            use.k,
+            use.pos,
+            use.chain,
+            rows,
+            axis,
+            out_axis,
+            use.box,
+            batch_step=use.batch_step,
+            zeroed=use.zeroed,
+        )
 
-    def norm(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any) -> jax.Array | RowNorms | None:
+    def norm(
+        self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any
+    ) -> jax.Array | RowNorms | None:
         """Per-example norm of a once-used leaf's gradient, ``(B,)``, or :class:`RowNorms` to have
         it measured with the others; ``None``: form that leaf's gradients.
 
@@ -204,7 +222,9 @@ class Rule:
         """
         return None
 
-    def spread(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any) -> jax.Array | None:
+    def spread(
+        self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any
+    ) -> jax.Array | None:
         """Per-example :math:`\\sum_t \\|x_t\\| \\|y_t\\|`, ``(B,)``, for a use whose per-example gradient
         is :math:`G_b = \\sum_t x_t y_t^\\top` (its operand and cotangent rows as measured): what
         bounds the change of :math:`G_b` when one factor of each term moves by a relative
@@ -213,8 +233,9 @@ class Rule:
         (:func:`~gradclip_jax.per_example._products.rounds_weighted_once`) needs it."""
         return None
 
-    def factors(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any,
-                perm: list[int]) -> tuple[Factor, Factor] | None:
+    def factors(
+        self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any, perm: list[int]
+    ) -> tuple[Factor, Factor] | None:
         """This use of a 2-D leaf as ``sum_t x_t (x) y_t``: the factors along leaf axes 0 and 1, or ``None``.
 
         ``perm[i]`` is the leaf axis that is axis ``i`` of the operand.
@@ -294,8 +315,11 @@ def _merged_rule(eqn: Any, states: list[State], bsize: int) -> list[State]:
     if rows is None:
         return [MIXED] * len(eqn.outvars)
     as_rows, n_rows, n = rows
-    if (eqn.primitive.name == "reshape" and jc.param(eqn, "dimensions", None) is None
-            and all(s == 0 for s in as_rows if isinstance(s, int))):
+    if (
+        eqn.primitive.name == "reshape"
+        and jc.param(eqn, "dimensions", None) is None
+        and all(s == 0 for s in as_rows if isinstance(s, int))
+    ):
         out = shape(eqn.outvars[0])
         return [leading_batch(out[0], bsize) if out else MIXED]
     inner = row_rule(eqn, as_rows, n_rows)
@@ -310,7 +334,9 @@ def row_states(jaxpr: Any, in_states: Sequence[State], bsize: int) -> list[State
         return CONST if is_literal(v) else env.get(v, CONST)
 
     for eqn in jaxpr.eqns:
-        env.update(zip(eqn.outvars, row_rule(eqn, [read(v) for v in eqn.invars], bsize), strict=True))
+        env.update(
+            zip(eqn.outvars, row_rule(eqn, [read(v) for v in eqn.invars], bsize), strict=True)
+        )
     return [read(v) for v in jaxpr.outvars]
 
 

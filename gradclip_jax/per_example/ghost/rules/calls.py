@@ -22,8 +22,20 @@ from gradclip_jax.per_example.ghost.rules._registry import (
 class NestedCall(Rule):
     """Nested calls (jit, closed_call, custom_jvp/vjp, checkpoint, ...): the row states of their body."""
 
-    primitives = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-                  "custom_vjp_call_jaxpr", "remat", "checkpoint", "remat2", "xla_metadata_call", "compute_on")
+    primitives = (
+        "pjit",
+        "jit",
+        "closed_call",
+        "core_call",
+        "custom_jvp_call",
+        "custom_vjp_call",
+        "custom_vjp_call_jaxpr",
+        "remat",
+        "checkpoint",
+        "remat2",
+        "xla_metadata_call",
+        "compute_on",
+    )
 
     def row(self, c: RowCtx) -> list[State]:
         sub = sub_jaxpr(c.eqn)
@@ -38,26 +50,30 @@ class NestedCall(Rule):
 register(NestedCall())
 
 
-def scan_body_states(eqn: Any, states: Sequence[State], bsize: int) -> tuple[list[State], list[State]] | None:
+def scan_body_states(
+    eqn: Any, states: Sequence[State], bsize: int
+) -> tuple[list[State], list[State]] | None:
     """``(body input states, scan output states)`` of a ``scan`` over a non-batch axis whose
     carry keeps its state from step to step, else ``None`` (it runs over the batch axis, or
     the carry's batch axis moves)."""
     info = jc.scan_info(eqn)
     n_consts, n_carry = info.n_consts, info.n_carry
     jaxpr, _ = open_jaxpr(info.body)
-    xs = states[n_consts + n_carry:]
+    xs = states[n_consts + n_carry :]
     if any(s == 0 for s in xs):  # scanning over the batch axis: one example feeds the next
         return None
     x_states = [s - 1 if isinstance(s, int) else s for s in xs]
-    carry = list(states[n_consts:n_consts + n_carry])
+    carry = list(states[n_consts : n_consts + n_carry])
     for _ in range(2):  # the carry's state after one step must be its state before
         body_in = [*states[:n_consts], *carry, *x_states]
         out = row_states(jaxpr, body_in, bsize)
         if out[:n_carry] == carry:
             ys = [s + 1 if isinstance(s, int) else s for s in out[n_carry:]]
             return body_in, [*carry, *ys]
-        carry = [MIXED if a != b and CONST not in (a, b) else (b if a == CONST else a)
-                 for a, b in zip(carry, out[:n_carry], strict=True)]
+        carry = [
+            MIXED if a != b and CONST not in (a, b) else (b if a == CONST else a)
+            for a, b in zip(carry, out[:n_carry], strict=True)
+        ]
     return None
 
 
@@ -77,7 +93,7 @@ class Scan(Rule):
 
     def crosses(self, c: RowCtx) -> bool:
         info = jc.scan_or_none(c.eqn)
-        return info is not None and any(s == 0 for s in c.states[info.n_fixed:])
+        return info is not None and any(s == 0 for s in c.states[info.n_fixed :])
 
 
 register(Scan())

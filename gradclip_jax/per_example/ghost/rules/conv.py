@@ -101,22 +101,34 @@ class ConvViews:
         self.strides = tuple(p["window_strides"])
         out = [g.shape[d] for d in out_spec[2:]]
         self.bsz, self.t = g.shape[out_spec[0]], math.prod(out)
-        gt = jnp.reshape(jnp.transpose(g, (out_spec[0], *out_spec[2:], out_spec[1])), (self.bsz, self.t, -1))
+        gt = jnp.reshape(
+            jnp.transpose(g, (out_spec[0], *out_spec[2:], out_spec[1])), (self.bsz, self.t, -1)
+        )
         # a group's output channels, like its input channels, are contiguous (merging and
         # splitting axes in one reshape has no sharding rule: two reshapes)
         view = view_dtype(x.dtype, g.dtype, acc)  # 16-bit operands stay 16-bit: exact products
         gt = jnp.reshape(as_measured(gt.astype(view)), (self.bsz, self.t, self.groups, -1))
         self.g = jnp.transpose(gt, (0, 2, 1, 3))
-        xc = as_measured(jnp.transpose(x, lhs_spec).astype(view))  # (B, C, *spatial): the input, not the patches, is moved
+        xc = as_measured(
+            jnp.transpose(x, lhs_spec).astype(view)
+        )  # (B, C, *spatial): the input, not the patches, is moved
         pads = [(0, 0, 0), (0, 0, 0)]
-        pads += [(lo, hi, d - 1) for (lo, hi), d in zip(p["padding"], p["lhs_dilation"], strict=True)]
+        pads += [
+            (lo, hi, d - 1) for (lo, hi), d in zip(p["padding"], p["lhs_dilation"], strict=True)
+        ]
         # the input as the convolution reads it, copied once the cotangent exists
         self.xp = lax.pad(_after(xc, self.g), jnp.zeros((), xc.dtype), pads)
-        self.extent = (self.bsz, self.xp.shape[1], *((n - 1) * s + 1 for n, s in zip(out, self.strides, strict=True)))
+        self.extent = (
+            self.bsz,
+            self.xp.shape[1],
+            *((n - 1) * s + 1 for n, s in zip(out, self.strides, strict=True)),
+        )
         kshape = shape(eqn.invars[1])
         taps = itertools.product(*(range(kshape[d]) for d in rhs_spec[2:]))
-        self.offsets = tuple(tuple(int(o) * int(r) for o, r in zip(tap, p["rhs_dilation"], strict=True))
-                             for tap in taps)
+        self.offsets = tuple(
+            tuple(int(o) * int(r) for o, r in zip(tap, p["rhs_dilation"], strict=True))
+            for tap in taps
+        )
 
     @property
     def dims(self) -> tuple[int, int, int, int, int]:
@@ -130,7 +142,9 @@ class ConvViews:
         start = (0, 0, *offset)
         limit = tuple(a + n for a, n in zip(start, self.extent, strict=True))
         x = lax.slice(self.xp, start, limit, (1, 1, *self.strides))
-        return jnp.reshape(jnp.reshape(x, (self.bsz, -1, self.t)), (self.bsz, self.groups, -1, self.t))
+        return jnp.reshape(
+            jnp.reshape(x, (self.bsz, -1, self.t)), (self.bsz, self.groups, -1, self.t)
+        )
 
 
 def _tap_gram(views: ConvViews) -> jax.Array:
@@ -156,18 +170,28 @@ def _input_gram(views: ConvViews) -> jax.Array:
     b, g = views.bsz, views.groups
     padded = views.xp.shape[2:]
     # (merging and splitting axes in one reshape has no sharding rule: two reshapes)
-    x = jnp.reshape(jnp.reshape(views.xp, (b, -1, math.prod(padded))), (b, g, -1, math.prod(padded)))
+    x = jnp.reshape(
+        jnp.reshape(views.xp, (b, -1, math.prod(padded))), (b, g, -1, math.prod(padded))
+    )
     f = product_einsum("bgcu,bgcv->bguv", x, x)
-    f = jnp.reshape(jnp.reshape(f, (b, g, *padded, f.shape[-1])), (b, g, *padded, *padded))  # (one axis at a time)
+    f = jnp.reshape(
+        jnp.reshape(f, (b, g, *padded, f.shape[-1])), (b, g, *padded, *padded)
+    )  # (one axis at a time)
     pp = None
     for off in views.offsets:
         start = (0, 0, *off, *off)
-        limit = (b, g, *(o + e for o, e in zip(off, views.extent[2:], strict=True)),
-                 *(o + e for o, e in zip(off, views.extent[2:], strict=True)))
+        limit = (
+            b,
+            g,
+            *(o + e for o, e in zip(off, views.extent[2:], strict=True)),
+            *(o + e for o, e in zip(off, views.extent[2:], strict=True)),
+        )
         block = lax.slice(f, start, limit, (1, 1, *views.strides, *views.strides))
         pp = block if pp is None else pp + block
     assert pp is not None
-    return jnp.reshape(jnp.reshape(pp, (*pp.shape[:2 + len(padded)], views.t)), (b, g, views.t, views.t))
+    return jnp.reshape(
+        jnp.reshape(pp, (*pp.shape[: 2 + len(padded)], views.t)), (b, g, views.t, views.t)
+    )
 
 
 def _input_gram_is_cheaper(views: ConvViews) -> bool:
@@ -190,13 +214,17 @@ def gram_norms(views: ConvViews) -> jax.Array:
     # each entry of pp adds K c products (in K sums of c, or one of K c) (its diagonal is read,
     # not formed again)
     r = self_gram_rows(None, pp) * self_gram_rows(views.g, gg)
-    return gram_norm([GramTerm(pp, gg, product_error(k * c, pp.dtype) + product_error(q, gg.dtype), (r, r))])
+    return gram_norm(
+        [GramTerm(pp, gg, product_error(k * c, pp.dtype) + product_error(q, gg.dtype), (r, r))]
+    )
 
 
 def _gram_cost(views: ConvViews) -> int:
     """Multiply-adds of :func:`gram_norms` per group and example."""
     t, k, c, q, _ = views.dims
-    patches = math.prod(views.xp.shape[2:]) ** 2 * c if _input_gram_is_cheaper(views) else k * t * t * c
+    patches = (
+        math.prod(views.xp.shape[2:]) ** 2 * c if _input_gram_is_cheaper(views) else k * t * t * c
+    )
     return patches + t * t * q
 
 
@@ -222,7 +250,10 @@ class Conv(Rule):
             return c.mixed()
         dn = c.param("dimension_numbers")
         return c.res(
-            c.states[0] == ROW and c.states[1] == CONST and dn.lhs_spec[0] == 0 and dn.out_spec[0] == 0
+            c.states[0] == ROW
+            and c.states[1] == CONST
+            and dn.lhs_spec[0] == 0
+            and dn.out_spec[0] == 0
             and c.param("batch_group_count") == 1
         )
 
@@ -232,7 +263,9 @@ class Conv(Rule):
             return None
         return self.site(use, rows)
 
-    def norm(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any) -> jax.Array | None:
+    def norm(
+        self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any
+    ) -> jax.Array | None:
         """Per-example ``||P_b^T G_b||_F`` (over groups): the Gram form when it does fewer
         multiply-adds, else each example's gradient by batched matmuls."""
         if jc.param(eqn, "batch_group_count") != 1 or g.size == 0:

@@ -44,7 +44,9 @@ def _free(dims: int, contracted: Sequence[int], batch: Sequence[int]) -> list[in
     return [d for d in range(dims) if d not in contracted and d not in batch]
 
 
-def dense_views(site: Site, eqn: Any, a: jax.Array, g: jax.Array, acc: Any) -> tuple[jax.Array, jax.Array]:
+def dense_views(
+    site: Site, eqn: Any, a: jax.Array, g: jax.Array, acc: Any
+) -> tuple[jax.Array, jax.Array]:
     """``(a3, g3)``: a dense site's operand as ``(B, T, D)`` and cotangent as ``(B, T, P)`` (with a
     merged batch of ``B * m`` rows, ``T`` counts the ``m`` rows of each example too)."""
     (lc, rc), _ = jc.param(eqn, "dimension_numbers")
@@ -54,7 +56,9 @@ def dense_views(site: Site, eqn: Any, a: jax.Array, g: jax.Array, acc: Any) -> t
     n_rhs_free = len(shape(eqn.invars[1])) - len(rc)
     a_free = [d for d in range(a.ndim) if d not in ca]
     offset = 0 if a_pos == 0 else n_lhs_free
-    w_out = list(range(n_lhs_free, n_lhs_free + n_rhs_free)) if a_pos == 0 else list(range(n_lhs_free))
+    w_out = (
+        list(range(n_lhs_free, n_lhs_free + n_rhs_free)) if a_pos == 0 else list(range(n_lhs_free))
+    )
     seq = [d for d in a_free if d != k]
     g_perm = (offset + a_free.index(k), *[offset + a_free.index(d) for d in seq], *w_out)
     bsz = a.shape[k]
@@ -98,8 +102,10 @@ class DotGeneral(Rule):
 
     def crosses(self, c: RowCtx) -> bool:
         (lc, rc), _ = c.param("dimension_numbers")
-        return any(isinstance(s, int) and s in contracted
-                   for s, contracted in zip(c.states[:2], (lc, rc), strict=True))
+        return any(
+            isinstance(s, int) and s in contracted
+            for s, contracted in zip(c.states[:2], (lc, rc), strict=True)
+        )
 
     def classify(self, use: Use) -> Site | None:
         """The batch may be on any free axis of the other operand. With batch dimensions (one
@@ -114,20 +120,28 @@ class DotGeneral(Rule):
         site = self.site(use, (other,), k, int(use.out_states[0]))  # type: ignore[arg-type]
         return dataclasses.replace(site, rule=Formed(self)) if lb else site
 
-    def norm(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any) -> jax.Array | RowNorms | None:
+    def norm(
+        self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any
+    ) -> jax.Array | RowNorms | None:
         """Per-example ``||a_b^T g_b||_F``: ``a``'s free axes other than the batch are ``T``,
         its contracted axes ``D``, the parameter's free axes the ``P`` axes of the output."""
         a3, g3 = dense_views(site, eqn, ops[1 - site.pos], g, acc)
         bsz, t, dsz = a3.shape
         psz = g3.shape[-1]
         if t == 1:  # 2-D views (a bitcast for the usual (B, D) operand, no copy of the activations)
-            return RowNorms((jnp.reshape(a3, (bsz, dsz)), jnp.reshape(g3, (bsz, psz))),
-                            lambda n: (n[0] * n[1]).astype(acc))
+            return RowNorms(
+                (jnp.reshape(a3, (bsz, dsz)), jnp.reshape(g3, (bsz, psz))),
+                lambda n: (n[0] * n[1]).astype(acc),
+            )
         if _gram_form(t, dsz, psz):
             aa, gg = _grams(a3, g3)
             r = self_gram_rows(a3, aa) * self_gram_rows(g3, gg)
-            return gram_norm([GramTerm(aa, gg, product_error(dsz, acc) + product_error(psz, acc), (r, r))])
-        per_example = product_einsum("btd,btp->bdp", a3, g3)  # this layer's per-example gradients only
+            return gram_norm(
+                [GramTerm(aa, gg, product_error(dsz, acc) + product_error(psz, acc), (r, r))]
+            )
+        per_example = product_einsum(
+            "btd,btp->bdp", a3, g3
+        )  # this layer's per-example gradients only
         return RowNorms((per_example,), lambda n: n[0])
 
     def spread(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any) -> jax.Array:
@@ -145,12 +159,15 @@ class DotGeneral(Rule):
             rows = self_gram_rows(a3, aa) * self_gram_rows(g3, gg)
         else:
             a3, g3 = a3.astype(acc), g3.astype(acc)  # an upper bound: no 16-bit sums of squares
-            rows = jnp.sqrt(jnp.sum(jnp.square(a3), axis=-1)) * jnp.sqrt(jnp.sum(jnp.square(g3), axis=-1))
+            rows = jnp.sqrt(jnp.sum(jnp.square(a3), axis=-1)) * jnp.sqrt(
+                jnp.sum(jnp.square(g3), axis=-1)
+            )
         # each squared row norm is within product_error of its value (relative), its root within half that
         return jnp.sum(rows, axis=-1) * (1.0 + product_error(dsz, acc) + product_error(psz, acc))
 
-    def factors(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any,
-                perm: list[int]) -> tuple[Factor, Factor] | None:
+    def factors(
+        self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any, perm: list[int]
+    ) -> tuple[Factor, Factor] | None:
         """The rows of ``a`` along the contracted axis and those of ``g`` along the free one."""
         (lc, rc), _ = jc.param(eqn, "dimension_numbers")
         cw = tuple(lc if site.pos == 0 else rc)

@@ -48,8 +48,11 @@ def _row_ok(c: RowCtx) -> bool:
         return True
     # batched operand, constant indices: the whole batch axis must be sliced through
     return bool(
-        0 not in tuple(dn.start_index_map) and 0 not in tuple(dn.collapsed_slice_dims)
-        and p["slice_sizes"][0] == c.bsize and len(dn.offset_dims) > 0 and dn.offset_dims[0] == 0
+        0 not in tuple(dn.start_index_map)
+        and 0 not in tuple(dn.collapsed_slice_dims)
+        and p["slice_sizes"][0] == c.bsize
+        and len(dn.offset_dims) > 0
+        and dn.offset_dims[0] == 0
         and not tuple(dn.operand_batching_dims)
     )
 
@@ -69,8 +72,15 @@ def _row_index(eqn: Any) -> int | None:
     dn = jc.param(eqn, "dimension_numbers")
     q, out, idx = shape(eqn.invars[0]), shape(eqn.outvars[0]), shape(eqn.invars[1])
     smap, collapsed = tuple(dn.start_index_map), tuple(dn.collapsed_slice_dims)
-    if (len(q) < 1 or 0 not in smap or collapsed not in ((0,), ()) or tuple(dn.operand_batching_dims)
-            or len(idx) < 1 or idx[-1] != len(smap) or tuple(jc.param(eqn, "slice_sizes")) != (1, *q[1:])):
+    if (
+        len(q) < 1
+        or 0 not in smap
+        or collapsed not in ((0,), ())
+        or tuple(dn.operand_batching_dims)
+        or len(idx) < 1
+        or idx[-1] != len(smap)
+        or tuple(jc.param(eqn, "slice_sizes")) != (1, *q[1:])
+    ):
         return None
     if len(smap) > 1 and jc.param(eqn, "mode") == lax.GatherScatterMode.FILL_OR_DROP:
         return None
@@ -85,7 +95,9 @@ def is_row_lookup(eqn: Any) -> bool:
     return _row_index(eqn) is not None
 
 
-def embedding_views(eqn: Any, idx: jax.Array, g: jax.Array, acc: Any) -> tuple[jax.Array, jax.Array]:
+def embedding_views(
+    eqn: Any, idx: jax.Array, g: jax.Array, acc: Any
+) -> tuple[jax.Array, jax.Array]:
     """``(ids, g3)`` of a row lookup: in-range ids ``(B, T)`` and cotangents ``(B, T, d)``.
 
     Out-of-range ids get no gradient (their cotangent rows are zeroed) under
@@ -95,7 +107,9 @@ def embedding_views(eqn: Any, idx: jax.Array, g: jax.Array, acc: Any) -> tuple[j
     """
     bsz = idx.shape[0]
     ids = jnp.reshape(idx[..., _row_index(eqn)], (bsz, -1))
-    g3 = as_measured(jnp.reshape(g, (bsz, ids.shape[1], -1)).astype(view_dtype(g.dtype, g.dtype, acc)))
+    g3 = as_measured(
+        jnp.reshape(g, (bsz, ids.shape[1], -1)).astype(view_dtype(g.dtype, g.dtype, acc))
+    )
     rows = shape(eqn.invars[0])[0]
     if jc.param(eqn, "mode") == lax.GatherScatterMode.FILL_OR_DROP:
         ok = (ids >= 0) & (ids < rows)
@@ -112,11 +126,19 @@ class Gather(Rule):
 
     def classify(self, use: Use) -> Site | None:
         rows = use.row_operands()
-        if rows is None or use.pos != 0 or use.bcast or use.in_states[1] != ROW or not is_row_lookup(use.eqn):
+        if (
+            rows is None
+            or use.pos != 0
+            or use.bcast
+            or use.in_states[1] != ROW
+            or not is_row_lookup(use.eqn)
+        ):
             return None
         return self.site(use, rows)
 
-    def norm(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any) -> jax.Array | RowNorms | None:
+    def norm(
+        self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any
+    ) -> jax.Array | RowNorms | None:
         ids, g3 = embedding_views(eqn, ops[1], g, acc)
         if ids.shape[1] == 1:
             return RowNorms((g3,), lambda n: n[0])
@@ -125,8 +147,9 @@ class Gather(Rule):
         r = self_gram_rows(g3, gg)  # times a one-hot row's norm, 1
         return gram_norm([GramTerm(same, gg, product_error(g3.shape[-1], acc), (r, r))])
 
-    def factors(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any,
-                perm: list[int]) -> tuple[Factor, Factor] | None:
+    def factors(
+        self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any, perm: list[int]
+    ) -> tuple[Factor, Factor] | None:
         """One-hot rows of the table along axis 0 and the cotangent rows along axis 1."""
         if perm != [0, 1]:
             return None

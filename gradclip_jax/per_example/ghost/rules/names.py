@@ -16,8 +16,18 @@ SCAN = "scan"
 CUSTOM_JVP = "custom_jvp_call"
 CUSTOM_VJP = "custom_vjp_call"
 
-INLINE = frozenset({"pjit", "jit", "closed_call", "core_call", "remat2", "checkpoint", "remat",
-                    "xla_metadata_call"})
+INLINE = frozenset(
+    {
+        "pjit",
+        "jit",
+        "closed_call",
+        "core_call",
+        "remat2",
+        "checkpoint",
+        "remat",
+        "xla_metadata_call",
+    }
+)
 """Inlined: the sub-jaxpr runs once on the operands. ``checkpoint`` (remat) is inlined for the
 analysis (a parameter used inside it must be seen); the streamed path (``_streamed``) runs a
 kept scan's steps under the checkpoint its body had (``REMAT``), the probed path stores the
@@ -41,11 +51,36 @@ VIEWS = CHAIN_OPS | {SLICE}
 """Through these and static slices a value stays a view of a parameter: a scan reading
 such a value as a constant or carry is unrolled, not kept as a loop."""
 
-FOLDABLE = frozenset({
-    "iota", BROADCAST, "reshape", "squeeze", "expand_dims", "convert_element_type", "concatenate",
-    SLICE, "add", "sub", "mul", "neg", "rem", "max", "min", "clamp", "select_n", "lt", "le", "gt", "ge",
-    "eq", "ne", "and", "or", "not",
-})
+FOLDABLE = frozenset(
+    {
+        "iota",
+        BROADCAST,
+        "reshape",
+        "squeeze",
+        "expand_dims",
+        "convert_element_type",
+        "concatenate",
+        SLICE,
+        "add",
+        "sub",
+        "mul",
+        "neg",
+        "rem",
+        "max",
+        "min",
+        "clamp",
+        "select_n",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+        "eq",
+        "ne",
+        "and",
+        "or",
+        "not",
+    }
+)
 """Pure index arithmetic only (no collectives, no sharding casts, no calls): folded while
 tracing when computed from constants alone."""
 
@@ -54,8 +89,29 @@ RETRACED = frozenset({SCAN, "iota", SPLIT, DYNAMIC_SLICE, TILE})
 (``iota``), splits and dynamic slices at known indices as static slices, tiles along size-1
 axes as broadcasts."""
 
-THROUGH = frozenset({"add", "sub", "mul", "div", "neg", DOT_GENERAL, "exp", "log", "sqrt", "rsqrt",
-                     "tanh", "logistic", "square", "integer_pow", "abs", "max", "min", "log1p", "expm1"})
+THROUGH = frozenset(
+    {
+        "add",
+        "sub",
+        "mul",
+        "div",
+        "neg",
+        DOT_GENERAL,
+        "exp",
+        "log",
+        "sqrt",
+        "rsqrt",
+        "tanh",
+        "logistic",
+        "square",
+        "integer_pow",
+        "abs",
+        "max",
+        "min",
+        "log1p",
+        "expm1",
+    }
+)
 """Operations a parameter's chain may compute with, their other operands constants: ``scale * c``,
 ``1 + scale`` (Gemma's RMSNorm), ``scale * rsqrt(var + eps)`` (a BatchNorm with frozen statistics),
 ``W @ h0`` (a recurrent weight on a constant initial state), ``exp(log_scale)``."""
@@ -68,6 +124,27 @@ LINEAR = CHAIN_OPS | {SLICE, GATHER, "add", "sub", "neg", "mul", DOT_GENERAL, CO
 """Chain steps linear in the parameter's operand (its other operands constants): after a step
 that adds or joins other leaves' values, only these may follow."""
 
-SAME_SHAPE = frozenset({"add", "sub", "mul", "div", "max", "min", "neg", "add_any", "exp", "log", "sqrt",
-                        "rsqrt", "tanh", "logistic", "square", "integer_pow", "abs", "log1p", "expm1"})
+SAME_SHAPE = frozenset(
+    {
+        "add",
+        "sub",
+        "mul",
+        "div",
+        "max",
+        "min",
+        "neg",
+        "add_any",
+        "exp",
+        "log",
+        "sqrt",
+        "rsqrt",
+        "tanh",
+        "logistic",
+        "square",
+        "integer_pow",
+        "abs",
+        "log1p",
+        "expm1",
+    }
+)
 """Elementwise operations whose output has their operands' shape (the axes of copies they keep)."""

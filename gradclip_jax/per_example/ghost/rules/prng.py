@@ -10,8 +10,16 @@ from gradclip_jax.per_example.ghost.rules._registry import RowCtx, Rule, State, 
 class Random(Rule):
     """Key arrays of shape ``(B, ...)`` in, values of shape ``(B, ...)`` out, row by row."""
 
-    primitives = ("random_bits", "random_wrap", "random_unwrap", "random_split", "random_fold_in",
-                  "random_seed", "threefry2x32", "bitcast_convert_type")
+    primitives = (
+        "random_bits",
+        "random_wrap",
+        "random_unwrap",
+        "random_split",
+        "random_fold_in",
+        "random_seed",
+        "threefry2x32",
+        "bitcast_convert_type",
+    )
 
     def row(self, c: RowCtx) -> list[State]:
         return c.res(axis0_only(c))

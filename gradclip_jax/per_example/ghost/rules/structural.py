@@ -52,8 +52,17 @@ class BroadcastInDim(Rule):
 
 
 class Reduce(Rule):
-    primitives = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
-                  "reduce_xor", "argmax", "argmin")
+    primitives = (
+        "reduce_sum",
+        "reduce_max",
+        "reduce_min",
+        "reduce_prod",
+        "reduce_and",
+        "reduce_or",
+        "reduce_xor",
+        "argmax",
+        "argmin",
+    )
 
     def row(self, c: RowCtx) -> list[State]:
         return _removed(c, tuple(c.param("axes")))
@@ -120,8 +129,12 @@ class Concatenate(Rule):
     def classify(self, use: Use) -> Site | None:
         rows = use.row_operands()
         out = shape(use.eqn.outvars[0])
-        if (not rows or 0 not in use.batch_axes or jc.param(use.eqn, "dimension") == 0
-                or shape(use.eqn.invars[use.pos])[:1] != out[:1]):
+        if (
+            not rows
+            or 0 not in use.batch_axes
+            or jc.param(use.eqn, "dimension") == 0
+            or shape(use.eqn.invars[use.pos])[:1] != out[:1]
+        ):
             return None
         return self.site(use, rows)
 
@@ -146,8 +159,11 @@ class Slice(Rule):
         if k0 is None:
             return c.mixed()
         strides = c.param("strides", None)
-        whole = (c.param("start_indices")[k0] == 0 and c.param("limit_indices")[k0] == c.bsize
-                 and (strides is None or strides[k0] == 1))
+        whole = (
+            c.param("start_indices")[k0] == 0
+            and c.param("limit_indices")[k0] == c.bsize
+            and (strides is None or strides[k0] == 1)
+        )
         return c.res_at(k0) if whole else c.mixed()
 
 
@@ -162,16 +178,22 @@ class DynamicSlice(Axis0):
     primitives = ("dynamic_slice",)
 
     def ok(self, c: RowCtx) -> bool:
-        return bool(c.states[0] == 0 and all(s == CONST for s in c.states[1:])
-                    and c.param("slice_sizes")[0] == c.bsize)
+        return bool(
+            c.states[0] == 0
+            and all(s == CONST for s in c.states[1:])
+            and c.param("slice_sizes")[0] == c.bsize
+        )
 
 
 class ReduceWindow(Axis0):
     primitives = ("reduce_window", "reduce_window_sum", "reduce_window_max", "reduce_window_min")
 
     def ok(self, c: RowCtx) -> bool:
-        return bool(c.param("window_dimensions")[0] == 1 and c.param("window_strides")[0] == 1
-                    and tuple(c.param("padding")[0]) == (0, 0))
+        return bool(
+            c.param("window_dimensions")[0] == 1
+            and c.param("window_strides")[0] == 1
+            and tuple(c.param("padding")[0]) == (0, 0)
+        )
 
 
 class Sort(Axis0):
@@ -296,8 +318,9 @@ class DynamicUpdateSlice(Axis0):
 
     def ok(self, c: RowCtx) -> bool:
         update = c.states[1]
-        return bool(all(s == CONST for s in c.states[2:])
-                    and (update == CONST or c.ins[1][0] == c.bsize))
+        return bool(
+            all(s == CONST for s in c.states[2:]) and (update == CONST or c.ins[1][0] == c.bsize)
+        )
 
 
 class Identity(Rule):
@@ -319,7 +342,30 @@ class Iota(Rule):
         return [CONST] * len(c.eqn.outvars)
 
 
-for _rule in (Transpose(), BroadcastInDim(), Reduce(), Squeeze(), Cumulative(), Reshape(), Concatenate(),
-              Split(), Slice(), Pad(), DynamicSlice(), ReduceWindow(), Sort(), TopK(), Rev(), FFT(), Iota(),
-              ApproxTopK(), VariadicReduce(), Stack(), Unstack(), Tile(), DynamicUpdateSlice(), Identity()):
+for _rule in (
+    Transpose(),
+    BroadcastInDim(),
+    Reduce(),
+    Squeeze(),
+    Cumulative(),
+    Reshape(),
+    Concatenate(),
+    Split(),
+    Slice(),
+    Pad(),
+    DynamicSlice(),
+    ReduceWindow(),
+    Sort(),
+    TopK(),
+    Rev(),
+    FFT(),
+    Iota(),
+    ApproxTopK(),
+    VariadicReduce(),
+    Stack(),
+    Unstack(),
+    Tile(),
+    DynamicUpdateSlice(),
+    Identity(),
+):
     register(_rule)
