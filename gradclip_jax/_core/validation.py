@@ -159,11 +159,12 @@ def check_int(fn: str, name: str, value: Any, low: int | None = None) -> int:
       >>> check_int("autoclip", "history_size", 10.0, low=1)
       10
     """
-    value = static_value(fn, name, value)
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{fn}: `{name}` must be an int, got {type(value).__name__} {value!r}")
+    if type(value) is not int:  # a Python int (samplers' per-step calls) needs no conversion
+        value = static_value(fn, name, value)
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{fn}: `{name}` must be an int, got {type(value).__name__} {value!r}")
     if low is not None and value < low:
         raise ValueError(f"{fn}: `{name}` must be >= {low}, got {value}")
     return int(value)
