@@ -42,14 +42,13 @@ _FLAGS = {
     "--xla_cpu_collective_call_terminate_timeout_seconds": "600",
 }
 # The suite compiles thousands of small programs and runs each a few times: on the CPU, LLVM's
-# optimizations of the emitted loops cost more than they save (the suite's CPU time: -7% on
-# compute-heavy modules, -28% on the eager norm tests). They change no HLO pass, so compiled
-# memory, costs and instruction names are those a user's program gets; GRADCLIP_TEST_XLA_OPT=1
-# keeps XLA's defaults. The benchmarks, docs and notebooks do not read this file.
+# most expensive passes cost more than they save (the eager norm tests' CPU time: -13%). No HLO
+# pass changes, so compiled memory, costs and names are those a user's program gets, and the
+# results stay within the suite's tolerances (LLVM's -O0, a further 15%, is not taken: it
+# moves some float32 results by up to 5e-4 relative). GRADCLIP_TEST_XLA_OPT=1 keeps XLA's
+# defaults. The benchmarks, docs and notebooks do not read this file.
 if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu" and not os.environ.get("GRADCLIP_TEST_XLA_OPT"):
-    _FLAGS.update(
-        {"--xla_backend_optimization_level": "0", "--xla_llvm_disable_expensive_passes": "true"}
-    )
+    _FLAGS["--xla_llvm_disable_expensive_passes"] = "true"
 for _name, _value in _FLAGS.items():
     if _name not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_name}={_value}").strip()
