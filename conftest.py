@@ -141,7 +141,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # tests/dp/test_audit.py skip themselves); find_spec does not import it.
 # The deprecation shims of moved modules hold no doctest, and collecting one would read (and
 # warn about) each of its old names.
-collect_ignore = ["gradclip_jax/dp/batch_selection.py", "gradclip_jax/dp/user_sampling.py"]
+collect_ignore = [
+    "gradclip_jax/ghost.py",
+    "gradclip_jax/privacy.py",
+    "gradclip_jax/dp/batch_selection.py",
+    "gradclip_jax/dp/user_sampling.py",
+]
 if importlib.util.find_spec("jax_privacy") is None:
     collect_ignore += [
         "gradclip_jax/interop/jax_privacy",

@@ -1,4 +1,4 @@
-"""Benchmark: calibration and accounting of :func:`gradclip_jax.dp.make_private` at targets from 0.1 to 1e6.
+"""Benchmark: calibration and accounting of :func:`gradclip_jax.make_private` at targets from 0.1 to 1e6.
 
 For a run of n=1500, expected batch 64, 100 steps, delta=1e-5, at ``target_epsilon``
 0.1, 1, 8, 1e3 and 1e6 (``quick``: 1 and 1e6), with the PLD accountant (``ours``,
@@ -7,7 +7,7 @@ the default) and the RDP one (``baseline``):
 * ``calibrate z ...``: :func:`gradclip_jax.dp.accounting.calibrate_noise_multiplier`
   alone, with the peak memory the PLD calibration allocates (``tracemalloc``:
   numpy's buffers included);
-* ``make_private ...``: the whole :func:`gradclip_jax.dp.make_private` call
+* ``make_private ...``: the whole :func:`gradclip_jax.make_private` call
   (sampler, calibration, planned epsilon, step functions; no compilation).
 
 And ``epsilon() per call at step T`` (T = 100 and 10,000, z = 1, rate 64/1500):
@@ -89,7 +89,7 @@ def _calibration_row(target: float) -> dict:
 def _make_private_row(target: float) -> dict:
     import optax
 
-    from gradclip_jax.dp import make_private
+    from gradclip_jax import make_private
 
     def loss_fn(w: Any, batch: Any) -> Any:
         return (batch @ w) ** 2

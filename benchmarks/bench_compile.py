@@ -35,7 +35,7 @@ from benchmarks.bench_cost import instructions_by_source
 from benchmarks.common import row
 from benchmarks.models import transformer
 from benchmarks.steps import CLIP, dp_step, hand_clipped_grad, nonprivate_step
-from gradclip_jax.per_example import clipped_grad
+from gradclip_jax import clipped_grad
 
 GROUP = "compile"
 BATCH = 8

@@ -5,7 +5,7 @@ sizes 32, 128 and 512 (32 and 128 with ``quick=True``). For each batch size it
 times, interleaved (one call of each function per round), medians over rounds,
 ``block_until_ready``, compile excluded:
 
-* ``ours``: ``gradclip_jax.per_example.clipped_grad(loss, C, method='vmap')``;
+* ``ours``: ``gradclip_jax.clipped_grad(loss, C, method='vmap')``;
 * ``hand``: hand-written ``jax.vmap(jax.grad(...))`` + ``optax.per_example_global_norm_clip``;
 * ``nonprivate``: ``jax.grad`` of the summed loss (no clipping);
 * ``jax_privacy``: ``jax_privacy.clipped_grad`` when the package is importable
@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from benchmarks.common import compiled_mb, interleaved_ms, max_diff
 from benchmarks.models import mlp, transformer
 from benchmarks.steps import CLIP, dropin_grad, hand_clipped_grad, jax_privacy_grad
-from gradclip_jax.per_example import clipped_grad
+from gradclip_jax import clipped_grad
 
 DROPIN_TRANSFORMER_BATCHES = {False: (32, 128), True: (32,)}  # by ``quick``
 

@@ -59,7 +59,7 @@ import jax.numpy as jnp
 from benchmarks.common import compiled_mb, interleaved_ms, max_diff, row
 from benchmarks.models import gpt2, mlp, transformer, wrn
 from benchmarks.steps import CLIP, nonprivate_step
-from gradclip_jax.per_example import clipped_grad
+from gradclip_jax import clipped_grad
 
 
 def _model_rows(

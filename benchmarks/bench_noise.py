@@ -350,7 +350,7 @@ def hardened_step_rows(reps: int, batch: int = 64) -> list[dict]:
     mask = jnp.ones((batch,), bool)
     thunks = {}
     for name, extra in modes.items():
-        priv = gcx.dp.make_private(losses, optax.sgd(0.1), **kw, **extra)
+        priv = gcx.make_private(losses, optax.sgd(0.1), **kw, **extra)
         step, state, k = jax.jit(priv.step), priv.init(params), priv.noise_key()
         thunks[name] = lambda step=step, state=state, k=k: step(params, state, data, mask, k)
     ms = interleaved_ms(thunks, reps=reps)

@@ -6,10 +6,10 @@ One whole private training step on the host and device, timed interleaved
 expected batch sizes 64 and 256 (64 with ``quick=True``):
 
 * ``ours``: draw the step's Poisson batch with
-  :class:`gradclip_jax.dp.PoissonSampler` (binomial size, uniform subset,
+  :class:`gradclip_jax.PoissonSampler` (binomial size, uniform subset,
   padded to ``max_batch_size`` with a mask; the default size keeps the run's
   overflow probability below 1e-9), gather the rows on the host, and run the
-  jitted :func:`gradclip_jax.dp.make_private` step on the padded batch;
+  jitted :func:`gradclip_jax.make_private` step on the padded batch;
 * ``baseline``: draw ``B`` indices with ``rng.choice(n, B, replace=False)``,
   gather, and run the same step on exactly ``B`` rows (all real).
 
@@ -34,7 +34,7 @@ import optax
 
 from benchmarks.common import interleaved_ms, row
 from benchmarks.models import mlp
-from gradclip_jax.dp import make_private
+from gradclip_jax import make_private
 
 N = 60000
 

@@ -34,7 +34,7 @@ import jax
 import optax
 
 from benchmarks.models import transformer_tree
-from gradclip_jax.transforms import adagc, autoclip, quantile_clip, skip_on_spike, zclip
+from gradclip_jax import adagc, autoclip, quantile_clip, skip_on_spike, zclip
 from gradclip_jax.transforms.ema import clip_norm_by_ema, clip_value_by_ema, normalize_by_ema
 from gradclip_jax.transforms.growth import clip_norm_growth, clip_value_growth
 

@@ -14,30 +14,30 @@ import importlib
 from typing import Any
 
 from gradclip_jax import dp, interop, norms, per_example
-from gradclip_jax.dp import (
-    BatchOverflowError,
+from gradclip_jax.dp.accounting import PrivacyAccountant
+from gradclip_jax.dp.aggregate import (
     DPAggregateState,
     DPNoiseState,
     DPQuantileAggregateState,
-    PoissonBatch,
-    PoissonSampler,
-    PrivacyBudgetError,
-    PrivacyBudgetWarning,
-    PrivateStepMetrics,
-    PrivateTraining,
     dp_aggregate,
     dp_noise,
     dp_quantile_aggregate,
     dpsgd,
-    make_private,
     noise_multiplier_for_gradient,
 )
-from gradclip_jax.dp.accounting import PrivacyAccountant
+from gradclip_jax.dp.private_step import (
+    PrivacyBudgetError,
+    PrivacyBudgetWarning,
+    PrivateStepMetrics,
+    PrivateTraining,
+    make_private,
+)
+from gradclip_jax.dp.sampling.poisson import BatchOverflowError, PoissonBatch, PoissonSampler
 from gradclip_jax.functional import clip_grad_norm, clip_grad_value, normalize_grads
 from gradclip_jax.hyperparams import inject_hyperparams
 from gradclip_jax.monitor import norms_from_state
 from gradclip_jax.norms import NormSpec, leaf_norms, parse_ord, tree_norm
-from gradclip_jax.per_example import (
+from gradclip_jax.per_example.api import (
     ClippedGradFn,
     ClippedGradInfo,
     clipped_grad,
@@ -46,43 +46,41 @@ from gradclip_jax.per_example import (
     per_example_norms,
 )
 from gradclip_jax.per_example.ghost import GhostFallbackWarning, GhostReport, ghost_report
-from gradclip_jax.transforms import (
-    AdaGCState,
-    AdaptiveGradClipState,
-    AutoClipState,
-    CentralizeState,
-    ClipByBlockRmsState,
+from gradclip_jax.transforms.adagc import AdaGCState, adagc
+from gradclip_jax.transforms.agc import AdaptiveGradClipState, adaptive_grad_clip, unit_axes
+from gradclip_jax.transforms.autoclip import AutoClipState, autoclip
+from gradclip_jax.transforms.centralize import CentralizeState, centralize
+from gradclip_jax.transforms.ema import (
+    ClipValueByEMAState,
+    NormByEMAState,
+    clip_norm_by_ema,
+    clip_value_by_ema,
+    normalize_by_ema,
+)
+from gradclip_jax.transforms.growth import (
+    ClipNormGrowthState,
+    ClipValueGrowthState,
+    clip_norm_growth,
+    clip_value_growth,
+)
+from gradclip_jax.transforms.norm import (
     ClipByGlobalNormState,
     ClipByNormState,
-    ClipByValueState,
-    ClipNormGrowthState,
-    ClipValueByEMAState,
-    ClipValueGrowthState,
     NormalizeState,
-    NormByEMAState,
-    QuantileClipState,
-    SkipOnSpikeState,
-    ZClipState,
-    adagc,
-    adaptive_grad_clip,
-    autoclip,
-    centralize,
-    clip,
-    clip_by_block_rms,
     clip_by_global_norm,
     clip_by_norm,
-    clip_by_value,
-    clip_norm_by_ema,
-    clip_norm_growth,
-    clip_value_by_ema,
-    clip_value_growth,
     normalize,
-    normalize_by_ema,
-    quantile_clip,
-    skip_on_spike,
-    unit_axes,
-    zclip,
 )
+from gradclip_jax.transforms.quantile import QuantileClipState, quantile_clip
+from gradclip_jax.transforms.spike import SkipOnSpikeState, skip_on_spike
+from gradclip_jax.transforms.value import (
+    ClipByBlockRmsState,
+    ClipByValueState,
+    clip,
+    clip_by_block_rms,
+    clip_by_value,
+)
+from gradclip_jax.transforms.zclip import ZClipState, zclip
 
 __version__ = "0.1.0"
 

@@ -10,8 +10,8 @@ import optax
 import pytest
 
 from benchmarks import hlo_program as hp
+from gradclip_jax import clipped_grad
 from gradclip_jax.dp.noise import add_gaussian_noise
-from gradclip_jax.per_example import clipped_grad
 
 # reads the compiled programs' source metadata (stack frames, op names)
 pytestmark = pytest.mark.reads_compiled_names

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 import gradclip_jax
-from gradclip_jax.per_example import clipped_grad
+from gradclip_jax import clipped_grad
 from tests._backend import refuses_backward
 from tests.per_example.models import mlp_setup
 

@@ -8,7 +8,7 @@ reports for each:
 * how many parameter leaves there are, how many :func:`gradclip_jax.ghost_report`
   puts on the ghost path (and how many of those have their per-example gradients formed for
   that leaf alone, ``formed:`` kinds) and how many fall back to per-example gradients, and why;
-* whether :func:`gradclip_jax.per_example.clipped_grad` crashes (the error's text), or
+* whether :func:`gradclip_jax.clipped_grad` crashes (the error's text), or
   gives the error the model is expected to give (BatchNorm statistics in training);
 * the largest difference between ``method='ghost'`` and ``method='vmap'``, relative to the
   largest value, on the per-example norms and on the clipped sum (clip norm: the median
@@ -698,7 +698,7 @@ def _first_line(err: BaseException) -> str:
 def relative_errors(loss: Callable[..., Any], params: Any, data: Any) -> dict[str, float]:
     """Ghost against vmap at the median per-example norm as clip norm: the largest difference
     of the per-example norms and of the clipped sums, each relative to the largest value."""
-    from gradclip_jax.per_example import clipped_grad
+    from gradclip_jax import clipped_grad
 
     def run(method: str) -> Callable[..., Any]:
         return jax.jit(lambda p, b, c: clipped_grad(loss, c, method=method)(p, b))

@@ -9,11 +9,12 @@ and the release after removes it.
 
 from __future__ import annotations
 
+import importlib
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["deprecation_getattr", "moved_names", "warn_moved"]
+__all__ = ["deprecation_getattr", "moved_names", "top_level_getattr", "warn_moved"]
 
 
 def moved_message(old: str, new: str) -> str:
@@ -67,3 +68,33 @@ def moved_names(
         name: (moved_message(f"{old}.{name}", f"{new.__name__}.{name}"), getattr(new, name))
         for name in (new.__all__ if names is None else names)
     }
+
+
+def top_level_getattr(module: str, names: Sequence[str]) -> Callable[[str], Any]:
+    """A package ``__getattr__`` serving the old paths of names whose home is ``gradclip_jax``.
+
+    A package that used to re-export top-level names (``gradclip_jax.dp.make_private``)
+    no longer holds them; reading one warns, naming ``gradclip_jax.<name>``, and returns
+    the very object the top level gives. The top level is imported when a name is read,
+    not when the package is (it imports the package).
+
+    Args:
+      module: the package's ``__name__``.
+      names: the top-level names the package used to show.
+
+    Returns:
+      The function to bind as the package's ``__getattr__``.
+    """
+    served = frozenset(names)
+
+    def getattr_(name: str) -> Any:
+        if name in served:
+            warnings.warn(
+                moved_message(f"{module}.{name}", f"gradclip_jax.{name}"),
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return getattr(importlib.import_module("gradclip_jax"), name)
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return getattr_

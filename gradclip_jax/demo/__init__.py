@@ -6,7 +6,7 @@ with scikit-learn (``sklearn.datasets.load_digits``: nothing is downloaded):
 
 1. **none**: ``optax.adam``, no clipping;
 2. **global**: ``optax.chain(gcx.clip_by_global_norm(C), optax.adam(...))``;
-3. **dp-sgd**: DP-Adam built with :func:`gradclip_jax.dp.make_private`:
+3. **dp-sgd**: DP-Adam built with :func:`gradclip_jax.make_private`:
    **Poisson-sampled** batches (each training example is in a step's batch
    independently with probability ``q = batch_size / n_train``), padded to one
    fixed size with a mask, per-example clipping with

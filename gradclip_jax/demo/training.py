@@ -120,9 +120,9 @@ def private_run(
     n_train: int,
     seed: int,
 ) -> Any:
-    """The DP-SGD run's :class:`gradclip_jax.dp.PrivateTraining` (single process)."""
+    """The DP-SGD run's :class:`gradclip_jax.PrivateTraining` (single process)."""
     try:
-        return gcx.dp.make_private(
+        return gcx.make_private(
             per_example_loss,
             optax.adam(learning_rate),
             dataset_size=n_train,

@@ -36,7 +36,7 @@ def refuse_update_averaging(fn: str) -> None:
                 f"{fn} inside optax.MultiSteps: MultiSteps passes the mean of its k accumulated "
                 "updates, so the clipped signal would be divided by k while the noise is not (k times "
                 "less signal to noise than the accounted step). Sum the clipped sums of the k pieces "
-                "and add noise once per logical step instead: gradclip_jax.dp.make_private(..., "
+                "and add noise once per logical step instead: gradclip_jax.make_private(..., "
                 "physical_batch_size=...) does it in one call, or use its clipped_sum/noisy_update "
                 "pair for host-side accumulation."
             )

@@ -266,7 +266,7 @@ def bandmf_plan(
       epsilon, delta: the target :math:`(\\varepsilon, \\delta)`.
       l2_clip_norm: the per-example clip norm :math:`C`.
       method: :func:`gradclip_jax.clipped_grad`'s ``'auto'``, ``'ghost'`` or ``'vmap'``.
-      neighboring_relation: ``'add_or_remove'`` (as :func:`gradclip_jax.dp.make_private`;
+      neighboring_relation: ``'add_or_remove'`` (as :func:`gradclip_jax.make_private`;
         the groups are an independent random partition) or ``'zero_out'``
         (jax-privacy's default; groups of equal size, ``n mod b`` examples unused).
       noise_seed: the seed of the noise (``None``: a fresh random one).

@@ -2,12 +2,12 @@
 
 Two families of functions live here:
 
-* :func:`per_example_global_norm_clip` and :func:`per_example_layer_norm_clip`
+* :func:`~gradclip_jax.per_example_global_norm_clip` and :func:`~gradclip_jax.per_example_layer_norm_clip`
   take *materialized* per-example gradients (every leaf carries the batch on axis
   0) and return the sum of the clipped gradients, exactly like their optax
   namesakes, but NaN-free at zero norms, overflow-safe, accumulating 16-bit
   gradients in float32, and working when the batch axis is explicitly sharded.
-* :func:`clipped_grad` turns a loss of per-example losses into a function that
+* :func:`~gradclip_jax.clipped_grad` turns a loss of per-example losses into a function that
   computes the **sum of clipped per-example gradients** directly: per-example
   gradients come from ``jax.vmap(jax.grad(...))``, each is materialized once
   (as one row per example), measured, and the clip and the sum are a single
@@ -32,19 +32,19 @@ norm (:math:`D` elements); when that factor is below the smallest normal float
 it flushes to zero and the example contributes nothing.
 """
 
-from gradclip_jax.per_example._config import (
-    ClippedGradFn as ClippedGradFn,
-    ClippedGradInfo as ClippedGradInfo,
-)
-from gradclip_jax.per_example._optax_compat import (
-    per_example_global_norm_clip as per_example_global_norm_clip,
-    per_example_layer_norm_clip as per_example_layer_norm_clip,
-    per_example_norms as per_example_norms,
-)
+from gradclip_jax._core.deprecations import top_level_getattr
 from gradclip_jax.per_example._products import PRODUCT_PRECISION
-from gradclip_jax.per_example.api import (
-    clipped_grad as clipped_grad,
+
+#: The everyday API this package used to show; ``gradclip_jax`` is their home (one release).
+_TOP_LEVEL = (
+    "ClippedGradFn",
+    "ClippedGradInfo",
+    "clipped_grad",
+    "per_example_global_norm_clip",
+    "per_example_layer_norm_clip",
+    "per_example_norms",
 )
+__getattr__ = top_level_getattr(__name__, _TOP_LEVEL)
 
 __all__ = [
     "PRODUCT_PRECISION",

@@ -1,4 +1,4 @@
-"""The frozen configuration of a :func:`~gradclip_jax.per_example.clipped_grad` call,
+"""The frozen configuration of a :func:`~gradclip_jax.clipped_grad` call,
 and the type of the function it returns (which knows its sensitivity)."""
 
 from __future__ import annotations

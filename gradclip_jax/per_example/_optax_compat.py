@@ -67,7 +67,7 @@ def per_example_global_norm_clip(
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from gradclip_jax.per_example import per_example_global_norm_clip
+      >>> from gradclip_jax import per_example_global_norm_clip
       >>> grads = [jnp.array([[0., 0, 0], [0, 3, 4], [4, 0, 3], [3, 4, 0]])]
       >>> per_example_global_norm_clip(grads, 1.25)
       ([Array([1.75, 1.75, 1.75], dtype=float32)], Array(3, dtype=int32))
@@ -125,7 +125,7 @@ def per_example_layer_norm_clip(
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from gradclip_jax.per_example import per_example_layer_norm_clip
+      >>> from gradclip_jax import per_example_layer_norm_clip
       >>> grads = [jnp.array([[3., 4.], [0., 0.]]), jnp.array([[1.], [2.]])]
       >>> sums, counts = per_example_layer_norm_clip(grads, 2.0)  # C_k = sqrt(2)
       >>> [s.round(5) for s in sums]  # clipped rows sit a few ulp inside C_k
@@ -193,7 +193,7 @@ def per_example_norms(grads: Any) -> jax.Array:
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from gradclip_jax.per_example import per_example_norms
+      >>> from gradclip_jax import per_example_norms
       >>> per_example_norms({'a': jnp.array([[3.0], [0.0]]), 'b': jnp.array([[4.0], [1.0]])})
       Array([5., 1.], dtype=float32)
     """

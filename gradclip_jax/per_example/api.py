@@ -34,6 +34,11 @@ from gradclip_jax.per_example._config import (
     Method,
 )
 from gradclip_jax.per_example._keys import split_key_arg
+from gradclip_jax.per_example._optax_compat import (  # the top level's public door to them
+    per_example_global_norm_clip as per_example_global_norm_clip,
+    per_example_layer_norm_clip as per_example_layer_norm_clip,
+    per_example_norms as per_example_norms,
+)
 from gradclip_jax.per_example._vmap import run_vmap
 from gradclip_jax.per_example.ghost._strategy import run_ghost
 
@@ -205,7 +210,7 @@ def clipped_grad(
     :math:`C` for add/remove neighbours (:math:`2C` for replace-one). Add noise
     of standard deviation ``z * grad_fn.sensitivity()`` and divide by the
     (expected) batch size to get a DP-SGD gradient (see
-    :func:`gradclip_jax.dp.dp_noise`).
+    :func:`gradclip_jax.dp_noise`).
 
     How it runs (``method='vmap'``; for ``'ghost'``, see :mod:`gradclip_jax.per_example.ghost`): each example
     is passed to ``loss_fn`` as a batch of one (leaves of shape ``(1, ...)``),
@@ -328,7 +333,7 @@ def clipped_grad(
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> from gradclip_jax.per_example import clipped_grad
+      >>> from gradclip_jax import clipped_grad
       >>> def loss_fn(w, batch):  # per-example squared errors, shape (B,)
       ...     return 0.5 * jnp.sum((batch['x'] * w - batch['y']) ** 2, axis=-1)
       >>> grad_fn = clipped_grad(loss_fn, 1.0)

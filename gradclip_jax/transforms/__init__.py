@@ -68,62 +68,52 @@ Shared rules (shared spec: ``adaptive-methods.md`` §0, §10):
   pre-clip norm), ``clip_norm`` (the threshold in force) and ``clipped``.
 """
 
-from gradclip_jax.transforms.adagc import (
-    AdaGCState as AdaGCState,
-    adagc as adagc,
+from gradclip_jax._core.deprecations import top_level_getattr
+
+# Four families share their name with their function: importing the module binds the
+# module here (``transforms.zclip``), and ``from gradclip_jax.transforms import zclip``
+# returned the function before the top level became its home. These names stay bound
+# to the functions (a plain attribute cannot warn); their states and every other
+# transform warn below.
+from gradclip_jax.transforms.adagc import adagc as adagc
+from gradclip_jax.transforms.autoclip import autoclip as autoclip
+from gradclip_jax.transforms.centralize import centralize as centralize
+from gradclip_jax.transforms.zclip import zclip as zclip
+
+#: The transforms this package used to show; ``gradclip_jax`` is their home (one release).
+_TOP_LEVEL = (
+    "AdaGCState",
+    "AdaptiveGradClipState",
+    "AutoClipState",
+    "CentralizeState",
+    "ClipByBlockRmsState",
+    "ClipByGlobalNormState",
+    "ClipByNormState",
+    "ClipByValueState",
+    "ClipNormGrowthState",
+    "ClipValueByEMAState",
+    "ClipValueGrowthState",
+    "NormByEMAState",
+    "NormalizeState",
+    "QuantileClipState",
+    "SkipOnSpikeState",
+    "ZClipState",
+    "adaptive_grad_clip",
+    "clip",
+    "clip_by_block_rms",
+    "clip_by_global_norm",
+    "clip_by_norm",
+    "clip_by_value",
+    "clip_norm_by_ema",
+    "clip_norm_growth",
+    "clip_value_by_ema",
+    "clip_value_growth",
+    "normalize",
+    "normalize_by_ema",
+    "quantile_clip",
+    "skip_on_spike",
+    "unit_axes",
 )
-from gradclip_jax.transforms.agc import (
-    AdaptiveGradClipState as AdaptiveGradClipState,
-    adaptive_grad_clip as adaptive_grad_clip,
-    unit_axes as unit_axes,
-)
-from gradclip_jax.transforms.autoclip import (
-    AutoClipState as AutoClipState,
-    autoclip as autoclip,
-)
-from gradclip_jax.transforms.centralize import (
-    CentralizeState as CentralizeState,
-    centralize as centralize,
-)
-from gradclip_jax.transforms.ema import (
-    ClipValueByEMAState as ClipValueByEMAState,
-    NormByEMAState as NormByEMAState,
-    clip_norm_by_ema as clip_norm_by_ema,
-    clip_value_by_ema as clip_value_by_ema,
-    normalize_by_ema as normalize_by_ema,
-)
-from gradclip_jax.transforms.growth import (
-    ClipNormGrowthState as ClipNormGrowthState,
-    ClipValueGrowthState as ClipValueGrowthState,
-    clip_norm_growth as clip_norm_growth,
-    clip_value_growth as clip_value_growth,
-)
-from gradclip_jax.transforms.norm import (
-    ClipByGlobalNormState as ClipByGlobalNormState,
-    ClipByNormState as ClipByNormState,
-    NormalizeState as NormalizeState,
-    clip_by_global_norm as clip_by_global_norm,
-    clip_by_norm as clip_by_norm,
-    normalize as normalize,
-)
-from gradclip_jax.transforms.quantile import (
-    QuantileClipState as QuantileClipState,
-    quantile_clip as quantile_clip,
-)
-from gradclip_jax.transforms.spike import (
-    SkipOnSpikeState as SkipOnSpikeState,
-    skip_on_spike as skip_on_spike,
-)
-from gradclip_jax.transforms.value import (
-    ClipByBlockRmsState as ClipByBlockRmsState,
-    ClipByValueState as ClipByValueState,
-    clip as clip,
-    clip_by_block_rms as clip_by_block_rms,
-    clip_by_value as clip_by_value,
-)
-from gradclip_jax.transforms.zclip import (
-    ZClipState as ZClipState,
-    zclip as zclip,
-)
+__getattr__ = top_level_getattr(__name__, _TOP_LEVEL)
 
 __all__: list[str] = []  # every name here has its home elsewhere (CONTRIBUTING.md, "Import paths")

@@ -147,7 +147,7 @@ def adagc(
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from gradclip_jax.transforms import adagc
+      >>> from gradclip_jax import adagc
       >>> tx = adagc(clip_ratio=2.0, beta=0.5, warmup_steps=1, warmup_max_norm=None)
       >>> params = {'a': jnp.zeros(2), 'b': jnp.zeros(1)}
       >>> state = tx.init(params)

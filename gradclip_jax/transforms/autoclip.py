@@ -111,7 +111,7 @@ def autoclip(
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from gradclip_jax.transforms import autoclip
+      >>> from gradclip_jax import autoclip
       >>> tx = autoclip(percentile=50.0, history_size=4)
       >>> state = tx.init(jnp.zeros(2))
       >>> for scale in (1.0, 3.0):  # norms 5 and 15: median 10

@@ -83,7 +83,7 @@ def quantile_clip(
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from gradclip_jax.transforms import quantile_clip
+      >>> from gradclip_jax import quantile_clip
       >>> tx = quantile_clip(initial_norm=1.0)
       >>> state = tx.init(jnp.zeros(2))
       >>> out, state = tx.update(jnp.array([3.0, 4.0]), state)  # clipped to C = 1

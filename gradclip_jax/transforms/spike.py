@@ -81,7 +81,7 @@ def skip_on_spike(
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from gradclip_jax.transforms import skip_on_spike, zclip
+      >>> from gradclip_jax import skip_on_spike, zclip
       >>> tx = skip_on_spike(zclip(z_thresh=2.0, warmup_steps=2))
       >>> state = tx.init(jnp.zeros(1))
       >>> for g in (0.5, 1.5, 3.0):  # the third norm is a spike

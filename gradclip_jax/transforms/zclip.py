@@ -134,7 +134,7 @@ def zclip(
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from gradclip_jax.transforms import zclip
+      >>> from gradclip_jax import zclip
       >>> tx = zclip(z_thresh=2.0, warmup_steps=2)
       >>> state = tx.init(jnp.zeros(1))
       >>> for g in (0.5, 1.5):  # warm-up: mean 1, std 0.5

@@ -20,9 +20,8 @@ import pytest
 from jax import lax
 from jax.extend import core as jcore
 
-from gradclip_jax import ghost_report
+from gradclip_jax import clipped_grad, ghost_report
 from gradclip_jax._core import jaxcompat as jc
-from gradclip_jax.per_example import clipped_grad
 from tests.per_example.ghost.test_scan import stacked_transformer
 from tests.per_example.models import assert_tree_close, xent
 

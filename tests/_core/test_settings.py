@@ -8,12 +8,13 @@ import types
 import jax
 import pytest
 
+from gradclip_jax import clipped_grad
 from gradclip_jax._core import norms as core_norms
 from gradclip_jax._core.norms import _reduce
 from gradclip_jax._core.settings import forward_settings
 from gradclip_jax.dp import hardened, noise
 from gradclip_jax.dp.hardened import _discrete_gaussian
-from gradclip_jax.per_example import clipped_grad, ghost as ghost_pkg
+from gradclip_jax.per_example import ghost as ghost_pkg
 from gradclip_jax.per_example.ghost._analysis import policy
 from tests.moved import import_moved
 from tests.per_example.models import mlp_setup

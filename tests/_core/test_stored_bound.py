@@ -11,8 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import gradclip_jax as gcx
-from gradclip_jax.dp import dp_aggregate
-from gradclip_jax.per_example import clipped_grad
+from gradclip_jax import clipped_grad, dp_aggregate
 
 DTYPES = [jnp.float16, jnp.bfloat16, jnp.float32]
 

@@ -9,8 +9,8 @@ import jax
 import numpy as np
 import optax
 
+from gradclip_jax import PrivateTraining, make_private
 from gradclip_jax.demo import init_mlp, per_example_loss
-from gradclip_jax.dp import PrivateTraining, make_private
 
 N, EXPECTED, STEPS = 512, 48, 4
 

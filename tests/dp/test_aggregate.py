@@ -12,16 +12,17 @@ import optax
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
-from gradclip_jax.dp import (
+from gradclip_jax import (
     DPAggregateState,
     DPQuantileAggregateState,
+    clipped_grad,
     dp_aggregate,
     dp_noise,
     dp_quantile_aggregate,
     dpsgd,
     noise_multiplier_for_gradient,
+    per_example_global_norm_clip,
 )
-from gradclip_jax.per_example import clipped_grad, per_example_global_norm_clip
 
 
 def _grads(seed=0, batch=8, zero_row=3):

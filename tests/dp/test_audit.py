@@ -21,8 +21,9 @@ import optax
 import pytest
 
 import gradclip_jax as gcx
+from gradclip_jax import PoissonSampler
 from gradclip_jax.demo import batch_indices, init_mlp, load_digits_split, per_example_loss
-from gradclip_jax.dp import IndexSampler, PoissonSampler
+from gradclip_jax.dp import IndexSampler
 from gradclip_jax.dp.audit import (
     GradientCanaries,
     audit_epsilon,

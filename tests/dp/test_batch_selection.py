@@ -14,8 +14,8 @@ import optax
 import pytest
 
 import gradclip_jax as gcx
-from gradclip_jax import PrivacyAccountant
-from gradclip_jax.dp import BatchSampler, IndexSampler, PoissonSampler, SampledBatch, make_private
+from gradclip_jax import PoissonSampler, PrivacyAccountant, make_private
+from gradclip_jax.dp import BatchSampler, IndexSampler, SampledBatch
 
 N, B, T = 200, 20, 12
 
@@ -79,7 +79,7 @@ def test_both_samplers_follow_the_protocol():
     assert isinstance(poisson, BatchSampler) and isinstance(
         FixedSizeSampler(N, B, steps=T), BatchSampler
     )
-    assert gcx.dp.PoissonBatch is SampledBatch and isinstance(poisson.batch(0), SampledBatch)
+    assert gcx.PoissonBatch is SampledBatch and isinstance(poisson.batch(0), SampledBatch)
     assert poisson.neighboring == "add_or_remove"
     want = dp_accounting.PoissonSampledDpEvent(B / N, dp_accounting.GaussianDpEvent(1.3))
     assert poisson.dp_event(1.3) == want

@@ -15,7 +15,8 @@ import pytest
 from scipy import stats
 
 import gradclip_jax as gcx
-from gradclip_jax.dp import PoissonSampler, hardened as h, make_private
+from gradclip_jax import PoissonSampler, make_private
+from gradclip_jax.dp import hardened as h
 from gradclip_jax.dp.accounting import PoissonSampledDiscreteGaussianEvent, poisson_subsampled_rdp
 from gradclip_jax.dp.hardened import _discrete_gaussian as dg
 

@@ -17,8 +17,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import gradclip_jax as gcx
+from gradclip_jax import make_private
 from gradclip_jax.demo import accuracy, init_mlp, load_digits_split, per_example_loss
-from gradclip_jax.dp import accounting, make_private
+from gradclip_jax.dp import accounting
 from gradclip_jax.dp.noise import add_gaussian_noise
 from tests._backend import assert_equal_on_cpu
 from tests.dp import setup_two_process as dp_setup

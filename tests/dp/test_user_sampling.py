@@ -10,8 +10,8 @@ import optax
 import pytest
 
 import gradclip_jax as gcx
-from gradclip_jax import ghost_report
-from gradclip_jax.dp import BatchSampler, UserBatch, UserPoissonSampler, make_private, user_loss
+from gradclip_jax import ghost_report, make_private
+from gradclip_jax.dp import BatchSampler, UserBatch, UserPoissonSampler, user_loss
 
 C = 1.0
 

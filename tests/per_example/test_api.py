@@ -1,4 +1,4 @@
-"""Tests for gradclip_jax.per_example.clipped_grad (the api module): the vmap strategy."""
+"""Tests for gradclip_jax.clipped_grad (the api module): the vmap strategy."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import optax
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from gradclip_jax import GhostFallbackWarning
-from gradclip_jax.per_example import (
+from gradclip_jax import (
     ClippedGradInfo,
+    GhostFallbackWarning,
     clipped_grad,
     per_example_global_norm_clip,
     per_example_layer_norm_clip,

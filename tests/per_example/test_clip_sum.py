@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks import hlo_program as hp
-from gradclip_jax.per_example import clipped_grad
+from gradclip_jax import clipped_grad
 from tests.per_example.ghost.test_low_precision import lm16
 
 # As a GPU compiles: optimization barriers kept through fusion (XLA:CPU's own pipeline removes

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gradclip_jax.per_example import clipped_grad
+from gradclip_jax import clipped_grad
 
 B = 7
 

@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 
-from gradclip_jax.per_example import (
+from gradclip_jax import (
     per_example_global_norm_clip,
     per_example_layer_norm_clip,
     per_example_norms,

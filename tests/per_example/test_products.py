@@ -8,12 +8,8 @@ import numpy as np
 import pytest
 from jax import lax
 
-from gradclip_jax.per_example import (
-    PRODUCT_PRECISION,
-    _products,
-    clipped_grad,
-    per_example_global_norm_clip,
-)
+from gradclip_jax import clipped_grad, per_example_global_norm_clip
+from gradclip_jax.per_example import PRODUCT_PRECISION, _products
 from gradclip_jax.per_example._products import (
     PRODUCT_UNITS,
     exact_in_float32,

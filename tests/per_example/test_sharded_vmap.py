@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from gradclip_jax.per_example import clipped_grad
+from gradclip_jax import clipped_grad
 from tests.per_example.models import assert_tree_close
 
 pytestmark = pytest.mark.cpu_only(

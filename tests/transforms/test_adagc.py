@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gradclip_jax.transforms import AdaGCState, adagc
+from gradclip_jax import AdaGCState, adagc
 
 
 def _tree(a, b):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import gradclip_jax as gcx
-from gradclip_jax.transforms import AutoClipState, autoclip
+from gradclip_jax import AutoClipState, autoclip
 from tests.transforms.feeding import feed as _feed, spiky_norms as _spiky_norms, vec as _vec
 
 

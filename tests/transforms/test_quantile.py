@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from gradclip_jax.transforms import QuantileClipState, quantile_clip
+from gradclip_jax import QuantileClipState, quantile_clip
 from tests.transforms.feeding import feed as _feed, vec as _vec
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from gradclip_jax.transforms import SkipOnSpikeState, ZClipState, autoclip, skip_on_spike, zclip
+from gradclip_jax import SkipOnSpikeState, ZClipState, autoclip, skip_on_spike, zclip
 from tests.transforms.feeding import feed as _feed
 
 

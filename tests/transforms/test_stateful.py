@@ -15,7 +15,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import gradclip_jax as gcx
-from gradclip_jax.transforms import adagc, autoclip, quantile_clip, skip_on_spike, zclip
+from gradclip_jax import adagc, autoclip, quantile_clip, skip_on_spike, zclip
 from gradclip_jax.transforms.ema import clip_norm_by_ema, clip_value_by_ema, normalize_by_ema
 from gradclip_jax.transforms.growth import clip_norm_growth, clip_value_growth
 from tests.transforms.feeding import feed as _feed, vec as _vec

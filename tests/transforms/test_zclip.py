@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gradclip_jax.transforms import zclip
+from gradclip_jax import zclip
 from tests.transforms.feeding import feed as _feed, spiky_norms as _spiky_norms
 
 

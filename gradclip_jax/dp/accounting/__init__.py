@@ -10,7 +10,7 @@ DP-SGD with Poisson sampling at rate :math:`q`, noise multiplier :math:`z` and
 Gaussian mechanism (noise :math:`\\mathcal{N}(0, (zC)^2)` on a sum of sensitivity
 :math:`C`). :func:`epsilon` gives its :math:`\\varepsilon` at a given
 :math:`\\delta`; :func:`calibrate_noise_multiplier` the smallest :math:`z` that
-meets a target :math:`\\varepsilon`. With :func:`gradclip_jax.dp.dp_quantile_aggregate`
+meets a target :math:`\\varepsilon`. With :func:`gradclip_jax.dp_quantile_aggregate`
 account with the overall ``noise_multiplier`` you gave it (its count and gradient
 noises are split so that they compose to exactly that Gaussian mechanism).
 Another batch selection is accounted through its sampler

@@ -135,7 +135,7 @@ class PrivacyAccountant:
           sample_rate: the Poisson rate :math:`q \\in (0, 1]` (without ``sampler``).
           steps: how many steps (default 1).
           truncated_batch_size: with truncated Poisson sampling (see
-            :class:`gradclip_jax.dp.PoissonSampler`), its cap :math:`m`; needs
+            :class:`gradclip_jax.PoissonSampler`), its cap :math:`m`; needs
             ``dataset_size`` and the PLD accountant.
           dataset_size: :math:`n`, with ``truncated_batch_size``.
           sampler: a :class:`gradclip_jax.dp.BatchSampler` (instead of the

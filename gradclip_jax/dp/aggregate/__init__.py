@@ -3,7 +3,7 @@
 Every transform here takes **per-example** gradients (each leaf with the batch on
 axis 0, e.g. from ``jax.vmap(jax.grad(loss))``), except :func:`dp_noise`, which
 takes a sum of already clipped gradients (e.g. from
-:func:`gradclip_jax.per_example.clipped_grad`). They must come first in an
+:func:`gradclip_jax.clipped_grad`). They must come first in an
 ``optax.chain``.
 
 Privacy rules followed by every transform:

@@ -96,7 +96,7 @@ def dp_aggregate(
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
-      >>> from gradclip_jax.dp import dp_aggregate
+      >>> from gradclip_jax import dp_aggregate
       >>> tx = dp_aggregate(l2_clip_norm=1.0, noise_multiplier=0.0, seed=0)
       >>> per_example = {'w': jnp.array([[3.0, 4.0], [0.3, 0.4]])}
       >>> updates, state = tx.update(per_example, tx.init({'w': jnp.zeros(2)}))
@@ -211,7 +211,7 @@ def dpsgd(
 
     Example:
       >>> import jax.numpy as jnp, optax
-      >>> from gradclip_jax.dp import dpsgd
+      >>> from gradclip_jax import dpsgd
       >>> tx = dpsgd(learning_rate=0.1, l2_clip_norm=1.0, noise_multiplier=1.1, seed=0)
       >>> params = {'w': jnp.zeros(2)}
       >>> state = tx.init(params)
@@ -250,7 +250,7 @@ def dp_noise(
 
     .. math:: u \\leftarrow \\big(u + \\mathcal{N}(0, \\sigma^2 I)\\big) / N
 
-    The privatizer to put after :func:`gradclip_jax.per_example.clipped_grad`:
+    The privatizer to put after :func:`gradclip_jax.clipped_grad`:
     with ``grad_fn = clipped_grad(loss, C)``, ``stddev = z * grad_fn.sensitivity()``
     gives noise multiplier ``z``; ``normalize_by`` is the public (expected) batch
     size. Noise is drawn and added in float32 at least; the output is rounded to
@@ -269,12 +269,12 @@ def dp_noise(
       ValueError: when its update runs inside ``optax.MultiSteps`` (gradient
         accumulation): MultiSteps averages the clipped sums of its pieces, which
         divides the signal but not the noise. Accumulate the clipped sums and
-        noise once per logical step instead (:func:`gradclip_jax.dp.make_private`
+        noise once per logical step instead (:func:`gradclip_jax.make_private`
         with ``physical_batch_size``, or its ``clipped_sum``/``noisy_update``).
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from gradclip_jax.dp import dp_noise
+      >>> from gradclip_jax import dp_noise
       >>> tx = dp_noise(stddev=0.0, seed=0, normalize_by=4)
       >>> tx.update({'w': jnp.array([2.0])}, tx.init(None))[0]
       {'w': Array([0.5], dtype=float32)}

@@ -67,7 +67,7 @@ def noise_multiplier_for_gradient(noise_multiplier: Any, count_noise_std: Any) -
       ValueError: for concrete inputs with :math:`0 < z` and :math:`\\sigma_b \\le z/2`.
 
     Example:
-      >>> from gradclip_jax.dp import noise_multiplier_for_gradient
+      >>> from gradclip_jax import noise_multiplier_for_gradient
       >>> round(noise_multiplier_for_gradient(1.0, 6.4), 4)
       1.0031
     """
@@ -182,7 +182,7 @@ def dp_quantile_aggregate(
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from gradclip_jax.dp import dp_quantile_aggregate
+      >>> from gradclip_jax import dp_quantile_aggregate
       >>> tx = dp_quantile_aggregate(1.0, seed=0, expected_batch_size=100)
       >>> state = tx.init({'w': jnp.zeros(3)})
       >>> updates, state = tx.update({'w': jnp.ones((100, 3))}, state)

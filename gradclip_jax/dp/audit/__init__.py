@@ -14,12 +14,12 @@ model's own loss does not touch, so once clipped it is the fixed direction
 ``C e_i`` and no real example's gradient blurs it (a white-box "Dirac"
 canary, as in Nasr et al. 2023, https://arxiv.org/abs/2302.07956). A canary that is out is
 a row of zero gradient: with the public divisor ``q n`` of
-:func:`gradclip_jax.dp.make_private`, a row whose gradient is zero changes
+:func:`gradclip_jax.make_private`, a row whose gradient is zero changes
 nothing, so the run is exactly the one on the data set without that canary.
 
 :class:`GradientCanaries` builds the pieces (loss, parameters, data, scores,
 bound) for any pipeline; :func:`audit_epsilon` runs the whole audit of a
-:func:`gradclip_jax.dp.make_private` run. A bound above the run's claimed
+:func:`gradclip_jax.make_private` run. A bound above the run's claimed
 epsilon falsifies the claim (up to the ``significance``); a bound below it
 proves nothing: the audit is a test for gross bugs, not a proof of privacy.
 The bound needs jax-privacy (``pip install 'gradclip_jax[jax-privacy]'``), imported when used.

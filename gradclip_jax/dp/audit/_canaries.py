@@ -65,7 +65,7 @@ class GradientCanaries:
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, optax
-      >>> from gradclip_jax.dp import make_private
+      >>> from gradclip_jax import make_private
       >>> def loss_fn(w, batch):
       ...     return 0.5 * (batch @ w) ** 2
       >>> canaries = GradientCanaries.draw(100, l2_clip_norm=1.0, seed=0)
@@ -195,7 +195,7 @@ def audit_epsilon(
     significance: float = 0.05,
     **make_private_kwargs: Any,
 ) -> AuditResult:
-    """Trains with :func:`gradclip_jax.dp.make_private` and gradient canaries; bounds its epsilon.
+    """Trains with :func:`gradclip_jax.make_private` and gradient canaries; bounds its epsilon.
 
     The data set is ``data``'s ``n`` rows plus ``num_canaries`` canary rows
     (``dataset_size = n + num_canaries``); the claim audited is the
@@ -207,7 +207,7 @@ def audit_epsilon(
       data: a pytree of host arrays with the ``n`` real examples on axis 0.
       num_canaries: ``m``; the bound's power grows with it (roughly as ``log m``).
       target_epsilon, delta, l2_clip_norm, expected_batch_size, steps: as
-        :func:`gradclip_jax.dp.make_private`.
+        :func:`gradclip_jax.make_private`.
       optimizer: default ``optax.sgd(0.1)``.
       seed: seeds the coin flips, the sampler and the noise (with ``hardened`` in
         ``make_private_kwargs``: the coin flips only; the run draws its own from the OS).

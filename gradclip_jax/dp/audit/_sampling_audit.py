@@ -31,7 +31,7 @@ class SamplingAuditResult:
         sampler's ``dp_event``), at ``delta``.
       epsilon_lower_bound: the empirical lower bound (confidence ``1 - significance``).
       delta: the delta of both.
-      noise_multiplier: :math:`z`, as :func:`gradclip_jax.dp.make_private` calibrated it.
+      noise_multiplier: :math:`z`, as :func:`gradclip_jax.make_private` calibrated it.
       in_scores: ``(runs,)`` scores of the runs with the canary in.
       out_scores: ``(runs,)`` scores of the runs with the canary zeroed out.
     """
@@ -195,7 +195,7 @@ def audit_sampling(
     epoch_steps: int | None = None,
     **make_private_kwargs: Any,
 ) -> SamplingAuditResult:
-    """Audits a sampler's privacy claim with many runs of :func:`gradclip_jax.dp.make_private`.
+    """Audits a sampler's privacy claim with many runs of :func:`gradclip_jax.make_private`.
 
     The data set has ``n = sampler.dataset_size`` rows of a two-coordinate
     linear model: row 0 is a **gradient canary**, whose clipped gradient is
@@ -236,7 +236,7 @@ def audit_sampling(
       sampler_for_seed: ``seed -> sampler`` of one run, following
         :class:`gradclip_jax.dp.BatchSampler` (one process, one example per row).
         ``sampler_for_seed(seed)`` is also the one ``make_private`` calibrates with.
-      target_epsilon, delta: as :func:`gradclip_jax.dp.make_private`.
+      target_epsilon, delta: as :func:`gradclip_jax.make_private`.
       runs: :math:`r`, the runs on each side; the bound cannot exceed about
         :math:`\\ln(r / 4)`.
       l2_clip_norm: :math:`C`.
@@ -259,7 +259,7 @@ def audit_sampling(
     Example:
       Honest Poisson sampling, 20 steps at :math:`q = 0.05`:
 
-      >>> from gradclip_jax.dp import PoissonSampler
+      >>> from gradclip_jax import PoissonSampler
       >>> def sampler(seed):
       ...     return PoissonSampler(100, expected_batch_size=5, steps=20, seed=seed,
       ...                           process_index=0, process_count=1)

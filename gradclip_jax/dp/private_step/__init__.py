@@ -8,7 +8,7 @@ epochs) and privacy target (:math:`\\varepsilon`, :math:`\\delta`, clip norm
 
 * ``noise_multiplier``: the smallest :math:`z` whose run spends at most the
   target (:func:`gradclip_jax.dp.accounting.calibrate_noise_multiplier`, PLD);
-* ``sampler``: a :class:`gradclip_jax.dp.PoissonSampler` (fixed shapes), or
+* ``sampler``: a :class:`gradclip_jax.PoissonSampler` (fixed shapes), or
   the :class:`gradclip_jax.dp.BatchSampler` you pass as ``sampler=``: the
   noise is calibrated for, and the accountant records, its ``dp_event``;
 * ``accountant``: a :class:`gradclip_jax.PrivacyAccountant` that
@@ -37,7 +37,7 @@ on the host: add the ``clipped_sum(params, piece, piece_mask)`` of the pieces
 (tree sums) and call ``noisy_update`` once per logical step. Do **not** wrap a
 noising transform in ``optax.MultiSteps``: it averages the updates it is given,
 which divides the signal by the number of pieces but not the noise;
-:func:`gradclip_jax.dp.dp_noise` raises inside it.
+:func:`gradclip_jax.dp_noise` raises inside it.
 
 **Several devices and processes.** Under ``jax.jit`` with the batch sharded over
 devices (one global array, e.g. from ``jax.make_array_from_process_local_data``

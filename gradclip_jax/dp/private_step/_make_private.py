@@ -26,7 +26,7 @@ from gradclip_jax.dp.private_step._step import step_functions
 from gradclip_jax.dp.private_step._training import PrivateTraining
 from gradclip_jax.dp.sampling.poisson import PoissonSampler, poisson_rate
 from gradclip_jax.dp.sampling.protocol import BatchSampler, check_sampler
-from gradclip_jax.per_example import clipped_grad
+from gradclip_jax.per_example.api import clipped_grad
 from gradclip_jax.per_example.internal import Method
 
 # the arguments of make_private that build its default PoissonSampler
@@ -163,7 +163,7 @@ def make_private(
       seed: the sampler's seed (default 0; the noise key is an argument of ``step``). Not with
         ``hardened``, which draws it from the OS.
       max_batch_size, on_overflow: the padded size and overflow rule of the
-        :class:`gradclip_jax.dp.PoissonSampler` (default: the overflow
+        :class:`gradclip_jax.PoissonSampler` (default: the overflow
         probability of the whole run is at most 1e-9, and an overflow raises).
       physical_batch_size: compute the clipped sum this many examples at a time
         (``clipped_grad``'s ``microbatch_size``); the noise is still added once
@@ -184,7 +184,7 @@ def make_private(
         and :meth:`PrivateTraining.batches` goes on with the next step. With the
         saved ``params`` and ``opt_state`` (and the same noise keys per step),
         the resumed run is the uninterrupted one.
-      sampler: ``None`` (default: a :class:`gradclip_jax.dp.PoissonSampler`
+      sampler: ``None`` (default: a :class:`gradclip_jax.PoissonSampler`
         from the arguments above), or any :class:`gradclip_jax.dp.BatchSampler`:
         the noise is calibrated for ``steps`` of its ``dp_event``, the
         accountant records its steps, the noised sum is divided by its
@@ -221,7 +221,7 @@ def make_private(
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, optax
-      >>> from gradclip_jax.dp import make_private
+      >>> from gradclip_jax import make_private
       >>> x = np.random.default_rng(0).normal(size=(1000, 3)).astype(np.float32)
       >>> data = {'x': x, 'y': x @ np.array([1.0, -2.0, 0.5], np.float32)}
       >>> def loss_fn(w, batch):

@@ -13,7 +13,7 @@ import optax
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.validation import check_mask
 from gradclip_jax.dp.noise import add_gaussian_noise
-from gradclip_jax.per_example import ClippedGradFn, ClippedGradInfo
+from gradclip_jax.per_example.api import ClippedGradFn, ClippedGradInfo
 
 
 class PrivateStepMetrics(NamedTuple):

@@ -17,7 +17,7 @@ from gradclip_jax.dp.hardened import BitGenerator, os_key
 from gradclip_jax.dp.private_step._resume import STATE_FORMAT, run_plan
 from gradclip_jax.dp.private_step._step import PrivateStepMetrics
 from gradclip_jax.dp.sampling.protocol import BatchSampler
-from gradclip_jax.per_example import ClippedGradFn, ClippedGradInfo
+from gradclip_jax.per_example.api import ClippedGradFn, ClippedGradInfo
 
 
 class PrivacyBudgetError(RuntimeError):
@@ -43,7 +43,7 @@ class PrivateTraining:
       planned_epsilon: the :math:`\\varepsilon` at ``delta`` of ``steps`` steps
         at ``noise_multiplier`` (at most ``target_epsilon``).
       sampler: the :class:`gradclip_jax.dp.BatchSampler` (by default a
-        :class:`gradclip_jax.dp.PoissonSampler`).
+        :class:`gradclip_jax.PoissonSampler`).
       accountant: the :class:`gradclip_jax.PrivacyAccountant`
         (:meth:`batches` records into it).
       optimizer: the optax optimizer applied to the privatized gradient.
@@ -92,7 +92,7 @@ class PrivateTraining:
 
         Example:
           >>> import jax.numpy as jnp, optax
-          >>> from gradclip_jax.dp import make_private
+          >>> from gradclip_jax import make_private
           >>> priv = make_private(lambda w, b: (b @ w) ** 2, optax.sgd(0.1), dataset_size=100,
           ...                     expected_batch_size=10, steps=2, target_epsilon=8.0, delta=1e-3,
           ...                     l2_clip_norm=1.0, hardened=True, process_index=0, process_count=1)
@@ -221,7 +221,7 @@ class PrivateTraining:
 
         ``dataset_size``, ``sample_rate``, ``steps``, ``target_epsilon``,
         ``delta``, ``l2_clip_norm``, ``accountant``, the sampler's ``plan()``
-        (a :class:`gradclip_jax.dp.PoissonSampler`'s: ``max_batch_size``,
+        (a :class:`gradclip_jax.PoissonSampler`'s: ``max_batch_size``,
         ``on_overflow``, ``seed``) and the calibrated ``noise_multiplier``.
         """
         plan = run_plan(
@@ -257,7 +257,7 @@ class PrivateTraining:
 
         Example:
           >>> import jax.numpy as jnp, optax, pickle
-          >>> from gradclip_jax.dp import make_private
+          >>> from gradclip_jax import make_private
           >>> def loss_fn(w, batch):
           ...     return (batch @ w) ** 2
           >>> kw = dict(dataset_size=100, expected_batch_size=10, steps=4, target_epsilon=8.0,

@@ -214,7 +214,7 @@ class PoissonSampler(IndexSampler):
         ``process_count``, bad buckets or a bad ``on_overflow``.
 
     Example:
-      >>> from gradclip_jax.dp import PoissonSampler
+      >>> from gradclip_jax import PoissonSampler
       >>> sampler = PoissonSampler(1000, steps=3, expected_batch_size=50, seed=0,
       ...                          process_index=0, process_count=1)
       >>> sampler.max_batch_size, f"{sampler.overflow_probability:.1e}"

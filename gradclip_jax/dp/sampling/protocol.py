@@ -12,11 +12,11 @@ two jobs, and :class:`BatchSampler` names both:
 * **the accounting**: :meth:`~BatchSampler.dp_event` gives the
   ``dp_accounting.DpEvent`` of one step whose Gaussian noise has multiplier
   :math:`z` (standard deviation over the sensitivity of the sum under the
-  sampler's ``neighboring`` relation): what :func:`gradclip_jax.dp.make_private`
+  sampler's ``neighboring`` relation): what :func:`gradclip_jax.make_private`
   calibrates the noise with and what
   :class:`gradclip_jax.PrivacyAccountant` composes, step by step.
 
-Behind the protocol: :class:`gradclip_jax.dp.PoissonSampler` (Poisson sampling,
+Behind the protocol: :class:`gradclip_jax.PoissonSampler` (Poisson sampling,
 and truncated Poisson sampling with ``on_overflow='truncate'``). A new scheme
 (fixed-size batches with honest accounting, user-level sampling) is one file: a
 subclass of :class:`IndexSampler` that draws the indices of a step
@@ -95,7 +95,7 @@ class SampledBatch(NamedTuple):
 
 @runtime_checkable
 class BatchSampler(Protocol):
-    """What :func:`gradclip_jax.dp.make_private` needs of a sampler (see the module docstring).
+    """What :func:`gradclip_jax.make_private` needs of a sampler (see the module docstring).
 
     Attributes:
       dataset_size: :math:`n`, the examples the indices are drawn from.

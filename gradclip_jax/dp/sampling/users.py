@@ -82,7 +82,7 @@ def user_loss(example_loss: Callable[..., Any], reduce: str = "sum") -> Callable
 
     Returns:
       ``loss(params, batch: UserBatch, *args) -> [users]``, for
-      :func:`gradclip_jax.clipped_grad` and :func:`gradclip_jax.dp.make_private`.
+      :func:`gradclip_jax.clipped_grad` and :func:`gradclip_jax.make_private`.
 
     Raises:
       ValueError: naming ``reduce`` for another value.
@@ -186,7 +186,7 @@ class UserPoissonSampler(IndexSampler):
         most ``overflow_bound``.
       overflow_bound: default 1e-9.
       example_choice: ``'random'`` (default) or ``'first'``.
-      process_index, process_count: as :class:`gradclip_jax.dp.PoissonSampler`.
+      process_index, process_count: as :class:`gradclip_jax.PoissonSampler`.
 
     Attributes:
       num_users: :math:`N`.

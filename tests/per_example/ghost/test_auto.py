@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from gradclip_jax import GhostReport, ghost_report
-from gradclip_jax.per_example import clipped_grad
+from gradclip_jax import GhostReport, clipped_grad, ghost_report
 from gradclip_jax.per_example.ghost import AUTO_MIN_ELEMENTS, AUTO_MIN_ELEMENTS_NO_FALLBACK
 from gradclip_jax.per_example.ghost._analysis import policy
 from tests.per_example.models import mlp_setup, xent

@@ -12,8 +12,7 @@ import pytest
 from hypothesis import assume, given, settings, strategies as st
 from jax import lax
 
-from gradclip_jax import ghost_report
-from gradclip_jax.per_example import clipped_grad
+from gradclip_jax import clipped_grad, ghost_report
 from gradclip_jax.per_example.ghost.rules import conv
 from tests._backend import assert_equal_on_cpu, by_backend, refuses_backward
 from tests.per_example.models import B, cnn_setup, xent

@@ -12,8 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gradclip_jax import ghost_report
-from gradclip_jax.per_example import clipped_grad
+from gradclip_jax import clipped_grad, ghost_report
 from tests.per_example.ghost.test_scan import D, _data, _w
 from tests.per_example.models import xent
 from tools import coverage_real as cr

@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from gradclip_jax import GhostFallbackWarning, ghost_report
-from gradclip_jax.per_example import clipped_grad
+from gradclip_jax import GhostFallbackWarning, clipped_grad, ghost_report
 from tests._backend import backend_default_precision, library_default_products, refuses_backward
 from tests.jaxprs import equations
 from tests.per_example.models import B, cnn_setup, mlp_setup, xent

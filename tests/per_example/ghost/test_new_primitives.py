@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from gradclip_jax import ghost_report
-from gradclip_jax.per_example import clipped_grad
+from gradclip_jax import clipped_grad, ghost_report
 from gradclip_jax.per_example.ghost.rules import CONST, MIXED, ROW, RULES, row_rule
 from gradclip_jax.per_example.ghost.rules.unsupported import REASONS
 from tests.per_example.ghost.test_scan import B, D, T, _data, _w

@@ -10,9 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gradclip_jax import ghost_report
+from gradclip_jax import clipped_grad, ghost_report
 from gradclip_jax._core import jaxcompat as jc, norms as _norms
-from gradclip_jax.per_example import clipped_grad
 from gradclip_jax.per_example.ghost._analysis.one_example import batch_states, vmapped_loss
 from gradclip_jax.per_example.ghost._analysis.plan import trace_and_plan
 from gradclip_jax.per_example.ghost.rules import CONST, MIXED, RULES

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from gradclip_jax import ghost_report
-from gradclip_jax.per_example import clipped_grad
+from gradclip_jax import clipped_grad, ghost_report
 from tests._backend import refuses_backward
 from tests.jaxprs import primitive_counts
 from tests.per_example.models import xent

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from jax import lax
 
-from gradclip_jax import ghost_report
-from gradclip_jax.per_example import PRODUCT_PRECISION, clipped_grad
+from gradclip_jax import clipped_grad, ghost_report
+from gradclip_jax.per_example import PRODUCT_PRECISION
 from gradclip_jax.per_example.ghost import _gram, _measure
 from tests._backend import refuses_backward
 from tests.per_example.models import B, cnn_setup, embed_setup, mlp_setup, xent

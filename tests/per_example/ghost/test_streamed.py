@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from gradclip_jax.per_example import clipped_grad
+from gradclip_jax import clipped_grad
 from gradclip_jax.per_example.ghost import _strategy
 
 pytest.importorskip("flax")

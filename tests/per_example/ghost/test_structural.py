@@ -11,8 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gradclip_jax import GhostFallbackWarning, ghost_report
-from gradclip_jax.per_example import clipped_grad
+from gradclip_jax import GhostFallbackWarning, clipped_grad, ghost_report
 from tests._backend import refuses_backward
 from tests.per_example.models import xent
 
