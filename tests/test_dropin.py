@@ -63,7 +63,7 @@ TRANSFORMS = {
     "autoclip": (
         gcx.autoclip,
         {},
-        {"percentile": (-1.0, 101.0, math.nan), "min_clip_norm": NEG_NAN},
+        {"percentile": (-1.0, 101.0, math.nan), "min_norm": NEG_NAN},
     ),
     "zclip": (
         gcx.zclip,

@@ -13,7 +13,7 @@ from gradclip_jax._core.factors import clip_factor as _clip_factor
 from gradclip_jax._core.hyperparam_rules import Hyperparam, Hyperparams, counts, mark_static
 from gradclip_jax._core.norms import OrdLike
 from gradclip_jax._core.state_registry import register_state
-from gradclip_jax._core.validation import check_bool, check_int
+from gradclip_jax._core.validation import check_bool, check_int, renamed_kwarg
 from gradclip_jax.transforms import _stateful as _st
 from gradclip_jax.transforms._state_checks import check_state
 from gradclip_jax.transforms._stateful import finish
@@ -65,15 +65,31 @@ def _percentile(history: jax.Array, filled: jax.Array, q: jax.Array) -> jax.Arra
     return jnp.where(filled > 0, res, jnp.full_like(res, jnp.inf))
 
 
+def _check_old_floor(fn: str, min_norm: Any, min_clip_norm: Any) -> None:
+    """Warns that ``min_clip_norm`` is deprecated; refuses it beside a ``min_norm`` the user gave.
+
+    Under :func:`optax.inject_hyperparams` both arrive as arrays, ``min_norm`` holding its
+    default: both floors then apply (the larger wins, 0.0 changes nothing).
+    """
+    injected = all(isinstance(v, jax.Array) for v in (min_norm, min_clip_norm))
+    default = (
+        isinstance(min_norm, (int, float)) and not isinstance(min_norm, bool) and min_norm == 0.0
+    )
+    renamed_kwarg(
+        fn, "min_clip_norm", "min_norm", min_clip_norm, None if injected or default else min_norm
+    )
+
+
 @mark_static("history_size", "ord", "axis_name")
 def autoclip(
     percentile: Hyperparam = 10.0,
     history_size: int = 1000,
     *,
-    min_clip_norm: Hyperparam = 0.0,
+    min_norm: Hyperparam = 0.0,
     ord: OrdLike = 2,  # noqa: A002
     skip_nonfinite: bool = True,
     axis_name: Any = None,
+    min_clip_norm: Hyperparam | None = None,
 ) -> optax.GradientTransformation:
     """AutoClip: clips to a percentile of the history of gradient norms.
 
@@ -84,7 +100,7 @@ def autoclip(
     .. math::
 
         H_t &= H_{t-1} \\cup \\{n_t\\} \\quad \\text{(the last } \\texttt{history\\_size} \\text{ recorded norms)} \\\\
-        \\eta_t &= \\max(\\operatorname{percentile}_p(H_t), \\text{min\\_clip\\_norm}) \\\\
+        \\eta_t &= \\max(\\operatorname{percentile}_p(H_t), \\text{min\\_norm}) \\\\
         g_t &\\leftarrow g_t \\cdot \\min(1, \\eta_t / n_t)
 
     The history includes the current step, as in the paper (so the first step is
@@ -99,12 +115,16 @@ def autoclip(
     Args:
       percentile: :math:`p` in [0, 100] (default 10): number, array or schedule.
       history_size: how many past norms to keep (default 1000; >= 1).
-      min_clip_norm: floor of the threshold (default 0.0, none).
+      min_norm: floor of the threshold (default 0.0, none): number, array or schedule.
       ord: the norm (default 2), any ``ord`` of the engine.
       skip_nonfinite: when the norm is not finite, pass the update through
         unchanged and keep the state, ``count`` included (default True). The
         norm is never recorded either way.
       axis_name: for leaves sharded by hand inside ``shard_map``/``pmap``.
+      min_clip_norm: deprecated spelling of ``min_norm`` (a ``DeprecationWarning``; giving
+        both is a ``TypeError``). Under :func:`optax.inject_hyperparams` it stays a
+        hyperparameter of that name beside ``min_norm`` (0.0 by default): the floor is the
+        larger of the two.
 
     Returns:
       An :class:`optax.GradientTransformation` with state :class:`AutoClipState`.
@@ -125,7 +145,17 @@ def autoclip(
     skip = check_bool(fn, "skip_nonfinite", skip_nonfinite)
     hps = Hyperparams(fn)
     hps.add("percentile", percentile, low=0.0, high=100.0)
-    hps.add("min_clip_norm", min_clip_norm, low=0.0)
+    hps.add("min_norm", min_norm, low=0.0)
+    if min_clip_norm is not None:
+        _check_old_floor(fn, min_norm, min_clip_norm)
+        hps.add("min_clip_norm", min_clip_norm, low=0.0)
+
+    def floor(v: dict[str, Any]) -> Any:
+        return (
+            jnp.maximum(v["min_norm"], v["min_clip_norm"])
+            if "min_clip_norm" in v
+            else v["min_norm"]
+        )
 
     def init_fn(params: Any) -> AutoClipState:
         dt = _st.scalar_dtype(params)
@@ -152,7 +182,7 @@ def autoclip(
         history = state.history.at[state.head].set(jnp.where(record, n, state.history[state.head]))
         head = jnp.where(record, (state.head + 1) % size, state.head)
         filled = jnp.where(record, jnp.minimum(state.filled + 1, size), state.filled)
-        thr = jnp.maximum(_percentile(history, filled, v["percentile"] / 100), v["min_clip_norm"])
+        thr = jnp.maximum(_percentile(history, filled, v["percentile"] / 100), floor(v))
         out, _, fields = finish(flat, _clip_factor(n, thr), n, thr, state, skip, invalid)
         return out, AutoClipState(history=history, head=head, filled=filled, **fields)
 

@@ -81,8 +81,8 @@ def test_autoclip_zero_norms_never_zero_later_updates():
     outs, states = _feed(autoclip(percentile=0.0), [0.0, 0.0, 1.0, 2.0])
     np.testing.assert_allclose(outs, [0.0, 0.0, 1.0, 1.0], rtol=1e-6)
     assert int(states[1].filled) == 0 and math.isinf(float(states[1].clip_norm))
-    # min_clip_norm floors the threshold
-    outs, _ = _feed(autoclip(percentile=0.0, min_clip_norm=1.5), [1.0, 2.0])
+    # min_norm floors the threshold
+    outs, _ = _feed(autoclip(percentile=0.0, min_norm=1.5), [1.0, 2.0])
     np.testing.assert_allclose(outs, [1.0, 1.5], rtol=1e-6)
 
 
@@ -103,8 +103,8 @@ def test_autoclip_nonfinite():
         ("percentile", 101.0),
         ("percentile", -1.0),
         ("percentile", math.nan),
-        ("min_clip_norm", -1.0),
-        ("min_clip_norm", math.nan),
+        ("min_norm", -1.0),
+        ("min_norm", math.nan),
     ],
 )
 def test_autoclip_invalid_traced_hyperparameter_leaves_the_history_untouched(hp, bad):
@@ -129,7 +129,7 @@ def test_autoclip_invalid_arguments():
         ({"percentile": 101.0}, "percentile"),
         ({"percentile": -1.0}, "percentile"),
         ({"history_size": 0}, "history_size"),
-        ({"min_clip_norm": -1.0}, "min_clip_norm"),
+        ({"min_norm": -1.0}, "min_norm"),
     ):
         with pytest.raises(ValueError, match=name):
             autoclip(**kwargs)
