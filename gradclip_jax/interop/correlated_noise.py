@@ -58,6 +58,7 @@ except ImportError as err:  # pragma: no cover - exercised without the extra
         "pip install 'gradclip_jax[jax-privacy]'"
     ) from err
 
+from gradclip_jax._core.validation import either_spelling
 from gradclip_jax.interop import jax_privacy as _dropin
 
 __all__ = ["MFPlan", "bandmf_plan", "blt_plan", "with_gradclip"]
@@ -231,6 +232,12 @@ def _check(
         )
 
 
+def _clip_norm(fn: str, l2_clip_norm: float | None, l2_norm_clip: float | None) -> float:
+    """The clip norm under either spelling (``l2_clip_norm``, optax's ``l2_norm_clip``); default 1.0."""
+    c = either_spelling(fn, "l2_clip_norm", "l2_norm_clip", l2_clip_norm, l2_norm_clip)
+    return 1.0 if c is None else c
+
+
 def bandmf_plan(
     *,
     num_examples: int,
@@ -239,11 +246,12 @@ def bandmf_plan(
     num_bands: int,
     epsilon: float,
     delta: float,
-    l2_clip_norm: float = 1.0,
+    l2_clip_norm: float | None = None,
     method: str = "auto",
     neighboring_relation: str = "add_or_remove",
     noise_seed: int | None = None,
     strategy_optimization_steps: int = 250,
+    l2_norm_clip: float | None = None,
 ) -> MFPlan:
     """A DP-BandMF run at ``epsilon`` with gradclip_jax's clipped sums (``num_bands=1``: DP-SGD).
 
@@ -264,7 +272,8 @@ def bandmf_plan(
       num_bands: the bands :math:`b` of :math:`C`; at most ``iterations`` and
         ``num_examples // expected_batch_size``. A divisor of ``iterations`` is best.
       epsilon, delta: the target :math:`(\\varepsilon, \\delta)`.
-      l2_clip_norm: the per-example clip norm :math:`C`.
+      l2_clip_norm: the per-example clip norm :math:`C` (default 1.0); ``l2_norm_clip``,
+        optax's spelling, is accepted too (give one of the two).
       method: :func:`gradclip_jax.clipped_grad`'s ``'auto'``, ``'ghost'`` or ``'vmap'``.
       neighboring_relation: ``'add_or_remove'`` (as :func:`gradclip_jax.make_private`;
         the groups are an independent random partition) or ``'zero_out'``
@@ -284,6 +293,7 @@ def bandmf_plan(
       >>> plan.sampling_prob, plan.epsilon <= 2.0, plan.strategy.shape
       (0.2, True, (4,))
     """
+    l2_clip_norm = _clip_norm("bandmf_plan", l2_clip_norm, l2_norm_clip)
     _check(
         num_examples,
         expected_batch_size,
@@ -393,6 +403,19 @@ def _gaussian_calibration(
     return fresh, z
 
 
+def _mean_clipped_grad(l2_clip_norm: float, expected_batch_size: int, method: str) -> Any:
+    """jax-privacy's ``clipped_grad`` over ours: clip at ``l2_clip_norm``, divide by the batch size."""
+    return _plan_clipped_grad(
+        {
+            "l2_clip_norm": l2_clip_norm,
+            "normalize_by": float(expected_batch_size),
+            "rescale_to_unit_norm": False,
+            "dtype": None,
+            "method": method,
+        }
+    )
+
+
 def blt_plan(
     *,
     num_examples: int,
@@ -400,12 +423,13 @@ def blt_plan(
     iterations: int,
     epsilon: float,
     delta: float,
-    l2_clip_norm: float = 1.0,
+    l2_clip_norm: float | None = None,
     num_buffers: int = 3,
     optimize: bool = False,
     method: str = "auto",
     neighboring_relation: str = "add_or_remove",
     noise_seed: int | None = None,
+    l2_norm_clip: float | None = None,
 ) -> MFPlan:
     """A DP run with BLT (buffered linear Toeplitz) correlated noise and gradclip_jax's clipped sums.
 
@@ -431,7 +455,8 @@ def blt_plan(
         is the cycle length.
       iterations: the steps :math:`T`.
       epsilon, delta: the target :math:`(\\varepsilon, \\delta)`.
-      l2_clip_norm: the per-example clip norm :math:`C_{\\text{clip}}`.
+      l2_clip_norm: the per-example clip norm :math:`C_{\\text{clip}}` (default 1.0);
+        ``l2_norm_clip``, optax's spelling, is accepted too (give one of the two).
       num_buffers: the BLT's buffers (memory: that many copies of the model).
       optimize: ``False`` (default): the rational approximation of the
         optimal max-error Toeplitz strategy (``from_rational_approx_to_sqrt_x``,
@@ -455,6 +480,7 @@ def blt_plan(
       >>> plan.sampling_prob, plan.epsilon <= 4.0, plan.strategy.shape
       (1.0, True, (30,))
     """
+    l2_clip_norm = _clip_norm("blt_plan", l2_clip_norm, l2_norm_clip)
     _check(
         num_examples,
         expected_batch_size,
@@ -473,15 +499,7 @@ def blt_plan(
     coefs, sens = _strategy_and_sensitivity(inverse, iterations, cycle, participations)
     fresh, z = _gaussian_calibration(relation, epsilon, delta)
     event = dp_accounting.GaussianDpEvent(z)
-    clipped_grad = _plan_clipped_grad(
-        {
-            "l2_clip_norm": l2_clip_norm,
-            "normalize_by": float(expected_batch_size),
-            "rescale_to_unit_norm": False,
-            "dtype": None,
-            "method": method,
-        }
-    )
+    clipped_grad = _mean_clipped_grad(l2_clip_norm, expected_batch_size, method)
     query = float(clipped_grad(lambda: None).sensitivity(relation))
     privatizer = noise_addition.matrix_factorization_privatizer(
         inverse.as_streaming_matrix(), stddev=z * query * sens, prng_key=noise_seed

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from gradclip_jax._core.validation import clip_norm_arg
 from gradclip_jax.dp.private_step import PrivateTraining, make_private
 
 
@@ -187,12 +188,13 @@ def audit_epsilon(
     num_canaries: int,
     target_epsilon: float,
     delta: float,
-    l2_clip_norm: float,
+    l2_clip_norm: float | None = None,
     expected_batch_size: float,
     steps: int,
     optimizer: optax.GradientTransformation | None = None,
     seed: int = 0,
     significance: float = 0.05,
+    l2_norm_clip: float | None = None,
     **make_private_kwargs: Any,
 ) -> AuditResult:
     """Trains with :func:`gradclip_jax.make_private` and gradient canaries; bounds its epsilon.
@@ -212,6 +214,7 @@ def audit_epsilon(
       seed: seeds the coin flips, the sampler and the noise (with ``hardened`` in
         ``make_private_kwargs``: the coin flips only; the run draws its own from the OS).
       significance: the probability that the bound exceeds the true epsilon.
+      l2_norm_clip: ``l2_clip_norm`` under optax's spelling (give one of the two).
       **make_private_kwargs: passed on (e.g. ``method``, ``accountant``).
 
     Returns:
@@ -228,6 +231,7 @@ def audit_epsilon(
       >>> res.epsilon_lower_bound <= res.claimed_epsilon <= 2.0, res.falsified
       (True, False)
     """
+    l2_clip_norm = clip_norm_arg("audit_epsilon", l2_clip_norm, l2_norm_clip)
     canaries = GradientCanaries.draw(num_canaries, l2_clip_norm, seed)
     audited = canaries.wrap_data(data)
     # a hardened run refuses a seed: its sampler and noise come from the OS (see _train)

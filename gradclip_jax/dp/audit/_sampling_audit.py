@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gradclip_jax._core.validation import check_choice, check_int, check_number
+from gradclip_jax._core.validation import check_choice, check_int, check_number, either_spelling
 from gradclip_jax.dp.private_step import PrivateTraining, make_private
 from gradclip_jax.dp.sampling.protocol import BatchSampler, check_sampler
 
@@ -187,12 +187,13 @@ def audit_sampling(
     target_epsilon: float,
     delta: float,
     runs: int,
-    l2_clip_norm: float = 1.0,
+    l2_clip_norm: float | None = None,
     background: str = "opposite",
     seed: int = 0,
     significance: float = 0.05,
     chunk_size: int = 4096,
     epoch_steps: int | None = None,
+    l2_norm_clip: float | None = None,
     **make_private_kwargs: Any,
 ) -> SamplingAuditResult:
     """Audits a sampler's privacy claim with many runs of :func:`gradclip_jax.make_private`.
@@ -239,7 +240,8 @@ def audit_sampling(
       target_epsilon, delta: as :func:`gradclip_jax.make_private`.
       runs: :math:`r`, the runs on each side; the bound cannot exceed about
         :math:`\\ln(r / 4)`.
-      l2_clip_norm: :math:`C`.
+      l2_clip_norm: :math:`C` (default 1.0); ``l2_norm_clip``, optax's spelling, is accepted
+        too (give one of the two).
       background: ``'opposite'`` (default) or ``'orthogonal'``.
       seed: seeds the samplers (``seed``, ..., ``seed + runs - 1``) and the noise.
       significance: the probability that the bound exceeds the true epsilon.
@@ -272,7 +274,8 @@ def audit_sampling(
     seed = check_int(fn, "seed", seed, 0)
     chunk_size = check_int(fn, "chunk_size", chunk_size, 1)
     background = check_choice(fn, "background", background, BACKGROUNDS)
-    c = check_number(fn, "l2_clip_norm", l2_clip_norm, low=0.0, low_inclusive=False)
+    c = either_spelling(fn, "l2_clip_norm", "l2_norm_clip", l2_clip_norm, l2_norm_clip)
+    c = check_number(fn, "l2_clip_norm", 1.0 if c is None else c, low=0.0, low_inclusive=False)
     first, n, steps = _first_sampler(fn, sampler_for_seed, seed)
     block = _epoch_block(fn, steps, epoch_steps)
     priv = make_private(

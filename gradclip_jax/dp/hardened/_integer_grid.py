@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from gradclip_jax._core import norms as _norms
-from gradclip_jax._core.validation import check_mask, check_number
+from gradclip_jax._core.validation import check_mask, check_number, clip_norm_arg
 from gradclip_jax.dp.hardened._discrete_gaussian import check_sigma, discrete_gaussian
 from gradclip_jax.dp.noise import check_key_varies, split_stored
 from gradclip_jax.per_example.internal import (
@@ -29,6 +29,8 @@ SUM_LIMIT = 1 << 30
 
 def check_grid_scale(fn: str, grid_scale: Any) -> float:
     """``grid_scale`` as a Python float, a power of two (so scaling by it is exact in floating point)."""
+    if grid_scale is None:
+        raise TypeError(f"{fn}: missing the required argument `grid_scale`")
     g = check_number(fn, "grid_scale", grid_scale, low=0.0, low_inclusive=False, allow_inf=False)
     if math.frexp(g)[0] != 0.5:
         raise ValueError(
@@ -38,8 +40,18 @@ def check_grid_scale(fn: str, grid_scale: Any) -> float:
     return g
 
 
+def grid_clip_norm(fn: str, l2_clip_norm: Any, l2_norm_clip: Any) -> float:
+    """The clip norm :math:`C` of a grid function, under either spelling: a finite Python number > 0."""
+    c = clip_norm_arg(fn, l2_clip_norm, l2_norm_clip)
+    return check_number(fn, "l2_clip_norm", c, low=0.0, low_inclusive=False, allow_inf=False)
+
+
 def grid_sensitivity(
-    l2_clip_norm: float, grid_scale: float, neighboring: str = "add_remove"
+    l2_clip_norm: float | None = None,
+    grid_scale: float | None = None,
+    neighboring: str = "add_remove",
+    *,
+    l2_norm_clip: float | None = None,
 ) -> float:
     """The L2 sensitivity of :func:`grid_clipped_sum` on the grid: :math:`\\gamma C` (replace-one: :math:`2\\gamma C`).
 
@@ -53,21 +65,25 @@ def grid_sensitivity(
     (any rounding: :math:`\\gamma C + \\sqrt d`; Kairouz et al. 2021, "The Distributed Discrete
     Gaussian Mechanism", conditional randomized rounding: :math:`\\sqrt{\\gamma^2C^2 + d/4 +
     \\sqrt{2\\log(1/\\beta)}(\\gamma C + \\sqrt d/2)}`, retried until it holds). The price is a bias toward zero of less than :math:`1/\\gamma` per coordinate and
-    example.
+    example. ``l2_norm_clip`` (optax's spelling) is accepted for ``l2_clip_norm``.
     """
     fn = "grid_sensitivity"
-    c = check_number(
-        fn, "l2_clip_norm", l2_clip_norm, low=0.0, low_inclusive=False, allow_inf=False
-    )
+    c = grid_clip_norm(fn, l2_clip_norm, l2_norm_clip)
     g = check_grid_scale(fn, grid_scale)
     return sensitivity_factor(neighboring, fn) * g * c
 
 
 def grid_noise_multiplier(
-    sigma: float, l2_clip_norm: float, grid_scale: float, neighboring: str = "add_remove"
+    sigma: float,
+    l2_clip_norm: float | None = None,
+    grid_scale: float | None = None,
+    neighboring: str = "add_remove",
+    *,
+    l2_norm_clip: float | None = None,
 ) -> float:
     """The noise multiplier the accountant records for discrete noise ``sigma`` on the grid: :math:`\\sigma / \\Delta`,
     :math:`\\Delta` = :func:`grid_sensitivity` (RDP of the discrete Gaussian is at most the Gaussian's at it).
+    ``l2_norm_clip`` (optax's spelling) is accepted for ``l2_clip_norm``.
 
     Example:
       >>> from gradclip_jax.dp.hardened import grid_noise_multiplier
@@ -75,17 +91,19 @@ def grid_noise_multiplier(
       1.07421875
     """
     s = check_sigma("grid_noise_multiplier", sigma)
-    return s / grid_sensitivity(l2_clip_norm, grid_scale, neighboring)
+    c = grid_clip_norm("grid_noise_multiplier", l2_clip_norm, l2_norm_clip)
+    return s / grid_sensitivity(c, grid_scale, neighboring)
 
 
 def grid_clipped_sum(
     per_example_grads: Any,
-    l2_clip_norm: float,
-    grid_scale: float,
+    l2_clip_norm: float | None = None,
+    grid_scale: float | None = None,
     *,
     mask: Any = None,
     nan_safe: bool = True,
     with_norms: bool = False,
+    l2_norm_clip: float | None = None,
 ) -> Any:
     """The exact int32 sum of the clipped per-example gradients on the grid of step :math:`1/\\gamma`.
 
@@ -106,6 +124,7 @@ def grid_clipped_sum(
       mask: ``None`` or a bool ``(B,)`` array of the real examples (padding contributes 0).
       nan_safe: an example with a non-finite gradient contributes 0 (default True).
       with_norms: also return the per-example norms before clipping (not private).
+      l2_norm_clip: ``l2_clip_norm`` under optax's spelling (give one of the two).
 
     Returns:
       The int32 tree of sums (each leaf shaped like a leaf without its batch axis); with
@@ -122,9 +141,7 @@ def grid_clipped_sum(
       Array([229, 306], dtype=int32)
     """
     fn = "grid_clipped_sum"
-    c = check_number(
-        fn, "l2_clip_norm", l2_clip_norm, low=0.0, low_inclusive=False, allow_inf=False
-    )
+    c = grid_clip_norm(fn, l2_clip_norm, l2_norm_clip)
     g = check_grid_scale(fn, grid_scale)
     flat, batch = batch_flatten(per_example_grads, fn)
     if batch is None:
