@@ -174,3 +174,9 @@ def test_correlated_noise_plans_take_either_spelling(plan, monkeypatch):
         assert reached.value.args[0] == expected
     with pytest.raises(TypeError, match="`l2_clip_norm` and `l2_norm_clip`"):
         make(**kw, l2_clip_norm=2.0, l2_norm_clip=2.0)
+
+
+def test_autoclip_warning_points_at_the_caller():
+    with pytest.warns(DeprecationWarning) as record:
+        gcx.autoclip(min_clip_norm=1.0)
+    assert record[0].filename == __file__

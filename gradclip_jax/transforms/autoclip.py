@@ -65,8 +65,8 @@ def _percentile(history: jax.Array, filled: jax.Array, q: jax.Array) -> jax.Arra
     return jnp.where(filled > 0, res, jnp.full_like(res, jnp.inf))
 
 
-def _check_old_floor(fn: str, min_norm: Any, min_clip_norm: Any) -> None:
-    """Warns that ``min_clip_norm`` is deprecated; refuses it beside a ``min_norm`` the user gave.
+def _min_norm_given(min_norm: Any, min_clip_norm: Any) -> Any:
+    """``min_norm`` if the user gave it beside ``min_clip_norm`` (an error), else ``None``.
 
     Under :func:`optax.inject_hyperparams` both arrive as arrays, ``min_norm`` holding its
     default: both floors then apply (the larger wins, 0.0 changes nothing).
@@ -75,9 +75,7 @@ def _check_old_floor(fn: str, min_norm: Any, min_clip_norm: Any) -> None:
     default = (
         isinstance(min_norm, (int, float)) and not isinstance(min_norm, bool) and min_norm == 0.0
     )
-    renamed_kwarg(
-        fn, "min_clip_norm", "min_norm", min_clip_norm, None if injected or default else min_norm
-    )
+    return None if injected or default else min_norm
 
 
 @mark_static("history_size", "ord", "axis_name")
@@ -147,7 +145,8 @@ def autoclip(
     hps.add("percentile", percentile, low=0.0, high=100.0)
     hps.add("min_norm", min_norm, low=0.0)
     if min_clip_norm is not None:
-        _check_old_floor(fn, min_norm, min_clip_norm)
+        given = _min_norm_given(min_norm, min_clip_norm)
+        renamed_kwarg(fn, "min_clip_norm", "min_norm", min_clip_norm, given)  # warns at the caller
         hps.add("min_clip_norm", min_clip_norm, low=0.0)
 
     def floor(v: dict[str, Any]) -> Any:
