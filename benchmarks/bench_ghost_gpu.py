@@ -134,9 +134,11 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
 
 
-# The CPU has no memory limit to read: the tiny smoke run searches under this one, to a small cap.
+# The CPU has no memory limit to read: the tiny smoke run searches under this one, to a small cap
+# (2: one doubling per step, B = 1 then 2, each a compile of the tiny Llama; the search's edges
+# are tests/test_bench_llama.py's test_largest_batch_* on a fake footprint).
 TINY_LIMIT_BYTES = 16 << 20
-TINY_CAP = 4
+TINY_CAP = 2
 
 
 def max_batch_rows(cfg: Config, tiny: bool, deadline: float = float("inf")) -> list[dict]:

@@ -263,7 +263,7 @@ def test_audit_section_passes_the_honest_run_and_catches_the_missing_noise(run_g
 
 def test_audit_section_catches_shuffled_batches_reported_as_poisson(run_guide):
     """The audit of the sampling: the guide's shuffling sampler accounted as Poisson gets a lower
-    bound above its claimed epsilon (tests/dp/test_audit.py runs it with 20,000 runs a side, and the
+    bound above its claimed epsilon (tests/dp/test_audit.py runs it with as many runs, and the
     honest Poisson sampler at the same settings)."""
     pytest.importorskip("jax_privacy.auditing")
     res = run_guide[SECTIONS[9]]["shuffle_audit"]
