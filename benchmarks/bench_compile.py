@@ -29,13 +29,12 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import optax
 
 from benchmarks.bench_cost import instructions_by_source
 from benchmarks.common import row
 from benchmarks.models import transformer
-from benchmarks.steps import CLIP, dp_step, hand_clipped_grad, nonprivate_step
-from gradclip_jax import clipped_grad
+from benchmarks.steps import fresh_state
+from benchmarks.variants import make_steps
 
 GROUP = "compile"
 BATCH = 8
@@ -63,28 +62,16 @@ def breakdown(step: Callable[..., Any], *args: Any) -> dict[str, Any]:
     }
 
 
-def steps(losses: Callable[..., Any], batch: int) -> dict[str, Callable[..., Any]]:
-    """The four training steps of the module docstring, each ``(state, batch) -> state``."""
-    opt = optax.adamw(1e-4)
-    ghost = clipped_grad(losses, CLIP, method="ghost")
-    vmap = clipped_grad(losses, CLIP, method="vmap")
-    return {
-        "nonprivate": nonprivate_step(losses, opt),
-        "hand": dp_step(hand_clipped_grad(losses), CLIP, batch, opt),
-        "vmap": dp_step(lambda p, b: vmap(p, b)[0], CLIP, batch, opt),
-        "ghost": dp_step(lambda p, b: ghost(p, b)[0], CLIP, batch, opt),
-    }
+STEPS = ("nonprivate", "hand", "vmap", "ghost")
 
 
 def measure(batch: int = BATCH) -> dict[str, dict[str, Any]]:
-    """:func:`breakdown` of each of :func:`steps` on the small transformer."""
+    """:func:`breakdown` of each of :data:`STEPS` (:mod:`benchmarks.variants`) on the small transformer."""
     losses, params, data = transformer(0, batch, layers=2, d=64, seq=32, vocab=128)
-    opt = optax.adamw(1e-4)
-    out = {}
-    for name, step in steps(losses, batch).items():
-        state = (jax.tree.map(lambda x: x + 0, params), opt.init(params), jax.random.key(0))
-        out[name] = breakdown(step, state, data)
-    return out
+    return {
+        name: breakdown(step, fresh_state(params, 0), data)
+        for name, step in make_steps(losses, batch, STEPS).items()
+    }
 
 
 def rows_of(res: dict[str, dict[str, Any]], label: str) -> list[dict]:

@@ -58,7 +58,8 @@ import jax.numpy as jnp
 
 from benchmarks.common import compiled_mb, interleaved_ms, max_diff, row
 from benchmarks.models import gpt2, mlp, transformer, wrn
-from benchmarks.steps import CLIP, nonprivate_step
+from benchmarks.steps import CLIP, fresh_state
+from benchmarks.variants import make_steps
 from gradclip_jax import clipped_grad
 
 
@@ -178,32 +179,18 @@ def _compile_times(
 ) -> tuple[dict, str, str]:
     """Compile seconds of the steps ``which`` of GPT-2 (``scan``: blocks stacked and run by
     ``lax.scan``), with the row label and note."""
-    import optax
-
     losses, params, data, _ = gpt2(batch, fused=True, dtype=jnp.float32, tiny=tiny, scan=scan)
-    opt = optax.adamw(1e-4)
-    state = (params, opt.init(params), jax.random.key(0))
-    summed = jax.grad(lambda p, b: jnp.sum(losses(p, b)))
+    state = fresh_state(params, 0)
     ghost = clipped_grad(losses, CLIP, method="ghost")
-    vmap = clipped_grad(losses, CLIP, method="vmap")
+    sums = {"grad": jax.grad(lambda p, b: jnp.sum(losses(p, b))), "ghost grad": ghost}
+    table = [k for k in which if k not in sums]  # full steps, from the one table
 
-    def dp_step(
-        summed_grad: Callable[..., Any],
-    ) -> Callable[..., Any]:  # the GPU suite's: noise, /B, adamw
-        return dp_step(summed_grad, CLIP, batch, opt)
+    def grad_only(name: str) -> Callable[..., Any]:
+        f = sums[name]
+        return lambda st, b: f(st[0], b)
 
-    def grad_only(grad_fn: Callable[..., Any]) -> Callable[..., Any]:
-        return lambda st, b: grad_fn(st[0], b)
-
-    steps = {
-        "nonprivate": lambda: nonprivate_step(losses, opt),
-        "nonprivate+noise": lambda: dp_step(summed),
-        "ghost": lambda: dp_step(lambda p, b: ghost(p, b)[0]),
-        "vmap": lambda: dp_step(lambda p, b: vmap(p, b)[0]),
-        "grad": lambda: grad_only(summed),
-        "ghost grad": lambda: grad_only(lambda p, b: ghost(p, b)[0]),
-    }
-    s = {k: _compile_s(steps[k](), state, data) for k in which}
+    steps = {**make_steps(losses, batch, table), **{k: grad_only(k) for k in which if k in sums}}
+    s = {k: _compile_s(steps[k], state, data) for k in which}
     label = f"GPT-2 {'tiny' if tiny else 'small'} nnx, {'blocks stacked and run by lax.scan, ' if scan else ''}B={batch}"
     note = (
         f"seconds in the ms columns: trace+lower+compile, median of 3; {label}, {env}; "
@@ -220,7 +207,7 @@ def compile_rows(env: str, batch: int = 8, tiny: bool = False) -> list[dict]:
             tiny,
             False,
             env,
-            ("nonprivate", "nonprivate+noise", "ghost", "vmap", "grad", "ghost grad"),
+            ("nonprivate", "nonprivate_noise", "ghost", "vmap", "grad", "ghost grad"),
         )
     except ImportError as err:  # flax missing
         print(f"compile rows skipped: {err}")
@@ -262,7 +249,7 @@ def compile_rows(env: str, batch: int = 8, tiny: bool = False) -> list[dict]:
         row(
             "ghost",
             f"compile: non-private step with DP noise vs without ({label})",
-            s["nonprivate+noise"],
+            s["nonprivate_noise"],
             s["nonprivate"],
             note,
         ),

@@ -112,7 +112,6 @@ from typing import Any
 import jax
 
 from benchmarks.common import row
-from benchmarks.cost_llama import llama_steps
 from benchmarks.ghost_gpu.configs import CONFIGS, Config, llama_config, parse_steps, select
 from benchmarks.ghost_gpu.max_batch import device_limit_bytes, max_batches
 from benchmarks.ghost_gpu.results import (
@@ -124,8 +123,8 @@ from benchmarks.ghost_gpu.results import (
     write_results,
 )
 from benchmarks.ghost_gpu.timing import measure
-from benchmarks.ghost_gpu.variants import has_gpu
 from benchmarks.models import llama
+from benchmarks.variants import has_gpu, make_steps
 
 DEFAULT_BUDGET_S = 540.0
 
@@ -149,7 +148,7 @@ def max_batch_rows(cfg: Config, tiny: bool, deadline: float = float("inf")) -> l
     limit = device_limit_bytes(TINY_LIMIT_BYTES) if not tiny or has_gpu() else TINY_LIMIT_BYTES
     t0 = time.perf_counter()
     found = max_batches(
-        llama_steps,
+        make_steps,
         lambda b: llama(0, b, lcfg),
         ("nonprivate", "ghost", "vmap"),
         limit,

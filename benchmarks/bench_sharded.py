@@ -67,14 +67,14 @@ def measure_mesh(shape: tuple[int, int], seq: int, cfg: Any = None) -> dict[str,
     import numpy as np
     from jax.sharding import Mesh
 
-    from benchmarks.cost_llama import llama_steps
     from benchmarks.models import LlamaConfig, llama
     from benchmarks.steps import fresh_state
+    from benchmarks.variants import make_steps
 
     mesh = Mesh(np.asarray(jax.devices()[:DEVICES]).reshape(shape), ("data", "fsdp"))
     losses, params, data = llama(0, BATCH, LlamaConfig(seq=seq) if cfg is None else cfg)
     out = {}
-    for name, step in llama_steps(losses, BATCH, STEPS).items():
+    for name, step in make_steps(losses, BATCH, STEPS).items():
         state, batch = place(fresh_state(params, 0), data, mesh)
         compiled = jax.jit(step, donate_argnums=0).lower(state, batch).compile()
         text = compiled.as_text()

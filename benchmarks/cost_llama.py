@@ -31,13 +31,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
 import gradclip_jax as gcx
 from benchmarks.common import interleaved_ms, memory_mb, row
-from benchmarks.ghost_gpu.variants import StepParts
 from benchmarks.models import LlamaConfig, llama, mlp
-from benchmarks.steps import CLIP, LEARNING_RATE, NOISE_MULTIPLIER, fresh_state, nonprivate_step
+from benchmarks.steps import CLIP, fresh_state
+from benchmarks.variants import make_steps
 
 GROUP = "cost"
 STEPS = ("nonprivate", "ghost", "vmap", "auto")
@@ -76,19 +75,6 @@ def compiled_costs(f: Callable, *args: Any, donate: bool = False) -> dict[str, A
     }
 
 
-def llama_steps(
-    losses: Callable, batch: int, names: tuple[str, ...] = STEPS
-) -> dict[str, Callable]:
-    """The non-private step and the DP steps (``method`` = each name but ``nonprivate``)."""
-    parts = StepParts(losses, batch, optax.adamw(LEARNING_RATE), NOISE_MULTIPLIER * CLIP)
-    return {
-        n: nonprivate_step(losses, parts.opt)
-        if n == "nonprivate"
-        else parts.dp(parts.clipped_sum(n))
-        for n in names
-    }
-
-
 def llama_costs(cfg: LlamaConfig, batch: int, quick: bool) -> dict[str, Any]:
     """Each step's record: temporaries of ``cfg``, FLOPs and bytes of it unrolled (``quick``, or
     ``cfg`` unrolled already: of ``cfg`` itself, one compile a step)."""
@@ -97,11 +83,11 @@ def llama_costs(cfg: LlamaConfig, batch: int, quick: bool) -> dict[str, Any]:
     names = tuple(n for n in STEPS if not (quick and n == "auto"))
     recs = {
         n: compiled_costs(s, fresh_state(params, 0), data, donate=True)
-        for n, s in llama_steps(losses, batch, names).items()
+        for n, s in make_steps(losses, batch, names).items()
     }
     if cfg.scan and cfg.layers > 1 and not quick:
         losses_u, params_u, _ = llama(0, batch, cfg._replace(scan=False))
-        for n, s in llama_steps(losses_u, batch, names).items():
+        for n, s in make_steps(losses_u, batch, names).items():
             unrolled = compiled_costs(s, fresh_state(params_u, 0), data, donate=True)
             recs[n].update(
                 flops=unrolled["flops"],

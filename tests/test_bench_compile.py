@@ -8,6 +8,7 @@ import optax
 import pytest
 
 from benchmarks import bench_compile as bc
+from benchmarks.variants import make_steps
 from tests.per_example.models import mlp_setup
 
 # counts instructions by source, from the compiled programs' metadata
@@ -18,7 +19,7 @@ def test_breakdown_times_each_phase_and_counts_instructions_by_source():
     losses, params, data = mlp_setup()
     opt = optax.adamw(1e-3)
     state = (params, opt.init(params), jax.random.key(0))
-    res = bc.breakdown(bc.steps(losses, 7)["ghost"], state, data)
+    res = bc.breakdown(make_steps(losses, 7, ("ghost",))["ghost"], state, data)
     assert all(res[p] > 0 for p in bc.PHASES)
     assert abs(res["total"] - sum(res[p] for p in bc.PHASES)) < 1e-6
     by = res["by_source"]

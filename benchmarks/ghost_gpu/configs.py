@@ -9,6 +9,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from benchmarks.models import LlamaConfig, gpt2, llama, wrn
+from benchmarks.variants import PRODUCT_STEPS
 
 STEPS = (
     "nonprivate",
@@ -41,15 +42,6 @@ STEP_TITLES = {
     "ghost_noise_shapes": "ghost, noise drawn once per leaf shape",
     "nonprivate_noise": "non-private sum with the DP noise",
     "ghost_noise_unstored": "ghost, noise drawn as optax draws it (not stored)",
-}
-GHOST_SUM = {"ghost": "auto", "backward": "backward", "bookkeeping": "bookkeeping"}
-# Ghost (auto) with the per-example products at another gcx.per_example.PRODUCT_PRECISION
-# setting than the backend's default ("tf32" on GPUs): HIGHEST, or a reduced-pass algorithm.
-PRODUCT_STEPS = {
-    "ghost_highest": "highest",
-    "ghost_tf32x2": "tf32x2",
-    "ghost_tf32x3": "tf32x3",
-    "ghost_bf16x6": "bf16x6",
 }
 
 

@@ -62,7 +62,7 @@ def device_limit_bytes(default: int) -> int:
 
 
 def max_batches(
-    make_step: Callable[[Callable, int], Callable],
+    make_steps: Callable[[Callable, int, tuple[str, ...]], dict[str, Any]],
     model: Callable[[int], tuple[Any, Any, Any]],
     names: tuple[str, ...],
     limit: int,
@@ -73,8 +73,8 @@ def max_batches(
     """Per step name, the largest batch whose compiled step fits in ``limit`` bytes, and whether it
     is exact (:func:`largest_batch`; the search stops at ``deadline``, ``time.perf_counter()``'s).
 
-    ``model(B)`` gives ``(losses, params, data)`` at batch ``B``; ``make_step(losses, B)`` the
-    steps by name (:func:`benchmarks.cost_llama.llama_steps`' form).
+    ``model(B)`` gives ``(losses, params, data)`` at batch ``B``; ``make_steps(losses, B, names)``
+    the steps by name (:func:`benchmarks.variants.make_steps`' form).
     """
     out = {}
     for name in names:
@@ -83,7 +83,9 @@ def max_batches(
             losses, params, data = model(b)
             try:
                 return (
-                    footprint_bytes(make_step(losses, b)[name], fresh_state(params, 0), data)
+                    footprint_bytes(
+                        make_steps(losses, b, (name,))[name], fresh_state(params, 0), data
+                    )
                     <= limit
                 )
             except (

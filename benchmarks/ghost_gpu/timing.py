@@ -16,9 +16,10 @@ import jax
 
 import gradclip_jax as gcx
 from benchmarks.common import interleaved_ms, memory_mb, num_params
-from benchmarks.ghost_gpu.configs import PRODUCT_STEPS, STEPS, Config, build
+from benchmarks.ghost_gpu.configs import STEPS, Config, build
 from benchmarks.ghost_gpu.variants import error_text, product_accuracy, step_variants
 from benchmarks.steps import fresh_state
+from benchmarks.variants import PRODUCT_STEPS
 
 # XLA's GPU autotuning (of gemm fusions' tilings, cuBLAS algorithms and convolutions) off: a
 # second compile with it says how much of a step's compile time is autotuning.

@@ -51,9 +51,10 @@ def _row_dot(w: jax.Array, r: jax.Array, acc: np.dtype) -> jax.Array:
     )
 
 
-def _bcast(v: jax.Array, x: jax.Array) -> jax.Array:
-    """``v`` of shape ``(B,)`` reshaped to broadcast against ``x`` of shape ``(B, ...)``."""
-    return jnp.reshape(v, v.shape + (1,) * (x.ndim - 1))
+def _zeroed(keep: jax.Array, r: jax.Array) -> jax.Array:
+    """``r`` of shape ``(B, ...)`` with the rows ``keep`` drops set to exactly zero (a select, not a
+    product: a dropped row may hold NaN or inf)."""
+    return jnp.where(jnp.reshape(keep, keep.shape + (1,) * (r.ndim - 1)), r, jnp.zeros((), r.dtype))
 
 
 def scan_weighted_sum(
@@ -113,7 +114,7 @@ def _column_blocks(
         for r, w, a, width, out in zip(rows, weights, accs, widths, outs, strict=True):
             start = jnp.minimum(k * width, r.shape[1] - width)
             block = lax.dynamic_slice_in_dim(r, start, width, axis=1)
-            block = jnp.where(keep[:, None], block, jnp.zeros((), r.dtype))
+            block = _zeroed(keep, block)
             new.append(lax.dynamic_update_slice_in_dim(out, _row_dot(w, block, a), start, axis=0))
         return new
 
@@ -135,19 +136,17 @@ def _safe_sums(
     plain = [
         i for i, r in enumerate(rows) if r.ndim == 2 and r.size > 0 and explicit_spec(r) is None
     ]
-    out = [
-        _row_dot(w, jnp.where(_bcast(keep, r), r, jnp.zeros((), r.dtype)), a)
-        if i not in plain
-        else None
-        for i, (r, w, a) in enumerate(zip(rows, weights, accs, strict=True))
-    ]
-    if plain:
-        sums = _column_blocks(
+    blocks = iter(
+        _column_blocks(
             [rows[i] for i in plain], [weights[i] for i in plain], keep, [accs[i] for i in plain]
         )
-        for i, v in zip(plain, sums, strict=True):
-            out[i] = v
-    return out  # type: ignore[return-value]
+        if plain
+        else []
+    )
+    return [
+        next(blocks) if i in plain else _row_dot(w, _zeroed(keep, r), a)
+        for i, (r, w, a) in enumerate(zip(rows, weights, accs, strict=True))
+    ]
 
 
 def fused_sums(
@@ -182,7 +181,7 @@ def fused_sums(
         return [_row_dot(w, r, a) for r, w, a in zip(rs, weights, accs, strict=True)]
 
     if finite is None:
-        return fast([jnp.where(_bcast(keep, r), r, jnp.zeros((), r.dtype)) for r in rows])
+        return fast([_zeroed(keep, r) for r in rows])
     ok = jnp.all(keep | finite)
     return cond(ok, fast, lambda rs: _safe_sums(rs, weights, keep, accs), list(rows))  # type: ignore[no-any-return]
 

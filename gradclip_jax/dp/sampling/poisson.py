@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -157,6 +157,44 @@ def max_batch_size_for(
     return int(math.ceil(max(m, 1) / multiple_of) * multiple_of)
 
 
+class Schedule(NamedTuple):
+    """A Poisson sampler's run, checked: its steps, the batch bound and this process's place."""
+
+    steps: int
+    max_size: int
+    process_index: int
+    process_count: int
+
+
+def checked_schedule(
+    fn: str,
+    units: int,
+    sample_rate: float,
+    steps: Any,
+    overflow_bound: Any,
+    max_size: int | None,
+    process_index: int | None,
+    process_count: int | None,
+) -> Schedule:
+    """The checked ``steps`` and processes of a Poisson sampler over ``units`` (examples or users),
+    and its batch bound: ``max_size``, else the smallest that overflows a run with probability at
+    most ``overflow_bound`` (:func:`max_batch_size_for`, a multiple of the processes)."""
+    index, count = processes(fn, process_index, process_count)
+    t = check_int(fn, "steps", steps, 0)
+    check_number(
+        fn,
+        "overflow_bound",
+        overflow_bound,
+        low=0.0,
+        high=1.0,
+        low_inclusive=False,
+        high_inclusive=False,
+    )
+    if max_size is None:
+        max_size = max_batch_size_for(units, sample_rate, max(t, 1), overflow_bound, count)
+    return Schedule(t, max_size, index, count)
+
+
 def _buckets(fn: str, bucket_sizes: Sequence[int] | None, m: int, count: int) -> tuple[int, ...]:
     """The padded sizes, increasing, ending with ``max_batch_size`` ``m``."""
     buckets = sorted(check_int(fn, "bucket_sizes", b) for b in (bucket_sizes or ()))
@@ -247,28 +285,23 @@ class PoissonSampler(IndexSampler):
                 f"{fn}: `on_overflow` must be one of {_ON_OVERFLOW}, got {on_overflow!r}"
             )
         self.on_overflow = on_overflow
-        index, count = processes(fn, process_index, process_count)
-        t = check_int(fn, "steps", steps, 0)
-        check_number(
+        run = checked_schedule(
             fn,
-            "overflow_bound",
+            n,
+            self.sample_rate,
+            steps,
             overflow_bound,
-            low=0.0,
-            high=1.0,
-            low_inclusive=False,
-            high_inclusive=False,
+            max_batch_size,
+            process_index,
+            process_count,
         )
-        if max_batch_size is None:
-            max_batch_size = max_batch_size_for(
-                n, self.sample_rate, max(t, 1), overflow_bound, count
-            )
         super().__init__(
             n,
-            steps=t,
-            max_batch_size=max_batch_size,
+            steps=run.steps,
+            max_batch_size=run.max_size,
             seed=seed,
-            process_index=index,
-            process_count=count,
+            process_index=run.process_index,
+            process_count=run.process_count,
         )
         m = self.max_batch_size
         if m < self.expected_batch_size:
@@ -278,7 +311,7 @@ class PoissonSampler(IndexSampler):
             )
         self.overflow_probability = overflow_probability(n, self.sample_rate, m, self.steps)
         self.truncated_batch_size = m if on_overflow == "truncate" else None
-        self.bucket_sizes = _buckets(fn, bucket_sizes, m, count)
+        self.bucket_sizes = _buckets(fn, bucket_sizes, m, run.process_count)
 
     def __repr__(self) -> str:
         return (

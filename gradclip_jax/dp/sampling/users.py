@@ -42,10 +42,10 @@ import numpy as np
 from gradclip_jax._core.validation import check_choice, check_int, check_number
 from gradclip_jax.dp.sampling.poisson import (
     BatchOverflowError,
-    max_batch_size_for,
+    checked_schedule,
     overflow_probability,
 )
-from gradclip_jax.dp.sampling.protocol import IndexSampler, SampledBatch, processes
+from gradclip_jax.dp.sampling.protocol import IndexSampler, SampledBatch
 
 __all__: list[str] = []  # every name here has its home elsewhere (CONTRIBUTING.md, "Import paths")
 
@@ -244,28 +244,23 @@ class UserPoissonSampler(IndexSampler):
         users = self._expected_users(fn, expected_users, self.num_users)
         self.sample_rate = users / self.num_users
         self.expected_batch_size = self.sample_rate * self.num_users
-        index, count = processes(fn, process_index, process_count)
-        t = check_int(fn, "steps", steps, 0)
-        check_number(
+        run = checked_schedule(
             fn,
-            "overflow_bound",
+            self.num_users,
+            self.sample_rate,
+            steps,
             overflow_bound,
-            low=0.0,
-            high=1.0,
-            low_inclusive=False,
-            high_inclusive=False,
+            max_users,
+            process_index,
+            process_count,
         )
-        if max_users is None:
-            max_users = max_batch_size_for(
-                self.num_users, self.sample_rate, max(t, 1), overflow_bound, count
-            )
         super().__init__(
             n,
-            steps=t,
-            max_batch_size=max_users,
+            steps=run.steps,
+            max_batch_size=run.max_size,
             seed=seed,
-            process_index=index,
-            process_count=count,
+            process_index=run.process_index,
+            process_count=run.process_count,
         )
         if self.max_batch_size < self.expected_batch_size:
             raise ValueError(

@@ -141,9 +141,11 @@ def test_auto_follows_the_thresholds(monkeypatch):
     monkeypatch.setattr(policy, "AUTO_MIN_ELEMENTS_NO_FALLBACK", 0)
     loss, params, data = cnn(4)  # below the floor, as the cnn of CASES still vmap: cotangents
     assert ghost_report(loss, params, data).auto[0] == "vmap"
-    loss, params, data = mlp(1, (64, 2, 10))  # 1 example x 160 parameters, 12 cotangents
+    loss, params, data = mlp(2, (64, 2, 10))  # 2 examples x 160 parameters, 24 cotangents
     assert ghost_report(loss, params, data).auto[0] == "ghost"
     assert path_taken(loss, params, data) == "ghost"
+    # one example: its per-example gradient is the gradient, which every step forms anyway
+    assert ghost_report(*mlp(1, (64, 2, 10))).auto[0] == "vmap"
 
 
 @pytest.mark.parametrize("case", ["mlp, every leaf measured", "cnn, large activations"])

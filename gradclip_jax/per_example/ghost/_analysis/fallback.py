@@ -53,10 +53,13 @@ def warn_fallback(
     message which leaves fall back to vmap and why.
 
     Silent for ``method='auto'`` on a model too small for ghost clipping to be
-    worth it (then vmap is the choice, not a fallback).
+    worth it (then vmap is the choice, not a fallback), and for a batch of one example
+    (whose per-example gradient is the gradient: formed at the non-private step's cost).
     """
     sizes = {i: math.prod(np.shape(pflat.leaves[i])) for i in pflat.active}
     if method is Method.AUTO and bsize * sum(sizes.values()) < policy.AUTO_MIN_ELEMENTS:
+        return
+    if bsize == 1:  # one example's gradient is the gradient: the fallback costs nothing
         return
     fb = [i for i in pflat.active if i in plan.reasons]
     if not fb:

@@ -153,8 +153,14 @@ def _narrow_op(jaxpr: Any, n_params: int, acc: Any) -> tuple[str, str] | None:
     return None
 
 
-def _not_row_wise(mixing: str | None, unreadable: str | None = None) -> str:
+def _not_row_wise(mixing: str | None, unreadable: str | None, bsize: int) -> str:
     """Why no leaf is measured when the loss is not row-wise, naming the first primitive that made it so."""
+    if bsize == 1:  # one example mixes with none: the rules lost a size-1 axis that ops move freely
+        return (
+            f"a batch of one example, whose batch axis the rules lose at {mixing or unreadable!r} "
+            "(JAX moves a size-1 axis freely); its per-example gradient is the gradient, formed at "
+            "no extra cost"
+        )
     if unreadable is not None:
         return f"the loss could not be analysed: {unreadable}"
     if mixing is not None and mixing not in RULES:
@@ -201,7 +207,7 @@ def analyse(
     )
     for leaf in active:
         if not walk.row_wise:
-            plan.reasons[leaf] = _not_row_wise(walk.mixing, walk.unreadable)
+            plan.reasons[leaf] = _not_row_wise(walk.mixing, walk.unreadable, bsize)
             continue
         sites, blocks, reason = _leaf_verdict(walk.uses[leaf])
         if reason is not None and walk.unreadable is not None and names.SCAN in walk.uses[leaf]:

@@ -164,6 +164,12 @@ def auto_choice(traced: Traced, pflat: _norms.FlatTree, bsize: int) -> AutoChoic
     """The path ``method='auto'`` takes, from shapes alone (see :data:`AUTO_MIN_ELEMENTS` and
     :data:`AUTO_MIN_ELEMENTS_NO_FALLBACK`), and why."""
     closed, plan = traced
+    if bsize == 1:
+        return AutoChoice(
+            "vmap",
+            "a batch of one example: its per-example gradient is the gradient, formed at the "
+            "non-private step's cost (ghost clipping would add its norms pass for no saving)",
+        )
     if not plan.row_wise:
         return AutoChoice("vmap", "the analysis cannot show that no operation mixes examples")
     if not plan.ghost:
