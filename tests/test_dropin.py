@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import warnings
@@ -617,13 +618,21 @@ def test_eager_steps_compile_nothing_after_the_first(name):
     assert later.count == 0
 
 
+@functools.cache
+def _fallback_clippers():
+    """The clippers with a norm fallback, each with its jitted step: one program for every scale
+    (under jit the fallback is a lax.cond, chosen at run time)."""
+    txs = (gcx.clip_by_global_norm(1.0), gcx.clip_by_norm(0.5), gcx.adaptive_grad_clip(0.05))
+    return [(tx, jax.jit(lambda u, t=tx: _update(t, u, t.init(u)))) for tx in txs]
+
+
 @pytest.mark.parametrize("scale", [1.0, 1e25, 1e-30])
 def test_eager_norm_fallback_equals_jit(scale):
     # Eagerly the norm's overflow/underflow fallback is chosen in Python; under jit by lax.cond.
     g = {"w": scale * jnp.arange(-4.0, 8.0).reshape(3, 4), "b": jnp.full((3,), 3.0 * scale)}
-    for tx in (gcx.clip_by_global_norm(1.0), gcx.clip_by_norm(0.5), gcx.adaptive_grad_clip(0.05)):
+    for tx, step in _fallback_clippers():
         eager, _ = _update(tx, g, tx.init(g))
-        jitted, _ = jax.jit(lambda u, t=tx: _update(t, u, t.init(u)))(g)
+        jitted, _ = step(g)
         for a, b in zip(jax.tree_util.tree_leaves(eager), jax.tree_util.tree_leaves(jitted)):
             np.testing.assert_allclose(a, b, rtol=1e-6)
             assert np.all(np.isfinite(a))

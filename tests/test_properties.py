@@ -94,20 +94,23 @@ ALL = [
 
 
 @pytest.mark.parametrize("make", ALL)
-@given(st.sampled_from([0.0, 1e-30, 1e-20, 1e-10, 1.0, 1e20]))
-def test_no_nan_and_finite_gradients_for_zero_tiny_and_large_inputs(make, scale):
+def test_no_nan_and_finite_gradients_for_zero_tiny_and_large_inputs(make):
     tx = make()
     params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
-    g = {"w": jnp.full((3, 2), scale, jnp.float32), "b": jnp.array([scale, 0.0], jnp.float32)}
-    out, _ = tx.update(g, tx.init(params), params)
-    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(out))
 
     def loss(g):
         u, _ = tx.update(g, tx.init(params), params)
         return sum(jnp.sum(jnp.sin(x)) for x in jax.tree_util.tree_leaves(u))
 
-    dg = jax.grad(loss)(g)
-    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(dg))
+    # The update runs eagerly (the library's Python-side fallbacks); the gradient is traced
+    # either way, so one jitted program serves every scale (op by op it compiled ~100).
+    grad = jax.jit(jax.grad(loss))
+    for scale in (0.0, 1e-30, 1e-20, 1e-10, 1.0, 1e20):
+        g = {"w": jnp.full((3, 2), scale, jnp.float32), "b": jnp.array([scale, 0.0], jnp.float32)}
+        out, _ = tx.update(g, tx.init(params), params)
+        assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(out)), scale
+        dg = grad(g)
+        assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(dg)), scale
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])

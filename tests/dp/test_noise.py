@@ -206,7 +206,8 @@ def test_empty_tree_and_none_leaves(strategy):
 
 def test_vmap_over_keys(strategy):
     keys = jax.random.split(jax.random.key(0), 3)
-    out = jax.vmap(lambda k: add_gaussian_noise({"a": jnp.zeros(50)}, 1.0, k))(keys)
+    # jitted: eagerly, vmap dispatches (and compiles) every batched operation on its own
+    out = jax.jit(jax.vmap(lambda k: add_gaussian_noise({"a": jnp.zeros(50)}, 1.0, k)))(keys)
     one = add_gaussian_noise({"a": jnp.zeros(50)}, 1.0, keys[1])
     np.testing.assert_allclose(out["a"][1], one["a"], rtol=1e-6)
 
@@ -316,11 +317,16 @@ def test_noised_leaves_are_stored_on_every_path(strategy):
     # the leaves and their keys' split ("shapes": and the draw of the two (6, 5) leaves, and its
     # keys held until those leaves exist)
     assert str(jaxpr).count("optimization_barrier") == 3 + 1 + 2 * (strategy == "shapes")
-    grads = jax.grad(
-        lambda t: sum(jnp.sum(v) for v in add_gaussian_noise(t, 1.0, jax.random.key(0)).values())
+    # jitted: eagerly, grad and vmap dispatch (and compile) every operation on its own
+    grads = jax.jit(
+        jax.grad(
+            lambda t: sum(
+                jnp.sum(v) for v in add_gaussian_noise(t, 1.0, jax.random.key(0)).values()
+            )
+        )
     )
     assert all(np.all(np.asarray(g) == 1.0) for g in grads(tree).values())
-    batched = jax.vmap(lambda k: add_gaussian_noise(tree, 0.0, k))(
+    batched = jax.jit(jax.vmap(lambda k: add_gaussian_noise(tree, 0.0, k)))(
         jax.random.split(jax.random.key(1), 2)
     )
     np.testing.assert_array_equal(batched["a"], np.ones((2, 6, 5)))

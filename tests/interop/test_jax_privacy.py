@@ -3,6 +3,7 @@ jax_privacy.clipping itself on small MLP, CNN and sequence models, keyword by ke
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 from fractions import Fraction
@@ -60,14 +61,23 @@ def _close(a, b, rtol=2e-5, atol=2e-6):
 # ----------------------------------------------------------------------------
 
 
+PARITY_KW = {"l2_clip_norm": CLIP, "return_values": True, "return_grad_norms": True}
+
+
+@functools.cache
+def _parity_reference(model):
+    """A model and jax-privacy's clipped sums on it: compiled once for the three methods."""
+    loss, params, data = MODELS[model]()
+    g_jp = jp.clipped_grad(_scalar(loss), **PARITY_KW)
+    return loss, params, data, g_jp, jax.jit(g_jp)(params, data)
+
+
 @pytest.mark.parametrize("model", sorted(MODELS))
 @pytest.mark.parametrize("method", ["vmap", "ghost", "auto"])
 def test_parity_values_norms_and_sensitivity(model, method):
-    loss, params, data = MODELS[model]()
-    kw = {"l2_clip_norm": CLIP, "return_values": True, "return_grad_norms": True}
-    g_ours = ours.clipped_grad(_scalar(loss), method=method, **kw)
-    g_jp = jp.clipped_grad(_scalar(loss), **kw)
-    (go, ao), (gj, aj) = jax.jit(g_ours)(params, data), jax.jit(g_jp)(params, data)
+    loss, params, data, g_jp, (gj, aj) = _parity_reference(model)
+    g_ours = ours.clipped_grad(_scalar(loss), method=method, **PARITY_KW)
+    go, ao = jax.jit(g_ours)(params, data)
     _close(go, gj)
     _close(ao.values, aj.values)
     _close(ao.grad_norms, aj.grad_norms, rtol=1e-5)
@@ -208,10 +218,9 @@ def test_padding_examples(method):
         rtol=1e-5,
     )
     real = jax.tree.map(lambda x: x[~np.asarray(pad)], data)
-    _close(go, ours.clipped_grad(_scalar(loss), l2_clip_norm=CLIP)(params, real))
-    all_pad = ours.clipped_grad(_scalar(loss), l2_clip_norm=CLIP)(
-        params, data, is_padding_example=jnp.ones(7, bool)
-    )
+    plain = jax.jit(ours.clipped_grad(_scalar(loss), l2_clip_norm=CLIP))  # eagerly: op by op
+    _close(go, plain(params, real))
+    all_pad = plain(params, data, is_padding_example=jnp.ones(7, bool))
     assert all(float(jnp.max(jnp.abs(x))) == 0.0 for x in jax.tree.leaves(all_pad))
 
 
@@ -219,10 +228,10 @@ def test_padding_examples(method):
 def test_microbatch_size_any(microbatch_size):
     """Any positive size (jax-privacy needs one dividing the batch): the same sums."""
     loss, params, data = mlp_setup()
-    got = ours.clipped_grad(_scalar(loss), l2_clip_norm=CLIP, microbatch_size=microbatch_size)(
-        params, data
-    )
-    _close(got, jp.clipped_grad(_scalar(loss), l2_clip_norm=CLIP)(params, data))
+    got = jax.jit(
+        ours.clipped_grad(_scalar(loss), l2_clip_norm=CLIP, microbatch_size=microbatch_size)
+    )(params, data)
+    _close(got, jax.jit(jp.clipped_grad(_scalar(loss), l2_clip_norm=CLIP))(params, data))
 
 
 def test_pre_clipping_transform():
@@ -270,13 +279,16 @@ def test_dtype_and_low_precision():
     loss, params, data = mlp_setup()
     p16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
     d16 = {**data, "x": data["x"].astype(jnp.bfloat16)}
-    got = ours.clipped_grad(_scalar(loss), l2_clip_norm=CLIP)(p16, d16)
+    # jitted: called eagerly, each clipped sum dispatches (and compiles) its operations one by one
+    got = jax.jit(ours.clipped_grad(_scalar(loss), l2_clip_norm=CLIP))(p16, d16)
     assert all(
         x.dtype == jnp.bfloat16 for x in jax.tree.leaves(got)
     )  # the gradients' dtype, as jax-privacy
-    got32 = ours.clipped_grad(_scalar(loss), l2_clip_norm=CLIP, dtype=jnp.float32)(p16, d16)
+    got32 = jax.jit(ours.clipped_grad(_scalar(loss), l2_clip_norm=CLIP, dtype=jnp.float32))(
+        p16, d16
+    )
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(got32))
-    ref = jp.clipped_grad(_scalar(loss), l2_clip_norm=CLIP, dtype=jnp.float32)(p16, d16)
+    ref = jax.jit(jp.clipped_grad(_scalar(loss), l2_clip_norm=CLIP, dtype=jnp.float32))(p16, d16)
     _close(got32, ref, rtol=3e-2, atol=3e-2)
 
 
@@ -284,10 +296,11 @@ def test_nan_safe_example_contributes_zero():
     loss, params, data = mlp_setup()
     bad = {**data, "x": data["x"].at[2, 0].set(jnp.nan)}
     good = jax.tree.map(lambda x: jnp.delete(x, 2, axis=0), data)
-    got, aux = ours.clipped_grad(_scalar(loss), l2_clip_norm=CLIP, return_grad_norms=True)(
+    # jitted: called eagerly, each clipped sum dispatches (and compiles) its operations one by one
+    got, aux = jax.jit(ours.clipped_grad(_scalar(loss), l2_clip_norm=CLIP, return_grad_norms=True))(
         params, bad
     )
-    _close(got, ours.clipped_grad(_scalar(loss), l2_clip_norm=CLIP)(params, good))
+    _close(got, jax.jit(ours.clipped_grad(_scalar(loss), l2_clip_norm=CLIP))(params, good))
     assert not np.isfinite(float(aux.grad_norms[2]))
 
 
@@ -301,7 +314,7 @@ def test_spmd_axis_name_with_a_sharded_batch(method):
     g = ours.clipped_grad(_scalar(loss), l2_clip_norm=CLIP, method=method, spmd_axis_name="b")
     with jax.set_mesh(mesh):
         got = jax.jit(g)(params, sharded)
-    _close(got, jp.clipped_grad(_scalar(loss), l2_clip_norm=CLIP)(params, data))
+    _close(got, jax.jit(jp.clipped_grad(_scalar(loss), l2_clip_norm=CLIP))(params, data))
 
 
 # ----------------------------------------------------------------------------
@@ -452,7 +465,7 @@ def test_clipped_fun_matches_jax_privacy(keep_batch_dim, has_aux, return_norms):
     pad = jnp.array([False, False, True, False, False, False])
     o = ours.clipped_fun(fun, **kw)
     j = jp.clipped_fun(fun, **kw)
-    _close(o(data, is_padding_example=pad), j(data, is_padding_example=pad))
+    _close(jax.jit(o)(data, is_padding_example=pad), jax.jit(j)(data, is_padding_example=pad))
     assert o.sensitivity(REL.REPLACE_ONE) == j.sensitivity(REL.REPLACE_ONE) == 4.0 / 3.0
     assert o.has_aux == j.has_aux
 
@@ -461,9 +474,10 @@ def test_clipped_fun_prng_and_dtype():
     data = jnp.ones((5, 3), jnp.bfloat16)
     fun = lambda x, key: x + jax.random.normal(key, x.shape, x.dtype)  # noqa: E731
     kw = {"keep_batch_dim": False, "prng_argnum": 1, "dtype": jnp.float32}
-    o = ours.clipped_fun(fun, **kw)(data, jax.random.key(1))
+    # jitted: called eagerly, each clipped sum dispatches (and compiles) its operations one by one
+    o = jax.jit(ours.clipped_fun(fun, **kw))(data, jax.random.key(1))
     assert o.dtype == jnp.float32
-    _close(o, jp.clipped_fun(fun, **kw)(data, jax.random.key(1)), rtol=1e-5)
+    _close(o, jax.jit(jp.clipped_fun(fun, **kw))(data, jax.random.key(1)), rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------
@@ -481,8 +495,9 @@ def _layer_loop(loss, params, data, clips, rescale=False):
     (divided by it when rescaled), summed; and the layers' norms."""
     total = jax.tree.map(lambda x: np.zeros(x.shape), params)
     norms = {k: [] for k in clips}
+    grad = jax.jit(jax.grad(_scalar(loss)))  # one program for every example
     for i in range(jax.tree.leaves(data)[0].shape[0]):
-        g = jax.grad(_scalar(loss))(params, jax.tree.map(lambda x: x[i : i + 1], data))
+        g = grad(params, jax.tree.map(lambda x: x[i : i + 1], data))
         for k, c in clips.items():
             n = np.sqrt(sum(np.sum(np.asarray(v, np.float64) ** 2) for v in jax.tree.leaves(g[k])))
             f = min(1.0, c / n) / (c if rescale else 1.0)
@@ -527,11 +542,16 @@ def test_per_layer_ghost_equals_vmap_and_full_tree_equals_per_leaf():
     alone: the same as the prefix whose subtrees are single leaves."""
     loss, params, data = cnn_setup()
     prefix = {k: 0.3 for k in params}
-    go = ours.clipped_grad(_scalar(loss), l2_clip_norm=prefix, method="ghost")(params, data)
-    gv = ours.clipped_grad(_scalar(loss), l2_clip_norm=prefix, method="vmap")(params, data)
+    # jitted: called eagerly, each clipped sum dispatches (and compiles) its operations one by one
+    go = jax.jit(ours.clipped_grad(_scalar(loss), l2_clip_norm=prefix, method="ghost"))(
+        params, data
+    )
+    gv = jax.jit(ours.clipped_grad(_scalar(loss), l2_clip_norm=prefix, method="vmap"))(params, data)
     _close(go, gv, atol=1e-5)
     full = jax.tree.map(lambda _: 0.2, params)
-    per_leaf = ours.clipped_grad(_scalar(loss), l2_clip_norm=full, method="ghost")(params, data)
+    per_leaf = jax.jit(ours.clipped_grad(_scalar(loss), l2_clip_norm=full, method="ghost"))(
+        params, data
+    )
     got = {jax.tree_util.keystr(p): g for p, g in jax.tree_util.tree_flatten_with_path(per_leaf)[0]}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
 
@@ -540,7 +560,7 @@ def test_per_layer_ghost_equals_vmap_and_full_tree_equals_per_leaf():
                 jax.tree_util.tree_map_with_path(lambda p, x: q if p == path else x, params), b
             )
 
-        alone = ours.clipped_grad(leaf_loss, l2_clip_norm=0.2, method="vmap")(leaf, data)
+        alone = jax.jit(ours.clipped_grad(leaf_loss, l2_clip_norm=0.2, method="vmap"))(leaf, data)
         _close(got[jax.tree_util.keystr(path)], alone, atol=1e-5)
 
 
@@ -614,10 +634,11 @@ def test_grid_scale_rounds_ties_to_even_and_sums_exactly():
         pad = jnp.arange(10) >= 8
         g = ours.clipped_grad(loss, l2_clip_norm=1.0, grid_scale=1000, return_grad_norms=True)
         total, aux = jax.jit(g)(jnp.zeros(4), data, is_padding_example=pad)
-        per_example = [
-            ours.clip_and_round_to_grid(jax.grad(loss)(jnp.zeros(4), data[i : i + 1]), 1.0, 1000)[0]
-            for i in range(8)
-        ]
+        # one program for every example (eagerly, op by op, each x64 operation compiles)
+        one = jax.jit(
+            lambda d: ours.clip_and_round_to_grid(jax.grad(loss)(jnp.zeros(4), d), 1.0, 1000)[0]
+        )
+        per_example = [one(data[i : i + 1]) for i in range(8)]
         assert total.dtype == jnp.int64
         np.testing.assert_array_equal(total, np.sum(np.stack(per_example), axis=0))
         assert g.sensitivity() == 1000.0 and g.sensitivity(REL.REPLACE_ONE) == 2000.0
@@ -625,6 +646,7 @@ def test_grid_scale_rounds_ties_to_even_and_sums_exactly():
         cf = ours.clipped_fun(
             lambda v: v * 3.0, keep_batch_dim=False, l2_clip_norm=1.0, grid_scale=1000
         )
+        cf = jax.jit(cf)  # one program for the five draws
         for i in range(5):
             out = cf(jax.random.normal(jax.random.key(i), (1, 20)))
             assert out.dtype == jnp.int64 and np.sum(np.asarray(out) ** 2) <= 1000**2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
@@ -36,10 +37,17 @@ from tests.per_example.models import (
 # ----------------------------------------------------------------------------
 
 
+@functools.cache
+def _model(name):
+    """One loss function per model: the loop reference's per-example gradient compiles once for
+    the three microbatch sizes (it is cached by the loss function)."""
+    return MODELS[name]()
+
+
 @pytest.mark.parametrize("model", sorted(MODELS))
 @pytest.mark.parametrize("microbatch_size", [None, 1, 3])
 def test_clipped_grad_matches_loop(model, microbatch_size):
-    loss, params, data = MODELS[model]()
+    loss, params, data = _model(model)
     clip = median_clip(loss, params, data)
     grad_fn = clipped_grad(loss, clip, microbatch_size=microbatch_size)
     grads, info = jax.jit(grad_fn)(params, data)
@@ -423,7 +431,7 @@ def test_explicit_sharding_matches_single_device():
 @needs_8
 def test_automatic_sharding_matches_single_device():
     loss, params, data = mlp_setup(batch=16)
-    ref, ref_info = clipped_grad(loss, 0.5)(params, data)
+    ref, ref_info = jax.jit(clipped_grad(loss, 0.5))(params, data)  # eagerly: op by op
     mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
     d_sh = jax.device_put(data, NamedSharding(mesh, P("x")))
     for mb in (None, 3):
@@ -502,10 +510,12 @@ def test_complex_parameters_get_complex_clipped_sums(method):
     clip = 1.0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        got, _ = clipped_grad(loss, clip, method=method)(p, b)
+        # jitted: called eagerly, each operation is dispatched (and compiled) on its own
+        got, _ = jax.jit(clipped_grad(loss, clip, method=method))(p, b)
     want = jax.tree.map(jnp.zeros_like, p)
+    grad_one = jax.jit(jax.grad(lambda q, bi: loss(q, bi)[0]))  # one program for every example
     for i in range(5):
-        gi = jax.grad(lambda q, i=i: loss(q, b[i : i + 1])[0])(p)
+        gi = grad_one(p, b[i : i + 1])
         norm = np.sqrt(sum(float(jnp.sum(jnp.abs(x) ** 2)) for x in jax.tree.leaves(gi)))
         scale = min(1.0, clip / norm)
         want = jax.tree.map(lambda w, x, s=scale: w + s * x, want, gi)
@@ -514,7 +524,7 @@ def test_complex_parameters_get_complex_clipped_sums(method):
         np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-5, atol=1e-6)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        as_f32, _ = clipped_grad(loss, clip, method=method, dtype=jnp.float32)(p, b)
+        as_f32, _ = jax.jit(clipped_grad(loss, clip, method=method, dtype=jnp.float32))(p, b)
     assert (
         as_f32["w"].dtype == jnp.complex64 and as_f32["v"].dtype == jnp.float32
     )  # a real dtype= keeps complex

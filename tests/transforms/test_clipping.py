@@ -515,23 +515,28 @@ def test_jit_equals_eager_and_scan_and_vmap_over_states(name):
     for g in grads:
         u, s = tx.update(g, s, params)
         eager.append(u)
-    jitted = jax.jit(tx.update)(grads[0], state, params)[0]
-    assert_trees_close(jitted, eager[0], rtol=1e-6)
-
     stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *grads)
+    states = jax.tree_util.tree_map(lambda x: jnp.stack([x] * 3), state)
 
     def body(s, g):
         u, s = tx.update(g, s, params)
         return s, u
 
-    final, scanned = jax.lax.scan(body, state, stacked)
+    # the three traced forms in one compiled program, not three; the vmap is jitted: eagerly it
+    # dispatches (and compiles) every batched op on its own
+    @jax.jit
+    def traced(g0, state, stacked, states):
+        return (
+            tx.update(g0, state, params)[0],
+            jax.lax.scan(body, state, stacked),
+            jax.vmap(lambda g, s: tx.update(g, s, params))(stacked, states)[0],
+        )
+
+    jitted, (final, scanned), vout = traced(grads[0], state, stacked, states)
+    assert_trees_close(jitted, eager[0], rtol=1e-6)
     for i, e in enumerate(eager):
         assert_trees_close(jax.tree_util.tree_map(lambda x: x[i], scanned), e, rtol=1e-6)
     assert jax.tree_util.tree_structure(final) == jax.tree_util.tree_structure(state)
-
-    states = jax.tree_util.tree_map(lambda x: jnp.stack([x] * 3), state)
-    # jitted: eager vmap dispatches (and compiles) every batched op on its own
-    vout, _ = jax.jit(jax.vmap(lambda g, s: tx.update(g, s, params)))(stacked, states)
     for i, e in enumerate(eager):
         assert_trees_close(jax.tree_util.tree_map(lambda x: x[i], vout), e, rtol=1e-6)
 

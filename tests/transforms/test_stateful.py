@@ -152,9 +152,9 @@ def test_inject_hyperparams(name):
     batch = _updates(6)
     s_p, s_i = plain.init(_params()), tx.init(_params())
     assert s_i.hyperparams  # the numeric hyperparameters are exposed
-    update = jax.jit(tx.update)
+    update, update_plain = jax.jit(tx.update), jax.jit(plain.update)
     for i in range(6):
-        o_p, s_p = jax.jit(plain.update)(_at(batch, i), s_p)
+        o_p, s_p = update_plain(_at(batch, i), s_p)
         o_i, s_i = update(_at(batch, i), s_i)
         _assert_trees(o_i, o_p, rtol=1e-5, atol=1e-6)
     _assert_trees(s_i.inner_state, s_p, rtol=1e-5, atol=1e-6)
