@@ -51,8 +51,9 @@ def _close(a, b, rtol, atol):
 
 def _reference(loss, params, data, **kw):
     """A clip norm between the middle per-example norms (some examples clipped) and vmap's result
-    there (one program: the clip norm is its argument)."""
-    _, info = vmap_reference(loss, params, data, 1.0, **kw)
+    there (without ``kw``, one program: the clip norm is its argument). The norms are measured
+    with the default keywords (one norm per example)."""
+    _, info = vmap_reference(loss, params, data, 1.0)
     n = np.sort(np.asarray(info.norms))
     clip = float(np.sqrt(n[len(n) // 2 - 1] * n[len(n) // 2]))
     return clip, vmap_reference(loss, params, data, clip, **kw)
