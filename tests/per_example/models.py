@@ -3,6 +3,7 @@ return per-example losses (B,), and a float64 Python-loop reference of clipped_g
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -150,6 +151,31 @@ def assert_tree_close(a, b, rtol=2e-5, atol=2e-6):
         x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
         scale = max(1.0, float(np.max(np.abs(y))))
         np.testing.assert_allclose(x, y, rtol=rtol, atol=atol * scale)
+
+
+@functools.cache
+def _vmap_program(loss, kw_items):
+    """``clipped_grad(loss, clip, method='vmap', **kw)`` jitted with the clip norm and the mask as
+    arguments: one program for every clip norm and mask a test passes with these keywords."""
+    from gradclip_jax.per_example import clipped_grad
+
+    kw = dict(kw_items)
+
+    def step(params, data, clip, mask):
+        return clipped_grad(loss, clip, method="vmap", **kw)(params, data, mask=mask)
+
+    return jax.jit(step)
+
+
+def vmap_reference(loss, params, data, clip, mask=None, **kw):
+    """``clipped_grad(loss, clip, method='vmap', **kw)(params, data, mask=mask)``, compiled once per
+    ``loss`` and keywords (build a model once to share it between tests): no mask is a mask that
+    keeps every example, so masked and unmasked calls share the program too. ``ghost_sum`` is
+    dropped: only the ghost path reads it."""
+    kw.pop("ghost_sum", None)
+    if mask is None:
+        mask = np.ones(jax.tree.leaves(data)[0].shape[0], bool)
+    return _vmap_program(loss, tuple(sorted(kw.items())))(params, data, clip, mask)
 
 
 def median_clip(loss, params, data):

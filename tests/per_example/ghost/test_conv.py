@@ -15,7 +15,7 @@ from jax import lax
 from gradclip_jax import clipped_grad, ghost_report
 from gradclip_jax.per_example.ghost.rules import conv
 from tests._backend import assert_equal_on_cpu, by_backend, refuses_backward
-from tests.per_example.models import B, cnn_setup, xent
+from tests.per_example.models import B, cnn_setup, vmap_reference, xent
 
 # ----------------------------------------------------------------------------
 # Helpers
@@ -49,11 +49,13 @@ def _close(a, b, rtol, atol):
 
 
 def _reference(loss, params, data, **kw):
-    """A clip norm between the middle per-example norms (some examples clipped) and vmap's result there."""
-    _, info = jax.jit(clipped_grad(loss, 1.0, method="vmap"))(params, data)
+    """A clip norm between the middle per-example norms (some examples clipped) and vmap's result
+    there (without ``kw``, one program: the clip norm is its argument). The norms are measured
+    with the default keywords (one norm per example)."""
+    _, info = vmap_reference(loss, params, data, 1.0)
     n = np.sort(np.asarray(info.norms))
     clip = float(np.sqrt(n[len(n) // 2 - 1] * n[len(n) // 2]))
-    return clip, jax.jit(clipped_grad(loss, clip, method="vmap", **kw))(params, data)
+    return clip, vmap_reference(loss, params, data, clip, **kw)
 
 
 def _compare(loss, params, data, rtol, atol, ref=None, **kw):

@@ -5,6 +5,7 @@ skips when its library is not installed."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import jax
@@ -14,22 +15,21 @@ import pytest
 
 from gradclip_jax import clipped_grad, ghost_report
 from tests.per_example.ghost.test_scan import D, _data, _w
-from tests.per_example.models import xent
+from tests.per_example.models import vmap_reference, xent
 from tools import coverage_real as cr
 
 
 def ghost_equals_vmap(loss, params, data, **kw):
     """Ghost and vmap at the median per-example norm: norms and clipped sums to 1e-5 relative."""
 
-    def run(method):  # the clip norm an argument: one compilation per method
-        return jax.jit(lambda p, b, c: clipped_grad(loss, c, method=method, **kw)(p, b))
-
-    vmap = run("vmap")
-    clip = jnp.float32(np.median(np.asarray(vmap(params, data, jnp.float32(1e30))[1].norms)))
-    want, want_info = vmap(params, data, clip)
+    # the clip norm an argument: one compilation per method (vmap's shared by the sum modes)
+    _, everyone = vmap_reference(loss, params, data, jnp.float32(1e30), **kw)
+    clip = jnp.float32(np.median(np.asarray(everyone.norms)))
+    want, want_info = vmap_reference(loss, params, data, clip, **kw)
+    ghost = jax.jit(lambda p, b, c: clipped_grad(loss, c, method="ghost", **kw)(p, b))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a fallback warning: the report below says which
-        got, got_info = run("ghost")(params, data, clip)
+        got, got_info = ghost(params, data, clip)
     nv = np.asarray(want_info.norms, np.float64)
     np.testing.assert_allclose(np.asarray(got_info.norms), nv, rtol=1e-5, atol=1e-5 * nv.max())
     scale = max(float(np.max(np.abs(np.asarray(x)))) for x in jax.tree.leaves(want))
@@ -50,11 +50,9 @@ def _model(name):
 # ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("ghost_sum", ["backward", "bookkeeping"])
-def test_tied_leaf_whose_products_carry_the_batch_on_axis_1(ghost_sum):
-    """``jax.vmap`` of ``W @ x`` (equinox's ``Linear``) puts the batch on axis 1 of the product; a
-    leaf used twice so has its per-example gradients formed from those uses, mapped over axis 1
-    (they were mapped over axis 0: "vmap got inconsistent sizes")."""
+@functools.cache  # one loss function: the sum modes share its vmap program
+def _vmapped_tied_setup():
+    """``jax.vmap`` of ``W @ tanh(W @ x)`` (equinox's ``Linear``, the weight used twice), a head."""
     r = np.random.default_rng(0)
     params = {"w": _w(r, D, D), "head": _w(r, D, 4)}
 
@@ -62,7 +60,15 @@ def test_tied_leaf_whose_products_carry_the_batch_on_axis_1(ghost_sum):
         h = jax.vmap(lambda x: p["w"] @ jnp.tanh(p["w"] @ x))(jnp.mean(b["x"], axis=1))
         return xent(h @ p["head"], b["y"])
 
-    data = _data(0)
+    return loss, params, _data(0)
+
+
+@pytest.mark.parametrize("ghost_sum", ["backward", "bookkeeping"])
+def test_tied_leaf_whose_products_carry_the_batch_on_axis_1(ghost_sum):
+    """``jax.vmap`` of ``W @ x`` (equinox's ``Linear``) puts the batch on axis 1 of the product; a
+    leaf used twice so has its per-example gradients formed from those uses, mapped over axis 1
+    (they were mapped over axis 0: "vmap got inconsistent sizes")."""
+    loss, params, data = _vmapped_tied_setup()
     assert dict(ghost_report(loss, params, data).ghost)["['w']"] == "tied:dense+dense"
     ghost_equals_vmap(loss, params, data, ghost_sum=ghost_sum)
 
@@ -74,6 +80,7 @@ def test_tied_leaf_whose_products_carry_the_batch_on_axis_1(ghost_sum):
 E = 3  # experts
 
 
+@functools.cache  # one loss function: the sum modes share its vmap program
 def _moe_setup(seed=1, mix=False):
     """keras-hub Mixtral's sparse block written out: tokens flattened to ``(B * T, D)``, routing
     weights transposed to ``(E, B * T)``, every expert at once by ``einsum('th,ehm->etm')`` (the
@@ -187,6 +194,7 @@ def test_batchnorm_in_training_mode_gets_the_clear_error(name):
 # ----------------------------------------------------------------------------
 
 
+@functools.cache  # one loss function: the sum modes share its vmap program
 def _bias_setup(seed=3, how="broadcast_to"):
     r = np.random.default_rng(seed)
     params = {
@@ -268,6 +276,7 @@ def test_a_bias_broadcast_over_as_many_positions_as_examples_keeps_the_ghost_pat
     ghost_equals_vmap(loss, params, data)
 
 
+@functools.cache  # one loss function: the sum modes share its vmap program
 def _summed_leaves_setup(seed=6):
     """keras' BatchNormalization with frozen statistics (``x * inv + (offset - mean * inv)``, the
     offset added to a value of the scale), and flax's ``OptimizedLSTMCell`` (the gates' kernels and

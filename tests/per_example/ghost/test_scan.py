@@ -4,6 +4,8 @@ cotangents stacked over the steps. Every case is checked against ``method='vmap'
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +15,7 @@ from jax import lax
 from gradclip_jax import clipped_grad, ghost_report
 from tests._backend import refuses_backward
 from tests.jaxprs import primitive_counts
-from tests.per_example.models import xent
+from tests.per_example.models import vmap_reference, xent
 
 B, T, D = 5, 4, 8
 
@@ -30,6 +32,7 @@ def _data(seed=0, classes=4, batch=B):
     return {"x": jnp.asarray(x, jnp.float32), "y": jnp.asarray(r.integers(0, classes, size=batch))}
 
 
+@functools.cache  # one loss function per model: its tests share the vmap program
 def stacked_transformer(layers=3, seed=0, reverse=False, dtype=jnp.float32, batch=B):
     """Pre-LN blocks stacked on axis 0 and run by ``lax.scan``: a fused qkv projection split in
     three, a layer-norm scale, an MLP applied to the rows merged across positions
@@ -76,7 +79,7 @@ def _compare(loss, params, data, clip=1.0, rtol=2e-5, atol=2e-6, **kw):
         per_layer=bool(kw.get("per_layer")),
     ):
         return None
-    ref, ref_info = jax.jit(clipped_grad(loss, clip, method="vmap", **kw))(params, data)
+    ref, ref_info = vmap_reference(loss, params, data, clip, **kw)
     got, info = jax.jit(clipped_grad(loss, clip, method="ghost", **kw))(params, data)
     _close(info.norms, ref_info.norms, rtol, atol)
     _close(got, ref, rtol, atol)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -14,7 +15,14 @@ from gradclip_jax import clipped_grad, ghost_report
 from gradclip_jax.per_example import PRODUCT_PRECISION
 from gradclip_jax.per_example.ghost import _gram, _measure
 from tests._backend import refuses_backward
-from tests.per_example.models import B, cnn_setup, embed_setup, mlp_setup, xent
+from tests.per_example.models import (
+    B,
+    cnn_setup,
+    embed_setup,
+    mlp_setup,
+    vmap_reference,
+    xent,
+)
 
 # ----------------------------------------------------------------------------
 # Models (plain JAX); every loss returns per-example losses of shape (B,)
@@ -146,9 +154,16 @@ def not_row_wise_setup(seed=9, batch=B):
 # ----------------------------------------------------------------------------
 
 
+@functools.cache
+def _model(name):
+    """``MODELS[name]()``, built once: one loss function, so the programs built from it (the
+    vmap reference) are traced and compiled once for every test and option that uses them."""
+    return MODELS[name]()
+
+
 def _clip_between_norms(loss, params, data):
     """A clip norm strictly between two middle per-example norms (no ties with a norm)."""
-    _, info = jax.jit(clipped_grad(loss, 1.0, method="vmap"))(params, data)  # eager: op by op, slow
+    _, info = vmap_reference(loss, params, data, 1.0)
     n = np.sort(np.asarray(info.norms))
     return float(np.sqrt(n[len(n) // 2 - 1] * n[len(n) // 2]))
 
@@ -171,7 +186,7 @@ def _compare(loss, params, data, clip, rtol=1e-5, atol=1e-6, mask=None, **kw):
         per_layer=per_layer,
     ):
         return None
-    ref_g, ref_i = jax.jit(clipped_grad(loss, clip, method="vmap", **kw))(params, data, mask=mask)
+    ref_g, ref_i = vmap_reference(loss, params, data, clip, mask=mask, **kw)
     g, i = jax.jit(clipped_grad(loss, clip, method="ghost", **kw))(params, data, mask=mask)
     assert jax.tree.structure(g) == jax.tree.structure(ref_g)
     _close(g, ref_g, rtol, atol)
@@ -193,7 +208,7 @@ SUMS = ["backward", "bookkeeping"]
 @pytest.mark.parametrize("ghost_sum", SUMS)
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_ghost_matches_vmap(model, ghost_sum):
-    loss, params, data = MODELS[model]()
+    loss, params, data = _model(model)
     _compare(loss, params, data, _clip_between_norms(loss, params, data), ghost_sum=ghost_sum)
 
 
@@ -286,7 +301,7 @@ def test_loss_combining_examples_is_an_error(method):
 @pytest.mark.parametrize("ghost_sum", SUMS)
 @pytest.mark.parametrize("model", ["mlp", "cnn"])
 def test_microbatch_mask_normalize(model, ghost_sum):
-    loss, params, data = MODELS[model]()
+    loss, params, data = _model(model)
     clip = _clip_between_norms(loss, params, data)
     mask = jnp.array([True, False, True, True, False, True, True])
     _compare(loss, params, data, clip, microbatch_size=3, mask=mask, ghost_sum=ghost_sum)
@@ -311,7 +326,7 @@ def test_nan_example_is_dropped(model, ghost_sum):
     # its cotangents may be finite, so only zeroing its operands keeps it out.
     # (Book-keeping zeroes them always for dense and embedding sites, and in a
     # conditional for convolutions.)
-    loss, params, data = MODELS[model]()
+    loss, params, data = _model(model)
     if model == "mlp":
         data = {**data, "x": data["x"].at[2, 0].set(jnp.nan)}
     elif model == "cnn":
@@ -327,7 +342,7 @@ def test_nan_example_is_dropped(model, ghost_sum):
     g, i = jax.jit(grad_fn)(params, data)
     bad = ~np.isfinite(np.asarray(i.norms))
     assert bad.any() and not bad.all()
-    ref, _ = clipped_grad(loss, 1.0, method="vmap")(params, data, mask=jnp.asarray(~bad))
+    ref, _ = vmap_reference(loss, params, data, 1.0, mask=jnp.asarray(~bad))
     _close(g, ref, 1e-5, 1e-6)
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(g))
 
@@ -339,7 +354,7 @@ def test_nan_example_is_dropped_on_tf32_operands(products, monkeypatch):
     # test_bookkeeping_holds_a_conditional_only_for_convolutions_read_in_place): the NaN
     # example adds nothing, and the step equals the one that masks that example out.
     monkeypatch.setitem(PRODUCT_PRECISION, jax.default_backend(), products)
-    loss, params, data = MODELS["cnn"]()
+    loss, params, data = _model("cnn")
     bad_data = {**data, "img": data["img"].at[2, 3, 3, 0].set(jnp.nan)}
     grad_fn = jax.jit(clipped_grad(loss, 1.0, method="ghost", ghost_sum="bookkeeping"))
     g, i = grad_fn(params, bad_data)
@@ -382,7 +397,7 @@ def test_bookkeeping_holds_a_conditional_only_for_convolutions_read_in_place(
     monkeypatch.setitem(PRODUCT_PRECISION, jax.default_backend(), products)
     # the step's own norms branch-free as on a GPU (the CPU's default takes the engine's conditional)
     monkeypatch.setitem(_measure.ROW_NORMS, jax.default_backend(), "branch-free")
-    loss, params, data = MODELS[model]()
+    loss, params, data = _model(model)
     f = jax.jit(clipped_grad(loss, 1.0, method="ghost", ghost_sum="bookkeeping"))
     text = f.lower(params, data).compile().as_text()
     assert text.count(" conditional(") == conditionals
@@ -418,7 +433,7 @@ def test_cpu_row_norms_take_no_variadic_reduction(scale, monkeypatch):
 
 
 def test_has_aux_and_per_layer():
-    loss0, params, data = mlp_setup()
+    loss0, params, data = _model("mlp")
 
     def loss(p, b):
         out = loss0(p, b)
@@ -458,9 +473,9 @@ def test_extra_args_and_closure_under_jit():
 
 
 def test_auto_and_errors():
-    loss, params, data = mlp_setup()
+    loss, params, data = _model("mlp")
     g, _ = clipped_grad(loss, 1.0, method="auto")(params, data)
-    ref, _ = clipped_grad(loss, 1.0, method="vmap")(params, data)
+    ref, _ = vmap_reference(loss, params, data, 1.0)
     _close(g, ref, 1e-5, 1e-6)
     with pytest.raises(ValueError, match="unknown method"):
         clipped_grad(loss, 1.0, method="magic")
@@ -514,9 +529,9 @@ def test_param_on_left_and_scan_over_batch():
 def test_auto_uses_ghost_above_threshold(monkeypatch):
     import gradclip_jax.per_example.ghost as ghost_mod
 
-    loss, params, data = seq_setup()
+    loss, params, data = _model("seq_gram")
     clip = _clip_between_norms(loss, params, data)
-    ref, _ = clipped_grad(loss, clip, method="vmap")(params, data)
+    ref, _ = vmap_reference(loss, params, data, clip)
     monkeypatch.setattr(ghost_mod, "AUTO_MIN_ELEMENTS", 0)
     g, _ = jax.jit(clipped_grad(loss, clip, method="auto"))(params, data)
     _close(g, ref, 1e-5, 1e-6)
@@ -736,7 +751,7 @@ def test_sharded_batch_matches_single_device():
 
 @pytest.mark.parametrize("model", ["seq_materialized", "cnn", "embed_seq", "tied"])
 def test_per_layer(model):
-    loss, params, data = MODELS[model]()
+    loss, params, data = _model(model)
     clip = _clip_between_norms(loss, params, data)
     mask = jnp.array([True, False, True, True, False, True, True])
     _compare(loss, params, data, clip, per_layer=True, mask=mask)
@@ -817,7 +832,7 @@ def test_global_clipping_measures_small_formed_rows_together(scale, monkeypatch)
     def loss(p, b):
         return scale * loss0(p, b)
 
-    _, info = jax.jit(clipped_grad(loss, 1.0, method="vmap"))(params, data)  # eager: op by op, slow
+    _, info = vmap_reference(loss, params, data, 1.0)
     n = np.sort(np.asarray(info.norms, np.float64))
     assert np.all(np.isfinite(n)) and n[0] > (1e19 if scale > 1 else 0)
     clip = float(np.sqrt(n[B // 2 - 1] * n[B // 2]))  # between two norms: some examples clipped

@@ -4,6 +4,7 @@ Every case is checked against ``method='vmap'`` (per-example gradients formed)."
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import jax
@@ -13,7 +14,7 @@ import pytest
 
 from gradclip_jax import GhostFallbackWarning, clipped_grad, ghost_report
 from tests._backend import refuses_backward
-from tests.per_example.models import xent
+from tests.per_example.models import vmap_reference, xent
 
 B, T, D, L = 6, 5, 8, 3
 
@@ -30,6 +31,7 @@ def _w(r, *shape):
     )
 
 
+@functools.cache  # one loss function per setup: the tests of one setup share its vmap program
 def block_setup(seed=0, layers=L, layer_scale=1.0):
     """Attention with a fused qkv projection split in three, heads joined by concatenate,
     then ``L`` residual layers stacked on axis 0 and run by ``lax.scan``, each a
@@ -71,7 +73,7 @@ def _close(a, b, rtol=1e-5, atol=1e-6):
 
 
 def _compare(loss, params, data, clip=1.0, **kw):
-    ref, ref_info = jax.jit(clipped_grad(loss, clip, method="vmap", **kw))(params, data)
+    ref, ref_info = vmap_reference(loss, params, data, clip, **kw)
     got, info = jax.jit(clipped_grad(loss, clip, method="ghost", **kw))(params, data)
     _close(info.norms, ref_info.norms)
     _close(got, ref)
@@ -99,9 +101,7 @@ def test_split_concat_scan_checkpoint_keep_the_ghost_path(ghost_sum):
             loss,
             params,
             data,
-            clip=float(
-                np.median(np.asarray(clipped_grad(loss, 1.0, method="vmap")(params, data)[1].norms))
-            ),
+            clip=float(np.median(np.asarray(vmap_reference(loss, params, data, 1.0)[1].norms))),
             ghost_sum=ghost_sum,
         )
     assert 0 < int(info.num_clipped) < B
@@ -478,11 +478,9 @@ def test_flattened_cross_entropy_keeps_the_ghost_path():
     _compare(merged_twice, {"w": params["w"]}, data, clip=0.3)
 
 
-@pytest.mark.parametrize("ghost_sum", ["backward", "bookkeeping"])
-def test_layers_on_flattened_tokens_keep_the_ghost_path(ghost_sum):
-    """``x.reshape(-1, d) @ w + b`` on every token of the batch at once: dense and bias sites on a
-    merged batch (each example's rows regrouped as positions), tied too; a dropped example that
-    holds NaN contributes nothing."""
+@functools.cache  # one loss function: both sum modes share its vmap programs
+def _flattened_tokens_setup():
+    """Dense and bias layers on the batch's tokens merged into one axis, the weight used twice."""
     r = np.random.default_rng(10)
     params = {
         "w": _w(r, D, D),
@@ -497,6 +495,15 @@ def test_layers_on_flattened_tokens_keep_the_ghost_path(ghost_sum):
         back = (h @ p["w"].T).reshape(-1, T, D)  # the same weight again: tied
         return xent(jnp.mean(back, axis=1) @ p["head"], b["y"])
 
+    return loss, params, data
+
+
+@pytest.mark.parametrize("ghost_sum", ["backward", "bookkeeping"])
+def test_layers_on_flattened_tokens_keep_the_ghost_path(ghost_sum):
+    """``x.reshape(-1, d) @ w + b`` on every token of the batch at once: dense and bias sites on a
+    merged batch (each example's rows regrouped as positions), tied too; a dropped example that
+    holds NaN contributes nothing."""
+    loss, params, data = _flattened_tokens_setup()
     kinds = dict(ghost_report(loss, params, data).ghost)
     assert kinds == {
         "['w']": "tied:dense+dense",
@@ -512,7 +519,7 @@ def test_layers_on_flattened_tokens_keep_the_ghost_path(ghost_sum):
     _compare(loss, params, data, clip=0.5, ghost_sum=ghost_sum)
     mask = jnp.arange(B) != 2
     bad = {**data, "x": data["x"].at[2].set(jnp.nan)}
-    ref, _ = clipped_grad(loss, 0.5, method="vmap")(params, bad, mask=mask)
+    ref, _ = vmap_reference(loss, params, bad, 0.5, mask=mask)
     got, _ = clipped_grad(loss, 0.5, method="ghost", ghost_sum=ghost_sum)(params, bad, mask=mask)
     _close(got, ref)
 
@@ -543,6 +550,6 @@ def test_class_token_joined_to_the_patches_keeps_the_ghost_path(how):
         _compare(loss, params, data, clip=0.5)
     mask = jnp.arange(B) != 1
     bad = {**data, "x": data["x"].at[1].set(jnp.inf)}
-    ref, _ = clipped_grad(loss, 0.5, method="vmap")(params, bad, mask=mask)
+    ref, _ = vmap_reference(loss, params, bad, 0.5, mask=mask)
     got, _ = clipped_grad(loss, 0.5, method="ghost")(params, bad, mask=mask)
     _close(got, ref)
