@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from gradclip_jax._core import norms as _norms
+from gradclip_jax._core.deprecations import top_level_getattr
 from gradclip_jax._core.factors import (
     normalize_factor,
     rescale_tree,
@@ -20,14 +21,12 @@ from gradclip_jax._core.factors import (
     validate_shape_args,
 )
 from gradclip_jax._core.hyperparam_rules import Hyperparams, poison
-from gradclip_jax._core.norms import (
-    DimLike,
-    OrdLike,
-    leaf_norms as leaf_norms,  # kept for old imports; home: gradclip_jax
-    tree_norm as tree_norm,
-)
+from gradclip_jax._core.norms import DimLike, OrdLike
 from gradclip_jax._core.validation import check_scalar
 from gradclip_jax.transforms.value import clip_value_tree
+
+# The norms this module used to show; ``gradclip_jax`` is their home (one release).
+__getattr__ = top_level_getattr(__name__, ("leaf_norms", "tree_norm"))
 
 __all__: list[str] = []  # every name here has its home elsewhere (CONTRIBUTING.md, "Import paths")
 

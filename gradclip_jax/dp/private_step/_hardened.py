@@ -21,7 +21,7 @@ from gradclip_jax.dp.hardened import (
 )
 from gradclip_jax.dp.hardened._entropy import check_generator
 from gradclip_jax.dp.hardened._integer_grid import check_grid_scale
-from gradclip_jax.dp.sampling import PoissonSampler
+from gradclip_jax.dp.sampling.poisson import PoissonSampler
 from gradclip_jax.per_example.api import ClippedGradInfo
 
 # hardened= spellings: True is the sum of normals (any clipping method, any accountant)

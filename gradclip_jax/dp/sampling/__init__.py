@@ -17,13 +17,8 @@ The modules ``gradclip_jax.dp.batch_selection`` and ``gradclip_jax.dp.user_sampl
 are the old homes of ``protocol`` and ``users``, kept for one release as deprecation shims.
 """
 
-from gradclip_jax.dp.sampling.poisson import (
-    BatchOverflowError as BatchOverflowError,
-    PoissonBatch as PoissonBatch,
-    PoissonSampler as PoissonSampler,
-    max_batch_size_for,
-    overflow_probability,
-)
+from gradclip_jax._core.deprecations import top_level_getattr
+from gradclip_jax.dp.sampling.poisson import max_batch_size_for, overflow_probability
 from gradclip_jax.dp.sampling.protocol import (
     NEIGHBORING,
     BatchSampler,
@@ -33,6 +28,9 @@ from gradclip_jax.dp.sampling.protocol import (
     processes,
 )
 from gradclip_jax.dp.sampling.users import UserBatch, UserPoissonSampler, user_loss
+
+# The Poisson sampler's names this package used to show; ``gradclip_jax`` is their home (one release).
+__getattr__ = top_level_getattr(__name__, ("BatchOverflowError", "PoissonBatch", "PoissonSampler"))
 
 __all__ = [
     "NEIGHBORING",

@@ -10,13 +10,9 @@ table), ``_measure`` and ``_sums`` (norms and clipped sums), ``_strategy`` (the
 
 from typing import TYPE_CHECKING
 
+from gradclip_jax._core.deprecations import top_level_getattr
 from gradclip_jax._core.settings import forward_settings
-from gradclip_jax.per_example.ghost._analysis import (
-    GhostFallbackWarning as GhostFallbackWarning,
-    GhostReport as GhostReport,
-    ghost_report as ghost_report,
-    policy,
-)
+from gradclip_jax.per_example.ghost._analysis import policy
 
 if (
     TYPE_CHECKING
@@ -32,6 +28,9 @@ forward_settings(
     policy,
     ("AUTO_MIN_ELEMENTS", "AUTO_MIN_ELEMENTS_NO_FALLBACK", "BOOKKEEPING_MAX_SHARE"),
 )
+
+# The report and the warning this package used to show; ``gradclip_jax`` is their home (one release).
+__getattr__ = top_level_getattr(__name__, ("GhostFallbackWarning", "GhostReport", "ghost_report"))
 
 __all__ = [
     "AUTO_MIN_ELEMENTS",

@@ -95,7 +95,7 @@ def test_huge_gradients_stay_in_range(streamed):
     np.testing.assert_allclose(got, want, rtol=1e-4)
 
 
-@pytest.mark.filterwarnings("ignore::gradclip_jax.per_example.ghost.GhostFallbackWarning")
+@pytest.mark.filterwarnings("ignore::gradclip_jax.GhostFallbackWarning")
 def test_step_used_twice_is_not_streamed(streamed):
     """A stacked leaf read twice in a step (cross terms between the uses): not streamed, and exact."""
     r = np.random.default_rng(1)
