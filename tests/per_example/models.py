@@ -157,7 +157,7 @@ def assert_tree_close(a, b, rtol=2e-5, atol=2e-6):
 def _vmap_program(loss, kw_items):
     """``clipped_grad(loss, clip, method='vmap', **kw)`` jitted with the clip norm and the mask as
     arguments: one program for every clip norm and mask a test passes with these keywords."""
-    from gradclip_jax.per_example import clipped_grad
+    from gradclip_jax import clipped_grad
 
     kw = dict(kw_items)
 
