@@ -45,7 +45,7 @@ from gradclip_jax.per_example.api import (
     per_example_layer_norm_clip,
     per_example_norms,
 )
-from gradclip_jax.per_example.ghost._analysis import GhostFallbackWarning, GhostReport, ghost_report
+from gradclip_jax.per_example.internal import GhostFallbackWarning, GhostReport, ghost_report
 from gradclip_jax.transforms.adagc import AdaGCState, adagc
 from gradclip_jax.transforms.agc import AdaptiveGradClipState, adaptive_grad_clip, unit_axes
 from gradclip_jax.transforms.autoclip import AutoClipState, autoclip

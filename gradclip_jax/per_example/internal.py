@@ -16,6 +16,13 @@ from gradclip_jax.per_example._config import Method, clip_factors, sensitivity_f
 from gradclip_jax.per_example._example_norms import as_rows, unrow
 from gradclip_jax.per_example._keys import example_keys
 
+# The ghost report and warning, for the top level (their home) only: not listed below
+from gradclip_jax.per_example.ghost._analysis import (
+    GhostFallbackWarning as GhostFallbackWarning,
+    GhostReport as GhostReport,
+    ghost_report as ghost_report,
+)
+
 __all__ = [
     "Method",
     "as_rows",
