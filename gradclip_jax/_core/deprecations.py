@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 __all__ = ["deprecation_getattr", "moved_names", "top_level_getattr", "warn_moved"]
@@ -41,14 +41,7 @@ def deprecation_getattr(
       The function to bind as the module's ``__getattr__``.
     """
 
-    def getattr_(name: str) -> Any:
-        if name in deprecations:
-            message, obj = deprecations[name]
-            warnings.warn(message, DeprecationWarning, stacklevel=2)
-            return obj
-        raise AttributeError(f"module {module!r} has no attribute {name!r}")
-
-    return getattr_
+    return _warning_getattr(module, deprecations, deprecations.__getitem__)
 
 
 def moved_names(
@@ -85,16 +78,27 @@ def top_level_getattr(module: str, names: Sequence[str]) -> Callable[[str], Any]
     Returns:
       The function to bind as the package's ``__getattr__``.
     """
-    served = frozenset(names)
+
+    def entry(name: str) -> tuple[str, Any]:
+        top = importlib.import_module("gradclip_jax")
+        return moved_message(f"{module}.{name}", f"gradclip_jax.{name}"), getattr(top, name)
+
+    return _warning_getattr(module, frozenset(names), entry)
+
+
+def _warning_getattr(
+    module: str, served: Collection[str], entry: Callable[[str], tuple[str, Any]]
+) -> Callable[[str], Any]:
+    """A module ``__getattr__``: a name in ``served`` warns ``entry(name)``'s message
+    (``DeprecationWarning``, at the reader's line) and returns its object; any other name is
+    an ``AttributeError``, as for a module without the hook. ``entry`` is called on each read,
+    so an object can be resolved lazily."""
 
     def getattr_(name: str) -> Any:
         if name in served:
-            warnings.warn(
-                moved_message(f"{module}.{name}", f"gradclip_jax.{name}"),
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            return getattr(importlib.import_module("gradclip_jax"), name)
+            message, obj = entry(name)
+            warnings.warn(message, DeprecationWarning, stacklevel=2)
+            return obj
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
 
     return getattr_

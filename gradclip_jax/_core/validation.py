@@ -396,20 +396,37 @@ def either_spelling(
     return out
 
 
-def clip_norm_arg(fn: str, l2_clip_norm: Any, l2_norm_clip: Any) -> Any:
+def clip_norm_arg(
+    fn: str, l2_clip_norm: Any, l2_norm_clip: Any, *, default: Any = None, **bounds: Any
+) -> Any:
     """The clip norm :math:`C`, given as ``l2_clip_norm`` (canonical) or ``l2_norm_clip``.
 
     The DP API accepts both spellings without a warning: ``l2_clip_norm`` is
     jax-privacy's and this library's canonical name, ``l2_norm_clip`` optax's
     and TensorFlow Privacy's, so code written for either peer runs unchanged.
+    Every function that takes the clip norm reads it here.
+
+    Args:
+      fn: the public function the user called (starts every message).
+      l2_clip_norm, l2_norm_clip: what was given under each spelling (``None``: not given).
+      default: the value when neither was given (``None``, the default: one must be).
+      **bounds: when given, the value must be a plain number within them
+        (:func:`check_number`'s keywords, e.g. ``low=0.0, low_inclusive=False``),
+        and is returned as a Python float.
 
     Raises:
-      TypeError: naming both spellings when both were given, or when neither was.
+      TypeError: naming both spellings when both were given, or ``l2_clip_norm``
+        when neither was and there is no default.
+      ValueError: for a value outside ``bounds``.
 
     Example:
       >>> clip_norm_arg("dpsgd", None, 0.5)
       0.5
+      >>> clip_norm_arg("audit", None, None, default=1.0, low=0.0, low_inclusive=False)
+      1.0
     """
-    return either_spelling(
-        fn, "l2_clip_norm", "l2_norm_clip", l2_clip_norm, l2_norm_clip, required=True
+    c = either_spelling(
+        fn, "l2_clip_norm", "l2_norm_clip", l2_clip_norm, l2_norm_clip, required=default is None
     )
+    c = default if c is None else c
+    return check_number(fn, "l2_clip_norm", c, **bounds) if bounds else c

@@ -58,7 +58,7 @@ except ImportError as err:  # pragma: no cover - exercised without the extra
         "pip install 'gradclip_jax[jax-privacy]'"
     ) from err
 
-from gradclip_jax._core.validation import either_spelling
+from gradclip_jax._core.validation import clip_norm_arg
 from gradclip_jax.interop import jax_privacy as _dropin
 
 __all__ = ["MFPlan", "bandmf_plan", "blt_plan", "with_gradclip"]
@@ -232,12 +232,6 @@ def _check(
         )
 
 
-def _clip_norm(fn: str, l2_clip_norm: float | None, l2_norm_clip: float | None) -> float:
-    """The clip norm under either spelling (``l2_clip_norm``, optax's ``l2_norm_clip``); default 1.0."""
-    c = either_spelling(fn, "l2_clip_norm", "l2_norm_clip", l2_clip_norm, l2_norm_clip)
-    return 1.0 if c is None else c
-
-
 def bandmf_plan(
     *,
     num_examples: int,
@@ -293,7 +287,7 @@ def bandmf_plan(
       >>> plan.sampling_prob, plan.epsilon <= 2.0, plan.strategy.shape
       (0.2, True, (4,))
     """
-    l2_clip_norm = _clip_norm("bandmf_plan", l2_clip_norm, l2_norm_clip)
+    l2_clip_norm = clip_norm_arg("bandmf_plan", l2_clip_norm, l2_norm_clip, default=1.0)
     _check(
         num_examples,
         expected_batch_size,
@@ -480,7 +474,7 @@ def blt_plan(
       >>> plan.sampling_prob, plan.epsilon <= 4.0, plan.strategy.shape
       (1.0, True, (30,))
     """
-    l2_clip_norm = _clip_norm("blt_plan", l2_clip_norm, l2_norm_clip)
+    l2_clip_norm = clip_norm_arg("blt_plan", l2_clip_norm, l2_norm_clip, default=1.0)
     _check(
         num_examples,
         expected_batch_size,

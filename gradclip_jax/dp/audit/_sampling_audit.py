@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gradclip_jax._core.validation import check_choice, check_int, check_number, either_spelling
+from gradclip_jax._core.validation import check_choice, check_int, clip_norm_arg
 from gradclip_jax.dp.private_step import PrivateTraining, make_private
 from gradclip_jax.dp.sampling.protocol import BatchSampler, check_sampler
 
@@ -274,8 +274,7 @@ def audit_sampling(
     seed = check_int(fn, "seed", seed, 0)
     chunk_size = check_int(fn, "chunk_size", chunk_size, 1)
     background = check_choice(fn, "background", background, BACKGROUNDS)
-    c = either_spelling(fn, "l2_clip_norm", "l2_norm_clip", l2_clip_norm, l2_norm_clip)
-    c = check_number(fn, "l2_clip_norm", 1.0 if c is None else c, low=0.0, low_inclusive=False)
+    c = clip_norm_arg(fn, l2_clip_norm, l2_norm_clip, default=1.0, low=0.0, low_inclusive=False)
     first, n, steps = _first_sampler(fn, sampler_for_seed, seed)
     block = _epoch_block(fn, steps, epoch_steps)
     priv = make_private(

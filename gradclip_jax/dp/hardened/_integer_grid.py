@@ -26,24 +26,21 @@ from gradclip_jax.per_example.internal import (
 # for the noise (at most 13.3 sigma <= 2**20 on a table) with room to spare.
 SUM_LIMIT = 1 << 30
 
+# The clip norm and the grid scale of a grid function: finite Python numbers > 0.
+_POSITIVE_FINITE = {"low": 0.0, "low_inclusive": False, "allow_inf": False}
+
 
 def check_grid_scale(fn: str, grid_scale: Any) -> float:
     """``grid_scale`` as a Python float, a power of two (so scaling by it is exact in floating point)."""
     if grid_scale is None:
         raise TypeError(f"{fn}: missing the required argument `grid_scale`")
-    g = check_number(fn, "grid_scale", grid_scale, low=0.0, low_inclusive=False, allow_inf=False)
+    g = check_number(fn, "grid_scale", grid_scale, **_POSITIVE_FINITE)
     if math.frexp(g)[0] != 0.5:
         raise ValueError(
             f"{fn}: `grid_scale` must be a power of two (scaling by it is then exact, so the rounded "
             f"vector's norm bound holds exactly), got {g!r}; e.g. {2.0 ** round(math.log2(g))!r}"
         )
     return g
-
-
-def grid_clip_norm(fn: str, l2_clip_norm: Any, l2_norm_clip: Any) -> float:
-    """The clip norm :math:`C` of a grid function, under either spelling: a finite Python number > 0."""
-    c = clip_norm_arg(fn, l2_clip_norm, l2_norm_clip)
-    return check_number(fn, "l2_clip_norm", c, low=0.0, low_inclusive=False, allow_inf=False)
 
 
 def grid_sensitivity(
@@ -68,7 +65,7 @@ def grid_sensitivity(
     example. ``l2_norm_clip`` (optax's spelling) is accepted for ``l2_clip_norm``.
     """
     fn = "grid_sensitivity"
-    c = grid_clip_norm(fn, l2_clip_norm, l2_norm_clip)
+    c = clip_norm_arg(fn, l2_clip_norm, l2_norm_clip, **_POSITIVE_FINITE)
     g = check_grid_scale(fn, grid_scale)
     return sensitivity_factor(neighboring, fn) * g * c
 
@@ -91,7 +88,7 @@ def grid_noise_multiplier(
       1.07421875
     """
     s = check_sigma("grid_noise_multiplier", sigma)
-    c = grid_clip_norm("grid_noise_multiplier", l2_clip_norm, l2_norm_clip)
+    c = clip_norm_arg("grid_noise_multiplier", l2_clip_norm, l2_norm_clip, **_POSITIVE_FINITE)
     return s / grid_sensitivity(c, grid_scale, neighboring)
 
 
@@ -141,7 +138,7 @@ def grid_clipped_sum(
       Array([229, 306], dtype=int32)
     """
     fn = "grid_clipped_sum"
-    c = grid_clip_norm(fn, l2_clip_norm, l2_norm_clip)
+    c = clip_norm_arg(fn, l2_clip_norm, l2_norm_clip, **_POSITIVE_FINITE)
     g = check_grid_scale(fn, grid_scale)
     flat, batch = batch_flatten(per_example_grads, fn)
     if batch is None:
