@@ -329,6 +329,15 @@ def scan_remat(jaxpr: Any) -> Remat | None:
     return None
 
 
+def checkpointed(jaxpr: Any) -> bool:
+    """Whether ``jaxpr`` runs anything under a ``jax.checkpoint`` (at any depth): the loss asks
+    for activations to be recomputed rather than stored, which the probed path undoes."""
+    return any(
+        e.primitive.name in names.REMAT or any(checkpointed(j) for j in jc.sub_jaxprs(e))
+        for e in jaxpr.eqns
+    )
+
+
 def trace(loss: Callable[..., Any], params: Any, batch: Any, args: Sequence[Any]) -> Any:
     """The closed jaxpr of :func:`trace_kept`."""
     return trace_kept(loss, params, batch, args)[0]
@@ -336,22 +345,23 @@ def trace(loss: Callable[..., Any], params: Any, batch: Any, args: Sequence[Any]
 
 def trace_kept(
     loss: Callable[..., Any], params: Any, batch: Any, args: Sequence[Any]
-) -> tuple[Any, Remat | None]:
+) -> tuple[Any, Remat | None, bool]:
     """The closed jaxpr of ``loss(params, batch, args)`` over the flattened inputs, calls
     inlined, scans over stacked layers kept as loops with their bodies inlined, other
     short scans over parameters unrolled, splits and dynamic slices at indices
     known while tracing written as static slices, and tiles along size-1 axes as broadcasts.
 
     ``loss`` is called exactly once (the inlining re-traces the jaxpr, not ``loss``). Also returns
-    the checkpoint the scans' bodies ran under (:func:`scan_remat`), which the inlining removes.
+    the checkpoint the scans' bodies ran under (:func:`scan_remat`), which the inlining removes,
+    and whether the loss checkpoints anything (:func:`checkpointed`).
     """
     closed = jax.make_jaxpr(loss)(params, batch, tuple(args))
-    remat = scan_remat(closed.jaxpr)
+    remat, ckpt = scan_remat(closed.jaxpr), checkpointed(closed.jaxpr)
     if not any(
         e.primitive.name in names.INLINE or e.primitive.name in names.RETRACED
         for e in closed.jaxpr.eqns
     ):
-        return closed, remat
+        return closed, remat, ckpt
     n_params = len(jax.tree_util.tree_leaves(params))
     deps = [i < n_params for i in range(len(closed.jaxpr.invars))]
 
@@ -360,7 +370,7 @@ def trace_kept(
             closed.jaxpr, closed.consts, jax.tree_util.tree_leaves((p, b, a)), deps, deps
         )[0][0]
 
-    return jax.make_jaxpr(inlined)(params, batch, tuple(args)), remat
+    return jax.make_jaxpr(inlined)(params, batch, tuple(args)), remat, ckpt
 
 
 def run_probed(

@@ -259,7 +259,9 @@ def run_ghost(config: ClipConfig, call: Call) -> tuple[Any, ClippedGradInfo]:
     check_per_example(config.fn, traced.plan.crossing)
     check_sum_precision(config, traced.plan, call.pflat)
     warn_fallback(traced.plan, call.pflat, call.bsize, config.method, config.fn, config.origin)
-    if not use_ghost(traced, call.pflat, call.bsize, config.method):
+    if not use_ghost(
+        traced, call.pflat, call.bsize, config.method, streams(config, traced, call.pflat)
+    ):
         return run_vmap(config, call, checked=True)
     clips = clip_budgets(config, call.params, call.pflat)
 

@@ -23,7 +23,6 @@ per-leaf weights alike.
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,7 +40,7 @@ from gradclip_jax.per_example._example_norms import (
     combine_l2_stacked,
     leaf_example_norms,
 )
-from gradclip_jax.per_example.ghost._analysis import Traced
+from gradclip_jax.per_example.ghost._analysis import Traced, own_uses
 from gradclip_jax.per_example.ghost._jaxpr import evaluate, site_eqn
 from gradclip_jax.per_example.ghost._measure import (
     LeafNorms,
@@ -63,23 +62,19 @@ def streams(config: ClipConfig, traced: Traced, pflat: _norms.FlatTree) -> bool:
     (used once, or once per layer of a scan: no cross terms between uses), none summed in one
     rounding pass (whose norm the weighting would have to raise), the plan of the batched loss."""
     closed, plan = traced
-    if (config.ghost_sum is GhostSum.BOOKKEEPING and not config.per_layer) or plan.one_example:
+    if config.ghost_sum is GhostSum.BOOKKEEPING and not config.per_layer:
         return False  # (book-keeping asked for by name: the probed path's)
-    if not plan.row_wise or any(i not in plan.ghost for i in pflat.active):
+    if not own_uses(plan, pflat):
         return False
     if plan.remat is None and config.nan_safe:
         # Without checkpoints both paths store the activations; NaN-safe sums zero the dropped
         # examples' operands, which here XLA does on a copy of them all (1.7x the non-private
         # step's temporaries on a Llama decoder, against 1.4x for the probed path).
         return False
-    uses = Counter(s.leaf for s in plan.sites)
-    for s in plan.sites:
-        # (several uses: disjoint blocks of the leaf, not two uses of one layer's block in a step)
-        if uses[s.leaf] > 1 and (s.leaf not in plan.blocks or s.scan is not None):
-            return False
-        if sums_once(s, site_eqn(closed.jaxpr, s).outvars[0].aval, pflat.leaves[s.leaf]):
-            return False
-    return True
+    return not any(
+        sums_once(s, site_eqn(closed.jaxpr, s).outvars[0].aval, pflat.leaves[s.leaf])
+        for s in plan.sites
+    )
 
 
 def _site_norm(closed: Any, site: Site, param: Any, ops: list, g: jax.Array, acc: Any) -> jax.Array:

@@ -8,6 +8,7 @@ import itertools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax import lax
 
@@ -88,6 +89,29 @@ def mostly_fallback(batch=128):
     return loss, params, data
 
 
+def decoder(batch, seq=64, d=32, vocab=64, tied=True, seed=0):
+    """A token decoder: embedding, a scan of two checkpointed residual layers, and a head that is
+    the embedding transposed (``tied``: the leaf is read twice, so the streamed path does not
+    apply) or a leaf of its own."""
+    r = np.random.default_rng(seed)
+    params = {
+        "emb": jnp.asarray(r.normal(size=(vocab, d)) / 4, jnp.float32),
+        "w": jnp.asarray(r.normal(size=(2, d, d)) / np.sqrt(d), jnp.float32),
+    }
+    if not tied:
+        params["head"] = jnp.asarray(r.normal(size=(d, vocab)) / np.sqrt(d), jnp.float32)
+    tokens = jnp.asarray(r.integers(0, vocab, (batch, seq)))
+    block = jax.checkpoint(lambda h, w: h + jnp.tanh(h @ w))
+
+    def loss(p, b):
+        h, _ = lax.scan(lambda h, w: (block(h, w), None), p["emb"][b], p["w"])
+        logits = h @ (p["emb"].T if tied else p["head"])
+        xent = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], b[:, 1:])
+        return jnp.mean(xent, -1)
+
+    return loss, params, tokens
+
+
 def path_taken(loss, params, data):
     """``'ghost'`` or ``'vmap'``: the path ``method='auto'`` traced, read off its program."""
 
@@ -106,6 +130,11 @@ CASES = {
     "cnn, large activations": (lambda: cnn(16), "vmap", "smaller than the output cotangents"),
     "mlp with a fallback leaf": (lambda: mlp(8, scale=True), "vmap", "1 of 5 leaves fall back"),
     "a fallback leaf holding most parameters": (mostly_fallback, "vmap", "less than half"),
+    "checkpointed decoder, tied head": (
+        lambda: decoder(8),
+        "vmap",
+        "which the ghost path would store (a leaf is read more than once",
+    ),
     "large mlp with a fallback leaf": (
         lambda: mlp(8, (256, 512, 10), scale=True),
         "ghost",
@@ -156,6 +185,22 @@ def test_auto_sums_equal_the_vmap_paths(case):
     for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(ref), strict=True):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
     np.testing.assert_allclose(info.norms, ref_info.norms, rtol=2e-5, atol=2e-6)
+
+
+def test_auto_weighs_the_activations_the_ghost_path_would_store():
+    """A checkpointed loss the streamed path cannot take: 'auto' takes the vmap path when one
+    example's activations outweigh its gradient, and the compiled programs agree; with short
+    sequences, or with the streamed path (an untied head), the memory rule does not apply."""
+    loss, params, data = decoder(8)
+
+    def temporaries(method):
+        compiled = jax.jit(clipped_grad(loss, 1.0, method=method)).lower(params, data).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    assert "would store" in ghost_report(loss, params, data).auto[1]
+    assert temporaries("vmap") < temporaries("ghost")
+    for short in (decoder(8, seq=2, d=64), decoder(8, tied=False)):
+        assert "would store" not in ghost_report(*short).auto[1]
 
 
 def test_a_report_built_by_hand_has_no_auto_line():

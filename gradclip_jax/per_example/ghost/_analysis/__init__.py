@@ -25,6 +25,8 @@ from gradclip_jax.per_example.ghost._analysis.policy import (
     auto_choice,
     backward_refusal,
     check_sum_precision,
+    memory_choice,
+    own_uses,
     sum_mode,
     use_ghost,
 )
@@ -43,6 +45,8 @@ __all__ = [
     "backward_refusal",
     "check_per_example",
     "check_sum_precision",
+    "memory_choice",
+    "own_uses",
     "ghost_report",
     "loss_crossing",
     "sum_mode",

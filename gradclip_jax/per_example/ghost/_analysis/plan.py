@@ -55,6 +55,7 @@ class Plan:
     remat: Remat | None = (
         None  # the checkpoint the scans' bodies ran under (the streamed path keeps it)
     )
+    checkpointed: bool = False  # the loss runs something under jax.checkpoint (at any depth)
 
     def ct_elems(self, jaxpr: Any) -> int:
         """Elements of the site output cotangents that book-keeping holds at once."""
@@ -242,15 +243,19 @@ def trace_and_plan(
     measures more leaves. A loss the rules find mixing examples (a reshape regrouping them, a
     loop over them) keeps its batched plan: every leaf falls back, and the warning says where."""
 
-    closed, remat = trace_kept(_flat_loss(loss_fn, has_aux, fn, bsize, check), params, batch, args)
+    closed, remat, ckpt = trace_kept(
+        _flat_loss(loss_fn, has_aux, fn, bsize, check), params, batch, args
+    )
     n_batch = len(jax.tree_util.tree_leaves(batch))
     plan = analyse(
         closed.jaxpr, len(pflat.leaves), pflat.active, n_batch, bsize, const_values(closed)
     )
-    plan.remat = remat
+    plan.remat, plan.checkpointed = remat, ckpt
     if plan.unknown is None or plan.crossing is not None:
         return Traced(closed, plan)
     one = _one_example(loss_fn, has_aux, params, pflat, batch, args, bsize, n_batch)
+    if one is not None:
+        one.plan.checkpointed = ckpt
     return (
         one if one is not None and len(one.plan.ghost) > len(plan.ghost) else Traced(closed, plan)
     )

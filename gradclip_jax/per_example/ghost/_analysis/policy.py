@@ -5,6 +5,7 @@ below float32."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import NamedTuple
 
 import jax
@@ -156,13 +157,63 @@ class AutoChoice(NamedTuple):
     why: str
 
 
+def own_uses(plan: Plan, pflat: _norms.FlatTree) -> bool:
+    """Whether every active leaf is measured by its own uses alone, on the batched loss's plan:
+    used once, once per layer of a scan, or in disjoint blocks (no cross terms between uses).
+    The streamed path's condition on the model (``_streamed.streams`` adds the configuration's)."""
+    if plan.one_example or not plan.row_wise or any(i not in plan.ghost for i in pflat.active):
+        return False
+    uses = Counter(s.leaf for s in plan.sites)
+    # several uses: disjoint blocks of the leaf, not two uses of one layer's block in a step
+    return all(uses[s.leaf] == 1 or (s.leaf in plan.blocks and s.scan is None) for s in plan.sites)
+
+
+def memory_choice(
+    plan: Plan, pflat: _norms.FlatTree, bsize: int, streamed: bool | None = None
+) -> AutoChoice | None:
+    """The vmap path, where the ghost path would hold more memory; else ``None``.
+
+    A loss that checkpoints (``jax.checkpoint``, ``nnx.remat``) asks for its activations to be
+    recomputed. The streamed ghost path keeps that (scans over checkpointed layers); otherwise
+    (a leaf read twice, such as tied embeddings; a checkpoint outside a scan) the ghost path
+    stores the activations, about ``plan.act_elems / B`` elements an example (the loss's
+    batched intermediates: longer sequences and more layers weigh more), where the vmap path
+    holds one gradient an example beside the checkpointed step's memory. Both scale with the
+    examples taken at once, so microbatching does not change which is smaller.
+
+    ``streamed``: whether the ghost path streams (``None``: as with the default configuration,
+    NaN-safe sums, which stream only where the scans' bodies are checkpointed).
+    """
+    if streamed is None:
+        streamed = own_uses(plan, pflat) and plan.remat is not None
+    if not plan.checkpointed or streamed:
+        return None
+    params = sum(_sizes(pflat).values())
+    acts = plan.act_elems // max(bsize, 1)
+    if acts <= params:
+        return None
+    where = (
+        "a leaf is read more than once, as tied weights are"
+        if not own_uses(plan, pflat)
+        else "its checkpoint is not on a scan of layers"
+    )
+    return AutoChoice(
+        "vmap",
+        f"the loss checkpoints its activations, which the ghost path would store ({where}): about "
+        f"{acts:,} elements an example, against one per-example gradient of {params:,} elements on "
+        "the vmap path",
+    )
+
+
 def _sizes(pflat: _norms.FlatTree) -> dict[int, int]:
     return {i: math.prod(np.shape(pflat.leaves[i])) for i in pflat.active}
 
 
-def auto_choice(traced: Traced, pflat: _norms.FlatTree, bsize: int) -> AutoChoice:
-    """The path ``method='auto'`` takes, from shapes alone (see :data:`AUTO_MIN_ELEMENTS` and
-    :data:`AUTO_MIN_ELEMENTS_NO_FALLBACK`), and why."""
+def auto_choice(
+    traced: Traced, pflat: _norms.FlatTree, bsize: int, streamed: bool | None = None
+) -> AutoChoice:
+    """The path ``method='auto'`` takes, from shapes alone (see :data:`AUTO_MIN_ELEMENTS`,
+    :data:`AUTO_MIN_ELEMENTS_NO_FALLBACK` and :func:`memory_choice`), and why."""
     closed, plan = traced
     if bsize == 1:
         return AutoChoice(
@@ -174,6 +225,9 @@ def auto_choice(traced: Traced, pflat: _norms.FlatTree, bsize: int) -> AutoChoic
         return AutoChoice("vmap", "the analysis cannot show that no operation mixes examples")
     if not plan.ghost:
         return AutoChoice("vmap", "no parameter leaf is measured without its per-example gradients")
+    lighter = memory_choice(plan, pflat, bsize, streamed)
+    if lighter is not None:
+        return lighter
     sizes = _sizes(pflat)
     total, ghost_size = sum(sizes.values()), sum(sizes[i] for i in plan.ghost)
     formed = bsize * ghost_size
@@ -216,8 +270,11 @@ def auto_choice(traced: Traced, pflat: _norms.FlatTree, bsize: int) -> AutoChoic
     )
 
 
-def use_ghost(traced: Traced, pflat: _norms.FlatTree, bsize: int, method: Method) -> bool:
-    """Whether to take the ghost path (else the vmap path computes everything)."""
+def use_ghost(
+    traced: Traced, pflat: _norms.FlatTree, bsize: int, method: Method, streamed: bool
+) -> bool:
+    """Whether to take the ghost path (else the vmap path computes everything); ``streamed``:
+    whether the ghost path would stream (``_streamed.streams``)."""
     if not traced.plan.row_wise or not traced.plan.ghost:
         return False
-    return method is Method.GHOST or auto_choice(traced, pflat, bsize).method == "ghost"
+    return method is Method.GHOST or auto_choice(traced, pflat, bsize, streamed).method == "ghost"
