@@ -45,6 +45,16 @@ def test_dropin_row_times_both_calls_and_reports_their_ratio_and_agreement():
     assert f"{diff:.1e}" in row["note"]
 
 
+def test_first_call_row_times_a_fresh_compile_of_each():
+    secs = bd.first_call_s(*_tiny_mlp(0, 8), rounds=1)
+    assert set(secs) == {"jax_privacy", "dropin"} and all(
+        v > 0 and math.isfinite(v) for v in secs.values()
+    )
+    row = bd.first_call_row("tiny B=8", secs, "cpu")
+    assert row["ratio"] == secs["dropin"] / secs["jax_privacy"]
+    assert row["name"].endswith("(drop-in) first call vs jax_privacy.clipped_grad's")
+
+
 @pytest.mark.slow
 def test_dropin_rows_cover_both_cpu_models_of_the_benchmarks(monkeypatch):
     """run() asks for the drop-in rows on the MLP (each batch size) and on bench_ghost's transformer."""
@@ -55,6 +65,7 @@ def test_dropin_rows_cover_both_cpu_models_of_the_benchmarks(monkeypatch):
         return {"jax_privacy": 2.0, "dropin": 1.0}, 0.0
 
     monkeypatch.setattr(bd, "dropin_ms", fake_ms)
+    monkeypatch.setattr(bd, "first_call_s", lambda *a: {"jax_privacy": 2.0, "dropin": 1.0})
     monkeypatch.setattr(bd, "interleaved_ms", lambda fns, *a, **k: {name: 1.0 for name in fns})
     monkeypatch.setattr(bd, "compiled_mb", lambda *a, **k: (1.0, 1.0))
     rows = [r for r in bd.run(quick=True) if "(drop-in)" in r["name"]]
@@ -62,6 +73,8 @@ def test_dropin_rows_cover_both_cpu_models_of_the_benchmarks(monkeypatch):
     assert names == [
         "mlp 784-512-512-10 B=32",
         "mlp 784-512-512-10 B=128",
+        "transformer 2x128 T=64 B=32",
+        "mlp 784-512-512-10 B=32",
         "transformer 2x128 T=64 B=32",
     ]
     assert all(r["ratio"] == 0.5 for r in rows)
