@@ -309,6 +309,11 @@ def _vary_over(x: Any, axes: frozenset) -> Any:
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
+def manual_axes(x: Any) -> frozenset:
+    """The ``shard_map`` axes ``x`` varies over (empty outside ``shard_map``)."""
+    return _vma(x)
+
+
 def vary_like(x: jax.Array, ref: Any) -> jax.Array:
     """``x`` marked as varying over every ``shard_map`` axis ``ref`` varies over."""
     return _vary_over(x, _vma(ref))  # type: ignore[no-any-return]

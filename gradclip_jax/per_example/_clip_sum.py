@@ -63,23 +63,40 @@ def scan_weighted_sum(
     weights: Sequence[jax.Array],
     xs: Any,
     rows_of: Callable[[Any], Sequence[jax.Array]],
+    lanes: int = 1,
 ) -> list[jax.Array]:
-    """``sum_b [keep_b] w_{l,b} rows_of(x_b)[l]`` one example at a time in a ``lax.scan``.
+    """``sum_b [keep_b] w_{l,b} rows_of(x_b)[l]`` ``lanes`` examples at a time in a ``lax.scan``.
 
     A dropped example contributes exactly zero even when its rows hold NaN or
-    inf, and no second copy of the per-example rows is formed.
+    inf, and no second copy of the per-example rows is formed. The batch is cut
+    into ``lanes`` contiguous blocks and step ``i`` takes example ``i`` of every
+    block (``lanes`` must divide the batch): with the batch sharded over devices
+    in as many blocks as ``lanes`` (or a divisor of it), each step reads one
+    example on each device, where slicing the sharded batch axis one example at
+    a time makes the SPMD partitioner gather the whole batch onto every device.
     """
     accs = [c.dtype for c in init]
+    steps = keep.shape[0] // lanes
+
+    def split(x: jax.Array) -> jax.Array:  # (B, ...) -> (steps, lanes, ...): step i, block a
+        return jnp.swapaxes(jnp.reshape(x, (lanes, steps, *x.shape[1:])), 0, 1)
 
     def body(carry: list, step: tuple) -> tuple:
         k, ws, x = step
-        new = [
-            c + jnp.where(k, w.astype(a) * r.astype(a), jnp.zeros((), a))
-            for c, w, r, a in zip(carry, ws, rows_of(x), accs, strict=True)
-        ]
+        if lanes == 1:  # (one device: no batched gradient of one example)
+            rows = [r[None] for r in rows_of(jax.tree_util.tree_map(lambda v: v[0], x))]
+        else:
+            rows = list(jax.vmap(rows_of)(x))
+        new = []
+        for c, w, r, a in zip(carry, ws, rows, accs, strict=True):
+            shape = (lanes,) + (1,) * (r.ndim - 1)
+            w_r = jnp.reshape(w.astype(a), shape) * r.astype(a)
+            kept = jnp.where(jnp.reshape(k, shape), w_r, jnp.zeros((), a))
+            new.append(c + jnp.sum(kept, axis=0))
         return new, None
 
-    out, _ = lax.scan(body, init, (keep, list(weights), xs))
+    xs = jax.tree_util.tree_map(split, xs)
+    out, _ = lax.scan(body, init, (split(keep), [split(w) for w in weights], xs))
     return out  # type: ignore[no-any-return]
 
 

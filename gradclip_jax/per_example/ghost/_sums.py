@@ -3,6 +3,7 @@ backward pass, book-keeping, and the NaN-safe path both fall back to."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ from gradclip_jax.per_example._batch import (
     Call,
     batch_axis_sharding,
     first_leaf,
+    manual_axes,
     one_example_loss,
     vary_like,
 )
@@ -264,6 +266,16 @@ def bookkept_sums(
     return out
 
 
+def _lanes(ref: jax.Array) -> int:
+    """Examples per step of the loop over a batch led by ``ref`` (:func:`scan_weighted_sum`): one
+    per device the batch can be sharded over, ``gcd(B, devices)`` (nothing at trace time says
+    how it is sharded; a batch sharded over ``D`` devices, ``D`` dividing both, is read locally),
+    and one inside ``shard_map`` (``ref`` is then this device's own examples)."""
+    if manual_axes(ref):
+        return 1
+    return math.gcd(ref.shape[0], jax.device_count())
+
+
 def clipped_sums(
     fast: Callable[[jax.Array | None], list[jax.Array]],
     config: ClipConfig,
@@ -312,7 +324,12 @@ def clipped_sums(
         ref = first_leaf(batch)
         init = [vary_like(jnp.zeros(x.shape, _norms.sum_dtype(x.dtype)), ref) for x in pflat.arrays]
         return scan_weighted_sum(
-            init, keep, ws, batch, lambda ex: _norms.flatten(grad_of(ex), config.fn).arrays
+            init,
+            keep,
+            ws,
+            batch,
+            lambda ex: _norms.flatten(grad_of(ex), config.fn).arrays,
+            lanes=_lanes(ref),
         )
 
     risky = jnp.any(~keep & ~finite)
