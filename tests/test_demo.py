@@ -19,6 +19,9 @@ import numpy as np
 
 from gradclip_jax import demo
 
+# the module-scoped demo run (about 10 s) is trained once, on one worker
+pytestmark = pytest.mark.xdist_group("demo_run")
+
 # Measured with these settings (300 steps, batch 64 (expected, Poisson, for DP-SGD),
 # epsilon 3, seeds 0-2): DP-SGD test accuracy 0.92-0.94 and 0.96-0.97 without DP;
 # the thresholds leave a margin.

@@ -5,6 +5,7 @@ jax-privacy's), bad arguments are named, and the guide page runs."""
 
 from __future__ import annotations
 
+import functools
 import math
 import pathlib
 import re
@@ -43,6 +44,18 @@ def small_plan():
     return cn.bandmf_plan(**SMALL, l2_clip_norm=0.5)
 
 
+# Each plan calibrates its noise for about 10 s: the tests that share a plan (a module-scoped
+# fixture, or a cached plan) are one xdist group, so that one worker calibrates it once.
+SMALL_PLAN = pytest.mark.xdist_group("correlated_noise_small_plan")
+ONE_BAND = pytest.mark.xdist_group("correlated_noise_one_band")
+
+
+@functools.cache
+def _one_band_plan():
+    """SMALL with one band and 100 iterations: DP-SGD through ``bandmf_plan``."""
+    return cn.bandmf_plan(**{**SMALL, "num_bands": 1, "iterations": 100})
+
+
 def _noise(transform, shape, steps):
     """The noise ``transform`` adds at each of ``steps`` steps to a zero gradient: ``(steps, *shape)``."""
     zero = jnp.zeros(shape, jnp.float32)
@@ -54,6 +67,7 @@ def _noise(transform, shape, steps):
     return np.stack(out)
 
 
+@SMALL_PLAN
 def test_noise_is_the_strategy_inverse_times_iid_gaussians(small_plan):
     """N = C^{-1} Z: C @ N (C from jax-privacy's own materialize_lower_triangular) is white, of
     standard deviation noise_multiplier * sensitivity * ||coef||; N's covariance is sigma^2 C^{-1} C^{-T}."""
@@ -74,21 +88,25 @@ def test_noise_is_the_strategy_inverse_times_iid_gaussians(small_plan):
     assert np.corrcoef(noise[0], noise[1])[0, 1] < -0.1
 
 
+@ONE_BAND
 def test_one_band_is_white_noise():
-    plan = cn.bandmf_plan(**{**SMALL, "num_bands": 1})
+    plan = _one_band_plan()
     np.testing.assert_array_equal(plan.strategy, [1.0])
     noise = _noise(plan.noise_addition_transform, (100_000,), 4)
     sigma = plan.noise_multiplier / SMALL["expected_batch_size"]
     np.testing.assert_allclose(np.cov(noise), sigma**2 * np.eye(4), atol=0.03 * sigma**2)
 
 
-@pytest.mark.parametrize("relation", ["add_or_remove", "zero_out"])
 @pytest.mark.parametrize(
-    ("bands", "target"),
-    # a large target is the same code path at 3x the calibration time: slow
-    [(1, 1.0), (4, 1.0), pytest.param(4, 8.0, marks=pytest.mark.slow)],
+    ("bands", "target", "relation"),
+    [
+        *[(b, 1.0, r) for b in (1, 4) for r in ("add_or_remove", "zero_out")],
+        # a large target is the same code path at 3x the calibration time: slow, and once (the
+        # relation only changes which dp-accounting PLD is calibrated, as at target 1 above)
+        pytest.param(4, 8.0, "add_or_remove", marks=pytest.mark.slow),
+    ],
 )
-def test_epsilon_at_most_target_by_dp_accounting(relation, bands, target):
+def test_epsilon_at_most_target_by_dp_accounting(bands, target, relation):
     """The run's event, rebuilt from the public description (ceil(T/b) Poisson-sampled Gaussians of
     rate q = B b / n) and composed by dp-accounting's PLD and RDP accountants: epsilon <= target."""
     n, batch, steps, delta = 1347, 64, 100, 1e-5
@@ -117,15 +135,17 @@ def test_epsilon_at_most_target_by_dp_accounting(relation, bands, target):
         assert dp_accounting.rdp.RdpAccountant().compose(event).get_epsilon(delta) >= 0.97 * target
 
 
+@ONE_BAND
 def test_one_band_calibrates_like_make_private():
     """num_bands=1 is DP-SGD: jax-privacy's calibration gives gradclip_jax.dp's noise multiplier."""
     from gradclip_jax.dp.accounting import calibrate_noise_multiplier
 
-    plan = cn.bandmf_plan(**{**SMALL, "num_bands": 1, "iterations": 100})
+    plan = _one_band_plan()
     ours = calibrate_noise_multiplier(SMALL["epsilon"], 50 / 1000, 100, SMALL["delta"], "pld")
     assert plan.noise_multiplier == pytest.approx(ours, rel=1e-3)
 
 
+@SMALL_PLAN
 def test_batches_follow_the_bands(small_plan):
     """Each example is only ever in steps of one residue mod num_bands; batches average B."""
     batches = list(small_plan.batch_selection_strategy.batch_iterator(1000, rng=0))
@@ -141,14 +161,22 @@ def _mean_loss(loss):
     return lambda p, b: jnp.mean(loss(p, b))
 
 
+@functools.cache
+def _plan_of_ten(method):
+    """The SMALL plan with an expected batch of 10, for ``method``: each calibrated once (about
+    10 s), shared by the slow tests below (one xdist group, so one worker calibrates them)."""
+    return cn.bandmf_plan(**{**SMALL, "expected_batch_size": 10}, method=method)
+
+
 @pytest.mark.slow
+@pytest.mark.xdist_group("correlated_noise_plans")
 @pytest.mark.parametrize("method", ["ghost", "vmap"])
 def test_noised_sum_is_our_clipped_sum(method):
     """noisy(g) - noisy(0) (same noise state) is gradclip_jax's clipped sum / B, and jax-privacy's."""
     loss, params, data = mlp_setup()
     rows = jax.tree.leaves(data)[0].shape[0]
     padding = jnp.arange(rows) >= rows - 2
-    plan = cn.bandmf_plan(**{**SMALL, "expected_batch_size": 10}, method=method)
+    plan = _plan_of_ten(method)
     # jitted: called eagerly, each clipped sum dispatches (and compiles) its operations one by one
     grads = jax.jit(plan.clipped_grad(_mean_loss(loss), batch_argnums=1))(
         params, data, is_padding_example=padding
@@ -172,11 +200,12 @@ def test_noised_sum_is_our_clipped_sum(method):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("correlated_noise_plans")
 def test_ghost_and_vmap_plans_give_the_same_noisy_gradient():
     loss, params, data = mlp_setup()
     out = {}
     for method in ("ghost", "vmap"):
-        plan = cn.bandmf_plan(**SMALL, method=method)
+        plan = _plan_of_ten(method)
         state = plan.noise_addition_transform.init(params)
         grad_fn = jax.jit(plan.clipped_grad(_mean_loss(loss), batch_argnums=1))
         for _ in range(3):  # the third step's noise mixes three draws
@@ -299,12 +328,16 @@ def blt_small():
     return cn.blt_plan(**BLT, l2_clip_norm=0.5)
 
 
+BLT_PLAN = pytest.mark.xdist_group("correlated_noise_blt_plan")  # one worker calibrates blt_small
+
+
 def _blt_sensitivity_by_brute_force(coefs, t, cycle):
     """max ||C 1_P|| over the participation patterns the cyclic batches produce: {j, j + b, ...}."""
     c = np.asarray(toeplitz.materialize_lower_triangular(coefs, n=t), np.float64)
     return max(np.linalg.norm(c[:, j::cycle].sum(axis=1)) for j in range(cycle))
 
 
+@BLT_PLAN
 def test_blt_noise_is_the_strategy_inverse_times_iid_gaussians_at_the_min_sep_sensitivity(
     blt_small,
 ):
@@ -324,6 +357,7 @@ def test_blt_noise_is_the_strategy_inverse_times_iid_gaussians_at_the_min_sep_se
     assert np.corrcoef(noise[0], noise[1])[0, 1] < -0.1
 
 
+@BLT_PLAN
 def test_blt_strategy_is_a_decaying_toeplitz_and_its_epsilon_is_one_gaussian_mechanism(blt_small):
     """C's coefficients start at 1, are positive and non-increasing (where the min-sep sensitivity is
     exact); the run's event is one Gaussian mechanism, calibrated to the target by dp-accounting."""
@@ -346,6 +380,7 @@ def test_blt_strategy_is_a_decaying_toeplitz_and_its_epsilon_is_one_gaussian_mec
     assert blt_small.dp_event == dp_accounting.GaussianDpEvent(blt_small.noise_multiplier)
 
 
+@BLT_PLAN
 def test_blt_batches_take_each_example_every_cycle_length_steps(blt_small):
     """600 examples in batches of about 100: cycle length 6, each example in steps j, j + 6, j + 12."""
     batches = list(blt_small.batch_selection_strategy.batch_iterator(BLT["num_examples"], rng=0))

@@ -429,19 +429,19 @@ def test_growth_limit_under_vmap_and_jit_matches_one_by_one(tensorwise):
         return tx.update(g2, s)
 
     batched = jax.jit(jax.vmap(two_steps))(first, second)
+    # one example at a time: an unbatched predicate, a real lax.cond (jitted: eagerly each of its
+    # operations would be dispatched, and compiled, on its own)
+    one_by_one = jax.jit(two_steps)
     for i in range(4):
-        one = two_steps(*jax.tree_util.tree_map(lambda x, i=i: x[i], (first, second)))
+        one = one_by_one(*jax.tree_util.tree_map(lambda x, i=i: x[i], (first, second)))
         for got, want in zip(
             jax.tree_util.tree_leaves(batched), jax.tree_util.tree_leaves(one), strict=True
         ):
             np.testing.assert_allclose(np.asarray(got)[i], np.asarray(want), rtol=1e-6)
     assert int(batched[1].count[2]) == 1  # the NaN step was skipped
     # example 1: the EMA's norm grew 50x and was limited to 1.5x its previous norm
-    prev = np.asarray(
-        jax.vmap(lambda g: tx.update(g, tx.init(g))[1].prev_ema_norm)(first)["a"]
-        if tensorwise
-        else jax.vmap(lambda g: tx.update(g, tx.init(g))[1].prev_ema_norm)(first)
-    )
+    first_ema = jax.jit(jax.vmap(lambda g: tx.update(g, tx.init(g))[1].prev_ema_norm))(first)
+    prev = np.asarray(first_ema["a"] if tensorwise else first_ema)
     np.testing.assert_allclose(
         np.asarray(batched[1].prev_ema_norm["a"] if tensorwise else batched[1].prev_ema_norm)[1],
         1.5 * prev[1],

@@ -1,0 +1,66 @@
+"""The tests of an ``xdist_group`` run on one worker under ``-n 2 --dist loadgroup``
+(tests/xdist_groups.py), so a module-scoped fixture they share is built once."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+TOY = """
+import os, pytest
+
+@pytest.fixture(scope="module")
+def built():
+    with open("builds.txt", "a") as f:
+        f.write(f"{os.getpid()}\\n")
+
+@pytest.mark.xdist_group("shared")
+@pytest.mark.parametrize("i", range(4))
+def test_grouped(built, i):
+    pass
+
+@pytest.mark.parametrize("i", range(4))
+def test_free(i):
+    pass
+"""
+
+
+def test_a_group_runs_on_one_worker_and_builds_its_module_fixture_once(tmp_path):
+    pytest.importorskip("xdist")
+    (tmp_path / "test_toy.py").write_text(TOY)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-n",
+            "2",
+            "--dist",
+            "loadgroup",
+            "-p",
+            "tests.xdist_groups",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "-rA",
+            "test_toy.py",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "test_grouped[0]@shared" in proc.stdout  # the id the scheduler groups by
+    assert len((tmp_path / "builds.txt").read_text().split()) == 1, proc.stdout
