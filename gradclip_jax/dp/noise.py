@@ -225,6 +225,8 @@ def _blocked_noise(
         return jax.random.normal(jax.random.fold_in(key, j), (size,), dtype)
 
     z = jnp.reshape(lax.map(block, jnp.arange(count, dtype=jnp.uint32)), (-1,))
+    if count == 1:
+        z = _materialized(z)
     std = jnp.asarray(stddev, dtype)
     out, start = [], 0
     for x in arrays:
@@ -232,6 +234,22 @@ def _blocked_noise(
         out.append(_stored(x + std * _shaped(lax.slice(z, (start,), (start + n,)), x)))
         start += n
     return out
+
+
+def _materialized(z: jax.Array) -> jax.Array:
+    """``z`` (1-D), computed once into a buffer of its own on the CPU.
+
+    A one-trip ``lax.map`` is inlined by XLA, and the CPU's fusion then copies the
+    uniform-to-normal transform of a one-block draw (about 90 instructions) into every
+    leaf's addition, which reads its slice of ``z``; an optimization barrier does not
+    stop it (the CPU expands barriers before fusion). A loop of two trips is kept: ``z``,
+    its input, is written once by one fusion and each leaf reads the loop's output. The
+    ``+ 0.0`` keeps JAX from forwarding the input as the output (it does for an identity
+    body); it changes no value the draw can take.
+    """
+    n = z.shape[0]
+    halves = jnp.reshape(jnp.pad(z, (0, n % 2)), (2, -1))
+    return jnp.reshape(lax.map(lambda h: h + 0.0, halves), (-1,))[:n]
 
 
 def _noised_by_shape(
