@@ -4,6 +4,7 @@ what the blocked draw saves on the CPU (one loop, temporaries the size of the no
 from __future__ import annotations
 
 import re
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -91,6 +92,15 @@ def test_shapes_draw_is_one_draw_per_shape(monkeypatch):
     }
     jaxpr = str(jax.make_jaxpr(lambda t, k: add_gaussian_noise(t, 1.0, k))(tree, jax.random.key(0)))
     assert jaxpr.count("random_bits") == 2  # one per shape, not one per leaf
+
+
+def test_gpu_default_draws_once_per_leaf_shape():
+    """On GPUs the per-leaf draws (the same bits) are made once per distinct shape: half the
+    program of one draw per leaf, read as a GPU compiles it (``NOISE_STRATEGY``'s comment)."""
+    tree = {f"w{i}": jnp.zeros((8, 4)) for i in range(3)} | {"b": jnp.zeros(4), "c": jnp.zeros(4)}
+    with mock.patch.object(jax, "default_backend", lambda: "gpu"):
+        jaxpr = jax.make_jaxpr(lambda t, k: add_gaussian_noise(t, 1.0, k))(tree, jax.random.key(0))
+    assert primitive_counts(jaxpr.jaxpr)["random_bits"] == 2
 
 
 def test_shapes_draw_waits_for_its_leaves(monkeypatch):
