@@ -14,8 +14,9 @@ that wrote them (:func:`benchmarks.bench_cost.instructions_by_source`).
 Rows (group ``compile``; seconds in the ms columns): each DP step's trace, lower and
 compile against the non-private step's same phase, and the ``vmap`` step's total
 against the hand-written one's (the issue's goals: DP step <= 1.5x the non-private
-step, ``clipped_grad(method='vmap')`` <= 1.2x the hand-written version). The notes give
-the instructions by source.
+step, ``clipped_grad(method='vmap')`` <= 1.2x the hand-written version), and the same two
+totals for the clipped sum alone (:data:`SUMS`: no noise, no optimizer; ghost against
+``jax.grad`` of the summed loss). The notes give the instructions by source.
 
 Run alone: ``python -m benchmarks.bench_compile``.
 """
@@ -29,12 +30,13 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from benchmarks.bench_cost import instructions_by_source
 from benchmarks.common import row
 from benchmarks.models import transformer
-from benchmarks.steps import fresh_state
-from benchmarks.variants import make_steps
+from benchmarks.steps import fresh_state, hand_clipped_grad
+from benchmarks.variants import make_steps, parts_of
 
 GROUP = "compile"
 BATCH = 8
@@ -63,15 +65,31 @@ def breakdown(step: Callable[..., Any], *args: Any) -> dict[str, Any]:
 
 
 STEPS = ("nonprivate", "hand", "vmap", "ghost")
+# The summed gradients alone, (params, batch) -> sum: ``jax.grad`` of the summed loss, the
+# hand-written clipped sum, ``clipped_grad(method='vmap')``'s and ``'ghost'``'s.
+SUMS = ("sum_grad", "sum_hand", "sum_vmap", "sum_ghost")
+
+
+def _sums(losses: Callable, batch: int) -> dict[str, Callable]:
+    parts = parts_of(losses, batch)
+    return {
+        "sum_grad": jax.grad(lambda p, b: jnp.sum(losses(p, b))),
+        "sum_hand": hand_clipped_grad(losses),
+        "sum_vmap": parts.clipped_sum("vmap"),
+        "sum_ghost": parts.clipped_sum("ghost"),
+    }
 
 
 def measure(batch: int = BATCH) -> dict[str, dict[str, Any]]:
-    """:func:`breakdown` of each of :data:`STEPS` (:mod:`benchmarks.variants`) on the small transformer."""
+    """:func:`breakdown` of each of :data:`STEPS` (:mod:`benchmarks.variants`) and :data:`SUMS` on
+    the small transformer."""
     losses, params, data = transformer(0, batch, layers=2, d=64, seq=32, vocab=128)
-    return {
+    res = {
         name: breakdown(step, fresh_state(params, 0), data)
         for name, step in make_steps(losses, batch, STEPS).items()
     }
+    res.update({name: breakdown(f, params, data) for name, f in _sums(losses, batch).items()})
+    return res
 
 
 def rows_of(res: dict[str, dict[str, Any]], label: str) -> list[dict]:
@@ -108,6 +126,25 @@ def rows_of(res: dict[str, dict[str, Any]], label: str) -> list[dict]:
             note("vmap", "hand") + "; goal <= 1.2x",
         )
     )
+    if all(n in res for n in SUMS):
+        rows += [
+            row(
+                GROUP,
+                f"total: clipped sum alone, {ours} ({label})",
+                1e3 * res[n]["total"],
+                1e3 * res[base_n]["total"],
+                note(n, base_n) + goal,
+            )
+            for n, base_n, ours, goal in (
+                (
+                    "sum_vmap",
+                    "sum_hand",
+                    "clipped_grad(method='vmap') vs hand-written vmap(grad) + clip + sum",
+                    "; goal <= 1.2x",
+                ),
+                ("sum_ghost", "sum_grad", "clipped_grad(method='ghost') vs jax.grad", ""),
+            )
+        ]
     return rows
 
 

@@ -40,7 +40,8 @@ Every step is a full optimizer step, jitted with the training state donated:
   layer's in one pass and clips by a norm widened by that pass's rounding;
 * ``ghost_noise_shapes`` (``gpt2-b8``, ``wrn-b256``): the ghost step with the noise drawn
   once per distinct leaf shape (``NOISE_STRATEGY`` ``"shapes"``: the same draws, fewer and
-  larger fusions), to weigh its compile time and step time against one draw per leaf;
+  larger fusions; the GPU default), and ``ghost_noise_leaves`` with one draw per leaf (the
+  default before 2026-11-29), to weigh the compile time and step time of the two;
 * ``nonprivate_noise`` (``gpt2-b8``, ``wrn-b256``): ``jax.grad`` of the summed loss (no
   clipping) with the DP step's noise, division and adamw: the noise's own share of a DP step;
 * ``ghost_noise_unstored`` (``gpt2-b8``, ``wrn-b256``): the ghost step with the noise drawn as

@@ -13,7 +13,8 @@ package is not importable, or it needs a GPU): the suites record the reason.
 * ``hand``: a hand-written ``vmap(grad)`` + clip + sum (:func:`benchmarks.steps.hand_clipped_grad`).
 * ``jax_privacy``: ``jax_privacy.clipped_grad`` with the same noise and optimizer.
 * :data:`PRODUCT_STEPS`: ghost at another ``gcx.per_example.PRODUCT_PRECISION`` setting.
-* ``ghost_noise_shapes``: ghost with the noise drawn once per leaf shape; ``ghost_noise_unstored``:
+* ``ghost_noise_shapes``: ghost with the noise drawn once per leaf shape (the GPU default);
+  ``ghost_noise_leaves``: ghost with one draw per leaf; ``ghost_noise_unstored``:
   ghost with the noise drawn as optax draws it.
 """
 
@@ -109,6 +110,12 @@ def _noise_shapes(s: StepParts, name: str) -> Callable | str:
     )
 
 
+def _noise_leaves(s: StepParts, name: str) -> Callable | str:
+    return traced_within(
+        s.dp(s.clipped_sum()), functools.partial(backend_setting, NOISE_STRATEGY, "leaves")
+    )
+
+
 def _nonprivate_noise(s: StepParts, name: str) -> Callable | str:
     return s.dp(jax.grad(lambda p, b: jnp.sum(s.losses(p, b))))
 
@@ -134,6 +141,7 @@ VARIANTS: dict[str, Callable[[StepParts, str], Callable | str]] = {
     "nonprivate_highest": _nonprivate_highest,
     **dict.fromkeys(PRODUCT_STEPS, _products),
     "ghost_noise_shapes": _noise_shapes,
+    "ghost_noise_leaves": _noise_leaves,
     "nonprivate_noise": _nonprivate_noise,
     "ghost_noise_unstored": _noise_unstored,
 }

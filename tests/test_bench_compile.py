@@ -50,3 +50,14 @@ def test_rows_are_ratios_to_the_non_private_step_and_the_hand_written_one():
         "ghost 10 (model 10)"
         in by_name["trace: DP step (ghost) vs non-private step (tiny)"]["note"]
     )
+    # the clipped sums alone, when measured: vmap against the hand-written, ghost against grad
+    sums = {
+        "sum_grad": rec(1.0),
+        "sum_hand": rec(1.0),
+        "sum_vmap": rec(1.25),
+        "sum_ghost": rec(2.0),
+    }
+    extra = bc.rows_of(res | sums, "tiny")[len(rows) :]
+    assert [r["ratio"] for r in extra] == [1.25, 2.0]
+    assert "vmap" in extra[0]["name"] and "goal <= 1.2x" in extra[0]["note"]
+    assert "jax.grad" in extra[1]["name"]

@@ -6,7 +6,8 @@
 #   bench    the DP training steps of the ghost-gpu suite (GPT-2 small B=8 for GPT2_S seconds,
 #            WRN-16-4 B=256 for WRN_S; steps GPT2_STEPS / WRN_STEPS, else GHOST_GPU_STEPS, default
 #            ghost,vmap,jax_privacy besides the non-private one, in that order; nonprivate_noise and
-#            ghost_noise_unstored weigh the noise and what storing it saves): ratios,
+#            ghost_noise_unstored weigh the noise and what storing it saves; ghost_noise_leaves the
+#            GPU's default draw once per leaf shape against one draw per leaf): ratios,
 #            temporaries, compile times (with GHOST_GPU_COMPILE_SPLIT=1 also each step's compile
 #            time without XLA's autotuning); then, for EXTRA_S seconds (default 0: none), the configs
 #            of EXTRA_MODELS (default gpt2-b32,gpt2-bf16-b8) with EXTRA_STEPS (default ghost,vmap);

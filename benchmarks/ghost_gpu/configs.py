@@ -24,6 +24,7 @@ STEPS = (
     "ghost_tf32x3",
     "ghost_bf16x6",
     "ghost_noise_shapes",
+    "ghost_noise_leaves",
     "nonprivate_noise",
     "ghost_noise_unstored",
 )
@@ -40,6 +41,7 @@ STEP_TITLES = {
     "ghost_tf32x3": "ghost, products 3xTF32",
     "ghost_bf16x6": "ghost, products 6xBF16",
     "ghost_noise_shapes": "ghost, noise drawn once per leaf shape",
+    "ghost_noise_leaves": "ghost, noise drawn once per leaf",
     "nonprivate_noise": "non-private sum with the DP noise",
     "ghost_noise_unstored": "ghost, noise drawn as optax draws it (not stored)",
 }

@@ -43,8 +43,13 @@ __all__ = [
 #   a barrier, so a GPU compiles one draw kernel per group instead of copying the
 #   draw's code into each leaf's kernel, and waits for its leaves
 #   (:func:`_once_ready`), so the temporaries stay those of ``"leaves"``.
+#   The GPU default: read as a GPU compiles it, the GPT-2 small DP step has half
+#   the HLO instructions of ``"leaves"`` (1.97x the non-private step's instead of
+#   4.22x), the same temporaries and about 3% more bytes accessed (the stored
+#   draw's write and read; ``benchmarks/results/MEASUREMENTS.md``).
 #   ``benchmarks/bench_cost.py`` counts the programs' instructions and
-#   ``benchmarks/bench_ghost_gpu.py``'s ``ghost_noise_shapes`` step times it on GPUs.
+#   ``benchmarks/bench_ghost_gpu.py``'s ``ghost_noise_leaves`` step times the
+#   per-leaf draw against it on GPUs.
 # * ``"philox"``: one draw per leaf as ``"leaves"``, but a float32 leaf's bits
 #   come from the Philox4x32-10 generator (:mod:`gradclip_jax.dp.philox`, keyed
 #   by 64 bits of the leaf's key) instead of threefry2x32-20: about half the
@@ -57,7 +62,7 @@ __all__ = [
 # every backend, so each device draws only its own shard. Backends
 # not listed draw per leaf. ``benchmarks/bench_noise.py`` compares ours with
 # optax's per-leaf draw; the figures are in ``benchmarks/results/MEASUREMENTS.md``.
-NOISE_STRATEGY = {"cpu": "blocks"}
+NOISE_STRATEGY = {"cpu": "blocks", "gpu": "shapes"}
 _NOISE_STRATEGIES = ("leaves", "blocks", "shapes", "philox")
 # Elements per block of the blocked draw (4 bytes each in float32).
 NOISE_BLOCK_SIZE = 1 << 18
@@ -82,8 +87,9 @@ def add_gaussian_noise(tree: Any, stddev: Any, key: jax.Array) -> Any:
 
     The draw: ``k0, k1, ..., kn = jax.random.split(key, n + 1)`` for the ``n``
     leaves. Per backend (:data:`NOISE_STRATEGY`, read when the function is
-    traced), leaf ``i`` gets ``jax.random.normal(k{i+1}, ...)`` (GPU, TPU: drawn
-    inside the addition), or the leaves of one real dtype ``b``-th in order of
+    traced), leaf ``i`` gets ``jax.random.normal(k{i+1}, ...)`` (TPU: drawn
+    inside the addition; GPU: the same draws, made once per distinct leaf shape
+    with ``"shapes"``), or the leaves of one real dtype ``b``-th in order of
     first appearance are laid end to end and drawn in blocks of
     :data:`NOISE_BLOCK_SIZE` elements, block ``j`` from
     ``jax.random.fold_in(jax.random.fold_in(k0, b), j)`` (CPU: one compiled loop
@@ -225,6 +231,8 @@ def _blocked_noise(
         return jax.random.normal(jax.random.fold_in(key, j), (size,), dtype)
 
     z = jnp.reshape(lax.map(block, jnp.arange(count, dtype=jnp.uint32)), (-1,))
+    if count == 1:
+        z = _materialized(z)
     std = jnp.asarray(stddev, dtype)
     out, start = [], 0
     for x in arrays:
@@ -232,6 +240,22 @@ def _blocked_noise(
         out.append(_stored(x + std * _shaped(lax.slice(z, (start,), (start + n,)), x)))
         start += n
     return out
+
+
+def _materialized(z: jax.Array) -> jax.Array:
+    """``z`` (1-D), computed once into a buffer of its own on the CPU.
+
+    A one-trip ``lax.map`` is inlined by XLA, and the CPU's fusion then copies the
+    uniform-to-normal transform of a one-block draw (about 90 instructions) into every
+    leaf's addition, which reads its slice of ``z``; an optimization barrier does not
+    stop it (the CPU expands barriers before fusion). A loop of two trips is kept: ``z``,
+    its input, is written once by one fusion and each leaf reads the loop's output. The
+    ``+ 0.0`` keeps JAX from forwarding the input as the output (it does for an identity
+    body); it changes no value the draw can take.
+    """
+    n = z.shape[0]
+    halves = jnp.reshape(jnp.pad(z, (0, n % 2)), (2, -1))
+    return jnp.reshape(lax.map(lambda h: h + 0.0, halves), (-1,))[:n]
 
 
 def _noised_by_shape(

@@ -4,6 +4,7 @@ what the blocked draw saves on the CPU (one loop, temporaries the size of the no
 from __future__ import annotations
 
 import re
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -91,6 +92,15 @@ def test_shapes_draw_is_one_draw_per_shape(monkeypatch):
     }
     jaxpr = str(jax.make_jaxpr(lambda t, k: add_gaussian_noise(t, 1.0, k))(tree, jax.random.key(0)))
     assert jaxpr.count("random_bits") == 2  # one per shape, not one per leaf
+
+
+def test_gpu_default_draws_once_per_leaf_shape():
+    """On GPUs the per-leaf draws (the same bits) are made once per distinct shape: half the
+    program of one draw per leaf, read as a GPU compiles it (``NOISE_STRATEGY``'s comment)."""
+    tree = {f"w{i}": jnp.zeros((8, 4)) for i in range(3)} | {"b": jnp.zeros(4), "c": jnp.zeros(4)}
+    with mock.patch.object(jax, "default_backend", lambda: "gpu"):
+        jaxpr = jax.make_jaxpr(lambda t, k: add_gaussian_noise(t, 1.0, k))(tree, jax.random.key(0))
+    assert primitive_counts(jaxpr.jaxpr)["random_bits"] == 2
 
 
 def test_shapes_draw_waits_for_its_leaves(monkeypatch):
@@ -234,6 +244,28 @@ def test_blocked_draw_compiles_one_loop_and_holds_only_the_noise(monkeypatch):
             1 << 20
         )  # the flat draw plus one block, not uint32 copies per leaf
     assert loops[0] == loops[1]  # the loop count does not grow with the leaves
+
+
+@pytest.mark.skipif(BACKEND != "cpu", reason="the CPU's fusion of a one-block draw")
+def test_one_block_draw_is_not_copied_into_each_leaf(monkeypatch):
+    """A tree that fits one block: its draw (uniform bits to normals) is compiled once, not into
+    each leaf's addition (about 90 instructions a leaf when the one-trip loop is inlined); the
+    values are the documented ones (block 0 of fold_in(k0, 0))."""
+    monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, "blocks")
+    monkeypatch.setattr(noise_mod, "NOISE_BLOCK_SIZE", 1 << 18)
+    sizes = []
+    for n in (4, 24):
+        tree = {f"w{i}": jnp.zeros((17 + i, 9)) for i in range(n)}
+        text = _jitted().lower(tree, 1.0, jax.random.key(0)).compile().as_text()
+        sizes.append(len(re.findall(r"^\s*(?:ROOT )?%[\w.-]+ = ", text, re.M)))
+    assert sizes[1] - sizes[0] <= 20 * 16, sizes  # a leaf: its slice, scale and addition
+    tree = {"a": jnp.ones((4, 3)), "b": jnp.ones(5)}
+    key = jax.random.key(3)
+    out = _jitted()(tree, 2.0, key)
+    group = jax.random.fold_in(jax.random.split(key, 3)[0], 0)
+    flat = jax.random.normal(jax.random.fold_in(group, 0), (17,))
+    np.testing.assert_array_equal(out["a"], 1.0 + 2.0 * flat[:12].reshape(4, 3))
+    np.testing.assert_array_equal(out["b"], 1.0 + 2.0 * flat[12:])
 
 
 def _fusions_drawing(text: str) -> list[int]:
