@@ -64,9 +64,6 @@ hypothesis.settings.register_profile(
 hypothesis.settings.register_profile("thorough", max_examples=400, deadline=None)
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
-# xdist_group kept under pytest 9 (the DP and LM guides' runs, shared plans: once, on one worker)
-pytest_plugins = ["tests.xdist_groups"]
-
 PRETEND = "GRADCLIP_TEST_PRETEND_BACKEND"
 
 
