@@ -281,13 +281,29 @@ def patch_dropped(batch: Any, keep: jax.Array) -> Any:
     makes as a copy of them all in a scan over layers not rematerialized). With no example
     kept, the first example stands in, and the caller zeroes the sums.
     """
-    first = jnp.argmax(keep)  # (0 when none is kept)
+    first = jnp.arange(keep.shape[0]) == jnp.argmax(keep)  # (the first example when none is kept)
 
     def patch(x: Any) -> Any:
-        k = jnp.reshape(keep, keep.shape + (1,) * (jnp.ndim(x) - 1))
-        return jnp.where(k, x, lax.dynamic_index_in_dim(x, first, keepdims=True))
+        return jnp.where(_rows(keep, x), x, _pick(x, first))
 
     return jax.tree_util.tree_map(patch, batch)
+
+
+def _rows(mask: jax.Array, x: Any) -> jax.Array:
+    return jnp.reshape(mask, mask.shape + (1,) * (jnp.ndim(x) - 1))
+
+
+def _pick(x: Any, one: jax.Array) -> jax.Array:
+    """The example of ``x`` where ``one`` is True, ``(1, ...)``, its bits unchanged: a sum over the
+    batch (sharded, an all-reduce of one example; a dynamic slice gathers the whole batch)."""
+    x = jnp.asarray(x)
+    if x.dtype == jnp.bool_:
+        return _pick(x.astype(jnp.uint8), one).astype(jnp.bool_)
+    if not jnp.issubdtype(x.dtype, jnp.integer):  # floats by their bits
+        bits = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
+        return lax.bitcast_convert_type(_pick(lax.bitcast_convert_type(x, bits), one), x.dtype)
+    picked = jnp.where(_rows(one, x), x, jnp.zeros((), x.dtype))
+    return jnp.sum(picked, axis=0, keepdims=True, dtype=x.dtype)
 
 
 def streamed_norms(call: Call, traced: Traced, batch: Any) -> tuple[jax.Array, LeafNorms]:
