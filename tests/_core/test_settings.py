@@ -66,8 +66,9 @@ def test_auto_min_elements_set_from_its_public_path_takes_effect(public, monkeyp
 @pytest.mark.parametrize("public", [ghost_pkg, OLD_GHOST], ids=["per_example.ghost", "gcx.ghost"])
 def test_bookkeeping_max_share_set_from_its_public_path_takes_effect(public, monkeypatch):
     """``ghost_sum='auto'`` follows the share: 0 (never book-keeping) gives the second backward
-    pass, a share no plan exceeds gives book-keeping. (NaN-safe sums: without them this model
-    takes the streamed path, whose sums are book-kept inside the backward pass whatever the share.)"""
+    pass, a share no plan exceeds gives book-keeping. (The MLP has no scan or checkpoint: the
+    probed path, NaN-safe or not; the streamed path book-keeps inside the backward pass whatever
+    the share.)"""
     from tests._backend import refuses_backward
 
     if refuses_backward("backward", lambda: _program("ghost", ghost_sum="backward")):

@@ -184,8 +184,20 @@ def _streamed_chunk(
     def fast(keep: jax.Array | None) -> list[jax.Array]:
         return streamed_sums(call, traced, batch, ws, keep)
 
+    # Without checkpoints the sum pass's forward is the norm pass's (XLA keeps one, its stored
+    # activations read by both backward passes), unless the batch is patched for a dropped
+    # example (a second forward, both stored at once: 1.7x the non-private step's temporaries):
+    # then the patched pass runs only in a conditional, for a step that drops a non-finite example.
     sums = clipped_sums(
-        fast, config, call, batch, ws, w.keep, w.finite, zeroes_dropped=True, costly=False
+        fast,
+        config,
+        call,
+        batch,
+        ws,
+        w.keep,
+        w.finite,
+        zeroes_dropped=True,
+        costly=traced.plan.remat is None,
     )
     flags, ns = clip_flags(w, valid, clips is not None)
     return sums, ns, flags, vals, aux

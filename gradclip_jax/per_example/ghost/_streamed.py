@@ -13,11 +13,16 @@ the site's operands and output cotangent at once, as ordinary autodiff does:
   site returns, as its sink's cotangent, its book-kept weighted sum
   :math:`\\sum_b w_b G_b` (:func:`~._sums.site_sum`, formed in float32 at full precision).
 
+NaN-safe sums (an example whose gradient is not finite dropped, adding exactly zero) run
+the sum pass on the batch with each dropped example replaced by a kept one, weighted 0
+(:func:`patch_dropped`): no select on the stored activations, which XLA would make on a
+copy of them all.
+
 Scans over stacked layers stay loops, and run each step under the checkpoint their
 body had (:attr:`Plan.remat`), so each pass recomputes what the non-private step
 recomputes. Taken only where it is exact: every active leaf measured by its sites
 alone (used once, or once per layer), no site formed or factored, global clipping or
-per-leaf weights alike.
+per-leaf weights alike; and only for checkpointed or stacked layers (:func:`streams`).
 """
 
 from __future__ import annotations
@@ -60,16 +65,18 @@ Hook = Callable[[Any, Site, Any, list, Any], Any]
 def streams(config: ClipConfig, traced: Traced, pflat: _norms.FlatTree) -> bool:
     """Whether the streamed path measures this loss exactly: every active leaf by its own sites
     (used once, or once per layer of a scan: no cross terms between uses), none summed in one
-    rounding pass (whose norm the weighting would have to raise), the plan of the batched loss."""
+    rounding pass (whose norm the weighting would have to raise), the plan of the batched loss;
+    and whether it stores less than the probed path: with checkpointed or stacked layers."""
     closed, plan = traced
     if config.ghost_sum is GhostSum.BOOKKEEPING and not config.per_layer:
         return False  # (book-keeping asked for by name: the probed path's)
     if not own_uses(plan, pflat):
         return False
-    if plan.remat is None and config.nan_safe:
-        # Without checkpoints both paths store the activations; NaN-safe sums zero the dropped
-        # examples' operands, which here XLA does on a copy of them all (1.7x the non-private
-        # step's temporaries on a Llama decoder, against 1.4x for the probed path).
+    if plan.remat is None and all(s.scan is None for s in plan.sites):
+        # Without checkpoints or stacked layers the probed path stores no more than the
+        # non-private step (1.02x on an unrolled Llama decoder) in fewer FLOPs (one forward pass,
+        # not two: 1.35x the non-private step's against 2x). Stacked layers without checkpoints
+        # are streamed: the probed path stacks every layer's operands and cotangents (1.4x).
         return False
     return not any(
         sums_once(s, site_eqn(closed.jaxpr, s).outvars[0].aval, pflat.leaves[s.leaf])
@@ -109,25 +116,25 @@ def _site_fn(
     norm: Callable[..., jax.Array] | None,
     summed: Callable[..., jax.Array] | None,
 ) -> Callable[..., Any]:
-    """The site's operation as a ``custom_vjp`` of ``(param, ops, z, sink, w, keep)``. Its backward
-    gives ``norm(param, ops, g, z)`` as ``z``'s cotangent (the norm pass) or ``summed(param, ops, g, w, keep)``
+    """The site's operation as a ``custom_vjp`` of ``(param, ops, z, sink, w)``. Its backward
+    gives ``norm(param, ops, g, z)`` as ``z``'s cotangent (the norm pass) or ``summed(param, ops, g, w)``
     as the sink's (the sum pass); every value it reads is an argument, not a closure (a backward
     rule traced inside a scan's transpose cannot read the body's values)."""
 
     @jax.custom_vjp
-    def f(param: Any, ops: list, z: Any, sink: Any, w: Any, keep: Any) -> Any:
+    def f(param: Any, ops: list, z: Any, sink: Any, w: Any) -> Any:
         return apply_site(closed, site, ops, param)
 
-    def fwd(param: Any, ops: list, z: Any, sink: Any, w: Any, keep: Any) -> tuple:
-        return f(param, ops, z, sink, w, keep), (param, ops, z, sink, w, keep)
+    def fwd(param: Any, ops: list, z: Any, sink: Any, w: Any) -> tuple:
+        return f(param, ops, z, sink, w), (param, ops, z, sink, w)
 
     def bwd(res: tuple, g: jax.Array) -> tuple:
-        param, ops, z, sink, w, keep = res
+        param, ops, z, sink, w = res
         z_ct = None if norm is None else norm(param, ops, g, z)
         s_ct = (
             None
             if summed is None
-            else jnp.reshape(summed(param, ops, g, w, keep), sink.shape).astype(sink.dtype)
+            else jnp.reshape(summed(param, ops, g, w), sink.shape).astype(sink.dtype)
         )
         return (
             jnp.zeros_like(param),
@@ -135,7 +142,6 @@ def _site_fn(
             z_ct,
             s_ct,
             None if w is None else jnp.zeros_like(w),
-            None,
         )
 
     f.defvjp(fwd, bwd)
@@ -149,21 +155,19 @@ def _norm_hook(acc: Any) -> Hook:
         def norm(p: Any, o: list, g: jax.Array, z: jax.Array) -> jax.Array:
             return _site_norm(closed, site, p, o, g, acc).astype(z.dtype)
 
-        return _site_fn(closed, site, norm, None)(param, ops, sink, None, None, None)
+        return _site_fn(closed, site, norm, None)(param, ops, sink, None, None)
 
     return hook
 
 
-def _sum_hook(weights: dict[int, jax.Array], keep: jax.Array | None) -> Hook:
+def _sum_hook(weights: dict[int, jax.Array]) -> Hook:
     """Sites whose backward gives their weighted sum (``weights[leaf]``) as their sink's cotangent."""
 
     def hook(closed: Any, site: Site, param: Any, ops: list, sink: Any) -> Any:
-        def summed(p: Any, o: list, g: jax.Array, w: jax.Array, kp: jax.Array | None) -> jax.Array:
-            return site_sum(closed, site, p, o, g, w, kp)
+        def summed(p: Any, o: list, g: jax.Array, w: jax.Array) -> jax.Array:
+            return site_sum(closed, site, p, o, g, w)
 
-        return _site_fn(closed, site, None, summed)(
-            param, ops, None, sink, weights[site.leaf], keep
-        )
+        return _site_fn(closed, site, None, summed)(param, ops, None, sink, weights[site.leaf])
 
     return hook
 
@@ -262,6 +266,41 @@ def _inputs(call: Call, batch: Any) -> list[Any]:
     return jax.tree_util.tree_leaves((call.params, batch, call.args))
 
 
+def patch_dropped(batch: Any, keep: jax.Array) -> Any:
+    """``batch`` with each dropped example (``keep`` False) replaced by the first kept one.
+
+    The sum pass runs on it with the dropped examples' weights 0, so no value it reads is NaN
+    or inf: examples are independent (the per-example contract), and a kept example's norm,
+    and so each of its uses' operands and cotangents, is finite. A dropped example then adds
+    exactly ``0 * finite`` to each sum, with no select on the stored activations (which XLA
+    makes as a copy of them all in a scan over layers not rematerialized). With no example
+    kept, the first example stands in, and the caller zeroes the sums.
+    """
+    first = jnp.arange(keep.shape[0]) == jnp.argmax(keep)  # (the first example when none is kept)
+
+    def patch(x: Any) -> Any:
+        return jnp.where(_rows(keep, x), x, _pick(x, first))
+
+    return jax.tree_util.tree_map(patch, batch)
+
+
+def _rows(mask: jax.Array, x: Any) -> jax.Array:
+    return jnp.reshape(mask, mask.shape + (1,) * (jnp.ndim(x) - 1))
+
+
+def _pick(x: Any, one: jax.Array) -> jax.Array:
+    """The example of ``x`` where ``one`` is True, ``(1, ...)``, its bits unchanged: a sum over the
+    batch (sharded, an all-reduce of one example; a dynamic slice gathers the whole batch)."""
+    x = jnp.asarray(x)
+    if x.dtype == jnp.bool_:
+        return _pick(x.astype(jnp.uint8), one).astype(jnp.bool_)
+    if not jnp.issubdtype(x.dtype, jnp.integer):  # floats by their bits
+        bits = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
+        return lax.bitcast_convert_type(_pick(lax.bitcast_convert_type(x, bits), one), x.dtype)
+    picked = jnp.where(_rows(one, x), x, jnp.zeros((), x.dtype))
+    return jnp.sum(picked, axis=0, keepdims=True, dtype=x.dtype)
+
+
 def streamed_norms(call: Call, traced: Traced, batch: Any) -> tuple[jax.Array, LeafNorms]:
     """Per-example losses and every active leaf's per-example norm, from one forward and one
     (rematerialized) backward pass: each site's norm is the cotangent of its zero sink,
@@ -294,7 +333,13 @@ def streamed_sums(
 ) -> list[jax.Array]:
     """Every active leaf's clipped sum :math:`\\sum_b w_{b,l} G_{b,l}` (``weights``: one ``(B,)``
     per active leaf), each site's book-kept in the backward pass that holds its operands, as
-    the cotangent of its zero sink shaped like the leaf (stacked over the steps in a scan)."""
+    the cotangent of its zero sink shaped like the leaf (stacked over the steps in a scan).
+    With ``keep`` (NaN-safe sums), the pass runs on the batch with the dropped examples patched
+    (:func:`patch_dropped`); their weights must be 0."""
+    if keep is not None:
+        sums = streamed_sums(call, traced, patch_dropped(batch, keep), weights, None)
+        kept = jnp.any(keep)  # none kept: the patched batch may hold NaN, the sums are 0
+        return [jnp.where(kept, t, jnp.zeros_like(t)) for t in sums]
     closed, plan = traced
     pflat = call.pflat
     active = list(pflat.active)
@@ -305,7 +350,7 @@ def streamed_sums(
 
     def losses(sinks: list[jax.Array]) -> jax.Array:
         return _evaluate(
-            closed, inputs, len(pflat.leaves), plan.sites, _sum_hook(w_of, keep), sinks, plan.remat
+            closed, inputs, len(pflat.leaves), plan.sites, _sum_hook(w_of), sinks, plan.remat
         )[0]
 
     dtype = {i: _norms.sum_dtype(pflat.leaves[i].dtype) for i in active}

@@ -52,20 +52,60 @@ def _compare(losses, params, data, per_layer=False, rtol=1e-4, atol=1e-6):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("remat", [True, False])
 @pytest.mark.parametrize("per_layer", [False, True])
-def test_remat_scan_decoder_equals_vmap(streamed, per_layer):
-    losses, params, data = models.llama(0, 4, models.LlamaConfig(layers=2, **TINY))
+def test_scan_decoder_equals_vmap(streamed, per_layer, remat):
+    losses, params, data = models.llama(0, 4, models.LlamaConfig(layers=2, remat=remat, **TINY))
     _compare(losses, params, data, per_layer=per_layer)
     assert streamed  # the streamed path ran
 
 
 @pytest.mark.slow
-def test_remat_scan_decoder_bfloat16_within_rounding(streamed):
+@pytest.mark.parametrize("remat", [True, False])
+def test_scan_decoder_bfloat16_within_rounding(streamed, remat):
     losses, params, data = models.llama(
-        0, 4, models.LlamaConfig(layers=2, dtype=jnp.bfloat16, **TINY)
+        0, 4, models.LlamaConfig(layers=2, dtype=jnp.bfloat16, remat=remat, **TINY)
     )
     _compare(losses, params, data, rtol=1e-2)
     assert streamed
+
+
+def _poisoned(cfg, bad):
+    """The decoder with one token's embedding NaN, that token in the examples ``bad`` alone."""
+    losses, params, data = models.llama(0, 4, cfg)
+    poison = cfg.vocab - 1
+    x = np.where(np.asarray(data["x"]) == poison, 0, np.asarray(data["x"]))
+    x[list(bad), 1] = poison
+    params = jax.tree.map(
+        lambda a: a.at[poison].set(jnp.nan) if a.shape == (cfg.vocab, cfg.d) else a, params
+    )
+    return losses, params, {**data, "x": jnp.asarray(x)}
+
+
+@pytest.mark.parametrize(
+    "remat", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["scan", "remat_scan"]
+)
+@pytest.mark.parametrize("bad", [(2,), (0, 1, 2, 3)], ids=["one_nan", "all_nan"])
+def test_nan_example_is_dropped_exactly(streamed, remat, bad):
+    """An example whose gradient is NaN contributes exactly zero, the others as without it: the
+    sum pass runs on the batch with that example replaced by a kept one, weighted 0 (none kept:
+    the sums are 0)."""
+    cfg = models.LlamaConfig(layers=2, remat=remat, **TINY)
+    losses, params, data = _poisoned(cfg, bad)
+    g, info = jax.jit(clipped_grad(losses, 0.05, method="ghost"))(params, data)
+    assert streamed
+    dropped = ~np.isfinite(np.asarray(info.norms))
+    np.testing.assert_array_equal(np.flatnonzero(dropped), bad)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(g))
+    if len(bad) == len(dropped):
+        assert all(not np.asarray(x).any() for x in jax.tree.leaves(g))
+        return
+    ref, ref_info = clipped_grad(losses, 0.05, method="vmap")(
+        params, data, mask=jnp.asarray(~dropped)
+    )
+    assert int(ref_info.num_clipped) >= 1  # the clip bites
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
 def test_huge_gradients_stay_in_range(streamed):
@@ -128,3 +168,19 @@ def test_remat_scan_temporaries_near_the_nonprivate_step(streamed, layers):
     ghost = _temps(clipped_grad(losses, 1.0, method="ghost"), params, data)
     assert streamed
     assert ghost <= 1.25 * base, (ghost, base)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scan", [True, False])
+def test_no_remat_temporaries_near_the_nonprivate_step(streamed, scan):
+    """Without remat, NaN-safe (the default): within 1.1x of the non-private step's temporaries,
+    scanned (streamed: the probed path stacks every layer's operands and cotangents, 1.4x) or
+    unrolled (probed: its one forward pass stores what the non-private step stores)."""
+    cfg = models.LlamaConfig(
+        layers=2, d=64, heads=4, kv_heads=2, seq=64, vocab=128, remat=False, scan=scan
+    )
+    losses, params, data = models.llama(0, 4, cfg)
+    base = _temps(lambda p, b: jax.grad(lambda q: jnp.mean(losses(q, b)))(p), params, data)
+    ghost = _temps(clipped_grad(losses, 1.0, method="ghost"), params, data)
+    assert bool(streamed) == scan
+    assert ghost <= 1.1 * base, (ghost, base)

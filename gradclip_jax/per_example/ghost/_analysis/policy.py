@@ -182,10 +182,10 @@ def memory_choice(
     examples taken at once, so microbatching does not change which is smaller.
 
     ``streamed``: whether the ghost path streams (``None``: as with the default configuration,
-    NaN-safe sums, which stream only where the scans' bodies are checkpointed).
+    which streams scans over layers).
     """
     if streamed is None:
-        streamed = own_uses(plan, pflat) and plan.remat is not None
+        streamed = own_uses(plan, pflat) and any(s.scan is not None for s in plan.sites)
     if not plan.checkpointed or streamed:
         return None
     params = sum(_sizes(pflat).values())
