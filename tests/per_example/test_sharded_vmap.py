@@ -98,20 +98,29 @@ def test_dropping_non_finite_examples_costs_no_memory_on_one_device():
     assert safe <= 1.02 * unsafe, (safe, unsafe)
 
 
-@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
-@pytest.mark.reads_compiled_names
-@pytest.mark.parametrize("shape", MESHES, ids=[f"{d}x{f}" for d, f in MESHES])
-def test_nan_safe_vmap_step_stays_sharded(shape):
-    losses, params, data = _setup()
-    grad_fn = clipped_grad(losses, 0.05, method="vmap")  # nan_safe=True: example 5 is dropped
+def _sharded_without_gathers(grad_fn, shape):
+    """``grad_fn`` on one device (example 5 dropped: its norm is not finite), and compiled on the
+    mesh ``shape``, checked to gather no per-example-sized array:
+    ``(ref, ref_info, sharded params, sharded data, compiled)``."""
+    _, params, data = _setup()
     ref, ref_info = jax.jit(grad_fn)(params, data)
-    assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(ref))
     assert not np.isfinite(np.asarray(ref_info.norms)[5])
     p_sh, d_sh = _place(params, data, shape)
     compiled = jax.jit(grad_fn).lower(p_sh, d_sh).compile()
     largest = max(v.size for v in params.values())
     bad = [s for s in _gathered(compiled.as_text()) if _per_example_sized(s, largest)]
     assert not bad, f"all-gathers of per-example-sized arrays: {bad}"
+    return ref, ref_info, p_sh, d_sh, compiled
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+@pytest.mark.reads_compiled_names
+@pytest.mark.parametrize("shape", MESHES, ids=[f"{d}x{f}" for d, f in MESHES])
+def test_nan_safe_vmap_step_stays_sharded(shape):
+    losses, _, _ = _setup()
+    grad_fn = clipped_grad(losses, 0.05, method="vmap")  # nan_safe=True: example 5 is dropped
+    ref, ref_info, p_sh, d_sh, compiled = _sharded_without_gathers(grad_fn, shape)
+    assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(ref))
 
     def nonprivate(p, b):
         return jax.grad(lambda q: jnp.sum(losses(q, b)))(p)
@@ -131,15 +140,9 @@ def test_nan_safe_ghost_step_stays_sharded(shape):
     """The ghost path's rare NaN-safe sum (a dropped example is not finite: each kept example's
     gradient formed in turn) reads one example per device at a time: nothing of the batch is
     gathered, and the fallback costs little beyond the step without it."""
-    losses, params, data = _setup()
+    losses, _, _ = _setup()
     grad_fn = clipped_grad(losses, 0.05, method="ghost")  # example 5 is dropped
-    ref, ref_info = jax.jit(grad_fn)(params, data)
-    assert not np.isfinite(np.asarray(ref_info.norms)[5])
-    p_sh, d_sh = _place(params, data, shape)
-    compiled = jax.jit(grad_fn).lower(p_sh, d_sh).compile()
-    largest = max(v.size for v in params.values())
-    bad = [s for s in _gathered(compiled.as_text()) if _per_example_sized(s, largest)]
-    assert not bad, f"all-gathers of per-example-sized arrays: {bad}"
+    ref, ref_info, p_sh, d_sh, compiled = _sharded_without_gathers(grad_fn, shape)
     unsafe = clipped_grad(losses, 0.05, method="ghost", nan_safe=False)
     temp = compiled.memory_analysis().temp_size_in_bytes
     assert temp <= 1.2 * _temp(unsafe, p_sh, d_sh), temp

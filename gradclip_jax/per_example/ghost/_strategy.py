@@ -3,6 +3,7 @@ backward pass, norms from activations and cotangents, then the clipped sum."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -156,6 +157,34 @@ def _chunk(
             return backward_sums(config, fwd, ws)
         return bookkept_sums(traced, call.pflat, fwd, measured.rows, ws, keep)
 
+    sums, ns, flags = _sums_and_flags(
+        fast,
+        config,
+        call,
+        batch,
+        (w, ws),
+        valid,
+        clips,
+        not backward,
+        costly_to_zero(traced, call.pflat, fwd),
+    )
+    return sums, ns, flags, vals, aux
+
+
+def _sums_and_flags(
+    fast: Callable[[jax.Array | None], list[jax.Array]],
+    config: ClipConfig,
+    call: Call,
+    batch: Any,
+    weights: tuple[Weights, list[jax.Array]],
+    valid: jax.Array | None,
+    clips: Any,
+    zeroes_dropped: bool,
+    costly: bool,
+) -> tuple:
+    """``(sums, norms, flags)`` of a chunk: the clipped sums by ``fast`` (NaN-safe as
+    :func:`~._sums.clipped_sums` makes them) and the clip step's norms and flags."""
+    w, ws = weights
     sums = clipped_sums(
         fast,
         config,
@@ -164,11 +193,11 @@ def _chunk(
         ws,
         w.keep,
         w.finite,
-        zeroes_dropped=not backward,
-        costly=costly_to_zero(traced, call.pflat, fwd),
+        zeroes_dropped=zeroes_dropped,
+        costly=costly,
     )
     flags, ns = clip_flags(w, valid, clips is not None)
-    return sums, ns, flags, vals, aux
+    return sums, ns, flags
 
 
 def _streamed_chunk(
@@ -188,18 +217,10 @@ def _streamed_chunk(
     # activations read by both backward passes), unless the batch is patched for a dropped
     # example (a second forward, both stored at once: 1.7x the non-private step's temporaries):
     # then the patched pass runs only in a conditional, for a step that drops a non-finite example.
-    sums = clipped_sums(
-        fast,
-        config,
-        call,
-        batch,
-        ws,
-        w.keep,
-        w.finite,
-        zeroes_dropped=True,
-        costly=traced.plan.remat is None,
+    costly = traced.plan.remat is None
+    sums, ns, flags = _sums_and_flags(
+        fast, config, call, batch, (w, ws), valid, clips, True, costly
     )
-    flags, ns = clip_flags(w, valid, clips is not None)
     return sums, ns, flags, vals, aux
 
 
