@@ -54,7 +54,9 @@ __all__ = [
 #   come from the Philox4x32-10 generator (:mod:`gradclip_jax.dp.philox`, keyed
 #   by 64 bits of the leaf's key) instead of threefry2x32-20: about half the
 #   integer work per bit, for the same statistical quality. Other dtypes draw
-#   as ``"leaves"``.
+#   as ``"leaves"``. Opt-in, for one device: XLA:CPU (jax 0.11) fails to compile
+#   its ``lax.mulhi`` in a program partitioned over several devices ("Unable to
+#   convert MHLO to StableHLO"), a loud error, not a wrong draw.
 #
 # Whatever the strategy, each noised leaf is stored before it is used
 # (:func:`_stored`): its draw runs once, not once per reader. Leaves whose

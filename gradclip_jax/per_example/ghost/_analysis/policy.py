@@ -184,8 +184,9 @@ def memory_choice(
     ``streamed``: whether the ghost path streams (``None``: as with the default configuration,
     which streams scans over layers).
     """
+    own = own_uses(plan, pflat)
     if streamed is None:
-        streamed = own_uses(plan, pflat) and any(s.scan is not None for s in plan.sites)
+        streamed = own and any(s.scan is not None for s in plan.sites)
     if not plan.checkpointed or streamed:
         return None
     params = sum(_sizes(pflat).values())
@@ -193,9 +194,9 @@ def memory_choice(
     if acts <= params:
         return None
     where = (
-        "a leaf is read more than once, as tied weights are"
-        if not own_uses(plan, pflat)
-        else "its checkpoint is not on a scan of layers"
+        "its checkpoint is not on a scan of layers"
+        if own
+        else "a leaf is read more than once, as tied weights are"
     )
     return AutoChoice(
         "vmap",
