@@ -41,7 +41,7 @@ from gradclip_jax.per_example.ghost._measure import (
     pin_narrow,
     weighting_excess,
 )
-from gradclip_jax.per_example.ghost._streamed import streamed_norms, streamed_sums, streams
+from gradclip_jax.per_example.ghost._streamed import streamed_pass, streams
 from gradclip_jax.per_example.ghost._sums import (
     backward_sums,
     bookkept_sums,
@@ -203,23 +203,25 @@ def _sums_and_flags(
 def _streamed_chunk(
     config: ClipConfig, call: Call, traced: Traced, clips: Any, batch: Any, valid: jax.Array | None
 ) -> tuple:
-    """:func:`_chunk` on the streamed path (:mod:`._streamed`): the norms in one backward pass,
-    the sums in a second, each site's inside the pass that holds its operands."""
-    losses, measured = streamed_norms(call, traced, batch)
+    """:func:`_chunk` on the streamed path (:mod:`._streamed`): one forward pass, pulled back for
+    the norms and again, with the clip weights, for the sums, each site's inside the pull that
+    holds its operands."""
+    # NaN-safe sums (or a microbatch's padding) drop examples by weight 0: each site's sum then
+    # zeroes their values, and adds exactly what was measured, with no conditional and no
+    # second forward pass (one over a patched batch would hold a second copy of the sums)
+    zero_dropped = config.nan_safe or valid is not None
+    losses, measured, streamed_sums = streamed_pass(call, traced, batch, zero_dropped)
     valid = match_batch_sharding(valid, first_leaf(batch)) if valid is not None else None
     vals, aux = _values_and_aux(config, call, batch, losses)
     w, ws = _step_weights(config, call, clips, measured, {}, valid, batch)
+    if w.keep is not None and not zero_dropped:
+        raise AssertionError("ghost streamed sums: examples dropped, but not zeroed")
 
     def fast(keep: jax.Array | None) -> list[jax.Array]:
-        return streamed_sums(call, traced, batch, ws, keep)
+        return streamed_sums(ws)
 
-    # Without checkpoints the sum pass's forward is the norm pass's (XLA keeps one, its stored
-    # activations read by both backward passes), unless the batch is patched for a dropped
-    # example (a second forward, both stored at once: 1.7x the non-private step's temporaries):
-    # then the patched pass runs only in a conditional, for a step that drops a non-finite example.
-    costly = traced.plan.remat is None
     sums, ns, flags = _sums_and_flags(
-        fast, config, call, batch, (w, ws), valid, clips, True, costly
+        fast, config, call, batch, (w, ws), valid, clips, True, costly=False
     )
     return sums, ns, flags, vals, aux
 

@@ -6,17 +6,25 @@ until the norms are taken: a scan over checkpointed layers (``nnx.remat`` in
 recomputes. Here each site runs as a ``jax.custom_vjp`` whose backward rule holds
 the site's operands and output cotangent at once, as ordinary autodiff does:
 
-* the norm pass differentiates with respect to a zero ``(leaves, B)`` input ``z``; a
-  site's rule returns, as ``z``'s cotangent, its per-example squared norm
-  (:meth:`Rule.norm`), which the scan's backward sums over the layers;
-* the sum pass differentiates with respect to zero "sinks" shaped like the leaves; a
-  site returns, as its sink's cotangent, its book-kept weighted sum
+one forward pass, pulled back twice (:func:`streamed_pass`):
+
+* each site takes two zero inputs, ``z`` ``(B,)`` and a "sink" shaped like its leaf, and gives
+  an extra zero output ``E`` ``(B,)`` (inside a scan, all three stacked over the steps), whose
+  cotangent carries the leaf's per-example weights into the backward pass;
+* the norms' pull (ones on the losses, zeros on every ``E``): each site's rule returns, as
+  ``z``'s cotangent, its per-example norm (:meth:`Rule.norm`), combined over the layers;
+* the sums' pull, once the clip weights are known (ones on the losses, the weights on each
+  ``E``): each site returns, as its sink's cotangent, its book-kept weighted sum
   :math:`\\sum_b w_b G_b` (:func:`~._sums.site_sum`, formed in float32 at full precision).
 
-NaN-safe sums (an example whose gradient is not finite dropped, adding exactly zero) run
-the sum pass on the batch with each dropped example replaced by a kept one, weighted 0
-(:func:`patch_dropped`): no select on the stored activations, which XLA would make on a
-copy of them all.
+What each pull leaves unused (the sums in the first, the norms in the second) XLA removes: with
+checkpointed layers the step is 1 forward + 2 x (recomputed forward + backward), 7 units against
+the non-private step's 4 (a forward pass of its own for the sums: 8).
+
+NaN-safe sums (an example whose gradient is not finite dropped, adding exactly zero): in the
+sums' pull, each site zeroes the operand rows and cotangent of the examples weighted 0 before
+its book-kept sum, as book-keeping does (:func:`~._sums.bookkept_sums`); a dropped example's
+NaN stays in its own rows (the per-example contract) and adds exactly 0.
 
 Scans over stacked layers stay loops, and run each step under the checkpoint their
 body had (:attr:`Plan.remat`), so each pass recomputes what the non-private step
@@ -57,9 +65,9 @@ from gradclip_jax.per_example.ghost._measure import (
 from gradclip_jax.per_example.ghost._sums import site_sum
 from gradclip_jax.per_example.ghost.rules import RowNorms, Site
 
-# A site's hook: ``(closed, site, leaf value, operands, sink) -> output`` (``sink``: the leaf's
-# sink in the sum pass, else ``None``).
-Hook = Callable[[Any, Site, Any, list, Any], Any]
+# A site's hook: ``(closed, site, leaf value, operands, z, sink) -> (output, E)``: ``z`` the
+# site's zero norm sink, ``sink`` its zero leaf-shaped sum sink, ``E`` its zero weight output.
+Hook = Callable[[Any, Site, Any, list, Any, Any], tuple[Any, Any]]
 
 
 def streams(config: ClipConfig, traced: Traced, pflat: _norms.FlatTree) -> bool:
@@ -111,63 +119,49 @@ def _op_cotangents(closed: Any, site: Site, param: Any, ops: list, g: jax.Array)
 
 
 def _site_fn(
-    closed: Any,
-    site: Site,
-    norm: Callable[..., jax.Array] | None,
-    summed: Callable[..., jax.Array] | None,
+    closed: Any, site: Site, acc: Any, z: Any, sink: Any, zero_dropped: bool
 ) -> Callable[..., Any]:
-    """The site's operation as a ``custom_vjp`` of ``(param, ops, z, sink, w)``. Its backward
-    gives ``norm(param, ops, g, z)`` as ``z``'s cotangent (the norm pass) or ``summed(param, ops, g, w)``
-    as the sink's (the sum pass); every value it reads is an argument, not a closure (a backward
-    rule traced inside a scan's transpose cannot read the body's values)."""
+    """The site's operation as a ``custom_vjp`` of ``(param, ops, z, sink)`` returning
+    ``(output, E)``, ``E`` a zero ``(B,)``. From the output's cotangent ``g`` and ``E``'s, ``w``,
+    its backward gives its per-example norm as ``z``'s cotangent and its book-kept weighted
+    sum :math:`\\sum_b w_b G_b` (:func:`~._sums.site_sum`) as the sink's: one pull-back with
+    ``w`` zero takes the norms, one with the clip weights the sums (what a pull leaves unused,
+    XLA removes). With ``zero_dropped`` (NaN-safe sums), the examples weighted 0 have their
+    operand rows and cotangent zeroed in the sum, which is then exact even where those hold
+    NaN or inf (a kept example weighted 0 adds 0 either way). Every array the backward reads is an argument, not a closure (a backward
+    rule traced inside a scan's transpose cannot read the body's values); ``z`` and ``sink``
+    give only their shapes and dtypes."""
+    z_dtype, s_shape, s_dtype = z.dtype, sink.shape, sink.dtype
 
     @jax.custom_vjp
-    def f(param: Any, ops: list, z: Any, sink: Any, w: Any) -> Any:
-        return apply_site(closed, site, ops, param)
+    def f(param: Any, ops: list, z: Any, sink: Any) -> tuple:
+        return apply_site(closed, site, ops, param), jnp.zeros_like(z)
 
-    def fwd(param: Any, ops: list, z: Any, sink: Any, w: Any) -> tuple:
-        return f(param, ops, z, sink, w), (param, ops, z, sink, w)
+    def fwd(param: Any, ops: list, z: Any, sink: Any) -> tuple:
+        return f(param, ops, z, sink), (param, ops)
 
-    def bwd(res: tuple, g: jax.Array) -> tuple:
-        param, ops, z, sink, w = res
-        z_ct = None if norm is None else norm(param, ops, g, z)
-        s_ct = (
-            None
-            if summed is None
-            else jnp.reshape(summed(param, ops, g, w), sink.shape).astype(sink.dtype)
-        )
+    def bwd(res: tuple, cts: tuple) -> tuple:
+        param, ops = res
+        g, w = cts
+        norm = _site_norm(closed, site, param, ops, g, acc).astype(z_dtype)
+        summed = site_sum(closed, site, param, ops, g, w, (w != 0) if zero_dropped else None)
         return (
             jnp.zeros_like(param),
             _op_cotangents(closed, site, param, ops, g),
-            z_ct,
-            s_ct,
-            None if w is None else jnp.zeros_like(w),
+            norm,
+            jnp.reshape(summed, s_shape).astype(s_dtype),
         )
 
     f.defvjp(fwd, bwd)
     return f
 
 
-def _norm_hook(acc: Any) -> Hook:
-    """Sites whose backward gives their per-example norm as their sink's cotangent (``(B,)``)."""
+def _hook(acc: Any, zero_dropped: bool) -> Hook:
+    """Each site run by its :func:`_site_fn`."""
 
-    def hook(closed: Any, site: Site, param: Any, ops: list, sink: Any) -> Any:
-        def norm(p: Any, o: list, g: jax.Array, z: jax.Array) -> jax.Array:
-            return _site_norm(closed, site, p, o, g, acc).astype(z.dtype)
-
-        return _site_fn(closed, site, norm, None)(param, ops, sink, None, None)
-
-    return hook
-
-
-def _sum_hook(weights: dict[int, jax.Array]) -> Hook:
-    """Sites whose backward gives their weighted sum (``weights[leaf]``) as their sink's cotangent."""
-
-    def hook(closed: Any, site: Site, param: Any, ops: list, sink: Any) -> Any:
-        def summed(p: Any, o: list, g: jax.Array, w: jax.Array) -> jax.Array:
-            return site_sum(closed, site, p, o, g, w)
-
-        return _site_fn(closed, site, None, summed)(param, ops, None, sink, weights[site.leaf])
+    def hook(closed: Any, site: Site, param: Any, ops: list, z: Any, sink: Any) -> tuple:
+        f = _site_fn(closed, site, acc, z, sink, zero_dropped)
+        return f(param, ops, z, sink)  # type: ignore[no-any-return]
 
     return hook
 
@@ -178,61 +172,70 @@ def _evaluate(
     n_params: int,
     sites: Sequence[Site],
     hook: Hook,
-    sinks: Sequence[Any],
+    sinks: Sequence[tuple[Any, Any]],
     remat: Any,
-) -> list[Any]:
-    """``closed`` on ``inputs`` with every site's equation run by ``hook``, with its sink
-    (``sinks[j]`` for ``sites[j]``), also inside the scans over stacked layers, whose steps
-    run under ``remat``'s checkpoint when given."""
+) -> tuple[list[Any], list[Any]]:
+    """``closed`` on ``inputs`` with every site's equation run by ``hook``, with its sinks
+    (``sinks[j]``, ``(z, sink)``, for ``sites[j]``), also inside the scans over stacked layers,
+    whose steps run under ``remat``'s checkpoint when given. Returns the outputs and each
+    site's ``E`` (stacked over the steps in a scan)."""
     at = {s.eqn: j for j, s in enumerate(sites) if s.scan is None}
     inner: dict[int, list[int]] = {}
     for j, s in enumerate(sites):
         if s.scan is not None:
             inner.setdefault(s.scan, []).append(j)
     leaf_of = {v: i for i, v in enumerate(closed.jaxpr.invars[:n_params])}
+    es: list[Any] = [None] * len(sites)
 
     def run(k: int, eqn: Any, invals: list) -> list[Any] | None:
         if k in at:
             s = sites[at[k]]
-            return [hook(closed, s, inputs[s.leaf], invals, sinks[at[k]])]
+            out, es[at[k]] = hook(closed, s, inputs[s.leaf], invals, *sinks[at[k]])
+            return [out]
         if k in inner:
             body_sites = {
                 sites[j].eqn: (dataclasses.replace(sites[j], scan=None, length=1), sinks[j])
                 for j in inner[k]
             }
-            return _scan(eqn, invals, [leaf_of.get(v) for v in eqn.invars], body_sites, hook, remat)
+            outs, body_es = _scan(
+                eqn, invals, [leaf_of.get(v) for v in eqn.invars], body_sites, hook, remat
+            )
+            for j in inner[k]:
+                es[j] = body_es[sites[j].eqn]
+            return outs
         return None
 
-    return evaluate(closed.jaxpr, closed.consts, inputs, run)
+    return evaluate(closed.jaxpr, closed.consts, inputs, run), es
 
 
 def _scan(
     eqn: Any,
     invals: list,
     leaves: list[int | None],
-    sites: dict[int, tuple[Site, Any]],
+    sites: dict[int, tuple[Site, tuple[Any, Any]]],
     hook: Hook,
     remat: Any,
-) -> list[Any]:
-    """A scan over stacked layers with its body's sites (by equation: the site, its sink stacked
-    over the steps) run by ``hook``; the sinks are sliced one step at a time, like the leaves."""
+) -> tuple[list[Any], dict[int, Any]]:
+    """A scan over stacked layers with its body's sites (by equation: the site, its sinks stacked
+    over the steps) run by ``hook``; the sinks are sliced one step at a time, like the leaves,
+    and the sites' ``E`` stacked (returned by equation)."""
     info = jc.scan_info(eqn)
     n_consts, n_carry = info.n_consts, info.n_carry
     consts = invals[:n_consts]
     xs_leaves = leaves[n_consts + n_carry :]
     order = sorted(sites)
 
-    def step(c: list, x: tuple) -> tuple[list, list]:
+    def step(c: list, x: tuple) -> tuple[list, tuple]:
         xs, sink_steps = x
         by_eqn = {k: (sites[k][0], sk) for k, sk in zip(order, sink_steps, strict=True)}
         leaf_vals = {i: v for i, v in zip(xs_leaves, xs, strict=True) if i is not None}
-        outs = _body(info.body, [*consts, *c, *xs], by_eqn, leaf_vals, hook)
-        return outs[:n_carry], outs[n_carry:]
+        outs, es = _body(info.body, [*consts, *c, *xs], by_eqn, leaf_vals, hook)
+        return outs[:n_carry], (outs[n_carry:], [es[k] for k in order])
 
     if remat is not None:
         step = jax.checkpoint(step, prevent_cse=remat.prevent_cse, policy=remat.policy)
     xs = (list(invals[n_consts + n_carry :]), [sites[k][1] for k in order])
-    carry, ys = lax.scan(
+    carry, (ys, es) = lax.scan(
         step,
         list(invals[n_consts : n_consts + n_carry]),
         xs,
@@ -240,128 +243,123 @@ def _scan(
         reverse=info.reverse,
         unroll=info.unroll,
     )
-    return [*carry, *ys]
+    return [*carry, *ys], dict(zip(order, es, strict=True))
 
 
 def _body(
     body: Any,
     args: Sequence[Any],
-    sites: dict[int, tuple[Site, Any]],
+    sites: dict[int, tuple[Site, tuple[Any, Any]]],
     leaf_vals: dict[int, Any],
     hook: Hook,
-) -> list[Any]:
-    """One step of a scan's body, its sites (by equation, with this step's sink) run by ``hook``."""
+) -> tuple[list[Any], dict[int, Any]]:
+    """One step of a scan's body, its sites (by equation, with this step's sinks) run by
+    ``hook``; returns its outputs and each site's ``E`` (by equation)."""
     j, consts = open_jaxpr(body)
+    es: dict[int, Any] = {}
 
     def run(k: int, eqn: Any, invals: list) -> list[Any] | None:
         if k not in sites:
             return None
-        s, sink = sites[k]
-        return [hook(body, s, leaf_vals[s.leaf], invals, sink)]
+        s, (z, sink) = sites[k]
+        out, es[k] = hook(body, s, leaf_vals[s.leaf], invals, z, sink)
+        return [out]
 
-    return evaluate(j, consts or [], args, run)
+    return evaluate(j, consts or [], args, run), es
 
 
 def _inputs(call: Call, batch: Any) -> list[Any]:
     return jax.tree_util.tree_leaves((call.params, batch, call.args))
 
 
-def patch_dropped(batch: Any, keep: jax.Array) -> Any:
-    """``batch`` with each dropped example (``keep`` False) replaced by the first kept one.
-
-    The sum pass runs on it with the dropped examples' weights 0, so no value it reads is NaN
-    or inf: examples are independent (the per-example contract), and a kept example's norm,
-    and so each of its uses' operands and cotangents, is finite. A dropped example then adds
-    exactly ``0 * finite`` to each sum, with no select on the stored activations (which XLA
-    makes as a copy of them all in a scan over layers not rematerialized). With no example
-    kept, the first example stands in, and the caller zeroes the sums.
-    """
-    first = jnp.arange(keep.shape[0]) == jnp.argmax(keep)  # (the first example when none is kept)
-
-    def patch(x: Any) -> Any:
-        return jnp.where(_rows(keep, x), x, _pick(x, first))
-
-    return jax.tree_util.tree_map(patch, batch)
-
-
-def _rows(mask: jax.Array, x: Any) -> jax.Array:
-    return jnp.reshape(mask, mask.shape + (1,) * (jnp.ndim(x) - 1))
-
-
-def _pick(x: Any, one: jax.Array) -> jax.Array:
-    """The example of ``x`` where ``one`` is True, ``(1, ...)``, its bits unchanged: a sum over the
-    batch (sharded, an all-reduce of one example; a dynamic slice gathers the whole batch)."""
-    x = jnp.asarray(x)
-    if x.dtype == jnp.bool_:
-        return _pick(x.astype(jnp.uint8), one).astype(jnp.bool_)
-    if not jnp.issubdtype(x.dtype, jnp.integer):  # floats by their bits
-        bits = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
-        return lax.bitcast_convert_type(_pick(lax.bitcast_convert_type(x, bits), one), x.dtype)
-    picked = jnp.where(_rows(one, x), x, jnp.zeros((), x.dtype))
-    return jnp.sum(picked, axis=0, keepdims=True, dtype=x.dtype)
-
-
-def streamed_norms(call: Call, traced: Traced, batch: Any) -> tuple[jax.Array, LeafNorms]:
-    """Per-example losses and every active leaf's per-example norm, from one forward and one
-    (rematerialized) backward pass: each site's norm is the cotangent of its zero sink,
-    ``(B,)``, or ``(L, B)`` for a site in the body of a scan of ``L`` steps (one per layer)."""
+def _pass(
+    call: Call, traced: Traced, batch: Any, zero_dropped: bool
+) -> tuple[jax.Array, list[Any], Callable]:
+    """One forward pass of the sites' :func:`_site_fn` over ``batch``: the per-example losses,
+    every site's ``E`` and the pull-back of ``(loss cotangent, E cotangents)`` to the sites' sinks
+    ``(z cotangents, sink cotangents)``. A site's ``z`` is ``(B,)``, or ``(L, B)`` in the body of a
+    scan of ``L`` steps; its sink is shaped like its leaf; both vary like the batch (inside
+    ``shard_map``: each device's own norms and sums)."""
     closed, plan = traced
-    acc = acc_dtype_of(call.pflat)
+    pflat = call.pflat
+    acc = acc_dtype_of(pflat)
     ref = first_leaf(batch)
     inputs = _inputs(call, batch)
 
-    def losses(sinks: list[jax.Array]) -> jax.Array:
-        return _evaluate(
-            closed, inputs, len(call.pflat.leaves), plan.sites, _norm_hook(acc), sinks, plan.remat
-        )[0]
-
     def zeros(length: int | None) -> jax.Array:
-        """A site's zero sink, sharded (and varying) like the batch: its cotangent is the norms."""
         z = match_batch_sharding(vary_like(jnp.zeros((ref.shape[0], length or 1), acc), ref), ref)
         return z[:, 0] if length is None else z.T
 
-    out, pull = jax.vjp(losses, [zeros(None if s.scan is None else s.length) for s in plan.sites])
+    def sink(i: int) -> jax.Array:
+        leaf = pflat.leaves[i]
+        return vary_like(jnp.zeros(leaf.shape, _norms.sum_dtype(leaf.dtype)), ref)
+
+    def f(zs: list, sinks: list) -> tuple:
+        outs, es = _evaluate(
+            closed,
+            inputs,
+            len(pflat.leaves),
+            plan.sites,
+            _hook(acc, zero_dropped),
+            list(zip(zs, sinks, strict=True)),
+            plan.remat,
+        )
+        return outs[0], es
+
+    zs = [zeros(None if s.scan is None else s.length) for s in plan.sites]
+    (losses, es), pull = jax.vjp(f, zs, [sink(s.leaf) for s in plan.sites])
+    return losses, es, pull
+
+
+def streamed_pass(
+    call: Call, traced: Traced, batch: Any, zero_dropped: bool
+) -> tuple[jax.Array, LeafNorms, Callable[[Sequence[jax.Array]], list[jax.Array]]]:
+    """Per-example losses, every active leaf's per-example norm, and the clipped sums as a function
+    of the clip weights (one ``(B,)`` per active leaf), from ONE forward pass pulled back twice
+    (each pull a rematerialized backward pass where the layers were checkpointed).
+
+    The first pull (ones on the losses, zeros on every site's ``E``) gives each site's norm as its
+    ``z``'s cotangent. The sums' pull (ones on the losses, each site's leaf weights ``w_{b,l}`` on
+    its ``E``: its output cotangent stays the unweighted per-example one, and the book-kept sum
+    applies ``w`` once) gives :math:`\\sum_b w_{b,l} G_{b,l}` as each site's sink's cotangent.
+    With ``zero_dropped`` (NaN-safe sums: dropped examples weighted 0), each site zeroes the
+    values of the examples weighted 0 in its sum (see :func:`_site_fn`)."""
+    plan = traced.plan
+    losses, es, pull = _pass(call, traced, batch, zero_dropped)
+    ones = jnp.ones_like(losses)
+    norm_cts = pull((ones, [jnp.zeros_like(e) for e in es]))[0]
     parts: dict[int, list[jax.Array]] = {}
-    for s, n in zip(plan.sites, pull(jnp.ones_like(out))[0], strict=True):
+    for s, n in zip(plan.sites, norm_cts, strict=True):
         parts.setdefault(s.leaf, []).append(n if n.ndim == 1 else combine_l2_stacked(n))
     norms = {i: ns[0] if len(ns) == 1 else combine_l2(ns) for i, ns in parts.items()}
-    return out, LeafNorms(norms, {}, acc)
+
+    def sums(weights: Sequence[jax.Array]) -> list[jax.Array]:
+        return _pulled_sums(call, traced, pull, ones, es, weights)
+
+    return losses, LeafNorms(norms, {}, acc_dtype_of(call.pflat)), sums
 
 
-def streamed_sums(
-    call: Call, traced: Traced, batch: Any, weights: Sequence[jax.Array], keep: jax.Array | None
+def _pulled_sums(
+    call: Call,
+    traced: Traced,
+    pull: Callable,
+    ones: jax.Array,
+    es: list[Any],
+    weights: Sequence[jax.Array],
 ) -> list[jax.Array]:
-    """Every active leaf's clipped sum :math:`\\sum_b w_{b,l} G_{b,l}` (``weights``: one ``(B,)``
-    per active leaf), each site's book-kept in the backward pass that holds its operands, as
-    the cotangent of its zero sink shaped like the leaf (stacked over the steps in a scan).
-    With ``keep`` (NaN-safe sums), the pass runs on the batch with the dropped examples patched
-    (:func:`patch_dropped`); their weights must be 0."""
-    if keep is not None:
-        sums = streamed_sums(call, traced, patch_dropped(batch, keep), weights, None)
-        kept = jnp.any(keep)  # none kept: the patched batch may hold NaN, the sums are 0
-        return [jnp.where(kept, t, jnp.zeros_like(t)) for t in sums]
-    closed, plan = traced
-    pflat = call.pflat
-    active = list(pflat.active)
-    # Behind a barrier with the weights, the second forward pass runs after the first backward
-    # (XLA would otherwise run it early, and both passes' stored values would be live at once).
-    inputs, weights = lax.optimization_barrier((_inputs(call, batch), list(weights)))
-    w_of = dict(zip(active, weights, strict=True))
-
-    def losses(sinks: list[jax.Array]) -> jax.Array:
-        return _evaluate(
-            closed, inputs, len(pflat.leaves), plan.sites, _sum_hook(w_of), sinks, plan.remat
-        )[0]
-
-    dtype = {i: _norms.sum_dtype(pflat.leaves[i].dtype) for i in active}
-    ref = first_leaf(
-        batch
-    )  # (inside shard_map the sinks vary like the batch: each device's own sums)
-    out, pull = jax.vjp(
-        losses,
-        [vary_like(jnp.zeros(pflat.leaves[s.leaf].shape, dtype[s.leaf]), ref) for s in plan.sites],
-    )
+    """Every active leaf's clipped sum by ``pull`` with each site's leaf weights (``weights``:
+    one ``(B,)`` per active leaf) on its ``E``, summed over the leaf's sites."""
+    pflat, sites = call.pflat, traced.plan.sites
+    w_of = dict(zip(pflat.active, weights, strict=True))
+    w_es = [
+        jnp.broadcast_to(w_of[s.leaf].astype(e.dtype), e.shape)
+        for s, e in zip(sites, es, strict=True)
+    ]
     totals: dict[int, jax.Array] = {}
-    for s, t in zip(plan.sites, pull(jnp.ones_like(out))[0], strict=True):
+    for s, t in zip(sites, pull((ones, w_es))[1], strict=True):
         totals[s.leaf] = t if s.leaf not in totals else totals[s.leaf] + t
-    return [totals.get(i, jnp.zeros(pflat.leaves[i].shape, dtype[i])) for i in active]
+    out = []
+    for i in pflat.active:
+        leaf = pflat.leaves[i]
+        out.append(totals.get(i, jnp.zeros(leaf.shape, _norms.sum_dtype(leaf.dtype))))
+    return out

@@ -184,3 +184,21 @@ def test_no_remat_temporaries_near_the_nonprivate_step(streamed, scan):
     ghost = _temps(clipped_grad(losses, 1.0, method="ghost"), params, data)
     assert bool(streamed) == scan
     assert ghost <= 1.1 * base, (ghost, base)
+
+
+def _flops(f, *args):
+    cost = jax.jit(f).lower(*args).compile().cost_analysis()
+    return (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
+
+
+def test_remat_scan_flops_one_extra_backward(streamed):
+    """The clipped sum (NaN-safe, the default) on an nnx.remat + nnx.scan decoder: one forward pass
+    pulled back twice, at most 1.75x the FLOPs of ``jax.grad`` of the mean loss (1 forward + 2 x
+    (recomputed forward + backward) = 7 units against 4; a second forward pass for the sums, or a
+    patched pass in a conditional, counts 8 or more: 1.86x here). The scan's body counts once in
+    both (XLA's cost analysis), a proxy that moves with the step's work."""
+    losses, params, data = models.llama(0, 4, models.LlamaConfig(layers=2, **TINY))
+    base = _flops(lambda p, b: jax.grad(lambda q: jnp.mean(losses(q, b)))(p), params, data)
+    ghost = _flops(lambda p, b: clipped_grad(losses, 1.0, method="ghost")(p, b)[0], params, data)
+    assert streamed
+    assert ghost <= 1.75 * base, ghost / base
