@@ -143,7 +143,7 @@ def _column_blocks(
         col = _row_dot(kept, jnp.concatenate(blocks, axis=1), acc)
         return [
             lax.dynamic_update_slice_in_dim(out, col[off : off + width], start, axis=0)
-            for out, off, width, start in zip(outs, offsets, widths, starts, strict=False)
+            for out, off, width, start in zip(outs, offsets[:-1], widths, starts, strict=True)
         ]
 
     return lax.fori_loop(0, jnp.where(ok, 0, steps), body, sums)  # type: ignore[no-any-return]
@@ -166,19 +166,19 @@ def _patch_dropped(
     """
     out = list(sums)
     by_acc: dict[np.dtype, list[int]] = {}
-    sharded = []
+    others = []
     for i, r in enumerate(rows):
         if r.ndim == 2 and r.size > 0 and explicit_spec(r) is None:
             by_acc.setdefault(np.dtype(accs[i]), []).append(i)
         else:
-            sharded.append(i)
-    if sharded:
+            others.append(i)
+    if others:
         fixed = cond(
             ok,
-            lambda: [sums[i] for i in sharded],
-            lambda: [_row_dot(weights[i], _zeroed(keep, rows[i]), accs[i]) for i in sharded],
+            lambda: [sums[i] for i in others],
+            lambda: [_row_dot(weights[i], _zeroed(keep, rows[i]), accs[i]) for i in others],
         )
-        for i, s in zip(sharded, fixed, strict=True):
+        for i, s in zip(others, fixed, strict=True):
             out[i] = s
     for acc, idx in by_acc.items():
         fixed = _column_blocks(
@@ -204,7 +204,8 @@ def fused_sums(
     ``finite`` (every example's gradient formed: a zeroed copy would double them)
     their weight is simply 0, which is exact when every dropped row is finite, the
     common case; otherwise a loop that runs for no step in the common case zeroes
-    and sums the rows again a block of columns at a time (:func:`_patch_dropped`):
+    and sums the rows again a block of columns at a time (:func:`_patch_dropped`; on
+    a GPU its trip count, like a conditional's predicate, is read on the host once):
     no copy of the rows, and under a sharded batch nothing gathered across devices.
     Each sum is a single ``dot_general`` over the batch axis.
 
