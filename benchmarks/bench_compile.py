@@ -16,7 +16,7 @@ compile against the non-private step's same phase, and the ``vmap`` step's total
 against the hand-written one's (the issue's goals: DP step <= 1.5x the non-private
 step, ``clipped_grad(method='vmap')`` <= 1.2x the hand-written version), and the same two
 totals for the clipped sum alone (:data:`SUMS`: no noise, no optimizer; ghost against
-``jax.grad`` of the summed loss). The notes give the instructions by source.
+``jax.grad`` of the summed loss). The notes give the instructions by source and the kernels.
 
 Run alone: ``python -m benchmarks.bench_compile``.
 """
@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from benchmarks.bench_cost import instructions_by_source
 from benchmarks.common import row
+from benchmarks.hlo_program import kernel_count
 from benchmarks.models import transformer
 from benchmarks.steps import fresh_state, hand_clipped_grad
 from benchmarks.variants import make_steps, parts_of
@@ -46,7 +47,8 @@ PHASES = ("trace", "lower", "compile")
 def breakdown(step: Callable[..., Any], *args: Any) -> dict[str, Any]:
     """Seconds to trace, lower and compile a fresh ``jax.jit(step, donate_argnums=0)`` for
     ``args`` (``"trace"``, ``"lower"``, ``"compile"``, ``"total"``) and its HLO
-    instructions by source (``"by_source"``)."""
+    instructions by source (``"by_source"``) and its kernels (``"kernels"``,
+    :func:`~benchmarks.hlo_program.kernel_count`: what the CPU's compile time follows)."""
     f = jax.jit(lambda *a: step(*a), donate_argnums=0)  # a new function: nothing cached in memory
     t0 = time.perf_counter()
     traced = f.trace(*args)
@@ -61,6 +63,7 @@ def breakdown(step: Callable[..., Any], *args: Any) -> dict[str, Any]:
         "compile": t3 - t2,
         "total": t3 - t0,
         "by_source": instructions_by_source(compiled.as_text()),
+        "kernels": kernel_count(compiled.as_text()),
     }
 
 
@@ -97,7 +100,8 @@ def rows_of(res: dict[str, dict[str, Any]], label: str) -> list[dict]:
 
     def sources(n: str) -> str:
         by = res[n]["by_source"]
-        return f"{n} {sum(by.values())} ({', '.join(f'{k} {v}' for k, v in by.items())})"
+        kernels = f", {res[n]['kernels']} kernels" if "kernels" in res[n] else ""
+        return f"{n} {sum(by.values())} ({', '.join(f'{k} {v}' for k, v in by.items())}){kernels}"
 
     def note(*names: str) -> str:
         return f"seconds in the ms columns; {label}; HLO instructions by source: " + "; ".join(

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["PHASES", "hlo_hints", "hlo_phases", "phase_of"]
+__all__ = ["PHASES", "hlo_hints", "hlo_phases", "kernel_count", "phase_of"]
 
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][a-z0-9\-]*)\((.*)$")
@@ -177,6 +177,30 @@ def hlo_hints(text: str) -> dict[str, str]:
             hint = _hint_of(opcode, rest, comps, memo)
             hints[name] = f"{hint} in_while" if owner[name] in loops else hint
     return hints
+
+
+# ops that are bookkeeping, not work: XLA:CPU emits no kernel for them
+_NO_KERNEL = {"parameter", "constant", "bitcast", "tuple", "get-tuple-element"}
+
+
+def kernel_count(text: str) -> int:
+    """The kernels of a compiled program: its instructions outside fused and reducer
+    computations (each fusion, dot, copy, reduce, loop and conditional; loop bodies and branches
+    included), less bookkeeping (parameters, constants, bitcasts, tuples). On the CPU the compile
+    time follows this count (LLVM compiles each kernel) more than the instruction count."""
+    comps, _ = _parse_hlo(text)
+    inner = {
+        m.group(2)
+        for body in comps.values()
+        for _, _, rest in body
+        for m in re.finditer(r"\b(calls|to_apply)=%?([\w.\-]+)", rest)
+    }
+    return sum(
+        op not in _NO_KERNEL
+        for name, body in comps.items()
+        if name not in inner
+        for _, op, _ in body
+    )
 
 
 # ----------------------------------------------------------------------------- the sources

@@ -16,7 +16,6 @@ from gradclip_jax._core.control import cond
 from gradclip_jax.per_example._batch import (
     explicit_spec,
     match_batch_sharding,
-    vary_like,
 )
 from gradclip_jax.per_example._config import clip_factors
 from gradclip_jax.per_example._example_norms import (
@@ -109,61 +108,85 @@ def _column_blocks(
     rows: Sequence[jax.Array],
     weights: Sequence[jax.Array],
     keep: jax.Array,
-    accs: Sequence[np.dtype],
+    acc: np.dtype,
+    sums: list[jax.Array],
+    ok: jax.Array,
 ) -> list[jax.Array]:
-    """``sum_b [keep_b] w_b r_b`` of every leaf's rows ``(B, D)``, a block of columns at a time.
+    """``sums`` where ``ok``, else ``sum_b [keep_b] w_b r_b`` of every leaf's rows ``(B, D)``
+    formed again, a block of columns at a time, into the same buffers.
 
-    Each step of one loop slices a block of columns of every leaf, zeroes its dropped examples and
-    sums it. The blocks are sliced on the feature axis, which a sharded batch leaves whole on each
-    device (slicing the batch axis, as a loop over examples does, makes the SPMD partitioner
-    gather the rows across devices). The blocks of one step hold :data:`SAFE_BLOCK_ELEMENTS`
-    elements besides the sums, or a 64th of one example's gradient where that is more (at most
-    ``64 B`` steps): never a copy of the rows. A leaf's last partial block is taken overlapping
-    the one before, and a leaf with fewer blocks than steps repeats its last one: those columns
-    are written again, with the same sums.
+    One loop, run for no step when ``ok``: each step slices a block of columns of every leaf,
+    zeroes its dropped examples, lays the blocks side by side, sums them over the batch in one
+    product and writes each leaf's part over its block of ``sums``. One product for all leaves
+    and no conditional keep this rarely run path a small part of the compiled program. The
+    blocks are sliced on the feature axis, which a sharded batch leaves whole on each device
+    (slicing the batch axis, as a loop over examples does, makes the SPMD partitioner gather the
+    rows across devices). The blocks of one step hold :data:`SAFE_BLOCK_ELEMENTS` elements
+    besides the sums, or a 64th of one example's gradient where that is more (at most ``64 B``
+    steps): never a copy of the rows. A leaf's last partial block is taken overlapping the one
+    before, and a leaf with fewer blocks than steps repeats its last one: those columns are
+    written again, with the same sums. All rows share the accumulation dtype ``acc``.
     """
     batch, total = rows[0].shape[0], sum(r.shape[0] * r.shape[1] for r in rows)
     steps = max(1, min(-(-total // SAFE_BLOCK_ELEMENTS), 64 * batch, max(r.shape[1] for r in rows)))
     widths = [-(-r.shape[1] // steps) for r in rows]
+    offsets = np.cumsum([0, *widths]).tolist()
+    kept = keep.astype(acc)
 
     def body(k: jax.Array, outs: list[jax.Array]) -> list[jax.Array]:
-        new = []
-        for r, w, a, width, out in zip(rows, weights, accs, widths, outs, strict=True):
-            start = jnp.minimum(k * width, r.shape[1] - width)
-            block = lax.dynamic_slice_in_dim(r, start, width, axis=1)
-            block = _zeroed(keep, block)
-            new.append(lax.dynamic_update_slice_in_dim(out, _row_dot(w, block, a), start, axis=0))
-        return new
+        blocks, starts = [], []
+        for r, w, width in zip(rows, weights, widths, strict=True):
+            starts.append(jnp.minimum(k * width, r.shape[1] - width))
+            block = lax.dynamic_slice_in_dim(r, starts[-1], width, axis=1).astype(acc)
+            blocks.append(_zeroed(keep, jnp.reshape(w.astype(acc), (batch, 1)) * block))
+        # the weights are in the blocks: the product adds up the kept examples (dropped ones are 0)
+        col = _row_dot(kept, jnp.concatenate(blocks, axis=1), acc)
+        return [
+            lax.dynamic_update_slice_in_dim(out, col[off : off + width], start, axis=0)
+            for out, off, width, start in zip(outs, offsets[:-1], widths, starts, strict=True)
+        ]
 
-    init = [vary_like(jnp.zeros((r.shape[1],), a), r) for r, a in zip(rows, accs, strict=True)]
-    return lax.fori_loop(0, steps, body, init)  # type: ignore[no-any-return]
+    return lax.fori_loop(0, jnp.where(ok, 0, steps), body, sums)  # type: ignore[no-any-return]
 
 
-def _safe_sums(
+def _patch_dropped(
     rows: Sequence[jax.Array],
     weights: Sequence[jax.Array],
     keep: jax.Array,
     accs: Sequence[np.dtype],
+    sums: list[jax.Array],
+    ok: jax.Array,
 ) -> list[jax.Array]:
-    """The sums with the dropped rows zeroed (some hold NaN or inf, which a weight of 0 leaves in).
+    """``sums``, formed again with the dropped rows zeroed unless ``ok`` (some dropped row holds
+    NaN or inf, which a weight of 0 leaves in).
 
-    Rows explicitly sharded are zeroed by a select (a loop cannot slice them); the others a block
-    of columns at a time (:func:`_column_blocks`).
+    Rows explicitly sharded are zeroed by a select under a conditional (a loop cannot slice
+    them); the others a block of columns at a time (:func:`_column_blocks`), in one loop per
+    accumulation dtype.
     """
-    plain = [
-        i for i, r in enumerate(rows) if r.ndim == 2 and r.size > 0 and explicit_spec(r) is None
-    ]
-    blocks = iter(
-        _column_blocks(
-            [rows[i] for i in plain], [weights[i] for i in plain], keep, [accs[i] for i in plain]
+    out = list(sums)
+    by_acc: dict[np.dtype, list[int]] = {}
+    others = []
+    for i, r in enumerate(rows):
+        if r.ndim == 2 and r.size > 0 and explicit_spec(r) is None:
+            by_acc.setdefault(np.dtype(accs[i]), []).append(i)
+        else:
+            others.append(i)
+    if others:
+        fixed = cond(
+            ok,
+            lambda: [sums[i] for i in others],
+            lambda: [_row_dot(weights[i], _zeroed(keep, rows[i]), accs[i]) for i in others],
         )
-        if plain
-        else []
-    )
-    return [
-        next(blocks) if i in plain else _row_dot(w, _zeroed(keep, r), a)
-        for i, (r, w, a) in enumerate(zip(rows, weights, accs, strict=True))
-    ]
+        for i, s in zip(others, fixed, strict=True):
+            out[i] = s
+    for acc, idx in by_acc.items():
+        fixed = _column_blocks(
+            [rows[i] for i in idx], [weights[i] for i in idx], keep, acc, [sums[i] for i in idx], ok
+        )
+        for i, s in zip(idx, fixed, strict=True):
+            out[i] = s
+    return out
 
 
 def fused_sums(
@@ -179,11 +202,12 @@ def fused_sums(
     are zeroed by an elementwise select the sum reads, with no loop and no
     conditional (on a GPU a conditional costs a round trip to the host). With
     ``finite`` (every example's gradient formed: a zeroed copy would double them)
-    their weight is simply 0 when every dropped row is finite, the common case;
-    otherwise one ``lax.cond`` takes a path that zeroes and sums the rows a block
-    of columns at a time (:func:`_safe_sums`): no copy of the rows, and under a
-    sharded batch nothing gathered across devices. Each sum is a single
-    ``dot_general`` over the batch axis.
+    their weight is simply 0, which is exact when every dropped row is finite, the
+    common case; otherwise a loop that runs for no step in the common case zeroes
+    and sums the rows again a block of columns at a time (:func:`_patch_dropped`; on
+    a GPU its trip count, like a conditional's predicate, is read on the host once):
+    no copy of the rows, and under a sharded batch nothing gathered across devices.
+    Each sum is a single ``dot_general`` over the batch axis.
 
     Returns:
       The sums, each of shape ``row.shape[1:]``.
@@ -193,14 +217,15 @@ def fused_sums(
         return [_row_dot(f, r, a) for r, f, a in zip(rows, factors, accs, strict=True)]
     keep = match_batch_sharding(keep, rows[0])
     weights = [jnp.where(keep, f, jnp.zeros_like(f)) for f in factors]
-
-    def fast(rs: Sequence[jax.Array]) -> list[jax.Array]:
-        return [_row_dot(w, r, a) for r, w, a in zip(rs, weights, accs, strict=True)]
-
     if finite is None:
-        return fast([_zeroed(keep, r) for r in rows])
+        rows = [_zeroed(keep, r) for r in rows]
+    sums = [_row_dot(w, r, a) for r, w, a in zip(rows, weights, accs, strict=True)]
+    if finite is None:
+        return sums
     ok = jnp.all(keep | finite)
-    return cond(ok, fast, lambda rs: _safe_sums(rs, weights, keep, accs), list(rows))  # type: ignore[no-any-return]
+    if not isinstance(ok, jax.core.Tracer) and bool(ok):  # eager, nothing dropped is non-finite
+        return sums
+    return _patch_dropped(rows, weights, keep, accs, sums, ok)
 
 
 class Weights(NamedTuple):

@@ -132,25 +132,37 @@ def measure(rows: Sequence[jax.Array], per_leaf: bool = False) -> Measured:
     the upper bound :math:`\\sqrt{D}\\max|x|` instead: its contribution stays
     within the clip norm.
     """
+    sizes = [math.prod(r.shape[1:]) for r in rows]
+    if not per_leaf:
+        return _measure_global(rows, sum(sizes))
     leaf_n = leaf_example_norms(rows)
     leaf_m = _per_example(rows, _LINF)
-    sizes = [math.prod(r.shape[1:]) for r in rows]
     leaf_fin = [jnp.isfinite(m) for m in leaf_m]
     finite = jnp.all(jnp.stack(leaf_fin), axis=0)
     leaf_bad = [
         f & ~(jnp.isfinite(n) & (n >= m * _TOL))
         for n, m, f in zip(leaf_n, leaf_m, leaf_fin, strict=True)
     ]
-    if per_leaf:
-        norms = [jnp.where(b, jnp.inf, n) for n, b in zip(leaf_n, leaf_bad, strict=True)]
-        scales = [_bound_scale(m, d, b) for m, d, b in zip(leaf_m, sizes, leaf_bad, strict=True)]
-        return Measured(norms, finite, leaf_bad, scales)
-    n = combine_l2(leaf_n)
-    m = jnp.max(jnp.stack([v.astype(n.dtype) for v in leaf_m]), axis=0)
+    norms = [jnp.where(b, jnp.inf, n) for n, b in zip(leaf_n, leaf_bad, strict=True)]
+    scales = [_bound_scale(m, d, b) for m, d, b in zip(leaf_m, sizes, leaf_bad, strict=True)]
+    return Measured(norms, finite, leaf_bad, scales)
+
+
+def _measure_global(rows: Sequence[jax.Array], size: int) -> Measured:
+    """:func:`measure` of one norm per example: every leaf's norms and ``max |x|`` taken as
+    ``(K, B)`` stacks (:func:`~gradclip_jax._core.norms.row_norms`) and checked and combined
+    on them, so the program holds no operation per leaf here."""
+    leaf_n = _norms.row_norms(rows, _L2)
+    leaf_m = _norms.row_norms(rows, _LINF).astype(leaf_n.dtype)
+    leaf_fin = jnp.isfinite(leaf_m)
+    finite = jnp.all(leaf_fin, axis=0)
+    leaf_bad = leaf_fin & ~(jnp.isfinite(leaf_n) & (leaf_n >= leaf_m * _TOL))
+    n = combine_l2_stacked(leaf_n)
+    m = jnp.max(leaf_m, axis=0)
     # A global norm is at least every leaf's: anything else means it was lost.
     consistent = jnp.isfinite(n) & (n >= m * _TOL)
-    bad = jnp.any(jnp.stack(leaf_bad), axis=0) | (finite & ~consistent)
-    return Measured(jnp.where(bad, jnp.inf, n), finite, bad, _bound_scale(m, sum(sizes), bad))
+    bad = jnp.any(leaf_bad, axis=0) | (finite & ~consistent)
+    return Measured(jnp.where(bad, jnp.inf, n), finite, bad, _bound_scale(m, size, bad))
 
 
 def from_leaf_norms(leaf_norms: Sequence[jax.Array], per_leaf: bool) -> Measured:
