@@ -131,19 +131,24 @@ def _column_blocks(
     steps = max(1, min(-(-total // SAFE_BLOCK_ELEMENTS), 64 * batch, max(r.shape[1] for r in rows)))
     widths = [-(-r.shape[1] // steps) for r in rows]
     offsets = np.cumsum([0, *widths]).tolist()
-    kept = keep.astype(acc)
+    # The fast sums' arithmetic, w . r a column at a time, so a patched sum equals the one the
+    # fast path gives where nothing dropped is non-finite, bit for bit: one product over the
+    # blocks side by side where every leaf has the same weights (global clipping), else one a leaf.
+    shared = all(w is weights[0] for w in weights)
 
     def body(k: jax.Array, outs: list[jax.Array]) -> list[jax.Array]:
         blocks, starts = [], []
-        for r, w, width in zip(rows, weights, widths, strict=True):
+        for r, width in zip(rows, widths, strict=True):
             starts.append(jnp.minimum(k * width, r.shape[1] - width))
-            block = lax.dynamic_slice_in_dim(r, starts[-1], width, axis=1).astype(acc)
-            blocks.append(_zeroed(keep, jnp.reshape(w.astype(acc), (batch, 1)) * block))
-        # the weights are in the blocks: the product adds up the kept examples (dropped ones are 0)
-        col = _row_dot(kept, jnp.concatenate(blocks, axis=1), acc)
+            blocks.append(_zeroed(keep, lax.dynamic_slice_in_dim(r, starts[-1], width, axis=1)))
+        if shared:
+            col = _row_dot(weights[0], jnp.concatenate([b.astype(acc) for b in blocks], 1), acc)
+            cols = [col[off : off + width] for off, width in zip(offsets, widths)]
+        else:
+            cols = [_row_dot(w, b, acc) for w, b in zip(weights, blocks, strict=True)]
         return [
-            lax.dynamic_update_slice_in_dim(out, col[off : off + width], start, axis=0)
-            for out, off, width, start in zip(outs, offsets[:-1], widths, starts, strict=True)
+            lax.dynamic_update_slice_in_dim(out, c, start, axis=0)
+            for out, c, start in zip(outs, cols, starts, strict=True)
         ]
 
     return lax.fori_loop(0, jnp.where(ok, 0, steps), body, sums)  # type: ignore[no-any-return]
@@ -216,7 +221,8 @@ def fused_sums(
     if keep is None:
         return [_row_dot(f, r, a) for r, f, a in zip(rows, factors, accs, strict=True)]
     keep = match_batch_sharding(keep, rows[0])
-    weights = [jnp.where(keep, f, jnp.zeros_like(f)) for f in factors]
+    once: dict[int, jax.Array] = {}  # one weight vector for the leaves sharing a factor
+    weights = [once.setdefault(id(f), jnp.where(keep, f, jnp.zeros_like(f))) for f in factors]
     if finite is None:
         rows = [_zeroed(keep, r) for r in rows]
     sums = [_row_dot(w, r, a) for r, w, a in zip(rows, weights, accs, strict=True)]

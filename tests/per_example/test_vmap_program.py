@@ -42,6 +42,7 @@ def _extra_kernels(layers: int) -> int:
     return count(lambda p, b: grad_fn(p, b)[0]) - count(hand)
 
 
+@pytest.mark.reads_compiled_names  # the compiled program's text (hlo_program)
 @pytest.mark.cpu_only(reason="counts XLA:CPU's kernels")
 def test_vmap_clipped_sum_costs_a_fixed_number_of_kernels_over_a_hand_written_one():
     """The norms, the overflow guards and the NaN-safe path add kernels that do not grow with
