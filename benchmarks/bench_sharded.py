@@ -8,7 +8,10 @@ parameter and its adamw moments are sharded over ``fsdp`` on their largest axis 
 (``nonprivate``, ``ghost``, ``vmap``: noise, adamw, state donated), jitted with the shardings
 read from their inputs. Rows: each DP step's per-device temporaries
 (``memory_analysis()`` of the SPMD program) against the non-private step's, and the all-gathers
-in its compiled HLO against the non-private step's.
+in its compiled HLO against the non-private step's. On the 2x4 mesh the model runs twice more
+with its residual stream placed over both axes, by ``gcx.with_sharding_constraint`` and by
+``jax.lax.with_sharding_constraint`` (rows ``2x4 gcx-annotated`` and ``2x4 lax-annotated``, each
+against the non-private step with the same annotation): jax's shards the vmap path's batch of one.
 
 The devices are simulated (``XLA_FLAGS=--xla_force_host_platform_device_count=8``), which must be
 set before JAX starts: with fewer devices :func:`run` measures in a process of its own.
@@ -31,6 +34,9 @@ STEPS = ("nonprivate", "ghost", "vmap")
 GROUP = "sharded"
 BATCH = 8
 _ALL_GATHER = re.compile(r"\ball-gather(?:-start)?\(")
+# The model's residual stream placed by gcx.with_sharding_constraint or by jax.lax's: the rows
+# "2x4 gcx-annotated" / "2x4 lax-annotated" (jax.lax's shards the vmap path's batch of one).
+ANNOTATIONS = ("gcx", "lax")
 
 
 def fsdp_spec(shape: tuple[int, ...], fsdp: int) -> Any:
@@ -60,9 +66,25 @@ def place(state: Any, data: Any, mesh: Any) -> tuple[Any, Any]:
     return state, data
 
 
-def measure_mesh(shape: tuple[int, int], seq: int, cfg: Any = None) -> dict[str, dict[str, float]]:
+def annotation(kind: str, mesh: Any) -> Any:
+    """The residual stream ``(B, T, d)`` placed over both mesh axes by ``gcx.with_sharding_constraint``
+    (``kind`` ``'gcx'``) or by ``jax.lax.with_sharding_constraint`` (``'lax'``)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import gradclip_jax as gcx
+
+    rows = NamedSharding(mesh, P(("data", "fsdp"), None, None))
+    constrain = {"gcx": gcx.with_sharding_constraint, "lax": jax.lax.with_sharding_constraint}[kind]
+    return lambda h: constrain(h, rows)
+
+
+def measure_mesh(
+    shape: tuple[int, int], seq: int, cfg: Any = None, annotate: str | None = None
+) -> dict[str, dict[str, float]]:
     """Per step: per-device temporaries (MiB), all-gathers and all-reduces of the program compiled
-    on the mesh (``cfg``: a :class:`~benchmarks.models.LlamaConfig`, by default the suite's at ``seq``)."""
+    on the mesh (``cfg``: a :class:`~benchmarks.models.LlamaConfig`, by default the suite's at ``seq``;
+    ``annotate``: the model's residual stream placed, see :func:`annotation`)."""
     import jax
     import numpy as np
     from jax.sharding import Mesh
@@ -72,7 +94,10 @@ def measure_mesh(shape: tuple[int, int], seq: int, cfg: Any = None) -> dict[str,
     from benchmarks.variants import make_steps
 
     mesh = Mesh(np.asarray(jax.devices()[:DEVICES]).reshape(shape), ("data", "fsdp"))
-    losses, params, data = llama(0, BATCH, LlamaConfig(seq=seq) if cfg is None else cfg)
+    cfg = LlamaConfig(seq=seq) if cfg is None else cfg
+    if annotate is not None:
+        cfg = cfg._replace(activations=annotation(annotate, mesh))
+    losses, params, data = llama(0, BATCH, cfg)
     out = {}
     for name, step in make_steps(losses, BATCH, STEPS).items():
         state, batch = place(fresh_state(params, 0), data, mesh)
@@ -123,7 +148,10 @@ def rows_of(results: dict[str, dict[str, dict[str, float]]], seq: int) -> list[d
 def measure(quick: bool) -> tuple[dict[str, Any], int]:
     """Every mesh's results (needs :data:`DEVICES` devices in this process) and the sequence length."""
     seq = 128 if quick else 512
-    return {f"{d}x{f}": measure_mesh((d, f), seq) for d, f in MESHES}, seq
+    res = {f"{d}x{f}": measure_mesh((d, f), seq) for d, f in MESHES}
+    for kind in ANNOTATIONS:  # one mesh with FSDP and data axes is enough to show the difference
+        res[f"2x4 {kind}-annotated"] = measure_mesh((2, 4), seq, annotate=kind)
+    return res, seq
 
 
 def run(quick: bool = False) -> list[dict]:

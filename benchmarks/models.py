@@ -370,7 +370,9 @@ class LlamaConfig(NamedTuple):
 
     ``kv_heads`` < ``heads`` is grouped-query attention; ``ffn`` is the SwiGLU hidden width
     (0: the usual 8/3 d rounded up to a multiple of 32); ``lora`` > 0 makes low-rank adapters
-    of that rank on q, v and the MLP the only trainable leaves.
+    of that rank on q, v and the MLP the only trainable leaves. ``activations``, if given, is
+    applied to the residual stream ``(B, T, d)`` after the embedding and after each block: an
+    activation sharding annotation such as ``gcx.with_sharding_constraint``.
     """
 
     layers: int = 2
@@ -384,6 +386,7 @@ class LlamaConfig(NamedTuple):
     remat: bool = True
     scan: bool = True
     lora: int = 0
+    activations: Callable[[jax.Array], jax.Array] | None = None
 
     @property
     def hidden(self) -> int:
@@ -472,7 +475,8 @@ def _run_blocks(cfg: LlamaConfig, layers: Any, x: jax.Array, allowed: jax.Array)
     from flax import nnx
 
     def step(blk: Any, h: jax.Array) -> jax.Array:
-        return blk(h, allowed)
+        out = blk(h, allowed)
+        return out if cfg.activations is None else cfg.activations(out)
 
     step = nnx.remat(step) if cfg.remat else step
     if not cfg.scan:
@@ -513,7 +517,9 @@ def _llama_model(cfg: LlamaConfig) -> type:
             t = tokens.shape[1]
             # causal, and no attending to padding keys
             allowed = jnp.tril(jnp.ones((t, t), bool))[None, None] & mask[:, None, None, :]
-            x = _run_blocks(cfg, self.layers, self.embed(tokens), allowed)
+            x = self.embed(tokens)
+            x = x if cfg.activations is None else cfg.activations(x)
+            x = _run_blocks(cfg, self.layers, x, allowed)
             return self.lm_head(self.norm(x))
 
     return Llama

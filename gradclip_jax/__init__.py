@@ -37,6 +37,7 @@ from gradclip_jax.functional import clip_grad_norm, clip_grad_value, normalize_g
 from gradclip_jax.hyperparams import inject_hyperparams
 from gradclip_jax.monitor import norms_from_state
 from gradclip_jax.norms import NormSpec, leaf_norms, parse_ord, tree_norm
+from gradclip_jax.per_example.activation_sharding import with_sharding_constraint
 from gradclip_jax.per_example.api import (
     ClippedGradFn,
     ClippedGradInfo,
@@ -143,6 +144,7 @@ __all__ = [
     "norms",
     # per-example and differential privacy
     "clipped_grad",
+    "with_sharding_constraint",
     "per_example_global_norm_clip",
     "per_example_layer_norm_clip",
     "per_example_norms",

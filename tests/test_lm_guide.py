@@ -322,7 +322,25 @@ def sharded_summary(ns: dict) -> dict:
         "accountant": dist.accountant.epsilon(1e-5),
         "batch_rows": dist.sampler.max_batch_size,
         "explicit_error": explicit_error,
+        # the annotated loss: both paths' norms and sums against the unannotated loss on one device
+        "annotated_diff": _annotated_diff(ns),
     }
+
+
+def _annotated_diff(ns: dict) -> float:
+    """The largest relative difference of ``annotated``'s norms and sums (ghost and vmap) from
+    the guide's loss without the annotation, on one device."""
+    gcx, piece = ns["gcx"], jax.tree.map(np.asarray, ns["piece"])
+    params = jax.tree.map(np.asarray, ns["sharded"])
+    ref, ref_info = jax.jit(gcx.clipped_grad(ns["per_example_loss"], 1.0))(params, piece)
+    scale = max(float(np.max(np.abs(x))) for x in leaves(ref))
+    diffs = []
+    for grads, info in ns["annotated"].values():
+        diffs.append(max_abs_diff(grads, ref) / scale)
+        diffs.append(
+            float(np.max(np.abs(np.asarray(info.norms) - ref_info.norms) / ref_info.norms))
+        )
+    return max(diffs)
 
 
 def run_sharded(ns: dict) -> dict:
@@ -357,6 +375,7 @@ def test_sharding_section(model_ns):
     assert res["batch_rows"] % DEVICES == 0 and res["steps"] == 3
     assert res["epsilon"] == res["accountant"] <= 8.0 + 1e-9
     assert res["max_diff"] <= 1e-5 * max(1.0, res["scale"]), res
+    assert res["annotated_diff"] <= 1e-5, res
     assert (
         res["explicit_error"].startswith("ShardingTypeError")
         and "out_sharding" in res["explicit_error"]

@@ -3,6 +3,8 @@ the one-example loss wrapper."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -232,6 +234,26 @@ def _squeeze_example_axis(x: Any) -> Any:
     return x
 
 
+# True while a loss is traced on one example (a batch of one) under vmap: read by
+# ``with_sharding_constraint`` to leave the batch axis's placement to vmap.
+_ONE_EXAMPLE = contextvars.ContextVar("gradclip_jax_one_example", default=False)
+
+
+@contextlib.contextmanager
+def one_example_scope() -> Iterator[None]:
+    """Marks the trace of a loss on one example (its batch axis of size 1, under ``vmap``)."""
+    token = _ONE_EXAMPLE.set(True)
+    try:
+        yield
+    finally:
+        _ONE_EXAMPLE.reset(token)
+
+
+def in_one_example() -> bool:
+    """Whether the loss being traced runs on one example (see :func:`one_example_scope`)."""
+    return _ONE_EXAMPLE.get()
+
+
 def one_example_loss(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., tuple]:
     """``(params, example, *args) -> (loss, aux)``: ``loss_fn`` on a batch of one example.
 
@@ -241,7 +263,8 @@ def one_example_loss(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[...
 
     def scalar_loss(p: Any, example: Any, *a: Any) -> tuple:
         ex1 = jax.tree_util.tree_map(lambda x: jnp.expand_dims(x, 0), example)
-        out = loss_fn(p, ex1, *a)
+        with one_example_scope():
+            out = loss_fn(p, ex1, *a)
         loss, aux = out if has_aux else (out, None)
         if has_aux:
             aux = jax.tree_util.tree_map(_squeeze_example_axis, aux)

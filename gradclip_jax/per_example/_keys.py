@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gradclip_jax.per_example._batch import batch_size_of
+from gradclip_jax.per_example._batch import batch_size_of, one_example_scope
 
 
 def _is_key(k: Any) -> bool:
@@ -71,7 +71,9 @@ def keyed_loss(loss_fn: Callable[..., Any], pos: int, has_aux: bool, fn: str) ->
 
         def one(example: Any, key: Any) -> tuple:
             ex1 = jax.tree_util.tree_map(lambda x: jnp.expand_dims(x, 0), example)
-            return _per_example_out(call(params, ex1, key, rest), has_aux, fn)
+            with one_example_scope():
+                out = call(params, ex1, key, rest)
+            return _per_example_out(out, has_aux, fn)
 
         losses, aux = jax.vmap(one)(batch, keys)
         return (losses, aux) if has_aux else losses

@@ -10,6 +10,7 @@ from gradclip_jax.per_example._batch import (
     batch_size_of,
     explicit_spec,
     match_batch_sharding,
+    one_example_scope,
 )
 from gradclip_jax.per_example._clip_sum import clip_and_sum
 from gradclip_jax.per_example._config import Method, clip_factors, sensitivity_factor
@@ -33,6 +34,7 @@ __all__ = [
     "example_keys",
     "explicit_spec",
     "match_batch_sharding",
+    "one_example_scope",
     "sensitivity_factor",
     "unrow",
 ]

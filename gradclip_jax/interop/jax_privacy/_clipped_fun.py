@@ -28,6 +28,7 @@ from gradclip_jax.interop.jax_privacy._arguments import (
 from gradclip_jax.interop.jax_privacy._clip_norms import PyTree, is_per_layer, norm_bound
 from gradclip_jax.interop.jax_privacy._clip_pytree import clip_per_layer, clip_pytree
 from gradclip_jax.interop.jax_privacy._grid import clip_and_round_to_grid
+from gradclip_jax.per_example.internal import one_example_scope
 
 
 def _one_group(
@@ -40,9 +41,12 @@ def _one_group(
     """``fun`` on one example (or group): its output clipped, its aux and output norm."""
 
     def one(*args: Any, is_padding_example: Any, **kwargs: Any) -> tuple:
-        if keep_batch_dim:
+        if keep_batch_dim:  # a batch of one: gcx.with_sharding_constraint leaves axis 0 to vmap
             args = tuple(expand_axis_1(a) if i in batch_argnums else a for i, a in enumerate(args))
-        out = fun(*args, **kwargs)
+            with one_example_scope():
+                out = fun(*args, **kwargs)
+        else:
+            out = fun(*args, **kwargs)
         value, aux = out if has_aux else (out, ())
         clipped, norm = clip(value, return_zero=is_padding_example)
         return clipped, aux, norm

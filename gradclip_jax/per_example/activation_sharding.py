@@ -1,0 +1,92 @@
+"""One activation sharding annotation for every per-example path."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from gradclip_jax.per_example._batch import in_one_example
+
+__all__: list[
+    str
+] = []  # with_sharding_constraint: home gradclip_jax (CONTRIBUTING.md, "Import paths")
+
+
+def _drop_batch_entry(spec: PartitionSpec) -> PartitionSpec:
+    """``spec`` with its first (batch) entry left to ``vmap``: ``None`` on an axis of size 1."""
+    return PartitionSpec(None, *tuple(spec)[1:]) if len(spec) else spec
+
+
+def _per_example(sharding: Any, name: str) -> Any:
+    if isinstance(sharding, PartitionSpec):
+        return _drop_batch_entry(sharding)
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, _drop_batch_entry(sharding.spec))
+    raise TypeError(
+        f"with_sharding_constraint: {name} is a {type(sharding).__name__}; give a "
+        "jax.sharding.PartitionSpec or NamedSharding, whose first entry is the batch axis"
+    )
+
+
+def with_sharding_constraint(x: Any, shardings: Any) -> Any:
+    """:func:`jax.lax.with_sharding_constraint` for activations whose axis 0 is the batch.
+
+    Written once in a model, it suits each way :func:`~gradclip_jax.clipped_grad`
+    (and :func:`~gradclip_jax.make_private`) runs the model:
+
+    * the ghost path and the non-private step run the model on the whole batch
+      ``(B, ...)``: the constraint is applied as given;
+    * the vmap path (and ghost's per-example fallbacks) run the model under
+      ``jax.vmap`` on one example at a time, as a batch of one ``(1, ...)``: there
+      the first entry of each spec (the batch axis) is replaced by ``None``, and
+      ``vmap`` places the examples' axis itself: over ``spmd_axis_name`` when
+      one is given, else where the partitioner takes the sharded batch. The
+      other entries (model axes) apply as given.
+
+    With :func:`jax.lax.with_sharding_constraint` itself, a spec that names the
+    batch's mesh axes either shards the one example's axis of size 1 (padded
+    onto every device) or, with ``spmd_axis_name`` naming the same axes, is
+    rejected by ``vmap``. A constraint never changes values, only where they
+    live: results are the same with it, without it, and on one device.
+
+    Args:
+      x: an array or pytree of arrays, each with the batch on axis 0.
+      shardings: a :class:`jax.sharding.PartitionSpec` or
+        :class:`jax.sharding.NamedSharding`, or a pytree of them matching ``x``
+        (a ``PartitionSpec`` needs a mesh in context: ``jax.set_mesh``).
+
+    Returns:
+      ``x``, constrained.
+
+    Raises:
+      TypeError: a sharding that is neither a ``PartitionSpec`` nor a ``NamedSharding``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import gradclip_jax as gcx
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from jax.sharding import AxisType
+      >>> mesh = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Auto,))
+      >>> def losses(w, batch):
+      ...     h = gcx.with_sharding_constraint(jnp.tanh(batch @ w), P("data", None))
+      ...     return jnp.sum(h**2, axis=1)
+      >>> w, batch = jnp.ones((3, 2)) / 4, jnp.ones((4, 3))
+      >>> with jax.set_mesh(mesh):
+      ...     g_ghost, _ = gcx.clipped_grad(losses, 1.0, method="ghost")(w, batch)
+      ...     g_vmap, _ = gcx.clipped_grad(losses, 1.0, method="vmap")(w, batch)
+      >>> bool(jnp.allclose(g_ghost, g_vmap))
+      True
+    """
+    is_sharding = lambda s: isinstance(s, (PartitionSpec, jax.sharding.Sharding))  # noqa: E731
+    paths, treedef = jax.tree_util.tree_flatten_with_path(shardings, is_leaf=is_sharding)
+    one_example = in_one_example()
+
+    def placed(path: Any, sharding: Any) -> Any:
+        # checked on every path, so a bad sharding fails the same way whichever path runs
+        dropped = _per_example(sharding, f"shardings{jax.tree_util.keystr(path)}")
+        return dropped if one_example else sharding
+
+    fitted = [placed(p, s) for p, s in paths]
+    return jax.lax.with_sharding_constraint(x, jax.tree_util.tree_unflatten(treedef, fitted))

@@ -1,0 +1,132 @@
+"""``gcx.with_sharding_constraint``: one activation annotation for the ghost and the vmap paths.
+
+The model's hidden activation is constrained to the batch's mesh axes. The ghost path and the
+non-private step run the model on the whole batch; the vmap path on one example at a time (a
+batch of one, under ``jax.vmap``), where :func:`jax.lax.with_sharding_constraint` would shard
+that example's axis of size 1 over the devices, or, with ``spmd_axis_name`` naming the same
+axes, be rejected by ``vmap``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+import gradclip_jax as gcx
+from tests.per_example.models import assert_tree_close
+
+BATCH, SEQ, WIDTH, HIDDEN = 24, 32, 16, 64
+ROWS = ("data", "fsdp")
+_ALL_GATHER = re.compile(r"= \w+\[([\d,]*)\]\S* all-gather(?:-start)?\(")
+
+
+def _setup(annotate=lambda h: h):
+    """A two-layer token model whose hidden activation ``(B, T, HIDDEN)`` goes through ``annotate``."""
+    k = jax.random.split(jax.random.PRNGKey(0), 4)
+    params = {
+        "w1": jax.random.normal(k[0], (WIDTH, HIDDEN)) / 4,
+        "b1": jnp.zeros((HIDDEN,)),
+        "w2": jax.random.normal(k[1], (HIDDEN, WIDTH)) / 8,
+    }
+    data = {
+        "x": jax.random.normal(k[2], (BATCH, SEQ, WIDTH)),
+        "y": jax.random.normal(k[3], (BATCH, SEQ, WIDTH)),
+    }
+
+    def losses(p, b):
+        h = annotate(jnp.tanh(b["x"] @ p["w1"] + p["b1"]))
+        return jnp.mean((h @ p["w2"] - b["y"]) ** 2, axis=(1, 2))
+
+    return losses, params, data
+
+
+def _mesh(shape=(2, 4)):
+    devices = np.asarray(jax.devices()[: shape[0] * shape[1]]).reshape(shape)
+    return Mesh(devices, ROWS, axis_types=(AxisType.Auto,) * 2)
+
+
+def _placed(mesh, params, data):
+    """Params FSDP-style (each weight's largest axis over ``fsdp``), the batch over both axes."""
+
+    def fsdp(x):
+        spec = [None] * x.ndim
+        spec[int(np.argmax(x.shape))] = "fsdp"
+        return NamedSharding(mesh, P(*spec))
+
+    return (
+        jax.tree.map(lambda x: jax.device_put(x, fsdp(x)), params),
+        jax.device_put(data, NamedSharding(mesh, P(ROWS))),
+    )
+
+
+METHODS = {
+    "ghost": {"method": "ghost"},
+    "vmap": {"method": "vmap"},
+    "vmap-spmd": {"method": "vmap", "spmd_axis_name": ROWS},
+}
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+@pytest.mark.cpu_only(reason="the compiled memory and collectives of XLA:CPU's programs")
+@pytest.mark.reads_compiled_names
+@pytest.mark.parametrize("kwargs", METHODS.values(), ids=METHODS.keys())
+def test_annotated_model_runs_sharded_on_every_path_at_no_cost(kwargs):
+    """Annotated, each path computes the one-device result, gathers no per-example-sized array
+    and holds no more temporaries than the same model without the annotation."""
+    mesh = _mesh()
+    rows = NamedSharding(mesh, P(ROWS, None, None))
+    annotated, params, data = _setup(lambda h: gcx.with_sharding_constraint(h, rows))
+    plain, _, _ = _setup()
+    ref, ref_info = jax.jit(gcx.clipped_grad(plain, 0.05, method=kwargs["method"]))(params, data)
+    p_sh, d_sh = _placed(mesh, params, data)
+
+    def compiled(losses):
+        return jax.jit(gcx.clipped_grad(losses, 0.05, **kwargs)).lower(p_sh, d_sh).compile()
+
+    step = compiled(annotated)
+    gathered = [
+        dims for dims in _ALL_GATHER.findall(step.as_text()) if str(BATCH) in dims.split(",")
+    ]
+    assert not gathered, f"all-gathers of per-example-sized arrays: {gathered}"
+    temp = step.memory_analysis().temp_size_in_bytes
+    # without the annotation (spmd_axis_name alone is accepted then too)
+    assert temp <= 1.1 * compiled(plain).memory_analysis().temp_size_in_bytes
+    grads, info = step(p_sh, d_sh)
+    assert_tree_close(grads, ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(info.norms, ref_info.norms, rtol=1e-5)
+
+
+def test_vmap_with_spmd_axis_name_accepts_the_batch_axes_in_the_spec():
+    """``jax.lax.with_sharding_constraint`` naming the batch's mesh axis is rejected under a vmap
+    whose ``spmd_axis_name`` is that axis; ours gives the vmap path the ghost path's result."""
+    mesh = _mesh((1, 1))
+    rows = NamedSharding(mesh, P(ROWS, None, None))
+    ours, params, data = _setup(lambda h: gcx.with_sharding_constraint(h, rows))
+    theirs, _, _ = _setup(lambda h: jax.lax.with_sharding_constraint(h, rows))
+    vmap = dict(method="vmap", spmd_axis_name=ROWS)
+    with pytest.raises(ValueError, match="spmd_axis_name"):
+        jax.jit(gcx.clipped_grad(theirs, 0.05, **vmap))(params, data)
+    grads, info = jax.jit(gcx.clipped_grad(ours, 0.05, **vmap))(params, data)
+    ghost, ghost_info = jax.jit(gcx.clipped_grad(ours, 0.05, method="ghost"))(params, data)
+    assert_tree_close(grads, ghost, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(info.norms, ghost_info.norms, rtol=1e-5)
+
+
+def test_pytrees_of_specs_under_a_context_mesh():
+    mesh = _mesh((1, 1))
+    x = {"a": jnp.ones((4, 3)), "b": jnp.ones((4,))}
+    with jax.set_mesh(mesh):
+        out = jax.jit(lambda t: gcx.with_sharding_constraint(t, {"a": P(ROWS), "b": P("data")}))(x)
+    assert_tree_close(out, x)
+
+
+@pytest.mark.parametrize("bad", ["data", ("data", None), 3])
+def test_a_sharding_of_another_kind_is_a_type_error_naming_the_leaf(bad):
+    x = {"a": jnp.ones((4, 3)), "b": jnp.ones((4,))}
+    with pytest.raises(TypeError, match=r"shardings\['b'\]"):
+        gcx.with_sharding_constraint(x, {"a": P(), "b": bad})
