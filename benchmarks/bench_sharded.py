@@ -5,7 +5,8 @@ vocabulary 256; blocks under ``nnx.remat`` in an ``nnx.scan``), B=8 at T=512 (``
 T=128), full fine-tuning. On each mesh ``(data, fsdp)`` of 8x1, 2x4 and 1x8 devices, every
 parameter and its adamw moments are sharded over ``fsdp`` on their largest axis that it divides
 (FSDP), and the batch over both axes. The steps are those of :mod:`benchmarks.cost_llama`
-(``nonprivate``, ``ghost``, ``vmap``: noise, adamw, state donated), jitted with the shardings
+(``nonprivate``, ``ghost``, ``vmap``: noise, adamw, state donated; ``nonprivate_noise``, the
+non-private step with the same noise, says what the noise alone costs), jitted with the shardings
 read from their inputs. Rows: each DP step's per-device temporaries
 (``memory_analysis()`` of the SPMD program) against the non-private step's, and the all-gathers
 in its compiled HLO against the non-private step's. On the 2x4 mesh the model runs twice more
@@ -30,7 +31,8 @@ from typing import Any
 
 DEVICES = 8
 MESHES = ((8, 1), (2, 4), (1, 8))  # (data, fsdp)
-STEPS = ("nonprivate", "ghost", "vmap")
+# nonprivate_noise: the non-private step with the DP steps' noise, the share of the noise alone
+STEPS = ("nonprivate", "ghost", "vmap", "nonprivate_noise")
 GROUP = "sharded"
 BATCH = 8
 _ALL_GATHER = re.compile(r"\ball-gather(?:-start)?\(")
@@ -123,7 +125,7 @@ def rows_of(results: dict[str, dict[str, dict[str, float]]], seq: int) -> list[d
             f"(data x fsdp) of {DEVICES} simulated CPU devices; all-reduces: "
             + ", ".join(f"{k} {v['all_reduces']}" for k, v in res.items())
         )
-        for step in STEPS[1:]:
+        for step in [s for s in res if s != "nonprivate"]:
             for key, title, unit in (
                 ("temporaries", "per-device temporaries", "MiB"),
                 ("all_gathers", "all-gathers in the compiled HLO", "count"),

@@ -223,15 +223,22 @@ def fused_sums(
     keep = match_batch_sharding(keep, rows[0])
     once: dict[int, jax.Array] = {}  # one weight vector for the leaves sharing a factor
     weights = [once.setdefault(id(f), jnp.where(keep, f, jnp.zeros_like(f))) for f in factors]
-    if finite is None:
-        rows = [_zeroed(keep, r) for r in rows]
+    if finite is None:  # small rows: zeroed by a select that the sum reads
+        return [
+            _row_dot(w, _zeroed(keep, r), a) for r, w, a in zip(rows, weights, accs, strict=True)
+        ]
     sums = [_row_dot(w, r, a) for r, w, a in zip(rows, weights, accs, strict=True)]
-    if finite is None:
-        return sums
     ok = jnp.all(keep | finite)
     if not isinstance(ok, jax.core.Tracer) and bool(ok):  # eager, nothing dropped is non-finite
         return sums
     return _patch_dropped(rows, weights, keep, accs, sums, ok)
+
+
+def drops_examples(valid: jax.Array | None, nan_safe: bool) -> bool:
+    """Whether :func:`weigh` may drop examples (its ``keep`` is not ``None``): padding rows
+    (``valid``), or with ``nan_safe`` the examples whose norm is not finite. Known at trace time,
+    so a path that must zero the dropped examples' values can decide before it computes them."""
+    return valid is not None or nan_safe
 
 
 class Weights(NamedTuple):

@@ -19,7 +19,7 @@ from gradclip_jax.per_example._batch import (
     vary_like,
 )
 from gradclip_jax.per_example._chunks import run_chunks
-from gradclip_jax.per_example._clip_sum import Weights, clip_flags, weigh
+from gradclip_jax.per_example._clip_sum import Weights, clip_flags, drops_examples, weigh
 from gradclip_jax.per_example._config import ClipConfig, ClippedGradInfo, GhostSum
 from gradclip_jax.per_example._example_norms import clip_budgets, from_leaf_norms
 from gradclip_jax.per_example._vmap import run_vmap
@@ -209,15 +209,13 @@ def _streamed_chunk(
     # NaN-safe sums (or a microbatch's padding) drop examples by weight 0: each site's sum then
     # zeroes their values, and adds exactly what was measured, with no conditional and no
     # second forward pass (one over a patched batch would hold a second copy of the sums)
-    zero_dropped = config.nan_safe or valid is not None
+    zero_dropped = drops_examples(valid, config.nan_safe)  # the rule weigh() keeps examples by
     losses, measured, streamed_sums = streamed_pass(call, traced, batch, zero_dropped)
     valid = match_batch_sharding(valid, first_leaf(batch)) if valid is not None else None
     vals, aux = _values_and_aux(config, call, batch, losses)
     w, ws = _step_weights(config, call, clips, measured, {}, valid, batch)
-    if w.keep is not None and not zero_dropped:
-        raise AssertionError("ghost streamed sums: examples dropped, but not zeroed")
 
-    def fast(keep: jax.Array | None) -> list[jax.Array]:
+    def fast(keep: jax.Array | None) -> list[jax.Array]:  # the pass zeroes what keep drops
         return streamed_sums(ws)
 
     sums, ns, flags = _sums_and_flags(
