@@ -46,10 +46,12 @@ def with_sharding_constraint(x: Any, shardings: Any) -> Any:
       other entries (model axes) apply as given.
 
     With :func:`jax.lax.with_sharding_constraint` itself, a spec that names the
-    batch's mesh axes either shards the one example's axis of size 1 (padded
-    onto every device) or, with ``spmd_axis_name`` naming the same axes, is
-    rejected by ``vmap``. A constraint never changes values, only where they
-    live: results are the same with it, without it, and on one device.
+    batch's mesh axes shards the one example's axis of size 1 (padded onto
+    every device: several times the temporaries, and slower), is rejected by
+    ``vmap`` when ``spmd_axis_name`` names the same axes, and fails as an
+    assertion under ``Explicit`` mesh axes. A constraint never changes values,
+    only where they live: results are the same with it, without it, and on
+    one device.
 
     Args:
       x: an array or pytree of arrays, each with the batch on axis 0.

@@ -130,3 +130,21 @@ def test_a_sharding_of_another_kind_is_a_type_error_naming_the_leaf(bad):
     x = {"a": jnp.ones((4, 3)), "b": jnp.ones((4,))}
     with pytest.raises(TypeError, match=r"shardings\['b'\]"):
         gcx.with_sharding_constraint(x, {"a": P(), "b": bad})
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+def test_explicit_axes_every_path_equals_one_device():
+    """With ``Explicit`` mesh axes a constraint is an assertion of the array's sharding: the vmap
+    path's batch of one is asserted unsharded on axis 0 (its examples' axis is vmap's)."""
+    rows = P(ROWS, None, None)
+    annotated, params, data = _setup(lambda h: gcx.with_sharding_constraint(h, rows))
+    plain, _, _ = _setup()
+    ref, ref_info = jax.jit(gcx.clipped_grad(plain, 0.05))(params, data)
+    mesh = jax.make_mesh((2, 4), ROWS, axis_types=(AxisType.Explicit,) * 2)
+    with jax.set_mesh(mesh):
+        d_sh = jax.device_put(data, NamedSharding(mesh, P(ROWS)))
+        p_sh = jax.device_put(params, NamedSharding(mesh, P()))
+        for kwargs in METHODS.values():
+            grads, info = jax.jit(gcx.clipped_grad(annotated, 0.05, **kwargs))(p_sh, d_sh)
+            assert_tree_close(grads, ref, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(info.norms, ref_info.norms, rtol=1e-5)
