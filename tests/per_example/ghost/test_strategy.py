@@ -720,7 +720,7 @@ def test_sharded_batch_matches_single_device():
 
     loss, params, data = mlp_setup(batch=16)
     mask = jnp.arange(16) % 3 != 0
-    ref, ref_i = clipped_grad(loss, 0.5, method="vmap")(params, data, mask=mask)
+    ref, ref_i = vmap_reference(loss, params, data, 0.5, mask=mask)  # compiled (eagerly: op by op)
     grad_fn = clipped_grad(loss, 0.5, method="ghost")
     mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,))
     with jax.set_mesh(mesh):  # explicit sharding of the batch axis
