@@ -124,7 +124,7 @@ from benchmarks.ghost_gpu.results import (
     write_results,
 )
 from benchmarks.ghost_gpu.timing import measure
-from benchmarks.models import llama
+from benchmarks.models import llama, llama_data
 from benchmarks.variants import has_gpu, make_steps
 
 DEFAULT_BUDGET_S = 540.0
@@ -135,10 +135,11 @@ def _env_flag(name: str) -> bool:
 
 
 # The CPU has no memory limit to read: the tiny smoke run searches under this one, to a small cap
-# (2: one doubling per step, B = 1 then 2, each a compile of the tiny Llama; the search's edges
-# are tests/test_bench_llama.py's test_largest_batch_* on a fake footprint).
+# (1: one compile of the tiny Llama per step, the footprint of B = 1 read and compared; the
+# search's doubling, bisection and edges are tests/test_bench_llama.py's test_largest_batch_* on
+# a fake footprint).
 TINY_LIMIT_BYTES = 16 << 20
-TINY_CAP = 2
+TINY_CAP = 1
 
 
 def max_batch_rows(cfg: Config, tiny: bool, deadline: float = float("inf")) -> list[dict]:
@@ -148,9 +149,11 @@ def max_batch_rows(cfg: Config, tiny: bool, deadline: float = float("inf")) -> l
     lcfg = llama_config(cfg, tiny)
     limit = device_limit_bytes(TINY_LIMIT_BYTES) if not tiny or has_gpu() else TINY_LIMIT_BYTES
     t0 = time.perf_counter()
+    # the model built once (eagerly: seconds even when tiny), only the data grow with B
+    losses, params, _ = llama(0, 1, lcfg)
     found = max_batches(
         make_steps,
-        lambda b: llama(0, b, lcfg),
+        lambda b: (losses, params, llama_data(lcfg, b)),
         ("nonprivate", "ghost", "vmap"),
         limit,
         cap=TINY_CAP if tiny else 1 << 12,

@@ -136,6 +136,7 @@ def test_quick_cost_report_of_tiny_gpt2_reports_flops_and_precisions() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_quick_cost_report_of_tiny_wrn_counts_convolutions_by_precision() -> None:
     rows = bc.rows_of(bc.measure_model("wrn", quick=True))
     assert {r["model"] for r in rows} == {"wrn"} and len(rows) == 2 * len(bc.MEASURES)

@@ -84,6 +84,7 @@ def test_scanned_gpt2_keeps_its_blocks_in_one_loop_on_the_ghost_path() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_tiny_cpu_run_writes_and_merges_results(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

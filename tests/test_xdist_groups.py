@@ -64,3 +64,21 @@ def test_a_group_runs_on_one_worker_and_builds_its_module_fixture_once(tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "test_grouped[0]@shared" in proc.stdout  # the id the scheduler groups by
     assert len((tmp_path / "builds.txt").read_text().split()) == 1, proc.stdout
+
+
+class _Item:
+    """What the collection hook reads of a test item: its markers."""
+
+    def __init__(self, name: str, *markers: str):
+        self.name, self.markers = name, markers
+
+    def get_closest_marker(self, name: str) -> object | None:
+        return pytest.mark.heavy if name in self.markers else None
+
+
+def test_heavy_tests_are_collected_first_the_rest_in_order():
+    import conftest
+
+    items = [_Item("a"), _Item("long1", "heavy"), _Item("b"), _Item("c"), _Item("long2", "heavy")]
+    conftest.pytest_collection_modifyitems(None, items)
+    assert [i.name for i in items] == ["long1", "long2", "a", "b", "c"]

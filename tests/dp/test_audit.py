@@ -414,6 +414,7 @@ FLAG_RUNS = 5_000
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_sampling_audit_flags_shuffled_batches_reported_as_poisson_and_passes_poisson():
     """One epoch of 100 steps, batches of 4 out of 400 (q = 0.01), claimed epsilon 1 at delta 1e-5
     (noise multiplier 0.90): shuffled batches reported as Poisson get a lower bound above the
@@ -432,6 +433,7 @@ def test_sampling_audit_flags_shuffled_batches_reported_as_poisson_and_passes_po
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_sampling_audit_loses_shuffled_batches_at_large_noise():
     """The limit of the audit: at claimed epsilon 0.25 (noise multiplier 1.65), the same shuffled
     pipeline is not caught; the gap between shuffling and Poisson sampling closes as the noise grows."""

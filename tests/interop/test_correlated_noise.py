@@ -282,6 +282,7 @@ def test_with_gradclip_bad_arguments():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_guide_runs():
     """docs/guides/correlated-noise.md: its python blocks, run in order, train at the target epsilon."""
     guide = pathlib.Path(__file__).resolve().parents[2] / "docs" / "guides" / "correlated-noise.md"
@@ -295,6 +296,7 @@ def test_guide_runs():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_digits_comparison():
     """tools/mf_digits.py at one epsilon and seed: every row at most its target epsilon, all learn."""
     from tools import mf_digits

@@ -58,9 +58,9 @@ def _reference(loss, params, data, **kw):
     return clip, vmap_reference(loss, params, data, clip, **kw)
 
 
-def _compare(loss, params, data, rtol, atol, ref=None, **kw):
-    """Ghost against vmap (``ref``: :func:`_reference` with the same keywords)."""
-    clip, (ref_g, ref_i) = ref or _reference(loss, params, data, **kw)
+def _compare(loss, params, data, rtol, atol, **kw):
+    """Ghost against vmap (:func:`_reference` with the same keywords)."""
+    clip, (ref_g, ref_i) = _reference(loss, params, data, **kw)
     g, i = jax.jit(clipped_grad(loss, clip, method="ghost", **kw))(params, data)
     assert kw.get("per_layer") or 0 < int(i.num_clipped) < len(i.norms)
     _close(g, ref_g, rtol, atol)
@@ -82,7 +82,7 @@ def _reference_norms(x, w, g, **kw):
         _, pull = jax.vjp(lambda k: lax.conv_general_dilated(xb[None], k, **kw), w)
         return pull(gb[None])[0]
 
-    grads = np.asarray(jax.vmap(one)(x, g), np.float64)
+    grads = np.asarray(jax.jit(jax.vmap(one))(x, g), np.float64)  # eagerly: an op-by-op vmap
     return np.sqrt(np.sum(grads.reshape(len(grads), -1) ** 2, axis=1))
 
 
@@ -192,16 +192,28 @@ def test_conv_matches_vmap_float64(name, forms, monkeypatch):
             "['k']": "conv",
             "['head']": "dense",
         }
-        ref = _reference(loss, params, data)
+        clip, (ref_g, ref_i) = _reference(loss, params, data)
         # a GPU runs float64 convolutions by the algorithm its autotuner picks (FFT-based ones
         # too): errors of order 1e-15 of the largest value, not of each value
         rtol, atol = by_backend((1e-10, 1e-12), (1e-9, 1e-10))
         # both formulations, forced; the Gram form's patch Gram from the taps and from the input
-        for form, from_input in [("gram", False), ("gram", True), ("formed", None)]:
-            monkeypatch.setattr(conv, "GRAM_RATIO", FORMS[form])
-            monkeypatch.setattr(conv, "_input_gram_is_cheaper", lambda views, v=from_input: v)
-            _compare(loss, params, data, rtol=rtol, atol=atol, ref=ref)
-            assert forms.pop() == form and not forms  # measured by the rule, in that form
+        settings = [("gram", False), ("gram", True), ("formed", None)]
+
+        @jax.jit  # the three forms in one program: one compile, not three
+        def each_form(params, data):
+            out = []
+            for form, from_input in settings:
+                monkeypatch.setattr(conv, "GRAM_RATIO", FORMS[form])
+                monkeypatch.setattr(conv, "_input_gram_is_cheaper", lambda views, v=from_input: v)
+                out.append(clipped_grad(loss, clip, method="ghost")(params, data))
+                assert forms.pop() == form and not forms  # measured by the rule, in that form
+            return out
+
+        for (form, _), (g, i) in zip(settings, each_form(params, data), strict=True):
+            assert 0 < int(i.num_clipped) < len(i.norms), form
+            _close(g, ref_g, rtol, atol)
+            _close(i.norms, ref_i.norms, rtol, atol)
+            _close(i.num_clipped, ref_i.num_clipped, 0, 0)
 
 
 @pytest.mark.slow
@@ -294,7 +306,8 @@ def test_16bit_operands_accumulate_in_float32():
     )
     eqn = _conv_eqn(x, w, **kw)
     for form in (conv.gram_norms, conv.formed_norms):
-        n = form(conv.ConvViews(eqn, x, g, jnp.float32))
+        # jitted, as in a step (eagerly, each of the form's operations compiles alone)
+        n = jax.jit(lambda x, g, form=form: form(conv.ConvViews(eqn, x, g, jnp.float32)))(x, g)
         assert n.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(n), ref, rtol=1e-5)
 
@@ -342,30 +355,41 @@ def test_views_equal_patches(
     r = np.random.default_rng(size * 7 + ksize)
     x = jnp.asarray(r.normal(size=x_shape), jnp.float32)
     w = jnp.asarray(r.normal(size=k_shape), jnp.float32)
-    out = lax.conv_general_dilated(x, w, **kw)
+    out = jax.eval_shape(lambda a, b: lax.conv_general_dilated(a, b, **kw), x, w)
     g = jnp.asarray(r.normal(size=out.shape), jnp.float32)
-    views = conv.ConvViews(_conv_eqn(x, w, **kw), x, g, jnp.float32)
-    taps = jnp.stack([views.tap(o) for o in views.offsets], axis=3)  # (B, groups, C/groups, K, T)
-    patches = lax.conv_general_dilated_patches(
-        x,
-        (ksize,) * nd,
-        kw["window_strides"],
-        kw["padding"],
-        kw["lhs_dilation"],
-        kw["rhs_dilation"],
-        dn,
-        precision=lax.Precision.HIGHEST,
-    )
+    eqn = _conv_eqn(x, w, **kw)
     out_spec = lax.conv_dimension_numbers(x.shape, w.shape, dn).out_spec
-    patches = np.asarray(jnp.transpose(patches, out_spec))  # (B, C K, *out): channel-major features
+
+    @jax.jit  # one program an example (eagerly, each of the views' operations compiles alone)
+    def forms(x, g):
+        views = conv.ConvViews(eqn, x, g, jnp.float32)
+        # taps (B, groups, C/groups, K, T); patches (B, C K, *out), channel-major features
+        taps = jnp.stack([views.tap(o) for o in views.offsets], axis=3)
+        patches = lax.conv_general_dilated_patches(
+            x,
+            (ksize,) * nd,
+            kw["window_strides"],
+            kw["padding"],
+            kw["lhs_dilation"],
+            kw["rhs_dilation"],
+            dn,
+            precision=lax.Precision.HIGHEST,
+        )
+        return (
+            taps,
+            jnp.transpose(patches, out_spec),
+            conv.formed_norms(views),
+            conv.gram_norms(views),
+        )
+
+    taps, patches, formed, gram = (np.asarray(a) for a in forms(x, g))
     rows = (*patches.shape[:2], -1)
     assert_equal_on_cpu(
-        np.asarray(taps).reshape(rows), patches.reshape(rows), atol=1e-6 * float(np.max(np.abs(x)))
+        taps.reshape(rows), patches.reshape(rows), atol=1e-6 * float(np.max(np.abs(x)))
     )
     ref = _reference_norms(x, w, g, **kw)
-    np.testing.assert_allclose(np.asarray(conv.formed_norms(views)), ref, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(formed, ref, rtol=2e-5, atol=1e-6)
     # the Gram form is raised by its rounding bound (up to 4e-5 relative seen here), never lowered
-    gram = np.asarray(conv.gram_norms(views))
     assert np.all(gram >= ref * (1 - 1e-6) - 1e-6) and np.all(gram <= ref * (1 + 1e-3) + 1e-6), (
         gram / ref - 1
     )

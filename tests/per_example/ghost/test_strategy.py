@@ -632,18 +632,13 @@ def _nnx_lm(vocab, d=16, heads=2, seq=6, seed=0):
     return loss, params, data
 
 
-@pytest.mark.parametrize(
-    ("vocab", "ghost_sum"),
-    [
-        # every pairing runs with the slow tests (each sum mode and each tied form is tested above on
-        # smaller models in the default suite; these whole-transformer runs are among the longest)
-        pytest.param(13, "bookkeeping", marks=pytest.mark.slow),
-        pytest.param(64, "backward", marks=pytest.mark.slow),
-        pytest.param(13, "backward", marks=pytest.mark.slow),
-        pytest.param(64, "bookkeeping", marks=pytest.mark.slow),
-    ],
-)
-def test_flax_nnx_transformer_tied_embedding(vocab, ghost_sum):
+# with the slow tests: these whole-transformer runs are among the longest (each sum mode and each
+# tied form is tested above on smaller models in the default suite). Both sum modes run on one
+# model: they share its report, clip norm and compiled vmap references.
+@pytest.mark.slow
+@pytest.mark.heavy
+@pytest.mark.parametrize("vocab", [13, 64])
+def test_flax_nnx_transformer_tied_embedding(vocab):
     # vocab 13: the tied table's per-example gradients are cheaper to form;
     # vocab 64: its norm comes from factors, nothing of shape (B, vocab, d) exists.
     loss, params, data = _nnx_lm(vocab)
@@ -653,14 +648,17 @@ def test_flax_nnx_transformer_tied_embedding(vocab, ghost_sum):
     assert kinds["['embed']['embedding'].value"] == "tied:embedding+dense"
     assert kinds["['block']['att']['query']['kernel'].value"] == "dense"
     clip = _clip_between_norms(loss, params, data)
-    _compare(loss, params, data, clip, ghost_sum=ghost_sum)
-    _compare(
-        loss, params, data, jax.tree.map(lambda _: clip / 3, params), ghost_sum=ghost_sum
-    )  # per-layer
-    jaxpr = str(
-        jax.make_jaxpr(clipped_grad(loss, clip, method="ghost", ghost_sum=ghost_sum))(params, data)
-    )
-    assert (f"[{B},{vocab},16]" in jaxpr) == (vocab == 13)
+    for ghost_sum in SUMS:
+        _compare(loss, params, data, clip, ghost_sum=ghost_sum)
+        _compare(
+            loss, params, data, jax.tree.map(lambda _: clip / 3, params), ghost_sum=ghost_sum
+        )  # per-layer
+        jaxpr = str(
+            jax.make_jaxpr(clipped_grad(loss, clip, method="ghost", ghost_sum=ghost_sum))(
+                params, data
+            )
+        )
+        assert (f"[{B},{vocab},16]" in jaxpr) == (vocab == 13), ghost_sum
 
 
 def test_auto_sum_mode_follows_cotangent_share():
@@ -722,7 +720,7 @@ def test_sharded_batch_matches_single_device():
 
     loss, params, data = mlp_setup(batch=16)
     mask = jnp.arange(16) % 3 != 0
-    ref, ref_i = clipped_grad(loss, 0.5, method="vmap")(params, data, mask=mask)
+    ref, ref_i = vmap_reference(loss, params, data, 0.5, mask=mask)  # compiled (eagerly: op by op)
     grad_fn = clipped_grad(loss, 0.5, method="ghost")
     mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,))
     with jax.set_mesh(mesh):  # explicit sharding of the batch axis
