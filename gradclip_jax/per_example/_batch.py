@@ -224,6 +224,12 @@ def prepare_call(params: Any, batch: Any, args: Sequence[Any], mask: Any, fn: st
     return Call(params, _norms.flatten(params, fn), batch, tuple(args), valid, bsize)
 
 
+def along_axis(v: jax.Array, ndim: int, axis: int = 0) -> jax.Array:
+    """The vector ``v`` (one value an example) reshaped to broadcast along ``axis`` of an
+    array of ``ndim`` dimensions (the batch axis: 0 unless given)."""
+    return jnp.reshape(v, (1,) * axis + (-1,) + (1,) * (ndim - axis - 1))
+
+
 def first_leaf(tree: Any) -> Any:
     return jax.tree_util.tree_leaves(tree)[0]
 

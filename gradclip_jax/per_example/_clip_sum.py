@@ -14,6 +14,7 @@ from jax import lax
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.control import cond
 from gradclip_jax.per_example._batch import (
+    along_axis,
     explicit_spec,
     match_batch_sharding,
 )
@@ -53,7 +54,7 @@ def _row_dot(w: jax.Array, r: jax.Array, acc: np.dtype) -> jax.Array:
 def _zeroed(keep: jax.Array, r: jax.Array) -> jax.Array:
     """``r`` of shape ``(B, ...)`` with the rows ``keep`` drops set to exactly zero (a select, not a
     product: a dropped row may hold NaN or inf)."""
-    return jnp.where(jnp.reshape(keep, keep.shape + (1,) * (r.ndim - 1)), r, jnp.zeros((), r.dtype))
+    return jnp.where(along_axis(keep, r.ndim), r, jnp.zeros((), r.dtype))
 
 
 def scan_weighted_sum(
@@ -88,9 +89,8 @@ def scan_weighted_sum(
             rows = list(jax.vmap(rows_of)(x))
         new = []
         for c, w, r, a in zip(carry, ws, rows, accs, strict=True):
-            shape = (lanes,) + (1,) * (r.ndim - 1)
-            w_r = jnp.reshape(w.astype(a), shape) * r.astype(a)
-            kept = jnp.where(jnp.reshape(k, shape), w_r, jnp.zeros((), a))
+            w_r = along_axis(w.astype(a), r.ndim) * r.astype(a)
+            kept = jnp.where(along_axis(k, r.ndim), w_r, jnp.zeros((), a))
             new.append(c + jnp.sum(kept, axis=0))
         return new, None
 

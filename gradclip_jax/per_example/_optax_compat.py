@@ -13,7 +13,7 @@ from gradclip_jax._core.norms import promote_ints
 from gradclip_jax._core.numerics import count0
 from gradclip_jax._core.stored import certified_factors
 from gradclip_jax._core.validation import check_scalar, clip_norm_arg, static_value
-from gradclip_jax.per_example._batch import batch_flatten
+from gradclip_jax.per_example._batch import along_axis, batch_flatten
 from gradclip_jax.per_example._clip_sum import clip_and_sum
 from gradclip_jax.per_example._config import plain_clip_factors
 from gradclip_jax.per_example._example_norms import as_rows, example_norms, layer_budgets, unrow
@@ -164,9 +164,7 @@ def _settle(
     """Per-example factors that lower the plain ones only where an example's clipped
     gradient, stored in ``store``, would exceed ``clip`` (one norm over ``rows`` with ``combine``)."""
     axes = [tuple(range(1, r.ndim)) for r in rows]
-    keep = [
-        jnp.reshape(f, f.shape + (1,) * (r.ndim - 1)) for f, r in zip(factors, rows, strict=True)
-    ]
+    keep = [along_axis(f, r.ndim) for f, r in zip(factors, rows, strict=True)]
     got = certified_factors(rows, keep, axes, clip, combine=combine, stores=[store] * len(rows))
     return [jnp.reshape(g, f.shape) for g, f in zip(got, factors, strict=True)]
 

@@ -15,6 +15,7 @@ from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.control import cond
 from gradclip_jax.per_example._batch import (
     Call,
+    along_axis,
     batch_axis_sharding,
     first_leaf,
     manual_axes,
@@ -45,8 +46,7 @@ def backward_sums(config: ClipConfig, fwd: Pass, ws: Sequence[jax.Array]) -> lis
 
 def _zero_dropped(x: jax.Array, keep: jax.Array, axis: int) -> jax.Array:
     """``x`` with the slices of dropped examples (``keep`` False along ``axis``) set to 0."""
-    k = jnp.reshape(keep, (1,) * axis + (-1,) + (1,) * (x.ndim - axis - 1))
-    return jnp.where(k, x, jnp.zeros((), x.dtype))
+    return jnp.where(along_axis(keep, x.ndim, axis), x, jnp.zeros((), x.dtype))
 
 
 def _per_row(x: jax.Array, rows: int) -> jax.Array:
@@ -94,8 +94,7 @@ def site_sum(
         return _tf32_site_sum(
             closed, site, vals, p0, acc, g.astype(ct_dtype), w.astype(ct_dtype), keep
         )
-    shape = (1,) * site.out_axis + (-1,) + (1,) * (g.ndim - site.out_axis - 1)
-    ct = g.astype(ct_dtype) * w.astype(ct_dtype).reshape(shape)
+    ct = g.astype(ct_dtype) * along_axis(w.astype(ct_dtype), g.ndim, site.out_axis)
     if keep is not None:
         ct = _zero_dropped(ct, keep, site.out_axis)
         for r in site.rows:
@@ -153,13 +152,11 @@ def _tf32_site_sum(
     on_operand = _weights_operand(site, vals, g)
     side, axis = (site.rows[0], site.axis) if on_operand else (None, site.out_axis)
     target = vals[side] if side is not None else g
-    wshape = (1,) * axis + (-1,) + (1,) * (target.ndim - axis - 1)
+    w_along = along_axis(w, target.ndim, axis)
     if sums_once(site, g, p0):  # one pass; the clip factor allowed for its rounding
-        parts: list[jax.Array] | None = [
-            tf32_weighted_once(target.astype(g.dtype), w.reshape(wshape))
-        ]
+        parts: list[jax.Array] | None = [tf32_weighted_once(target.astype(g.dtype), w_along)]
     else:
-        parts = tf32_weighted(target.astype(g.dtype), w.reshape(wshape))
+        parts = tf32_weighted(target.astype(g.dtype), w_along)
     assert parts is not None  # the caller checked rounds_to_tf32
     # with keep: NaN or inf in a dropped example's values would survive a weight of 0
     if keep is not None:

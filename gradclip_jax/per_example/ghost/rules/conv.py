@@ -36,6 +36,7 @@ from jax import lax
 from gradclip_jax._core import jaxcompat as jc
 from gradclip_jax._core.jaxcompat import shape
 from gradclip_jax._core.norms import joint_row_norms
+from gradclip_jax.per_example._batch import along_axis
 from gradclip_jax.per_example._products import (
     as_measured,
     product_einsum,
@@ -75,7 +76,7 @@ def _after(x: jax.Array, g: jax.Array) -> jax.Array:
     infinite or NaN: its norm, non-finite anyway (the entry multiplies its inputs), becomes NaN.
     """
     gate = 0 * lax.index_in_dim(jnp.reshape(g, (g.shape[0], -1)), 0, axis=1, keepdims=False)
-    return x + jnp.reshape(gate, (-1,) + (1,) * (x.ndim - 1)).astype(x.dtype)
+    return x + along_axis(gate, x.ndim).astype(x.dtype)
 
 
 class ConvViews:
