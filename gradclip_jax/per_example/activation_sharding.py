@@ -9,9 +9,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from gradclip_jax.per_example._batch import in_one_example
 
-__all__: list[
-    str
-] = []  # with_sharding_constraint: home gradclip_jax (CONTRIBUTING.md, "Import paths")
+# with_sharding_constraint's home is gradclip_jax (CONTRIBUTING.md, "Import paths")
+__all__: list[str] = []
 
 
 def _drop_batch_entry(spec: PartitionSpec) -> PartitionSpec:
@@ -20,6 +19,7 @@ def _drop_batch_entry(spec: PartitionSpec) -> PartitionSpec:
 
 
 def _per_example(sharding: Any, name: str) -> Any:
+    """``sharding`` for a batch of one; a TypeError naming ``name`` if it has no spec to edit."""
     if isinstance(sharding, PartitionSpec):
         return _drop_batch_entry(sharding)
     if isinstance(sharding, NamedSharding):
