@@ -230,6 +230,12 @@ def along_axis(v: jax.Array, ndim: int, axis: int = 0) -> jax.Array:
     return jnp.reshape(v, (1,) * axis + (-1,) + (1,) * (ndim - axis - 1))
 
 
+def zeroed(keep: jax.Array, x: jax.Array, axis: int = 0) -> jax.Array:
+    """``x`` with the slices of dropped examples (``keep`` False along ``axis``) set to exactly
+    zero: a select, not a product, since a dropped example may hold NaN or inf."""
+    return jnp.where(along_axis(keep, x.ndim, axis), x, jnp.zeros((), x.dtype))
+
+
 def first_leaf(tree: Any) -> Any:
     return jax.tree_util.tree_leaves(tree)[0]
 
@@ -260,6 +266,23 @@ def in_one_example() -> bool:
     return _ONE_EXAMPLE.get()
 
 
+def as_batch_of_one(example: Any) -> Any:
+    """``example`` with a leading batch axis of size 1 on every leaf."""
+    return jax.tree_util.tree_map(lambda x: jnp.expand_dims(x, 0), example)
+
+
+def call_on_one_example(
+    fn: Callable[..., Any], batch_argnums: Sequence[int], *args: Any, **kwargs: Any
+) -> Any:
+    """``fn(*args, **kwargs)`` with the arguments at ``batch_argnums`` made batches of one
+    example (:func:`as_batch_of_one`), traced inside :func:`one_example_scope`: the one way
+    every path runs a loss on one example, so that none forgets the scope
+    ``with_sharding_constraint`` reads."""
+    args = tuple(as_batch_of_one(a) if i in batch_argnums else a for i, a in enumerate(args))
+    with one_example_scope():
+        return fn(*args, **kwargs)
+
+
 def one_example_loss(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., tuple]:
     """``(params, example, *args) -> (loss, aux)``: ``loss_fn`` on a batch of one example.
 
@@ -268,9 +291,7 @@ def one_example_loss(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[...
     """
 
     def scalar_loss(p: Any, example: Any, *a: Any) -> tuple:
-        ex1 = jax.tree_util.tree_map(lambda x: jnp.expand_dims(x, 0), example)
-        with one_example_scope():
-            out = loss_fn(p, ex1, *a)
+        out = call_on_one_example(loss_fn, (1,), p, example, *a)
         loss, aux = out if has_aux else (out, None)
         if has_aux:
             aux = jax.tree_util.tree_map(_squeeze_example_axis, aux)

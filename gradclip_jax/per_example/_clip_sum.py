@@ -17,6 +17,7 @@ from gradclip_jax.per_example._batch import (
     along_axis,
     explicit_spec,
     match_batch_sharding,
+    zeroed,
 )
 from gradclip_jax.per_example._config import clip_factors
 from gradclip_jax.per_example._example_norms import (
@@ -49,12 +50,6 @@ def _row_dot(w: jax.Array, r: jax.Array, acc: np.dtype) -> jax.Array:
         preferred_element_type=acc,
         out_sharding=out_sharding,
     )
-
-
-def _zeroed(keep: jax.Array, r: jax.Array) -> jax.Array:
-    """``r`` of shape ``(B, ...)`` with the rows ``keep`` drops set to exactly zero (a select, not a
-    product: a dropped row may hold NaN or inf)."""
-    return jnp.where(along_axis(keep, r.ndim), r, jnp.zeros((), r.dtype))
 
 
 def scan_weighted_sum(
@@ -140,7 +135,7 @@ def _column_blocks(
         blocks, starts = [], []
         for r, width in zip(rows, widths, strict=True):
             starts.append(jnp.minimum(k * width, r.shape[1] - width))
-            blocks.append(_zeroed(keep, lax.dynamic_slice_in_dim(r, starts[-1], width, axis=1)))
+            blocks.append(zeroed(keep, lax.dynamic_slice_in_dim(r, starts[-1], width, axis=1)))
         if shared:
             col = _row_dot(weights[0], jnp.concatenate([b.astype(acc) for b in blocks], 1), acc)
             cols = [col[off : off + width] for off, width in zip(offsets, widths)]
@@ -181,7 +176,7 @@ def _patch_dropped(
         fixed = cond(
             ok,
             lambda: [sums[i] for i in others],
-            lambda: [_row_dot(weights[i], _zeroed(keep, rows[i]), accs[i]) for i in others],
+            lambda: [_row_dot(weights[i], zeroed(keep, rows[i]), accs[i]) for i in others],
         )
         for i, s in zip(others, fixed, strict=True):
             out[i] = s
@@ -225,7 +220,7 @@ def fused_sums(
     weights = [once.setdefault(id(f), jnp.where(keep, f, jnp.zeros_like(f))) for f in factors]
     if finite is None:  # small rows: zeroed by a select that the sum reads
         return [
-            _row_dot(w, _zeroed(keep, r), a) for r, w, a in zip(rows, weights, accs, strict=True)
+            _row_dot(w, zeroed(keep, r), a) for r, w, a in zip(rows, weights, accs, strict=True)
         ]
     sums = [_row_dot(w, r, a) for r, w, a in zip(rows, weights, accs, strict=True)]
     ok = jnp.all(keep | finite)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gradclip_jax.per_example._batch import batch_size_of, one_example_scope
+from gradclip_jax.per_example._batch import batch_size_of, call_on_one_example
 
 
 def _is_key(k: Any) -> bool:
@@ -70,9 +70,7 @@ def keyed_loss(loss_fn: Callable[..., Any], pos: int, has_aux: bool, fn: str) ->
             return call(params, batch, keys[0], rest)
 
         def one(example: Any, key: Any) -> tuple:
-            ex1 = jax.tree_util.tree_map(lambda x: jnp.expand_dims(x, 0), example)
-            with one_example_scope():
-                out = call(params, ex1, key, rest)
+            out = call_on_one_example(call, (1,), params, example, key, rest)
             return _per_example_out(out, has_aux, fn)
 
         losses, aux = jax.vmap(one)(batch, keys)

@@ -76,8 +76,8 @@ def with_sharding_constraint(x: Any, shardings: Any) -> Any:
       ...     return jnp.sum(h**2, axis=1)
       >>> w, batch = jnp.ones((3, 2)) / 4, jnp.ones((4, 3))
       >>> with jax.set_mesh(mesh):
-      ...     g_ghost, _ = gcx.clipped_grad(losses, 1.0, method="ghost")(w, batch)
-      ...     g_vmap, _ = gcx.clipped_grad(losses, 1.0, method="vmap")(w, batch)
+      ...     g_ghost, _ = jax.jit(gcx.clipped_grad(losses, 1.0, method="ghost"))(w, batch)
+      ...     g_vmap, _ = jax.jit(gcx.clipped_grad(losses, 1.0, method="vmap"))(w, batch)
       >>> bool(jnp.allclose(g_ghost, g_vmap))
       True
     """

@@ -6,11 +6,12 @@ modules behind them can move without touching their users.
 """
 
 from gradclip_jax.per_example._batch import (
+    as_batch_of_one,
     batch_flatten,
     batch_size_of,
+    call_on_one_example,
     explicit_spec,
     match_batch_sharding,
-    one_example_scope,
 )
 from gradclip_jax.per_example._clip_sum import clip_and_sum
 from gradclip_jax.per_example._config import Method, clip_factors, sensitivity_factor
@@ -26,15 +27,16 @@ from gradclip_jax.per_example.ghost._analysis import (
 
 __all__ = [
     "Method",
+    "as_batch_of_one",
     "as_rows",
     "batch_flatten",
     "batch_size_of",
+    "call_on_one_example",
     "clip_and_sum",
     "clip_factors",
     "example_keys",
     "explicit_spec",
     "match_batch_sharding",
-    "one_example_scope",
     "sensitivity_factor",
     "unrow",
 ]

@@ -15,53 +15,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import gradclip_jax as gcx
 from tests.per_example.models import assert_tree_close
+from tests.per_example.token_model import BATCH, ROWS, fsdp_placed, mesh_of, token_model
 
-BATCH, SEQ, WIDTH, HIDDEN = 24, 32, 16, 64
-ROWS = ("data", "fsdp")
 _ALL_GATHER = re.compile(r"= \w+\[([\d,]*)\]\S* all-gather(?:-start)?\(")
 
 
-def _setup(annotate=lambda h: h):
-    """A two-layer token model whose hidden activation ``(B, T, HIDDEN)`` goes through ``annotate``."""
-    k = jax.random.split(jax.random.PRNGKey(0), 4)
-    params = {
-        "w1": jax.random.normal(k[0], (WIDTH, HIDDEN)) / 4,
-        "b1": jnp.zeros((HIDDEN,)),
-        "w2": jax.random.normal(k[1], (HIDDEN, WIDTH)) / 8,
-    }
-    data = {
-        "x": jax.random.normal(k[2], (BATCH, SEQ, WIDTH)),
-        "y": jax.random.normal(k[3], (BATCH, SEQ, WIDTH)),
-    }
-
-    def losses(p, b):
-        h = annotate(jnp.tanh(b["x"] @ p["w1"] + p["b1"]))
-        return jnp.mean((h @ p["w2"] - b["y"]) ** 2, axis=(1, 2))
-
-    return losses, params, data
-
-
 def _mesh(shape=(2, 4)):
-    devices = np.asarray(jax.devices()[: shape[0] * shape[1]]).reshape(shape)
-    return Mesh(devices, ROWS, axis_types=(AxisType.Auto,) * 2)
-
-
-def _placed(mesh, params, data):
-    """Params FSDP-style (each weight's largest axis over ``fsdp``), the batch over both axes."""
-
-    def fsdp(x):
-        spec = [None] * x.ndim
-        spec[int(np.argmax(x.shape))] = "fsdp"
-        return NamedSharding(mesh, P(*spec))
-
-    return (
-        jax.tree.map(lambda x: jax.device_put(x, fsdp(x)), params),
-        jax.device_put(data, NamedSharding(mesh, P(ROWS))),
-    )
+    return mesh_of(shape, axis_types=(AxisType.Auto,) * 2)
 
 
 METHODS = {
@@ -80,10 +44,10 @@ def test_annotated_model_runs_sharded_on_every_path_at_no_cost(kwargs):
     and holds no more temporaries than the same model without the annotation."""
     mesh = _mesh()
     rows = NamedSharding(mesh, P(ROWS, None, None))
-    annotated, params, data = _setup(lambda h: gcx.with_sharding_constraint(h, rows))
-    plain, _, _ = _setup()
+    annotated, params, data = token_model(lambda h: gcx.with_sharding_constraint(h, rows))
+    plain, _, _ = token_model()
     ref, ref_info = jax.jit(gcx.clipped_grad(plain, 0.05, method=kwargs["method"]))(params, data)
-    p_sh, d_sh = _placed(mesh, params, data)
+    p_sh, d_sh = fsdp_placed(mesh, params, data)
 
     def compiled(losses):
         return jax.jit(gcx.clipped_grad(losses, 0.05, **kwargs)).lower(p_sh, d_sh).compile()
@@ -106,8 +70,8 @@ def test_vmap_with_spmd_axis_name_accepts_the_batch_axes_in_the_spec():
     whose ``spmd_axis_name`` is that axis; ours gives the vmap path the ghost path's result."""
     mesh = _mesh((1, 1))
     rows = NamedSharding(mesh, P(ROWS, None, None))
-    ours, params, data = _setup(lambda h: gcx.with_sharding_constraint(h, rows))
-    theirs, _, _ = _setup(lambda h: jax.lax.with_sharding_constraint(h, rows))
+    ours, params, data = token_model(lambda h: gcx.with_sharding_constraint(h, rows))
+    theirs, _, _ = token_model(lambda h: jax.lax.with_sharding_constraint(h, rows))
     vmap = dict(method="vmap", spmd_axis_name=ROWS)
     with pytest.raises(ValueError, match="spmd_axis_name"):
         jax.jit(gcx.clipped_grad(theirs, 0.05, **vmap))(params, data)
@@ -137,8 +101,8 @@ def test_explicit_axes_every_path_equals_one_device():
     """With ``Explicit`` mesh axes a constraint is an assertion of the array's sharding: the vmap
     path's batch of one is asserted unsharded on axis 0 (its examples' axis is vmap's)."""
     rows = P(ROWS, None, None)
-    annotated, params, data = _setup(lambda h: gcx.with_sharding_constraint(h, rows))
-    plain, _, _ = _setup()
+    annotated, params, data = token_model(lambda h: gcx.with_sharding_constraint(h, rows))
+    plain, _, _ = token_model()
     ref, ref_info = jax.jit(gcx.clipped_grad(plain, 0.05))(params, data)
     mesh = jax.make_mesh((2, 4), ROWS, axis_types=(AxisType.Explicit,) * 2)
     with jax.set_mesh(mesh):

@@ -15,54 +15,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gradclip_jax import clipped_grad
 from tests.per_example.models import assert_tree_close
+from tests.per_example.token_model import BATCH, fsdp_placed, mesh_of, token_model
 
 pytestmark = pytest.mark.cpu_only(
     reason="the compiled memory and collectives of XLA:CPU's programs"
 )
 
-BATCH, SEQ, WIDTH, HIDDEN = 24, 32, 16, 64
 MESHES = ((8, 1), (2, 4), (1, 8))
 _ALL_GATHER = re.compile(r"= (\w+)\[([\d,]*)\]\S* all-gather(?:-start)?\(")
 
 
-def _setup():
-    """A two-layer token model (per-example losses: a mean over tokens) whose activations, as in a
-    language model, outweigh its parameters; example 5 has a NaN input, so a non-finite gradient."""
-    k = jax.random.split(jax.random.PRNGKey(0), 4)
-    params = {
-        "w1": jax.random.normal(k[0], (WIDTH, HIDDEN)) / 4,
-        "b1": jnp.zeros((HIDDEN,)),
-        "w2": jax.random.normal(k[1], (HIDDEN, WIDTH)) / 8,
-    }
-    x = jax.random.normal(k[2], (BATCH, SEQ, WIDTH)).at[5, 3, 1].set(jnp.nan)
-    data = {"x": x, "y": jax.random.normal(k[3], (BATCH, SEQ, WIDTH))}
-
-    def losses(p, b):
-        h = jnp.tanh(b["x"] @ p["w1"] + p["b1"]) @ p["w2"]
-        return jnp.mean((h - b["y"]) ** 2, axis=(1, 2))
-
-    return losses, params, data
-
-
-def _fsdp(shape: tuple[int, ...], fsdp: int) -> P:
-    """The largest axis ``fsdp`` divides, over ``'fsdp'`` (else replicated)."""
-    axes = [i for i in sorted(range(len(shape)), key=lambda i: -shape[i]) if shape[i] % fsdp == 0]
-    if fsdp == 1 or not axes:
-        return P()
-    return P(*["fsdp" if i == axes[0] else None for i in range(len(shape))])
-
-
 def _place(params, data, shape):
-    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(shape), ("data", "fsdp"))
-    params = {
-        k: jax.device_put(v, NamedSharding(mesh, _fsdp(v.shape, shape[1])))
-        for k, v in params.items()
-    }
-    return params, jax.device_put(data, NamedSharding(mesh, P(("data", "fsdp"))))
+    return fsdp_placed(mesh_of(shape), params, data)
 
 
 def _gathered(text: str) -> list[tuple[int, ...]]:
@@ -102,7 +69,7 @@ def _sharded_without_gathers(grad_fn, shape):
     """``grad_fn`` on one device (example 5 dropped: its norm is not finite), and compiled on the
     mesh ``shape``, checked to gather no per-example-sized array:
     ``(ref, ref_info, sharded params, sharded data, compiled)``."""
-    _, params, data = _setup()
+    _, params, data = token_model(nan_example=5)
     ref, ref_info = jax.jit(grad_fn)(params, data)
     assert not np.isfinite(np.asarray(ref_info.norms)[5])
     p_sh, d_sh = _place(params, data, shape)
@@ -117,7 +84,7 @@ def _sharded_without_gathers(grad_fn, shape):
 @pytest.mark.reads_compiled_names
 @pytest.mark.parametrize("shape", MESHES, ids=[f"{d}x{f}" for d, f in MESHES])
 def test_nan_safe_vmap_step_stays_sharded(shape):
-    losses, _, _ = _setup()
+    losses, _, _ = token_model(nan_example=5)
     grad_fn = clipped_grad(losses, 0.05, method="vmap")  # nan_safe=True: example 5 is dropped
     ref, ref_info, p_sh, d_sh, compiled = _sharded_without_gathers(grad_fn, shape)
     assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(ref))
@@ -140,7 +107,7 @@ def test_nan_safe_ghost_step_stays_sharded(shape):
     """The ghost path's rare NaN-safe sum (a dropped example is not finite: each kept example's
     gradient formed in turn) reads one example per device at a time: nothing of the batch is
     gathered, and the fallback costs little beyond the step without it."""
-    losses, _, _ = _setup()
+    losses, _, _ = token_model(nan_example=5)
     grad_fn = clipped_grad(losses, 0.05, method="ghost")  # example 5 is dropped
     ref, ref_info, p_sh, d_sh, compiled = _sharded_without_gathers(grad_fn, shape)
     unsafe = clipped_grad(losses, 0.05, method="ghost", nan_safe=False)
@@ -162,11 +129,7 @@ def test_llama_clipped_sums_per_device_memory(shape):
     models = pytest.importorskip("benchmarks.models")
     cfg = models.LlamaConfig(layers=2, d=64, heads=4, kv_heads=2, seq=64, vocab=128)
     losses, params, data = models.llama(0, 16, cfg)
-    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(shape), ("data", "fsdp"))
-    p_sh = jax.tree.map(
-        lambda x: jax.device_put(x, NamedSharding(mesh, _fsdp(x.shape, shape[1]))), params
-    )
-    d_sh = jax.device_put(data, NamedSharding(mesh, P(("data", "fsdp"))))
+    p_sh, d_sh = _place(params, data, shape)
 
     def grad(p, b):
         return jax.grad(lambda q: jnp.sum(losses(q, b)))(p)

@@ -101,10 +101,6 @@ def squeeze_axis_1(x: Any) -> Any:
     return x
 
 
-def expand_axis_1(x: Any) -> Any:
-    return jax.tree.map(lambda a: jnp.expand_dims(a, 0), x)
-
-
 def check_callable(fn: str, name: str, value: Any) -> None:
     if not callable(value):
         raise TypeError(f"{fn}: `{name}` must be callable, got {value!r}")

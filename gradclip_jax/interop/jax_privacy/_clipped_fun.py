@@ -19,7 +19,6 @@ from gradclip_jax.interop.jax_privacy._arguments import (
     check_called,
     checked_argnums,
     common_batch_size,
-    expand_axis_1,
     keys_per_example,
     padding_mask,
     prng_argnum_of,
@@ -28,7 +27,7 @@ from gradclip_jax.interop.jax_privacy._arguments import (
 from gradclip_jax.interop.jax_privacy._clip_norms import PyTree, is_per_layer, norm_bound
 from gradclip_jax.interop.jax_privacy._clip_pytree import clip_per_layer, clip_pytree
 from gradclip_jax.interop.jax_privacy._grid import clip_and_round_to_grid
-from gradclip_jax.per_example.internal import one_example_scope
+from gradclip_jax.per_example.internal import call_on_one_example
 
 
 def _one_group(
@@ -42,9 +41,7 @@ def _one_group(
 
     def one(*args: Any, is_padding_example: Any, **kwargs: Any) -> tuple:
         if keep_batch_dim:  # a batch of one: gcx.with_sharding_constraint leaves axis 0 to vmap
-            args = tuple(expand_axis_1(a) if i in batch_argnums else a for i, a in enumerate(args))
-            with one_example_scope():
-                out = fun(*args, **kwargs)
+            out = call_on_one_example(fun, batch_argnums, *args, **kwargs)
         else:
             out = fun(*args, **kwargs)
         value, aux = out if has_aux else (out, ())

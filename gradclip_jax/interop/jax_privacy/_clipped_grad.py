@@ -19,7 +19,6 @@ from gradclip_jax.interop.jax_privacy._arguments import (
     check_called,
     checked_argnums,
     common_batch_size,
-    expand_axis_1,
     keys_per_example,
     padding_mask,
     prng_argnum_of,
@@ -28,6 +27,7 @@ from gradclip_jax.interop.jax_privacy._arguments import (
 from gradclip_jax.interop.jax_privacy._clip_norms import PyTree, is_per_layer, norm_bound
 from gradclip_jax.interop.jax_privacy._clipped_fun import clipped_fun
 from gradclip_jax.per_example.api import clipped_grad as _clipped_grad
+from gradclip_jax.per_example.internal import as_batch_of_one
 
 
 class _Layout:
@@ -61,7 +61,7 @@ class _Layout:
         """``fun``'s ``n`` positional arguments for one example."""
         placed: dict[int, Any] = dict(zip(self.argnums, (params,) if self.single else params))
         placed |= {
-            i: expand_axis_1(x) if keep_batch_dim else x
+            i: as_batch_of_one(x) if keep_batch_dim else x
             for i, x in zip(self.batch, example["args"])
         }
         if self.prng is not None:

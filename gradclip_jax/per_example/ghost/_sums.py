@@ -21,6 +21,7 @@ from gradclip_jax.per_example._batch import (
     manual_axes,
     one_example_loss,
     vary_like,
+    zeroed,
 )
 from gradclip_jax.per_example._clip_sum import fused_sums, scan_weighted_sum
 from gradclip_jax.per_example._config import ClipConfig
@@ -42,11 +43,6 @@ def backward_sums(config: ClipConfig, fwd: Pass, ws: Sequence[jax.Array]) -> lis
     """:math:`\\nabla_\\theta \\sum_b c_b \\ell_b`: the pull-back of the weights through the loss."""
     g = _norms.flatten(fwd.pull(ws[0].astype(fwd.losses.dtype))[0], config.fn).arrays
     return [x.astype(_norms.sum_dtype(x.dtype)) for x in g]
-
-
-def _zero_dropped(x: jax.Array, keep: jax.Array, axis: int) -> jax.Array:
-    """``x`` with the slices of dropped examples (``keep`` False along ``axis``) set to 0."""
-    return jnp.where(along_axis(keep, x.ndim, axis), x, jnp.zeros((), x.dtype))
 
 
 def _per_row(x: jax.Array, rows: int) -> jax.Array:
@@ -96,9 +92,9 @@ def site_sum(
         )
     ct = g.astype(ct_dtype) * along_axis(w.astype(ct_dtype), g.ndim, site.out_axis)
     if keep is not None:
-        ct = _zero_dropped(ct, keep, site.out_axis)
+        ct = zeroed(keep, ct, site.out_axis)
         for r in site.rows:
-            vals[r] = _zero_dropped(vals[r], keep, site.axis)
+            vals[r] = zeroed(keep, vals[r], site.axis)
     passes = (
         tf32_passes(vals[site.rows[0]], ct) if site.kind == "conv" and len(site.rows) == 1 else None
     )
@@ -160,17 +156,17 @@ def _tf32_site_sum(
     assert parts is not None  # the caller checked rounds_to_tf32
     # with keep: NaN or inf in a dropped example's values would survive a weight of 0
     if keep is not None:
-        parts = [_zero_dropped(x, keep, axis) for x in parts]
+        parts = [zeroed(keep, x, axis) for x in parts]
     for r in site.rows:
         if r != side:
             vals[r] = (
                 as_measured(vals[r])
                 if keep is None
-                else _zero_dropped(as_measured(vals[r]), keep, site.axis)
+                else zeroed(keep, as_measured(vals[r]), site.axis)
             )
     if not on_operand:
         return _pulled(closed, site, vals, p0, acc, parts)
-    ct = as_measured(g) if keep is None else _zero_dropped(as_measured(g), keep, site.out_axis)
+    ct = as_measured(g) if keep is None else zeroed(keep, as_measured(g), site.out_axis)
     row = site.rows[0]
     total = None
     for part in parts:
