@@ -18,6 +18,11 @@ step, ``clipped_grad(method='vmap')`` <= 1.2x the hand-written version), and the
 totals for the clipped sum alone (:data:`SUMS`: no noise, no optimizer; ghost against
 ``jax.grad`` of the summed loss). The notes give the instructions by source and the kernels.
 
+Without ``--quick``, the issue's larger models too (:data:`LARGER`: the Llama-style decoder of
+``cost_llama``, scanned and rematerialized, at T=512; GPT-2 with 2 blocks at full width and
+WRN-16-4, ``bench_cost``'s models): one row per DP step, its total against the non-private
+step's, the phases in the note.
+
 Run alone: ``python -m benchmarks.bench_compile``.
 """
 
@@ -35,7 +40,7 @@ import jax.numpy as jnp
 from benchmarks.bench_cost import instructions_by_source
 from benchmarks.common import row
 from benchmarks.hlo_program import kernel_count
-from benchmarks.models import transformer
+from benchmarks.models import LlamaConfig, gpt2, llama, transformer, wrn
 from benchmarks.steps import fresh_state, hand_clipped_grad
 from benchmarks.variants import make_steps, parts_of
 
@@ -152,10 +157,55 @@ def rows_of(res: dict[str, dict[str, Any]], label: str) -> list[dict]:
     return rows
 
 
+def _llama() -> tuple[Callable, Any, Any, str]:
+    cfg = LlamaConfig(seq=512)
+    return (*llama(0, 8, cfg), f"Llama {cfg.layers}x{cfg.d} T={cfg.seq} scan+remat, B=8")
+
+
+# label -> (losses, params, data, label) builder and batch size: the issue's larger models
+LARGER: dict[str, tuple[Callable[[], tuple], int]] = {
+    "llama": (_llama, 8),
+    "gpt2": (lambda: gpt2(8, fused=True, dtype=jnp.float32, tiny=False, layers=2), 8),
+    "wrn": (lambda: wrn(32, tiny=False), 32),
+}
+LARGER_STEPS = ("nonprivate", "ghost", "vmap")
+
+
+def measure_larger(model: str) -> tuple[dict[str, dict[str, Any]], str]:
+    """:func:`breakdown` of :data:`LARGER_STEPS` on one of :data:`LARGER`, and its label."""
+    make, batch = LARGER[model]
+    losses, params, data, label = make()
+    steps = make_steps(losses, batch, LARGER_STEPS)
+    return {n: breakdown(s, fresh_state(params, 0), data) for n, s in steps.items()}, label
+
+
+def larger_rows(res: dict[str, dict[str, Any]], label: str) -> list[dict]:
+    """One row per DP step of :func:`measure_larger`'s result: its total against the non-private
+    step's, each phase's ratio and the kernels in the note."""
+    base = res["nonprivate"]
+
+    def phases(n: str) -> str:
+        split = ", ".join(f"{p} {res[n][p] / base[p]:.2f}x" for p in PHASES)
+        return f"{n}: {split}, {res[n]['kernels']} kernels (non-private {base['kernels']})"
+
+    return [
+        row(
+            GROUP,
+            f"total: DP step ({n}) vs non-private step ({label}, {jax.default_backend()})",
+            1e3 * res[n]["total"],
+            1e3 * base["total"],
+            f"seconds in the ms columns; {phases(n)}; goal <= 1.5x",
+        )
+        for n in LARGER_STEPS[1:]
+    ]
+
+
 def run(quick: bool = False) -> list[dict]:
-    """Runs the benchmark and returns its rows (the same model with ``quick``: it is small)."""
-    del quick
-    return rows_of(measure(), f"transformer 2x64 T=32 V=128, B={BATCH}, {jax.default_backend()}")
+    """Runs the benchmark and returns its rows (``quick``: the small transformer alone)."""
+    rows = rows_of(measure(), f"transformer 2x64 T=32 V=128, B={BATCH}, {jax.default_backend()}")
+    for model in () if quick else LARGER:
+        rows += larger_rows(*measure_larger(model))
+    return rows
 
 
 def main() -> None:

@@ -62,3 +62,20 @@ def test_rows_are_ratios_to_the_non_private_step_and_the_hand_written_one():
     assert [r["ratio"] for r in extra] == [1.25, 2.0]
     assert "vmap" in extra[0]["name"] and "goal <= 1.2x" in extra[0]["note"]
     assert "jax.grad" in extra[1]["name"]
+
+
+def test_larger_models_rows_give_each_dp_steps_total_and_phases(monkeypatch):
+    """The larger models' rows (not in the quick run): measured on a stand-in model here."""
+    losses, params, data = mlp_setup()
+    monkeypatch.setitem(bc.LARGER, "stand-in", (lambda: (losses, params, data, "mlp"), 7))
+    res, label = bc.measure_larger("stand-in")
+    assert set(res) == set(bc.LARGER_STEPS) and label == "mlp"
+    rows = bc.larger_rows(res, label)
+    backend = jax.default_backend()
+    assert [r["name"] for r in rows] == [
+        f"total: DP step ({n}) vs non-private step (mlp, {backend})" for n in ("ghost", "vmap")
+    ]
+    for r, n in zip(rows, ("ghost", "vmap")):
+        assert r["ratio"] == pytest.approx(res[n]["total"] / res["nonprivate"]["total"])
+        assert f"compile {res[n]['compile'] / res['nonprivate']['compile']:.2f}x" in r["note"]
+        assert "goal <= 1.5x" in r["note"]
