@@ -15,7 +15,9 @@
 #            full and LoRA: ghost and vmap step times and the largest batch each step fits);
 #   compile  the compile breakdown of the DP steps (benchmarks.bench_compile, COMPILE_S, default
 #            120): trace, lower and compile (on a GPU with its autotuning) of the non-private,
-#            hand-written, vmap and ghost steps, and their HLO instructions by source;
+#            hand-written, vmap and ghost steps, and their HLO instructions by source; the
+#            small transformer alone unless COMPILE_LARGER=1 (then also the Llama decoder,
+#            GPT-2 with 2 blocks and WRN-16-4: give COMPILE_S=400 or more);
 #   profile  the kernel-category profile of the non-private step and PROFILE_GPU_STEPS (default
 #            ghost,vmap) of the configs PROFILE_MODELS (default gpt2-b8,wrn-b256)
 #            (benchmarks.profile_gpu, PROFILE_S), reusing the programs the bench part
@@ -67,7 +69,9 @@ if want bench; then
     done
 fi
 if want compile; then
-    timeout "${COMPILE_S:-120}" python3 -m benchmarks --only compile --out "$OUT/compile" >> "$LOG" 2>&1
+    QUICK=--quick
+    [ "${COMPILE_LARGER:-0}" = 1 ] && QUICK=
+    timeout "${COMPILE_S:-120}" python3 -m benchmarks $QUICK --only compile --out "$OUT/compile" >> "$LOG" 2>&1
     echo "== compile: exit $?, $(left) s left" >> "$LOG"
 fi
 if want profile; then
