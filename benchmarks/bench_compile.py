@@ -29,6 +29,7 @@ Run alone: ``python -m benchmarks.bench_compile``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -37,10 +38,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from benchmarks.bench_cost import instructions_by_source
+from benchmarks.bench_cost import build, instructions_by_source
 from benchmarks.common import row
+from benchmarks.cost_llama import llama_configs
 from benchmarks.hlo_program import kernel_count
-from benchmarks.models import LlamaConfig, gpt2, llama, transformer, wrn
+from benchmarks.models import llama, transformer
 from benchmarks.steps import fresh_state, hand_clipped_grad
 from benchmarks.variants import make_steps, parts_of
 
@@ -157,24 +159,24 @@ def rows_of(res: dict[str, dict[str, Any]], label: str) -> list[dict]:
     return rows
 
 
-def _llama() -> tuple[Callable, Any, Any, str]:
-    cfg = LlamaConfig(seq=512)
-    return (*llama(0, 8, cfg), f"Llama {cfg.layers}x{cfg.d} T={cfg.seq} scan+remat, B=8")
+def _llama() -> tuple[Callable, Any, Any, str, int]:
+    cfg = next(c for _, c in llama_configs(quick=True) if not c.lora)  # T=512, the full model
+    return (*llama(0, 8, cfg), f"Llama {cfg.layers}x{cfg.d} T={cfg.seq} scan+remat, B=8", 8)
 
 
-# label -> (losses, params, data, label) builder and batch size: the issue's larger models
-LARGER: dict[str, tuple[Callable[[], tuple], int]] = {
-    "llama": (_llama, 8),
-    "gpt2": (lambda: gpt2(8, fused=True, dtype=jnp.float32, tiny=False, layers=2), 8),
-    "wrn": (lambda: wrn(32, tiny=False), 32),
+# model -> its ``(losses, params, data, label, batch)``: the issue's larger models, as the cost
+# rows build them (bench_cost's GPT-2 with 2 blocks and WRN-16-4, cost_llama's T=512 decoder)
+LARGER: dict[str, Callable[[], tuple]] = {
+    "llama": _llama,
+    "gpt2": functools.partial(build, "gpt2-2l", False),
+    "wrn": functools.partial(build, "wrn", False),
 }
 LARGER_STEPS = ("nonprivate", "ghost", "vmap")
 
 
 def measure_larger(model: str) -> tuple[dict[str, dict[str, Any]], str]:
     """:func:`breakdown` of :data:`LARGER_STEPS` on one of :data:`LARGER`, and its label."""
-    make, batch = LARGER[model]
-    losses, params, data, label = make()
+    losses, params, data, label, batch = LARGER[model]()
     steps = make_steps(losses, batch, LARGER_STEPS)
     return {n: breakdown(s, fresh_state(params, 0), data) for n, s in steps.items()}, label
 

@@ -67,7 +67,7 @@ def test_rows_are_ratios_to_the_non_private_step_and_the_hand_written_one():
 def test_larger_models_rows_give_each_dp_steps_total_and_phases(monkeypatch):
     """The larger models' rows (not in the quick run): measured on a stand-in model here."""
     losses, params, data = mlp_setup()
-    monkeypatch.setitem(bc.LARGER, "stand-in", (lambda: (losses, params, data, "mlp"), 7))
+    monkeypatch.setitem(bc.LARGER, "stand-in", lambda: (losses, params, data, "mlp", 7))
     res, label = bc.measure_larger("stand-in")
     assert set(res) == set(bc.LARGER_STEPS) and label == "mlp"
     rows = bc.larger_rows(res, label)
