@@ -38,7 +38,8 @@ def with_sharding_constraint(x: Any, shardings: Any) -> Any:
 
     * the ghost path and the non-private step run the model on the whole batch
       ``(B, ...)``: the constraint is applied as given;
-    * the vmap path (and ghost's per-example fallbacks) run the model under
+    * the vmap path (and ghost's per-example fallbacks, and the jax-privacy
+      drop-in's ``fun`` with ``keep_batch_dim`` on every path) run the model under
       ``jax.vmap`` on one example at a time, as a batch of one ``(1, ...)``: there
       the first entry of each spec (the batch axis) is replaced by ``None``, and
       ``vmap`` places the examples' axis itself: over ``spmd_axis_name`` when

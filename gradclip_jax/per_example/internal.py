@@ -6,7 +6,6 @@ modules behind them can move without touching their users.
 """
 
 from gradclip_jax.per_example._batch import (
-    as_batch_of_one,
     batch_flatten,
     batch_size_of,
     call_on_one_example,
@@ -27,7 +26,6 @@ from gradclip_jax.per_example.ghost._analysis import (
 
 __all__ = [
     "Method",
-    "as_batch_of_one",
     "as_rows",
     "batch_flatten",
     "batch_size_of",

@@ -27,7 +27,7 @@ from gradclip_jax.interop.jax_privacy._arguments import (
 from gradclip_jax.interop.jax_privacy._clip_norms import PyTree, is_per_layer, norm_bound
 from gradclip_jax.interop.jax_privacy._clipped_fun import clipped_fun
 from gradclip_jax.per_example.api import clipped_grad as _clipped_grad
-from gradclip_jax.per_example.internal import as_batch_of_one
+from gradclip_jax.per_example.internal import call_on_one_example
 
 
 class _Layout:
@@ -55,15 +55,10 @@ class _Layout:
         skip = {*self.argnums, *self.batch, self.prng}
         return [a for i, a in enumerate(args) if i not in skip]
 
-    def assemble(
-        self, n: int, params: Any, example: dict, shared: Sequence[Any], keep_batch_dim: bool
-    ) -> list:
-        """``fun``'s ``n`` positional arguments for one example."""
+    def assemble(self, n: int, params: Any, example: dict, shared: Sequence[Any]) -> list:
+        """``fun``'s ``n`` positional arguments for one example (its batch arguments as given)."""
         placed: dict[int, Any] = dict(zip(self.argnums, (params,) if self.single else params))
-        placed |= {
-            i: as_batch_of_one(x) if keep_batch_dim else x
-            for i, x in zip(self.batch, example["args"])
-        }
+        placed |= dict(zip(self.batch, example["args"]))
         if self.prng is not None:
             placed[self.prng] = example["keys"]  # one key, never expanded (as jax-privacy)
         rest = iter(shared)
@@ -103,9 +98,11 @@ def _per_example_loss(
         shared = rebuild(arrays)
 
         def one(example: dict) -> tuple:
-            out = fun(
-                *layout.assemble(n, params, example, shared, keep_batch_dim), **example["kwargs"]
-            )
+            args = layout.assemble(n, params, example, shared)
+            if keep_batch_dim:  # a batch of one: gcx.with_sharding_constraint leaves axis 0 to vmap
+                out = call_on_one_example(fun, layout.batch, *args, **example["kwargs"])
+            else:
+                out = fun(*args, **example["kwargs"])
             value, aux = out if has_aux else (out, None)
             if jnp.shape(value) != ():
                 raise TypeError(
