@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from benchmarks.bench_cost import build, instructions_by_source
 from benchmarks.common import row
 from benchmarks.cost_llama import llama_configs
-from benchmarks.hlo_program import kernel_count
+from benchmarks.hlo_program import distinct_kernel_count, kernel_count
 from benchmarks.models import llama, transformer
 from benchmarks.steps import fresh_state, hand_clipped_grad
 from benchmarks.variants import make_steps, parts_of
@@ -54,8 +54,9 @@ PHASES = ("trace", "lower", "compile")
 def breakdown(step: Callable[..., Any], *args: Any) -> dict[str, Any]:
     """Seconds to trace, lower and compile a fresh ``jax.jit(step, donate_argnums=0)`` for
     ``args`` (``"trace"``, ``"lower"``, ``"compile"``, ``"total"``) and its HLO
-    instructions by source (``"by_source"``) and its kernels (``"kernels"``,
-    :func:`~benchmarks.hlo_program.kernel_count`: what the CPU's compile time follows)."""
+    instructions by source (``"by_source"``), its kernels (``"kernels"``,
+    :func:`~benchmarks.hlo_program.kernel_count`) and its distinct kernels (``"distinct"``,
+    :func:`~benchmarks.hlo_program.distinct_kernel_count`: what the CPU's compile time follows)."""
     f = jax.jit(lambda *a: step(*a), donate_argnums=0)  # a new function: nothing cached in memory
     t0 = time.perf_counter()
     traced = f.trace(*args)
@@ -64,13 +65,15 @@ def breakdown(step: Callable[..., Any], *args: Any) -> dict[str, Any]:
     t2 = time.perf_counter()
     compiled = lowered.compile()
     t3 = time.perf_counter()
+    text = compiled.as_text()
     return {
         "trace": t1 - t0,
         "lower": t2 - t1,
         "compile": t3 - t2,
         "total": t3 - t0,
-        "by_source": instructions_by_source(compiled.as_text()),
-        "kernels": kernel_count(compiled.as_text()),
+        "by_source": instructions_by_source(text),
+        "kernels": kernel_count(text),
+        "distinct": distinct_kernel_count(text),
     }
 
 
@@ -107,7 +110,11 @@ def rows_of(res: dict[str, dict[str, Any]], label: str) -> list[dict]:
 
     def sources(n: str) -> str:
         by = res[n]["by_source"]
-        kernels = f", {res[n]['kernels']} kernels" if "kernels" in res[n] else ""
+        kernels = (
+            f", {res[n]['kernels']} kernels ({res[n]['distinct']} distinct)"
+            if "kernels" in res[n]
+            else ""
+        )
         return f"{n} {sum(by.values())} ({', '.join(f'{k} {v}' for k, v in by.items())}){kernels}"
 
     def note(*names: str) -> str:
@@ -188,7 +195,10 @@ def larger_rows(res: dict[str, dict[str, Any]], label: str) -> list[dict]:
 
     def phases(n: str) -> str:
         split = ", ".join(f"{p} {res[n][p] / base[p]:.2f}x" for p in PHASES)
-        return f"{n}: {split}, {res[n]['kernels']} kernels (non-private {base['kernels']})"
+        return (
+            f"{n}: {split}, {res[n]['kernels']} kernels, {res[n]['distinct']} distinct "
+            f"(non-private {base['kernels']}, {base['distinct']})"
+        )
 
     return [
         row(

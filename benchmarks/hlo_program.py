@@ -24,7 +24,14 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["PHASES", "hlo_hints", "hlo_phases", "kernel_count", "phase_of"]
+__all__ = [
+    "PHASES",
+    "distinct_kernel_count",
+    "hlo_hints",
+    "hlo_phases",
+    "kernel_count",
+    "phase_of",
+]
 
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][a-z0-9\-]*)\((.*)$")
@@ -183,11 +190,11 @@ def hlo_hints(text: str) -> dict[str, str]:
 _NO_KERNEL = {"parameter", "constant", "bitcast", "tuple", "get-tuple-element"}
 
 
-def kernel_count(text: str) -> int:
-    """The kernels of a compiled program: its instructions outside fused and reducer
-    computations (each fusion, dot, copy, reduce, loop and conditional; loop bodies and branches
-    included), less bookkeeping (parameters, constants, bitcasts, tuples). On the CPU the compile
-    time follows this count (LLVM compiles each kernel) more than the instruction count."""
+def _kernels(
+    text: str,
+) -> tuple[dict[str, list[tuple[str, str, str]]], list[tuple[str, str, str]]]:
+    """The computations of :func:`_parse_hlo` and its kernels, each ``(name, opcode, rest of
+    line)``."""
     comps, _ = _parse_hlo(text)
     inner = {
         m.group(2)
@@ -195,12 +202,70 @@ def kernel_count(text: str) -> int:
         for _, _, rest in body
         for m in re.finditer(r"\b(calls|to_apply)=%?([\w.\-]+)", rest)
     }
-    return sum(
-        op not in _NO_KERNEL
-        for name, body in comps.items()
-        if name not in inner
-        for _, op, _ in body
-    )
+    kernels = [
+        instruction
+        for comp, body in comps.items()
+        if comp not in inner
+        for instruction in body
+        if instruction[1] not in _NO_KERNEL
+    ]
+    return comps, kernels
+
+
+def kernel_count(text: str) -> int:
+    """The kernels of a compiled program: its instructions outside fused and reducer
+    computations (each fusion, dot, copy, reduce, loop and conditional; loop bodies and branches
+    included), less bookkeeping (parameters, constants, bitcasts, tuples)."""
+    return len(_kernels(text)[1])
+
+
+_TYPED = re.compile(r"^\s+(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s[a-z][a-z0-9\-]*\(")
+_ANNOTATION = re.compile(
+    r",?\s*(?:metadata|backend_config|frontend_attributes)=(?:\{(?:[^{}]|\{(?:[^{}]|\{[^{}]*\})*\})*\}|\"[^\"]*\")"
+)
+_NAME = re.compile(r"%[\w.\-]+")
+
+
+def distinct_kernel_count(text: str) -> int:
+    """The distinct kernels of a compiled program: :func:`kernel_count`'s kernels, those that do
+    the same work on the same shapes counted once.
+
+    XLA compiles one kernel for each distinct fused computation and reuses it for the equal
+    ones (two layers of one shape, adamw's update of equal-shaped leaves), so on the CPU the
+    compile time follows this count: each distinct kernel costs its own code generation, about
+    10 ms on XLA:CPU however small it is. A kernel is identified by its result shape, opcode
+    and operands' attributes and by the instructions of the computations it calls, all without
+    instruction names and source annotations (the names differ for every copy)."""
+    comps, kernels = _kernels(text)
+    typed = {}
+    for line in text.splitlines():
+        m = _TYPED.match(line)
+        if m:
+            typed[line.split("=", 1)[0].split()[-1].lstrip("%")] = m.group(1)
+    memo: dict[str, str] = {}
+
+    def canonical(rest: str, ids: dict[str, str]) -> str:
+        def named(m: re.Match) -> str:
+            name = m.group(0)[1:]
+            return computation(name) if name in comps else ids.get(name, "%")
+
+        return _NAME.sub(named, _ANNOTATION.sub("", rest))
+
+    def computation(comp: str) -> str:
+        if comp not in memo:
+            memo[comp] = ""  # guards a cycle
+            body = comps.get(comp, [])
+            ids = {name: f"v{i}" for i, (name, _, _) in enumerate(body)}
+            memo[comp] = (
+                "{"
+                + ";".join(
+                    f"{typed.get(name, '')} {op}({canonical(rest, ids)}" for name, op, rest in body
+                )
+                + "}"
+            )
+        return memo[comp]
+
+    return len({f"{typed.get(name)} {op}({canonical(rest, {})}" for name, op, rest in kernels})
 
 
 # ----------------------------------------------------------------------------- the sources

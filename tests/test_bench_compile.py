@@ -25,6 +25,7 @@ def test_breakdown_times_each_phase_and_counts_instructions_by_source():
     by = res["by_source"]
     assert by["model"] > 0 and by["optimizer"] > 0 and by["noise"] > 0 and by["norms"] > 0
     assert 0 < res["kernels"] < sum(by.values())  # a kernel holds one or more instructions
+    assert 0 < res["distinct"] < res["kernels"]  # equal kernels (equal layers, say) counted once
 
 
 def test_rows_are_ratios_to_the_non_private_step_and_the_hand_written_one():

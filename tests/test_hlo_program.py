@@ -172,3 +172,24 @@ def test_the_ops_of_random_number_generation_are_the_noise() -> None:
 
     text = jax.jit(split_twice).lower(jax.random.key(0)).compile().as_text()
     assert set(hp.hlo_phases(text).values()) == {"noise"}
+
+
+@pytest.mark.cpu_only(reason="counts XLA:CPU's kernels")
+def test_distinct_kernels_count_equal_work_once() -> None:
+    """Equal work on equal shapes is one kernel however often the program runs it; another shape,
+    another constant or another operation is a kernel of its own (XLA compiles one kernel per
+    distinct fused computation)."""
+
+    def count(f, xs):
+        text = jax.jit(f).lower(xs).compile().as_text()
+        return hp.kernel_count(text), hp.distinct_kernel_count(text)
+
+    same = [jnp.ones((16, 24)) for _ in range(6)]
+    shapes = [jnp.ones((16, 24 + i)) for i in range(6)]
+    assert count(lambda xs: [jnp.tanh(x) * 2 for x in xs], same) == (6, 1)
+    assert count(lambda xs: [jnp.tanh(x) * 2 for x in xs], shapes) == (6, 6)
+    assert count(lambda xs: [jnp.tanh(x) * i for i, x in enumerate(xs, 2)], same) == (6, 6)
+    assert count(lambda xs: [jnp.tanh(x) * 2 for x in xs[:3]] + [x * 2 for x in xs[3:]], same) == (
+        6,
+        2,
+    )

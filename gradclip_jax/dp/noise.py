@@ -34,6 +34,10 @@ __all__ = [
 #   rolled loop whose state is as large as the draw: per-leaf draws compile one
 #   such loop per leaf and hold two uint32 copies of every leaf, where the blocked
 #   draw compiles one loop and holds the flat draw alone, at the same speed.
+#   Each leaf reads its span of the draw at an offset the compiler cannot see
+#   (:func:`_spans_added`), so equal-shaped leaves share their kernels, the
+#   optimizer's too: the DP step of ``benchmarks/bench_compile.py`` compiles in
+#   about 0.5 s less on the CPU.
 # * ``"shapes"``: the draws of ``"leaves"`` (the same keys and random bits), but
 #   made once per distinct shape and real dtype: the keys of the leaves of one
 #   shape are stacked and drawn by one vmapped ``jax.random.normal`` (each key's
@@ -221,7 +225,7 @@ def _blocked_noise(
 
     One ``lax.map`` over the blocks: its state is one block, not the whole draw,
     and it compiles once however many leaves there are. Each leaf then reads its
-    span of the flat draw (XLA fuses the slice into the addition).
+    span of the flat draw (:func:`_spans_added`).
     """
     total = sum(int(x.size) * _per_element(x) for x in arrays)
     if total == 0:
@@ -233,31 +237,46 @@ def _blocked_noise(
         return jax.random.normal(jax.random.fold_in(key, j), (size,), dtype)
 
     z = jnp.reshape(lax.map(block, jnp.arange(count, dtype=jnp.uint32)), (-1,))
-    if count == 1:
-        z = _materialized(z)
-    std = jnp.asarray(stddev, dtype)
-    out, start = [], 0
-    for x in arrays:
-        n = int(x.size) * _per_element(x)
-        out.append(_stored(x + std * _shaped(lax.slice(z, (start,), (start + n,)), x)))
-        start += n
-    return out
+    return [_stored(y) for y in _spans_added(arrays, z, jnp.asarray(stddev, dtype))]
 
 
-def _materialized(z: jax.Array) -> jax.Array:
-    """``z`` (1-D), computed once into a buffer of its own on the CPU.
+def _spans_added(arrays: Sequence[jax.Array], z: jax.Array, std: jax.Array) -> list[jax.Array]:
+    """``x + std * z[start:start + n]`` for each of ``arrays`` laid end to end in the flat ``z``,
+    each span read at an offset the compiler cannot see.
 
-    A one-trip ``lax.map`` is inlined by XLA, and the CPU's fusion then copies the
-    uniform-to-normal transform of a one-block draw (about 90 instructions) into every
-    leaf's addition, which reads its slice of ``z``; an optimization barrier does not
-    stop it (the CPU expands barriers before fusion). A loop of two trips is kept: ``z``,
-    its input, is written once by one fusion and each leaf reads the loop's output. The
-    ``+ 0.0`` keeps JAX from forwarding the input as the output (it does for an identity
-    body); it changes no value the draw can take.
+    XLA compiles one kernel for each distinct fused computation and reuses it for
+    equal ones: compile time follows the distinct kernels. A span read at a
+    constant offset makes each leaf's addition a kernel of its own, and on the
+    CPU (where an optimization barrier does not hold through fusion) every
+    optimizer kernel the addition is fused into too: adamw's three kernels per
+    leaf, reused across equal-shaped leaves without noise, become three per leaf
+    (:mod:`benchmarks.bench_compile`). So the additions run in one conditional
+    branch, whose operands are values to its code: the offsets and the
+    predicate pass an optimization barrier first, which XLA does not fold
+    through, so the branch is kept and equal-sized leaves share one kernel; its
+    results are buffers of their own, so the optimizer's kernels for
+    equal-shaped leaves stay one kernel each. Both branches add the noise: the
+    value does not depend on which one runs. A draw of more than ``2**31 - 1``
+    elements (int32 offsets) reads its spans at constant offsets.
     """
-    n = z.shape[0]
-    halves = jnp.reshape(jnp.pad(z, (0, n % 2)), (2, -1))
-    return jnp.reshape(lax.map(lambda h: h + 0.0, halves), (-1,))[:n]
+    sizes = [int(x.size) * _per_element(x) for x in arrays]
+    starts = np.cumsum([0, *sizes[:-1]])
+    if int(z.shape[0]) > np.iinfo(np.int32).max:
+        return [
+            x + std * _shaped(lax.slice(z, (int(s),), (int(s) + n,)), x)
+            for x, s, n in zip(arrays, starts, sizes, strict=True)
+        ]
+
+    def add(xs: tuple, offsets: tuple) -> tuple:
+        return tuple(
+            x + std * _shaped(lax.dynamic_slice(z, (o,), (n,)), x)
+            for x, o, n in zip(xs, offsets, sizes, strict=True)
+        )
+
+    taken, offsets = lax.optimization_barrier(
+        (jnp.bool_(True), tuple(jnp.int32(s) for s in starts))
+    )
+    return list(lax.cond(taken, add, add, tuple(arrays), offsets))
 
 
 def _noised_by_shape(
