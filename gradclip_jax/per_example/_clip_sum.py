@@ -111,9 +111,11 @@ def _column_blocks(
     formed again, a block of columns at a time, into the same buffers.
 
     One loop, run for no step when ``ok``: each step slices a block of columns of every leaf,
-    zeroes its dropped examples, lays the blocks side by side, sums them over the batch in one
-    product and writes each leaf's part over its block of ``sums``. One product for all leaves
-    and no conditional keep this rarely run path a small part of the compiled program. The
+    zeroes its dropped examples, sums it over the batch in one product (the fast sums'
+    arithmetic, ``w . r`` a column at a time) and writes it over its block of ``sums``. A leaf's
+    slice, product and write depend on its shape alone, so equal-shaped leaves share their
+    kernels (XLA compiles each distinct kernel once), and no conditional: this rarely run path
+    stays a small part of the compiled program. The
     blocks are sliced on the feature axis, which a sharded batch leaves whole on each device
     (slicing the batch axis, as a loop over examples does, makes the SPMD partitioner gather the
     rows across devices). The blocks of one step hold :data:`SAFE_BLOCK_ELEMENTS` elements
@@ -125,26 +127,14 @@ def _column_blocks(
     batch, total = rows[0].shape[0], sum(r.shape[0] * r.shape[1] for r in rows)
     steps = max(1, min(-(-total // SAFE_BLOCK_ELEMENTS), 64 * batch, max(r.shape[1] for r in rows)))
     widths = [-(-r.shape[1] // steps) for r in rows]
-    offsets = np.cumsum([0, *widths]).tolist()
-    # The fast sums' arithmetic, w . r a column at a time, so a patched sum equals the one the
-    # fast path gives where nothing dropped is non-finite, bit for bit: one product over the
-    # blocks side by side where every leaf has the same weights (global clipping), else one a leaf.
-    shared = all(w is weights[0] for w in weights)
 
     def body(k: jax.Array, outs: list[jax.Array]) -> list[jax.Array]:
-        blocks, starts = [], []
-        for r, width in zip(rows, widths, strict=True):
-            starts.append(jnp.minimum(k * width, r.shape[1] - width))
-            blocks.append(zeroed(keep, lax.dynamic_slice_in_dim(r, starts[-1], width, axis=1)))
-        if shared:
-            col = _row_dot(weights[0], jnp.concatenate([b.astype(acc) for b in blocks], 1), acc)
-            cols = [col[off : off + width] for off, width in zip(offsets, widths)]
-        else:
-            cols = [_row_dot(w, b, acc) for w, b in zip(weights, blocks, strict=True)]
-        return [
-            lax.dynamic_update_slice_in_dim(out, c, start, axis=0)
-            for out, c, start in zip(outs, cols, starts, strict=True)
-        ]
+        new = []
+        for out, r, w, width in zip(outs, rows, weights, widths, strict=True):
+            start = jnp.minimum(k * width, r.shape[1] - width)
+            block = zeroed(keep, lax.dynamic_slice_in_dim(r, start, width, axis=1))
+            new.append(lax.dynamic_update_slice_in_dim(out, _row_dot(w, block, acc), start, axis=0))
+        return new
 
     return lax.fori_loop(0, jnp.where(ok, 0, steps), body, sums)  # type: ignore[no-any-return]
 
