@@ -8,15 +8,17 @@ adamw), ``vmap`` and ``ghost`` (``clipped_grad(method=...)``, then the same nois
 adamw). Each is traced (``jax.jit(step).trace``: Python and the jaxpr), lowered
 (StableHLO) and compiled (XLA's passes and code generation; a GPU adds its
 autotuning there, which ``tools/gpu_check.sh``'s GPU rows time) in turn, each phase
-timed; the compiled program's HLO instructions are counted by the part of the step
-that wrote them (:func:`benchmarks.bench_cost.instructions_by_source`).
+timed (outside ``--quick`` the median of :data:`REPS` rounds, the steps in turn, each traced
+once before); the compiled program's HLO instructions are counted by the part of the step
+that wrote them (:func:`benchmarks.bench_cost.instructions_by_source`), and its kernels and
+distinct kernels (what XLA:CPU compiles, one per distinct fused computation).
 
 Rows (group ``compile``; seconds in the ms columns): each DP step's trace, lower and
 compile against the non-private step's same phase, and the ``vmap`` step's total
 against the hand-written one's (the issue's goals: DP step <= 1.5x the non-private
 step, ``clipped_grad(method='vmap')`` <= 1.2x the hand-written version), and the same two
 totals for the clipped sum alone (:data:`SUMS`: no noise, no optimizer; ghost against
-``jax.grad`` of the summed loss). The notes give the instructions by source and the kernels.
+``jax.grad`` of the summed loss). The notes give the instructions by source and the (distinct) kernels.
 
 Without ``--quick``, the issue's larger models too (:data:`LARGER`: the Llama-style decoder of
 ``cost_llama``, scanned and rematerialized, at T=512; GPT-2 with 2 blocks at full width and
@@ -37,6 +39,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from benchmarks.bench_cost import build, instructions_by_source
 from benchmarks.common import row
@@ -49,6 +52,8 @@ from benchmarks.variants import make_steps, parts_of
 GROUP = "compile"
 BATCH = 8
 PHASES = ("trace", "lower", "compile")
+# Rounds of each measurement (the median is reported) outside the quick run.
+REPS = 3
 
 
 def breakdown(step: Callable[..., Any], *args: Any) -> dict[str, Any]:
@@ -93,16 +98,27 @@ def _sums(losses: Callable, batch: int) -> dict[str, Callable]:
     }
 
 
-def measure(batch: int = BATCH) -> dict[str, dict[str, Any]]:
-    """:func:`breakdown` of each of :data:`STEPS` (:mod:`benchmarks.variants`) and :data:`SUMS` on
+def measured(steps: dict[str, Callable], args: tuple, reps: int = 1) -> dict[str, dict[str, Any]]:
+    """:func:`breakdown` of each of ``steps`` on ``args``, each phase the median of ``reps``
+    rounds taken in turn. Each step is traced once first: JAX traces a helper it jits (``jnp.where``,
+    say) once a process, so without this the first step measured would pay for the others'
+    shared first traces (the non-private step's trace took 0.1 s or 0.3 s by its place)."""
+    for step in steps.values():
+        jax.jit(lambda *a, step=step: step(*a)).trace(*args)
+    rounds = [{n: breakdown(s, *args) for n, s in steps.items()} for _ in range(reps)]
+    return {
+        n: rounds[-1][n]
+        | {p: float(np.median([r[n][p] for r in rounds])) for p in (*PHASES, "total")}
+        for n in steps
+    }
+
+
+def measure(batch: int = BATCH, reps: int = 1) -> dict[str, dict[str, Any]]:
+    """:func:`measured` of each of :data:`STEPS` (:mod:`benchmarks.variants`) and :data:`SUMS` on
     the small transformer."""
     losses, params, data = transformer(0, batch, layers=2, d=64, seq=32, vocab=128)
-    res = {
-        name: breakdown(step, fresh_state(params, 0), data)
-        for name, step in make_steps(losses, batch, STEPS).items()
-    }
-    res.update({name: breakdown(f, params, data) for name, f in _sums(losses, batch).items()})
-    return res
+    res = measured(make_steps(losses, batch, STEPS), (fresh_state(params, 0), data), reps)  # type: ignore[arg-type]
+    return res | measured(_sums(losses, batch), (params, data), reps)
 
 
 def rows_of(res: dict[str, dict[str, Any]], label: str) -> list[dict]:
@@ -181,11 +197,11 @@ LARGER: dict[str, Callable[[], tuple]] = {
 LARGER_STEPS = ("nonprivate", "ghost", "vmap")
 
 
-def measure_larger(model: str) -> tuple[dict[str, dict[str, Any]], str]:
-    """:func:`breakdown` of :data:`LARGER_STEPS` on one of :data:`LARGER`, and its label."""
+def measure_larger(model: str, reps: int = 1) -> tuple[dict[str, dict[str, Any]], str]:
+    """:func:`measured` of :data:`LARGER_STEPS` on one of :data:`LARGER`, and its label."""
     losses, params, data, label, batch = LARGER[model]()
     steps = make_steps(losses, batch, LARGER_STEPS)
-    return {n: breakdown(s, fresh_state(params, 0), data) for n, s in steps.items()}, label
+    return measured(steps, (fresh_state(params, 0), data), reps), label  # type: ignore[arg-type]
 
 
 def larger_rows(res: dict[str, dict[str, Any]], label: str) -> list[dict]:
@@ -214,9 +230,12 @@ def larger_rows(res: dict[str, dict[str, Any]], label: str) -> list[dict]:
 
 def run(quick: bool = False) -> list[dict]:
     """Runs the benchmark and returns its rows (``quick``: the small transformer alone)."""
-    rows = rows_of(measure(), f"transformer 2x64 T=32 V=128, B={BATCH}, {jax.default_backend()}")
+    reps = 1 if quick else REPS
+    rows = rows_of(
+        measure(reps=reps), f"transformer 2x64 T=32 V=128, B={BATCH}, {jax.default_backend()}"
+    )
     for model in () if quick else LARGER:
-        rows += larger_rows(*measure_larger(model))
+        rows += larger_rows(*measure_larger(model, reps))
     return rows
 
 

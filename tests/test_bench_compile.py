@@ -80,3 +80,20 @@ def test_larger_models_rows_give_each_dp_steps_total_and_phases(monkeypatch):
         assert r["ratio"] == pytest.approx(res[n]["total"] / res["nonprivate"]["total"])
         assert f"compile {res[n]['compile'] / res['nonprivate']['compile']:.2f}x" in r["note"]
         assert "goal <= 1.5x" in r["note"]
+
+
+def test_measured_takes_each_phase_median_over_rounds_after_tracing_each_step(monkeypatch):
+    traced, calls = [], iter([1.0, 5.0, 3.0, 2.0, 2.0, 9.0])
+
+    def fake(step, *args):  # rounds in turn: a, b, a, b, a, b
+        s = next(calls)
+        return {"trace": s, "lower": s, "compile": s, "total": 3 * s, "kernels": s}
+
+    monkeypatch.setattr(bc, "breakdown", fake)
+    steps = {"a": lambda x: traced.append("a") or x, "b": lambda x: traced.append("b") or x}
+    res = bc.measured(steps, (1.0,), reps=3)
+    assert traced == ["a", "b"]  # each traced once before the rounds
+    assert (
+        res["a"]["compile"] == 2.0 and res["b"]["compile"] == 5.0
+    )  # medians of (1, 3, 2), (5, 2, 9)
+    assert res["a"]["total"] == 6.0 and res["a"]["kernels"] == 2.0  # counts: the last round's

@@ -37,7 +37,8 @@ __all__ = [
 #   Each leaf reads its span of the draw at an offset the compiler cannot see
 #   (:func:`_spans_added`), so equal-shaped leaves share their kernels, the
 #   optimizer's too: the DP step of ``benchmarks/bench_compile.py`` compiles in
-#   about 0.5 s less on the CPU.
+#   about 0.5 s less on the CPU. (Asked for on a GPU, the branch's predicate is
+#   read on the host once a step.)
 # * ``"shapes"``: the draws of ``"leaves"`` (the same keys and random bits), but
 #   made once per distinct shape and real dtype: the keys of the leaves of one
 #   shape are stacked and drawn by one vmapped ``jax.random.normal`` (each key's
@@ -72,6 +73,8 @@ NOISE_STRATEGY = {"cpu": "blocks", "gpu": "shapes"}
 _NOISE_STRATEGIES = ("leaves", "blocks", "shapes", "philox")
 # Elements per block of the blocked draw (4 bytes each in float32).
 NOISE_BLOCK_SIZE = 1 << 18
+# The largest flat draw whose spans are read at offsets XLA cannot see (int32 offsets).
+_OFFSET_MAX = int(np.iinfo(np.int32).max)
 # At most this many elements in one stored draw of the "shapes" strategy (256 MiB in float32).
 _SHAPES_DRAW_MAX = 1 << 26
 
@@ -261,7 +264,7 @@ def _spans_added(arrays: Sequence[jax.Array], z: jax.Array, std: jax.Array) -> l
     """
     sizes = [int(x.size) * _per_element(x) for x in arrays]
     starts = np.cumsum([0, *sizes[:-1]])
-    if int(z.shape[0]) > np.iinfo(np.int32).max:
+    if int(z.shape[0]) > _OFFSET_MAX:
         return [
             x + std * _shaped(lax.slice(z, (int(s),), (int(s) + n,)), x)
             for x, s, n in zip(arrays, starts, sizes, strict=True)

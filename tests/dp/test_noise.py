@@ -299,6 +299,32 @@ def test_equal_shaped_leaves_share_their_kernels_in_an_optimizer_step(monkeypatc
     assert distinct(12, True) - distinct(12, False) <= 40
 
 
+@pytest.mark.skipif(BACKEND != "cpu", reason="the CPU's default blocked draw")
+def test_a_draw_too_large_for_int32_offsets_reads_its_spans_at_constant_offsets(monkeypatch):
+    """Past int32 offsets the spans are read at constant offsets: the same noise (complex
+    leaves, bfloat16 leaves in float32 and an empty leaf included), no conditional."""
+    monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, "blocks")
+    tree = {
+        "a": jnp.ones((4, 3)),
+        "c": jnp.ones(3, jnp.complex64),
+        "e": jnp.zeros((0, 2)),
+        "h": jnp.ones(5, jnp.bfloat16),
+    }
+    key = jax.random.key(7)
+
+    def noised():
+        f = jax.jit(lambda t, k: add_gaussian_noise(t, 0.5, k))
+        return f(tree, key), f.lower(tree, key).as_text()
+
+    hidden, hidden_text = noised()
+    monkeypatch.setattr(noise_mod, "_OFFSET_MAX", 4)
+    constant, constant_text = noised()
+    assert "stablehlo.case" in hidden_text and "stablehlo.case" not in constant_text
+    for k in tree:
+        np.testing.assert_array_equal(hidden[k], constant[k])
+        assert hidden[k].dtype == constant[k].dtype
+
+
 def _fusions_drawing(text: str) -> list[int]:
     """The xor count of each fused computation of an optimized HLO text that draws floats: it runs
     a counter-based generator's rounds (threefry2x32: 20 of add, rotate, xor, about 22 xors;
