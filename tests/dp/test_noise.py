@@ -270,6 +270,7 @@ def test_one_block_draw_is_not_copied_into_each_leaf(monkeypatch):
 
 
 @pytest.mark.skipif(BACKEND != "cpu", reason="counts XLA:CPU's kernels")
+@pytest.mark.reads_compiled_names  # hlo_program's reader of the compiled program's text
 def test_equal_shaped_leaves_share_their_kernels_in_an_optimizer_step(monkeypatch):
     """The noise reads each leaf's span of the flat draw at an offset XLA cannot see, and the
     noised leaves are buffers of their own: adamw's kernels, one per shape without noise, stay
