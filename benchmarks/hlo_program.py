@@ -34,7 +34,8 @@ __all__ = [
 ]
 
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][a-z0-9\-]*)\((.*)$")
+# an instruction line: its name, result type, opcode and the rest of the line
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)\((.*)$")
 _CALLED = re.compile(
     r"\b(calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)"
 )
@@ -97,7 +98,7 @@ def _parse_hlo(text: str) -> tuple[dict[str, list[tuple[str, str, str]]], dict[s
             continue
         instr = _INSTRUCTION.match(line) if current is not None else None
         if instr:
-            comps[current].append(instr.groups())  # type: ignore[index]
+            comps[current].append(instr.group(1, 3, 4))  # type: ignore[index]
             owner[instr.group(1)] = current  # type: ignore[assignment]
     return comps, owner
 
@@ -219,7 +220,6 @@ def kernel_count(text: str) -> int:
     return len(_kernels(text)[1])
 
 
-_TYPED = re.compile(r"^\s+(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s[a-z][a-z0-9\-]*\(")
 _ANNOTATION = re.compile(
     r",?\s*(?:metadata|backend_config|frontend_attributes)=(?:\{(?:[^{}]|\{(?:[^{}]|\{[^{}]*\})*\})*\}|\"[^\"]*\")"
 )
@@ -237,11 +237,7 @@ def distinct_kernel_count(text: str) -> int:
     and operands' attributes and by the instructions of the computations it calls, all without
     instruction names and source annotations (the names differ for every copy)."""
     comps, kernels = _kernels(text)
-    typed = {}
-    for line in text.splitlines():
-        m = _TYPED.match(line)
-        if m:
-            typed[line.split("=", 1)[0].split()[-1].lstrip("%")] = m.group(1)
+    typed = {m.group(1): m.group(2) for m in map(_INSTRUCTION.match, text.splitlines()) if m}
     memo: dict[str, str] = {}
 
     def canonical(rest: str, ids: dict[str, str]) -> str:
@@ -258,14 +254,12 @@ def distinct_kernel_count(text: str) -> int:
             ids = {name: f"v{i}" for i, (name, _, _) in enumerate(body)}
             memo[comp] = (
                 "{"
-                + ";".join(
-                    f"{typed.get(name, '')} {op}({canonical(rest, ids)}" for name, op, rest in body
-                )
+                + ";".join(f"{typed[name]} {op}({canonical(rest, ids)}" for name, op, rest in body)
                 + "}"
             )
         return memo[comp]
 
-    return len({f"{typed.get(name)} {op}({canonical(rest, {})}" for name, op, rest in kernels})
+    return len({f"{typed[name]} {op}({canonical(rest, {})}" for name, op, rest in kernels})
 
 
 # ----------------------------------------------------------------------------- the sources

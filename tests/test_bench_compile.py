@@ -93,7 +93,6 @@ def test_measured_takes_each_phase_median_over_rounds_after_tracing_each_step(mo
     steps = {"a": lambda x: traced.append("a") or x, "b": lambda x: traced.append("b") or x}
     res = bc.measured(steps, (1.0,), reps=3)
     assert traced == ["a", "b"]  # each traced once before the rounds
-    assert (
-        res["a"]["compile"] == 2.0 and res["b"]["compile"] == 5.0
-    )  # medians of (1, 3, 2), (5, 2, 9)
+    # the medians of (1, 3, 2) and (5, 2, 9)
+    assert res["a"]["compile"] == 2.0 and res["b"]["compile"] == 5.0
     assert res["a"]["total"] == 6.0 and res["a"]["kernels"] == 2.0  # counts: the last round's
