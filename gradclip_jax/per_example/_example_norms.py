@@ -150,10 +150,10 @@ def measure(rows: Sequence[jax.Array], per_leaf: bool = False) -> Measured:
 
 def _measure_global(rows: Sequence[jax.Array], size: int) -> Measured:
     """:func:`measure` of one norm per example: every leaf's norms and ``max |x|`` taken as
-    ``(K, B)`` stacks (:func:`~gradclip_jax._core.norms.row_norms`) and checked and combined
-    on them, so the program holds no operation per leaf here."""
-    leaf_n = _norms.row_norms(rows, _L2)
-    leaf_m = _norms.row_norms(rows, _LINF).astype(leaf_n.dtype)
+    ``(K, B)`` stacks (:func:`~gradclip_jax._core.norms.row_l2_and_max`: the norms in units of
+    the peaks, so no overflow fallback) and checked and combined on them, so the program holds
+    no operation per leaf here beyond the two reductions."""
+    leaf_n, leaf_m = _norms.row_l2_and_max(rows)
     leaf_fin = jnp.isfinite(leaf_m)
     finite = jnp.all(leaf_fin, axis=0)
     leaf_bad = leaf_fin & ~(jnp.isfinite(leaf_n) & (leaf_n >= leaf_m * _TOL))

@@ -18,7 +18,7 @@ from gradclip_jax._core.norms._engine import (
     SUMSQ_STRATEGY as SUMSQ_STRATEGY,
     check_complex as check_complex,
     global_norm as global_norm,
-    row_norms as row_norms,
+    row_l2_and_max as row_l2_and_max,
     slice_norms as slice_norms,
 )
 from gradclip_jax._core.norms._reduce import GLOBAL_PACK_MAX_SIZE as GLOBAL_PACK_MAX_SIZE
