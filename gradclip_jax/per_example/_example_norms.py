@@ -18,7 +18,6 @@ from gradclip_jax.per_example._batch import explicit_spec
 from gradclip_jax.per_example._config import ClipConfig, LayerMode
 
 _L2 = _norms.NormSpec(kind="pow", p=2.0, label="2")
-_LINF = _norms.NormSpec(kind="max", p=math.inf, label="inf")
 # A reported norm below max|x| by more than this factor was lost to rounding.
 _TOL = 1.0 - 2.0**-10
 
@@ -135,8 +134,8 @@ def measure(rows: Sequence[jax.Array], per_leaf: bool = False) -> Measured:
     sizes = [math.prod(r.shape[1:]) for r in rows]
     if not per_leaf:
         return _measure_global(rows, sum(sizes))
-    leaf_n = leaf_example_norms(rows)
-    leaf_m = _per_example(rows, _LINF)
+    stacks = _norms.row_l2_and_max(rows)  # norms in units of the peaks: no overflow fallback
+    leaf_n, leaf_m = (list(x) for x in stacks)
     leaf_fin = [jnp.isfinite(m) for m in leaf_m]
     finite = jnp.all(jnp.stack(leaf_fin), axis=0)
     leaf_bad = [
