@@ -94,88 +94,66 @@ def scan_weighted_sum(
     return out  # type: ignore[no-any-return]
 
 
-# Elements of the per-example gradients zeroed and summed at a time when a dropped example is
-# not finite (:func:`_column_blocks`): what that rare step holds besides the rows and the sums.
+# Elements of the per-example gradients zeroed at a time when a dropped example is not finite
+# (:func:`_zero_dropped`): a step's block, besides the rows themselves.
 SAFE_BLOCK_ELEMENTS = 1 << 14
 
 
-def _column_blocks(
-    rows: Sequence[jax.Array],
-    weights: Sequence[jax.Array],
-    keep: jax.Array,
-    acc: np.dtype,
-    sums: list[jax.Array],
-    ok: jax.Array,
-) -> list[jax.Array]:
-    """``sums`` where ``ok``, else ``sum_b [keep_b] w_b r_b`` of every leaf's rows ``(B, D)``
-    formed again, a block of columns at a time, into the same buffers.
+def _zero_dropped(rows: Sequence[jax.Array], keep: jax.Array, ok: jax.Array) -> list[jax.Array]:
+    """``rows`` (each ``(B, D)``), their dropped examples (``keep`` False) set to exactly zero
+    unless ``ok``: in place, a block of columns at a time.
 
-    One loop, run for no step when ``ok``: each step slices a block of columns of every leaf,
-    zeroes its dropped examples, sums it over the batch in one product (the fast sums'
-    arithmetic, ``w . r`` a column at a time) and writes it over its block of ``sums``. A leaf's
-    slice, product and write depend on its shape alone, so equal-shaped leaves share their
-    kernels (XLA compiles each distinct kernel once), and no conditional: this rarely run path
-    stays a small part of the compiled program. The
-    blocks are sliced on the feature axis, which a sharded batch leaves whole on each device
-    (slicing the batch axis, as a loop over examples does, makes the SPMD partitioner gather the
-    rows across devices). The blocks of one step hold :data:`SAFE_BLOCK_ELEMENTS` elements
-    besides the sums, or a 64th of one example's gradient where that is more (at most ``64 B``
-    steps): never a copy of the rows. A leaf's last partial block is taken overlapping the one
-    before, and a leaf with fewer blocks than steps repeats its last one: those columns are
-    written again, with the same sums. All rows share the accumulation dtype ``acc``.
+    One loop, run for no step when ``ok``: each step selects zeros into the dropped examples of
+    a block of columns of every leaf and writes the block back where it was read. The rows are
+    the loop's state, so XLA updates them in place (no copy), and the sums formed from the
+    loop's rows afterwards are the fast path's own products (one kernel for both): this rarely
+    run path adds one kernel per distinct leaf shape, the block's select and write, and no
+    conditional. The blocks are sliced on the feature axis, which a sharded batch leaves whole
+    on each device (slicing the batch axis, as a loop over examples does, makes the SPMD
+    partitioner gather the rows across devices). The blocks of one step hold
+    :data:`SAFE_BLOCK_ELEMENTS` elements, or a 64th of one example's gradient where that is
+    more (at most ``64 B`` steps). A leaf's last partial block is taken overlapping the one
+    before, and a leaf with fewer blocks than steps repeats its last one: zeroing is idempotent.
     """
     batch, total = rows[0].shape[0], sum(r.shape[0] * r.shape[1] for r in rows)
     steps = max(1, min(-(-total // SAFE_BLOCK_ELEMENTS), 64 * batch, max(r.shape[1] for r in rows)))
     widths = [-(-r.shape[1] // steps) for r in rows]
 
-    def body(k: jax.Array, outs: list[jax.Array]) -> list[jax.Array]:
+    def body(k: jax.Array, rs: list[jax.Array]) -> list[jax.Array]:
         new = []
-        for out, r, w, width in zip(outs, rows, weights, widths, strict=True):
+        for r, width in zip(rs, widths, strict=True):
             start = jnp.minimum(k * width, r.shape[1] - width)
             block = zeroed(keep, lax.dynamic_slice_in_dim(r, start, width, axis=1))
-            new.append(lax.dynamic_update_slice_in_dim(out, _row_dot(w, block, acc), start, axis=0))
+            new.append(lax.dynamic_update_slice_in_dim(r, block, start, axis=1))
         return new
 
-    return lax.fori_loop(0, jnp.where(ok, 0, steps), body, sums)  # type: ignore[no-any-return]
+    return lax.fori_loop(0, jnp.where(ok, 0, steps), body, list(rows))  # type: ignore[no-any-return]
 
 
-def _patch_dropped(
-    rows: Sequence[jax.Array],
-    weights: Sequence[jax.Array],
-    keep: jax.Array,
-    accs: Sequence[np.dtype],
-    sums: list[jax.Array],
-    ok: jax.Array,
-) -> list[jax.Array]:
-    """``sums``, formed again with the dropped rows zeroed unless ``ok`` (some dropped row holds
-    NaN or inf, which a weight of 0 leaves in).
+def _kept_rows(rows: Sequence[jax.Array], keep: jax.Array, ok: jax.Array) -> list[jax.Array]:
+    """``rows`` with the dropped examples zeroed unless ``ok`` (some dropped row holds NaN or
+    inf, which a weight of 0 leaves in the sum).
 
     Rows explicitly sharded are zeroed by a select under a conditional (a loop cannot slice
-    them); the others a block of columns at a time (:func:`_column_blocks`), in one loop per
-    accumulation dtype.
+    them); the others in place, a block of columns at a time (:func:`_zero_dropped`), in one
+    loop for all of them.
     """
-    out = list(sums)
-    by_acc: dict[np.dtype, list[int]] = {}
-    others = []
-    for i, r in enumerate(rows):
-        if r.ndim == 2 and r.size > 0 and explicit_spec(r) is None:
-            by_acc.setdefault(np.dtype(accs[i]), []).append(i)
-        else:
-            others.append(i)
+    out = list(rows)
+    plain = [
+        i for i, r in enumerate(rows) if r.ndim == 2 and r.size > 0 and explicit_spec(r) is None
+    ]
+    others = [i for i in range(len(rows)) if i not in set(plain)]
     if others:
         fixed = cond(
             ok,
-            lambda: [sums[i] for i in others],
-            lambda: [_row_dot(weights[i], zeroed(keep, rows[i]), accs[i]) for i in others],
+            lambda: [rows[i] for i in others],
+            lambda: [zeroed(keep, rows[i]) for i in others],
         )
-        for i, s in zip(others, fixed, strict=True):
-            out[i] = s
-    for acc, idx in by_acc.items():
-        fixed = _column_blocks(
-            [rows[i] for i in idx], [weights[i] for i in idx], keep, acc, [sums[i] for i in idx], ok
-        )
-        for i, s in zip(idx, fixed, strict=True):
-            out[i] = s
+        for i, r in zip(others, fixed, strict=True):
+            out[i] = r
+    if plain:
+        for i, r in zip(plain, _zero_dropped([rows[i] for i in plain], keep, ok), strict=True):
+            out[i] = r
     return out
 
 
@@ -193,11 +171,12 @@ def fused_sums(
     conditional (on a GPU a conditional costs a round trip to the host). With
     ``finite`` (every example's gradient formed: a zeroed copy would double them)
     their weight is simply 0, which is exact when every dropped row is finite, the
-    common case; otherwise a loop that runs for no step in the common case zeroes
-    and sums the rows again a block of columns at a time (:func:`_patch_dropped`; on
-    a GPU its trip count, like a conditional's predicate, is read on the host once):
-    no copy of the rows, and under a sharded batch nothing gathered across devices.
-    Each sum is a single ``dot_general`` over the batch axis.
+    common case; otherwise a loop that runs for no step in the common case first
+    zeroes the dropped rows in place, a block of columns at a time (:func:`_kept_rows`;
+    on a GPU its trip count, like a conditional's predicate, is read on the host
+    once): no copy of the rows, no second set of products, and under a sharded batch
+    nothing gathered across devices. Each sum is a single ``dot_general`` over the
+    batch axis.
 
     Returns:
       The sums, each of shape ``row.shape[1:]``.
@@ -212,11 +191,14 @@ def fused_sums(
         return [
             _row_dot(w, zeroed(keep, r), a) for r, w, a in zip(rows, weights, accs, strict=True)
         ]
-    sums = [_row_dot(w, r, a) for r, w, a in zip(rows, weights, accs, strict=True)]
     ok = jnp.all(keep | finite)
-    if not isinstance(ok, jax.core.Tracer) and bool(ok):  # eager, nothing dropped is non-finite
-        return sums
-    return _patch_dropped(rows, weights, keep, accs, sums, ok)
+    if isinstance(ok, jax.core.Tracer) or not bool(ok):  # traced, or a dropped row not finite
+        # Also read from the weights (finite, for the kept examples' clip factors; else the rows
+        # are zeroed, which is right anyway): the zeroing, in place, then comes after the norms
+        # that read the rows, and XLA need not copy them for a reader it could run after it.
+        ok = ok & jnp.all(jnp.isfinite(jnp.stack(list({id(w): w for w in weights}.values()))))
+        rows = _kept_rows(rows, keep, ok)
+    return [_row_dot(w, r, a) for r, w, a in zip(rows, weights, accs, strict=True)]
 
 
 def drops_examples(valid: jax.Array | None, nan_safe: bool) -> bool:

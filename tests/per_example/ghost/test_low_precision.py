@@ -192,7 +192,16 @@ def test_ghost_path_is_taken(model, dt):
     assert NOT_FORMED[model] in vmap and NOT_FORMED[model] not in ghost
 
 
-@pytest.mark.parametrize(("model", "dt"), CASES, ids=IDS)
+# the float16 transformer (10 s) runs with the long tests: bfloat16's case covers the same code
+_SUM_CASES = [
+    pytest.param(m, dt, marks=pytest.mark.slow)
+    if (m, np.dtype(dt)) == ("transformer", np.float16)
+    else (m, dt)
+    for m, dt in CASES
+]
+
+
+@pytest.mark.parametrize(("model", "dt"), _SUM_CASES, ids=IDS)
 def test_norms_and_sums(model, dt):
     """Norms within 1e-2 of the float32 model's; sums and dtypes as the vmap path on the same model."""
     _, params, data = MODELS[model](dt)
