@@ -1,4 +1,4 @@
-"""The engine: one fast pass, an overflow-safe fallback, and the entry points that\nmeasure many arrays at once (``global_norm``, ``slice_norms``, ``row_l2_and_max``)."""
+"""The engine: one fast pass, an overflow-safe fallback, and the entry points that\nmeasure many arrays at once (``global_norm``, ``slice_norms``)."""
 
 from __future__ import annotations
 
@@ -306,61 +306,6 @@ def slice_norms(
             n, d = n[row].reshape(_keep_shape(x, axes[i])), d[row].reshape(_keep_shape(x, axes[i]))
         out.append(n if then is None else (n, d))
     return out
-
-
-def row_l2_and_max(arrays: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """``(l2, peak)``: the 2-norm and the ``max |x|`` of each row (axis 0) of each array, each
-    stacked ``(K, B)`` for ``K`` arrays ``(B, ...)``: row ``i`` holds ``arrays[i]``'s, in the
-    arrays' common accumulation dtype.
-
-    The 2-norm is measured in units of the row's peak: with ``s`` the power of two just above
-    ``max |x|`` (:func:`power_of_two`),
-
-    .. math:: \\|x\\|_2 = s \\sqrt{\\textstyle\\sum_i (x_i / s)^2},
-
-    whose squares lie in ``[0, 1]``, so the sum can neither overflow nor lose the row to
-    underflow, and dividing by a power of two is exact: in the normal range the result is the
-    plain ``sqrt(sum x_i^2)`` to the bit. No fallback, no conditional: a caller that needs the
-    peak anyway (the per-example guard) pays one pass for each, where a fast pass, the peak and
-    a fallback's two passes cost a kernel each per distinct array shape (XLA compiles each once).
-    ``s`` is a constant for differentiation (the norm is homogeneous): the derivative is
-    ``x / norm``. A row with a NaN (inf) has a NaN (inf) norm; an all-zero row has norm 0.
-
-    The reductions are those of :func:`slice_norms` (equal arrays stacked into one), and their
-    results are stacked as they come, reordered by one gather: no operation per array, where a
-    list of per-array norms costs a slice per array (and one more per operation on each).
-    """
-    jobs, where = plan_jobs(arrays, [tuple(range(1, x.ndim)) for x in arrays], keepdims=True)
-    dtype = tree_acc_dtype([j.x for j in jobs])
-    peaks = [j.max(abs_acc(j.x, j.acc)) for j in jobs]
-    # the squares of each job in units of its rows' scale; the scale's small elementwise work
-    # is done once more on the stacked peaks, so each job keeps only its two reductions
-    sums = [
-        j.sum(abs_sq(scaled_abs(j.x, j.acc, _unit(peak)), j.acc)) for j, peak in zip(jobs, peaks)
-    ]
-    batch = arrays[0].shape[0]
-    peak = _stacked_rows(peaks, where, batch, dtype)
-    return _unit(peak) * pth_root(_stacked_rows(sums, where, batch, dtype), 2.0), peak
-
-
-def _unit(peak: jax.Array) -> jax.Array:
-    """The power of two just above ``peak`` (1 where ``peak`` is 0, inf or NaN), a constant for
-    differentiation."""
-    s = lax.stop_gradient(power_of_two(peak))
-    return jnp.where(jnp.isfinite(s) & (s > 0), s, jnp.ones_like(s))
-
-
-def _stacked_rows(
-    rs: Sequence[jax.Array], where: Sequence[Any], batch: int, dtype: Any = None
-) -> jax.Array:
-    """The jobs' keepdims results ``rs`` as one ``(K, B)`` stack in the arrays' order (``where``
-    of :func:`plan_jobs`): concatenated as they come, reordered by one gather."""
-    dtype = dtype or jnp.result_type(*[r.dtype for r in rs])
-    parts = [jnp.reshape(r, (-1, batch)).astype(dtype) for r in rs]
-    first = np.cumsum([0] + [p.shape[0] for p in parts[:-1]])
-    order = [int(first[j]) + (0 if row is None else row) for j, row in where]
-    stacked = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
-    return stacked if order == list(range(len(order))) else stacked[np.asarray(order)]
 
 
 def _keep_shape(x: jax.Array, axes: Any) -> tuple[int, ...]:
