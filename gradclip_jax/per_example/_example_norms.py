@@ -18,6 +18,7 @@ from gradclip_jax.per_example._batch import explicit_spec
 from gradclip_jax.per_example._config import ClipConfig, LayerMode
 
 _L2 = _norms.NormSpec(kind="pow", p=2.0, label="2")
+_LINF = _norms.NormSpec(kind="max", p=math.inf, label="inf")
 # A reported norm below max|x| by more than this factor was lost to rounding.
 _TOL = 1.0 - 2.0**-10
 
@@ -134,8 +135,8 @@ def measure(rows: Sequence[jax.Array], per_leaf: bool = False) -> Measured:
     sizes = [math.prod(r.shape[1:]) for r in rows]
     if not per_leaf:
         return _measure_global(rows, sum(sizes))
-    stacks = _norms.row_l2_and_max(rows)  # norms in units of the peaks: no overflow fallback
-    leaf_n, leaf_m = (list(x) for x in stacks)
+    leaf_n = leaf_example_norms(rows)
+    leaf_m = _per_example(rows, _LINF)
     leaf_fin = [jnp.isfinite(m) for m in leaf_m]
     finite = jnp.all(jnp.stack(leaf_fin), axis=0)
     leaf_bad = [
@@ -149,10 +150,10 @@ def measure(rows: Sequence[jax.Array], per_leaf: bool = False) -> Measured:
 
 def _measure_global(rows: Sequence[jax.Array], size: int) -> Measured:
     """:func:`measure` of one norm per example: every leaf's norms and ``max |x|`` taken as
-    ``(K, B)`` stacks (:func:`~gradclip_jax._core.norms.row_l2_and_max`: the norms in units of
-    the peaks, so no overflow fallback) and checked and combined on them, so the program holds
-    no operation per leaf here beyond the two reductions."""
-    leaf_n, leaf_m = _norms.row_l2_and_max(rows)
+    ``(K, B)`` stacks (:func:`~gradclip_jax._core.norms.row_norms`) and checked and combined
+    on them, so the program holds no operation per leaf here."""
+    leaf_n = _norms.row_norms(rows, _L2)
+    leaf_m = _norms.row_norms(rows, _LINF).astype(leaf_n.dtype)
     leaf_fin = jnp.isfinite(leaf_m)
     finite = jnp.all(leaf_fin, axis=0)
     leaf_bad = leaf_fin & ~(jnp.isfinite(leaf_n) & (leaf_n >= leaf_m * _TOL))

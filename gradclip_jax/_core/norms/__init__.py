@@ -18,13 +18,10 @@ from gradclip_jax._core.norms._engine import (
     SUMSQ_STRATEGY as SUMSQ_STRATEGY,
     check_complex as check_complex,
     global_norm as global_norm,
+    row_norms as row_norms,
     slice_norms as slice_norms,
 )
 from gradclip_jax._core.norms._reduce import GLOBAL_PACK_MAX_SIZE as GLOBAL_PACK_MAX_SIZE
-from gradclip_jax._core.norms._rows import (
-    ROW_L2_STRATEGY as ROW_L2_STRATEGY,
-    row_l2_and_max as row_l2_and_max,
-)
 from gradclip_jax._core.norms._spec import Axes as Axes, DimLike, NormSpec, OrdLike, parse_ord
 from gradclip_jax._core.norms._trees import (
     FlatTree as FlatTree,

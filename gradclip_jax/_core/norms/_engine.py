@@ -308,6 +308,27 @@ def slice_norms(
     return out
 
 
+def row_norms(arrays: Sequence[jax.Array], spec: NormSpec, branch_free: bool = False) -> jax.Array:
+    """The norm of each row (axis 0) of each array, stacked: ``(K, B)`` for ``K`` arrays ``(B, ...)``.
+
+    Row ``i`` holds ``arrays[i]``'s norms, in the arrays' common accumulation dtype. The
+    reductions are those of :func:`slice_norms` (equal arrays stacked into one), and their
+    results are stacked as they come, reordered by one gather: no operation per array, where a
+    list of per-array norms costs a slice per array (and one more per operation on each), which
+    is most of a many-leaf per-example step's norm kernels.
+    """
+    axes = [tuple(range(1, x.ndim)) for x in arrays]
+    jobs, where = plan_jobs(arrays, axes, keepdims=True)
+    rs, ms = _compute(jobs, spec, combine=False, axis_name=None, branch_free=branch_free)
+    dtype = jnp.result_type(*[r.dtype for r in rs])
+    batch = arrays[0].shape[0]
+    parts = [jnp.reshape(r * m, (-1, batch)).astype(dtype) for r, m in zip(rs, ms)]
+    first = np.cumsum([0] + [p.shape[0] for p in parts[:-1]])
+    order = [int(first[j]) + (0 if row is None else row) for j, row in where]
+    stacked = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+    return stacked if order == list(range(len(order))) else stacked[np.asarray(order)]
+
+
 def _keep_shape(x: jax.Array, axes: Any) -> tuple[int, ...]:
     """``x``'s shape with its reduction ``axes`` (``None``: all) kept as size 1."""
     red = range(x.ndim) if axes is None else [a % x.ndim for a in axes]
