@@ -139,10 +139,11 @@ def _kept_rows(rows: Sequence[jax.Array], keep: jax.Array, ok: jax.Array) -> lis
     loop for all of them.
     """
     out = list(rows)
-    plain = [
-        i for i, r in enumerate(rows) if r.ndim == 2 and r.size > 0 and explicit_spec(r) is None
-    ]
-    others = [i for i in range(len(rows)) if i not in set(plain)]
+    plain: list[int] = []  # the rows a loop can slice: 2-D, not empty, not explicitly sharded
+    others: list[int] = []
+    for i, r in enumerate(rows):
+        sliceable = r.ndim == 2 and r.size > 0 and explicit_spec(r) is None
+        (plain if sliceable else others).append(i)
     if others:
         fixed = cond(
             ok,
@@ -196,7 +197,7 @@ def fused_sums(
         # Also read from the weights (finite, for the kept examples' clip factors; else the rows
         # are zeroed, which is right anyway): the zeroing, in place, then comes after the norms
         # that read the rows, and XLA need not copy them for a reader it could run after it.
-        ok = ok & jnp.all(jnp.isfinite(jnp.stack(list({id(w): w for w in weights}.values()))))
+        ok = ok & jnp.all(jnp.isfinite(jnp.stack(list(once.values()))))
         rows = _kept_rows(rows, keep, ok)
     return [_row_dot(w, r, a) for r, w, a in zip(rows, weights, accs, strict=True)]
 
