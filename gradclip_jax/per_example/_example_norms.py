@@ -13,12 +13,12 @@ import numpy as np
 from jax import lax
 
 from gradclip_jax._core import norms as _norms
+from gradclip_jax._core.control import cond
 from gradclip_jax._core.numerics import sqrt_safe
 from gradclip_jax.per_example._batch import explicit_spec
 from gradclip_jax.per_example._config import ClipConfig, LayerMode
 
 _L2 = _norms.NormSpec(kind="pow", p=2.0, label="2")
-_LINF = _norms.NormSpec(kind="max", p=math.inf, label="inf")
 # A reported norm below max|x| by more than this factor was lost to rounding.
 _TOL = 1.0 - 2.0**-10
 
@@ -124,45 +124,68 @@ def _bound_scale(m: jax.Array, size: int, bad: jax.Array) -> jax.Array:
 def measure(rows: Sequence[jax.Array], per_leaf: bool = False) -> Measured:
     """Measures per-example gradients (rows ``(B, ...)``) for clipping, with the norm engine.
 
-    Besides the L2 norms this takes each example's ``max |x|`` (the engine's
-    ``ord=inf``), which guards the privacy bound at the edge of the float range:
-    :math:`\\max|x| \\le \\|x\\|_2 \\le \\sqrt{D} \\max|x|` always holds, so where
-    the reported norm is not finite, or is below ``max|x|`` (the true norm does
-    not fit in the dtype), the example is marked ``unmeasured`` and clipped with
-    the upper bound :math:`\\sqrt{D}\\max|x|` instead: its contribution stays
-    within the clip norm.
+    One plain sum of squares per leaf and example
+    (:func:`~gradclip_jax._core.norms.row_sums_of_squares`) gives the norms whenever every sum
+    is exact, as it is in training. Otherwise one conditional for the whole batch measures
+    again with care (:func:`_measure_with_care`) the examples whose sums were not exact. One
+    fallback for all leaves, not one per leaf: the program compiles faster, and the common
+    path reads the rows once, as a hand-written clip does.
+    """
+    sq, exact = _norms.row_sums_of_squares(rows)
+    if per_leaf:
+        plain, ok = sqrt_safe(sq), exact
+    else:
+        total = jnp.sum(sq, axis=0)
+        plain, ok = sqrt_safe(total), jnp.all(exact, axis=0) & jnp.isfinite(total)
+    return cond(
+        jnp.all(ok),
+        lambda: _plain(plain, per_leaf),
+        lambda: _measure_with_care(rows, plain, ok, per_leaf),
+    )
+
+
+def _plain(norms: jax.Array, per_leaf: bool) -> Measured:
+    """:class:`Measured` of exact norms: ``(B,)``, or ``(K, B)`` per leaf."""
+    # (shaped like the norms, not new constants: under shard_map they vary as the norms do)
+    yes, no, zero = jnp.ones_like(norms, bool), jnp.zeros_like(norms, bool), jnp.zeros_like(norms)
+    if per_leaf:
+        return Measured(list(norms), yes[0], list(no), list(zero))
+    return Measured(norms, yes, no, zero)
+
+
+def _measure_with_care(
+    rows: Sequence[jax.Array], plain: jax.Array, ok: jax.Array, per_leaf: bool
+) -> Measured:
+    """:func:`measure` where some sum of squares over- or underflowed, or an element is not
+    finite: those norms (``~ok``) by Blue's algorithm, exact across the float range, with each
+    example's ``max |x|`` (:func:`~gradclip_jax._core.norms.careful_row_norms`: one reduction
+    per leaf). The other norms are the ``plain`` ones, so an example's result does not depend
+    on what the others hold (a NaN in a padding row changes no other row's bits).
+
+    ``max |x|`` guards the privacy bound at the edge of the range:
+    :math:`\\max|x| \\le \\|x\\|_2 \\le \\sqrt{D} \\max|x|` always holds, so where a
+    norm is not finite, or is below ``max|x|`` (the true norm does not fit in the dtype), the
+    example is marked ``unmeasured`` and clipped with the upper bound
+    :math:`\\sqrt{D}\\max|x|` instead: its contribution stays within the clip norm.
     """
     sizes = [math.prod(r.shape[1:]) for r in rows]
-    if not per_leaf:
-        return _measure_global(rows, sum(sizes))
-    leaf_n = leaf_example_norms(rows)
-    leaf_m = _per_example(rows, _LINF)
-    leaf_fin = [jnp.isfinite(m) for m in leaf_m]
-    finite = jnp.all(jnp.stack(leaf_fin), axis=0)
-    leaf_bad = [
-        f & ~(jnp.isfinite(n) & (n >= m * _TOL))
-        for n, m, f in zip(leaf_n, leaf_m, leaf_fin, strict=True)
-    ]
-    norms = [jnp.where(b, jnp.inf, n) for n, b in zip(leaf_n, leaf_bad, strict=True)]
-    scales = [_bound_scale(m, d, b) for m, d, b in zip(leaf_m, sizes, leaf_bad, strict=True)]
-    return Measured(norms, finite, leaf_bad, scales)
-
-
-def _measure_global(rows: Sequence[jax.Array], size: int) -> Measured:
-    """:func:`measure` of one norm per example: every leaf's norms and ``max |x|`` taken as
-    ``(K, B)`` stacks (:func:`~gradclip_jax._core.norms.row_norms`) and checked and combined
-    on them, so the program holds no operation per leaf here."""
-    leaf_n = _norms.row_norms(rows, _L2)
-    leaf_m = _norms.row_norms(rows, _LINF).astype(leaf_n.dtype)
+    leaf_n, joint, leaf_m = _norms.careful_row_norms(rows)
     leaf_fin = jnp.isfinite(leaf_m)
     finite = jnp.all(leaf_fin, axis=0)
-    leaf_bad = leaf_fin & ~(jnp.isfinite(leaf_n) & (leaf_n >= leaf_m * _TOL))
-    n = combine_l2_stacked(leaf_n)
+    if per_leaf:
+        leaf_n = jnp.where(ok, plain, leaf_n)
+        leaf_bad = leaf_fin & ~(jnp.isfinite(leaf_n) & (leaf_n >= leaf_m * _TOL))
+        return Measured(
+            list(jnp.where(leaf_bad, jnp.inf, leaf_n)),
+            finite,
+            list(leaf_bad),
+            [_bound_scale(leaf_m[k], d, leaf_bad[k]) for k, d in enumerate(sizes)],
+        )
+    # (a leaf's norm that does not fit leaves the joint norm, which is larger, out of range too)
+    joint = jnp.where(ok, plain, joint)
     m = jnp.max(leaf_m, axis=0)
-    # A global norm is at least every leaf's: anything else means it was lost.
-    consistent = jnp.isfinite(n) & (n >= m * _TOL)
-    bad = jnp.any(leaf_bad, axis=0) | (finite & ~consistent)
-    return Measured(jnp.where(bad, jnp.inf, n), finite, bad, _bound_scale(m, size, bad))
+    bad = finite & ~(jnp.isfinite(joint) & (joint >= m * _TOL))
+    return Measured(jnp.where(bad, jnp.inf, joint), finite, bad, _bound_scale(m, sum(sizes), bad))
 
 
 def from_leaf_norms(leaf_norms: Sequence[jax.Array], per_leaf: bool) -> Measured:

@@ -209,3 +209,82 @@ def test_joint_row_norms_derivative_is_x_over_norm(scale_a, scale_b):
         )
         assert np.all(np.isfinite(np.asarray(g)))
         np.testing.assert_allclose(np.asarray(g, np.float64), want, rtol=1e-5, atol=1e-30)
+
+
+# ----------------------------------------------------------------------------
+# The per-example path's norms: a plain sum of squares, and its careful fallback
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("scale_a", "scale_b"), [(1.0, 1.0), (1e25, 1.0), (1.0, 1e-25), (3e18, 3e-9)]
+)
+def test_row_sums_of_squares_say_where_they_are_exact(scale_a, scale_b):
+    a, b = _row_case(scale_a, scale_b)
+    sums, ok = jax.jit(norms.row_sums_of_squares)([a, b])
+    assert sums.shape == ok.shape == (2, 5)
+    rows = _rows([a, b])
+    want = np.stack([np.sum(np.square(r), axis=1) for r in rows])
+    info = np.finfo(np.float32)
+    # exact: within float32's range, and above where underflow could cost an ulp (zeros are not)
+    least = np.array([[r.shape[1] * float(info.tiny) / float(info.eps)] for r in rows])
+    np.testing.assert_array_equal(np.asarray(ok), (want <= float(info.max)) & (want >= least))
+    assert not np.asarray(ok)[:, 4].any()  # the example of zeros
+    np.testing.assert_allclose(np.asarray(sums, np.float64)[ok], want[ok], rtol=2e-6)
+
+
+def test_row_sums_of_squares_of_float16_fail_only_where_an_element_is_not_finite():
+    x = jnp.full((3, 1000), 300.0, jnp.float16).at[1].set(1e-7).at[2, 5].set(jnp.inf)
+    sums, ok = norms.row_sums_of_squares([x])
+    assert sums.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(ok), [[True, True, False]])
+
+
+@pytest.mark.parametrize(
+    ("scale_a", "scale_b"), [(1.0, 1.0), (1e25, 1e-25), (1e-30, 1e20), (3e18, 3e18)]
+)
+def test_careful_row_norms_are_each_leafs_and_each_examples_norm(scale_a, scale_b):
+    arrays = _row_case(scale_a, scale_b)
+    leaf, joint, peaks = jax.jit(norms.careful_row_norms)(arrays)
+    rows = _rows(arrays)
+    want = np.stack([np.sqrt(np.sum(np.square(r), axis=1)) for r in rows])
+    np.testing.assert_allclose(np.asarray(leaf, np.float64), want, rtol=2e-6)
+    np.testing.assert_allclose(np.asarray(joint, np.float64), _exact_rows(arrays), rtol=2e-6)
+    want_peaks = np.stack([np.max(np.abs(r), axis=1) for r in rows])
+    np.testing.assert_allclose(np.asarray(peaks, np.float64), want_peaks, rtol=1e-7)
+
+
+def test_careful_row_norms_take_16_bit_rows_and_flag_what_is_not_finite():
+    a, b = _row_case(1e30, 1.0)
+    arrays = [a.astype(jnp.bfloat16).at[1, 0, 0].set(jnp.nan), b.at[2, 3].set(-jnp.inf)]
+    arrays.append(jnp.full((5, 3), 300.0, jnp.float16))
+    leaf, joint, peaks = norms.careful_row_norms(arrays)
+    assert leaf.dtype == joint.dtype == peaks.dtype == jnp.float32
+    assert np.isnan(joint[1]) and joint[2] == np.inf
+    assert np.isnan(peaks[0, 1]) and peaks[1, 2] == np.inf
+    ok = np.array([0, 3, 4])
+    np.testing.assert_allclose(
+        np.asarray(joint, np.float64)[ok], _exact_rows(arrays)[ok], rtol=2e-6
+    )
+
+
+@pytest.mark.parametrize(("scale_a", "scale_b"), [(1.0, 1.0), (1e25, 1e-25)])
+def test_careful_row_norms_derivatives_are_x_over_norm(scale_a, scale_b):
+    arrays = _row_case(scale_a, scale_b)
+    w = jnp.asarray(np.random.default_rng(1).normal(size=(3, 5)), jnp.float32)
+
+    def f(xs):
+        leaf, joint, peaks = norms.careful_row_norms(xs)
+        return jnp.sum(w[:2] * leaf) + jnp.sum(w[2] * joint) + jnp.sum(peaks * 0.0)
+
+    grads = jax.jit(jax.grad(f))(arrays)
+    joint = _exact_rows(arrays)
+    for k, (g, x) in enumerate(zip(grads, arrays, strict=True)):
+        r = _rows([x])[0]
+        own = np.sqrt(np.sum(np.square(r), axis=1))
+        scale = np.asarray(w[k], np.float64) / np.where(own > 0, own, np.inf) + np.asarray(
+            w[2], np.float64
+        ) / np.where(joint > 0, joint, np.inf)
+        want = (scale[:, None] * r).reshape(x.shape)
+        assert np.all(np.isfinite(np.asarray(g)))
+        np.testing.assert_allclose(np.asarray(g, np.float64), want, rtol=1e-5, atol=1e-30)

@@ -376,26 +376,3 @@ def test_slice_norms_of_stacked_equal_arrays_match_separate_ones():
             np.testing.assert_allclose(np.asarray(got), np.asarray(alone), rtol=1e-6)
     n = slice_norms(arrays[1:2], [(1,)], NormSpec("pow", p=2.0))[0]
     assert np.all(np.isfinite(np.asarray(n)))  # the overflow fallback still applies per stacked job
-
-
-def test_row_norms_stack_each_arrays_rows_in_order():
-    """``row_norms`` measures arrays of mixed shapes and dtypes (some stacked into one job,
-    some alone) and returns row ``i`` = ``arrays[i]``'s per-row norms, as measuring it alone
-    gives, overflow fallback included."""
-    from gradclip_jax._core.norms import NormSpec, row_norms, slice_norms
-
-    r = np.random.default_rng(1)
-    arrays = [
-        jnp.asarray(r.standard_normal((3, 5)) * 1e30, jnp.float32),
-        jnp.asarray(r.standard_normal((3, 7)), jnp.float32),
-        jnp.asarray(r.standard_normal((3, 5)), jnp.float32),
-        jnp.asarray(r.standard_normal((3, 2, 4)), jnp.bfloat16),
-        jnp.asarray(r.standard_normal((3, 5)) * 1e-30, jnp.float32),
-    ]
-    for spec in (NormSpec("pow", p=2.0), NormSpec("max")):
-        got = row_norms(arrays, spec)
-        assert got.shape == (len(arrays), 3) and got.dtype == jnp.float32
-        for i, x in enumerate(arrays):
-            alone = slice_norms([x], [tuple(range(1, x.ndim))], spec)[0]
-            np.testing.assert_allclose(np.asarray(got[i]), np.asarray(alone).ravel(), rtol=1e-6)
-            assert np.all(np.isfinite(np.asarray(got[i]))) and np.all(np.asarray(got[i]) > 0)

@@ -271,6 +271,29 @@ def test_extreme_scales_contribution_bounded():
         assert float(np.linalg.norm(np.asarray(out[0], np.float64))) <= 5.0
 
 
+def test_extreme_scales_per_layer_each_leaf_bounded_and_its_norm_right_or_inf():
+    """Per-layer clipping through the same guard: each leaf's norm is measured on its own (a
+    norm that fits is reported exactly even when another leaf's does not)."""
+
+    def loss(p, b):  # linear: example i's gradient is x_i for "a" and its first half for "b"
+        return b["x"] @ p["a"] + b["x"][..., :2] @ p["b"]
+
+    params = {"a": jnp.ones(4), "b": jnp.ones(2)}
+    rows = [[1e30, 1e30, -1e30, 1e30], [1e-30, 2e-30, 0, 0], [1.0, 2.0, 3e38, 3e38]]
+    grad_fn = jax.jit(clipped_grad(loss, 1.0, per_layer=True))
+    for row in rows:
+        g, info = grad_fn(params, {"x": jnp.array([row], jnp.float32)})
+        for name, part in (("a", row), ("b", row[:2])):
+            true = float(np.linalg.norm(np.asarray(part, np.float64)))
+            got = np.asarray(g[name], np.float64)
+            assert np.all(np.isfinite(got))
+            assert np.linalg.norm(got) <= 2**-0.5 * (1 + 1e-6), (row, name)
+            reported = float(info.norms[name][0])
+            assert reported == pytest.approx(true, rel=1e-6) or reported == np.inf, (row, name)
+            if true < 3e38:  # fits in float32: reported exactly
+                assert reported == pytest.approx(true, rel=1e-6), (row, name)
+
+
 # ----------------------------------------------------------------------------
 # Neighbouring datasets: the clipped sum moves by at most the sensitivity
 # ----------------------------------------------------------------------------

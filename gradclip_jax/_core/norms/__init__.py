@@ -13,12 +13,15 @@ from gradclip_jax._core.norms._axes import (
     check_dim as check_dim,
     reduction_axes as reduction_axes,
 )
-from gradclip_jax._core.norms._blue import joint_row_norms as joint_row_norms
+from gradclip_jax._core.norms._blue import (
+    careful_row_norms as careful_row_norms,
+    joint_row_norms as joint_row_norms,
+)
 from gradclip_jax._core.norms._engine import (
     SUMSQ_STRATEGY as SUMSQ_STRATEGY,
     check_complex as check_complex,
     global_norm as global_norm,
-    row_norms as row_norms,
+    row_sums_of_squares as row_sums_of_squares,
     slice_norms as slice_norms,
 )
 from gradclip_jax._core.norms._reduce import GLOBAL_PACK_MAX_SIZE as GLOBAL_PACK_MAX_SIZE

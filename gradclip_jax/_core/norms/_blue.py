@@ -91,6 +91,14 @@ def _dot_over_norm(
     return d, ok
 
 
+def _finite_or_nan(d: jax.Array, norm: jax.Array) -> jax.Array:
+    """A norm's derivative ``d`` where the norm is positive and finite; 0 at 0, else NaN."""
+    ok = (norm > 0) & jnp.isfinite(norm)
+    return jnp.where(
+        ok, d, jnp.where(norm == 0, jnp.zeros_like(norm), jnp.full_like(norm, jnp.nan))
+    )
+
+
 def blue_norms(jobs: Sequence[Job], comb: Combiner, combine: bool, variadic: bool) -> Any:
     """2-norms of ``jobs`` (one scalar when ``combine``, else keepdims arrays), branch-free."""
     meta = [(j.axes, j.keepdims) for j in jobs]
@@ -122,12 +130,8 @@ def blue_norms(jobs: Sequence[Job], comb: Combiner, combine: bool, variadic: boo
         if not combine:
             outs = []
             for m, x, t, n in zip(meta, xs, ts, out):
-                d, ok = _dot_over_norm(x, t, n, Job(x, *m))
-                outs.append(
-                    jnp.where(
-                        ok, d, jnp.where(n == 0, jnp.zeros_like(n), jnp.full_like(n, jnp.nan))
-                    )
-                )
+                d, _ = _dot_over_norm(x, t, n, Job(x, *m))
+                outs.append(_finite_or_nan(d, n))
             return out, outs
         ok = (out > 0) & jnp.isfinite(out)
         p2 = jnp.where(ok, power_of_two(out), jnp.ones_like(out))
@@ -146,10 +150,7 @@ def blue_norms(jobs: Sequence[Job], comb: Combiner, combine: bool, variadic: boo
         tot = jnp.sum(jnp.stack(dots))
         if comb.axis_name is not None:
             tot = lax.psum(tot, comb.axis_name)
-        d = tot / jnp.where(ok, c, jnp.ones_like(c))
-        return out, jnp.where(
-            ok, d, jnp.where(out == 0, jnp.zeros_like(out), jnp.full_like(out, jnp.nan))
-        )
+        return out, _finite_or_nan(tot / jnp.where(ok, c, jnp.ones_like(c)), out)
 
     f.defjvp(jvp)
     return f(tuple(j.x for j in jobs))
@@ -163,37 +164,67 @@ def joint_row_norms(arrays: Sequence[jax.Array]) -> jax.Array:
     finish, where a norm per array and their combination would cost ``K`` finishes
     (each two overflow-safe ``hypot``s, which XLA copies into every fusion that reads
     them: on a WRN-16-4 ghost step, half its HLO instructions). The derivative is
-    ``sum(x t) / norm`` per example (finite everywhere), as for :func:`blue_norms`.
+    ``sum(x t) / norm`` per example (finite everywhere). The joint norm of
+    :func:`careful_row_norms` (its other results are dropped as unused).
     """
-    jobs = [Job(x, tuple(range(1, x.ndim)), True) for x in arrays]
-    rows = arrays[0].shape[0]
-    dtype = np.dtype(jnp.result_type(*[j.acc for j in jobs]))
+    return careful_row_norms(arrays)[1]
 
-    def value(xs: tuple) -> jax.Array:
-        sums = [jnp.zeros((rows,), dtype) for _ in range(3)]
-        for x, j in zip(xs, jobs, strict=True):
-            for k, part in enumerate(_blue_parts(Job(x, j.axes, True), variadic=True)):
-                # (a part a 16-bit leaf cannot have is a scalar 0)
-                sums[k] = sums[k] + (part if part.ndim == 0 else jnp.reshape(part, (rows,))).astype(
-                    dtype
-                )
-        return _blue_finish(*sums)
+
+def _add3_max(p: tuple, q: tuple) -> tuple:
+    return p[0] + q[0], p[1] + q[1], p[2] + q[2], lax.max(p[3], q[3])
+
+
+def _row_parts_and_peak(x: jax.Array, acc: np.dtype) -> tuple[jax.Array, ...]:
+    """Blue's three scaled sums of squares of each row of ``x`` and its ``max |x|``: four
+    ``(B,)`` arrays from one variadic reduction (one kernel, one read of ``x``)."""
+    a = jnp.abs(x).astype(acc) if jnp.iscomplexobj(x) else jnp.abs(x.astype(acc))
+    zero = jnp.zeros((), acc)
+    tb, sb, ts, ss = _blue_consts(acc)
+    big, small = a > tb, a < ts
+    # a per-element scale, as in _blue_parts (float16 rows all land in the medium sum)
+    u = a * jnp.where(big, jnp.asarray(sb, acc), jnp.where(small, jnp.asarray(ss, acc), 1.0))
+    q = u * u
+    parts = (jnp.where(big, q, zero), jnp.where(big | small, zero, q), jnp.where(small, q, zero))
+    return lax.reduce((*parts, a), (zero,) * 4, _add3_max, tuple(range(1, x.ndim)))
+
+
+def careful_row_norms(arrays: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per-row 2-norms of each array and of all together, and each row's ``max |x|``.
+
+    For each array (batch on axis 0) one variadic reduction gives Blue's three sums and the
+    peak of every row, so each array is read once whatever its values: the fallback of a
+    plain sum of squares that over- or underflowed. Returns ``(norms, joint, peaks)``:
+    ``(K, B)`` norms of the ``K`` arrays, the ``(B,)`` norms of each example's rows taken
+    together (the three sums added before one finish, as :func:`joint_row_norms`), and the
+    ``(K, B)`` peaks, all in the arrays' common accumulation dtype. The norms' derivative is
+    ``sum(x t) / norm`` (finite everywhere); the peaks, which only bound and check a norm,
+    are constants for differentiation.
+    """
+    accs = [Job(x, None, True).acc for x in arrays]
+    dtype = np.dtype(jnp.result_type(*accs))
+
+    def value(xs: tuple) -> tuple[jax.Array, jax.Array, jax.Array]:
+        parts = [_row_parts_and_peak(x, acc) for x, acc in zip(xs, accs, strict=True)]
+        b, m, s, peaks = (jnp.stack([p[i].astype(dtype) for p in parts]) for i in range(4))
+        joint = _blue_finish(jnp.sum(b, axis=0), jnp.sum(m, axis=0), jnp.sum(s, axis=0))
+        return _blue_finish(b, m, s), joint, peaks
 
     f = jax.custom_jvp(value)
 
     def jvp(primals: tuple, tangents: tuple) -> tuple:
         (xs,), (ts,) = primals, tangents
-        out = f(xs)
-        d = jnp.zeros_like(out)
-        for x, t, j in zip(xs, ts, jobs, strict=True):
-            # each array's sum(x t) / norm, scaled as for one norm (the joint one, per example)
-            part, _ = _dot_over_norm(
-                x, t, jnp.reshape(out, (rows,) + (1,) * (x.ndim - 1)), Job(x, j.axes, True)
-            )
-            d = d + jnp.reshape(part, (rows,))
-        ok = (out > 0) & jnp.isfinite(out)
-        return out, jnp.where(
-            ok, d, jnp.where(out == 0, jnp.zeros_like(out), jnp.full_like(out, jnp.nan))
+        norms, joint, peaks = out = f(xs)
+        d_rows, d_joint = [], jnp.zeros_like(joint)
+        for k, (x, t) in enumerate(zip(xs, ts, strict=True)):
+            job, keep = Job(x, tuple(range(1, x.ndim)), True), (-1,) + (1,) * (x.ndim - 1)
+            d, _ = _dot_over_norm(x, t, jnp.reshape(norms[k], keep), job)
+            d_rows.append(jnp.reshape(d, (-1,)))
+            d, _ = _dot_over_norm(x, t, jnp.reshape(joint, keep), job)
+            d_joint = d_joint + jnp.reshape(d, (-1,))
+        return out, (
+            _finite_or_nan(jnp.stack(d_rows), norms),
+            _finite_or_nan(d_joint, joint),
+            jnp.zeros_like(peaks),
         )
 
     f.defjvp(jvp)

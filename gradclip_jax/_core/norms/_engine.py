@@ -308,25 +308,29 @@ def slice_norms(
     return out
 
 
-def row_norms(arrays: Sequence[jax.Array], spec: NormSpec, branch_free: bool = False) -> jax.Array:
-    """The norm of each row (axis 0) of each array, stacked: ``(K, B)`` for ``K`` arrays ``(B, ...)``.
+def row_sums_of_squares(arrays: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """Each array's sum of squares per row (axis 0), stacked, and where that sum is exact.
 
-    Row ``i`` holds ``arrays[i]``'s norms, in the arrays' common accumulation dtype. The
-    reductions are those of :func:`slice_norms` (equal arrays stacked into one), and their
-    results are stacked as they come, reordered by one gather: no operation per array, where a
-    list of per-array norms costs a slice per array (and one more per operation on each), which
-    is most of a many-leaf per-example step's norm kernels.
+    The fast pass of the 2-norm alone, for a caller that keeps its own fallback (one for the
+    whole program, not one per array): row ``k`` of the ``(K, B)`` results is ``arrays[k]``'s,
+    in the arrays' common accumulation dtype. A sum is exact where it is finite and not below
+    ``n * tiny / eps`` (``n`` the row's size): below that the squares lost to underflow may
+    exceed one ulp of the sum, as the engine's own fallback decides (:func:`_is_bad`);
+    float16 squared in float32 is always exact. Each array is reduced on its own: XLA compiles
+    one kernel for all arrays of one shape, where stacking them first copies them.
     """
-    axes = [tuple(range(1, x.ndim)) for x in arrays]
-    jobs, where = plan_jobs(arrays, axes, keepdims=True)
-    rs, ms = _compute(jobs, spec, combine=False, axis_name=None, branch_free=branch_free)
-    dtype = jnp.result_type(*[r.dtype for r in rs])
-    batch = arrays[0].shape[0]
-    parts = [jnp.reshape(r * m, (-1, batch)).astype(dtype) for r, m in zip(rs, ms)]
-    first = np.cumsum([0] + [p.shape[0] for p in parts[:-1]])
-    order = [int(first[j]) + (0 if row is None else row) for j, row in where]
-    stacked = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
-    return stacked if order == list(range(len(order))) else stacked[np.asarray(order)]
+    jobs = [Job(x, tuple(range(1, x.ndim)), False) for x in arrays]
+    dtype = np.dtype(jnp.result_type(*[j.acc for j in jobs]))
+    sums, exact = [], []
+    for j in jobs:
+        s = jnp.sum(abs_sq(j.x, j.acc), axis=j.axes)
+        ok = jnp.isfinite(s)
+        if needs_guard(j):  # (float16 squared in float32: only a non-finite element fails)
+            info = jnp.finfo(j.acc)
+            ok = ok & (s >= max(j.n, 1) * (float(info.tiny) / float(info.eps)))
+        sums.append(s.astype(dtype))
+        exact.append(ok)
+    return jnp.stack(sums), jnp.stack(exact)
 
 
 def _keep_shape(x: jax.Array, axes: Any) -> tuple[int, ...]:
