@@ -139,7 +139,6 @@ def add_gaussian_noise(tree: Any, stddev: Any, key: jax.Array) -> Any:
         key,
         [jax.tree_util.keystr(flat.paths[i]) for i in flat.active],
     )
-    block_key, *keys = split_stored(key, len(arrays) + 1)
     strategy = _noise_strategy()
     blocked = strategy == "blocks"
     philox = strategy == "philox"
@@ -151,6 +150,13 @@ def add_gaussian_noise(tree: Any, stddev: Any, key: jax.Array) -> Any:
             by_dtype.setdefault(_real(x.dtype), []).append(i)
         else:
             single.append(i)
+    # the leaves' keys k1..kn only where some leaf is drawn on its own (each threefry of another
+    # shape is a dozen kernels of its own on the CPU; the blocks' keys are all fold_ins, one)
+    keys: list[jax.Array] = []
+    if single:
+        block_key, *keys = split_stored(key, len(arrays) + 1)
+    else:
+        block_key = _first_key(key, len(arrays) + 1)
     if strategy == "shapes":
         for i, y in _noised_by_shape(arrays, keys, single, stddev).items():
             out[i] = y
@@ -357,6 +363,16 @@ def noised_leaves(
         noised = x + jnp.asarray(stddev, real).astype(x.dtype) * z
         out.append(_stored(noised if divisor is None else noised / jnp.asarray(divisor, x.dtype)))
     return out
+
+
+def _first_key(key: jax.Array, num: int) -> jax.Array:
+    """``jax.random.split(key, num)[0]``: with JAX's default partitionable threefry that is
+    ``jax.random.fold_in(key, 0)``, a hash of the blocks' keys' own shape (they are fold_ins
+    too: XLA compiles it once for all), where the split is a program of its own."""
+    # (a JAX without the flag would be partitionable throughout: its default since 0.5)
+    if getattr(jax.config, "jax_threefry_partitionable", True):
+        return jax.random.fold_in(key, 0)
+    return jax.random.split(key, num)[0]
 
 
 def split_stored(key: jax.Array, num: int) -> list[jax.Array]:

@@ -44,12 +44,12 @@ def unrow(sums: Sequence[jax.Array], like: Sequence[jax.Array]) -> list[jax.Arra
 def combine_l2(leaf_norms: Sequence[jax.Array]) -> jax.Array:
     """Combines per-leaf L2 norms (each of shape ``(B,)``) into per-example global norms.
 
-    ``sqrt(sum_l n_l**2)``, computed directly when that is exact and otherwise as
-    ``s * sqrt(sum_l (n_l / s)**2)`` with ``s = max_l n_l`` (times ``2**-8`` when
-    it is above 1, so that ``1 / s`` is never subnormal: XLA turns the division
-    into a multiplication by the reciprocal, and CPUs flush subnormals to zero).
-    Norms near the overflow or underflow threshold of the dtype stay finite and
-    accurate; a norm too large for the dtype is ``inf``; NaN and inf propagate.
+    ``p * sqrt(sum_l (n_l / p)**2)`` with ``p`` the power of two just above ``max_l n_l``
+    (clamped so that ``1 / p`` is normal: XLA turns the division into a multiplication by the
+    reciprocal, and CPUs flush subnormals to zero). Dividing by a power of two is exact, so
+    where ``sqrt(sum_l n_l**2)`` is exact this gives it to the bit; norms near the overflow or
+    underflow threshold of the dtype stay finite and accurate; a norm too large for the dtype
+    is ``inf``; NaN and inf propagate.
     """
     dtype = np.dtype(jnp.result_type(*[n.dtype for n in leaf_norms]))
     # stored once: each reduction over the stack would otherwise fuse in the whole stack (K
@@ -61,39 +61,48 @@ def combine_l2(leaf_norms: Sequence[jax.Array]) -> jax.Array:
 
 def combine_l2_stacked(n: jax.Array) -> jax.Array:
     """:func:`combine_l2` of the ``K`` rows of ``n``, ``(K, B)`` (norms already stacked)."""
-    dtype = np.dtype(n.dtype)
-    direct = sqrt_safe(jnp.sum(n * n, axis=0))
     m = jnp.max(n, axis=0)
     ok = jnp.isfinite(m) & (m > 0)
-    safe_m = jnp.where(ok, m, jnp.ones_like(m))
-    scale = jnp.where(safe_m > 1, safe_m * jnp.asarray(2.0**-8, dtype), safe_m)
-    r = n / scale
-    scaled = jnp.where(ok, scale * sqrt_safe(jnp.sum(r * r, axis=0)), m)
-    info = jnp.finfo(dtype)
-    lo = float(np.sqrt(info.tiny) / info.eps)
-    fast = jnp.isfinite(direct) & (m >= lo)
-    return jnp.where(fast, direct, scaled)
-
-
-def _per_example(
-    arrays: Sequence[jax.Array], spec: _norms.NormSpec, branch_free: bool = False
-) -> list[jax.Array]:
-    """Per-example norm ``spec`` of each leaf: a list of ``(B,)`` arrays (accumulation dtype)."""
-    if not arrays:
-        return []
-    measured = _norms.slice_norms(
-        arrays, [tuple(range(1, x.ndim)) for x in arrays], spec, branch_free=branch_free
-    )
-    return [jnp.reshape(nrm, (x.shape[0],)) for nrm, x in zip(measured, arrays, strict=True)]
+    p = jnp.where(ok, lax.stop_gradient(_norms.power_of_two(m)), jnp.ones_like(m))
+    r = n / p
+    return jnp.where(ok, p * sqrt_safe(jnp.sum(r * r, axis=0)), m)
 
 
 def leaf_example_norms(arrays: Sequence[jax.Array], branch_free: bool = False) -> list[jax.Array]:
     """Per-example L2 norm of each leaf: a list of ``(B,)`` arrays (accumulation dtype).
 
-    ``branch_free``: without the engine's overflow conditional (Blue's algorithm),
-    for norms taken inside a loop body.
+    One plain sum of squares per leaf and example, and one conditional for all of them that
+    measures again, by Blue's algorithm, the sums that over- or underflowed
+    (:func:`~gradclip_jax._core.norms.careful_row_norms`). ``branch_free``: Blue's algorithm
+    alone, no conditional, for norms taken inside a loop body.
     """
-    return _per_example(arrays, _L2, branch_free)
+    if not arrays:
+        return []
+    if branch_free:  # (equal small leaves stacked into one reduction: fewer GPU kernels)
+        measured = _norms.slice_norms(
+            arrays, [tuple(range(1, x.ndim)) for x in arrays], _L2, branch_free=True
+        )
+        return [jnp.reshape(n, (x.shape[0],)) for n, x in zip(measured, arrays, strict=True)]
+    # arrays of one leading size measured together (a request's blocks may have another)
+    groups: dict[int, list[int]] = {}
+    for i, x in enumerate(arrays):
+        groups.setdefault(x.shape[0], []).append(i)
+    members = [[arrays[i] for i in idx] for idx in groups.values()]
+    sums = [_norms.row_sums_of_squares(xs) for xs in members]
+    plain = [sqrt_safe(sq) for sq, _ in sums]
+    stacks = cond(
+        jnp.all(jnp.stack([jnp.all(exact) for _, exact in sums])),
+        lambda: plain,
+        lambda: [
+            jnp.where(exact, p, _norms.careful_row_norms(xs)[0])
+            for xs, (_, exact), p in zip(members, sums, plain, strict=True)
+        ],
+    )
+    out: list[Any] = [None] * len(arrays)
+    for idx, stack in zip(groups.values(), stacks, strict=True):
+        for row, i in enumerate(idx):
+            out[i] = stack[row]
+    return out
 
 
 class Measured(NamedTuple):

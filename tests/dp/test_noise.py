@@ -133,17 +133,21 @@ def test_philox_draw_is_documented(monkeypatch):
     assert not np.allclose(out["a"], 1.0 + 2.0 * jax.random.normal(ka, (4, 3)))  # not threefry's
 
 
-def test_blocks_draw_is_documented(monkeypatch):
+@pytest.mark.parametrize("partitionable", [True, False])
+def test_blocks_draw_is_documented(monkeypatch, partitionable):
+    """The blocks' keys derive from ``k0 = split(key, n + 1)[0]`` (with JAX's default
+    partitionable threefry the library takes it as ``fold_in(key, 0)``, the same key)."""
     monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, "blocks")
     monkeypatch.setattr(noise_mod, "NOISE_BLOCK_SIZE", 8)
     tree = {"a": jnp.ones((4, 3)), "b": jnp.ones(5), "h": jnp.ones(6, jnp.bfloat16)}
     key = jax.random.key(3)
-    out = add_gaussian_noise(tree, 2.0, key)
-    k0 = jax.random.split(key, 4)[0]
-    group = jax.random.fold_in(k0, 0)  # all three leaves accumulate in float32: one group
-    flat = jnp.concatenate(
-        [jax.random.normal(jax.random.fold_in(group, j), (8,)) for j in range(3)]
-    )
+    with jax.threefry_partitionable(partitionable):
+        out = add_gaussian_noise(tree, 2.0, key)
+        k0 = jax.random.split(key, 4)[0]
+        group = jax.random.fold_in(k0, 0)  # all three leaves accumulate in float32: one group
+        flat = jnp.concatenate(
+            [jax.random.normal(jax.random.fold_in(group, j), (8,)) for j in range(3)]
+        )
     assert_equal_on_cpu(out["a"], 1.0 + 2.0 * flat[:12].reshape(4, 3))
     assert_equal_on_cpu(out["b"], 1.0 + 2.0 * flat[12:17])
     assert_equal_on_cpu(out["h"], 1.0 + 2.0 * flat[17:23])
@@ -406,8 +410,9 @@ def test_noised_leaves_are_stored_on_every_path(strategy):
     jaxpr = jax.make_jaxpr(lambda t, k: add_gaussian_noise(t, 1.0, k))(tree, jax.random.key(0))
     # the leaves and their keys' split ("shapes": and the draw of the two (6, 5) leaves, and its
     # keys held until those leaves exist)
-    # ("blocks": and the offsets of the leaves' spans of the flat draw)
-    barriers = 3 + 1 + 2 * (strategy == "shapes") + (strategy == "blocks")
+    # ("blocks": the offsets of the leaves' spans of the flat draw, and no split: no leaf is
+    # drawn on its own)
+    barriers = 3 + (strategy != "blocks") + 2 * (strategy == "shapes") + (strategy == "blocks")
     assert str(jaxpr).count("optimization_barrier") == barriers
     # jitted: eagerly, grad and vmap dispatch (and compile) every operation on its own
     grads = jax.jit(

@@ -24,7 +24,10 @@ from gradclip_jax._core.norms._engine import (
     row_sums_of_squares as row_sums_of_squares,
     slice_norms as slice_norms,
 )
-from gradclip_jax._core.norms._reduce import GLOBAL_PACK_MAX_SIZE as GLOBAL_PACK_MAX_SIZE
+from gradclip_jax._core.norms._reduce import (
+    GLOBAL_PACK_MAX_SIZE as GLOBAL_PACK_MAX_SIZE,
+    power_of_two as power_of_two,
+)
 from gradclip_jax._core.norms._spec import Axes as Axes, DimLike, NormSpec, OrdLike, parse_ord
 from gradclip_jax._core.norms._trees import (
     FlatTree as FlatTree,

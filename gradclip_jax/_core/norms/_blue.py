@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gradclip_jax._core.norms._reduce import Combiner, Job, needs_guard, power_of_two
+from gradclip_jax._core.norms._reduce import Combiner, Job, needs_guard, power_of_two, stack_rows
 
 
 def _blue_consts(dtype: Any) -> tuple[float, float, float, float]:
@@ -205,7 +205,7 @@ def careful_row_norms(arrays: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array
 
     def value(xs: tuple) -> tuple[jax.Array, jax.Array, jax.Array]:
         parts = [_row_parts_and_peak(x, acc) for x, acc in zip(xs, accs, strict=True)]
-        b, m, s, peaks = (jnp.stack([p[i].astype(dtype) for p in parts]) for i in range(4))
+        b, m, s, peaks = (stack_rows([p[i].astype(dtype) for p in parts]) for i in range(4))
         joint = _blue_finish(jnp.sum(b, axis=0), jnp.sum(m, axis=0), jnp.sum(s, axis=0))
         return _blue_finish(b, m, s), joint, peaks
 
@@ -214,16 +214,16 @@ def careful_row_norms(arrays: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array
     def jvp(primals: tuple, tangents: tuple) -> tuple:
         (xs,), (ts,) = primals, tangents
         norms, joint, peaks = out = f(xs)
-        d_rows, d_joint = [], jnp.zeros_like(joint)
+        d_rows, d_joint = [], []
         for k, (x, t) in enumerate(zip(xs, ts, strict=True)):
             job, keep = Job(x, tuple(range(1, x.ndim)), True), (-1,) + (1,) * (x.ndim - 1)
             d, _ = _dot_over_norm(x, t, jnp.reshape(norms[k], keep), job)
             d_rows.append(jnp.reshape(d, (-1,)))
             d, _ = _dot_over_norm(x, t, jnp.reshape(joint, keep), job)
-            d_joint = d_joint + jnp.reshape(d, (-1,))
+            d_joint.append(jnp.reshape(d, (-1,)))
         return out, (
-            _finite_or_nan(jnp.stack(d_rows), norms),
-            _finite_or_nan(d_joint, joint),
+            _finite_or_nan(stack_rows(d_rows), norms),
+            _finite_or_nan(jnp.sum(stack_rows(d_joint), axis=0), joint),
             jnp.zeros_like(peaks),
         )
 

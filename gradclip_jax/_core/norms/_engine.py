@@ -25,6 +25,7 @@ from gradclip_jax._core.norms._reduce import (
     power_of_two,
     pth_root,
     scaled_abs,
+    stack_rows,
     tree_ones_like,
 )
 from gradclip_jax._core.norms._spec import UNDERFLOW_KINDS, NormSpec
@@ -330,7 +331,7 @@ def row_sums_of_squares(arrays: Sequence[jax.Array]) -> tuple[jax.Array, jax.Arr
             ok = ok & (s >= max(j.n, 1) * (float(info.tiny) / float(info.eps)))
         sums.append(s.astype(dtype))
         exact.append(ok)
-    return jnp.stack(sums), jnp.stack(exact)
+    return stack_rows(sums), stack_rows(exact)
 
 
 def _keep_shape(x: jax.Array, axes: Any) -> tuple[int, ...]:

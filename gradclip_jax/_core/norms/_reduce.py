@@ -135,6 +135,24 @@ def _replicated_type(x: jax.Array) -> bool:
     return all(s is None for s in spec)
 
 
+def stack_rows(parts: Sequence[jax.Array]) -> jax.Array:
+    """``jnp.stack`` of per-row results ``(B,)`` of arrays whose batch axes may be placed
+    differently under explicit sharding (a leaf's rows split over the mesh, another's
+    replicated): each is resharded like the first one that is split, a local slice where it
+    was replicated. Stacking mixed placements is a ``ShardingTypeError``."""
+    specs = []
+    for p in parts:
+        try:
+            specs.append(tuple(jax.typeof(p).sharding.spec))
+        except AttributeError:  # pragma: no cover - older jax
+            specs.append(())
+    target = next((s for s in specs if any(a is not None for a in s)), None)
+    if target is not None:
+        spec = jax.sharding.PartitionSpec(*target)
+        parts = [p if s == target else jax.sharding.reshard(p, spec) for p, s in zip(parts, specs)]
+    return jnp.stack(parts)
+
+
 # Arrays at most this large that are reduced over the same axes as others of their
 # shape and dtype (per-example rows of bias and scale leaves, per-slice norms of
 # equal leaves) are stacked and reduced as one (see plan_jobs).
