@@ -165,17 +165,17 @@ def joint_row_norms(arrays: Sequence[jax.Array]) -> jax.Array:
     (each two overflow-safe ``hypot``s, which XLA copies into every fusion that reads
     them: on a WRN-16-4 ghost step, half its HLO instructions). The derivative is
     ``sum(x t) / norm`` per example (finite everywhere). The joint norm of
-    :func:`careful_row_norms` (its other results are dropped as unused).
+    :func:`careful_row_norms` without the peaks (its per-array norms are dropped as unused).
     """
-    return careful_row_norms(arrays)[1]
+    return careful_row_norms(arrays, peaks=False)[1]
 
 
 def _add3_max(p: tuple, q: tuple) -> tuple:
     return p[0] + q[0], p[1] + q[1], p[2] + q[2], lax.max(p[3], q[3])
 
 
-def _row_parts_and_peak(x: jax.Array, acc: np.dtype) -> tuple[jax.Array, ...]:
-    """Blue's three scaled sums of squares of each row of ``x`` and its ``max |x|``: four
+def _row_parts_and_peak(x: jax.Array, acc: np.dtype, peak: bool) -> tuple[jax.Array, ...]:
+    """Blue's three scaled sums of squares of each row of ``x`` and (``peak``) its ``max |x|``:
     ``(B,)`` arrays from one variadic reduction (one kernel, one read of ``x``)."""
     a = jnp.abs(x).astype(acc) if jnp.iscomplexobj(x) else jnp.abs(x.astype(acc))
     zero = jnp.zeros((), acc)
@@ -185,10 +185,13 @@ def _row_parts_and_peak(x: jax.Array, acc: np.dtype) -> tuple[jax.Array, ...]:
     u = a * jnp.where(big, jnp.asarray(sb, acc), jnp.where(small, jnp.asarray(ss, acc), 1.0))
     q = u * u
     parts = (jnp.where(big, q, zero), jnp.where(big | small, zero, q), jnp.where(small, q, zero))
-    return lax.reduce((*parts, a), (zero,) * 4, _add3_max, tuple(range(1, x.ndim)))
+    dims = tuple(range(1, x.ndim))
+    if not peak:
+        return lax.reduce(parts, (zero,) * 3, _add3, dims)
+    return lax.reduce((*parts, a), (zero,) * 4, _add3_max, dims)
 
 
-def careful_row_norms(arrays: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+def careful_row_norms(arrays: Sequence[jax.Array], peaks: bool = True) -> tuple[Any, Any, Any]:
     """Per-row 2-norms of each array and of all together, and each row's ``max |x|``.
 
     For each array (batch on axis 0) one variadic reduction gives Blue's three sums and the
@@ -196,24 +199,25 @@ def careful_row_norms(arrays: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array
     plain sum of squares that over- or underflowed. Returns ``(norms, joint, peaks)``:
     ``(K, B)`` norms of the ``K`` arrays, the ``(B,)`` norms of each example's rows taken
     together (the three sums added before one finish, as :func:`joint_row_norms`), and the
-    ``(K, B)`` peaks, all in the arrays' common accumulation dtype. The norms' derivative is
+    ``(K, B)`` peaks (``None`` without ``peaks``), all in the arrays' common accumulation
+    dtype. The norms' derivative is
     ``sum(x t) / norm`` (finite everywhere); the peaks, which only bound and check a norm,
     are constants for differentiation.
     """
     accs = [Job(x, None, True).acc for x in arrays]
     dtype = np.dtype(jnp.result_type(*accs))
 
-    def value(xs: tuple) -> tuple[jax.Array, jax.Array, jax.Array]:
-        parts = [_row_parts_and_peak(x, acc) for x, acc in zip(xs, accs, strict=True)]
-        b, m, s, peaks = (stack_rows([p[i].astype(dtype) for p in parts]) for i in range(4))
+    def value(xs: tuple) -> tuple[Any, Any, Any]:
+        parts = [_row_parts_and_peak(x, acc, peaks) for x, acc in zip(xs, accs, strict=True)]
+        b, m, s, *top = (stack_rows([p[i].astype(dtype) for p in parts]) for i in range(3 + peaks))
         joint = _blue_finish(jnp.sum(b, axis=0), jnp.sum(m, axis=0), jnp.sum(s, axis=0))
-        return _blue_finish(b, m, s), joint, peaks
+        return _blue_finish(b, m, s), joint, top[0] if peaks else None
 
     f = jax.custom_jvp(value)
 
     def jvp(primals: tuple, tangents: tuple) -> tuple:
         (xs,), (ts,) = primals, tangents
-        norms, joint, peaks = out = f(xs)
+        norms, joint, top = out = f(xs)
         d_rows, d_joint = [], []
         for k, (x, t) in enumerate(zip(xs, ts, strict=True)):
             job, keep = Job(x, tuple(range(1, x.ndim)), True), (-1,) + (1,) * (x.ndim - 1)
@@ -224,7 +228,7 @@ def careful_row_norms(arrays: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array
         return out, (
             _finite_or_nan(stack_rows(d_rows), norms),
             _finite_or_nan(jnp.sum(stack_rows(d_joint), axis=0), joint),
-            jnp.zeros_like(peaks),
+            None if top is None else jnp.zeros_like(top),
         )
 
     f.defjvp(jvp)
