@@ -47,9 +47,9 @@ def combine_l2(leaf_norms: Sequence[jax.Array]) -> jax.Array:
     ``p * sqrt(sum_l (n_l / p)**2)`` with ``p`` the power of two just above ``max_l n_l``
     (clamped so that ``1 / p`` is normal: XLA turns the division into a multiplication by the
     reciprocal, and CPUs flush subnormals to zero). Dividing by a power of two is exact, so
-    where ``sqrt(sum_l n_l**2)`` is exact this gives it to the bit; norms near the overflow or
-    underflow threshold of the dtype stay finite and accurate; a norm too large for the dtype
-    is ``inf``; NaN and inf propagate.
+    where ``sqrt(sum_l n_l**2)`` is exact this is its value up to the order of the additions;
+    norms near the overflow or underflow threshold of the dtype stay finite and accurate; a
+    norm too large for the dtype is ``inf``; NaN and inf propagate.
     """
     dtype = np.dtype(jnp.result_type(*[n.dtype for n in leaf_norms]))
     # stored once: each reduction over the stack would otherwise fuse in the whole stack (K
