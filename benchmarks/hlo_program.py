@@ -27,6 +27,7 @@ import re
 __all__ = [
     "PHASES",
     "distinct_kernel_count",
+    "every_step_variadic_reductions",
     "hlo_hints",
     "hlo_phases",
     "kernel_count",
@@ -128,6 +129,28 @@ def _loop_computations(comps: dict[str, list[tuple[str, str, str]]]) -> set[str]
         seen.add(comp)
         todo += [c for _, _, rest in comps[comp] for c in _called(rest)]
     return seen
+
+
+_VARIADIC_REDUCE = re.compile(r"=\s*\([^()=]*\)\s*reduce\(")  # a reduce with a tuple result
+
+
+def every_step_variadic_reductions(text: str) -> int:
+    """The variadic (tuple-result) reductions of a compiled program that run on every call: those
+    reached from the entry computation without entering a conditional's branches (a fallback
+    taken only when a sum over- or underflowed is left out). XLA:CPU compiles a variadic
+    reduction as a scalar loop, not vectorized."""
+    comps, owner = _parse_hlo(text)
+    todo, reached = [c for c in comps if c.startswith("main")][:1], set()
+    while todo:
+        comp = todo.pop()
+        if comp not in reached and comp in comps:
+            reached.add(comp)
+            todo += [c for _, op, rest in comps[comp] if op != "conditional" for c in _called(rest)]
+    found = 0
+    for line in text.splitlines():
+        m = _INSTRUCTION.match(line)
+        found += bool(m and _VARIADIC_REDUCE.search(line) and owner.get(m.group(1)) in reached)
+    return found
 
 
 def _contents(comp: str, comps: dict[str, list[tuple[str, str, str]]], memo: dict[str, str]) -> str:

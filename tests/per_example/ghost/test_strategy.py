@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -405,28 +404,6 @@ def test_bookkeeping_holds_a_conditional_only_for_convolutions_read_in_place(
     assert text.count(" while(") == 0
 
 
-VARIADIC_REDUCE = re.compile(r"= \([^()=]*\) reduce\(")  # a reduce with a tuple result
-
-
-def _variadic_reductions_run_every_step(text: str) -> int:
-    """The variadic reductions of a compiled program outside its conditionals' branches."""
-    comps, owner = hp._parse_hlo(text)
-    todo, reached = [next(c for c in comps if c.startswith("main"))], set()
-    while todo:
-        comp = todo.pop()
-        if comp not in reached:
-            reached.add(comp)
-            todo += [
-                c for _, op, rest in comps[comp] if op != "conditional" for c in hp._called(rest)
-            ]
-    names = [re.match(r"\s*(?:ROOT )?%?([\w.\-]+)", ln) for ln in text.splitlines()]
-    return sum(
-        bool(VARIADIC_REDUCE.search(ln)) and owner.get(m.group(1)) in reached
-        for ln, m in zip(text.splitlines(), names, strict=True)
-        if m
-    )
-
-
 @pytest.mark.cpu_only(reason="XLA:CPU's reductions: the CPU's default ROW_NORMS")
 @pytest.mark.reads_compiled_names  # the compiled program's computations (hlo_program)
 @pytest.mark.parametrize("scale", [1.0, 1e22])
@@ -442,7 +419,7 @@ def test_cpu_row_norms_take_no_variadic_reduction(scale, monkeypatch):
         monkeypatch.setitem(_measure.ROW_NORMS, jax.default_backend(), setting)
         f = jax.jit(clipped_grad(loss, 1.0, method="ghost"))
         out[setting] = (
-            _variadic_reductions_run_every_step(f.lower(params, data).compile().as_text()),
+            hp.every_step_variadic_reductions(f.lower(params, data).compile().as_text()),
             f(params, data),
         )
     monkeypatch.undo()
