@@ -111,6 +111,26 @@ def _called(rest: str) -> list[str]:
     return names
 
 
+def _reachable(
+    comps: dict[str, list[tuple[str, str, str]]], todo: list[str], into_branches: bool = True
+) -> set[str]:
+    """The computations ``todo`` and all they call (a conditional's branches only when
+    ``into_branches``)."""
+    seen: set[str] = set()
+    while todo:
+        comp = todo.pop()
+        if comp in seen or comp not in comps:
+            continue
+        seen.add(comp)
+        todo += [
+            c
+            for _, opcode, rest in comps[comp]
+            if into_branches or opcode != "conditional"
+            for c in _called(rest)
+        ]
+    return seen
+
+
 def _loop_computations(comps: dict[str, list[tuple[str, str, str]]]) -> set[str]:
     """Computations run inside a while op: bodies and conditions, and all they call."""
     todo = [
@@ -121,14 +141,7 @@ def _loop_computations(comps: dict[str, list[tuple[str, str, str]]]) -> set[str]
         for m in _CALLED.finditer(rest)
         if m.group(1) in ("body", "condition")
     ]
-    seen: set[str] = set()
-    while todo:
-        comp = todo.pop()
-        if comp in seen or comp not in comps:
-            continue
-        seen.add(comp)
-        todo += [c for _, _, rest in comps[comp] for c in _called(rest)]
-    return seen
+    return _reachable(comps, todo)
 
 
 _VARIADIC_REDUCE = re.compile(r"=\s*\([^()=]*\)\s*reduce\(")  # a reduce with a tuple result
@@ -140,12 +153,7 @@ def every_step_variadic_reductions(text: str) -> int:
     taken only when a sum over- or underflowed is left out). XLA:CPU compiles a variadic
     reduction as a scalar loop, not vectorized."""
     comps, owner = _parse_hlo(text)
-    todo, reached = [c for c in comps if c.startswith("main")][:1], set()
-    while todo:
-        comp = todo.pop()
-        if comp not in reached and comp in comps:
-            reached.add(comp)
-            todo += [c for _, op, rest in comps[comp] if op != "conditional" for c in _called(rest)]
+    reached = _reachable(comps, [c for c in comps if c.startswith("main")][:1], False)
     found = 0
     for line in text.splitlines():
         m = _INSTRUCTION.match(line)

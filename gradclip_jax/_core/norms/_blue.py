@@ -28,6 +28,22 @@ def _blue_consts(dtype: Any) -> tuple[float, float, float, float]:
     return 2.0**b, 2.0 ** -(emax // 2 + 25), 2.0**sm, 2.0 ** (b - sm)
 
 
+def _blue_squares(mag: jax.Array, acc: np.dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each element's square from ``mag = |x|`` (in ``acc``), scaled into Blue's big, medium or
+    small sum and zero in the other two."""
+    zero = jnp.zeros((), acc)
+    tb, sb, ts, ss = _blue_consts(acc)
+    big, small = mag > tb, mag < ts
+    # one per-element scale, squared with its element: a constant scale would let
+    # XLA rewrite (x*c)**2 as x*x*(c*c), and c*c over- or underflows
+    scale = jnp.where(
+        big, jnp.asarray(sb, acc), jnp.where(small, jnp.asarray(ss, acc), jnp.ones((), acc))
+    )
+    u = mag * scale
+    q = u * u
+    return jnp.where(big, q, zero), jnp.where(big | small, zero, q), jnp.where(small, q, zero)
+
+
 def _blue_parts(job: Job, variadic: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The job's (big, medium, small) scaled sums of squares, in its accumulation dtype."""
     acc = job.acc
@@ -35,18 +51,7 @@ def _blue_parts(job: Job, variadic: bool) -> tuple[jax.Array, jax.Array, jax.Arr
     zero = jnp.zeros((), acc)
     if not needs_guard(job):
         return zero, job.sum(a * a), zero
-    tb, sb, ts, ss = _blue_consts(acc)
-    mag = jnp.abs(a)
-    big, small = mag > tb, mag < ts
-    # one per-element scale, squared with its element: a constant scale would let
-    # XLA rewrite (x*c)**2 as x*x*(c*c), and c*c over- or underflows
-    scale = jnp.where(
-        big, jnp.asarray(sb, acc), jnp.where(small, jnp.asarray(ss, acc), jnp.ones((), acc))
-    )
-    u = a * scale
-    q = u * u
-    qb, qs = jnp.where(big, q, zero), jnp.where(small, q, zero)
-    qm = jnp.where(big | small, zero, q)
+    qb, qm, qs = _blue_squares(jnp.abs(a), acc)
     if not variadic:
         return job.sum(qb), job.sum(qm), job.sum(qs)
     dims = tuple(range(a.ndim)) if job.axes is None else job.axes
@@ -179,12 +184,7 @@ def _row_parts_and_peak(x: jax.Array, acc: np.dtype, peak: bool) -> tuple[jax.Ar
     ``(B,)`` arrays from one variadic reduction (one kernel, one read of ``x``)."""
     a = jnp.abs(x).astype(acc) if jnp.iscomplexobj(x) else jnp.abs(x.astype(acc))
     zero = jnp.zeros((), acc)
-    tb, sb, ts, ss = _blue_consts(acc)
-    big, small = a > tb, a < ts
-    # a per-element scale, as in _blue_parts (float16 rows all land in the medium sum)
-    u = a * jnp.where(big, jnp.asarray(sb, acc), jnp.where(small, jnp.asarray(ss, acc), 1.0))
-    q = u * u
-    parts = (jnp.where(big, q, zero), jnp.where(big | small, zero, q), jnp.where(small, q, zero))
+    parts = _blue_squares(a, acc)  # (float16 rows all land in the medium sum)
     dims = tuple(range(1, x.ndim))
     if not peak:
         return lax.reduce(parts, (zero,) * 3, _add3, dims)

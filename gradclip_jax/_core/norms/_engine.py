@@ -91,17 +91,22 @@ def _finish(spec: NormSpec, s: jax.Array, n: Any) -> jax.Array:
     return pth_root(s, spec.p)
 
 
-def _is_bad(spec: NormSpec, s: jax.Array, n: Any) -> jax.Array:
-    """True where the fast path's statistic may have over- or underflowed."""
+def _inexact(s: jax.Array, n: Any, underflow: bool) -> jax.Array:
+    """Elementwise: the sum ``s`` of ``n`` terms may have over- or (``underflow``) underflowed."""
     bad = ~jnp.isfinite(s)
-    underflow = spec.kind in UNDERFLOW_KINDS or (spec.kind == "pow" and spec.p != 1.0)
     if underflow:
         info = jnp.finfo(s.dtype)
         # Each underflowed element loses less than `tiny`; below n*tiny/eps that loss
         # could exceed one ulp of the sum, so recompute in scaled units.
         thr = jnp.asarray(n, s.dtype) * (float(info.tiny) / float(info.eps))
         bad = bad | (s < thr)
-    return jnp.any(bad)
+    return bad
+
+
+def _is_bad(spec: NormSpec, s: jax.Array, n: Any) -> jax.Array:
+    """True where the fast path's statistic may have over- or underflowed."""
+    underflow = spec.kind in UNDERFLOW_KINDS or (spec.kind == "pow" and spec.p != 1.0)
+    return jnp.any(_inexact(s, n, underflow))
 
 
 # Per backend, how sum-of-squares norms (``ord=2`` and ``'rms'``; the norm of
@@ -316,8 +321,8 @@ def row_sums_of_squares(arrays: Sequence[jax.Array]) -> tuple[jax.Array, jax.Arr
     whole program, not one per array): row ``k`` of the ``(K, B)`` results is ``arrays[k]``'s,
     in the arrays' common accumulation dtype. A sum is exact where it is finite and not below
     ``n * tiny / eps`` (``n`` the row's size): below that the squares lost to underflow may
-    exceed one ulp of the sum, as the engine's own fallback decides (:func:`_is_bad`);
-    float16 squared in float32 is always exact. Each array is reduced on its own: XLA compiles
+    exceed one ulp of the sum, as the engine's own fallback decides (:func:`_inexact`);
+    float16 squared in float32 can only fail on a non-finite element. Each array is reduced on its own: XLA compiles
     one kernel for all arrays of one shape, where stacking them first copies them.
     """
     jobs = [Job(x, tuple(range(1, x.ndim)), False) for x in arrays]
@@ -325,12 +330,8 @@ def row_sums_of_squares(arrays: Sequence[jax.Array]) -> tuple[jax.Array, jax.Arr
     sums, exact = [], []
     for j in jobs:
         s = jnp.sum(abs_sq(j.x, j.acc), axis=j.axes)
-        ok = jnp.isfinite(s)
-        if needs_guard(j):  # (float16 squared in float32: only a non-finite element fails)
-            info = jnp.finfo(j.acc)
-            ok = ok & (s >= max(j.n, 1) * (float(info.tiny) / float(info.eps)))
         sums.append(s.astype(dtype))
-        exact.append(ok)
+        exact.append(~_inexact(s, j.n, underflow=needs_guard(j)))
     return stack_rows(sums), stack_rows(exact)
 
 

@@ -122,17 +122,22 @@ class Job:
         return jnp.min(v, initial=jnp.inf)
 
 
+def _type_spec(x: jax.Array) -> tuple:
+    """The partition spec ``x``'s type carries (explicit sharding; empty or all ``None``
+    otherwise)."""
+    try:
+        return tuple(jax.typeof(x).sharding.spec)
+    except AttributeError:  # pragma: no cover - older jax
+        return ()
+
+
 def _replicated_type(x: jax.Array) -> bool:
     """False for a leaf whose type carries an explicit sharding over some mesh axis.
 
     Stacking such leaves would mix shardings (a ShardingTypeError under explicit
     sharding), so they are reduced on their own.
     """
-    try:
-        spec = jax.typeof(x).sharding.spec
-    except AttributeError:  # pragma: no cover - older jax
-        return True
-    return all(s is None for s in spec)
+    return all(s is None for s in _type_spec(x))
 
 
 def stack_rows(parts: Sequence[jax.Array]) -> jax.Array:
@@ -140,12 +145,7 @@ def stack_rows(parts: Sequence[jax.Array]) -> jax.Array:
     differently under explicit sharding (a leaf's rows split over the mesh, another's
     replicated): each is resharded like the first one that is split, a local slice where it
     was replicated. Stacking mixed placements is a ``ShardingTypeError``."""
-    specs = []
-    for p in parts:
-        try:
-            specs.append(tuple(jax.typeof(p).sharding.spec))
-        except AttributeError:  # pragma: no cover - older jax
-            specs.append(())
+    specs = [_type_spec(p) for p in parts]
     target = next((s for s in specs if any(a is not None for a in s)), None)
     if target is not None:
         spec = jax.sharding.PartitionSpec(*target)
