@@ -55,6 +55,7 @@ __all__ = [
     "shape",
     "sub_jaxpr",
     "sub_jaxprs",
+    "threefry2x32",
     "with_params",
 ]
 
@@ -238,6 +239,15 @@ def bind(eqn: Any, invals: Sequence[Any], eqn_params: Mapping[str, Any] | None =
     with eqn.ctx.manager:
         ans = eqn.primitive.bind(*subfuns, *invals, **bound)
     return list(ans) if eqn.primitive.multiple_results else [ans]
+
+
+def threefry2x32(
+    key: tuple[jax.Array, jax.Array], counts: tuple[jax.Array, jax.Array]
+) -> tuple[jax.Array, jax.Array]:
+    """Threefry-2x32 (20 rounds) of each pair of uint32 words ``counts`` (equal shapes) under the
+    pair of uint32 scalars ``key``: JAX's own primitive (``jax.extend.random``), the hash behind
+    every threefry draw (``jax.random.bits`` of a key hashes the counter ``i`` for element ``i``)."""
+    return tuple(_jrandom.threefry2x32_p.bind(*key, *counts))  # type: ignore[return-value]
 
 
 @contextlib.contextmanager

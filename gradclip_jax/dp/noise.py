@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gradclip_jax._core import norms as _norms
+from gradclip_jax._core import jaxcompat, norms as _norms
 from gradclip_jax._core.backend import per_backend
 from gradclip_jax.dp.philox import philox_normal
 from gradclip_jax.per_example.internal import explicit_spec
@@ -29,8 +29,11 @@ __all__ = [
 # * ``"leaves"``: one ``jax.random.normal`` per leaf. On GPU and TPU JAX lowers
 #   threefry unrolled, so XLA fuses each leaf's draw and addition into one kernel
 #   that writes the output and nothing else.
-# * ``"blocks"``: one loop over fixed-size blocks of one flat draw for all leaves
-#   (of one dtype), each block from its own key. JAX lowers threefry on CPU as a
+# * ``"blocks"``: one loop over fixed-size blocks of one flat draw for all leaves,
+#   element ``p`` from threefry's hash of the counter ``p`` (with JAX's default
+#   partitionable threefry, ``jax.random.normal(key, (n,))``'s draw), so no block
+#   derives a key: each key derivation hashes another shape, a program of its own
+#   (about ten kernels on the CPU, in every DP step). JAX lowers threefry on CPU as a
 #   rolled loop whose state is as large as the draw: per-leaf draws compile one
 #   such loop per leaf and hold two uint32 copies of every leaf, where the blocked
 #   draw compiles one loop and holds the flat draw alone, at the same speed.
@@ -98,11 +101,14 @@ def add_gaussian_noise(tree: Any, stddev: Any, key: jax.Array) -> Any:
     leaves. Per backend (:data:`NOISE_STRATEGY`, read when the function is
     traced), leaf ``i`` gets ``jax.random.normal(k{i+1}, ...)`` (TPU: drawn
     inside the addition; GPU: the same draws, made once per distinct leaf shape
-    with ``"shapes"``), or the leaves of one real dtype ``b``-th in order of
-    first appearance are laid end to end and drawn in blocks of
-    :data:`NOISE_BLOCK_SIZE` elements, block ``j`` from
-    ``jax.random.fold_in(jax.random.fold_in(k0, b), j)`` (CPU: one compiled loop
-    for any number of leaves, and no temporaries beyond the noise itself). Either
+    with ``"shapes"``), or (CPU, ``"blocks"``) the leaves are laid end to end,
+    grouped by real dtype in order of first appearance, and element ``p`` of that
+    line gets ``jax.random.normal``'s draw from threefry's hash of the counter
+    ``p`` under ``k`` (with JAX's default partitionable threefry exactly
+    ``jax.random.normal(k, (N,), dtype)[p]``), where ``k`` is ``key`` itself when
+    every leaf is drawn so, else ``k0``. It is drawn in blocks of
+    :data:`NOISE_BLOCK_SIZE` elements: one compiled loop for any number of
+    leaves, no key derived per block, and no temporaries beyond the noise. Either
     way every element gets its own standard normal draw, and the same key gives
     the same noise on the same backend. ``"shapes"`` makes the per-leaf draws
     (the same bits) once per distinct leaf shape. With ``"philox"``, a float32 leaf ``i``
@@ -150,13 +156,12 @@ def add_gaussian_noise(tree: Any, stddev: Any, key: jax.Array) -> Any:
             by_dtype.setdefault(_real(x.dtype), []).append(i)
         else:
             single.append(i)
-    # the leaves' keys k1..kn only where some leaf is drawn on its own (each threefry of another
-    # shape is a dozen kernels of its own on the CPU; the blocks' keys are all fold_ins, one)
+    # the leaves' keys k1..kn only where some leaf is drawn on its own: each hash of another shape
+    # is a dozen kernels of its own on the CPU, and the blocks hash counters under the key itself
     keys: list[jax.Array] = []
+    block_key = key
     if single:
         block_key, *keys = split_stored(key, len(arrays) + 1)
-    else:
-        block_key = _first_key(key, len(arrays) + 1)
     if strategy == "shapes":
         for i, y in _noised_by_shape(arrays, keys, single, stddev).items():
             out[i] = y
@@ -166,13 +171,12 @@ def add_gaussian_noise(tree: Any, stddev: Any, key: jax.Array) -> Any:
     )
     for i, y in zip(single, drawn, strict=True):
         out[i] = y
-    for b, (dtype, idx) in enumerate(by_dtype.items()):
-        # one flat draw per real dtype, its blocks keyed by fold_in(fold_in(k0, b), j)
+    start = 0  # each real dtype's leaves take the next span of the counters
+    for dtype, idx in by_dtype.items():
         group = [arrays[i] for i in idx]
-        for i, y in zip(
-            idx, _blocked_noise(group, jax.random.fold_in(block_key, b), stddev, dtype), strict=True
-        ):
+        for i, y in zip(idx, _blocked_noise(group, block_key, stddev, dtype, start), strict=True):
             out[i] = y
+        start += sum(int(x.size) * _per_element(x) for x in group)
     return flat.rebuild(out)
 
 
@@ -228,25 +232,66 @@ def _shaped(z: jax.Array, x: jax.Array) -> jax.Array:
 
 
 def _blocked_noise(
-    arrays: Sequence[jax.Array], key: jax.Array, stddev: Any, dtype: np.dtype
+    arrays: Sequence[jax.Array], key: jax.Array, stddev: Any, dtype: np.dtype, start: int
 ) -> list[jax.Array]:
-    """``x + stddev * N(0, 1)`` for ``arrays`` (all of ``dtype``) laid end to end and drawn in blocks.
+    """``x + stddev * N(0, 1)`` for ``arrays`` (all of ``dtype``) laid end to end from counter
+    ``start`` on, drawn in blocks.
 
     One ``lax.map`` over the blocks: its state is one block, not the whole draw,
-    and it compiles once however many leaves there are. Each leaf then reads its
-    span of the flat draw (:func:`_spans_added`).
+    and it compiles once however many leaves there are. A block hashes its
+    counters under ``key`` itself (:func:`_counter_normals`): deriving a key per
+    block would compile threefry a second time for the key's shape, about ten
+    kernels on the CPU. Each leaf then reads its span of the flat draw
+    (:func:`_spans_added`).
     """
     total = sum(int(x.size) * _per_element(x) for x in arrays)
     if total == 0:
         return list(arrays)
     size = min(NOISE_BLOCK_SIZE, total)
-    count = -(-total // size)
+    first = start + size * np.arange(-(-total // size), dtype=np.uint64)  # each block's counter
+    words = _key_words(key)
 
-    def block(j: jax.Array) -> jax.Array:
-        return jax.random.normal(jax.random.fold_in(key, j), (size,), dtype)
+    def block(first_counter: tuple[jax.Array, jax.Array]) -> jax.Array:
+        return _counter_normals(words, *first_counter, size, dtype)
 
-    z = jnp.reshape(lax.map(block, jnp.arange(count, dtype=jnp.uint32)), (-1,))
+    hi, lo = (first >> np.uint64(32)).astype(np.uint32), first.astype(np.uint32)
+    z = jnp.reshape(lax.map(block, (jnp.asarray(hi), jnp.asarray(lo))), (-1,))
     return [_stored(y) for y in _spans_added(arrays, z, jnp.asarray(stddev, dtype))]
+
+
+def _key_words(key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The two uint32 words of a threefry ``key`` (typed, or raw under JAX's default
+    implementation); another implementation's key gives two words of its own random bits."""
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)
+    if str(jax.random.key_impl(key)) == "threefry2x32":
+        data = jax.random.key_data(key)
+    else:
+        data = jax.random.bits(key, (2,), jnp.uint32)
+    return data[..., 0], data[..., 1]
+
+
+def _counter_normals(
+    key: tuple[jax.Array, jax.Array], hi: jax.Array, lo: jax.Array, size: int, dtype: np.dtype
+) -> jax.Array:
+    """Standard normals for the ``size`` 64-bit counters from ``(hi, lo)`` on: element ``i`` is
+    ``jax.random.normal``'s transform of threefry's hash of counter ``hi * 2**32 + lo + i`` under
+    ``key``, as JAX's partitionable threefry draws element ``i`` of a flat array (its bits: the
+    hash's two words xor-ed for 32-bit floats, joined for 64-bit ones; then a uniform in
+    ``[nextafter(-1, 0), 1)`` and ``sqrt(2) * erfinv``)."""
+    low = lo + lax.iota(jnp.uint32, size)
+    words = jaxcompat.threefry2x32(key, (hi + (low < lo).astype(jnp.uint32), low))
+    info = jnp.finfo(dtype)
+    if info.bits == 64:
+        bits = lax.shift_left(words[0].astype(jnp.uint64), jnp.uint64(32)) | words[1]
+    else:
+        bits = words[0] ^ words[1]
+    one = jnp.asarray(np.array(1.0, dtype).view(bits.dtype))
+    mantissa = lax.shift_right_logical(bits, jnp.asarray(info.bits - info.nmant, bits.dtype))
+    unit = lax.bitcast_convert_type(mantissa | one, dtype) - np.array(1.0, dtype)
+    floor = np.nextafter(np.array(-1.0, dtype), np.array(0.0, dtype))
+    uniform = lax.max(floor, unit * (np.array(1.0, dtype) - floor) + floor)
+    return lax.mul(jnp.asarray(np.sqrt(2), dtype), lax.erf_inv(uniform))
 
 
 def _spans_added(arrays: Sequence[jax.Array], z: jax.Array, std: jax.Array) -> list[jax.Array]:
@@ -363,16 +408,6 @@ def noised_leaves(
         noised = x + jnp.asarray(stddev, real).astype(x.dtype) * z
         out.append(_stored(noised if divisor is None else noised / jnp.asarray(divisor, x.dtype)))
     return out
-
-
-def _first_key(key: jax.Array, num: int) -> jax.Array:
-    """``jax.random.split(key, num)[0]``: with JAX's default partitionable threefry that is
-    ``jax.random.fold_in(key, 0)``, a hash of the blocks' keys' own shape (they are fold_ins
-    too: XLA compiles it once for all), where the split is a program of its own."""
-    # (a JAX without the flag would be partitionable throughout: its default since 0.5)
-    if getattr(jax.config, "jax_threefry_partitionable", True):
-        return jax.random.fold_in(key, 0)
-    return jax.random.split(key, num)[0]
 
 
 def split_stored(key: jax.Array, num: int) -> list[jax.Array]:

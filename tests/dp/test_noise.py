@@ -135,23 +135,57 @@ def test_philox_draw_is_documented(monkeypatch):
 
 @pytest.mark.parametrize("partitionable", [True, False])
 def test_blocks_draw_is_documented(monkeypatch, partitionable):
-    """The blocks' keys derive from ``k0 = split(key, n + 1)[0]`` (with JAX's default
-    partitionable threefry the library takes it as ``fold_in(key, 0)``, the same key)."""
+    """The leaves laid end to end get ``jax.random.normal(key, (n,))`` (under JAX's default
+    partitionable threefry; the draw is the same under the older flag), in blocks of any size."""
     monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, "blocks")
     monkeypatch.setattr(noise_mod, "NOISE_BLOCK_SIZE", 8)
     tree = {"a": jnp.ones((4, 3)), "b": jnp.ones(5), "h": jnp.ones(6, jnp.bfloat16)}
     key = jax.random.key(3)
     with jax.threefry_partitionable(partitionable):
         out = add_gaussian_noise(tree, 2.0, key)
-        k0 = jax.random.split(key, 4)[0]
-        group = jax.random.fold_in(k0, 0)  # all three leaves accumulate in float32: one group
-        flat = jnp.concatenate(
-            [jax.random.normal(jax.random.fold_in(group, j), (8,)) for j in range(3)]
-        )
+    flat = jax.random.normal(key, (23,))  # all three leaves accumulate in float32: one line
     assert_equal_on_cpu(out["a"], 1.0 + 2.0 * flat[:12].reshape(4, 3))
     assert_equal_on_cpu(out["b"], 1.0 + 2.0 * flat[12:17])
     assert_equal_on_cpu(out["h"], 1.0 + 2.0 * flat[17:23])
     assert out["h"].dtype == jnp.float32
+    raw = add_gaussian_noise(tree, 2.0, jax.random.key_data(key))  # a raw key: the same draw
+    np.testing.assert_array_equal(raw["a"], out["a"])
+
+
+def test_blocks_with_a_leaf_drawn_alone_hash_under_the_first_split_key(monkeypatch):
+    """A leaf drawn on its own (an explicitly sharded one) takes ``split(key, n + 1)[i + 1]``; the
+    blocks then hash their counters under ``split(key, n + 1)[0]``, never under ``key``, whose
+    counters the split hashed."""
+    monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, "blocks")
+    monkeypatch.setattr(noise_mod, "explicit_spec", lambda x: "alone" if x.shape == (5,) else None)
+    tree = {"a": jnp.ones((4, 3)), "b": jnp.ones(5), "c": jnp.ones(2)}
+    key = jax.random.key(3)
+    out = add_gaussian_noise(tree, 2.0, key)
+    k0, _, kb, _ = jax.random.split(key, 4)
+    flat = jax.random.normal(k0, (14,))
+    np.testing.assert_array_equal(out["a"], 1.0 + 2.0 * flat[:12].reshape(4, 3))
+    np.testing.assert_array_equal(out["b"], 1.0 + 2.0 * jax.random.normal(kb, (5,)))
+    np.testing.assert_array_equal(out["c"], 1.0 + 2.0 * flat[12:])
+
+
+def test_blocks_of_each_dtype_take_the_next_counters():
+    """Float32 and float64 leaves: one line of counters, each dtype's span drawn as
+    ``jax.random.normal`` of that dtype draws it; a block's counters carry into the high word."""
+    key = jax.random.key(5)
+    with jax.enable_x64(True):
+        tree = {"a": jnp.zeros(5, jnp.float32), "d": jnp.zeros(11, jnp.float64)}
+        out = noise_mod._blocked_noise([tree["d"]], key, 1.0, np.dtype(np.float64), 5)
+        np.testing.assert_array_equal(out[0], jax.random.normal(key, (16,), jnp.float64)[5:])
+        words = noise_mod._key_words(key)
+        lo = np.uint32(2**32 - 3)
+        across = noise_mod._counter_normals(words, jnp.uint32(0), lo, 6, np.dtype(np.float32))
+        after = noise_mod._counter_normals(
+            words, jnp.uint32(1), jnp.uint32(0), 3, np.dtype(np.float32)
+        )
+        np.testing.assert_array_equal(across[3:], after)
+        assert not np.array_equal(across[:3], after)
+    other = add_gaussian_noise({"a": jnp.zeros(6)}, 1.0, jax.random.key(5, impl="rbg"))
+    assert np.isfinite(other["a"]).all() and np.unique(other["a"]).size == 6  # its own bits
 
 
 def test_statistics_and_dtypes(strategy, monkeypatch):
@@ -254,7 +288,7 @@ def test_blocked_draw_compiles_one_loop_and_holds_only_the_noise(monkeypatch):
 def test_one_block_draw_is_not_copied_into_each_leaf(monkeypatch):
     """A tree that fits one block: its draw (uniform bits to normals) is compiled once, not into
     each leaf's addition (about 90 instructions a leaf when the one-trip loop is inlined); the
-    values are the documented ones (block 0 of fold_in(k0, 0))."""
+    values are the documented ones (``jax.random.normal(key, (17,))``)."""
     monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, "blocks")
     monkeypatch.setattr(noise_mod, "NOISE_BLOCK_SIZE", 1 << 18)
     sizes = []
@@ -267,8 +301,7 @@ def test_one_block_draw_is_not_copied_into_each_leaf(monkeypatch):
     tree = {"a": jnp.ones((4, 3)), "b": jnp.ones(5)}
     key = jax.random.key(3)
     out = _jitted()(tree, 2.0, key)
-    group = jax.random.fold_in(jax.random.split(key, 3)[0], 0)
-    flat = jax.random.normal(jax.random.fold_in(group, 0), (17,))
+    flat = jax.random.normal(key, (17,))
     np.testing.assert_array_equal(out["a"], 1.0 + 2.0 * flat[:12].reshape(4, 3))
     np.testing.assert_array_equal(out["b"], 1.0 + 2.0 * flat[12:])
 
