@@ -5,7 +5,6 @@ probes on chosen equations, also inside a scan's body."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -17,6 +16,7 @@ from jax import lax
 from gradclip_jax._core import jaxcompat as jc
 from gradclip_jax._core.jaxcompat import is_literal, open_jaxpr, shape, sub_jaxpr
 from gradclip_jax.per_example._products import product_precision
+from gradclip_jax.per_example.ghost._fold import fold, folds
 from gradclip_jax.per_example.ghost.rules import names
 
 MAX_UNROLL = 128
@@ -172,24 +172,6 @@ def _rewritten(eqn: Any, invals: Sequence[Any]) -> list[Any] | None:
     return None
 
 
-FOLD_MAX_ELEMENTS = 2**16
-"""Integer and boolean values computed from constants alone (``jnp.arange(T)`` position ids)
-with at most this many elements are computed while tracing, so that a lookup
-of a parameter table at constant positions (a position embedding) shows its
-indices to the analysis."""
-
-
-def _folds(eqn: Any, invals: Sequence[Any]) -> bool:
-    if eqn.primitive.name not in names.FOLDABLE or any(jc.is_tracer(x) for x in invals):
-        return False
-    outs = [v.aval for v in eqn.outvars]
-    return all(
-        (jnp.issubdtype(a.dtype, jnp.integer) or a.dtype == jnp.bool_)
-        and math.prod(a.shape) <= FOLD_MAX_ELEMENTS
-        for a in outs
-    )
-
-
 def const_values(closed: Any) -> dict[Any, Any]:
     """The values of a closed jaxpr's constants, by variable."""
     return dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
@@ -286,9 +268,8 @@ def _inline_eval(
         elif (rewritten := _rewritten(eqn, invals)) is not None:
             outs = rewritten
             out_deps = [any(in_deps)] * len(outs)
-        elif _folds(eqn, invals):
-            with jax.ensure_compile_time_eval():
-                outs = bind(eqn, invals)
+        elif folds(eqn, invals):
+            outs = fold(eqn, invals, bind)
             out_deps = [False] * len(outs)
         else:
             outs = bind(eqn, invals)

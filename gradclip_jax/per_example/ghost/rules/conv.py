@@ -196,7 +196,7 @@ class ConvViews:
 
 def _tap_gram(views: ConvViews) -> jax.Array:
     """:math:`P_b P_b^\\top = \\sum_k X_{bk} X_{bk}^\\top`, ``(B, groups, T, T)``, one tap's
-    window at a time, each a static slice (no loop in the program: a loop's ``K``
+    window at a time, each one slice (:meth:`ConvViews.tap`; no loop in the program: a loop's ``K``
     sequential iterations, each a small product, run slowly on GPUs)."""
 
     def gram(x: jax.Array) -> jax.Array:
@@ -277,7 +277,7 @@ def _gram_cost(views: ConvViews) -> int:
 
 def formed_norms(views: ConvViews) -> jax.Array:
     """The norm of each example's gradient, :math:`(X_{bgk}^\\top G_{bg})_{k,g}`, ``(B,)``:
-    one batched matmul per tap (not a vmapped convolution), each tap a static slice (no loop).
+    one batched matmul per tap (not a vmapped convolution), each tap one slice (no loop).
 
     The taps' blocks of the gradient are disjoint, so their squared norms add: each
     block is measured as it is formed.
