@@ -364,7 +364,7 @@ def test_views_equal_patches(
     def forms(x, g):
         views = conv.ConvViews(eqn, x, g, jnp.float32)
         # taps (B, groups, C/groups, K, T); patches (B, C K, *out), channel-major features
-        taps = jnp.stack([views.tap(k) for k in range(len(views.offsets))], axis=3)
+        taps = jnp.stack([views.tap(o) for o in views.offsets], axis=3)
         patches = lax.conv_general_dilated_patches(
             x,
             (ksize,) * nd,
@@ -592,40 +592,6 @@ def test_formed_norms_take_no_conditional_per_tap_and_stay_finite(monkeypatch):
     np.testing.assert_allclose(got, want, rtol=1e-4)
 
 
-@pytest.mark.parametrize("form", ["gram", "formed"])
-def test_taps_at_opaque_offsets_give_the_static_taps_norms(form, monkeypatch):
-    """With ``TAP_OFFSETS`` ``"opaque"`` the taps are read inside one conditional at offsets XLA
-    cannot see: the same norms as static slices (strided, dilated, grouped), and a 3x3 kernel's
-    nine taps share their kernels (on XLA:CPU, nine distinct slices otherwise)."""
-    from benchmarks.hlo_program import distinct_kernel_count
-
-    kw = dict(
-        window_strides=(2, 1),
-        padding=((1, 2), (0, 1)),
-        rhs_dilation=(1, 2),
-        feature_group_count=2,
-        dimension_numbers=("NHWC", "HWIO", "NHWC"),
-    )
-    r = np.random.default_rng(5)
-    x = jnp.asarray(r.normal(size=(3, 9, 8, 4)), jnp.float32)
-    w = jnp.asarray(r.normal(size=(3, 3, 2, 6)), jnp.float32)
-    g = jnp.asarray(r.normal(size=lax.conv_general_dilated(x, w, **kw).shape), jnp.float32)
-    eqn, measure = (
-        _conv_eqn(x, w, **kw),
-        {"gram": conv.gram_norms, "formed": conv.formed_norms}[form],
-    )
-    backend = jax.default_backend()
-    out = {}
-    for how in ("static", "opaque"):
-        monkeypatch.setitem(conv.TAP_OFFSETS, backend, how)
-        fn = jax.jit(lambda x, g: conv.ConvViews(eqn, x, g, jnp.float32).opaque(measure))
-        out[how] = (np.asarray(fn(x, g)), distinct_kernel_count(fn.lower(x, g).compile().as_text()))
-    assert_equal_on_cpu(out["opaque"][0], out["static"][0], rtol=1e-6)
-    np.testing.assert_allclose(out["static"][0], _reference_norms(x, w, g, **kw), rtol=2e-3)
-    if backend == "cpu":
-        assert out["opaque"][1] <= out["static"][1] - 4, out
-
-
 @pytest.mark.parametrize(
     ("stride", "padding", "lhs_dil", "rhs_dil", "groups"),
     [
@@ -701,9 +667,7 @@ def test_input_views_wait_for_the_cotangent():
 def test_conv_views_are_not_held_through_the_backward_pass(monkeypatch):
     """A CNN's ghost step holds fewer temporaries with the input views tied to the cotangent than
     without (XLA's CPU schedule made every tap's copy in the forward pass: on WRN-16-4, 3.5x
-    the non-private step's temporaries instead of 1.7x), with the taps read at static offsets;
-    read at opaque offsets (the CPU's default), in a conditional, it holds at most 10% more
-    (7% here, 2.6% on WRN-16-4 at B=32)."""
+    the non-private step's temporaries instead of 1.7x)."""
     r = np.random.default_rng(1)
     widths = (3, 16, 16, 16, 16)
     params = {
@@ -726,9 +690,6 @@ def test_conv_views_are_not_held_through_the_backward_pass(monkeypatch):
         fn = jax.jit(clipped_grad(loss, 1.0, method="ghost"))
         return fn.lower(params, data).compile().memory_analysis().temp_size_in_bytes
 
-    opaque = temporaries()
-    monkeypatch.setitem(conv.TAP_OFFSETS, "cpu", "static")
     tied = temporaries()
-    assert opaque <= 1.1 * tied
     monkeypatch.setattr(conv, "_after", lambda x, g: x)
-    assert tied < 0.8 * temporaries()  # (0.55 with jax 0.10.2)
+    assert tied < 0.8 * temporaries()  # (0.54 with jax 0.10.2)

@@ -14,7 +14,6 @@ import benchmarks.hlo_program as hp
 from gradclip_jax import clipped_grad, ghost_report
 from gradclip_jax.per_example import PRODUCT_PRECISION
 from gradclip_jax.per_example.ghost import _gram, _measure
-from gradclip_jax.per_example.ghost.rules import conv
 from tests._backend import refuses_backward
 from tests.per_example.models import (
     B,
@@ -398,8 +397,6 @@ def test_bookkeeping_holds_a_conditional_only_for_convolutions_read_in_place(
     monkeypatch.setitem(PRODUCT_PRECISION, jax.default_backend(), products)
     # the step's own norms branch-free as on a GPU (the CPU's default takes the engine's conditional)
     monkeypatch.setitem(_measure.ROW_NORMS, jax.default_backend(), "branch-free")
-    # and the convolutions' taps at static offsets, as on a GPU (the CPU reads them in a branch)
-    monkeypatch.setitem(conv.TAP_OFFSETS, jax.default_backend(), "static")
     loss, params, data = _model(model)
     f = jax.jit(clipped_grad(loss, 1.0, method="ghost", ghost_sum="bookkeeping"))
     text = f.lower(params, data).compile().as_text()

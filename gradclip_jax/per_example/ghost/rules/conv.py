@@ -24,10 +24,9 @@ formed: neither form is costlier than the fallback, whatever the input size.
 
 from __future__ import annotations
 
-import copy
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -35,7 +34,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from gradclip_jax._core import jaxcompat as jc
-from gradclip_jax._core.backend import per_backend
 from gradclip_jax._core.jaxcompat import shape
 from gradclip_jax._core.norms import joint_row_norms
 from gradclip_jax.per_example._batch import along_axis
@@ -63,21 +61,6 @@ from gradclip_jax.per_example.ghost.rules._registry import (
 # (tests set 0 or inf). At 1 this also bounds its memory: T < DP / (D + P) gives
 # 2 T^2 <= DP / 2 (the input's Gram is taken only where its T_in^2 <= DP).
 GRAM_RATIO = 1.0
-
-# How a conv site reads its input's kernel taps, per backend (read when traced):
-#
-# * ``"static"``: each tap one static strided slice of the padded input; no loop and no
-#   conditional, which on a GPU would be a host round trip per site.
-# * ``"opaque"``: the site's norms are computed in one conditional whose two branches are the
-#   same, its operands the padded input, the cotangent and each tap's start, which pass an
-#   optimization barrier first: XLA folds none of them, so inside the branch every tap is read
-#   at an offset it cannot see (a dynamic slice), and the ``K`` taps of a shape share one
-#   kernel. Static slices are ``K`` distinct kernels (a 3x3 kernel: nine), about 10 ms of
-#   XLA:CPU's compile time each: the WRN-16-4 ghost DP step of ``benchmarks/bench_compile.py``
-#   has 28 distinct kernels fewer (393 against 365; the non-private step: 221).
-#
-# Backends not listed use ``"static"``.
-TAP_OFFSETS = {"cpu": "opaque"}
 
 
 def _after(x: jax.Array, g: jax.Array) -> jax.Array:
@@ -147,7 +130,6 @@ class ConvViews:
             tuple(int(o) * int(r) for o, r in zip(tap, p["rhs_dilation"], strict=True))
             for tap in taps
         )
-        self.starts: Sequence[Sequence[Any]] = self.offsets  # where tap() reads (see opaque())
 
     @property
     def dims(self) -> tuple[int, int, int, int, int]:
@@ -155,56 +137,28 @@ class ConvViews:
         k, c = len(self.offsets), self.xp.shape[1] // self.groups
         return self.t, k, c, self.g.shape[-1], self.groups
 
-    def tap(self, k: int) -> jax.Array:
-        """The input tap ``k`` reads, ``X_bk``, as ``(B, groups, Cin/groups, T)``: one strided
-        slice of the padded input, at its static offset or at :meth:`opaque`'s start."""
-        start = (0, 0, *self.starts[k])
-        if all(isinstance(o, int) for o in start):
-            limit = tuple(a + n for a, n in zip(start, self.extent, strict=True))
-            x = lax.slice(self.xp, start, limit, (1, 1, *self.strides))
-        else:
-            zero = jnp.zeros((), jnp.int32)  # (the starts' type, under x64 too)
-            x = lax.dynamic_slice(self.xp, (zero, zero, *self.starts[k]), self.extent)
-            x = lax.slice(x, (0,) * x.ndim, x.shape, (1, 1, *self.strides))
+    def tap(self, offset: tuple[int, ...]) -> jax.Array:
+        """The input tap ``offset`` reads, ``X_bk``, as ``(B, groups, Cin/groups, T)``: one static
+        strided slice of the padded input."""
+        start = (0, 0, *offset)
+        limit = tuple(a + n for a, n in zip(start, self.extent, strict=True))
+        x = lax.slice(self.xp, start, limit, (1, 1, *self.strides))
         return jnp.reshape(
             jnp.reshape(x, (self.bsz, -1, self.t)), (self.bsz, self.groups, -1, self.t)
         )
 
-    def opaque(self, measure: Callable[[ConvViews], jax.Array]) -> jax.Array:
-        """``measure(self)``, with the taps read as :data:`TAP_OFFSETS` says: ``"opaque"`` runs it
-        in a conditional (both branches ``measure``) whose operands, each tap's start among them,
-        pass an optimization barrier, so that the taps are read at offsets XLA cannot see."""
-        how = per_backend(
-            TAP_OFFSETS,
-            "gradclip_jax.per_example.ghost.rules.conv.TAP_OFFSETS",
-            "static",
-            ("static", "opaque"),
-        )
-        if how == "static":
-            return measure(self)
-        taken, starts = lax.optimization_barrier(
-            (jnp.bool_(True), tuple(tuple(jnp.int32(o) for o in off) for off in self.offsets))
-        )
-
-        def branch(xp: jax.Array, g: jax.Array, starts: tuple) -> jax.Array:
-            views = copy.copy(self)
-            views.xp, views.g, views.starts = xp, g, starts
-            return measure(views)
-
-        return lax.cond(taken, branch, branch, self.xp, self.g, starts)
-
 
 def _tap_gram(views: ConvViews) -> jax.Array:
     """:math:`P_b P_b^\\top = \\sum_k X_{bk} X_{bk}^\\top`, ``(B, groups, T, T)``, one tap's
-    window at a time, each one slice (:meth:`ConvViews.tap`; no loop in the program: a loop's ``K``
+    window at a time, each a static slice (no loop in the program: a loop's ``K``
     sequential iterations, each a small product, run slowly on GPUs)."""
 
     def gram(x: jax.Array) -> jax.Array:
         return product_einsum("bgct,bgcs->bgts", x, x)
 
-    pp = gram(views.tap(0))
-    for k in range(1, len(views.offsets)):
-        pp = pp + gram(views.tap(k))
+    pp = gram(views.tap(views.offsets[0]))
+    for off in views.offsets[1:]:
+        pp = pp + gram(views.tap(off))
     return pp
 
 
@@ -277,14 +231,12 @@ def _gram_cost(views: ConvViews) -> int:
 
 def formed_norms(views: ConvViews) -> jax.Array:
     """The norm of each example's gradient, :math:`(X_{bgk}^\\top G_{bg})_{k,g}`, ``(B,)``:
-    one batched matmul per tap (not a vmapped convolution), each tap one slice (no loop).
+    one batched matmul per tap (not a vmapped convolution), each tap a static slice (no loop).
 
     The taps' blocks of the gradient are disjoint, so their squared norms add: each
     block is measured as it is formed.
     """
-    blocks = [
-        product_einsum("bgct,bgtp->bgcp", views.tap(k), views.g) for k in range(len(views.offsets))
-    ]
+    blocks = [product_einsum("bgct,bgtp->bgcp", views.tap(off), views.g) for off in views.offsets]
     # branch-free (no overflow conditional: a host round trip on GPUs), and finished once for
     # all taps: each block is reduced to its example's three partial sums as it is formed
     return joint_row_norms(blocks)
@@ -322,8 +274,8 @@ class Conv(Rule):
         views = ConvViews(eqn, ops[0], g, acc)
         t, k, c, q, _ = views.dims
         if _gram_cost(views) < GRAM_RATIO * t * k * c * q:
-            return views.opaque(gram_norms)
-        return views.opaque(formed_norms)
+            return gram_norms(views)
+        return formed_norms(views)
 
     def spread(self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any) -> jax.Array:
         """:math:`\\sqrt{K} \\|x_b\\| \\|g_b\\|` (``K`` kernel taps): a bound on
