@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 __all__ = [
     "bounded_factor",
@@ -27,15 +28,29 @@ def count0() -> jax.Array:
     return jnp.zeros([], jnp.int32)
 
 
+def _floating(s: Any) -> jax.Array:
+    s = jnp.asarray(s)
+    return s if jnp.issubdtype(s.dtype, jnp.inexact) else s.astype(jnp.sqrt(s).dtype)
+
+
+# The two below are written in lax's elementwise operations, not jax.numpy's: every norm
+# takes them, and each jax.numpy function is a jitted wrapper that tracing enters anew for
+# every shape (about 1.2 ms a call against 0.3 ms: 40 calls in the small transformer's
+# ghost step). The values are the same.
+
+
 def sqrt_safe(s: jax.Array) -> jax.Array:
     """``sqrt(s)`` with a zero (not NaN) derivative at 0: the double-where trick."""
-    pos = s > 0
-    return jnp.where(pos, jnp.sqrt(jnp.where(pos, s, jnp.ones_like(s))), jnp.zeros_like(s))
+    s = _floating(s)
+    zero = lax.full_like(s, 0)
+    pos = lax.gt(s, zero)
+    return lax.select(pos, lax.sqrt(lax.select(pos, s, lax.full_like(s, 1))), zero)
 
 
 def sqrt_nonneg(s: jax.Array) -> jax.Array:
     """:func:`sqrt_safe` of a sum of products that is >= 0 in exact arithmetic (rounding may not be)."""
-    return sqrt_safe(jnp.maximum(s, jnp.zeros_like(s)))
+    s = _floating(s)
+    return sqrt_safe(lax.max(s, lax.full_like(s, 0)))
 
 
 def divide_or_zero(num: Any, den: jax.Array) -> jax.Array:
