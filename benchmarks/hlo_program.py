@@ -153,7 +153,12 @@ def every_step_variadic_reductions(text: str) -> int:
     taken only when a sum over- or underflowed is left out). XLA:CPU compiles a variadic
     reduction as a scalar loop, not vectorized."""
     comps, owner = _parse_hlo(text)
-    reached = _reachable(comps, [c for c in comps if c.startswith("main")][:1], False)
+    entry = [
+        m.group(1)
+        for m in map(_COMPUTATION.match, text.splitlines())
+        if m and m.group(0).startswith("ENTRY")
+    ]
+    reached = _reachable(comps, entry, False)
     found = 0
     for line in text.splitlines():
         m = _INSTRUCTION.match(line)

@@ -29,8 +29,11 @@ def count0() -> jax.Array:
 
 
 def _floating(s: Any) -> jax.Array:
+    """``s`` as an array of the dtype ``jnp.sqrt`` gives it (integers promoted, nothing staged)."""
     s = jnp.asarray(s)
-    return s if jnp.issubdtype(s.dtype, jnp.inexact) else s.astype(jnp.sqrt(s).dtype)
+    return (
+        s if jnp.issubdtype(s.dtype, jnp.inexact) else s.astype(jax.eval_shape(jnp.sqrt, s).dtype)
+    )
 
 
 # The two below are written in lax's elementwise operations, not jax.numpy's: every norm

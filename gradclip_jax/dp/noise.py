@@ -176,7 +176,7 @@ def add_gaussian_noise(tree: Any, stddev: Any, key: jax.Array) -> Any:
         group = [arrays[i] for i in idx]
         for i, y in zip(idx, _blocked_noise(group, block_key, stddev, dtype, start), strict=True):
             out[i] = y
-        start += sum(int(x.size) * _per_element(x) for x in group)
+        start += sum(map(_draws, group))
     return flat.rebuild(out)
 
 
@@ -218,13 +218,14 @@ def _real(dtype: Any) -> np.dtype:
     return np.dtype(jnp.finfo(dtype).dtype)
 
 
-def _per_element(x: jax.Array) -> int:
-    """Real draws per element: 2 for complex leaves (real and imaginary part each get the full variance)."""
-    return 2 if jnp.iscomplexobj(x) else 1
+def _draws(x: jax.Array) -> int:
+    """Real draws for ``x``: one per element, two for a complex one (real and imaginary part each
+    get the full variance)."""
+    return int(x.size) * (2 if jnp.iscomplexobj(x) else 1)
 
 
 def _shaped(z: jax.Array, x: jax.Array) -> jax.Array:
-    """``x.size * _per_element(x)`` standard normal draws as an array like ``x``."""
+    """``_draws(x)`` standard normal draws as an array like ``x``."""
     if jnp.iscomplexobj(x):
         z = jnp.reshape(z, (2, *x.shape))
         return lax.complex(z[0], z[1])
@@ -244,7 +245,7 @@ def _blocked_noise(
     kernels on the CPU. Each leaf then reads its span of the flat draw
     (:func:`_spans_added`).
     """
-    total = sum(int(x.size) * _per_element(x) for x in arrays)
+    total = sum(map(_draws, arrays))
     if total == 0:
         return list(arrays)
     size = min(NOISE_BLOCK_SIZE, total)
@@ -313,7 +314,7 @@ def _spans_added(arrays: Sequence[jax.Array], z: jax.Array, std: jax.Array) -> l
     value does not depend on which one runs. A draw of more than ``2**31 - 1``
     elements (int32 offsets) reads its spans at constant offsets.
     """
-    sizes = [int(x.size) * _per_element(x) for x in arrays]
+    sizes = [_draws(x) for x in arrays]
     starts = np.cumsum([0, *sizes[:-1]])
     if int(z.shape[0]) > _OFFSET_MAX:
         return [
