@@ -65,6 +65,7 @@ def test_rows_are_ratios_to_the_non_private_step_and_the_hand_written_one():
     assert "jax.grad" in extra[1]["name"]
 
 
+@pytest.mark.slow  # compiles four DP steps of the stand-in model (about 8 s)
 def test_larger_models_rows_give_each_dp_steps_total_and_phases(monkeypatch):
     """The larger models' rows (not in the quick run): measured on a stand-in model here."""
     losses, params, data = mlp_setup()

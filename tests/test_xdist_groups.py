@@ -33,6 +33,7 @@ def test_free(i):
 """
 
 
+@pytest.mark.slow  # a harness check (about 9 s): it runs pytest itself
 def test_a_group_runs_on_one_worker_and_builds_its_module_fixture_once(tmp_path):
     pytest.importorskip("xdist")
     (tmp_path / "test_toy.py").write_text(TOY)

@@ -225,6 +225,20 @@ class Weights(NamedTuple):
     group_factors: list[jax.Array] | None = None
 
 
+def zero_at_infinity(factor: jax.Array, norm: jax.Array) -> jax.Array:
+    """``factor``, set to 0 where ``norm`` is ``+inf``: ``c / inf``.
+
+    A clip factor is 1 for a non-finite norm (:func:`~gradclip_jax._core.factors.clip_factor`:
+    NaN and inf stay visible). For a per-example norm that would let a gradient whose elements
+    are finite, but whose norm does not fit in the dtype, into the sum unclipped: above the
+    clip norm by up to 38 orders of magnitude in float32, a silent break of the sensitivity
+    bound. With a factor of 0 such an example adds exactly zero, as in optax's and
+    jax-privacy's clipping (``c / inf``), and an example holding inf or NaN still makes the sum
+    NaN where it is kept (``0 * inf``).
+    """
+    return jnp.where(norm == jnp.inf, jnp.zeros_like(factor), factor)
+
+
 def weigh(
     meas: Measured,
     clips: Any,
@@ -260,7 +274,7 @@ def weigh(
     )
     fs = []
     for n, c, bad, sc in zip(norms, cs, unmeasured, scales, strict=True):
-        f = factor_fn(n, c)
+        f = zero_at_infinity(factor_fn(n, c), n)
         fs.append(f if bad is None else guarded_factor(f, bad, sc, c))
     keep = valid
     if nan_safe:

@@ -17,6 +17,7 @@ from gradclip_jax import (
     ClippedGradInfo,
     GhostFallbackWarning,
     clipped_grad,
+    dp_aggregate,
     per_example_global_norm_clip,
     per_example_layer_norm_clip,
     per_example_norms,
@@ -292,6 +293,59 @@ def test_extreme_scales_per_layer_each_leaf_bounded_and_its_norm_right_or_inf():
             assert reported == pytest.approx(true, rel=1e-6) or reported == np.inf, (row, name)
             if true < 3e38:  # fits in float32: reported exactly
                 assert reported == pytest.approx(true, rel=1e-6), (row, name)
+
+
+def _overflowing_batch():
+    """Two leaves (a tree prefix groups them as ``a`` and ``b``) and two examples: the first's
+    gradient is finite, but its norm (8.5e38) does not fit in float32."""
+
+    def loss(p, b):  # linear: example i's gradient is x_i (and its first half, twice)
+        return b["x"] @ p["a"]["w"] + b["x"][..., :2] @ p["a"]["v"] + b["x"][..., :2] @ p["b"]
+
+    params = {"a": {"w": jnp.ones(4), "v": jnp.ones(2)}, "b": jnp.ones(2)}
+    x = jnp.array([[3e38, 3e38, 3e38, 3e38], [1.0, 2.0, 3.0, 4.0]], jnp.float32)
+    return loss, params, {"x": x}
+
+
+def _norm64(tree) -> float:
+    return math.sqrt(
+        sum(float(np.sum(np.asarray(v, np.float64) ** 2)) for v in jax.tree.leaves(tree))
+    )
+
+
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+@pytest.mark.parametrize("nan_safe", [True, False])
+@pytest.mark.parametrize("clip", ["global", "per_layer", "tree"])
+def test_an_example_whose_norm_overflows_adds_nothing(method, nan_safe, clip):
+    """A finite gradient whose norm is ``inf`` in float32 adds exactly zero: ``c / inf``, as in
+    optax and jax-privacy. Its factor was 1 (a non-finite norm's) where no guard replaced it:
+    the clip tree's groups on the vmap path and every clip on the ghost path with
+    ``nan_safe=False`` let it into the sum unclipped, 8.5e38 against a bound of 1 or sqrt(2).
+    """
+    loss, params, batch = _overflowing_batch()
+    clip_norm = {"a": 1.0, "b": 1.0} if clip == "tree" else 1.0
+    f = clipped_grad(
+        loss, clip_norm, per_layer=clip == "per_layer", method=method, nan_safe=nan_safe
+    )
+    g, info = jax.jit(f)(params, batch)
+    alone, _ = jax.jit(f)(params, {"x": batch["x"][1:]})
+    assert_tree_close(g, alone, rtol=0, atol=0)  # the first example added nothing
+    assert _norm64(g) <= (math.sqrt(2) if clip == "tree" else 1.0) * (1 + 1e-6)
+    norms = jax.tree.leaves(info.norms)
+    assert all(float(n[0]) == np.inf for n in norms), norms  # reported: does not fit
+
+
+def test_the_optax_named_and_aggregate_clips_drop_an_overflowing_norm():
+    """The same example through the optax-named per-example clips and ``dp_aggregate``."""
+    rows = [jnp.array([[3e38, 3e38, 3e38, 3e38], [1.0, 2.0, 3.0, 4.0]], jnp.float32)]
+    for fn in (per_example_global_norm_clip, per_example_layer_norm_clip):
+        out, _ = jax.jit(fn)(rows, 1.0)
+        alone, _ = jax.jit(fn)([rows[0][1:]], 1.0)
+        np.testing.assert_array_equal(out[0], alone[0])
+    tx = dp_aggregate(l2_clip_norm=1.0, noise_multiplier=0.0, seed=0, batch_size=1)
+    updates, _ = jax.jit(tx.update)({"w": rows[0]}, tx.init({"w": jnp.zeros(4)}))
+    alone, _ = jax.jit(tx.update)({"w": rows[0][1:]}, tx.init({"w": jnp.zeros(4)}))
+    np.testing.assert_array_equal(updates["w"], alone["w"])
 
 
 # ----------------------------------------------------------------------------
