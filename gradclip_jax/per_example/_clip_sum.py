@@ -24,7 +24,6 @@ from gradclip_jax.per_example._example_norms import (
     LeafGroups,
     Measured,
     combine_l2,
-    guarded_factor,
     measure,
 )
 from gradclip_jax.per_example._products import product_precision
@@ -234,7 +233,9 @@ def zero_at_infinity(factor: jax.Array, norm: jax.Array) -> jax.Array:
     clip norm by up to 38 orders of magnitude in float32, a silent break of the sensitivity
     bound. With a factor of 0 such an example adds exactly zero, as in optax's and
     jax-privacy's clipping (``c / inf``), and an example holding inf or NaN still makes the sum
-    NaN where it is kept (``0 * inf``).
+    NaN where it is kept (``0 * inf``). The one guard of every path's norms that do not fit:
+    the vmap path's careful norms report them as ``inf``, and so does a group's or a global
+    combination of per-leaf norms when one of them is.
     """
     return jnp.where(norm == jnp.inf, jnp.zeros_like(factor), factor)
 
@@ -248,7 +249,7 @@ def weigh(
     valid: jax.Array | None = None,
     nan_safe: bool = False,
 ) -> Weights:
-    """Factors from measured norms (guarded where a norm was not representable) and kept examples.
+    """Factors from measured norms (0 where a norm was not representable) and kept examples.
 
     ``clips`` is the clip norm (global clipping: ``meas.norms`` of shape ``(B,)``)
     or a list of per-leaf clip norms (``meas.norms`` a list). ``valid`` marks real
@@ -262,20 +263,7 @@ def weigh(
     per_leaf = isinstance(clips, list)
     norms = meas.norms if per_leaf else [meas.norms]
     cs = clips if per_leaf else [clips]
-    unmeasured = (
-        meas.unmeasured
-        if per_leaf and meas.unmeasured is not None
-        else [meas.unmeasured] * len(norms)
-    )
-    scales = (
-        meas.bound_scale
-        if per_leaf and meas.bound_scale is not None
-        else [meas.bound_scale] * len(norms)
-    )
-    fs = []
-    for n, c, bad, sc in zip(norms, cs, unmeasured, scales, strict=True):
-        f = zero_at_infinity(factor_fn(n, c), n)
-        fs.append(f if bad is None else guarded_factor(f, bad, sc, c))
+    fs = [zero_at_infinity(factor_fn(n, c), n) for n, c in zip(norms, cs, strict=True)]
     keep = valid
     if nan_safe:
         keep = meas.finite if keep is None else keep & meas.finite
@@ -285,17 +273,6 @@ def weigh(
         f, keep = lax.optimization_barrier((fs[0], keep))
         fs = [f] * n_leaves
     return Weights(fs, keep, meas.norms, meas.finite)
-
-
-def _upper_norms(meas: Measured) -> list[jax.Array]:
-    """Per-leaf norms, each unmeasured one (not representable) replaced by its upper bound
-    ``sqrt(D) max|x|`` (inf where that overflows too: the example then contributes zero)."""
-    if meas.unmeasured is None:
-        return list(meas.norms)
-    return [
-        jnp.where(bad, 1.0 / jnp.where(bad, sc, 1.0), n)
-        for n, bad, sc in zip(meas.norms, meas.unmeasured, meas.bound_scale, strict=True)
-    ]
 
 
 def _weigh_groups(
@@ -310,7 +287,7 @@ def _weigh_groups(
     """:func:`weigh` for clip norms of groups of leaves: each group's norm is its leaves' norms
     combined, its factor scales each of its leaves (so each group's contribution is within its
     clip norm)."""
-    leaf_norms = _upper_norms(meas)
+    leaf_norms = list(meas.norms)  # (a norm that does not fit: inf, and so is its group's)
     zero = jnp.zeros_like(leaf_norms[0])
     norms = [combine_l2([leaf_norms[j] for j in m]) if m else zero for m in groups.members]
     per_group = weigh(

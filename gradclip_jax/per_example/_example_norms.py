@@ -19,8 +19,6 @@ from gradclip_jax.per_example._batch import explicit_spec
 from gradclip_jax.per_example._config import ClipConfig, LayerMode
 
 _L2 = _norms.NormSpec(kind="pow", p=2.0, label="2")
-# A reported norm below max|x| by more than this factor was lost to rounding.
-_TOL = 1.0 - 2.0**-10
 
 
 def as_rows(x: jax.Array) -> jax.Array:
@@ -94,7 +92,7 @@ def leaf_example_norms(arrays: Sequence[jax.Array], branch_free: bool = False) -
         jnp.all(jnp.stack([jnp.all(exact) for _, exact in sums])),
         lambda: plain,
         lambda: [
-            jnp.where(exact, p, _norms.careful_row_norms(xs, peaks=False)[0])
+            jnp.where(exact, p, _norms.careful_row_norms(xs)[0])
             for xs, (_, exact), p in zip(members, sums, plain, strict=True)
         ],
     )
@@ -111,23 +109,13 @@ class Measured(NamedTuple):
     Attributes:
       norms: the L2 norms, ``(B,)`` (global) or one ``(B,)`` array per leaf
         (per-layer); ``inf`` where the elements are finite but the norm cannot
-        be represented in the accumulation dtype.
+        be represented in the accumulation dtype (its clip factor is then 0:
+        :func:`~gradclip_jax.per_example._clip_sum.zero_at_infinity`).
       finite: ``(B,)`` bool: every element of the example is finite.
-      unmeasured: like ``norms``: bool, the norm could not be represented
-        (``None`` when the norms were not measured from rows: nothing to guard).
-      bound_scale: like ``norms``: ``1 / (max|x| * sqrt(D))`` where unmeasured
-        (``max|x| sqrt(D)`` bounds the norm from above), else 0.
     """
 
     norms: Any
     finite: jax.Array
-    unmeasured: Any = None
-    bound_scale: Any = None
-
-
-def _bound_scale(m: jax.Array, size: int, bad: jax.Array) -> jax.Array:
-    safe = jnp.where(bad & (m > 0), m, jnp.ones_like(m))
-    return jnp.where(bad, (1.0 / safe) / jnp.asarray(math.sqrt(max(size, 1)), m.dtype), 0.0)
 
 
 def measure(rows: Sequence[jax.Array], per_leaf: bool = False) -> Measured:
@@ -146,7 +134,7 @@ def measure(rows: Sequence[jax.Array], per_leaf: bool = False) -> Measured:
     else:
         total = jnp.sum(sq, axis=0)
         plain, ok = sqrt_safe(total), jnp.all(exact, axis=0) & jnp.isfinite(total)
-    return cond(
+    return cond(  # type: ignore[no-any-return]
         jnp.all(ok),
         lambda: _plain(plain, per_leaf),
         lambda: _measure_with_care(rows, plain, ok, per_leaf),
@@ -155,46 +143,27 @@ def measure(rows: Sequence[jax.Array], per_leaf: bool = False) -> Measured:
 
 def _plain(norms: jax.Array, per_leaf: bool) -> Measured:
     """:class:`Measured` of exact norms: ``(B,)``, or ``(K, B)`` per leaf."""
-    # (shaped like the norms, not new constants: under shard_map they vary as the norms do)
-    yes, no, zero = jnp.ones_like(norms, bool), jnp.zeros_like(norms, bool), jnp.zeros_like(norms)
-    if per_leaf:
-        return Measured(list(norms), yes[0], list(no), list(zero))
-    return Measured(norms, yes, no, zero)
+    # (shaped like the norms, not a new constant: under shard_map it varies as the norms do)
+    yes = jnp.ones_like(norms, bool)
+    return Measured(list(norms), yes[0]) if per_leaf else Measured(norms, yes)
 
 
 def _measure_with_care(
     rows: Sequence[jax.Array], plain: jax.Array, ok: jax.Array, per_leaf: bool
 ) -> Measured:
     """:func:`measure` where some sum of squares over- or underflowed, or an element is not
-    finite: those norms (``~ok``) by Blue's algorithm, exact across the float range, with each
-    example's ``max |x|`` (:func:`~gradclip_jax._core.norms.careful_row_norms`: one reduction
-    per leaf). The other norms are the ``plain`` ones, so an example's result does not depend
-    on what the others hold (a NaN in a padding row changes no other row's bits).
-
-    ``max |x|`` guards the privacy bound at the edge of the range:
-    :math:`\\max|x| \\le \\|x\\|_2 \\le \\sqrt{D} \\max|x|` always holds, so where a
-    norm is not finite, or is below ``max|x|`` (the true norm does not fit in the dtype), the
-    example is marked ``unmeasured`` and clipped with the upper bound
-    :math:`\\sqrt{D}\\max|x|` instead: its contribution stays within the clip norm.
+    finite: those norms (``~ok``) by Blue's algorithm, exact across the float range, and
+    where each example is finite (:func:`~gradclip_jax._core.norms.careful_row_norms`: one
+    reduction per leaf). The other norms are the ``plain`` ones, so an example's result
+    does not depend on what the others hold (a NaN in a padding row changes no other row's
+    bits). A norm too large for the dtype is ``inf``: its example, finite, adds nothing
+    (a clip factor of ``c / inf``).
     """
-    sizes = [math.prod(r.shape[1:]) for r in rows]
-    leaf_n, joint, leaf_m = _norms.careful_row_norms(rows)
-    leaf_fin = jnp.isfinite(leaf_m)
+    leaf_n, joint, leaf_fin = _norms.careful_row_norms(rows)
     finite = jnp.all(leaf_fin, axis=0)
     if per_leaf:
-        leaf_n = jnp.where(ok, plain, leaf_n)
-        leaf_bad = leaf_fin & ~(jnp.isfinite(leaf_n) & (leaf_n >= leaf_m * _TOL))
-        return Measured(
-            list(jnp.where(leaf_bad, jnp.inf, leaf_n)),
-            finite,
-            list(leaf_bad),
-            [_bound_scale(leaf_m[k], d, leaf_bad[k]) for k, d in enumerate(sizes)],
-        )
-    # (a leaf's norm that does not fit leaves the joint norm, which is larger, out of range too)
-    joint = jnp.where(ok, plain, joint)
-    m = jnp.max(leaf_m, axis=0)
-    bad = finite & ~(jnp.isfinite(joint) & (joint >= m * _TOL))
-    return Measured(jnp.where(bad, jnp.inf, joint), finite, bad, _bound_scale(m, sum(sizes), bad))
+        return Measured(list(jnp.where(ok, plain, leaf_n)), finite)
+    return Measured(jnp.where(ok, plain, joint), finite)
 
 
 def from_leaf_norms(leaf_norms: Sequence[jax.Array], per_leaf: bool) -> Measured:
@@ -205,14 +174,6 @@ def from_leaf_norms(leaf_norms: Sequence[jax.Array], per_leaf: bool) -> Measured
         )
     n = combine_l2(leaf_norms)
     return Measured(n, jnp.isfinite(n))
-
-
-def guarded_factor(
-    factor: jax.Array, measured_bad: jax.Array, bound_scale: jax.Array, clip: Any
-) -> jax.Array:
-    """``factor``, replaced by ``min(1, C / (sqrt(D) max|x|))`` for unmeasured examples."""
-    c = jnp.asarray(clip, factor.dtype)
-    return jnp.where(measured_bad, jnp.minimum(1.0, c * bound_scale.astype(factor.dtype)), factor)
 
 
 def example_norms(arrays: Sequence[jax.Array], batch: int) -> jax.Array:

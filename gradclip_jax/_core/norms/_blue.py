@@ -170,54 +170,47 @@ def joint_row_norms(arrays: Sequence[jax.Array]) -> jax.Array:
     (each two overflow-safe ``hypot``s, which XLA copies into every fusion that reads
     them: on a WRN-16-4 ghost step, half its HLO instructions). The derivative is
     ``sum(x t) / norm`` per example (finite everywhere). The joint norm of
-    :func:`careful_row_norms` without the peaks (its per-array norms are dropped as unused).
+    :func:`careful_row_norms` (its per-array norms are dropped as unused).
     """
-    return careful_row_norms(arrays, peaks=False)[1]
+    return careful_row_norms(arrays)[1]
 
 
-def _add3_max(p: tuple, q: tuple) -> tuple:
-    return p[0] + q[0], p[1] + q[1], p[2] + q[2], lax.max(p[3], q[3])
-
-
-def _row_parts_and_peak(x: jax.Array, acc: np.dtype, peak: bool) -> tuple[jax.Array, ...]:
-    """Blue's three scaled sums of squares of each row of ``x`` and (``peak``) its ``max |x|``:
-    ``(B,)`` arrays from one variadic reduction (one kernel, one read of ``x``)."""
+def _row_parts(x: jax.Array, acc: np.dtype) -> tuple[jax.Array, ...]:
+    """Blue's three scaled sums of squares of each row of ``x``: ``(B,)`` arrays from one
+    variadic reduction (one kernel, one read of ``x``)."""
     a = jnp.abs(x).astype(acc) if jnp.iscomplexobj(x) else jnp.abs(x.astype(acc))
     zero = jnp.zeros((), acc)
     parts = _blue_squares(a, acc)  # (float16 rows all land in the medium sum)
-    dims = tuple(range(1, x.ndim))
-    if not peak:
-        return lax.reduce(parts, (zero,) * 3, _add3, dims)
-    return lax.reduce((*parts, a), (zero,) * 4, _add3_max, dims)
+    return lax.reduce(parts, (zero,) * 3, _add3, tuple(range(1, x.ndim)))  # type: ignore[no-any-return]
 
 
-def careful_row_norms(arrays: Sequence[jax.Array], peaks: bool = True) -> tuple[Any, Any, Any]:
-    """Per-row 2-norms of each array and of all together, and each row's ``max |x|``.
+def careful_row_norms(arrays: Sequence[jax.Array]) -> tuple[Any, Any, Any]:
+    """Per-row 2-norms of each array and of all together, and where each row is finite.
 
-    For each array (batch on axis 0) one variadic reduction gives Blue's three sums and the
-    peak of every row, so each array is read once whatever its values: the fallback of a
-    plain sum of squares that over- or underflowed. Returns ``(norms, joint, peaks)``:
-    ``(K, B)`` norms of the ``K`` arrays, the ``(B,)`` norms of each example's rows taken
-    together (the three sums added before one finish, as :func:`joint_row_norms`), and the
-    ``(K, B)`` peaks (``None`` without ``peaks``), all in the arrays' common accumulation
-    dtype. The norms' derivative is
-    ``sum(x t) / norm`` (finite everywhere); the peaks, which only bound and check a norm,
-    are constants for differentiation.
+    For each array (batch on axis 0) one variadic reduction gives Blue's three sums of every
+    row, so each array is read once whatever its values: the fallback of a plain sum of
+    squares that over- or underflowed. Returns ``(norms, joint, finite)``: ``(K, B)`` norms
+    of the ``K`` arrays, the ``(B,)`` norms of each example's rows taken together (the three
+    sums added before one finish, as :func:`joint_row_norms`), both in the arrays' common
+    accumulation dtype (``inf`` where a norm does not fit in it), and ``(K, B)`` bools: every
+    element of the row is finite. Blue's sums of finite elements are finite (up to ``2**48``
+    elements a row), so ``finite`` is read from them. The norms' derivative is
+    ``sum(x t) / norm`` (finite everywhere).
     """
     accs = [Job(x, None, True).acc for x in arrays]
     dtype = np.dtype(jnp.result_type(*accs))
 
     def value(xs: tuple) -> tuple[Any, Any, Any]:
-        parts = [_row_parts_and_peak(x, acc, peaks) for x, acc in zip(xs, accs, strict=True)]
-        b, m, s, *top = (stack_rows([p[i].astype(dtype) for p in parts]) for i in range(3 + peaks))
+        parts = [_row_parts(x, acc) for x, acc in zip(xs, accs, strict=True)]
+        b, m, s = (stack_rows([p[i].astype(dtype) for p in parts]) for i in range(3))
         joint = _blue_finish(jnp.sum(b, axis=0), jnp.sum(m, axis=0), jnp.sum(s, axis=0))
-        return _blue_finish(b, m, s), joint, top[0] if peaks else None
+        return _blue_finish(b, m, s), joint, jnp.isfinite(b + m + s)
 
     f = jax.custom_jvp(value)
 
     def jvp(primals: tuple, tangents: tuple) -> tuple:
         (xs,), (ts,) = primals, tangents
-        norms, joint, top = out = f(xs)
+        norms, joint, finite = out = f(xs)
         d_rows, d_joint = [], []
         for k, (x, t) in enumerate(zip(xs, ts, strict=True)):
             job, keep = Job(x, tuple(range(1, x.ndim)), True), (-1,) + (1,) * (x.ndim - 1)
@@ -228,7 +221,7 @@ def careful_row_norms(arrays: Sequence[jax.Array], peaks: bool = True) -> tuple[
         return out, (
             _finite_or_nan(stack_rows(d_rows), norms),
             _finite_or_nan(jnp.sum(stack_rows(d_joint), axis=0), joint),
-            None if top is None else jnp.zeros_like(top),
+            np.zeros(finite.shape, jax.dtypes.float0),
         )
 
     f.defjvp(jvp)
