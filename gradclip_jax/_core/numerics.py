@@ -43,11 +43,14 @@ def _floating(s: Any) -> jax.Array:
 
 
 def sqrt_safe(s: jax.Array) -> jax.Array:
-    """``sqrt(s)`` with a zero (not NaN) derivative at 0: the double-where trick."""
+    """``sqrt(s)`` with a zero (not NaN) derivative at 0: the double-where trick. NaN stays NaN
+    (a norm whose square overflowed to ``inf - inf`` must not read as 0), and a negative ``s``
+    gives 0."""
     s = _floating(s)
     zero = lax.full_like(s, 0)
     pos = lax.gt(s, zero)
-    return lax.select(pos, lax.sqrt(lax.select(pos, s, lax.full_like(s, 1))), zero)
+    off = lax.select(lax.ne(s, s), s, zero)  # NaN where s is NaN, else 0
+    return lax.select(pos, lax.sqrt(lax.select(pos, s, lax.full_like(s, 1))), off)
 
 
 def sqrt_nonneg(s: jax.Array) -> jax.Array:

@@ -224,20 +224,22 @@ class Weights(NamedTuple):
     group_factors: list[jax.Array] | None = None
 
 
-def zero_at_infinity(factor: jax.Array, norm: jax.Array) -> jax.Array:
-    """``factor``, set to 0 where ``norm`` is ``+inf``: ``c / inf``.
+def guard_nonfinite(factor: jax.Array, norm: jax.Array) -> jax.Array:
+    """``factor``, 0 where ``norm`` is ``+inf`` (``c / inf``) and NaN where it is NaN.
 
     A clip factor is 1 for a non-finite norm (:func:`~gradclip_jax._core.factors.clip_factor`:
     NaN and inf stay visible). For a per-example norm that would let a gradient whose elements
     are finite, but whose norm does not fit in the dtype, into the sum unclipped: above the
     clip norm by up to 38 orders of magnitude in float32, a silent break of the sensitivity
-    bound. With a factor of 0 such an example adds exactly zero, as in optax's and
-    jax-privacy's clipping (``c / inf``), and an example holding inf or NaN still makes the sum
-    NaN where it is kept (``0 * inf``). The one guard of every path's norms that do not fit:
-    the vmap path's careful norms report them as ``inf``, and so does a group's or a global
-    combination of per-leaf norms when one of them is.
+    bound. A norm too large for the dtype is ``inf``, and with a factor of 0 its example adds
+    exactly zero, as in optax's and jax-privacy's clipping (``c / inf``); an example holding
+    inf or NaN still makes the sum NaN where it is kept (``0 * inf``). A NaN norm (a NaN
+    element, or a ghost norm whose inner products overflowed, ``inf - inf``) gives a NaN
+    factor: the example, kept, makes the sum NaN whatever its values. The one guard of every
+    path's norms that cannot be measured.
     """
-    return jnp.where(norm == jnp.inf, jnp.zeros_like(factor), factor)
+    bad = jnp.where(norm == jnp.inf, jnp.zeros_like(factor), jnp.full_like(factor, jnp.nan))
+    return jnp.where(jnp.isnan(norm) | (norm == jnp.inf), bad, factor)
 
 
 def weigh(
@@ -263,7 +265,7 @@ def weigh(
     per_leaf = isinstance(clips, list)
     norms = meas.norms if per_leaf else [meas.norms]
     cs = clips if per_leaf else [clips]
-    fs = [zero_at_infinity(factor_fn(n, c), n) for n, c in zip(norms, cs, strict=True)]
+    fs = [guard_nonfinite(factor_fn(n, c), n) for n, c in zip(norms, cs, strict=True)]
     keep = valid
     if nan_safe:
         keep = meas.finite if keep is None else keep & meas.finite

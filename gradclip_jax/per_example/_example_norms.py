@@ -110,7 +110,7 @@ class Measured(NamedTuple):
       norms: the L2 norms, ``(B,)`` (global) or one ``(B,)`` array per leaf
         (per-layer); ``inf`` where the elements are finite but the norm cannot
         be represented in the accumulation dtype (its clip factor is then 0:
-        :func:`~gradclip_jax.per_example._clip_sum.zero_at_infinity`).
+        :func:`~gradclip_jax.per_example._clip_sum.guard_nonfinite`).
       finite: ``(B,)`` bool: every element of the example is finite.
     """
 

@@ -64,9 +64,16 @@ def _factor_rows(f: Factor, self_inner: jax.Array, acc: Any) -> jax.Array:
     return self_gram_rows(x.astype(acc), self_inner) if kind == "dense" else jnp.ones(x.shape, acc)
 
 
+def _inner_size(f: Factor, h: Factor) -> int:
+    """The products summed into each entry of :func:`_factor_inner` (0 where it only reads or
+    compares values)."""
+    return f[1].shape[-1] if f[0] == "dense" and h[0] == "dense" else 0
+
+
 def _inner_error(f: Factor, h: Factor, acc: Any) -> float:
     """The rounding error allowed :func:`_factor_inner` (0 where it only reads or compares values)."""
-    return product_error(f[1].shape[-1], acc) if f[0] == "dense" and h[0] == "dense" else 0.0
+    n = _inner_size(f, h)
+    return product_error(n, acc) if n else 0.0
 
 
 def factored_norm(factors: Sequence[tuple[Factor, Factor]], acc: Any) -> jax.Array:
@@ -96,6 +103,10 @@ def factored_norm(factors: Sequence[tuple[Factor, Factor]], acc: Any) -> jax.Arr
                 + _inner_error(factors[i][1], factors[j][1], acc),
                 (rows[i], rows[j]),
                 1.0 if i == j else 2.0,
+                sizes=(
+                    _inner_size(factors[i][0], factors[j][0]),
+                    _inner_size(factors[i][1], factors[j][1]),
+                ),
             )
             for i, j in pairs
         ]

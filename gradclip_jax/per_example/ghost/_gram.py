@@ -57,6 +57,9 @@ class GramTerm(NamedTuple):
       rows: :math:`(\\|x_t\\| \\|y_t\\|)_t`, ``(B, ..., T)``, and
         :math:`(\\|x'_s\\| \\|y'_s\\|)_s`, ``(B, ..., S)``.
       weight: ``w`` (2 for a cross term counted once).
+      sizes: the number of products summed into each entry of ``x`` and of ``y`` (0 for
+        exact entries): each product, and each partial sum, that underflows loses less
+        than the dtype's smallest normal number ``tiny`` (flushed to zero or not).
     """
 
     x: jax.Array
@@ -64,6 +67,7 @@ class GramTerm(NamedTuple):
     err: float
     rows: tuple[jax.Array, jax.Array]
     weight: float = 1.0
+    sizes: tuple[int, int] = (0, 0)
 
 
 def self_gram_rows(rows: jax.Array | None, gram: jax.Array) -> jax.Array:
@@ -104,6 +108,16 @@ def gram_norm(terms: Sequence[GramTerm]) -> jax.Array:
     the same reduction as the norm. The product of two entries' errors is
     :math:`\\varepsilon_y` times the first part's and is left out. ``u`` is the unit
     roundoff, :math:`\\lambda` = :data:`~gradclip_jax.per_example._products.ROUNDING_SIGMAS`.
+
+    Underflow is absolute, not relative: an entry of ``n`` products may lose up to
+    :math:`2 n \\tau` to it (:math:`\\tau` the smallest normal number; a CPU flushes smaller
+    results to zero), and each product the norm sums :math:`2 \\tau`. So ``E`` also adds
+    :math:`2 \\tau \\sum_{t,s} (n_x |\\hat Y_{ts}| + n_y |\\hat X_{ts}| + 1)`, in the same
+    reduction. It changes no norm of ordinary values (1e-36 against entries of order 1),
+    and keeps the norm of activations of 1e-20, whose inner products all flush to zero,
+    from reading 0: their gradient would be added unclipped. (The product of two such
+    errors, of order :math:`\\tau^2`, is left out: it matters only for a clip norm below
+    1e-37 in float32.)
     """
     total = None
     for term in terms:
@@ -117,7 +131,9 @@ def gram_norm(terms: Sequence[GramTerm]) -> jax.Array:
             * (math.sqrt(x.shape[-1]) + math.sqrt(rows))
         )
         xy = x * y
-        t = jnp.sum(xy + kappa * jnp.abs(xy), axis=grid)  # one reduction, fused with the products'
+        tiny = float(jnp.finfo(x.dtype).tiny)
+        lost = 2.0 * tiny * (term.sizes[0] * jnp.abs(y) + term.sizes[1] * jnp.abs(x) + 1.0)
+        t = jnp.sum(xy + kappa * jnp.abs(xy) + lost, axis=grid)  # one reduction, with the products
         if term.err:
             lead = grid[:-1]
             rt, rs = term.rows

@@ -804,6 +804,68 @@ def test_gram_norms_raised_little_without_cancellation(ratio):
     assert np.all(ghost >= exact) and np.all(ghost <= exact * (1 + 3e-5)), ghost / exact - 1
 
 
+def _gram_site(x_scale: float, c_scale: float, nan_at=None):
+    """A dense layer over 4 positions, ``sum_t <x_t W, c_t>``, measured in Gram form (2 T^2 <
+    D P), one example (the sum is its contribution) or three with ``nan_at`` an example whose
+    input holds a NaN."""
+    r = np.random.default_rng(0)
+    b = 1 if nan_at is None else 3
+    x = (r.normal(size=(b, 4, 32)) * x_scale).astype(np.float32)
+    if nan_at is not None:
+        x[nan_at, 0, 0] = np.nan
+    c = (r.normal(size=(b, 4, 32)) * c_scale).astype(np.float32)
+
+    def loss(p, batch):
+        return jnp.sum((batch["x"] @ p["w"]) * batch["c"], axis=(-1, -2))
+
+    exact = np.sqrt(
+        (np.einsum("btd,btp->bdp", x.astype(np.float64), c.astype(np.float64)) ** 2).sum(
+            axis=(1, 2)
+        )
+    )
+    return loss, {"w": jnp.zeros((32, 32))}, {"x": jnp.asarray(x), "c": jnp.asarray(c)}, exact
+
+
+@pytest.mark.parametrize(
+    ("x_scale", "c_scale", "clip"),
+    [
+        (1e19, 1.0, 1.0),  # the activations' Gram overflows: inf - inf
+        (1e-30, 1e30, 1e-3),  # one Gram underflows, the other overflows: 0 * inf
+        (1e-20, 1.0, 1e-30),  # the activations' Gram underflows to zero
+        (3e-21, 1e18, 1e-2),  # it does, while the cotangents' Gram is large
+    ],
+)
+@pytest.mark.parametrize("nan_safe", [True, False])
+def test_gram_norms_out_of_range_never_let_an_example_through_unclipped(
+    x_scale, c_scale, clip, nan_safe
+):
+    """The squared Gram norm was NaN where an inner product overflowed, and 0 where the inner
+    products underflowed; the square root read both as 0, so the example (norm 6.5e20, or 6e-19
+    against a clip norm of 1e-30) was added unclipped. NaN now stays NaN (the example is
+    dropped, or the sum is NaN), and the norm is raised by what underflow may have taken off."""
+    loss, params, batch, exact = _gram_site(x_scale, c_scale)
+    g, info = jax.jit(clipped_grad(loss, clip, method="ghost", nan_safe=nan_safe))(params, batch)
+    n = float(np.linalg.norm(np.asarray(g["w"], np.float64)))
+    reported = float(info.norms[0])
+    if np.isnan(reported):  # not measurable: dropped, or a non-finite sum
+        assert n == 0.0 if nan_safe else np.isnan(n)
+    else:
+        assert reported >= exact[0] and n <= clip * (1 + 1e-6), (reported, exact[0], n)
+
+
+def test_gram_norm_of_an_example_holding_nan_is_nan_and_the_example_dropped():
+    """``nan_safe``: an example whose input holds a NaN is dropped on the Gram path as on the
+    vmap path (its norm was reported as 0, the example kept, the sum NaN)."""
+    loss, params, batch, _ = _gram_site(1.0, 1.0, nan_at=1)
+    g, info = jax.jit(clipped_grad(loss, 1.0, method="ghost"))(params, batch)
+    assert np.isnan(info.norms[1]) and np.all(np.isfinite(info.norms[::2]))
+    assert np.all(np.isfinite(g["w"]))
+    kept = {k: v[::2] for k, v in batch.items()}
+    np.testing.assert_allclose(
+        g["w"], clipped_grad(loss, 1.0, method="ghost")(params, kept)[0]["w"], rtol=1e-6, atol=1e-7
+    )
+
+
 @pytest.mark.parametrize(
     "scale", [1.0, 1e20]
 )  # 1e20: squares past float32's range, the engine's fallback

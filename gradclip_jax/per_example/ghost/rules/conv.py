@@ -216,7 +216,15 @@ def gram_norms(views: ConvViews) -> jax.Array:
     # not formed again)
     r = self_gram_rows(None, pp) * self_gram_rows(views.g, gg)
     return gram_norm(
-        [GramTerm(pp, gg, product_error(k * c, pp.dtype) + product_error(q, gg.dtype), (r, r))]
+        [
+            GramTerm(
+                pp,
+                gg,
+                product_error(k * c, pp.dtype) + product_error(q, gg.dtype),
+                (r, r),
+                sizes=(k * c, q),
+            )
+        ]
     )
 
 

@@ -137,7 +137,15 @@ class DotGeneral(Rule):
             aa, gg = _grams(a3, g3)
             r = self_gram_rows(a3, aa) * self_gram_rows(g3, gg)
             return gram_norm(
-                [GramTerm(aa, gg, product_error(dsz, acc) + product_error(psz, acc), (r, r))]
+                [
+                    GramTerm(
+                        aa,
+                        gg,
+                        product_error(dsz, acc) + product_error(psz, acc),
+                        (r, r),
+                        sizes=(dsz, psz),
+                    )
+                ]
             )
         per_example = product_einsum(
             "btd,btp->bdp", a3, g3

@@ -145,7 +145,8 @@ class Gather(Rule):
         same = (ids[:, :, None] == ids[:, None, :]).astype(acc)  # exact
         gg = product_einsum("btp,bsp->bts", g3, g3)
         r = self_gram_rows(g3, gg)  # times a one-hot row's norm, 1
-        return gram_norm([GramTerm(same, gg, product_error(g3.shape[-1], acc), (r, r))])
+        err = product_error(g3.shape[-1], acc)
+        return gram_norm([GramTerm(same, gg, err, (r, r), sizes=(0, g3.shape[-1]))])
 
     def factors(
         self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any, perm: list[int]
