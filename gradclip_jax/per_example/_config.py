@@ -97,6 +97,9 @@ class ClipConfig:
     dtype: Any = (
         None  # accumulation/output dtype of the sums (None: each leaf's accumulation dtype)
     )
+    # the dtype a caller stores the sums in, narrower than the sums' own (float32 for 16-bit
+    # gradients): the clip factors' rounding margin then covers it (see factors)
+    store: Any = None
     origin: Origin = field(default_factory=Origin)
 
     @property
@@ -107,10 +110,11 @@ class ClipConfig:
         """Per-example factors from norms ``n`` and clip norm ``c``: clip, or normalize.
 
         Factors below 1 are lowered by the rounding margin of the output dtype
-        (``dtype``, else the norms' dtype): a single clipped contribution, as
-        stored, has norm at most ``c``.
+        (``dtype``, else ``store``, else the norms' dtype): a single clipped contribution,
+        as stored, has norm at most ``c``.
         """
-        store = n.dtype if self.dtype is None else self.dtype
+        store = self.dtype if self.dtype is not None else self.store
+        store = n.dtype if store is None else store
         if not self.normalize:
             return clip_factors(n, c, store)
         return bounded_factor(
@@ -205,10 +209,13 @@ class ClippedGradFn:
     of ``grads``.
     """
 
-    def __init__(self, impl: Callable[..., Any], sens: Callable[[], Any], doc: str):
+    def __init__(
+        self, impl: Callable[..., Any], sens: Callable[[], Any], doc: str, config: ClipConfig
+    ):
         self._impl = impl
         self._sens = sens
         self.__doc__ = doc
+        self.config = config  # what clipped_grad validated (read by gradclip_jax's own modules)
 
     def __call__(
         self, params: Any, batch: Any, *args: Any, mask: Any = None

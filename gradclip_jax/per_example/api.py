@@ -374,4 +374,14 @@ def clipped_grad(
         rescale_to_unit_norm=rescale,
         dtype=_dtype(dtype),
     )
-    return ClippedGradFn(_grad_fn(config), config.sensitivity, clipped_grad.__doc__ or "")
+    return ClippedGradFn(_grad_fn(config), config.sensitivity, clipped_grad.__doc__ or "", config)
+
+
+def stored_in(grad_fn: ClippedGradFn, store: Any) -> ClippedGradFn:
+    """``grad_fn`` for a caller that stores its sums in ``store``, narrower than the sums' own
+    dtype (float32 sums of 16-bit gradients cast back to them, as jax-privacy returns them):
+    the clip factors below 1 are lowered by the rounding margin of ``store`` too, so one
+    clipped contribution, stored, stays within the clip norm. The sums are accumulated and
+    returned as before."""
+    config = dataclasses.replace(grad_fn.config, store=np.dtype(store))
+    return ClippedGradFn(_grad_fn(config), config.sensitivity, grad_fn.__doc__ or "", config)

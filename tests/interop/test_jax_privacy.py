@@ -292,6 +292,34 @@ def test_dtype_and_low_precision():
     _close(got32, ref, rtol=3e-2, atol=3e-2)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"method": "vmap"},
+        {"method": "ghost"},
+        {"normalize_by": 3.0},
+        {"rescale_to_unit_norm": True},
+    ],
+    ids=["vmap", "ghost", "normalize_by", "rescale"],
+)
+def test_one_16_bit_example_stays_within_the_sensitivity(dtype, options):
+    """16-bit parameters: the float32 sums are returned in their dtype, and the clip factors take
+    that rounding's margin. With only float32's, one clipped bfloat16 example came out up to
+    0.4% above the sensitivity (and the division by ``normalize_by`` rounded a second time)."""
+    rng = np.random.default_rng(0)
+    w = jnp.zeros((5,), dtype)
+    x = jnp.asarray(rng.normal(size=(64, 1, 5)) * 4, dtype)  # 64 examples, one at a time
+
+    def loss(p, b):
+        return jnp.sum(p * b)
+
+    f = ours.clipped_grad(loss, l2_clip_norm=1.0, **options)
+    norms = jax.jit(jax.vmap(lambda xi: jnp.linalg.norm(f(w, xi).astype(jnp.float32))))(x)
+    assert f(w, x[0]).dtype == dtype
+    assert float(jnp.max(norms)) <= float(f.sensitivity()), float(jnp.max(norms))
+
+
 def test_nan_safe_example_contributes_zero():
     loss, params, data = mlp_setup()
     bad = {**data, "x": data["x"].at[2, 0].set(jnp.nan)}
