@@ -251,7 +251,8 @@ def weigh(
     valid: jax.Array | None = None,
     nan_safe: bool = False,
 ) -> Weights:
-    """Factors from measured norms (0 where a norm was not representable) and kept examples.
+    """Factors from measured norms (:func:`guard_nonfinite`: 0 for a norm that does not fit,
+    NaN for a NaN one) and kept examples.
 
     ``clips`` is the clip norm (global clipping: ``meas.norms`` of shape ``(B,)``)
     or a list of per-leaf clip norms (``meas.norms`` a list). ``valid`` marks real
