@@ -653,7 +653,7 @@ def test_grid_scale_rounds_ties_to_even_and_sums_exactly():
         adjusted = 2.0 - np.sqrt(50) * (2.0 / 300) * 0.5
         clipped, _ = ours.clip_pytree(big, adjusted)
         np.testing.assert_array_equal(
-            r["w"], np.round(np.asarray(clipped["w"]) * np.float32(300 / 2.0))
+            r["w"], np.round(np.asarray(clipped["w"], np.float64) * (300 / 2.0))
         )
         assert np.sum(np.asarray(r["w"], np.int64) ** 2) <= 300**2
 
@@ -744,6 +744,29 @@ _GRID_ERRORS = [
     ({"grid_scale": 100, "l2_clip_norm": 0.0}, ValueError, "`l2_clip_norm` must be > 0"),
     ({"grid_scale": 100, "l2_clip_norm": np.inf}, ValueError, "`l2_clip_norm` must be finite"),
 ]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "grid_scale", "x"),
+    [
+        (jnp.bfloat16, 1000, [-75.0, 75.5, 73.5, 16.375]),
+        (jnp.float16, 4099, [0.3447265625, 0.49951171875, 0.7919921875, 0.061126708984375]),
+        (jnp.float32, 16777219, [1.0]),
+    ],
+)
+def test_grid_scale_rounded_example_stays_within_the_grid_scale(dtype, grid_scale, x):
+    """The scaling onto the grid is in float64: in the gradient's dtype it rounded too (bfloat16's
+    spacing is 4 between 512 and 1024; a float32 scale above 2**24 rounds up), and one example
+    reached a norm of 1000.9 at grid_scale 1000 (4099.2 at 4099; 16777220 at 16777219)."""
+
+    def fun(w, ex):
+        return jnp.sum(w * ex[0])
+
+    with jax.enable_x64(True):
+        g = ours.clipped_grad(fun, l2_clip_norm=1.0, grid_scale=grid_scale, method="vmap")
+        out = np.asarray(jax.jit(g)(jnp.zeros(len(x), dtype), jnp.asarray(x, dtype)[None]))
+    assert out.dtype == np.int64
+    assert np.sum(out.astype(object) ** 2) <= grid_scale**2, out  # exact, in integers
 
 
 @pytest.mark.parametrize("kw,err,match", _GRID_ERRORS)

@@ -49,9 +49,10 @@ def clip_and_round_to_grid(
     """One example's tree clipped and rounded to the integer grid: ``jax_privacy.clipping.clip_and_round_to_grid``.
 
     The tree is clipped (:func:`clip_pytree`) to :func:`adjusted_clip_norm`, multiplied by
-    ``grid_scale / l2_clip_norm`` in its own dtype, rounded to the nearest integer (ties to
-    even, ``jnp.round``) and stored as int64, as jax-privacy's current source does: the
-    rounded tree's L2 norm is at most ``grid_scale``, so a sum of such trees has sensitivity
+    ``grid_scale / l2_clip_norm`` in float64 (jax-privacy's current source multiplies in the
+    tree's own dtype, whose rounding can take the result past the bound), rounded to the
+    nearest integer (ties to even, ``jnp.round``) and stored as int64: the rounded tree's L2
+    norm is at most ``grid_scale``, so a sum of such trees has sensitivity
     ``grid_scale`` (in grid units: multiply by ``l2_clip_norm / grid_scale`` for the
     original units). The clip stores within the lowered norm exactly (see :func:`clip_pytree`).
 
@@ -84,5 +85,10 @@ def clip_and_round_to_grid(
     num_params = sum(math.prod(jnp.shape(x)) for x in jax.tree.leaves(gradient))
     adjusted = adjusted_clip_norm(fn, l2_clip_norm, grid_scale, num_params)
     clipped, norm = clip_pytree(gradient, adjusted, nan_safe=nan_safe, return_zero=return_zero)
-    scale = grid_scale / l2_clip_norm
-    return jax.tree.map(lambda g: jnp.round(g * scale).astype(jnp.int64), clipped), norm
+    # scaled in float64 (64-bit mode is on): in the gradient's dtype the product rounds too,
+    # which the adjustment leaves no room for (bfloat16's spacing is 4 between 512 and 1024:
+    # one example reached norm 1000.9 at grid_scale 1000), and so does a float32 scale above 2**24
+    scale = jnp.asarray(grid_scale, jnp.float64) / jnp.asarray(l2_clip_norm, jnp.float64)
+    return jax.tree.map(
+        lambda g: jnp.round(g.astype(jnp.float64) * scale).astype(jnp.int64), clipped
+    ), norm
