@@ -86,6 +86,11 @@ def _layer_mode(l2_clip_norm: Any, per_layer: Any) -> LayerMode:
         }[per_layer]
     if not jax.tree_util.tree_leaves(l2_clip_norm):
         raise ValueError(f"{_FN}: l2_clip_norm is an empty tree")
+    if per_layer is not False:  # (it would be ignored: the tree gives each subtree its norm)
+        raise ValueError(
+            f"{_FN}: per_layer={per_layer!r} with a tree of clip norms: the tree already gives "
+            "each leaf (or subtree) its own clip norm; pass per_layer=False, or one clip norm"
+        )
     for path, c in jax.tree_util.tree_flatten_with_path(l2_clip_norm)[0]:
         check_scalar(_FN, f"l2_clip_norm{jax.tree_util.keystr(path)}", c)
     return LayerMode.TREE

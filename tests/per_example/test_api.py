@@ -151,6 +151,9 @@ def test_per_layer_tree_of_norms():
     assert grad_fn.sensitivity() == pytest.approx(math.sqrt(0.25 + 0.04 + 1.0 + 0.01))
     with pytest.raises(ValueError, match="must be a prefix of the structure of params"):
         clipped_grad(loss, {"l1": 1.0, "l3": 1.0})(params, data)
+    for per_layer in (True, "size", "uniform"):  # it would be ignored: the tree decides
+        with pytest.raises(ValueError, match=r"per_layer=.* with a tree of clip norms"):
+            clipped_grad(loss, clips, per_layer=per_layer)
 
 
 def test_per_layer_prefix_tree_clips_each_subtree_jointly():
