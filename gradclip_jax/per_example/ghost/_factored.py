@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from gradclip_jax._core import jaxcompat as jc
 from gradclip_jax.per_example._products import product_einsum, product_error
-from gradclip_jax.per_example.ghost._gram import GramTerm, gram_norm, self_gram_rows
+from gradclip_jax.per_example.ghost._gram import GramTerm, gram_norm, nonzero, self_gram_rows
 from gradclip_jax.per_example.ghost.rules import Factor, Site, names
 
 # Chain operations a factored use may go through (anything else: no factors).
@@ -76,6 +76,18 @@ def _inner_error(f: Factor, h: Factor, acc: Any) -> float:
     return product_error(n, acc) if n else 0.0
 
 
+def _live(factors: Sequence[tuple[Factor, Factor]]) -> jax.Array:
+    """``(B,)``: where some use's gradient can be nonzero (both its dense factors have a nonzero
+    element; a one-hot factor always has one)."""
+    out = None
+    for x, y in factors:
+        dense = [f[1] for f in (x, y) if f[0] == "dense"]
+        nz = nonzero(*dense) if dense else jnp.ones((x[1].shape[0],), bool)
+        out = nz if out is None else out | nz
+    assert out is not None
+    return out
+
+
 def factored_norm(factors: Sequence[tuple[Factor, Factor]], acc: Any) -> jax.Array:
     """Per-example Frobenius norm of ``sum_i G_i`` from the factors of every use ``i``, raised by
     what rounding may have taken off (:func:`~gradclip_jax.per_example.ghost._gram.gram_norm`).
@@ -95,6 +107,7 @@ def factored_norm(factors: Sequence[tuple[Factor, Factor]], acc: Any) -> jax.Arr
         _factor_rows(x, inner[i, i][0], acc) * _factor_rows(y, inner[i, i][1], acc)
         for i, (x, y) in enumerate(factors)
     ]
+    live = _live(factors)
     return gram_norm(
         [
             GramTerm(
@@ -107,6 +120,7 @@ def factored_norm(factors: Sequence[tuple[Factor, Factor]], acc: Any) -> jax.Arr
                     _inner_size(factors[i][0], factors[j][0]),
                     _inner_size(factors[i][1], factors[j][1]),
                 ),
+                live=live,
             )
             for i, j in pairs
         ]

@@ -36,7 +36,7 @@ from gradclip_jax._core.numerics import sqrt_nonneg
 from gradclip_jax.per_example import _products
 from gradclip_jax.per_example._products import product_einsum
 
-__all__ = ["DIAGONAL_FROM", "GramTerm", "gram_norm", "self_gram_rows"]
+__all__ = ["DIAGONAL_FROM", "GramTerm", "gram_norm", "nonzero", "self_gram_rows"]
 
 # Backend name -> where the row norms of a self-Gram come from: "gram" (its diagonal; free
 # where the Gram is stored anyway, as GPU matmuls store it) or "rows" (the same products
@@ -60,6 +60,9 @@ class GramTerm(NamedTuple):
       sizes: the number of products summed into each entry of ``x`` and of ``y`` (0 for
         exact entries): each product, and each partial sum, that underflows loses less
         than the dtype's smallest normal number ``tiny`` (flushed to zero or not).
+      live: ``(B,)`` bool, False where the example's gradient is exactly zero (from
+        :func:`nonzero`): no product lost anything to underflow there, and its norm stays 0
+        (a padding sequence's). ``None``: every example.
     """
 
     x: jax.Array
@@ -68,6 +71,18 @@ class GramTerm(NamedTuple):
     rows: tuple[jax.Array, jax.Array]
     weight: float = 1.0
     sizes: tuple[int, int] = (0, 0)
+    live: jax.Array | None = None
+
+
+def nonzero(*factors: jax.Array) -> jax.Array:
+    """``(B,)``: where every one of ``factors`` (batch on axis 0) has a nonzero element; a
+    product of them, such as a dense layer's gradient ``a^T g``, is exactly zero elsewhere."""
+    out = None
+    for f in factors:
+        nz = jnp.any(f != 0, axis=tuple(range(1, f.ndim)))
+        out = nz if out is None else out & nz
+    assert out is not None
+    return out
 
 
 def self_gram_rows(rows: jax.Array | None, gram: jax.Array) -> jax.Array:
@@ -113,7 +128,8 @@ def gram_norm(terms: Sequence[GramTerm]) -> jax.Array:
     :math:`2 n \\tau` to it (:math:`\\tau` the smallest normal number; a CPU flushes smaller
     results to zero), and each product the norm sums :math:`2 \\tau`. So ``E`` also adds
     :math:`2 \\tau \\sum_{t,s} (n_x |\\hat Y_{ts}| + n_y |\\hat X_{ts}| + 1)`, in the same
-    reduction. It changes no norm of ordinary values (1e-36 against entries of order 1),
+    reduction, where the example's gradient is not exactly zero (``live``). It changes no
+    norm of ordinary values (1e-36 against entries of order 1),
     and keeps the norm of activations of 1e-20, whose inner products all flush to zero,
     from reading 0: their gradient would be added unclipped. (The product of two such
     errors, of order :math:`\\tau^2`, is left out: it matters only for a clip norm below
@@ -133,6 +149,9 @@ def gram_norm(terms: Sequence[GramTerm]) -> jax.Array:
         xy = x * y
         tiny = float(jnp.finfo(x.dtype).tiny)
         lost = 2.0 * tiny * (term.sizes[0] * jnp.abs(y) + term.sizes[1] * jnp.abs(x) + 1.0)
+        if term.live is not None:
+            live = jnp.reshape(term.live, (-1,) + (1,) * (x.ndim - 1))
+            lost = jnp.where(live, lost, jnp.zeros_like(lost))
         t = jnp.sum(xy + kappa * jnp.abs(xy) + lost, axis=grid)  # one reduction, with the products
         if term.err:
             lead = grid[:-1]

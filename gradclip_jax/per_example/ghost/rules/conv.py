@@ -43,7 +43,7 @@ from gradclip_jax.per_example._products import (
     product_error,
     view_dtype,
 )
-from gradclip_jax.per_example.ghost._gram import GramTerm, gram_norm, self_gram_rows
+from gradclip_jax.per_example.ghost._gram import GramTerm, gram_norm, nonzero, self_gram_rows
 from gradclip_jax.per_example.ghost.rules._registry import (
     CONST,
     ROW,
@@ -223,6 +223,7 @@ def gram_norms(views: ConvViews) -> jax.Array:
                 product_error(k * c, pp.dtype) + product_error(q, gg.dtype),
                 (r, r),
                 sizes=(k * c, q),
+                live=nonzero(views.xp, views.g),
             )
         ]
     )

@@ -25,7 +25,7 @@ from gradclip_jax.per_example._products import (
     product_error,
     view_dtype,
 )
-from gradclip_jax.per_example.ghost._gram import GramTerm, gram_norm, self_gram_rows
+from gradclip_jax.per_example.ghost._gram import GramTerm, gram_norm, nonzero, self_gram_rows
 from gradclip_jax.per_example.ghost.rules._registry import (
     CONST,
     Factor,
@@ -144,6 +144,7 @@ class DotGeneral(Rule):
                         product_error(dsz, acc) + product_error(psz, acc),
                         (r, r),
                         sizes=(dsz, psz),
+                        live=nonzero(a3, g3),
                     )
                 ]
             )

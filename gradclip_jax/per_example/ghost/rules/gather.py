@@ -22,7 +22,7 @@ from gradclip_jax.per_example._products import (
     product_error,
     view_dtype,
 )
-from gradclip_jax.per_example.ghost._gram import GramTerm, gram_norm, self_gram_rows
+from gradclip_jax.per_example.ghost._gram import GramTerm, gram_norm, nonzero, self_gram_rows
 from gradclip_jax.per_example.ghost.rules._registry import (
     ROW,
     Factor,
@@ -146,7 +146,9 @@ class Gather(Rule):
         gg = product_einsum("btp,bsp->bts", g3, g3)
         r = self_gram_rows(g3, gg)  # times a one-hot row's norm, 1
         err = product_error(g3.shape[-1], acc)
-        return gram_norm([GramTerm(same, gg, err, (r, r), sizes=(0, g3.shape[-1]))])
+        return gram_norm(
+            [GramTerm(same, gg, err, (r, r), sizes=(0, g3.shape[-1]), live=nonzero(g3))]
+        )
 
     def factors(
         self, site: Site, eqn: Any, ops: Sequence[Any], g: jax.Array, acc: Any, perm: list[int]
