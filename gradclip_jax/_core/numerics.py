@@ -6,6 +6,7 @@ double-``where`` trick) and never turns a NaN into a number.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -17,6 +18,7 @@ __all__ = [
     "bounded_factor",
     "count0",
     "divide_or_zero",
+    "lowest_precision",
     "rounding_margin",
     "sqrt_nonneg",
     "sqrt_safe",
@@ -89,6 +91,12 @@ def rounding_margin(store: Any, acc: Any) -> float:
     float16, ``5.4e-7`` for float32).
     """
     return 1.0 - (_unit_roundoff(store) + _ACC_UNITS * _unit_roundoff(acc))
+
+
+def lowest_precision(dtypes: Iterable[Any]) -> np.dtype:
+    """The floating dtype of ``dtypes`` with the fewest mantissa bits: the one a clip factor's
+    rounding margin must cover when values are stored in each of them."""
+    return min((np.dtype(d) for d in dtypes), key=lambda d: jnp.finfo(d).nmant)
 
 
 def bounded_factor(factor: jax.Array, store: Any) -> jax.Array:

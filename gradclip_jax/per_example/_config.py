@@ -209,11 +209,8 @@ class ClippedGradFn:
     of ``grads``.
     """
 
-    def __init__(
-        self, impl: Callable[..., Any], sens: Callable[[], Any], doc: str, config: ClipConfig
-    ):
+    def __init__(self, impl: Callable[..., Any], doc: str, config: ClipConfig):
         self._impl = impl
-        self._sens = sens
         self.__doc__ = doc
         self.config = config  # what clipped_grad validated (read by gradclip_jax's own modules)
 
@@ -239,4 +236,4 @@ class ClippedGradFn:
         Returns:
           A Python float (a JAX scalar when the clip norm is traced).
         """
-        return self._sens() * sensitivity_factor(relation, "sensitivity")
+        return self.config.sensitivity() * sensitivity_factor(relation, "sensitivity")

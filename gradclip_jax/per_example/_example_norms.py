@@ -134,7 +134,7 @@ def measure(rows: Sequence[jax.Array], per_leaf: bool = False) -> Measured:
     else:
         total = jnp.sum(sq, axis=0)
         plain, ok = sqrt_safe(total), jnp.all(exact, axis=0) & jnp.isfinite(total)
-    return cond(  # type: ignore[no-any-return]
+    return cond(
         jnp.all(ok),
         lambda: _plain(plain, per_leaf),
         lambda: _measure_with_care(rows, plain, ok, per_leaf),

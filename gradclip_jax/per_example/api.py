@@ -379,7 +379,7 @@ def clipped_grad(
         rescale_to_unit_norm=rescale,
         dtype=_dtype(dtype),
     )
-    return ClippedGradFn(_grad_fn(config), config.sensitivity, clipped_grad.__doc__ or "", config)
+    return ClippedGradFn(_grad_fn(config), clipped_grad.__doc__ or "", config)
 
 
 def stored_in(grad_fn: ClippedGradFn, store: Any) -> ClippedGradFn:
@@ -389,4 +389,4 @@ def stored_in(grad_fn: ClippedGradFn, store: Any) -> ClippedGradFn:
     clipped contribution, stored, stays within the clip norm. The sums are accumulated and
     returned as before."""
     config = dataclasses.replace(grad_fn.config, store=np.dtype(store))
-    return ClippedGradFn(_grad_fn(config), config.sensitivity, grad_fn.__doc__ or "", config)
+    return ClippedGradFn(_grad_fn(config), grad_fn.__doc__ or "", config)

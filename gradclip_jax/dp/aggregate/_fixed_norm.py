@@ -11,11 +11,11 @@ import optax
 
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.hyperparam_rules import Hyperparam, Hyperparams, increment, poison
-from gradclip_jax._core.numerics import count0 as _count0
+from gradclip_jax._core.numerics import count0 as _count0, lowest_precision
 from gradclip_jax._core.state_registry import register_state
 from gradclip_jax._core.validation import clip_norm_arg, static_value
 from gradclip_jax.dp._guards import refuse_update_averaging
-from gradclip_jax.dp.aggregate._shared import batch_divisor, clip_sum_rows, lowest_dtype, seed_key
+from gradclip_jax.dp.aggregate._shared import batch_divisor, clip_sum_rows, seed_key
 from gradclip_jax.dp.noise import noised_leaves, split_stored
 from gradclip_jax.per_example.internal import batch_flatten
 
@@ -157,7 +157,7 @@ def _aggregate(
         v, invalid = hps.at(state.count, acc)
         clip, z = v[clip_norm.name], v["noise_multiplier"]
         sums, _, _ = clip_sum_rows(
-            arrays, clip, nan_safe, mask, fn, batch, store=lowest_dtype(arrays)
+            arrays, clip, nan_safe, mask, fn, batch, store=lowest_precision(x.dtype for x in arrays)
         )
         out = noised_leaves(sums, keys, clip * z, batch_divisor(v["batch_size"], batch, acc), fn=fn)
         # an invalid traced value (a negative z negates the noise) gives NaN, never a finite update

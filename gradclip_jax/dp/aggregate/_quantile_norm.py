@@ -13,7 +13,7 @@ import optax
 
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.hyperparam_rules import increment
-from gradclip_jax._core.numerics import count0 as _count0
+from gradclip_jax._core.numerics import count0 as _count0, lowest_precision
 from gradclip_jax._core.state_registry import register_state
 from gradclip_jax._core.validation import (
     check_mask,
@@ -23,7 +23,7 @@ from gradclip_jax._core.validation import (
     static_value,
 )
 from gradclip_jax.dp._guards import refuse_update_averaging
-from gradclip_jax.dp.aggregate._shared import batch_divisor, clip_sum_rows, lowest_dtype, seed_key
+from gradclip_jax.dp.aggregate._shared import batch_divisor, clip_sum_rows, seed_key
 from gradclip_jax.dp.noise import noised_leaves, split_stored
 from gradclip_jax.per_example.internal import batch_flatten, match_batch_sharding
 
@@ -255,7 +255,7 @@ def dp_quantile_aggregate(
         acc = np.dtype(jnp.result_type(_norms.tree_acc_dtype(arrays), state.clip_norm.dtype))
         clip = state.clip_norm.astype(acc)
         sums, n, keep = clip_sum_rows(
-            arrays, clip, nan_safe, mask, fn, batch, store=lowest_dtype(arrays)
+            arrays, clip, nan_safe, mask, fn, batch, store=lowest_precision(x.dtype for x in arrays)
         )
         m = batch_divisor(expected_batch_size, batch, acc)
         out = noised_leaves(sums, keys, clip * jnp.asarray(z_grad, acc), m, fn=fn)

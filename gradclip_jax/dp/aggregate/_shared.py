@@ -32,11 +32,6 @@ def batch_divisor(batch_size: Any, actual: int, dtype: Any) -> jax.Array:
     return as_scalar(batch_size, dtype)
 
 
-def lowest_dtype(arrays: list[jax.Array]) -> np.dtype:
-    """The leaf dtype with the least precision (the clip factors' rounding margin is for it)."""
-    return min((np.dtype(x.dtype) for x in arrays), key=lambda d: jnp.finfo(d).nmant)
-
-
 def clip_sum_rows(
     arrays: list[jax.Array],
     clip: jax.Array,

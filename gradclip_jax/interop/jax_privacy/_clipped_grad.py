@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax_privacy.clipping import AuxiliaryOutput, BoundedSensitivityCallable
 
-from gradclip_jax._core.numerics import divide_or_zero, rounding_margin
+from gradclip_jax._core.numerics import divide_or_zero, lowest_precision, rounding_margin
 from gradclip_jax._core.validation import is_traced, static_value
 from gradclip_jax.interop.jax_privacy._arguments import (
     check_callable,
@@ -324,13 +324,9 @@ def _storing(grad_fn: Any, out: PyTree) -> Any:
     (``out``): its clip factors then also take the rounding margin of the narrowest of them
     (:func:`~gradclip_jax.per_example.api.stored_in`). Rounded to bfloat16 with only
     float32's margin, one clipped example came out up to 0.4% above the sensitivity."""
-    floats = [np.dtype(o) for o in jax.tree.leaves(out) if jnp.issubdtype(o, jnp.floating)]
-    if not floats:
-        return grad_fn
-    narrowest = max(floats, key=lambda d: float(jnp.finfo(d).eps))
-    if float(jnp.finfo(narrowest).eps) <= float(jnp.finfo(jnp.float32).eps):
-        return grad_fn
-    return stored_in(grad_fn, narrowest)
+    floats = [o for o in jax.tree.leaves(out) if jnp.issubdtype(o, jnp.floating)]
+    narrowest = lowest_precision([jnp.float32, *floats])
+    return grad_fn if narrowest == np.float32 else stored_in(grad_fn, narrowest)
 
 
 def _auxiliary(
