@@ -809,6 +809,18 @@ def test_the_everyday_api_is_at_the_top():
     assert "ghost" not in gradclip_jax.__all__ and "privacy" not in gradclip_jax.__all__
 
 
+def test_dp_names_read_at_gcx_dp_name_their_one_home():
+    """``shared/API.md`` lists ``epsilon``, ``calibrate_noise_multiplier`` and
+    ``add_gaussian_noise`` under ``gcx.dp``: reading them there is an AttributeError naming the
+    submodule that is their one home, and each is listed in that home's ``__all__``."""
+    import importlib
+
+    for name, home in gradclip_jax.dp._HOMES.items():
+        assert name in importlib.import_module(home).__all__
+        with pytest.raises(AttributeError, match=rf"one import path is {home}\.{name}"):
+            getattr(gradclip_jax.dp, name)
+
+
 @pytest.mark.parametrize(
     "old,names",
     [

@@ -63,7 +63,9 @@ def moved_names(
     }
 
 
-def top_level_getattr(module: str, names: Sequence[str]) -> Callable[[str], Any]:
+def top_level_getattr(
+    module: str, names: Sequence[str], homes: Mapping[str, str] | None = None
+) -> Callable[[str], Any]:
     """A package ``__getattr__`` serving the old paths of names whose home is ``gradclip_jax``.
 
     A package that used to re-export top-level names (``gradclip_jax.dp.make_private``)
@@ -74,6 +76,9 @@ def top_level_getattr(module: str, names: Sequence[str]) -> Callable[[str], Any]
     Args:
       module: the package's ``__name__``.
       names: the top-level names the package used to show.
+      homes: names read at this package that have their home in one of its submodules, each
+        with that submodule: reading one is an ``AttributeError`` that names the home (one
+        import path per name).
 
     Returns:
       The function to bind as the package's ``__getattr__``.
@@ -83,11 +88,14 @@ def top_level_getattr(module: str, names: Sequence[str]) -> Callable[[str], Any]
         top = importlib.import_module("gradclip_jax")
         return moved_message(f"{module}.{name}", f"gradclip_jax.{name}"), getattr(top, name)
 
-    return _warning_getattr(module, frozenset(names), entry)
+    return _warning_getattr(module, frozenset(names), entry, homes or {})
 
 
 def _warning_getattr(
-    module: str, served: Collection[str], entry: Callable[[str], tuple[str, Any]]
+    module: str,
+    served: Collection[str],
+    entry: Callable[[str], tuple[str, Any]],
+    homes: Mapping[str, str] | None = None,
 ) -> Callable[[str], Any]:
     """A module ``__getattr__``: a name in ``served`` warns ``entry(name)``'s message
     (``DeprecationWarning``, at the reader's line) and returns its object; any other name is
@@ -99,6 +107,11 @@ def _warning_getattr(
             message, obj = entry(name)
             warnings.warn(message, DeprecationWarning, stacklevel=2)
             return obj
+        if homes and name in homes:
+            raise AttributeError(
+                f"module {module!r} has no attribute {name!r}: its one import path is "
+                f"{homes[name]}.{name} (from {homes[name]} import {name})"
+            )
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
 
     return getattr_

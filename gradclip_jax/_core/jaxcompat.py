@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+from jax import lax
 from jax.extend import core as _jcore, random as _jrandom
 
 __all__ = [
@@ -56,6 +57,8 @@ __all__ = [
     "sub_jaxpr",
     "sub_jaxprs",
     "threefry2x32",
+    "varying_axes",
+    "vary_over",
     "with_params",
 ]
 
@@ -246,8 +249,34 @@ def threefry2x32(
 ) -> tuple[jax.Array, jax.Array]:
     """Threefry-2x32 (20 rounds) of each pair of uint32 words ``counts`` (equal shapes) under the
     pair of uint32 scalars ``key``: JAX's own primitive (``jax.extend.random``), the hash behind
-    every threefry draw (``jax.random.bits`` of a key hashes the counter ``i`` for element ``i``)."""
-    return tuple(_jrandom.threefry2x32_p.bind(*key, *counts))  # type: ignore[return-value]
+    every threefry draw (``jax.random.bits`` of a key hashes the counter ``i`` for element ``i``).
+
+    Inside ``shard_map`` the hash varies over every mesh axis its words vary over: the
+    primitive (jax 0.10) types its result as the same on every device whatever its inputs, so
+    a per-device key's bits, different on each device, would pass as replicated
+    (``out_specs=P()``) and the replicas' noise silently differ."""
+    words = (*key, *counts)
+    axes = frozenset().union(*map(varying_axes, words))
+    return tuple(vary_over(h, axes) for h in _jrandom.threefry2x32_p.bind(*words))  # type: ignore[return-value]
+
+
+def varying_axes(x: Any) -> frozenset:
+    """The ``shard_map`` mesh axes ``x`` varies over (empty outside ``shard_map``, and for a
+    value that is not an array)."""
+    try:
+        aval = jax.typeof(x)
+    except Exception:  # not an array
+        return frozenset()
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(getattr(mat, "varying", frozenset()) or frozenset())
+    return frozenset(getattr(aval, "vma", frozenset()) or frozenset())  # older jax
+
+
+def vary_over(x: Any, axes: frozenset) -> Any:
+    """``x`` marked as varying over ``axes`` too (``lax.pcast``), inside ``shard_map``."""
+    missing = tuple(sorted(axes - varying_axes(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x
 
 
 @contextlib.contextmanager

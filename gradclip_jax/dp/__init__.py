@@ -63,6 +63,13 @@ _TOP_LEVEL = (
     "make_private",
     "noise_multiplier_for_gradient",
 )
-__getattr__ = top_level_getattr(__name__, _TOP_LEVEL)
+#: Names ``shared/API.md`` shows under ``gcx.dp`` whose home is one of its submodules: reading
+#: them here is an AttributeError naming that home.
+_HOMES = {
+    "add_gaussian_noise": "gradclip_jax.dp.noise",
+    "calibrate_noise_multiplier": "gradclip_jax.dp.accounting",
+    "epsilon": "gradclip_jax.dp.accounting",
+}
+__getattr__ = top_level_getattr(__name__, _TOP_LEVEL, _HOMES)
 
 __all__: list[str] = []  # every name here has its home elsewhere (CONTRIBUTING.md, "Import paths")

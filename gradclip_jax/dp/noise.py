@@ -180,15 +180,6 @@ def add_gaussian_noise(tree: Any, stddev: Any, key: jax.Array) -> Any:
     return flat.rebuild(out)
 
 
-def _varying(x: Any) -> frozenset:
-    """The manual mesh axes (inside ``shard_map``) ``x`` varies over."""
-    t = jax.typeof(x)
-    mat = getattr(t, "manual_axis_type", None)
-    if mat is not None:
-        return frozenset(getattr(mat, "varying", ()))
-    return frozenset(getattr(t, "vma", ()))  # older jax
-
-
 def check_key_varies(
     fn: str, arrays: Sequence[Any], key: Any, paths: Sequence[str] | None = None
 ) -> None:
@@ -198,18 +189,22 @@ def check_key_varies(
     noise would be one draw repeated, and the difference of two shards would
     carry none, so the Gaussian mechanism's guarantee would not hold.
     """
-    keyed = _varying(key)
+    keyed = jaxcompat.varying_axes(key)
     for i, x in enumerate(arrays):
-        extra = _varying(x) - keyed
+        extra = jaxcompat.varying_axes(x) - keyed
         if extra:
             axes = tuple(sorted(extra))
             where = f"leaf {paths[i]}" if paths is not None else f"leaf {i}"
             raise ValueError(
                 f"{fn}: {where} differs across the manual mesh axes {axes} (a shard inside shard_map) but "
                 "the noise key does not, so every device would add the same noise to its shard and the "
-                "differences between shards would carry no noise. Give each device its own key, e.g. "
-                f"key = jax.random.fold_in(key, jax.lax.axis_index({axes[0]!r})), or add the noise "
-                "outside shard_map (under jax.jit on the global array)"
+                "differences between shards would carry no noise. If the leaf is each device's partial "
+                f"sum of a data-parallel batch, jax.lax.psum(..., {axes}) it first and add the noise once, "
+                "to the total (then the same key on every device is right: one draw, replicated; noising "
+                "each partial sum would add the noise once per device). If each device holds its own part "
+                f"of the leaf, give each device its own key, e.g. key = jax.random.fold_in(key, "
+                f"jax.lax.axis_index({axes[0]!r})). Or add the noise outside shard_map (under jax.jit on "
+                "the global array)"
             )
 
 

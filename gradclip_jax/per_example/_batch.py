@@ -13,7 +13,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from gradclip_jax._core import jaxcompat as jc, norms as _norms
 from gradclip_jax._core.validation import check_mask
@@ -342,31 +341,9 @@ def match_batch_sharding(v: jax.Array, like: jax.Array) -> jax.Array:
     return jax.sharding.reshard(v, spec)
 
 
-def _vma(x: Any) -> frozenset:
-    """The mesh axes ``x`` varies over inside ``shard_map`` (empty outside)."""
-    try:
-        aval = jax.typeof(x)
-    except Exception:  # not an array
-        return frozenset()
-    mat = getattr(aval, "manual_axis_type", None)
-    if mat is not None:
-        return frozenset(getattr(mat, "varying", frozenset()) or frozenset())
-    return frozenset(getattr(aval, "vma", frozenset()) or frozenset())
-
-
-def _vary_over(x: Any, axes: frozenset) -> Any:
-    missing = tuple(sorted(axes - _vma(x)))
-    return lax.pcast(x, missing, to="varying") if missing else x
-
-
-def manual_axes(x: Any) -> frozenset:
-    """The ``shard_map`` axes ``x`` varies over (empty outside ``shard_map``)."""
-    return _vma(x)
-
-
 def vary_like(x: jax.Array, ref: Any) -> jax.Array:
     """``x`` marked as varying over every ``shard_map`` axis ``ref`` varies over."""
-    return _vary_over(x, _vma(ref))  # type: ignore[no-any-return]
+    return jc.vary_over(x, jc.varying_axes(ref))  # type: ignore[no-any-return]
 
 
 def vary_like_batch(params: Any, batch: Any) -> Any:
@@ -379,9 +356,9 @@ def vary_like_batch(params: Any, batch: Any) -> Any:
     """
     axes: frozenset = frozenset()
     for x in jax.tree_util.tree_leaves(batch):
-        axes = axes | _vma(x)
+        axes = axes | jc.varying_axes(x)
     if not axes:
         return params
     return jax.tree_util.tree_map(
-        lambda p: _vary_over(p, axes) if hasattr(p, "dtype") else p, params
+        lambda p: jc.vary_over(p, axes) if hasattr(p, "dtype") else p, params
     )

@@ -439,6 +439,18 @@ def test_hardened_resume_keeps_the_os_drawn_seed():
     np.testing.assert_array_equal(next(resumed.batches()).indices, priv.sampler.batch(1).indices)
 
 
+def test_a_hardened_state_does_not_resume_as_a_default_run():
+    """The saved plan's ``hardened`` is checked even where the resuming call has no such field:
+    resumed without it, the run would take caller-chosen noise keys and the plain draw."""
+    priv = _run()
+    next(priv.batches())
+    state = priv.state_dict()
+    with pytest.raises(
+        ValueError, match=r"hardened='sum_of_normals' there, and this call has no 'hardened'"
+    ):
+        _run(hardened=False, resume_from=state, seed=state["plan"]["seed"])
+
+
 @pytest.mark.parametrize(
     "kw,exc,match",
     [

@@ -521,6 +521,39 @@ def test_shards_inside_shard_map_need_their_own_keys(strategy_name, monkeypatch)
     assert np.all(np.isfinite(np.asarray(ok(g, key))))
 
 
+@pytest.mark.parametrize("strategy_name", ["leaves", "blocks", "shapes"])
+def test_a_per_device_key_on_a_replicated_sum_is_not_passed_off_as_replicated(
+    strategy_name, monkeypatch
+):
+    """A per-device key (``fold_in(key, axis_index)``) noising a ``psum``'d total draws other
+    noise on each device: the result must be typed as varying, so ``out_specs=P()`` is refused,
+    not accepted with replicas that silently differ (each one a release of its own). The CPU's
+    blocked draw hashes counters with JAX's threefry primitive, which typed its bits as the same
+    on every device."""
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 (simulated) devices")
+    monkeypatch.setitem(noise_mod.NOISE_STRATEGY, BACKEND, strategy_name)
+    mesh = jax.make_mesh((4,), ("x",))
+
+    def noised_total(x, k):
+        total = jax.lax.psum(x, "x")
+        return add_gaussian_noise(
+            {"t": total}, 1.0, jax.random.fold_in(k, jax.lax.axis_index("x"))
+        )["t"]
+
+    g = jax.device_put(jnp.zeros((4, 3)), NamedSharding(mesh, P("x")))
+    replicated = jax.jit(
+        jax.shard_map(noised_total, mesh=mesh, in_specs=(P("x"), P()), out_specs=P())
+    )
+    with pytest.raises(ValueError, match="out_specs"):
+        replicated(g, jax.random.key(0))
+    per_device = jax.jit(
+        jax.shard_map(noised_total, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x"))
+    )
+    draws = np.asarray(per_device(g, jax.random.key(0)))
+    assert len({tuple(r) for r in draws.tolist()}) == 4  # what each device drew: all different
+
+
 def test_dp_aggregate_inside_shard_map_on_shards_is_an_error():
     if jax.device_count() < 4:
         pytest.skip("needs 4 (simulated) devices")

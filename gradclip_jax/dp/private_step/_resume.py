@@ -12,7 +12,8 @@ STATE_FORMAT = "gradclip_jax.make_private/1"
 
 
 def check_resume(state: Any, plan: dict[str, Any]) -> None:
-    """ValueError naming ``resume_from`` and the field, when ``state`` is not a state_dict of this plan.
+    """ValueError naming ``resume_from`` and the field, when ``state`` is not a state_dict of this plan:
+    a field of either plan that the other lacks, or holds another value.
 
     ``plan`` lacks ``noise_multiplier``: the resumed run takes the state's (:func:`resumed_noise`).
     """
@@ -50,6 +51,15 @@ def check_resume(state: Any, plan: dict[str, Any]) -> None:
                 f"call. Resume with the arguments of the interrupted run (the same arguments calibrate "
                 "the same noise multiplier and draw the same batches)"
             )
+    dropped = sorted(set(saved) - set(plan) - {"noise_multiplier"})
+    if (
+        dropped
+    ):  # e.g. a hardened run resumed as a default one: its noise would no longer be hardened
+        name = dropped[0]
+        raise ValueError(
+            f"{fn}: `resume_from` was saved by another plan: {name}={saved[name]!r} there, and this "
+            f"call has no {name!r}. Resume with the arguments of the interrupted run"
+        )
     taken = state["sampler"].get("steps_taken") if isinstance(state["sampler"], dict) else None
     recorded = sum(int(p[2]) for p in state["accountant"].get("phases", ()))
     if taken != recorded or taken > plan["steps"]:

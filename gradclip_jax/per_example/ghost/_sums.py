@@ -11,14 +11,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gradclip_jax._core import norms as _norms
+from gradclip_jax._core import jaxcompat as jc, norms as _norms
 from gradclip_jax._core.control import cond
 from gradclip_jax.per_example._batch import (
     Call,
     along_axis,
     batch_axis_sharding,
     first_leaf,
-    manual_axes,
     one_example_loss,
     vary_like,
     zeroed,
@@ -264,7 +263,7 @@ def _lanes(ref: jax.Array) -> int:
     per device the batch can be sharded over, ``gcd(B, devices)`` (nothing at trace time says
     how it is sharded; a batch sharded over ``D`` devices, ``D`` dividing both, is read locally),
     and one inside ``shard_map`` (``ref`` is then this device's own examples)."""
-    if manual_axes(ref):
+    if jc.varying_axes(ref):
         return 1
     return math.gcd(ref.shape[0], jax.device_count())
 
