@@ -47,7 +47,9 @@ __all__ = [
     "is_literal",
     "is_tracer",
     "jax_version",
+    "manual_device_index",
     "name_stack",
+    "on_mesh_of",
     "open_jaxpr",
     "param",
     "params",
@@ -271,6 +273,21 @@ def varying_axes(x: Any) -> frozenset:
     if mat is not None:
         return frozenset(getattr(mat, "varying", frozenset()) or frozenset())
     return frozenset(getattr(aval, "vma", frozenset()) or frozenset())  # older jax
+
+
+def on_mesh_of(x: Any, spec: Any) -> Any:
+    """``spec`` (a ``PartitionSpec``) on the mesh of ``x``'s explicit sharding, as a
+    ``NamedSharding``: a bare spec in ``out_sharding`` or ``reshard`` needs a mesh context
+    (``jax.set_mesh``), which a caller whose arrays carry their mesh may not have entered."""
+    return jax.sharding.NamedSharding(jax.typeof(x).sharding.mesh, spec)
+
+
+def manual_device_index() -> jax.Array:
+    """Inside ``shard_map``: this device's index over the mesh axes that are manual there (its
+    position in the per-device program); ``0`` elsewhere (one program for the whole mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = tuple(getattr(mesh, "manual_axes", ()) or ())
+    return lax.axis_index(axes) if axes else jax.numpy.int32(0)
 
 
 def vary_over(x: Any, axes: frozenset) -> Any:

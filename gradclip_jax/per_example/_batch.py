@@ -338,7 +338,7 @@ def match_batch_sharding(v: jax.Array, like: jax.Array) -> jax.Array:
     if ax0 is None or batch_axis_sharding(v)[0] == ax0:
         return v
     spec = jax.sharding.PartitionSpec(ax0, *([None] * (v.ndim - 1)))
-    return jax.sharding.reshard(v, spec)
+    return jax.sharding.reshard(v, jc.on_mesh_of(like, spec))
 
 
 def vary_like(x: jax.Array, ref: Any) -> jax.Array:

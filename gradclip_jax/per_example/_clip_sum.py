@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gradclip_jax._core import norms as _norms
+from gradclip_jax._core import jaxcompat as jc, norms as _norms
 from gradclip_jax._core.control import cond
 from gradclip_jax.per_example._batch import (
     along_axis,
@@ -40,7 +40,7 @@ def _row_dot(w: jax.Array, r: jax.Array, acc: np.dtype) -> jax.Array:
     sharding is given, which is where ``tensordot`` raises ``ShardingTypeError``.
     """
     spec = explicit_spec(r)
-    out_sharding = None if spec is None else jax.sharding.PartitionSpec(*spec[1:])
+    out_sharding = None if spec is None else jc.on_mesh_of(r, jax.sharding.PartitionSpec(*spec[1:]))
     return lax.dot_general(
         w.astype(acc),
         r.astype(acc),

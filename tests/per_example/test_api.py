@@ -505,6 +505,22 @@ def test_explicit_sharding_matches_single_device():
 
 
 @needs_8
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+def test_explicitly_sharded_arrays_need_no_mesh_context(method):
+    """Arrays placed on an explicit mesh carry it: a jitted step on them, outside
+    ``jax.set_mesh``, gives the one-device sums (the internal reshards and dot outputs name
+    the arrays' mesh; a bare PartitionSpec there raised "not under a mesh context")."""
+    loss, params, data = mlp_setup(batch=16)
+    mask = jnp.arange(16) % 3 != 0
+    ref, _ = clipped_grad(loss, 0.5, method=method)(params, data, mask=mask)
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,))
+    d_sh = jax.device_put(data, NamedSharding(mesh, P("x")))
+    p_rep = jax.device_put(params, NamedSharding(mesh, P()))
+    out, _ = jax.jit(clipped_grad(loss, 0.5, method=method))(p_rep, d_sh, mask=mask)
+    assert_tree_close(out, ref)
+
+
+@needs_8
 def test_automatic_sharding_matches_single_device():
     loss, params, data = mlp_setup(batch=16)
     ref, ref_info = jax.jit(clipped_grad(loss, 0.5))(params, data)  # eagerly: op by op

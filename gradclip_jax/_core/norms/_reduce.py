@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from gradclip_jax._core import jaxcompat
 from gradclip_jax._core.norms._axes import reduced_size
 from gradclip_jax._core.norms._spec import Axes
 from gradclip_jax._core.norms._trees import acc_dtype
@@ -148,7 +149,8 @@ def stack_rows(parts: Sequence[jax.Array]) -> jax.Array:
     specs = [_type_spec(p) for p in parts]
     target = next((s for s in specs if any(a is not None for a in s)), None)
     if target is not None:
-        spec = jax.sharding.PartitionSpec(*target)
+        first = next(p for p, s in zip(parts, specs) if s == target)
+        spec = jaxcompat.on_mesh_of(first, jax.sharding.PartitionSpec(*target))
         parts = [p if s == target else jax.sharding.reshard(p, spec) for p, s in zip(parts, specs)]
     return jnp.stack(parts)
 

@@ -14,7 +14,7 @@ epochs) and privacy target (:math:`\\varepsilon`, :math:`\\delta`, clip norm
 * ``accountant``: a :class:`gradclip_jax.PrivacyAccountant` that
   :meth:`PrivateTraining.batches` fills one step per batch;
 * ``step(params, opt_state, batch, mask, key) -> (params, opt_state, metrics)``:
-  one DP-SGD step, pure and jit-compatible:
+  one DP-SGD step, jit-compatible, a function of its arguments (it reports its key to the host):
 
   .. math:: \\tilde g = \\frac{1}{qn}\\Big(\\sum_{i:\\ \\text{mask}_i} g_i
       \\min\\big(1, \\tfrac{C}{\\|g_i\\|_2}\\big) + \\mathcal{N}(0, z^2C^2 I)\\Big),
@@ -49,10 +49,13 @@ noise, as in a single-process run.
 Nothing is hidden: the step's state is ``params`` and ``opt_state`` (pytrees)
 and the ``key`` you pass (:meth:`PrivateTraining.batches` with ``noise_key=``
 gives each step's, the same after a resume); the accountant is a host-side record.
+Each executed update reports its noise key to the host (``_releases``): the run gives no
+epsilon while more updates ran than steps were recorded, or a key was used twice.
 """
 
 # _make_private: make_private; _step: the jit-able step functions and their metrics; _training: the
-# run on the host (batches recorded step by step, progress, state); _resume: the plan, checked on resume
+# run on the host (batches recorded step by step, progress, state); _resume: the plan, checked on resume;
+# _releases: the executed noisy updates, counted on the host
 from gradclip_jax.dp.private_step._make_private import (
     make_private as make_private,
 )

@@ -21,6 +21,7 @@ from gradclip_jax.dp.private_step._hardened import (
     hardening,
     sampler_seed,
 )
+from gradclip_jax.dp.private_step._releases import ReleaseLog
 from gradclip_jax.dp.private_step._resume import check_resume, resumed_noise, run_plan, sampler_rate
 from gradclip_jax.dp.private_step._step import step_functions
 from gradclip_jax.dp.private_step._training import PrivateTraining
@@ -319,6 +320,7 @@ def make_private(
         grid = grid_functions(
             loss_fn, float(l2_clip_norm), hard.grid_scale, float(grad_fn.sensitivity(rel)), z, fn
         )
+    releases = ReleaseLog()
     init, step, clipped_sum, noisy_update = step_functions(
         grad_fn,
         optimizer,
@@ -326,6 +328,7 @@ def make_private(
         divisor,
         noise=gaussian_noise(hard) if grid is None else grid.noise,
         summed_by=None if grid is None else grid.clipped_sum,
+        releases=releases,
     )
 
     return PrivateTraining(
@@ -349,4 +352,6 @@ def make_private(
         hardened=hard.mode,
         rng=hard.rng,
         grid_scale=hard.grid_scale,
+        releases=releases,
+        recorded_before=acc.steps,
     )

@@ -1,4 +1,4 @@
-"""The pure, jit-able functions of a private run: the clipped sum of a batch, the noised and
+"""The jit-able functions of a private run: the clipped sum of a batch, the noised and
 averaged update, and the step that chains them (with its metrics)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import optax
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.validation import check_mask
 from gradclip_jax.dp.noise import add_gaussian_noise
+from gradclip_jax.dp.private_step._releases import ReleaseLog
 from gradclip_jax.per_example.api import ClippedGradFn, ClippedGradInfo
 
 
@@ -67,11 +68,13 @@ def step_functions(
     divisor: float,
     noise: Callable[..., Any] | None = None,
     summed_by: Callable[..., tuple[Any, ClippedGradInfo]] | None = None,
+    releases: ReleaseLog | None = None,
 ) -> _StepFunctions:
-    """The pure, jit-able functions of a run: noise of standard deviation ``std``, sum over ``divisor``.
+    """The jit-able functions of a run: noise of standard deviation ``std``, sum over ``divisor``.
 
     ``noise(summed, stddev, key)`` adds the noise (default :func:`add_gaussian_noise`); ``summed_by``
-    replaces ``grad_fn`` for the clipped sum (the hardened integer grid: its ``noise`` ignores ``std``).
+    replaces ``grad_fn`` for the clipped sum (the hardened integer grid: its ``noise`` ignores ``std``);
+    ``releases`` hears of each executed ``noisy_update`` (:mod:`._releases`).
     """
     add_noise = add_gaussian_noise if noise is None else noise
     sum_fn = grad_fn if summed_by is None else summed_by
@@ -90,6 +93,8 @@ def step_functions(
     def noisy_update(
         params: Any, opt_state: Any, summed: Any, key: jax.Array
     ) -> tuple[Any, Any, jax.Array]:
+        if releases is not None:
+            releases.mark(key)
         noised = add_noise(summed, std, key)
         grads = jax.tree.map(
             lambda g, p: (g / jnp.asarray(divisor, g.dtype)).astype(jnp.asarray(p).dtype),

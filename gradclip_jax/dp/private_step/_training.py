@@ -14,6 +14,7 @@ import optax
 
 from gradclip_jax.dp.accounting import PrivacyAccountant
 from gradclip_jax.dp.hardened import BitGenerator, os_key
+from gradclip_jax.dp.private_step._releases import ReleaseLog
 from gradclip_jax.dp.private_step._resume import STATE_FORMAT, run_plan
 from gradclip_jax.dp.private_step._step import PrivateStepMetrics
 from gradclip_jax.dp.sampling.protocol import BatchSampler
@@ -22,7 +23,9 @@ from gradclip_jax.per_example.api import ClippedGradFn, ClippedGradInfo
 
 class PrivacyBudgetError(RuntimeError):
     """A step was to be recorded beyond the run :func:`make_private` calibrated: it would spend
-    more than the target epsilon. Pass ``allow_beyond_plan=True`` to record it anyway."""
+    more than the target epsilon (pass ``allow_beyond_plan=True`` to record it anyway); or more
+    noisy updates ran than steps were recorded, or a noise key was used twice: then no epsilon
+    the accountant gives is the guarantee of what ran."""
 
 
 class PrivacyBudgetWarning(UserWarning):
@@ -61,6 +64,12 @@ class PrivateTraining:
       hardened: ``None``, or the hardened mode (``'sum_of_normals'``, ``'discrete'``).
       rng: a hardened run's generator (``None``: the OS's entropy), read by :meth:`noise_key`.
       grid_scale: ``hardened='discrete'``'s grid scale (else ``None``).
+      releases: the host's count of the executed ``noisy_update`` calls (and ``step`` calls) and
+        their keys (:mod:`gradclip_jax.dp.private_step._releases`): :meth:`epsilon`,
+        :meth:`state_dict` and :meth:`batches` refuse to go on when more ran than were recorded,
+        or a key was used twice (``None``: not checked).
+      recorded_before: the steps the accountant held when the run was built (a resumed run's:
+        they ran before).
     """
 
     noise_multiplier: float
@@ -83,6 +92,8 @@ class PrivateTraining:
     hardened: str | None = None
     rng: BitGenerator | None = None
     grid_scale: float | None = None
+    releases: ReleaseLog | None = None
+    recorded_before: int = 0
 
     def noise_key(self) -> jax.Array:
         """A fresh noise key for one ``step``, its bits from the OS's entropy (or the run's ``rng``).
@@ -108,8 +119,10 @@ class PrivateTraining:
         Raises:
           PrivacyBudgetError: when the planned ``steps`` are all recorded already (the run
             was calibrated for that many), unless ``allow_beyond_plan``: then the step is
-            recorded with a :class:`PrivacyBudgetWarning` stating the epsilon spent.
+            recorded with a :class:`PrivacyBudgetWarning` stating the epsilon spent; as
+            :meth:`check_releases` (without waiting for the updates in flight).
         """
+        self.check_releases(wait=False)
         done = self.accountant.steps
         if done >= self.steps and not self.allow_beyond_plan:
             raise PrivacyBudgetError(
@@ -271,6 +284,7 @@ class PrivateTraining:
           >>> [b.step for b in resumed.batches()], resumed.epsilon() == priv.planned_epsilon
           ([2, 3], True)
         """
+        self.check_releases()
         return {
             "format": STATE_FORMAT,
             "plan": self.plan(),
@@ -282,8 +296,43 @@ class PrivateTraining:
         }
 
     def epsilon(self, delta: float | None = None) -> float:
-        """The :math:`\\varepsilon` spent so far (recorded steps) at ``delta`` (default: the target's)."""
+        """The :math:`\\varepsilon` spent so far (recorded steps) at ``delta`` (default: the target's).
+
+        Raises:
+          PrivacyBudgetError: as :meth:`check_releases`: the recorded steps do not cover what ran.
+        """
+        self.check_releases()
         return self.accountant.epsilon(self.delta if delta is None else delta)
+
+    def check_releases(self, wait: bool = True) -> None:
+        """Checks that the accountant covers every noisy update that ran (``step`` or
+        ``noisy_update``, however jitted): no more of them than recorded steps, and no noise key
+        used twice. ``wait``: for the updates dispatched to run first.
+
+        Raises:
+          PrivacyBudgetError: naming the counts, or the reused key.
+        """
+        if self.releases is None:
+            return
+        ran, reused = self.releases.counts(wait)
+        recorded = self.accountant.steps - self.recorded_before
+        if reused:
+            raise PrivacyBudgetError(
+                "PrivateTraining: a noise key was used by more than one noisy update that ran: the "
+                "same noise added to two sums leaves their difference noise-free, so no epsilon holds "
+                "for this run. Give each step a fresh key: batches(noise_key=key) yields each step's "
+                "(or priv.step_key(key), priv.noise_key())"
+            )
+        if ran > recorded:
+            raise PrivacyBudgetError(
+                f"PrivateTraining: {ran} noisy updates (step or noisy_update) ran, but the accountant "
+                f"recorded {recorded} steps (the batches drawn from priv.batches(), or "
+                "priv.record_step()): its epsilon does not cover what ran. A batch used twice (a "
+                "cached list of batches trained over again) or a step on a batch not drawn from this "
+                "run releases more than a recorded step. Run each step once, on a batch from "
+                "priv.batches(); to compile the step without running it, "
+                "jax.jit(priv.step).lower(...).compile()"
+            )
 
 
 def _gather(sampler: BatchSampler, data: Any, b: Any) -> tuple[Any, Any]:

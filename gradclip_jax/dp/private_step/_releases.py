@@ -1,0 +1,56 @@
+"""The noisy updates a private run has executed, counted on the host.
+
+The accountant records a step when :meth:`PrivateTraining.batches` draws its batch; the noise is
+added when ``noisy_update`` (and so ``step``) *runs*, in a program the user jits. Only the two
+together make the epsilon the guarantee of what ran: a batch used twice (a cached list of batches
+trained over twice), or a step run on a batch not drawn from the run, releases more than the
+accountant holds, and a noise key used twice adds the same noise to two sums, whose difference
+then carries none. So each executed ``noisy_update`` reports its key to the host
+(``jax.debug.callback``, which runs under ``jax.jit``, ``lax.scan`` and ``vmap``: once per
+executed update), and :class:`PrivateTraining` refuses to give an epsilon, or a state to resume
+from, while more updates ran than steps were recorded, or a key was used twice.
+
+Inside ``shard_map`` the callback runs on every device: a key reported by several devices in
+one update (the replicated key of a replicated sum: one draw, the same on every device) is one
+release; the same key twice from one device is a reuse; different keys from different devices
+(a per-device key) are as many releases, as the replicas then differ.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import numpy as np
+
+from gradclip_jax._core import jaxcompat
+
+
+class ReleaseLog:
+    """The noise keys of the noisy updates a run has executed, each with the devices it ran on."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._devices: dict[bytes, int] = {}  # key bits -> bit mask of the devices that used them
+        self._reused = 0
+
+    def mark(self, key: jax.Array) -> None:
+        """Inside the traced update: reports ``key`` to the host each time the update runs."""
+        if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+            key = jax.random.key_data(key)
+        jax.debug.callback(self._record, key, jaxcompat.manual_device_index())
+
+    def _record(self, key: np.ndarray, device: np.ndarray) -> None:
+        bits, bit = np.asarray(key).tobytes(), 1 << int(device)
+        with self._lock:
+            used = self._devices.get(bits, 0)
+            self._reused += bool(used & bit)
+            self._devices[bits] = used | bit
+
+    def counts(self, wait: bool = True) -> tuple[int, int]:
+        """``(updates run, keys used again)``; ``wait``: once every update dispatched has run
+        (``jax.effects_barrier``), else as far as the host has heard."""
+        if wait:
+            jax.effects_barrier()
+        with self._lock:
+            return len(self._devices), self._reused

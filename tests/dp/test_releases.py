@@ -1,0 +1,156 @@
+"""make_private's epsilon covers every noisy update that ran (gradclip_jax.dp.private_step._releases)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from gradclip_jax import PrivacyBudgetError, make_private
+
+pytest.importorskip("dp_accounting")
+
+N, B, STEPS = 200, 20, 6
+
+
+def _loss(w, batch):
+    return 0.5 * (batch["x"] @ w - batch["y"]) ** 2
+
+
+def _data():
+    x = np.random.default_rng(0).normal(size=(N, 3)).astype(np.float32)
+    return {"x": x, "y": x @ np.array([1.0, -1.0, 2.0], np.float32)}
+
+
+def _priv(**kw):
+    args = dict(
+        dataset_size=N,
+        expected_batch_size=B,
+        steps=STEPS,
+        target_epsilon=4.0,
+        delta=1e-4,
+        l2_clip_norm=1.0,
+        seed=0,
+        process_index=0,
+        process_count=1,
+    )
+    return make_private(_loss, optax.sgd(0.1), **{**args, **kw})
+
+
+def test_the_documented_loop_is_covered_and_its_epsilon_given():
+    priv = _priv()
+    step = jax.jit(priv.step)
+    w, opt = jnp.zeros(3), priv.init(jnp.zeros(3))
+    for batch, mask, key in priv.batches(_data(), noise_key=jax.random.key(1)):
+        w, opt, _ = step(w, opt, batch, mask, key)
+    assert priv.releases is not None and priv.releases.counts() == (STEPS, 0)
+    assert priv.epsilon() == pytest.approx(priv.planned_epsilon, rel=1e-9)
+    assert priv.state_dict()["sampler"]["steps_taken"] == STEPS
+
+
+def test_batches_trained_over_twice_leave_no_epsilon():
+    """A cached list of the run's batches used for two epochs releases each batch twice: the
+    accountant's epsilon (one release each) is not the guarantee of what ran."""
+    priv = _priv()
+    step = jax.jit(priv.step)
+    w, opt = jnp.zeros(3), priv.init(jnp.zeros(3))
+    cached = list(priv.batches(_data()))
+    key = jax.random.key(0)
+    for _ in range(2):
+        for batch, mask in cached:
+            key, sub = jax.random.split(key)
+            w, opt, _ = step(w, opt, batch, mask, sub)
+    match = rf"{2 * STEPS} noisy updates \(step or noisy_update\) ran, but the accountant recorded {STEPS} steps"
+    with pytest.raises(PrivacyBudgetError, match=match):
+        priv.epsilon()
+    with pytest.raises(PrivacyBudgetError, match=match):
+        priv.state_dict()
+
+
+def test_steps_run_without_drawing_batches_leave_no_epsilon():
+    """``step`` on batches the run did not draw (nothing recorded): epsilon would read 0."""
+    priv = _priv()
+    data = _data()
+    batch, mask = {k: v[:B] for k, v in data.items()}, np.ones(B, bool)
+    update = jax.jit(priv.noisy_update)
+    w, opt = jnp.zeros(3), priv.init(jnp.zeros(3))
+    summed, _ = priv.clipped_sum(w, batch, mask)
+    update(w, opt, summed, jax.random.key(3))
+    with pytest.raises(PrivacyBudgetError, match=r"1 noisy updates .* recorded 0 steps"):
+        priv.epsilon()
+    with pytest.raises(
+        PrivacyBudgetError, match="recorded 0 steps"
+    ):  # and the loop refuses to go on
+        next(iter(priv.batches(data)))
+
+
+def test_a_noise_key_used_twice_leaves_no_epsilon():
+    """The same key on two steps adds the same noise to two sums: their difference is exact."""
+    priv = _priv()
+    step = jax.jit(priv.step)
+    w, opt = jnp.zeros(3), priv.init(jnp.zeros(3))
+    key = jax.random.key(7)
+    for batch, mask in priv.batches(_data()):
+        w, opt, _ = step(w, opt, batch, mask, key)
+        if priv.accountant.steps == 2:
+            break
+    with pytest.raises(
+        PrivacyBudgetError, match="noise key was used by more than one noisy update"
+    ):
+        priv.epsilon()
+
+
+def test_updates_in_a_scan_and_on_sharded_batches_count_once_each():
+    """Several steps in one jitted ``lax.scan`` count one each; a batch sharded over devices
+    (one program for the mesh) and a replicated key inside ``shard_map`` (one draw, the same on
+    every device) count one update, not one per device; a per-device key counts one per device,
+    as the replicas then differ."""
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 (simulated) devices")
+    priv = _priv(max_batch_size=40)
+    data = _data()
+    w, opt = jnp.zeros(3), priv.init(jnp.zeros(3))
+    items = list(priv.batches(data, noise_key=jax.random.key(2)))[:4]
+    stacked = jax.tree.map(lambda *x: jnp.stack(x), *items[:2])
+
+    def two(carry, item):
+        batch, mask, key = item
+        return priv.step(*carry, batch, mask, key)[:2], None
+
+    w, opt = jax.jit(lambda c, xs: jax.lax.scan(two, c, xs)[0])((w, opt), stacked)
+    assert priv.releases.counts() == (2, 0)
+
+    mesh = jax.make_mesh((4,), ("b",))
+    rows = NamedSharding(mesh, P("b"))
+    batch, mask, key = items[2]
+    w, opt, _ = jax.jit(priv.step)(
+        w, opt, jax.device_put(batch, rows), jax.device_put(mask, rows), key
+    )
+    assert priv.releases.counts() == (3, 0)
+
+    def local(w, opt, batch, mask, key, per_device):
+        summed = jax.lax.psum(priv.clipped_sum(w, batch, mask)[0], "b")
+        if per_device:
+            key = jax.random.fold_in(key, jax.lax.axis_index("b"))
+        return priv.noisy_update(w, opt, summed, key)[:2]
+
+    def run(per_device, out):
+        f = jax.shard_map(
+            lambda *a: local(*a, per_device),
+            mesh=mesh,
+            in_specs=(P(), P(), P("b"), P("b"), P()),
+            out_specs=out,
+        )
+        return jax.jit(f)(w, opt, jax.device_put(batch, rows), jax.device_put(mask, rows), key)
+
+    batch, mask, key = items[3]
+    run(False, (P(), P()))
+    assert priv.releases.counts() == (4, 0)
+    assert priv.epsilon() > 0.0
+    run(True, (P("b"), P("b")))
+    assert priv.releases.counts() == (8, 0)
+    with pytest.raises(PrivacyBudgetError, match="8 noisy updates"):
+        priv.epsilon()
