@@ -41,11 +41,12 @@ import copy
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 try:
     import dp_accounting
@@ -61,7 +62,7 @@ except ImportError as err:  # pragma: no cover - exercised without the extra
 from gradclip_jax._core.validation import clip_norm_arg
 from gradclip_jax.interop import jax_privacy as _dropin
 
-__all__ = ["MFPlan", "bandmf_plan", "blt_plan", "with_gradclip"]
+__all__ = ["MFPlan", "PlanNoiseState", "bandmf_plan", "blt_plan", "with_gradclip"]
 
 _REL = dp_accounting.NeighboringRelation
 # our relation names -> (dp-accounting's relation, the partition jax-privacy's plan accepts with it)
@@ -84,7 +85,11 @@ class MFPlan(execution_plan.DPExecutionPlan):
         ``batch_iterator(num_examples, rng)`` yields each step's indices.
       noise_addition_transform: the optax ``GradientTransformation`` adding the
         correlated noise to each step's clipped sum (``init(params)``, then
-        ``update(clipped_sum, state)``).
+        ``update(clipped_sum, state)``), its state a :class:`PlanNoiseState`. The
+        state carries the noise stream: checkpoint it with the parameters and
+        restore it on resume. Initialized again, it replays the first steps' noise,
+        and the same noise on other sums leaves their differences noise-free. Past
+        the plan's ``iterations`` steps its updates are NaN.
       dp_event: the ``dp_accounting.DpEvent`` of the whole run.
       noise_multiplier: the calibrated noise multiplier of ``dp_event``.
       epsilon: what a fresh dp-accounting PLD accountant gives ``dp_event`` at ``delta``.
@@ -100,6 +105,36 @@ class MFPlan(execution_plan.DPExecutionPlan):
     sampling_prob: float
     strategy: np.ndarray
     neighboring_relation: Any
+
+
+class PlanNoiseState(NamedTuple):
+    """The state of an :class:`MFPlan`'s ``noise_addition_transform``.
+
+    Attributes:
+      count: the steps noised so far (int32 scalar).
+      inner: jax-privacy's privatizer state (its key and the noise buffers).
+    """
+
+    count: jax.Array
+    inner: Any
+
+
+def _counted(noise: Any, iterations: int) -> optax.GradientTransformation:
+    """``noise`` (jax-privacy's privatizer) counting its steps: past ``iterations`` every
+    update is NaN. The run's epsilon is for ``iterations`` steps (the plan's ``dp_event``), and
+    a step beyond them (a second pass of ``batch_iterator``) would release noise the accounting
+    never saw; the NaN is what ``optax.apply_if_finite`` catches, and the parameters show it."""
+
+    def init_fn(params: Any) -> PlanNoiseState:
+        return PlanNoiseState(jnp.zeros((), jnp.int32), noise.init(params))
+
+    def update_fn(updates: Any, state: PlanNoiseState, params: Any = None) -> tuple:
+        out, inner = noise.update(updates, state.inner, params)
+        spent = state.count >= iterations
+        out = jax.tree.map(lambda u: jnp.where(spent, jnp.full_like(u, jnp.nan), u), out)
+        return out, PlanNoiseState(state.count + 1, inner)
+
+    return optax.GradientTransformation(init_fn, update_fn)
 
 
 def _plan_clipped_grad(fixed: dict[str, Any]) -> Any:
@@ -317,8 +352,10 @@ def bandmf_plan(
     )
     plan = with_gradclip(config, method)
     spent = copy.deepcopy(config.accountant).compose(plan.dp_event).get_epsilon(delta)
+    fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
+    fields["noise_addition_transform"] = _counted(plan.noise_addition_transform, iterations)
     return MFPlan(
-        **{f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)},
+        **fields,
         noise_multiplier=_noise_multiplier(plan.dp_event),
         epsilon=float(spent),
         delta=delta,
@@ -504,7 +541,7 @@ def blt_plan(
     return MFPlan(
         clipped_grad=clipped_grad,
         batch_selection_strategy=sampling,
-        noise_addition_transform=privatizer,
+        noise_addition_transform=_counted(privatizer, iterations),
         dp_event=event,
         noise_multiplier=z,
         epsilon=float(fresh().compose(event).get_epsilon(delta)),

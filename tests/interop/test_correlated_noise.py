@@ -451,3 +451,23 @@ def test_blt_optimized_strategy_is_calibrated_alike_and_no_worse_than_the_ration
         * _blt_sensitivity_by_brute_force(opt.strategy, t, cycle)
     )
     np.testing.assert_allclose(np.cov(c @ noise), sigma**2 * np.eye(t), atol=0.03 * sigma**2)
+
+
+def _past_the_plan_is_nan(plan, iterations):
+    noise = _noise(plan.noise_addition_transform, (3,), iterations + 2)
+    assert np.all(np.isfinite(noise[:iterations])) and np.all(np.isnan(noise[iterations:]))
+    state = plan.noise_addition_transform.init(jnp.zeros(3))
+    assert isinstance(state, cn.PlanNoiseState) and int(state.count) == 0
+
+
+@SMALL_PLAN
+def test_bandmf_noise_past_the_planned_steps_is_nan(small_plan):
+    """The plan's epsilon is for ``iterations`` steps: a step beyond them (a second pass of
+    ``batch_iterator``) gives a NaN update, which ``optax.apply_if_finite`` catches, not noise
+    the accounting never saw."""
+    _past_the_plan_is_nan(small_plan, SMALL["iterations"])
+
+
+@BLT_PLAN
+def test_blt_noise_past_the_planned_steps_is_nan(blt_small):
+    _past_the_plan_is_nan(blt_small, BLT["iterations"])

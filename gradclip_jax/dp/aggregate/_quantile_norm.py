@@ -178,7 +178,12 @@ def dp_quantile_aggregate(
     Returns:
       An :class:`optax.GradientTransformationExtraArgs` with state
       :class:`DPQuantileAggregateState`, called as
-      ``update(per_example_grads, state, params=None, mask=None)``.
+      ``update(per_example_grads, state, params=None, mask=None)``. ``mask``, ``(B,)``
+      booleans, marks the real examples: **pass it for padded batches** (Poisson
+      batches padded to a fixed size). An unmasked row counts in the quantile's count
+      even when it is all zeros (as an unclipped example), so an example taking a
+      padding row's place would move the count by up to 1 instead of the 1/2 its
+      accounting assumes. (The gradient sum is not affected: a zero row adds nothing.)
 
     Example:
       >>> import jax.numpy as jnp
