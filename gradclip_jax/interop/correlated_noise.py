@@ -111,11 +111,11 @@ class PlanNoiseState(NamedTuple):
     """The state of an :class:`MFPlan`'s ``noise_addition_transform``.
 
     Attributes:
-      count: the steps noised so far (int32 scalar).
+      steps: the steps noised so far (int32 scalar).
       inner: jax-privacy's privatizer state (its key and the noise buffers).
     """
 
-    count: jax.Array
+    steps: jax.Array
     inner: Any
 
 
@@ -130,9 +130,9 @@ def _counted(noise: Any, iterations: int) -> optax.GradientTransformation:
 
     def update_fn(updates: Any, state: PlanNoiseState, params: Any = None) -> tuple:
         out, inner = noise.update(updates, state.inner, params)
-        spent = state.count >= iterations
+        spent = state.steps >= iterations
         out = jax.tree.map(lambda u: jnp.where(spent, jnp.full_like(u, jnp.nan), u), out)
-        return out, PlanNoiseState(state.count + 1, inner)
+        return out, PlanNoiseState(state.steps + 1, inner)
 
     return optax.GradientTransformation(init_fn, update_fn)
 

@@ -457,7 +457,7 @@ def _past_the_plan_is_nan(plan, iterations):
     noise = _noise(plan.noise_addition_transform, (3,), iterations + 2)
     assert np.all(np.isfinite(noise[:iterations])) and np.all(np.isnan(noise[iterations:]))
     state = plan.noise_addition_transform.init(jnp.zeros(3))
-    assert isinstance(state, cn.PlanNoiseState) and int(state.count) == 0
+    assert isinstance(state, cn.PlanNoiseState) and int(state.steps) == 0
 
 
 @SMALL_PLAN
