@@ -154,3 +154,23 @@ def test_updates_in_a_scan_and_on_sharded_batches_count_once_each():
     assert priv.releases.counts() == (8, 0)
     with pytest.raises(PrivacyBudgetError, match="8 noisy updates"):
         priv.epsilon()
+
+
+def test_runs_under_vmap_report_their_keys_in_one_callback():
+    """Many runs at once (``vmap``, as an audit simulates them) send every run's key to the host
+    in one callback, not one unrolled callback per run; runs sharing one key on different sums
+    are a reuse."""
+    priv = _priv()
+    runs = 6
+    w = jnp.zeros((runs, 3))
+    opt = jax.vmap(priv.init)(w)
+    summed = jnp.arange(runs * 3.0).reshape(runs, 3)
+    keys = jax.random.split(jax.random.key(5), runs)
+    update = jax.jit(jax.vmap(priv.noisy_update))
+    program = update.lower(w, opt, summed, keys).as_text()
+    assert program.count("callback") <= 2, program.count("callback")  # (a call and its target)
+    update(w, opt, summed, keys)
+    assert priv.releases.counts() == (runs, 0)
+    one_key = jax.jit(jax.vmap(priv.noisy_update, in_axes=(0, 0, 0, None)))
+    one_key(w, opt, summed, jax.random.key(6))
+    assert priv.releases.counts() == (runs + 1, runs - 1)

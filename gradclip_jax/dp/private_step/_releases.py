@@ -10,6 +10,10 @@ then carries none. So each executed ``noisy_update`` reports its key to the host
 executed update), and :class:`PrivateTraining` refuses to give an epsilon, or a state to resume
 from, while more updates ran than steps were recorded, or a key was used twice.
 
+Under ``jax.vmap`` (many runs at once, as an audit simulates them) the keys of all the runs go
+to the host in one call (``jax.custom_batching.custom_vmap``), not one callback per run; runs
+that share one key while their sums differ are each a release with that key (a reuse).
+
 Inside ``shard_map`` the callback runs on every device: a key reported by several devices in
 one update (the replicated key of a replicated sum: one draw, the same on every device) is one
 release; the same key twice from one device is a reuse; different keys from different devices
@@ -19,8 +23,11 @@ release; the same key twice from one device is a reuse; different keys from diff
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from gradclip_jax._core import jaxcompat
@@ -33,19 +40,46 @@ class ReleaseLog:
         self._lock = threading.Lock()
         self._devices: dict[bytes, int] = {}  # key bits -> bit mask of the devices that used them
         self._reused = 0
+        self._report = self._reporter()
 
-    def mark(self, key: jax.Array) -> None:
-        """Inside the traced update: reports ``key`` to the host each time the update runs."""
+    def mark(self, key: jax.Array, summed: Any) -> None:
+        """Inside the traced update: reports ``key`` to the host each time the update of ``summed``
+        runs (``summed`` only says whether, under ``vmap``, there is one sum per run)."""
         if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
             key = jax.random.key_data(key)
-        jax.debug.callback(self._record, key, jaxcompat.manual_device_index())
+        leaves = jax.tree_util.tree_leaves(summed)
+        runs = jnp.ravel(leaves[0])[:0] if leaves else jnp.zeros((0,))  # batched as the sums are
+        self._report(key, jaxcompat.manual_device_index(), runs)
 
-    def _record(self, key: np.ndarray, device: np.ndarray) -> None:
-        bits, bit = np.asarray(key).tobytes(), 1 << int(device)
+    def _reporter(self) -> Callable[..., Any]:
+        """``report(key words, device, runs)``: one host callback, however many ``vmap`` levels wrap it."""
+
+        @jax.custom_batching.custom_vmap
+        def report(words: jax.Array, device: jax.Array, runs: jax.Array) -> tuple:
+            jax.debug.callback(self._record, words, device)
+            return ()
+
+        @report.def_vmap
+        def batched(size: int, batched: list[bool], words: Any, device: Any, runs: Any) -> tuple:
+            if not batched[0]:  # one key for every run: each run with its own sum uses it
+                words = jnp.broadcast_to(words, (size, *words.shape))
+            if batched[1]:  # (a device index does not vary over a vmap; one stands for all)
+                device = device[0]
+            report(words, device, runs if batched[2] else jnp.zeros((size, 0)))
+            return (), ()
+
+        return report
+
+    def _record(self, words: np.ndarray, device: np.ndarray) -> None:
+        words = np.asarray(words)
+        rows = words.reshape(-1, words.shape[-1]) if words.ndim else words.reshape(1, 1)
+        bit = 1 << int(device)
         with self._lock:
-            used = self._devices.get(bits, 0)
-            self._reused += bool(used & bit)
-            self._devices[bits] = used | bit
+            for row in rows:
+                bits = row.tobytes()
+                used = self._devices.get(bits, 0)
+                self._reused += bool(used & bit)
+                self._devices[bits] = used | bit
 
     def counts(self, wait: bool = True) -> tuple[int, int]:
         """``(updates run, keys used again)``; ``wait``: once every update dispatched has run

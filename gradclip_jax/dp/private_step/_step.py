@@ -94,7 +94,7 @@ def step_functions(
         params: Any, opt_state: Any, summed: Any, key: jax.Array
     ) -> tuple[Any, Any, jax.Array]:
         if releases is not None:
-            releases.mark(key)
+            releases.mark(key, summed)
         noised = add_noise(summed, std, key)
         grads = jax.tree.map(
             lambda g, p: (g / jnp.asarray(divisor, g.dtype)).astype(jnp.asarray(p).dtype),
