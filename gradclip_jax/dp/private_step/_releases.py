@@ -42,6 +42,10 @@ class ReleaseLog:
         self._reused = 0
         self._report = self._reporter()
 
+    def __deepcopy__(self, memo: dict) -> ReleaseLog:
+        # a copy of a run (``copy.deepcopy(priv)``) keeps its step functions, which report here
+        return self
+
     def mark(self, key: jax.Array, summed: Any) -> None:
         """Inside the traced update: reports ``key`` to the host each time the update of ``summed``
         runs (``summed`` only says whether, under ``vmap``, there is one sum per run)."""
