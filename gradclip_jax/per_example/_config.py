@@ -15,7 +15,7 @@ import numpy as np
 
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.factors import clip_factor
-from gradclip_jax._core.numerics import bounded_factor, divide_or_zero
+from gradclip_jax._core.numerics import divide_or_zero, rounding_margin
 from gradclip_jax._core.validation import is_traced
 from gradclip_jax.per_example._products import product_margin
 
@@ -46,15 +46,19 @@ class GhostSum(enum.Enum):
 
 
 def clip_factors(n: jax.Array, c: Any, store: Any = None) -> jax.Array:
-    """``min(1, c / n)`` (1 for a zero or non-finite norm), ``c`` cast to the norms' dtype.
+    """``min(1, c' / n)`` (1 for a zero or non-finite norm), ``c'`` the clip norm ``c`` lowered by
+    the rounding margin of ``store`` (default: the norms' dtype, the accumulation dtype).
 
-    A factor below 1 is lowered by the rounding margin of ``store`` (default: the
-    norms' dtype, the accumulation dtype), so each example's clipped
-    contribution, formed in the accumulation dtype and stored in ``store``, has
-    norm at most ``c``, rounding included. With reduced-pass products
-    (``PRODUCT_PRECISION``) ``c`` is first lowered by their error bound.
+    So each example's clipped contribution, formed in the accumulation dtype and stored in
+    ``store``, has norm at most ``c``, rounding included; and an example is left unscaled
+    only when its measured norm is at most ``c'``: a norm measured a few units below the
+    exact one (float32 sums of squares round small entries away) cannot carry an exact norm
+    above ``c`` through unclipped. With reduced-pass products (``PRODUCT_PRECISION``) ``c``
+    is first lowered by their error bound.
     """
-    return bounded_factor(plain_clip_factors(n, c), n.dtype if store is None else store)
+    store = n.dtype if store is None else store
+    m = jnp.asarray(rounding_margin(np.dtype(store), n.dtype), n.dtype)
+    return clip_factor(n, _margined(c, n.dtype) * m)
 
 
 def plain_clip_factors(n: jax.Array, c: Any) -> jax.Array:
@@ -109,17 +113,16 @@ class ClipConfig:
     def factors(self, n: jax.Array, c: Any) -> jax.Array:
         """Per-example factors from norms ``n`` and clip norm ``c``: clip, or normalize.
 
-        Factors below 1 are lowered by the rounding margin of the output dtype
-        (``dtype``, else ``store``, else the norms' dtype): a single clipped contribution,
-        as stored, has norm at most ``c``.
+        ``c`` is lowered by the rounding margin of the output dtype (``dtype``, else
+        ``store``, else the norms' dtype): a single clipped (or normalized, even scaled up)
+        contribution, as stored, has norm at most ``c``.
         """
         store = self.dtype if self.dtype is not None else self.store
         store = n.dtype if store is None else store
         if not self.normalize:
             return clip_factors(n, c, store)
-        return bounded_factor(
-            divide_or_zero(_margined(c, n.dtype), n + jnp.asarray(self.gamma, n.dtype)), store
-        )
+        m = jnp.asarray(rounding_margin(np.dtype(store), n.dtype), n.dtype)
+        return divide_or_zero(_margined(c, n.dtype) * m, n + jnp.asarray(self.gamma, n.dtype))
 
     def acc_dtype(self, leaf_dtype: Any) -> np.dtype:
         """The dtype a leaf's clipped sum is accumulated across chunks and returned in."""

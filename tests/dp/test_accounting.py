@@ -383,3 +383,14 @@ def test_calibration_takes_few_evaluations_and_lands_near_the_target(kind, targe
     assert len(calls) <= 10
     planned = accounting.epsilon(z, q, steps, delta, accountant=kind)
     assert (1 - 1e-3) * target <= planned <= target
+
+
+@pytest.mark.parametrize(
+    "target,q,steps,delta,acc",
+    [(1.0, 1.0, 1, 0.5, "pld"), (3.0, 0.9, 50, 0.9, "pld"), (3.0, 0.9, 50, 0.9, "rdp")],
+)
+def test_calibration_at_a_large_delta_meets_the_target(target, q, steps, delta, acc):
+    """At a large delta some noise multipliers spend epsilon 0: the search reads that as far
+    below the target (it took log(0): a math domain error)."""
+    z = accounting.calibrate_noise_multiplier(target, q, steps, delta, acc)
+    assert z > 0.0 and accounting.epsilon(z, q, steps, delta, accountant=acc) <= target

@@ -310,6 +310,26 @@ def _overflowing_batch():
     return loss, params, {"x": x}
 
 
+@pytest.mark.parametrize("method", ["vmap", "ghost", "grid"])
+@pytest.mark.parametrize("ones", [1, 16])
+def test_an_example_measured_at_the_clip_norm_stays_within_it(method, ones):
+    """``[4096, 1, ..., 1]`` against ``C = 4096``: float32's sum of squares rounds the ones away,
+    so the measured norm is ``C`` while the exact one is above it. Such an example was added
+    unscaled (exact norm 4096.0020 with 16 ones; on the integer grid 4096.0001): an example is
+    now left unscaled only when its measured norm is below ``C`` by the rounding margin."""
+    from gradclip_jax.dp.hardened import grid_clipped_sum
+
+    clip = 4096.0
+    x = np.ones(ones + 1, np.float32)
+    x[0] = clip
+    if method == "grid":
+        summed = grid_clipped_sum({"w": jnp.asarray(x)[None]}, clip, 1.0)["w"]
+    else:
+        fn = clipped_grad(lambda p, b: b["x"] @ p["w"], clip, method=method)
+        summed = jax.jit(fn)({"w": jnp.zeros(ones + 1)}, {"x": jnp.asarray(x[None])})[0]["w"]
+    assert np.linalg.norm(np.asarray(summed, np.float64)) <= clip
+
+
 @pytest.mark.parametrize("method", ["vmap", "ghost"])
 @pytest.mark.parametrize("nan_safe", [True, False])
 @pytest.mark.parametrize("clip", ["global", "per_layer", "tree"])

@@ -265,4 +265,4 @@ def test_rescaled_example_just_below_the_clip_norm_stays_within_norm_one(method)
         g, _ = f({"w": jnp.zeros(d, jnp.float32)}, {"x": jnp.asarray(x[None])})
         worst = max(worst, float(np.linalg.norm(np.asarray(g["w"], np.float64))))
     assert worst <= 1.0
-    assert worst > 1.0 - 1e-6  # lowered by a few units only
+    assert worst > 1.0 - 2e-6  # lowered by a few units only (the factor's margin, the division's)

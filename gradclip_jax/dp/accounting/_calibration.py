@@ -114,7 +114,15 @@ def _excess(eps: float, target: float, tol: float) -> float:
     """:math:`\\log(\\varepsilon/\\varepsilon^*)`, 0 within ``[(1 - tol) target, target]`` (where Brent stops)."""
     if (1.0 - tol) * target <= eps <= target:
         return 0.0
-    return 1e3 if math.isinf(eps) else math.log(eps / target)
+    return _log_ratio(eps, target)
+
+
+def _log_ratio(eps: float, ref: float) -> float:
+    """:math:`\\log(\\varepsilon / \\text{ref})`, held to +-1e3: an infinite epsilon far above, and
+    an epsilon of 0 (a delta so large that nothing is spent) far below."""
+    if math.isinf(eps):
+        return 1e3
+    return -1e3 if eps <= 0.0 else math.log(eps / ref)
 
 
 def _bracket(
@@ -153,9 +161,9 @@ def _bracket(
         if hi is not None and (lo is not None or _excess(e, target, tol) == 0.0):
             return lo, hi
         # v: log epsilon above the middle of the accepted band, where the step aims
-        u, v = math.log(z), (1e3 if math.isinf(e) else math.log(e / ((1.0 - tol / 2) * target)))
+        u, v = math.log(z), _log_ratio(e, (1.0 - tol / 2) * target)
         slope = first_slope  # d log eps / d log z, until two finite points give it
-        if prev is not None and not math.isinf(e) and v != prev[1] and u != prev[0]:
+        if prev is not None and abs(v) < 1e3 and v != prev[1] and u != prev[0]:
             slope = min(-0.1, (v - prev[1]) / (u - prev[0]))
         step = min(_MAX_STEP, max(-_MAX_STEP, -v / slope))
         prev = (u, v)
