@@ -88,7 +88,7 @@ def top_level_getattr(
         top = importlib.import_module("gradclip_jax")
         return moved_message(f"{module}.{name}", f"gradclip_jax.{name}"), getattr(top, name)
 
-    return _warning_getattr(module, frozenset(names), entry, homes or {})
+    return _warning_getattr(module, frozenset(names), entry, homes)
 
 
 def _warning_getattr(

@@ -59,6 +59,7 @@ except ImportError as err:  # pragma: no cover - exercised without the extra
         "pip install 'gradclip_jax[jax-privacy]'"
     ) from err
 
+from gradclip_jax._core.hyperparam_rules import poison
 from gradclip_jax._core.validation import clip_norm_arg
 from gradclip_jax.interop import jax_privacy as _dropin
 
@@ -130,9 +131,7 @@ def _counted(noise: Any, iterations: int) -> optax.GradientTransformation:
 
     def update_fn(updates: Any, state: PlanNoiseState, params: Any = None) -> tuple:
         out, inner = noise.update(updates, state.inner, params)
-        spent = state.steps >= iterations
-        out = jax.tree.map(lambda u: jnp.where(spent, jnp.full_like(u, jnp.nan), u), out)
-        return out, PlanNoiseState(state.steps + 1, inner)
+        return poison(out, state.steps >= iterations), PlanNoiseState(state.steps + 1, inner)
 
     return optax.GradientTransformation(init_fn, update_fn)
 

@@ -56,14 +56,18 @@ def clip_factors(n: jax.Array, c: Any, store: Any = None) -> jax.Array:
     above ``c`` through unclipped. With reduced-pass products (``PRODUCT_PRECISION``) ``c``
     is first lowered by their error bound.
     """
-    store = n.dtype if store is None else store
-    m = jnp.asarray(rounding_margin(np.dtype(store), n.dtype), n.dtype)
-    return clip_factor(n, _margined(c, n.dtype) * m)
+    return clip_factor(n, _stored_clip(c, n.dtype, n.dtype if store is None else store))
 
 
 def plain_clip_factors(n: jax.Array, c: Any) -> jax.Array:
     """:func:`clip_factors` before the rounding margin (for an exact check of the stored bound)."""
     return clip_factor(n, _margined(c, n.dtype))
+
+
+def _stored_clip(c: Any, dtype: Any, store: Any) -> jax.Array:
+    """``c`` (:func:`_margined`) lowered by the rounding margin of storing in ``store`` values
+    formed in ``dtype``: the clip norm every per-example factor divides."""
+    return _margined(c, dtype) * jnp.asarray(rounding_margin(np.dtype(store), dtype), dtype)
 
 
 def _margined(c: Any, dtype: Any) -> jax.Array:
@@ -121,8 +125,7 @@ class ClipConfig:
         store = n.dtype if store is None else store
         if not self.normalize:
             return clip_factors(n, c, store)
-        m = jnp.asarray(rounding_margin(np.dtype(store), n.dtype), n.dtype)
-        return divide_or_zero(_margined(c, n.dtype) * m, n + jnp.asarray(self.gamma, n.dtype))
+        return divide_or_zero(_stored_clip(c, n.dtype, store), n + jnp.asarray(self.gamma, n.dtype))
 
     def acc_dtype(self, leaf_dtype: Any) -> np.dtype:
         """The dtype a leaf's clipped sum is accumulated across chunks and returned in."""

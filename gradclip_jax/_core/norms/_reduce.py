@@ -147,9 +147,10 @@ def stack_rows(parts: Sequence[jax.Array]) -> jax.Array:
     replicated): each is resharded like the first one that is split, a local slice where it
     was replicated. Stacking mixed placements is a ``ShardingTypeError``."""
     specs = [_type_spec(p) for p in parts]
-    target = next((s for s in specs if any(a is not None for a in s)), None)
+    first, target = next(
+        ((p, s) for p, s in zip(parts, specs) if any(a is not None for a in s)), (None, None)
+    )
     if target is not None:
-        first = next(p for p, s in zip(parts, specs) if s == target)
         spec = jaxcompat.on_mesh_of(first, jax.sharding.PartitionSpec(*target))
         parts = [p if s == target else jax.sharding.reshard(p, spec) for p, s in zip(parts, specs)]
     return jnp.stack(parts)

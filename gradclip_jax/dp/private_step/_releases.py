@@ -64,12 +64,12 @@ class ReleaseLog:
             return ()
 
         @report.def_vmap
-        def batched(size: int, batched: list[bool], words: Any, device: Any, runs: Any) -> tuple:
-            if not batched[0]:  # one key for every run: each run with its own sum uses it
+        def many(size: int, mapped: list[bool], words: Any, device: Any, runs: Any) -> tuple:
+            if not mapped[0]:  # one key for every run: each run with its own sum uses it
                 words = jnp.broadcast_to(words, (size, *words.shape))
-            if batched[1]:  # (a device index does not vary over a vmap; one stands for all)
+            if mapped[1]:  # (a device index does not vary over a vmap; one stands for all)
                 device = device[0]
-            report(words, device, runs if batched[2] else jnp.zeros((size, 0)))
+            report(words, device, runs if mapped[2] else jnp.zeros((size, 0)))
             return (), ()
 
         return report

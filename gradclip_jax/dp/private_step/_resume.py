@@ -51,10 +51,10 @@ def check_resume(state: Any, plan: dict[str, Any]) -> None:
                 f"call. Resume with the arguments of the interrupted run (the same arguments calibrate "
                 "the same noise multiplier and draw the same batches)"
             )
+    # a saved field this call lacks: e.g. a hardened run resumed as a default one (its noise
+    # would no longer be hardened)
     dropped = sorted(set(saved) - set(plan) - {"noise_multiplier"})
-    if (
-        dropped
-    ):  # e.g. a hardened run resumed as a default one: its noise would no longer be hardened
+    if dropped:
         name = dropped[0]
         raise ValueError(
             f"{fn}: `resume_from` was saved by another plan: {name}={saved[name]!r} there, and this "
