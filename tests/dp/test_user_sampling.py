@@ -235,6 +235,22 @@ def test_accounting_is_poisson_over_users():
     assert acc_rdp.epsilon(delta) == pytest.approx(rdp.get_epsilon(delta), rel=1e-9)
 
 
+def test_saved_steps_do_not_reload_at_another_rate():
+    """The sampler's plan does not hold its rate (expected users): loading a saved record with
+    a sampler of another rate would account the saved steps at that rate (epsilon 18.3 read
+    back as 1.58 for q 0.1 -> 0.01)."""
+    acc = gcx.PrivacyAccountant("pld")
+    run = _sampler(steps=50, max_users=20)
+    acc.step(1.1, sampler=run, steps=50)
+    state = acc.state_dict()
+    other = _sampler(steps=50, max_users=20, expected_users=3)
+    assert other.plan() == run.plan()
+    with pytest.raises(ValueError, match=r"sampling rate 0\.2.*rate 0\.1"):
+        gcx.PrivacyAccountant.from_state_dict(state, sampler=other)
+    same = gcx.PrivacyAccountant.from_state_dict(state, sampler=_sampler(steps=50, max_users=20))
+    assert same.epsilon(1e-5) == acc.epsilon(1e-5)
+
+
 # --- make_private end to end ---
 
 

@@ -376,4 +376,13 @@ def _load_phase(fn: str, acc: PrivacyAccountant, phase: Any, sampler: Any) -> No
             f"{fn}: `state` has a phase of the sampler {phase[5]!r}: pass that sampler (`sampler=`), got "
             f"{None if sampler is None else sampler.plan()!r}"
         )
+    # the plan names the sampling, not always its rate (a user-level sampler's expected users):
+    # the saved steps are recorded again from `sampler`'s events, so its rate must be the saved one
+    rate = acc._sampler_phase(fn, z, t, sampler).sample_rate
+    if rate != q:
+        raise ValueError(
+            f"{fn}: `state` has {t} steps of the sampler {phase[5]!r} at sampling rate {q!r}; the "
+            f"`sampler` passed samples at rate {rate!r} (its epsilon would account the saved steps at "
+            "that rate): pass the sampler of the saved run"
+        )
     acc.step(z, steps=t, sampler=sampler)

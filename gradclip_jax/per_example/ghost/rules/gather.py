@@ -100,8 +100,12 @@ def embedding_views(
 ) -> tuple[jax.Array, jax.Array]:
     """``(ids, g3)`` of a row lookup: in-range ids ``(B, T)`` and cotangents ``(B, T, d)``.
 
-    Out-of-range ids get no gradient (their cotangent rows are zeroed) under
-    ``FILL_OR_DROP``; otherwise they are clipped, as the lookup did. A 16-bit cotangent
+    The gradient is JAX's, the transpose of the lookup: a scatter-add in the lookup's
+    mode. Only ``CLIP`` clamps an out-of-range index there, as the lookup did; every other
+    mode drops its update (``FILL_OR_DROP`` by definition; ``PROMISE_IN_BOUNDS``, the mode of
+    ``table[ids]``, because XLA's scatter skips out-of-range updates although its gather
+    clamped them), so those ids get no gradient: their cotangent rows are zeroed, and
+    the norms measure the gradient that the sum adds. A 16-bit cotangent
     stays 16-bit (:func:`~gradclip_jax.per_example._products.view_dtype`): its products
     are exact in float32, and a tied head's Gram with it runs on 16-bit tensor cores.
     """
@@ -111,8 +115,11 @@ def embedding_views(
         jnp.reshape(g, (bsz, ids.shape[1], -1)).astype(view_dtype(g.dtype, g.dtype, acc))
     )
     rows = shape(eqn.invars[0])[0]
-    if jc.param(eqn, "mode") == lax.GatherScatterMode.FILL_OR_DROP:
-        ok = (ids >= 0) & (ids < rows)
+    if jc.param(eqn, "mode") != lax.GatherScatterMode.CLIP:
+        # in range: the row, and every other start of a full-size slice at 0
+        inside = (idx >= 0) & (idx < 1)
+        inside = inside.at[..., _row_index(eqn)].set(True)
+        ok = jnp.reshape(jnp.all(inside, axis=-1), ids.shape) & (ids >= 0) & (ids < rows)
         g3 = jnp.where(ok[:, :, None], g3, jnp.zeros((), g3.dtype))
     return jnp.clip(ids, 0, rows - 1), g3
 
