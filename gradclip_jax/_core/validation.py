@@ -289,6 +289,28 @@ class StaticDefault:
 STATIC_ARGS: dict[str, tuple[str, ...]] = {}
 
 
+def check_sum_dtype(fn: str, dtype: Any) -> None:
+    """ValueError when ``dtype``, the dtype a clipped sum is returned in before any noise, is a
+    16-bit float.
+
+    Rounding the sum moves it by up to half a unit in its last place, which grows with
+    the sum, not with one example: removing one of 256 aligned examples clipped at 0.7
+    moved a bfloat16 sum by 1.25. The sensitivity then no longer bounds what one example
+    changes. Rounding after the noise is post-processing, and costs nothing.
+    """
+    if dtype is None:
+        return
+    dt = np.dtype(dtype)
+    if jnp.issubdtype(dt, jnp.floating) and jnp.finfo(dt).bits < 32:
+        raise ValueError(
+            f"{fn}: dtype={dt.name} would return the clipped sum rounded to {dt.name} before any "
+            "noise is added: the rounding grows with the sum, so one example could move the "
+            "result by more than the clip norm and the sensitivity would not hold (256 examples "
+            "clipped at 0.7: a bfloat16 sum moved by 1.25). Keep the sum in float32 (dtype=None or "
+            "float32) and cast after adding the noise"
+        )
+
+
 def static_value(fn: str, name: str, value: Any) -> Any:
     """Returns a structural argument as a Python value.
 

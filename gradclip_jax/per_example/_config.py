@@ -105,9 +105,6 @@ class ClipConfig:
     dtype: Any = (
         None  # accumulation/output dtype of the sums (None: each leaf's accumulation dtype)
     )
-    # the dtype a caller stores the sums in, narrower than the sums' own (float32 for 16-bit
-    # gradients): the clip factors' rounding margin then covers it (see factors)
-    store: Any = None
     origin: Origin = field(default_factory=Origin)
 
     @property
@@ -117,12 +114,11 @@ class ClipConfig:
     def factors(self, n: jax.Array, c: Any) -> jax.Array:
         """Per-example factors from norms ``n`` and clip norm ``c``: clip, or normalize.
 
-        ``c`` is lowered by the rounding margin of the output dtype (``dtype``, else
-        ``store``, else the norms' dtype): a single clipped (or normalized, even scaled up)
-        contribution, as stored, has norm at most ``c``.
+        ``c`` is lowered by the rounding margin of the output dtype (``dtype``, else the
+        norms' dtype): a single clipped (or normalized, even scaled up) contribution, as
+        stored, has norm at most ``c``.
         """
-        store = self.dtype if self.dtype is not None else self.store
-        store = n.dtype if store is None else store
+        store = n.dtype if self.dtype is None else self.dtype
         if not self.normalize:
             return clip_factors(n, c, store)
         return divide_or_zero(_stored_clip(c, n.dtype, store), n + jnp.asarray(self.gamma, n.dtype))

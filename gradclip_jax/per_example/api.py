@@ -15,6 +15,7 @@ import numpy as np
 from gradclip_jax._core.validation import (
     check_int,
     check_scalar,
+    check_sum_dtype,
     clip_norm_arg,
     is_traced,
     static_value,
@@ -154,6 +155,7 @@ def _dtype(d: Any) -> Any:
         raise TypeError(f"{_FN}: dtype must be None or a floating-point dtype, got {d!r}") from None
     if not np.issubdtype(dt, np.floating) and dt != np.dtype(jax.numpy.bfloat16):
         raise ValueError(f"{_FN}: dtype must be a floating-point dtype, got {dt}")
+    check_sum_dtype(_FN, dt)
     return dt
 
 
@@ -306,8 +308,10 @@ def clipped_grad(
         so ``grad_fn.sensitivity()`` is 1 (De et al. 2022's decoupling of the clip
         norm from the learning rate).
       dtype: ``None`` (default: each leaf's accumulation dtype, float32 for
-        16-bit params) or the floating-point dtype of the returned sums; the
-        running sum over microbatches is kept in the wider of the two.
+        16-bit params) or the floating-point dtype of the returned sums, 32 bits
+        at least (a sum rounded to 16 bits before the noise moves by more than
+        one example's clip norm: ``ValueError``); the running sum over
+        microbatches is kept in the wider of the two.
       l2_norm_clip: optax's spelling of ``l2_clip_norm`` (the canonical one),
         accepted without a warning; give one of the two.
 
@@ -380,13 +384,3 @@ def clipped_grad(
         dtype=_dtype(dtype),
     )
     return ClippedGradFn(_grad_fn(config), clipped_grad.__doc__ or "", config)
-
-
-def stored_in(grad_fn: ClippedGradFn, store: Any) -> ClippedGradFn:
-    """``grad_fn`` for a caller that stores its sums in ``store``, narrower than the sums' own
-    dtype (float32 sums of 16-bit gradients cast back to them, as jax-privacy returns them):
-    the clip factors below 1 are lowered by the rounding margin of ``store`` too, so one
-    clipped contribution, stored, stays within the clip norm. The sums are accumulated and
-    returned as before."""
-    config = dataclasses.replace(grad_fn.config, store=np.dtype(store))
-    return ClippedGradFn(_grad_fn(config), grad_fn.__doc__ or "", config)

@@ -16,6 +16,7 @@ import pytest
 jp = pytest.importorskip("jax_privacy.clipping")
 dp_accounting = pytest.importorskip("dp_accounting")
 
+import gradclip_jax as gcx  # noqa: E402
 from gradclip_jax.interop import jax_privacy as ours  # noqa: E402
 from tests.per_example.models import assert_tree_close, cnn_setup, embed_setup, mlp_setup  # noqa: E402
 
@@ -281,9 +282,8 @@ def test_dtype_and_low_precision():
     d16 = {**data, "x": data["x"].astype(jnp.bfloat16)}
     # jitted: called eagerly, each clipped sum dispatches (and compiles) its operations one by one
     got = jax.jit(ours.clipped_grad(_scalar(loss), l2_clip_norm=CLIP))(p16, d16)
-    assert all(
-        x.dtype == jnp.bfloat16 for x in jax.tree.leaves(got)
-    )  # the gradients' dtype, as jax-privacy
+    # float32 sums (jax-privacy: bfloat16, which one example can move by more than the sensitivity)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(got))
     got32 = jax.jit(ours.clipped_grad(_scalar(loss), l2_clip_norm=CLIP, dtype=jnp.float32))(
         p16, d16
     )
@@ -304,9 +304,8 @@ def test_dtype_and_low_precision():
     ids=["vmap", "ghost", "normalize_by", "rescale"],
 )
 def test_one_16_bit_example_stays_within_the_sensitivity(dtype, options):
-    """16-bit parameters: the float32 sums are returned in their dtype, and the clip factors take
-    that rounding's margin. With only float32's, one clipped bfloat16 example came out up to
-    0.4% above the sensitivity (and the division by ``normalize_by`` rounded a second time)."""
+    """16-bit parameters: one example's clipped gradient stays within the sensitivity (it came
+    out 0.4% above it when the sum was rounded back to bfloat16 with float32's margin)."""
     rng = np.random.default_rng(0)
     w = jnp.zeros((5,), dtype)
     x = jnp.asarray(rng.normal(size=(64, 1, 5)) * 4, dtype)  # 64 examples, one at a time
@@ -316,8 +315,38 @@ def test_one_16_bit_example_stays_within_the_sensitivity(dtype, options):
 
     f = ours.clipped_grad(loss, l2_clip_norm=1.0, **options)
     norms = jax.jit(jax.vmap(lambda xi: jnp.linalg.norm(f(w, xi).astype(jnp.float32))))(x)
-    assert f(w, x[0]).dtype == dtype
+    assert f(w, x[0]).dtype == jnp.float32
     assert float(jnp.max(norms)) <= float(f.sensitivity()), float(jnp.max(norms))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_a_16_bit_sum_is_not_rounded_before_the_noise(dtype):
+    """jax-privacy returns the clipped sum of 16-bit gradients (or outputs) rounded to their
+    dtype: removing one of 256 aligned examples clipped at 0.7 moved it by 1.25 in bfloat16
+    (0.625 in float16). The drop-in sums and returns them in float32, and refuses a 16-bit
+    ``dtype`` (as gcx.clipped_grad does)."""
+    b, d, c = 256, 100, 0.7
+    x = jnp.ones((b, d), jnp.float32) * 5 / np.sqrt(d)
+    w = jnp.zeros(d, dtype)
+    grad_fn = ours.clipped_grad(
+        lambda p, xi: jnp.sum(xi @ p.astype(jnp.float32)), l2_clip_norm=c, batch_argnums=1
+    )
+    fun = ours.clipped_fun(lambda xi: (xi * 2).astype(dtype)[0], l2_clip_norm=c)
+    for f, args in ((jax.jit(grad_fn), (w, x)), (jax.jit(fun), (x,))):
+        full = np.asarray(f(*args), np.float64)
+        assert full.dtype == np.float64 and f(*args).dtype == jnp.float32
+        for i in (0, 101, 255):
+            less = np.asarray(
+                f(*args, is_padding_example=jnp.zeros(b, bool).at[i].set(True)), np.float64
+            )
+            assert np.linalg.norm(full - less) <= float(grad_fn.sensitivity()) * (1 + 1e-6)
+    for make in (
+        lambda: ours.clipped_grad(lambda p, xi: jnp.sum(xi @ p), l2_clip_norm=c, dtype=dtype),
+        lambda: ours.clipped_fun(lambda xi: xi[0], l2_clip_norm=c, dtype=dtype),
+        lambda: gcx.clipped_grad(lambda p, b_: b_ @ p, c, dtype=dtype),
+    ):
+        with pytest.raises(ValueError, match=r"dtype=.*before any noise"):
+            make()
 
 
 def test_nan_safe_example_contributes_zero():

@@ -196,10 +196,15 @@ def test_rescale_to_unit_norm_divides_by_the_clip_norm():
         clipped_grad(loss, 0.0, rescale_to_unit_norm=True)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
 def test_dtype_sets_the_output_dtype(dtype):
+    if dtype == jnp.float64 and not jax.config.jax_enable_x64:
+        dtype = jnp.float32
     loss, params, batch = _mlp()
     ref, _ = clipped_grad(loss, 1.0)(params, batch)
+    for narrow in (jnp.bfloat16, jnp.float16):  # a sum rounded to 16 bits before the noise
+        with pytest.raises(ValueError, match="before any noise"):
+            clipped_grad(loss, 1.0, dtype=narrow)
     for mb in (None, 3):
         got, _ = clipped_grad(loss, 1.0, dtype=dtype, microbatch_size=mb)(params, batch)
         assert all(x.dtype == dtype for x in jax.tree_util.tree_leaves(got))

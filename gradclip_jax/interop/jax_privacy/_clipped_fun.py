@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import optax
 from jax_privacy.clipping import BoundedSensitivityCallable
 
-from gradclip_jax._core.validation import is_int, static_value
+from gradclip_jax._core import norms as _norms
+from gradclip_jax._core.validation import check_sum_dtype, is_int, static_value
 from gradclip_jax.interop.jax_privacy import _version
 from gradclip_jax.interop.jax_privacy._arguments import (
     check_callable,
@@ -96,7 +97,11 @@ def clipped_fun(
       nan_safe: an example's non-finite output cannot break the bound: with
         jax-privacy 2.0.0 installed its NaN and inf elements are zeroed (see
         :func:`clip_pytree`), with a later one the example contributes zero.
-      dtype: cast ``fun``'s output to this dtype before clipping and summing.
+      dtype: cast ``fun``'s output to this dtype before clipping, 32 bits at
+        least unless ``grid_scale`` is given. 16-bit outputs are clipped in their
+        dtype and summed (and returned) in float32, where jax-privacy sums them in
+        16 bits: the rounding of a 16-bit sum grows with the batch, and one example
+        could move it by more than the sensitivity.
       prng_argnum: the position of a PRNG key (or pytree of keys) split into one
         key per example.
       spmd_axis_name: passed to ``jax.vmap``.
@@ -138,6 +143,9 @@ def clipped_fun(
     whole = bool(nan_safe) and _version.AFTER_2_0_0
     clip = _clip_one(l2_clip_norm, rescale_to_unit_norm, nan_safe and not whole, grid_scale)
 
+    if grid_scale is None:  # (the grid's integer sums are exact)
+        check_sum_dtype(fn, dtype)
+
     def cast_then_clip(value: Any, return_zero: Any) -> tuple:
         clipped, norm = clip(optax.tree.cast(value, dtype), return_zero=return_zero)
         if whole:
@@ -145,7 +153,9 @@ def clipped_fun(
                 jnp.logical_and, [jnp.isfinite(n) for n in jax.tree.leaves(norm)]
             )
             clipped = jax.tree.map(lambda x: jnp.where(finite, x, jnp.zeros_like(x)), clipped)
-        return clipped, norm
+        # summed in float32 at least: a sum rounded to 16 bits moves by more than one example's
+        # clip norm (jax-privacy sums 16-bit outputs in their dtype)
+        return jax.tree.map(_summed_in, clipped), norm
 
     one = _one_group(fun, has_aux, batch, keep_batch_dim, cast_then_clip)
 
@@ -228,3 +238,10 @@ def _fun_outputs(value: Any, aux: Any, norms: Any, has_aux: bool, return_norms: 
             return value, norms
         return value, (aux if has_aux else (), norms)
     return (value, aux) if has_aux else value
+
+
+def _summed_in(x: Any) -> Any:
+    """``x`` in the dtype its sum over examples is formed in: float32 for a 16-bit float."""
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return x.astype(_norms.sum_dtype(x.dtype))
+    return x

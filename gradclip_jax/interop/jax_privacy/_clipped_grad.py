@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax_privacy.clipping import AuxiliaryOutput, BoundedSensitivityCallable
 
-from gradclip_jax._core.numerics import divide_or_zero, lowest_precision, rounding_margin
-from gradclip_jax._core.validation import is_traced, static_value
+from gradclip_jax._core import norms as _norms
+from gradclip_jax._core.numerics import divide_or_zero, rounding_margin
+from gradclip_jax._core.validation import check_sum_dtype, is_traced, static_value
 from gradclip_jax.interop.jax_privacy._arguments import (
     check_callable,
     check_called,
@@ -26,7 +27,7 @@ from gradclip_jax.interop.jax_privacy._arguments import (
 )
 from gradclip_jax.interop.jax_privacy._clip_norms import PyTree, is_per_layer, norm_bound
 from gradclip_jax.interop.jax_privacy._clipped_fun import clipped_fun
-from gradclip_jax.per_example.api import clipped_grad as _clipped_grad, stored_in
+from gradclip_jax.per_example.api import clipped_grad as _clipped_grad
 from gradclip_jax.per_example.internal import call_on_one_example
 
 
@@ -199,7 +200,11 @@ def clipped_grad(
         clipped (needs per-example gradients: ``method='auto'`` then uses vmap).
       microbatch_size: examples per sequential chunk (any positive int).
       nan_safe: an example whose gradient is not finite contributes zero.
-      dtype: the dtype of the returned sums (default: the gradients' dtypes).
+      dtype: the dtype of the returned sums, 32 bits at least (default: the
+        gradients' accumulation dtypes: float32 for 16-bit gradients, where
+        jax-privacy returns their own dtype. A sum rounded to 16 bits before the
+        noise moves by up to half a unit in its last place, which grows with the
+        batch: one example could change it by more than the sensitivity).
       prng_argnum: the position of a PRNG key (or pytree of keys) split with
         ``jax.random.split(key, B)``; example ``i`` gets key ``i``.
       spmd_axis_name: passed to ``jax.vmap``.
@@ -264,6 +269,7 @@ def clipped_grad(
             dtype=dtype,
             spmd_axis_name=spmd_axis_name,
         )
+    check_sum_dtype(fn, dtype)
     per_layer = is_per_layer(l2_clip_norm)
     if per_layer and rescale:
         _check_no_zero_layer(fn, l2_clip_norm)
@@ -301,11 +307,13 @@ def clipped_grad(
         arrays, rebuild = _split_static(layout.shared(args))
         loss = _per_example_loss(fun, layout, len(args), has_aux, keep_batch_dim, rebuild)
         params = layout.params(args)
+        # 16-bit gradients: float32 sums (jax-privacy returns them rounded to 16 bits, where
+        # one example can move the rounded sum by more than the sensitivity)
         out = jax.tree.map(
-            lambda s: s.dtype if dtype is None else np.dtype(dtype),
+            lambda s: _norms.sum_dtype(s.dtype) if dtype is None else np.dtype(dtype),
             _grad_dtypes(params, pre_clipping_transform),
         )
-        grads, info = _storing(ours(loss), out)(params, batch, *arrays, mask=~padding)
+        grads, info = ours(loss)(params, batch, *arrays, mask=~padding)
         if per_layer and rescale:
             grads = _rescale_per_layer(grads, l2_clip_norm, out)
         # divided where summed, then rounded once to the output dtype
@@ -317,16 +325,6 @@ def clipped_grad(
     return BoundedSensitivityCallable(
         grad_fn, bound if per_layer else sensitivity / normalize_by, with_aux
     )
-
-
-def _storing(grad_fn: Any, out: PyTree) -> Any:
-    """``grad_fn``, whose float32 sums of 16-bit gradients are returned in their own dtypes
-    (``out``): its clip factors then also take the rounding margin of the narrowest of them
-    (:func:`~gradclip_jax.per_example.api.stored_in`). Rounded to bfloat16 with only
-    float32's margin, one clipped example came out up to 0.4% above the sensitivity."""
-    floats = [o for o in jax.tree.leaves(out) if jnp.issubdtype(o, jnp.floating)]
-    narrowest = lowest_precision([jnp.float32, *floats])
-    return grad_fn if narrowest == np.float32 else stored_in(grad_fn, narrowest)
 
 
 def _auxiliary(
