@@ -203,7 +203,8 @@ def clipped_grad(
     use statistics of the whole batch (batch norm in training mode). The call
     traces the loss once on the whole batch and raises ``ValueError`` stating
     this contract when the loss certainly combines examples (a reduction,
-    cumulative sum, contraction or scan over the batch axis); when the loss
+    cumulative sum, contraction or scan over the batch axis; an outer product,
+    sort or top-k across it); when the loss
     fails on a one-example batch, the error states the contract too. The
     returned ``grad_fn(params, batch, *args, mask=None)`` gives ``(grads, info)``:
 

@@ -298,6 +298,41 @@ def test_loss_combining_examples_is_an_error(method):
             clipped_grad(wrapped, 1.0, method=method)(params, data)
 
 
+def _paired(p, b):  # in-batch contrastive logits (CLIP / InfoNCE): row i reads every example
+    za, zb = b["x"] @ p["w"], b["x"][:, ::-1] @ p["w"]
+    return -jnp.diagonal(jax.nn.log_softmax(za @ zb.T, axis=-1))
+
+
+def _attended(p, b):  # attention across the batch axis
+    h = b["x"] @ p["w"]
+    return jnp.sum((jax.nn.softmax(h @ h.T, axis=-1) @ h) ** 2, axis=-1)
+
+
+def _ranked(p, b):  # the batch's top value per feature
+    h = b["x"] @ p["w"]
+    return jnp.sum((h - lax.top_k(h.T, 1)[0].T) ** 2, axis=-1)
+
+
+def _sorted(p, b):
+    return jnp.sum(jnp.sort(b["x"] @ p["w"], axis=0) ** 2, axis=-1)
+
+
+@pytest.mark.parametrize("method", ["vmap", "ghost", "auto"])
+@pytest.mark.parametrize(
+    "loss, where",
+    [(_paired, "dot_general"), (_attended, "dot_general"), (_ranked, "top_k"), (_sorted, "sort")],
+    ids=["contrastive", "attention", "top_k", "sort"],
+)
+def test_a_loss_pairing_or_ranking_examples_is_an_error(loss, where, method):
+    """Each was run on batches of one in silence (the contrastive loss then trains nothing: every
+    norm 0), or with only ghost's fallback warning: the loss written is not the one trained."""
+    r = np.random.default_rng(3)
+    params = {"w": jnp.asarray(r.normal(size=(4, 4)), jnp.float32)}
+    data = {"x": jnp.asarray(r.normal(size=(6, 4)), jnp.float32)}
+    with pytest.raises(ValueError, match=f"combines examples at '{where}'"):
+        clipped_grad(loss, 1.0, method=method)(params, data)
+
+
 @pytest.mark.parametrize("ghost_sum", SUMS)
 @pytest.mark.parametrize("model", ["mlp", "cnn"])
 def test_microbatch_mask_normalize(model, ghost_sum):

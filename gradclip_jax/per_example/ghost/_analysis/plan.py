@@ -312,7 +312,9 @@ def check_per_example(fn: str, crossing: str | None) -> None:
         raise ValueError(
             f"{fn}: loss_fn combines examples at {crossing!r} (a reduction, accumulation or "
             "contraction over the batch axis, e.g. a batch mean, batch-statistics normalization or "
-            f"a loss averaged over the batch); {LOSS_CONTRACT}. Per-example clipping would silently "
+            "a loss averaged over the batch; or examples paired or ranked: in-batch contrastive "
+            "logits za @ zb.T, attention across the batch, a sort or top-k over it); "
+            f"{LOSS_CONTRACT}. Per-example clipping would silently "
             "compute something else (each example alone), and batch statistics break the privacy "
             "accounting of DP-SGD."
         )

@@ -101,11 +101,18 @@ class DotGeneral(Rule):
         return c.mixed()
 
     def crosses(self, c: RowCtx) -> bool:
-        (lc, rc), _ = c.param("dimension_numbers")
-        return any(
+        """A batch axis contracted (``h.T @ h``), or both operands' batch axes kept apart in the
+        output (``za @ zb.T``: entry ``(i, j)`` reads examples ``i`` and ``j``, as in-batch
+        contrastive losses and attention across the batch do)."""
+        (lc, rc), (lb, rb) = c.param("dimension_numbers")
+        sl, sr = c.states[0], c.states[1]
+        if any(
             isinstance(s, int) and s in contracted
-            for s, contracted in zip(c.states[:2], (lc, rc), strict=True)
-        )
+            for s, contracted in zip((sl, sr), (lc, rc), strict=True)
+        ):
+            return True
+        lfree, rfree = _free(len(c.ins[0]), lc, lb), _free(len(c.ins[1]), rc, rb)
+        return isinstance(sl, int) and isinstance(sr, int) and sl in lfree and sr in rfree
 
     def classify(self, use: Use) -> Site | None:
         """The batch may be on any free axis of the other operand. With batch dimensions (one

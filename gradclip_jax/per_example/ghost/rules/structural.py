@@ -197,17 +197,27 @@ class ReduceWindow(Axis0):
 
 
 class Sort(Axis0):
+    """Sorting along one axis; along the batch axis every output row reads every example."""
+
     primitives = ("sort",)
 
     def ok(self, c: RowCtx) -> bool:
         return bool(c.param("dimension") != 0)
 
+    def crosses(self, c: RowCtx) -> bool:
+        return c.k0 is not None and c.param("dimension") == c.k0
+
 
 class TopK(Axis0):
+    """The top values along the last axis; the batch's (``top_k(h.T)``) ranks examples."""
+
     primitives = ("top_k",)
 
     def ok(self, c: RowCtx) -> bool:
         return len(c.ins[0]) >= 2
+
+    def crosses(self, c: RowCtx) -> bool:
+        return c.k0 is not None and c.k0 == len(c.ins[0]) - 1
 
 
 class AlongAxes(Rule):
