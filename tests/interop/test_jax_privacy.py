@@ -349,6 +349,20 @@ def test_a_16_bit_sum_is_not_rounded_before_the_noise(dtype):
             make()
 
 
+def test_a_tree_measured_at_the_clip_norm_stays_within_it():
+    """``[4096, 1, ..., 1]`` (16 ones) measures 4096 in float32 (the ones round away) and was
+    stored as it is, exact norm 4096.002 (as jax-privacy does); a tree further below is kept
+    bit for bit."""
+    tree = {"a": jnp.asarray([4096.0] + [1.0] * 16, jnp.float32)}
+    out, norm = ours.clip_pytree(tree, 4096.0)
+    assert float(norm) == 4096.0
+    assert np.linalg.norm(np.asarray(out["a"], np.float64)) <= 4096.0
+    kept, _ = ours.clip_pytree(tree, 4097.0)
+    assert np.array_equal(np.asarray(kept["a"]), np.asarray(tree["a"]))
+    summed = ours.clipped_fun(lambda x: x[0], l2_clip_norm=4096.0)(tree["a"][None])
+    assert np.linalg.norm(np.asarray(summed, np.float64)) <= 4096.0
+
+
 def test_nan_safe_example_contributes_zero():
     loss, params, data = mlp_setup()
     bad = {**data, "x": data["x"].at[2, 0].set(jnp.nan)}

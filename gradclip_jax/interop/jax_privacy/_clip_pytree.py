@@ -11,7 +11,12 @@ from jax import lax
 
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.factors import clip_factor
-from gradclip_jax._core.numerics import bounded_factor, divide_or_zero
+from gradclip_jax._core.numerics import (
+    bounded_factor,
+    divide_or_zero,
+    lowest_precision,
+    rounding_margin,
+)
 from gradclip_jax._core.stored import certified_factors, stored_scale
 from gradclip_jax._core.validation import check_scalar, static_value
 from gradclip_jax.interop.jax_privacy import _version
@@ -40,18 +45,19 @@ def _scale_factor(norm: jax.Array, clip_norm: Any, rescale: bool) -> jax.Array:
 
 
 def _stored_factors(
-    leaves: list[jax.Array], f: jax.Array, bound: Any, rescale: bool
+    leaves: list[jax.Array], f: jax.Array, bound: Any, rescale: bool, norm: jax.Array
 ) -> list[jax.Array]:
     """Each leaf's factor to store with: ``f`` itself where the stored tree provably has norm
     ``<= bound`` (:func:`gradclip_jax._core.stored.certified_factors`, exact arithmetic), else ``f``
     lowered by the measured excess, else by the rounding margin.
 
-    Without ``rescale`` a factor of 1 (nothing clipped) stores the input as it is. With it, the
-    output ``x / C`` of an unclipped tree can land on the unit bound too (a norm just below ``C``),
-    with a factor above 1, which ``certified_factors`` reads as "not clipped" and leaves unchecked:
-    so a factor ``f >= 1`` is checked as ``g = f / 2**e < 1`` on the leaves times ``2**e``, which
-    stores the same values (a power of two scales exactly, and the stored output, of norm about 1,
-    bounds the scaled leaves: they cannot overflow).
+    A factor ``f >= 1``, which ``certified_factors`` reads as "not clipped" and leaves
+    unchecked, is checked as ``g = f / 2**e < 1`` on the leaves times ``2**e``, which stores the
+    same values (a power of two scales exactly, and the scaled leaves, about the bound's size,
+    cannot overflow): with ``rescale`` always (the output ``x / C`` of a tree just below ``C``
+    lands on the unit bound), without it where the measured norm is within the rounding margin
+    of the bound. There a tree left as it is can exceed it: ``[4096, 1, ..., 1]`` (16 ones)
+    measures 4096 in float32, its exact norm is 4096.002. Further below, it is stored as it is.
 
     A tree with a 16-bit leaf takes the margin (:func:`gradclip_jax._core.numerics.bounded_factor`)
     and no exact check: such a tree's norm is commonly measured in 16-bit arithmetic
@@ -59,10 +65,11 @@ def _stored_factors(
     float16) exceeds the few units of float32 the check saves, and the margin keeps that
     measurement within the bound too.
     """
-    e = jnp.zeros((), jnp.int32)
-    if rescale:
-        _, exp = jnp.frexp(lax.stop_gradient(f))  # f = m 2**exp, m in [0.5, 1)
-        e = jnp.where(f >= 1, exp, 0)
+    near = norm > bound * jnp.asarray(
+        rounding_margin(lowest_precision(x.dtype for x in leaves), norm.dtype), norm.dtype
+    )
+    _, exp = jnp.frexp(lax.stop_gradient(f))  # f = m 2**exp, m in [0.5, 1)
+    e = jnp.where((f >= 1) & (rescale | near), exp, 0)
     up = jnp.ldexp(jnp.ones((), f.dtype), e)
     g = f / up  # exact: a power of two
     if any(jnp.finfo(x.dtype).bits < 32 for x in leaves):
@@ -161,7 +168,7 @@ def clip_pytree(
     norm = _norms.global_norm(leaves, _norms.parse_ord(2))
     f = _scale_factor(norm, clip_norm, rescale)
     bound = 1.0 if rescale else jnp.maximum(jnp.asarray(clip_norm, norm.dtype), 0.0)
-    factors = _stored_factors(leaves, f, bound, rescale)
+    factors = _stored_factors(leaves, f, bound, rescale, norm)
     out = [
         jnp.where(return_zero, jnp.zeros_like(x), stored_scale(x, fx))
         for x, fx in zip(leaves, factors, strict=True)
