@@ -15,6 +15,7 @@ import numpy as np
 
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.factors import clip_factor
+from gradclip_jax._core.hyperparam_rules import poison
 from gradclip_jax._core.numerics import divide_or_zero, rounding_margin
 from gradclip_jax._core.validation import is_traced
 from gradclip_jax.per_example._products import product_margin
@@ -121,7 +122,11 @@ class ClipConfig:
         store = n.dtype if self.dtype is None else self.dtype
         if not self.normalize:
             return clip_factors(n, c, store)
-        return divide_or_zero(_stored_clip(c, n.dtype, store), n + jnp.asarray(self.gamma, n.dtype))
+        c, gamma = _stored_clip(c, n.dtype, store), jnp.asarray(self.gamma, n.dtype)
+        # a run-time gamma or clip norm that is negative or NaN: NaN factors, as clip_factors gives
+        # (gamma = -0.59 scaled an example of norm 0.6 to 60 with C = 1; a negative C flips signs)
+        invalid = jnp.isnan(c) | (c < 0) | jnp.isnan(gamma) | (gamma < 0)
+        return poison(divide_or_zero(c, n + gamma), invalid)
 
     def acc_dtype(self, leaf_dtype: Any) -> np.dtype:
         """The dtype a leaf's clipped sum is accumulated across chunks and returned in."""
@@ -150,8 +155,9 @@ class ClipConfig:
             if any(is_traced(c) for c in leaves):
                 return jnp.sqrt(sum(jnp.square(jnp.asarray(c, jnp.float32)) for c in leaves))
             return math.sqrt(sum(float(np.asarray(c)) ** 2 for c in leaves))
-        if is_traced(self.l2_clip_norm):
-            return jnp.asarray(self.l2_clip_norm, jnp.float32).reshape(())
+        if is_traced(self.l2_clip_norm):  # a negative run-time clip norm (NaN sums): NaN too
+            c = jnp.asarray(self.l2_clip_norm, jnp.float32).reshape(())
+            return poison(c, c < 0)
         return float(np.asarray(self.l2_clip_norm).reshape(()))
 
 

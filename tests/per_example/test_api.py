@@ -186,6 +186,29 @@ def test_normalize(microbatch_size):
     np.testing.assert_allclose(info.norms, ref_norms, rtol=1e-5)
 
 
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+def test_an_invalid_run_time_gamma_or_clip_norm_gives_nan(method):
+    """Python values are refused when the function is made; traced ones (inject_hyperparams, a
+    sweep under vmap) were used as given: gamma = -0.59 scaled an example of norm 0.6 to 60
+    with C = 1 (sensitivity() still 1), and a negative C flipped the sum's sign."""
+    x = jnp.array([[0.6, 0.0], [0.0, 0.3]])
+
+    def loss(w, b):
+        return b @ w
+
+    @jax.jit
+    def run(c, gamma):
+        grad_fn = clipped_grad(loss, c, normalize=True, gamma=gamma, method=method)
+        return grad_fn(jnp.zeros(2), x)[0], grad_fn.sensitivity()
+
+    ok, sens = run(1.0, 0.01)
+    assert np.all(np.isfinite(ok)) and float(sens) == 1.0
+    for c, gamma in ((1.0, -0.59), (1.0, jnp.nan), (-1.0, 0.01), (jnp.nan, 0.01)):
+        out, _ = run(c, gamma)
+        assert np.all(np.isnan(np.asarray(out))), (c, gamma, out)
+    assert np.isnan(float(run(-1.0, 0.01)[1]))
+
+
 def test_zero_gradient_examples_no_nan():
     def loss(w, b):  # linear: the gradient of example i is x_i
         return b["x"] @ w
