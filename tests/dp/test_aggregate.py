@@ -547,3 +547,18 @@ def test_quantile_aggregate_takes_both_spellings_of_its_clip_norms():
                 expected_batch_size=4,
                 **{f"{name}_l2_clip_norm": 1.0, f"{name}_l2_norm_clip": 1.0},
             )
+
+
+def test_an_int_seed_keeps_all_its_bits():
+    """Without 64-bit mode jax.random.key keeps a seed's low 32 bits: 12345 and 12345 + 2**32
+    drew the same noise, and a 63-bit secret seed had 2**32 values."""
+    g = {"w": jnp.zeros((2, 64))}
+    noise = []
+    for seed in (12345, 12345 + 2**32, 12345 + 2**62):
+        tx = dp_aggregate(l2_clip_norm=1.0, noise_multiplier=1.0, seed=seed, batch_size=1.0)
+        key = tx.init({"w": jnp.zeros(64)}).rng_key
+        assert np.array_equal(jax.random.key_data(key), [seed >> 32, seed & 0xFFFFFFFF])
+        noise.append(np.asarray(tx.update(g, tx.init({"w": jnp.zeros(64)}))[0]["w"]))
+    assert not np.array_equal(noise[0], noise[1]) and not np.array_equal(noise[0], noise[2])
+    with pytest.raises(ValueError, match="seed"):
+        dp_aggregate(l2_clip_norm=1.0, noise_multiplier=1.0, seed=2**64)

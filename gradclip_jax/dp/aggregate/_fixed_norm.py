@@ -73,7 +73,8 @@ def dp_aggregate(
         skips the step.
       seed: an int seed or a ``jax.random`` key. The privacy guarantee assumes
         the noise is secret: in production draw the seed from a secure source
-        (e.g. ``secrets.randbits(63)``) and do not log it.
+        (``gradclip_jax.dp.hardened.os_key()``, or ``secrets.randbits(64)``: an int
+        seed keeps all its bits, also without 64-bit mode) and do not log it.
       batch_size: the divisor :math:`B`. ``None`` (default, optax's behaviour)
         divides by the number of rows in the update; with Poisson sampling pass
         the *expected* batch size, since the actual size is private.

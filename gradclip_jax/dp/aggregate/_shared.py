@@ -22,7 +22,23 @@ def seed_key(seed: Any, fn: str) -> jax.Array:
         return jax.random.wrap_key_data(jnp.asarray(seed))
     if not isinstance(seed, (jax.Array, np.ndarray)):
         seed = check_int(fn, "seed", seed)  # not a key: an int seed (never a bool)
+        if seed >= 2**32:
+            return _wide_seed_key(fn, seed)
     return jax.random.key(seed)
+
+
+def _wide_seed_key(fn: str, seed: int) -> jax.Array:
+    """The key of an int seed of more than 32 bits, all of them kept: without 64-bit mode
+    ``jax.random.key`` keeps the low 32 (``2**32 + s`` and ``s`` drew the same noise, and a
+    63-bit secret seed had 2**32 values); this is the key 64-bit mode makes from it."""
+    if seed >= 2**64:
+        raise ValueError(f"{fn}: seed must be below 2**64, got {seed}")
+    if str(jax.random.key_impl(jax.random.key(0))) != "threefry2x32":
+        raise ValueError(
+            f"{fn}: a seed of more than 32 bits needs the threefry key implementation; pass a "
+            "typed key instead (e.g. gradclip_jax.dp.hardened.os_key())"
+        )
+    return jax.random.wrap_key_data(jnp.asarray([seed >> 32, seed & 0xFFFFFFFF], jnp.uint32))
 
 
 def batch_divisor(batch_size: Any, actual: int, dtype: Any) -> jax.Array:
