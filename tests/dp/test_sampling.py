@@ -53,6 +53,12 @@ def test_padding_mask_and_shapes():
         assert b.mask[:k].all() and not b.mask[k:].any()  # real rows first
         assert np.all(np.diff(b.indices[:k]) > 0)
         assert np.all(b.indices[k:] == 0)  # padding indexes a valid row
+    # gathered, the padding rows are zeros, not copies of example 0 (a loop that forgets the mask
+    # would count example 0 once per padding row)
+    data = {"x": np.arange(1, 1 + 3 * s.dataset_size, dtype=np.float32).reshape(-1, 3)}
+    rows, mask = s.gather(data, b)
+    np.testing.assert_array_equal(rows["x"][mask], data["x"][b.indices[mask]])
+    assert not mask.all() and np.all(rows["x"][~mask] == 0)
 
 
 def test_deterministic_from_seed_and_random_access():

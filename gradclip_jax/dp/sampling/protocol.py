@@ -133,6 +133,20 @@ class BatchSampler(Protocol):
         ...
 
 
+def gathered(data: Any, indices: np.ndarray, keep: np.ndarray) -> Any:
+    """``data[indices]`` (host arrays, examples on axis 0) with the rows that ``keep`` leaves out
+    set to zero: a padding row would otherwise be a copy of the example its index 0 names, which
+    a loop that forgets the mask counts once per padding row."""
+    import jax  # only here: the samplers run on the host, before anything is compiled
+
+    def one(x: Any) -> np.ndarray:
+        rows = np.asarray(x)[indices]
+        rows[~np.asarray(keep, bool)] = 0
+        return rows
+
+    return jax.tree.map(one, data)
+
+
 def check_sampler(fn: str, sampler: Any) -> BatchSampler:
     """``sampler`` if it has the members of :class:`BatchSampler`; ``TypeError`` naming the missing ones."""
     members = (
@@ -247,11 +261,10 @@ class IndexSampler(abc.ABC):
         """``(data[indices], mask)``: the step's input from host data (examples on axis 0).
 
         :meth:`gradclip_jax.dp.PrivateTraining.batches` calls this; a sampler
-        whose rows are groups of examples lays them out here.
+        whose rows are groups of examples lays them out here. Padding rows are
+        zeros (:func:`gathered`), not copies of an example.
         """
-        import jax  # only here: the samplers run on the host, before anything is compiled
-
-        return jax.tree.map(lambda x: np.asarray(x)[batch.indices], data), batch.mask
+        return gathered(data, batch.indices, batch.mask), batch.mask
 
     def padded_size(self, num_examples: int) -> int:
         """The global padded size for a draw of ``num_examples`` (the smallest bucket it fits)."""

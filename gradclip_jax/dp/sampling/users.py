@@ -45,7 +45,7 @@ from gradclip_jax.dp.sampling.poisson import (
     checked_schedule,
     overflow_probability,
 )
-from gradclip_jax.dp.sampling.protocol import IndexSampler, SampledBatch
+from gradclip_jax.dp.sampling.protocol import IndexSampler, SampledBatch, gathered
 
 __all__: list[str] = []  # every name here has its home elsewhere (CONTRIBUTING.md, "Import paths")
 
@@ -350,7 +350,10 @@ class UserPoissonSampler(IndexSampler):
           data: a pytree of host arrays with the examples on axis 0.
           batch: a :class:`gradclip_jax.dp.SampledBatch` of this sampler.
         """
-        examples = jax.tree.map(lambda x: np.asarray(x)[batch.indices], data)
+        keep = (
+            np.ones(batch.indices.shape, bool) if batch.example_mask is None else batch.example_mask
+        )
+        examples = gathered(data, batch.indices, keep)
         return UserBatch(examples, batch.example_mask), batch.mask
 
     def dp_event(self, noise_multiplier: float) -> Any:
