@@ -41,6 +41,7 @@ class ReleaseLog:
         self._devices: dict[bytes, int] = {}  # key bits -> bit mask of the devices that used them
         self._reused = 0
         self._report = self._reporter()
+        self.warned_unreleased = False  # the warning of batches drawn without an update: once
 
     def __deepcopy__(self, memo: dict) -> ReleaseLog:
         # a copy of a run (``copy.deepcopy(priv)``) keeps its step functions, which report here
