@@ -76,7 +76,10 @@ def clip_grad_norm(
     _norms.check_complex(fn, flat, spec)
     total = _norms.global_norm(flat.arrays, spec)
     v, invalid = hps.at(jnp.zeros((), jnp.int32), total.dtype)
-    coef = poison(jnp.minimum(v["max_norm"] / (total + v["eps"]), 1.0), invalid)
+    coef = jnp.minimum(v["max_norm"] / (total + v["eps"]), 1.0)
+    # a norm <= 0 (ord='sum' of a negative sum) leaves the tree unchanged (a negative
+    # coefficient flipped its signs, and scaled it up below max_norm)
+    coef = poison(jnp.where((total > 0) | jnp.isnan(total), coef, jnp.ones_like(coef)), invalid)
     return flat.rebuild([scale_leaf(x, coef) for x in flat.arrays]), total
 
 

@@ -10,7 +10,13 @@ import optax
 
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.factors import clip_factor as _clip_factor
-from gradclip_jax._core.hyperparam_rules import Hyperparam, Hyperparams, mark_static, resolve
+from gradclip_jax._core.hyperparam_rules import (
+    Hyperparam,
+    Hyperparams,
+    mark_static,
+    poison,
+    resolve,
+)
 from gradclip_jax._core.norms import OrdLike
 from gradclip_jax._core.state_registry import register_state
 from gradclip_jax._core.validation import check_bool, check_scalar
@@ -104,6 +110,9 @@ def quantile_clip(
         dt = _st.scalar_dtype(params)
         count = _st.count0()
         c0 = jnp.asarray(resolve(initial_norm, count), dt).reshape(())
+        c0 = poison(
+            c0, ~(c0 > 0)
+        )  # a run-time C_0 <= 0 (or NaN): NaN, not a clip norm of 0 forever
         return QuantileClipState(
             count=count,
             estimate=c0,

@@ -12,6 +12,7 @@ from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.factors import clip_factor as _clip_factor
 from gradclip_jax._core.hyperparam_rules import Hyperparam, Hyperparams, mark_static
 from gradclip_jax._core.norms import OrdLike
+from gradclip_jax._core.numerics import sqrt_safe
 from gradclip_jax._core.state_registry import register_state
 from gradclip_jax._core.validation import check_bool, check_choice, check_int
 from gradclip_jax.transforms import _stateful as _st
@@ -223,7 +224,7 @@ def _zclip_threshold(
 ) -> tuple[jax.Array, jax.Array]:
     """ZClip's adaptive threshold ``tau`` and spike flag against the previous statistics."""
     zt = v["z_thresh"]
-    std = jnp.sqrt(jnp.maximum(var, 0))
+    std = sqrt_safe(var)  # (a zero derivative at var = 0: jnp.sqrt's is inf, and grads were NaN)
     std = jnp.maximum(std, v["rel_std_floor"] * mean)
     live = active & (mean > 0)
     if mode == "percentile":

@@ -564,3 +564,14 @@ def test_many_small_leaves_per_leaf_norms_use_the_packed_path():
     out, _ = tx.update(tree, tx.init(tree))
     for v in out.values():
         assert float(jnp.linalg.norm(v)) <= 1.0 + 1e-6
+
+
+def test_clip_grad_norm_leaves_a_non_positive_signed_sum_unchanged():
+    """ord='sum' of a negative sum gave a negative coefficient: every sign flipped (and a sum of
+    -0.3 under max_norm 1 scaled the gradient up 3.3x). A norm <= 0 leaves the tree as it is; a
+    NaN norm still makes it NaN, as torch does."""
+    for x in ([-3.0, -4.0, 1.0], [-0.5, 0.2], [0.0, 0.0]):
+        out, _ = gcx.clip_grad_norm({"w": jnp.asarray(x)}, 1.0, ord="sum")
+        np.testing.assert_array_equal(np.asarray(out["w"]), np.asarray(x, np.float32))
+    out, _ = gcx.clip_grad_norm({"w": jnp.array([jnp.nan, 4.0])}, 1.0)
+    assert np.all(np.isnan(np.asarray(out["w"])))

@@ -51,3 +51,19 @@ def test_quantile_clip_invalid_arguments():
     ):
         with pytest.raises(ValueError, match=name):
             quantile_clip(**kwargs)
+
+
+def test_a_run_time_initial_norm_of_zero_gives_nan():
+    """A Python 0 is refused; a traced one clipped every update to zero, for good."""
+
+    @jax.jit
+    def run(c0):
+        tx = quantile_clip(initial_norm=c0)
+        state = tx.init({"w": jnp.zeros(2)})
+        out, state = tx.update({"w": jnp.array([3.0, 4.0])}, state)
+        return out["w"], state.estimate
+
+    for bad in (0.0, -1.0, jnp.nan):
+        out, est = run(bad)
+        assert np.all(np.isnan(np.asarray(out))) and np.isnan(float(est))
+    assert np.all(np.isfinite(np.asarray(run(0.1)[0])))

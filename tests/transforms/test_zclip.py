@@ -207,3 +207,19 @@ def test_zclip_invalid_arguments():
     ):
         with pytest.raises(TypeError, match=name):
             zclip(**kwargs)
+
+
+def test_gradients_through_updates_are_finite():
+    """The running std's square root had an infinite derivative at a zero variance: jax.grad
+    through two updates of the same gradient was NaN."""
+
+    def loss(u, steps):
+        tx = zclip(warmup_steps=2)
+        state = tx.init(u)
+        for _ in range(steps):
+            out, state = tx.update(u, state)
+        return jnp.sum(jnp.sin(out["w"]))
+
+    u = {"w": jnp.array([3.0, 4.0])}
+    for steps in (1, 2, 3):
+        assert np.all(np.isfinite(np.asarray(jax.grad(loss)(u, steps)["w"])))
