@@ -376,3 +376,16 @@ def test_slice_norms_of_stacked_equal_arrays_match_separate_ones():
             np.testing.assert_allclose(np.asarray(got), np.asarray(alone), rtol=1e-6)
     n = slice_norms(arrays[1:2], [(1,)], NormSpec("pow", p=2.0))[0]
     assert np.all(np.isfinite(np.asarray(n)))  # the overflow fallback still applies per stacked job
+
+
+def test_global_std_of_complex_leaves_is_that_of_the_concatenated_leaves():
+    """The global mean of complex leaves was summed in the real dtype (its imaginary part
+    dropped): [1j, 1j] had a global std of 1.414 and a per-leaf one of 0."""
+    x = np.array([3 + 4j, 1j, -2 - 2j], np.complex64)
+    want = np.sqrt(np.sum(np.abs(x - x.mean()) ** 2) / 2)
+    for tree in ({"a": jnp.asarray(x)}, {"a": jnp.asarray(x[:2]), "b": jnp.asarray(x[2:])}):
+        np.testing.assert_allclose(float(gcx.tree_norm(tree, ord="std")), want, rtol=1e-6)
+    const = {"a": jnp.array([1j, 1j], jnp.complex64)}
+    assert float(gcx.tree_norm(const, ord="std")) == 0.0
+    out, _ = gcx.clip_by_global_norm(0.5, ord="std").update(const, None)
+    np.testing.assert_array_equal(np.asarray(out["a"]), np.asarray(const["a"]))

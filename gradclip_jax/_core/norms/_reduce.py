@@ -227,8 +227,10 @@ class Combiner:
         self.axis_name = axis_name
 
     def sum(self, parts: Sequence[jax.Array]) -> jax.Array:
+        # complex parts (the mean of complex leaves) stay complex: their imaginary part counts
+        dtype = jnp.result_type(self.dtype, *[p.dtype for p in parts])
         if parts:
-            total = jnp.sum(jnp.stack([p.astype(self.dtype) for p in parts]))
+            total = jnp.sum(jnp.stack([p.astype(dtype) for p in parts]))
         else:
             total = jnp.zeros((), self.dtype)
         if self.axis_name is not None:
