@@ -497,6 +497,15 @@ def test_resume_from_another_plan_names_the_field(change, field):
         _priv(**{"steps": 4, **change}, resume_from=state)
 
 
+def test_resume_compares_64_bit_seeds_exactly():
+    """Compared as floats, seeds 2**60 and 2**60 + 1 were the same plan: the resumed run drew
+    other batches than the interrupted one would have."""
+    state = _priv(steps=4, seed=2**60).state_dict()
+    with pytest.raises(ValueError, match="another plan: seed="):
+        _priv(steps=4, seed=2**60 + 1, resume_from=state)
+    _priv(steps=4, seed=2**60, resume_from=state)
+
+
 def test_resume_from_a_changed_calibration_or_a_bad_state_is_an_error():
     state = _priv(steps=4).state_dict()
     state["plan"]["noise_multiplier"] *= (

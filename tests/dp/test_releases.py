@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import jax
@@ -93,6 +94,32 @@ def test_batches_merged_into_one_update_are_warned_about():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         priv.epsilon()  # once
+
+
+def test_a_key_used_before_a_resume_is_refused_after_it():
+    """The log of used keys was not in state_dict(): a resumed loop whose key counter started
+    again at 0 reused three keys and its epsilon() said nothing. The documented loop, whose
+    keys come from batches(noise_key=...), resumes without a word."""
+    data, base = _data(), jax.random.key(11)
+    w = jnp.zeros(3)
+
+    def run(priv, keys, stop=None):
+        step, opt = jax.jit(priv.step), priv.init(w)
+        for i, item in enumerate(priv.batches(data, **keys)):
+            batch, mask, key = item if keys else (*item, jax.random.fold_in(base, i))
+            step(w, opt, batch, mask, key)
+            if priv.accountant.steps == stop:
+                break
+        return json.loads(json.dumps(priv.state_dict()))
+
+    state = run(_priv(), {}, stop=3)
+    assert len(state["noise_keys"]) == 3
+    with pytest.raises(PrivacyBudgetError, match="noise key was used by more than one"):
+        run(_priv(resume_from=state), {})
+    documented = {"noise_key": jax.random.key(5)}
+    state = run(_priv(), documented, stop=3)
+    resumed = _priv(resume_from=state)
+    assert len(run(resumed, documented)["noise_keys"]) == STEPS
 
 
 def test_steps_run_without_drawing_batches_leave_no_epsilon():

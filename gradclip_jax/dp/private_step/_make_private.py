@@ -321,6 +321,8 @@ def make_private(
             loss_fn, float(l2_clip_norm), hard.grid_scale, float(grad_fn.sensitivity(rel)), z, fn
         )
     releases = ReleaseLog()
+    if resume_from is not None:  # (a state saved before the keys were kept has none)
+        releases.resume(resume_from.get("noise_keys", []))
     init, step, clipped_sum, noisy_update = step_functions(
         grad_fn,
         optimizer,

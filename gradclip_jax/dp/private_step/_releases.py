@@ -42,6 +42,21 @@ class ReleaseLog:
         self._reused = 0
         self._report = self._reporter()
         self.warned_unreleased = False  # the warning of batches drawn without an update: once
+        self._before: set[bytes] = set()  # keys the run used before it was resumed
+
+    def resume(self, saved: Any) -> None:
+        """Takes the keys an interrupted run used (:meth:`saved`): using one again is a reuse."""
+        if not isinstance(saved, (list, tuple)) or not all(isinstance(k, str) for k in saved):
+            raise ValueError(
+                "make_private: `resume_from['noise_keys']` must be the list of hex strings "
+                f"PrivateTraining.state_dict() saved, got {type(saved).__name__}"
+            )
+        self._before = {bytes.fromhex(k) for k in saved}
+
+    def saved(self) -> list[str]:
+        """Every key used, before the resume and since, as hex strings (plain values for a checkpoint)."""
+        with self._lock:
+            return sorted(k.hex() for k in self._before | set(self._devices))
 
     def __deepcopy__(self, memo: dict) -> ReleaseLog:
         # a copy of a run (``copy.deepcopy(priv)``) keeps its step functions, which report here
@@ -83,7 +98,7 @@ class ReleaseLog:
             for row in rows:
                 bits = row.tobytes()
                 used = self._devices.get(bits, 0)
-                self._reused += bool(used & bit)
+                self._reused += bool(used & bit) or bits in self._before
                 self._devices[bits] = used | bit
 
     def counts(self, wait: bool = True) -> tuple[int, int]:

@@ -36,11 +36,13 @@ def check_resume(state: Any, plan: dict[str, Any]) -> None:
         numeric = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
             value, bool
         )
+        both_ints = isinstance(old, (int, np.integer)) and isinstance(value, (int, np.integer))
         same = (
             (
                 not isinstance(old, (str, bool))
                 and isinstance(old, (int, float, np.integer, np.floating))
-                and float(old) == float(value)
+                # ints exactly: as floats, 64-bit seeds 2**60 and 2**60 + 1 compare equal
+                and (int(old) == int(value) if both_ints else float(old) == float(value))
             )
             if numeric
             else old == value

@@ -260,7 +260,10 @@ class PrivateTraining:
           (:meth:`gradclip_jax.PrivacyAccountant.state_dict`: its phases);
         * ``'sampler'``: ``{'seed': ..., 'steps_taken': ...}`` (step ``t``'s
           batch is a function of ``(seed, t)``, so this is all of the sampler's
-          state).
+          state);
+        * ``'noise_keys'``: the noise keys the run's updates used (hex strings):
+          the resumed run refuses one used again (``PrivacyBudgetError``), as one
+          process does.
 
         It round-trips exactly through ``pickle`` and through JSON: save it with
         ``orbax.checkpoint.args.JsonSave`` next to ``StandardSave(params,
@@ -293,6 +296,9 @@ class PrivateTraining:
                 "seed": self.sampler.plan().get("seed"),
                 "steps_taken": int(self.accountant.steps),
             },
+            # the noise keys used so far: a resumed run that uses one again is refused, as a run
+            # that does so in one process is
+            "noise_keys": [] if self.releases is None else self.releases.saved(),
         }
 
     def epsilon(self, delta: float | None = None) -> float:
