@@ -48,6 +48,7 @@ __all__ = [
     "is_tracer",
     "jax_version",
     "manual_device_index",
+    "mesh_context_of",
     "name_stack",
     "on_mesh_of",
     "open_jaxpr",
@@ -280,6 +281,23 @@ def on_mesh_of(x: Any, spec: Any) -> Any:
     ``NamedSharding``: a bare spec in ``out_sharding`` or ``reshard`` needs a mesh context
     (``jax.set_mesh``), which a caller whose arrays carry their mesh may not have entered."""
     return jax.sharding.NamedSharding(jax.typeof(x).sharding.mesh, spec)
+
+
+def mesh_context_of(tree: Any) -> contextlib.AbstractContextManager:
+    """A context with the abstract mesh of ``tree``'s explicitly sharded arrays, where no mesh
+    is in context (``jax.set_mesh`` not entered); else a context that does nothing."""
+    if not jax.sharding.get_abstract_mesh().empty:
+        return contextlib.nullcontext()
+    for x in jax.tree_util.tree_leaves(tree):
+        try:
+            mesh = jax.typeof(x).sharding.mesh
+        except Exception:  # not an array, or no sharding in its type
+            continue
+        if not getattr(mesh, "empty", True) and any(
+            s is not None for s in getattr(jax.typeof(x).sharding, "spec", ())
+        ):
+            return jax.sharding.use_abstract_mesh(mesh)
+    return contextlib.nullcontext()
 
 
 def manual_device_index() -> jax.Array:

@@ -311,6 +311,29 @@ def check_sum_dtype(fn: str, dtype: Any) -> None:
         )
 
 
+def check_state(fn: str, state: Any, cls: type) -> None:
+    """``TypeError`` naming ``fn`` unless ``state`` is a ``cls`` (this transform's state)."""
+    if isinstance(state, cls):
+        return
+    got = type(state).__name__
+    hint = ""
+    if isinstance(state, (tuple, list)) and not hasattr(state, "_fields"):
+        hint = (
+            " (this looks like the state of an optax.chain; pass this transform's own "
+            "entry, e.g. state[0])"
+        )
+    elif state is None:
+        hint = " (call tx.init(params) first)"
+    elif isinstance(state, dict):
+        hint = (
+            " (a checkpoint restored without a target gives dicts for NamedTuple states: restore "
+            "with tx.init(params)'s state, or jax.eval_shape of it, as the target)"
+        )
+    raise TypeError(
+        f"{fn}: expected a {cls.__name__} (from this transform's init) as state, got {got}{hint}"
+    )
+
+
 def static_value(fn: str, name: str, value: Any) -> Any:
     """Returns a structural argument as a Python value.
 

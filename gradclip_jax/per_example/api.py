@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from gradclip_jax._core import jaxcompat as jc
 from gradclip_jax._core.validation import (
     check_int,
     check_scalar,
@@ -112,7 +113,10 @@ def _grad_fn(config: ClipConfig) -> Callable[..., tuple[Any, ClippedGradInfo]]:
         call = prepare_call(params, batch, args, mask, cfg.fn)
         run = run_vmap if cfg.method is Method.VMAP else run_ghost
         try:
-            return run(cfg, call)
+            # arrays on an explicit mesh, outside jax.set_mesh: JAX's vmap of a sharded batch
+            # (the ghost path's per-row gradients) needs that mesh in context
+            with jc.mesh_context_of(call.batch):
+                return run(cfg, call)
         except ValueError as err:
             if "combines examples at" in str(
                 err

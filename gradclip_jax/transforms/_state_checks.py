@@ -16,23 +16,7 @@ from typing import Any
 
 import jax
 
-
-def check_state(fn: str, state: Any, cls: type) -> None:
-    """``TypeError`` naming ``fn`` unless ``state`` is a ``cls`` (this transform's state)."""
-    if isinstance(state, cls):
-        return
-    got = type(state).__name__
-    hint = ""
-    if isinstance(state, (tuple, list)) and not hasattr(state, "_fields"):
-        hint = (
-            " (this looks like the state of an optax.chain; pass this transform's own "
-            "entry, e.g. state[0])"
-        )
-    elif state is None:
-        hint = " (call tx.init(params) first)"
-    raise TypeError(
-        f"{fn}: expected a {cls.__name__} (from this transform's init) as state, got {got}{hint}"
-    )
+from gradclip_jax._core.validation import check_state as check_state
 
 
 def _is_none(x: Any) -> bool:

@@ -10,7 +10,7 @@ import optax
 
 from gradclip_jax._core.hyperparam_rules import increment
 from gradclip_jax._core.state_registry import register_state
-from gradclip_jax._core.validation import check_transform, static_value
+from gradclip_jax._core.validation import check_state, check_transform, static_value
 from gradclip_jax.transforms import _stateful as _st
 
 __all__: list[str] = []  # every name here has its home elsewhere (CONTRIBUTING.md, "Import paths")
@@ -111,6 +111,7 @@ def skip_on_spike(
         )
 
     def update_fn(updates: Any, state: SkipOnSpikeState, params: Any = None, **extra: Any) -> tuple:
+        check_state(fn, state, SkipOnSpikeState)
         out, inner_state = inner.update(updates, state.inner_state, params, **extra)
         flag = optax.tree_utils.tree_get(inner_state, field)
         spike = _st.any_true(jax.tree_util.tree_leaves(flag))

@@ -562,3 +562,19 @@ def test_an_int_seed_keeps_all_its_bits():
     assert not np.array_equal(noise[0], noise[1]) and not np.array_equal(noise[0], noise[2])
     with pytest.raises(ValueError, match="seed"):
         dp_aggregate(l2_clip_norm=1.0, noise_multiplier=1.0, seed=2**64)
+
+
+def test_a_state_restored_as_a_dict_is_named():
+    """orbax restores a NamedTuple state as a dict without a target: an AttributeError
+    ('dict' object has no attribute 'rng_key') deep inside; now the transform's TypeError."""
+    grads = {"w": jnp.ones((4, 3))}
+    for tx in (
+        dp_aggregate(l2_clip_norm=1.0, noise_multiplier=1.0, seed=0),
+        dp_noise(1.0, seed=0),
+        dp_quantile_aggregate(
+            1.0, seed=0, initial_l2_clip_norm=1.0, expected_batch_size=4.0, count_noise_std=10.0
+        ),
+    ):
+        state = tx.init({"w": jnp.ones(3)})
+        with pytest.raises(TypeError, match="restored without a target"):
+            tx.update(grads, dict(state._asdict()))

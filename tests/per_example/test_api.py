@@ -561,6 +561,10 @@ def test_explicitly_sharded_arrays_need_no_mesh_context(method):
     p_rep = jax.device_put(params, NamedSharding(mesh, P()))
     out, _ = jax.jit(clipped_grad(loss, 0.5, method=method))(p_rep, d_sh, mask=mask)
     assert_tree_close(out, ref)
+    # params left where they are: the ghost path's per-row gradients vmap the sharded batch,
+    # which JAX resolved against an empty mesh ("Resource axis: x ... not found in mesh")
+    out, _ = jax.jit(clipped_grad(loss, 0.5, method=method))(params, d_sh, mask=mask)
+    assert_tree_close(out, ref)
 
 
 @needs_8
@@ -601,6 +605,41 @@ def test_shard_map_psum_matches_single_device(microbatch_size):
     assert_tree_close(g, ref)
     assert int(n) == int(ref_info.num_clipped)
     np.testing.assert_allclose(norms, ref_info.norms, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+def test_a_parameter_sharded_inside_shard_map_is_refused(method):
+    """A (data, model) mesh, w1 split by columns over 'model' inside shard_map (tensor
+    parallelism by hand): each device measured the norms of its shard only, and an example
+    added 1.86 against a clip norm of 1 (silently with nan_safe=False)."""
+    r = np.random.default_rng(0)
+    params = {
+        "w1": jnp.asarray(r.normal(size=(4, 8)), jnp.float32),
+        "w2": jnp.asarray(r.normal(size=(8, 2)), jnp.float32),
+    }
+    data = jnp.asarray(r.normal(size=(8, 4)), jnp.float32)
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    grad_fn = clipped_grad(
+        lambda p, x: jnp.sum(jax.lax.psum(jnp.tanh(x @ p["w1"]) @ p["w2"], "model") ** 2, -1),
+        1.0,
+        method=method,
+        nan_safe=False,
+    )
+
+    def local(p, x):
+        return jax.lax.psum(grad_fn(p, x)[0], "data")
+
+    f = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=({"w1": P(None, "model"), "w2": P("model", None)}, P("data")),
+        out_specs={"w1": P(None, "model"), "w2": P("model", None)},
+    )
+    specs = {"w1": P(None, "model"), "w2": P("model", None)}
+    params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
+    data = jax.device_put(data, NamedSharding(mesh, P("data")))
+    with pytest.raises(ValueError, match=r"parameter leaf \['w1'\] differs across the manual mesh"):
+        jax.jit(f)(params, data)
 
 
 # ----------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.hyperparam_rules import Hyperparam, Hyperparams, increment, poison
 from gradclip_jax._core.numerics import count0 as _count0, lowest_precision
 from gradclip_jax._core.state_registry import register_state
-from gradclip_jax._core.validation import clip_norm_arg, static_value
+from gradclip_jax._core.validation import check_state, clip_norm_arg, static_value
 from gradclip_jax.dp._guards import refuse_update_averaging
 from gradclip_jax.dp.aggregate._shared import batch_divisor, clip_sum_rows, seed_key
 from gradclip_jax.dp.noise import noised_leaves, split_stored
@@ -70,7 +70,11 @@ def dp_aggregate(
         standard deviation is :math:`zC`. A traced or scheduled clip norm,
         ``noise_multiplier`` or ``batch_size`` that is invalid at run time
         (negative, NaN) makes the update NaN, so :func:`optax.apply_if_finite`
-        skips the step.
+        skips the step when it wraps what comes after this transform
+        (``optax.chain(dp_aggregate(...), optax.apply_if_finite(optax.sgd(lr), 3))``;
+        wrapped around this transform, optax's skipped step returns zeros shaped
+        like the per-example input, which ``lax.cond`` cannot match with the
+        summed output: a ``TypeError``).
       seed: an int seed or a ``jax.random`` key. The privacy guarantee assumes
         the noise is secret: in production draw the seed from a secure source
         (``gradclip_jax.dp.hardened.os_key()``, or ``secrets.randbits(64)``: an int
@@ -148,6 +152,7 @@ def _aggregate(
         updates: Any, state: DPAggregateState, params: Any = None, *, mask: Any = None, **extra: Any
     ) -> tuple:
         del params, extra
+        check_state(fn, state, DPAggregateState)
         refuse_update_averaging(fn)
         flat, batch = batch_flatten(updates, fn)
         arrays = flat.arrays
@@ -292,6 +297,7 @@ def dp_noise(
 
     def update_fn(updates: Any, state: DPAggregateState, params: Any = None) -> tuple:
         del params
+        check_state(fn, state, DPAggregateState)
         refuse_update_averaging(fn)
         flat = _norms.flatten(updates, fn)
         arrays = flat.arrays

@@ -18,6 +18,7 @@ from gradclip_jax._core.state_registry import register_state
 from gradclip_jax._core.validation import (
     check_mask,
     check_scalar,
+    check_state,
     either_spelling,
     is_traced,
     static_value,
@@ -251,6 +252,7 @@ def dp_quantile_aggregate(
         **extra: Any,
     ) -> tuple:
         del params, extra
+        check_state(fn, state, DPQuantileAggregateState)
         refuse_update_averaging(fn)
         flat, batch = batch_flatten(updates, fn)
         arrays = flat.arrays
