@@ -369,6 +369,37 @@ def test_sampling_scores_by_epoch_add_each_epochs_largest_step():
         audit_sampling(_shuffled(40, 4, 20), target_epsilon=2.0, delta=1e-5, runs=2, epoch_steps=3)
 
 
+class _CanaryAlwaysSampled(PoissonSampler):
+    """Reports Poisson sampling at q but puts row 0 (the audit's canary) in every step."""
+
+    def draw(self, step):
+        drawn = set(super().draw(step).tolist()) | {0}
+        return np.asarray(sorted(drawn), np.int32)[: self.max_batch_size]
+
+
+@pytest.mark.slow
+def test_sampling_audit_flags_a_canary_in_every_step():
+    """20 steps at q = 0.05, claim 2: the largest step's score hid the canary among the batch
+    sizes' spread (bound 0.76, not flagged); the sum over steps, the second score, finds it."""
+    m = PoissonSampler(100, expected_batch_size=7.5, steps=20, process_index=0, process_count=1)
+
+    def sampler(seed):
+        return _CanaryAlwaysSampled(
+            100,
+            expected_batch_size=5,
+            steps=20,
+            seed=seed,
+            max_batch_size=m.max_batch_size,
+            process_index=0,
+            process_count=1,
+        )
+
+    res = audit_sampling(sampler, target_epsilon=2.0, delta=1e-5, runs=1000)
+    assert res.falsified and res.epsilon_lower_bound > 2.3, res.epsilon_lower_bound
+    assert res.in_sums is not None and res.in_sums.shape == (1000,)
+    assert epsilon_lower_bound_from_runs(res.in_scores, res.out_scores, 1e-5, 0.025) < 2.0
+
+
 def test_small_honest_poisson_sampling_audit_reports_the_claim_and_stays_below_it():
     res = audit_sampling(_poisson(100, 5, 20), target_epsilon=2.0, delta=1e-5, runs=300)
     assert res.claimed_epsilon == pytest.approx(2.0, rel=1e-3) and res.delta == 1e-5
@@ -405,7 +436,7 @@ def test_sampling_audit_rejects_bad_arguments():
 RUNS = 20_000
 # The flagging test's runs: the Poisson sampler's draws (a numpy generator per step and run, about
 # 45 us each) are most of its time. Measured with the 20,000 runs' scores of both samplers: the
-# shuffled bound is 2.00 at 20,000 runs; at 5,000 it is 1.54 (the runs of seeds 0-4999), 1.34-1.54
+# shuffled bound (largest-step score alone) is 2.00 at 20,000 runs; at 5,000 it is 1.54 (the runs of seeds 0-4999), 1.34-1.54
 # over the four disjoint blocks of 5,000 and at least 1.17 over 40 bootstrap resamples, all above
 # the claim of 1, so the bug is still caught with a wide margin. Honest Poisson sampling's bound is
 # 0.00 at 20,000 runs and in every block of 5,000 (its false alarm stays below the 5% significance

@@ -34,6 +34,8 @@ class SamplingAuditResult:
       noise_multiplier: :math:`z`, as :func:`gradclip_jax.make_private` calibrated it.
       in_scores: ``(runs,)`` scores of the runs with the canary in.
       out_scores: ``(runs,)`` scores of the runs with the canary zeroed out.
+      in_sums, out_sums: ``(runs,)`` the second score, each run's sum over all its steps
+        (``None`` where it is the first: ``epoch_steps=1``).
     """
 
     claimed_epsilon: float
@@ -42,6 +44,8 @@ class SamplingAuditResult:
     noise_multiplier: float
     in_scores: np.ndarray
     out_scores: np.ndarray
+    in_sums: np.ndarray | None = None
+    out_sums: np.ndarray | None = None
 
     @property
     def runs(self) -> int:
@@ -214,7 +218,13 @@ def audit_sampling(
     :math:`s_t = \\sum_{i \\in B_t} \\mathrm{clip}(g_i) + \\mathcal{N}(0, z^2C^2 I)`.
     A run's **score** is :math:`\\max_t \\langle s_t, e_0 \\rangle / C` (with
     ``epoch_steps``: the sum, over consecutive blocks of that many steps, of each
-    block's largest step: shuffling puts the canary in each epoch once). With
+    block's largest step: shuffling puts the canary in each epoch once), and a
+    second score, the sum over all steps :math:`\\sum_t \\langle s_t, e_0 \\rangle / C`:
+    a sampler that takes the canary more often than it claims (in every step, say)
+    moves the sum, where the largest step hides it among the batch sizes' spread
+    (at 20 steps of :math:`q = 0.05`, :math:`z = 1`: bound 0.76 by the largest
+    step, 2.69 by the sum, against a claim of 2). The reported bound is the larger
+    of the two, each at ``significance / 2``. With
     ``'opposite'`` and batches of :math:`b` examples shuffled once per epoch,
     :math:`\\langle s_t, e_0\\rangle/C = -b + 2\\cdot[\\text{canary in } B_t] + z\\xi_t`
     in, :math:`-b + [\\ldots] + z\\xi_t` out: the canary's batch stands out
@@ -301,25 +311,35 @@ def audit_sampling(
             scores[side].append(
                 np.asarray(scores_of(data[side], indices, masks, keys[side][start:stop]))
             )
-    in_scores, out_scores = np.concatenate(scores[True]), np.concatenate(scores[False])
+    both_in, both_out = np.concatenate(scores[True]), np.concatenate(scores[False])
+    in_scores, out_scores = both_in[:, 0], both_out[:, 0]
+    in_sums, out_sums = (None, None) if block == 1 else (both_in[:, 1], both_out[:, 1])
+    if in_sums is None or out_sums is None:  # (one block a step: the two scores are one)
+        bound = epsilon_lower_bound_from_runs(in_scores, out_scores, delta, significance)
+    else:  # two scores, each at half the significance (a union bound)
+        bound = max(
+            epsilon_lower_bound_from_runs(in_scores, out_scores, delta, significance / 2),
+            epsilon_lower_bound_from_runs(in_sums, out_sums, delta, significance / 2),
+        )
     return SamplingAuditResult(
         claimed_epsilon=float(priv.planned_epsilon),
-        epsilon_lower_bound=epsilon_lower_bound_from_runs(
-            in_scores, out_scores, delta, significance
-        ),
+        epsilon_lower_bound=bound,
         delta=float(delta),
         noise_multiplier=float(priv.noise_multiplier),
         in_scores=in_scores,
         out_scores=out_scores,
+        in_sums=in_sums,
+        out_sums=out_sums,
     )
 
 
 def _scores_of(
     priv: PrivateTraining, steps: int, block: int, scale: float
 ) -> Callable[..., jax.Array]:
-    """The attacker's score of each of a batch of runs: the sum over blocks of ``block`` steps of
-    the largest move of the canary's coordinate (``scale``: an iterate's move times this is the
-    noisy sum / C), as one jitted function of ``(data, indices, mask, key)`` vmapped over runs."""
+    """The attacker's two scores of each of a batch of runs, ``(runs, 2)``: the sum over blocks of
+    ``block`` steps of the largest move of the canary's coordinate, and the sum of all its moves
+    (``scale``: an iterate's move times this is the noisy sum / C), as one jitted function of
+    ``(data, indices, mask, key)`` vmapped over runs."""
 
     def one_run(data: Any, indices: jax.Array, mask: jax.Array, key: jax.Array) -> jax.Array:
         def body(carry: Any, xs: Any) -> tuple[Any, jax.Array]:
@@ -331,6 +351,7 @@ def _scores_of(
 
         w0 = jnp.zeros(2, jnp.float32)
         _, observed = jax.lax.scan(body, (w0, priv.init(w0)), (indices, mask, jnp.arange(steps)))
-        return jnp.sum(jnp.max(observed.reshape(steps // block, block), axis=1))
+        blocks = jnp.sum(jnp.max(observed.reshape(steps // block, block), axis=1))
+        return jnp.stack([blocks, jnp.sum(observed)])
 
     return jax.jit(jax.vmap(one_run, in_axes=(None, 0, 0, 0)))
