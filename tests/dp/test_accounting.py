@@ -109,6 +109,12 @@ def test_validation():
         accounting.epsilon(1.0, 0.1, 10, 1.0)
     with pytest.raises(ValueError, match="noise_multiplier"):
         accounting.epsilon(-1.0, 0.1, 10, 1e-5)
+    # an infinite one crashed inside dp_accounting's PLD ("cannot convert float NaN to integer")
+    for kind in ("pld", "rdp"):
+        with pytest.raises(ValueError, match="`noise_multiplier` must be finite"):
+            accounting.epsilon(float("inf"), 0.1, 10, 1e-5, accountant=kind)
+    with pytest.raises(ValueError, match="`noise_multiplier` must be finite"):
+        PrivacyAccountant().step(float("inf"), 0.1, 10)
     with pytest.raises(TypeError, match="`steps` must be an int"):
         accounting.epsilon(1.0, 0.1, 2.5, 1e-5)
     with pytest.raises(ValueError, match="accountant"):

@@ -52,7 +52,7 @@ def dp_sgd_event(noise_multiplier: float, sample_rate: float, steps: int) -> Any
       >>> event = dp_sgd_event(1.1, 256 / 60000, 1000)  # doctest: +SKIP
     """
     fn = "dp_sgd_event"
-    z = check_number(fn, "noise_multiplier", noise_multiplier, low=0.0)
+    z = check_number(fn, "noise_multiplier", noise_multiplier, low=0.0, allow_inf=False)
     q = check_number(fn, "sample_rate", sample_rate, low=0.0, high=1.0, low_inclusive=False)
     t = check_int(fn, "steps", steps, 0)
     return import_dp_accounting().SelfComposedDpEvent(sampled_gaussian_event(z, q), t)
@@ -99,7 +99,7 @@ def epsilon(
       2.6
     """
     fn = "epsilon"
-    z = check_number(fn, "noise_multiplier", noise_multiplier, low=0.0)
+    z = check_number(fn, "noise_multiplier", noise_multiplier, low=0.0, allow_inf=False)
     q = check_number(fn, "sample_rate", sample_rate, low=0.0, high=1.0, low_inclusive=False)
     t = check_int(fn, "steps", steps, 0)
     d = check_number(

@@ -149,7 +149,7 @@ class PrivacyAccountant:
             that does not follow the protocol.
         """
         fn = "PrivacyAccountant.step"
-        z = check_number(fn, "noise_multiplier", noise_multiplier, low=0.0)
+        z = check_number(fn, "noise_multiplier", noise_multiplier, low=0.0, allow_inf=False)
         t = check_int(fn, "steps", steps, 0)
         poisson = (sample_rate, truncated_batch_size, dataset_size)
         if sampler is not None:
