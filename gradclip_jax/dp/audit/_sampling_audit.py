@@ -311,12 +311,32 @@ def audit_sampling(
             scores[side].append(
                 np.asarray(scores_of(data[side], indices, masks, keys[side][start:stop]))
             )
-    both_in, both_out = np.concatenate(scores[True]), np.concatenate(scores[False])
+    return _result(
+        priv,
+        np.concatenate(scores[True]),
+        np.concatenate(scores[False]),
+        block,
+        delta,
+        significance,
+    )
+
+
+def _result(
+    priv: PrivateTraining,
+    both_in: np.ndarray,
+    both_out: np.ndarray,
+    block: int,
+    delta: float,
+    significance: float,
+) -> SamplingAuditResult:
+    """The audit's result from the runs' two scores ``(runs, 2)`` a side: the larger of their
+    bounds, each at half the significance (a union bound); one score where a block is a step."""
     in_scores, out_scores = both_in[:, 0], both_out[:, 0]
-    in_sums, out_sums = (None, None) if block == 1 else (both_in[:, 1], both_out[:, 1])
-    if in_sums is None or out_sums is None:  # (one block a step: the two scores are one)
+    if block == 1:  # (the largest step of each one-step block: the sum, the second score)
         bound = epsilon_lower_bound_from_runs(in_scores, out_scores, delta, significance)
-    else:  # two scores, each at half the significance (a union bound)
+        in_sums = out_sums = None
+    else:
+        in_sums, out_sums = both_in[:, 1], both_out[:, 1]
         bound = max(
             epsilon_lower_bound_from_runs(in_scores, out_scores, delta, significance / 2),
             epsilon_lower_bound_from_runs(in_sums, out_sums, delta, significance / 2),

@@ -307,13 +307,14 @@ class PrivateTraining:
         Raises:
           PrivacyBudgetError: as :meth:`check_releases`: the recorded steps do not cover what ran.
         """
-        self.check_releases()
+        self.check_releases(warn_unreleased=True)
         return self.accountant.epsilon(self.delta if delta is None else delta)
 
-    def check_releases(self, wait: bool = True) -> None:
+    def check_releases(self, wait: bool = True, warn_unreleased: bool = False) -> None:
         """Checks that the accountant covers every noisy update that ran (``step`` or
         ``noisy_update``, however jitted): no more of them than recorded steps, and no noise key
-        used twice. ``wait``: for the updates dispatched to run first.
+        used twice. ``wait``: for the updates dispatched to run first. ``warn_unreleased``
+        (:meth:`epsilon`): warn once when two or more drawn batches have had no update.
 
         Raises:
           PrivacyBudgetError: naming the counts, or the reused key.
@@ -329,7 +330,7 @@ class PrivateTraining:
                 "for this run. Give each step a fresh key: batches(noise_key=key) yields each step's "
                 "(or priv.step_key(key), priv.noise_key())"
             )
-        if wait and recorded - ran >= 2 and not self.releases.warned_unreleased:
+        if warn_unreleased and wait and recorded - ran >= 2 and not self.releases.warned_unreleased:
             self.releases.warned_unreleased = True
             warnings.warn(
                 f"PrivateTraining: {recorded - ran} batches drawn from priv.batches() have had no "
