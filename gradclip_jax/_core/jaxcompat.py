@@ -290,11 +290,14 @@ def mesh_context_of(tree: Any) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
     for x in jax.tree_util.tree_leaves(tree):
         try:
-            mesh = jax.typeof(x).sharding.mesh
+            sharding = jax.typeof(x).sharding
         except Exception:  # not an array, or no sharding in its type
             continue
-        if not getattr(mesh, "empty", True) and any(
-            s is not None for s in getattr(jax.typeof(x).sharding, "spec", ())
+        mesh = getattr(sharding, "mesh", None)
+        if (
+            mesh is not None
+            and not getattr(mesh, "empty", True)
+            and any(s is not None for s in getattr(sharding, "spec", ()))
         ):
             return jax.sharding.use_abstract_mesh(mesh)
     return contextlib.nullcontext()

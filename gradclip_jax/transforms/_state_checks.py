@@ -1,9 +1,9 @@
-"""Checks that the state given to ``update`` belongs to the transform and the tree (private).
+"""Checks that the state given to ``update`` belongs to the tree it was built for (private).
 
-Every transform calls :func:`check_state` first, so a state from another
-transform (an ``optax.chain``'s tuple, say) raises one clear ``TypeError``
-naming the transform instead of an ``AttributeError`` deep inside it; the
-per-leaf statistics of stateful transforms go through :func:`check_tree`, so a
+Every transform calls :func:`gradclip_jax._core.validation.check_state` first, so a
+state from another transform (an ``optax.chain``'s tuple, say) raises one clear
+``TypeError`` naming the transform instead of an ``AttributeError`` deep inside it;
+the per-leaf statistics of stateful transforms go through :func:`check_tree`, so a
 state initialised on another tree (other leaves, other shapes) raises a
 ``ValueError`` naming the transform, the state field and the first leaf that
 differs.
@@ -15,8 +15,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-
-from gradclip_jax._core.validation import check_state as check_state
 
 
 def _is_none(x: Any) -> bool:

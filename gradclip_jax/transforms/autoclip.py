@@ -13,9 +13,8 @@ from gradclip_jax._core.factors import clip_factor as _clip_factor
 from gradclip_jax._core.hyperparam_rules import Hyperparam, Hyperparams, counts, mark_static
 from gradclip_jax._core.norms import OrdLike
 from gradclip_jax._core.state_registry import register_state
-from gradclip_jax._core.validation import check_bool, check_int, renamed_kwarg
+from gradclip_jax._core.validation import check_bool, check_int, check_state, renamed_kwarg
 from gradclip_jax.transforms import _stateful as _st
-from gradclip_jax.transforms._state_checks import check_state
 from gradclip_jax.transforms._stateful import finish
 
 __all__: list[str] = []  # every name here has its home elsewhere (CONTRIBUTING.md, "Import paths")

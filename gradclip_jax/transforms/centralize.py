@@ -14,7 +14,7 @@ from gradclip_jax._core.factors import validate_shape_args
 from gradclip_jax._core.hyperparam_rules import mark_static
 from gradclip_jax._core.norms import DimLike
 from gradclip_jax._core.state_registry import register_state
-from gradclip_jax.transforms._state_checks import check_state
+from gradclip_jax._core.validation import check_state
 
 __all__: list[str] = []  # every name here has its home elsewhere (CONTRIBUTING.md, "Import paths")
 

@@ -40,9 +40,9 @@ from gradclip_jax._core.hyperparam_rules import (
 )
 from gradclip_jax._core.norms import OrdLike
 from gradclip_jax._core.state_registry import register_state
-from gradclip_jax._core.validation import check_bool, check_transform
+from gradclip_jax._core.validation import check_bool, check_state, check_transform
 from gradclip_jax.transforms import _stateful as _st
-from gradclip_jax.transforms._state_checks import check_state, check_tree
+from gradclip_jax.transforms._state_checks import check_tree
 
 __all__: list[str] = []  # every name here has its home elsewhere (CONTRIBUTING.md, "Import paths")
 

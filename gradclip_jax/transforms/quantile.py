@@ -19,9 +19,8 @@ from gradclip_jax._core.hyperparam_rules import (
 )
 from gradclip_jax._core.norms import OrdLike
 from gradclip_jax._core.state_registry import register_state
-from gradclip_jax._core.validation import check_bool, check_scalar
+from gradclip_jax._core.validation import check_bool, check_scalar, check_state
 from gradclip_jax.transforms import _stateful as _st
-from gradclip_jax.transforms._state_checks import check_state
 from gradclip_jax.transforms._stateful import finish
 
 __all__: list[str] = []  # every name here has its home elsewhere (CONTRIBUTING.md, "Import paths")
@@ -110,9 +109,8 @@ def quantile_clip(
         dt = _st.scalar_dtype(params)
         count = _st.count0()
         c0 = jnp.asarray(resolve(initial_norm, count), dt).reshape(())
-        c0 = poison(
-            c0, ~(c0 > 0)
-        )  # a run-time C_0 <= 0 (or NaN): NaN, not a clip norm of 0 forever
+        # a run-time C_0 <= 0 (or NaN): NaN, not a clip norm of 0 forever
+        c0 = poison(c0, ~(c0 > 0))
         return QuantileClipState(
             count=count,
             estimate=c0,

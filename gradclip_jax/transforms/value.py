@@ -19,7 +19,8 @@ from gradclip_jax._core.factors import (
 from gradclip_jax._core.hyperparam_rules import Hyperparam, Hyperparams, increment, poison, resolve
 from gradclip_jax._core.numerics import count0 as _count0
 from gradclip_jax._core.state_registry import register_state
-from gradclip_jax.transforms._state_checks import check_state, check_tree
+from gradclip_jax._core.validation import check_state
+from gradclip_jax.transforms._state_checks import check_tree
 
 __all__: list[str] = []  # every name here has its home elsewhere (CONTRIBUTING.md, "Import paths")
 

@@ -117,8 +117,7 @@ def embedding_views(
     rows = shape(eqn.invars[0])[0]
     if jc.param(eqn, "mode") != lax.GatherScatterMode.CLIP:
         # in range: the row, and every other start of a full-size slice at 0
-        inside = (idx >= 0) & (idx < 1)
-        inside = inside.at[..., _row_index(eqn)].set(True)
+        inside = (idx == 0).at[..., _row_index(eqn)].set(True)
         ok = jnp.reshape(jnp.all(inside, axis=-1), ids.shape) & (ids >= 0) & (ids < rows)
         g3 = jnp.where(ok[:, :, None], g3, jnp.zeros((), g3.dtype))
     return jnp.clip(ids, 0, rows - 1), g3
