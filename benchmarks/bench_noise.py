@@ -351,7 +351,7 @@ def hardened_step_rows(reps: int, batch: int = 64) -> list[dict]:
     thunks = {}
     for name, extra in modes.items():
         priv = gcx.make_private(losses, optax.sgd(0.1), **kw, **extra)
-        step, state, k = jax.jit(priv.step), priv.init(params), priv.noise_key()
+        step, state, k = priv.step, priv.init(params), priv.noise_key()
         thunks[name] = lambda step=step, state=state, k=k: step(params, state, data, mask, k)
     ms = interleaved_ms(thunks, reps=reps)
     what = f"make_private step, MLP 784-256-10 ({784 * 256 + 256 + 2570} params), batch {batch}, {jax.default_backend()}"

@@ -65,7 +65,7 @@ def run(quick: bool = False) -> list[dict]:
             process_count=1,
             accountant="rdp",
         )
-        step = jax.jit(priv.step)
+        step = priv.step
         state = priv.init(params)
         key = jax.random.key(0)
         counter = {"t": 0}

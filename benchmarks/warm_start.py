@@ -1,12 +1,13 @@
 """A DP step's cold compile against its warm start from JAX's persistent compilation cache.
 
 :func:`measure` runs one process that compiles the documented loop's step
-(``jax.jit(priv.step)`` of :func:`gradclip_jax.make_private`: clipped sum, noise,
+(``priv.step`` of :func:`gradclip_jax.make_private`, called directly: clipped sum, noise,
 optimizer) with an empty cache folder (cold: it compiles and writes the program),
 then a second process with the same folder (warm: it reads the program back, as a
 resumed run or a restarted notebook kernel does). Each process reports the seconds
-to trace, lower and compile the step, and a digest of one step's outputs: the two
-digests must be equal (the program read back computes what the compiled one did).
+to trace, lower and compile the step, the persistent cache's hits and misses while
+it did, and a digest of one step's outputs: the two digests must be equal (the
+program read back computes what the compiled one did).
 
 Run alone: ``python -m benchmarks.warm_start [--quick]`` (both processes, one line
 of JSON); ``python -m benchmarks.warm_start --child CACHE_DIR [--quick]`` is one process.
@@ -72,17 +73,20 @@ def _step_and_args(quick: bool) -> tuple[Any, tuple]:
         "b2": jnp.zeros(10),
     }
     batch, mask, key = next(iter(priv.batches(data, noise_key=jax.random.key(0))))
-    return jax.jit(priv.step), (params, priv.init(params), batch, mask, key)
+    return priv.step, (params, priv.init(params), batch, mask, key)
 
 
 def child(cache_dir: str, quick: bool) -> dict[str, Any]:
-    """One process's record: ``compile_s`` (trace, lower and compile the step) and ``digest``
-    (of one step's new parameters and optimizer state)."""
+    """One process's record: ``compile_s`` (trace, lower and compile the step), ``hits`` and
+    ``misses`` (of the persistent cache while it compiled) and ``digest`` (of one step's new
+    parameters and optimizer state)."""
     import jax
     import numpy as np
 
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     step, args = _step_and_args(quick)
+    events: list[str] = []
+    jax.monitoring.register_event_listener(lambda name, **_: events.append(name))
     t0 = time.perf_counter()
     compiled = step.lower(*args).compile()
     seconds = time.perf_counter() - t0
@@ -90,7 +94,12 @@ def child(cache_dir: str, quick: bool) -> dict[str, Any]:
     digest = hashlib.sha256()
     for leaf in jax.tree_util.tree_leaves((params, opt_state)):
         digest.update(np.asarray(leaf).tobytes())
-    return {"compile_s": seconds, "digest": digest.hexdigest()}
+    return {
+        "compile_s": seconds,
+        "hits": events.count("/jax/compilation_cache/cache_hits"),
+        "misses": events.count("/jax/compilation_cache/cache_misses"),
+        "digest": digest.hexdigest(),
+    }
 
 
 def _run_child(cache_dir: str, quick: bool) -> dict[str, Any]:

@@ -197,6 +197,18 @@ def is_tracer(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
+def tracing(tree: Any = ()) -> bool:
+    """Whether this code runs inside a JAX transformation (``jit``, ``vmap``, ``scan``, ``grad``,
+    ``shard_map``, a ``lower``) or has a traced value among ``tree``'s leaves: then a call does not
+    run now, but as often as the program that holds it does."""
+    from jax._src import core as _src_core  # (no public reader of the trace state)
+
+    clean = getattr(_src_core, "trace_state_clean", None)
+    if clean is not None and not clean():
+        return True
+    return any(is_tracer(x) for x in jax.tree_util.tree_leaves(tree))
+
+
 def open_jaxpr(j: Any) -> tuple[Any, list[Any] | None]:
     """``(jaxpr, consts)`` of a closed jaxpr, or ``(jaxpr, None)`` of an open one (its
     ``constvars``, if any, are bound by the caller)."""

@@ -56,6 +56,46 @@ def test_the_documented_loop_is_covered_and_its_epsilon_given():
     assert priv.state_dict()["sampler"]["steps_taken"] == STEPS
 
 
+def test_a_step_called_directly_runs_a_program_without_callback_and_counts_each_call():
+    """``priv.step`` called outside a transformation is jitted by itself without the release
+    log's host callback (which keeps a program out of JAX's persistent cache) and counts each
+    call on the host: the same bits as the traced step, the same refusals, AOT included."""
+    priv, data = _priv(), _data()
+    w, opt = jnp.zeros(3), priv.init(jnp.zeros(3))
+    items = list(priv.batches(data, noise_key=jax.random.key(1)))
+    args = (w, opt, *items[0])
+    assert "callback" not in priv.step.lower(*args).as_text()
+    assert "callback" in jax.jit(priv.step).lower(*args).as_text()
+    direct, traced = priv.step(*args), jax.jit(priv.step)(*args)
+    for a, b in zip(jax.tree.leaves(direct), jax.tree.leaves(traced)):
+        np.testing.assert_array_equal(a, b)
+    assert priv.releases.counts() == (1, 1)  # the same key in both: a reuse
+    priv = _priv()
+    items = list(priv.batches(data, noise_key=jax.random.key(1)))
+    compiled = priv.step.lower(*args).compile()
+    for batch, mask, key in items[:3]:
+        w, opt, _ = compiled(w, opt, batch, mask, key)
+    for batch, mask, key in items[3:]:
+        w, opt, _ = priv.step(w, opt, batch, mask, key=key)
+    assert priv.releases.counts() == (STEPS, 0)
+    assert priv.epsilon() == pytest.approx(priv.planned_epsilon, rel=1e-9)
+    priv.step(w, opt, *items[0][:2], jax.random.key(99))  # a batch used again
+    with pytest.raises(PrivacyBudgetError, match=rf"{STEPS + 1} noisy updates"):
+        priv.epsilon()
+
+
+def test_an_update_on_constants_inside_a_jit_counts_each_run_of_the_program():
+    """Inside the user's ``jax.jit`` with every argument a constant (no traced value among
+    them), the call still runs as often as the program does: it reports from the program."""
+    priv = _priv()
+    w, opt = jnp.zeros(3), priv.init(jnp.zeros(3))
+    summed, key = jnp.ones(3), jax.random.key(3)
+    program = jax.jit(lambda: priv.noisy_update(w, opt, summed, key)[0])
+    program()
+    program()
+    assert priv.releases.counts() == (1, 1)
+
+
 def test_batches_trained_over_twice_leave_no_epsilon():
     """A cached list of the run's batches used for two epochs releases each batch twice: the
     accountant's epsilon (one release each) is not the guarantee of what ran."""

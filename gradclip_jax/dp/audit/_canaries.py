@@ -263,7 +263,7 @@ def audit_epsilon(
 def _train(priv: PrivateTraining, params: Any, data: Any, key: jax.Array) -> Any:
     """The run of ``priv`` over ``data`` from ``params`` (one noise key per step: from ``key``, or a
     hardened run's :meth:`~gradclip_jax.dp.PrivateTraining.noise_key`)."""
-    opt_state, step = priv.init(params), jax.jit(priv.step)
+    opt_state, step = priv.init(params), priv.step
     for t, (batch, mask) in enumerate(priv.batches(data)):
         k = priv.noise_key() if priv.hardened else jax.random.fold_in(key, t)
         params, opt_state, _ = step(params, opt_state, batch, mask, k)

@@ -10,6 +10,13 @@ then carries none. So each executed ``noisy_update`` reports its key to the host
 executed update), and :class:`PrivateTraining` refuses to give an epsilon, or a state to resume
 from, while more updates ran than steps were recorded, or a key was used twice.
 
+JAX's persistent compilation cache stores no program with a host callback, so ``priv.step``
+and ``priv.noisy_update`` called directly (not inside a transformation) run a program without
+one, compiled on their first call, and hand the key to the log on the host as they dispatch it
+(:meth:`ReleaseLog.dispatched`, :mod:`._counted`): that program is read back from the cache by
+a resumed run or a rerun notebook cell. Traced (inside the user's ``jax.jit``, ``lax.scan`` or
+``vmap``) they carry the callback, as a call's count is then the program's.
+
 Under ``jax.vmap`` (many runs at once, as an audit simulates them) the keys of all the runs go
 to the host in one call (``jax.custom_batching.custom_vmap``), not one callback per run; runs
 that share one key while their sums differ are each a release with that key (a reuse).
@@ -43,6 +50,7 @@ class ReleaseLog:
         self._report = self._reporter()
         self.warned_unreleased = False  # the warning of batches drawn without an update: once
         self._before: set[bytes] = set()  # keys the run used before it was resumed
+        self._pending: list[Any] = []  # keys of updates dispatched from the host, not yet read
 
     def resume(self, saved: Any) -> None:
         """Takes the keys an interrupted run used (:meth:`saved`): using one again is a reuse."""
@@ -55,6 +63,7 @@ class ReleaseLog:
 
     def saved(self) -> list[str]:
         """Every key used, before the resume and since, as hex strings (plain values for a checkpoint)."""
+        self._read_pending(wait=True)
         with self._lock:
             return sorted(k.hex() for k in self._before | set(self._devices))
 
@@ -90,6 +99,31 @@ class ReleaseLog:
 
         return report
 
+    def dispatched(self, key: Any) -> None:
+        """On the host: the update with ``key`` was dispatched (one program for every device).
+        Its bits are read later (:meth:`counts`), so the loop does not wait for the key."""
+        if jax.dtypes.issubdtype(getattr(key, "dtype", np.uint32), jax.dtypes.prng_key):
+            key = jax.random.key_data(key)
+        if isinstance(key, jax.Array):
+            key.copy_to_host_async()
+        with self._lock:
+            self._pending.append(key)
+
+    def _read_pending(self, wait: bool) -> int:
+        """Records the dispatched keys whose bits are on hand (all with ``wait``); returns how
+        many are left (they count as run: a dispatched update runs)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        left = []
+        for key in pending:
+            if wait or getattr(key, "is_ready", lambda: True)():
+                self._record(np.asarray(key), np.asarray(0))
+            else:
+                left.append(key)
+        with self._lock:
+            self._pending = left + self._pending
+            return len(self._pending)
+
     def _record(self, words: np.ndarray, device: np.ndarray) -> None:
         words = np.asarray(words)
         rows = words.reshape(-1, words.shape[-1]) if words.ndim else words.reshape(1, 1)
@@ -106,5 +140,6 @@ class ReleaseLog:
         (``jax.effects_barrier``), else as far as the host has heard."""
         if wait:
             jax.effects_barrier()
+        left = self._read_pending(wait)
         with self._lock:
-            return len(self._devices), self._reused
+            return len(self._devices) + left, self._reused

@@ -13,6 +13,7 @@ import optax
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.validation import check_mask
 from gradclip_jax.dp.noise import add_gaussian_noise
+from gradclip_jax.dp.private_step._counted import CountedUpdate
 from gradclip_jax.dp.private_step._releases import ReleaseLog
 from gradclip_jax.per_example.api import ClippedGradFn, ClippedGradInfo
 
@@ -74,7 +75,8 @@ def step_functions(
 
     ``noise(summed, stddev, key)`` adds the noise (default :func:`add_gaussian_noise`); ``summed_by``
     replaces ``grad_fn`` for the clipped sum (the hardened integer grid: its ``noise`` ignores ``std``);
-    ``releases`` hears of each executed ``noisy_update`` (:mod:`._releases`).
+    ``releases`` hears of each executed ``noisy_update`` (:mod:`._releases`): ``step`` and
+    ``noisy_update`` are then :class:`._counted.CountedUpdate`\\ s, jitted when called directly.
     """
     add_noise = add_gaussian_noise if noise is None else noise
     sum_fn = grad_fn if summed_by is None else summed_by
@@ -90,37 +92,45 @@ def step_functions(
         mask = check_mask("make_private step", mask, _batch_rows(batch))
         return sum_fn(params, batch, mask=mask)
 
-    def noisy_update(
-        params: Any, opt_state: Any, summed: Any, key: jax.Array
-    ) -> tuple[Any, Any, jax.Array]:
-        if releases is not None:
-            releases.mark(key, summed)
-        noised = add_noise(summed, std, key)
-        grads = jax.tree.map(
-            lambda g, p: (g / jnp.asarray(divisor, g.dtype)).astype(jnp.asarray(p).dtype),
-            noised,
-            params,
-        )
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, _norms.tree_norm(grads)
+    def updates(report: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """``(noisy_update, step)``; ``report``: each execution reports its key to ``releases``."""
 
-    def step(
-        params: Any, opt_state: Any, batch: Any, mask: Any, key: jax.Array
-    ) -> tuple[Any, Any, PrivateStepMetrics]:
-        summed, info = clipped_sum(params, batch, mask)
-        params, opt_state, gnorm = noisy_update(params, opt_state, summed, key)
-        m = jnp.asarray(mask).astype(bool)
-        real = jnp.maximum(jnp.sum(m), 1)
-        loss = jnp.sum(jnp.where(m, info.values, 0)) / real
-        return (
-            params,
-            opt_state,
-            PrivateStepMetrics(
+        def noisy_update(
+            params: Any, opt_state: Any, summed: Any, key: jax.Array
+        ) -> tuple[Any, Any, jax.Array]:
+            if report and releases is not None:
+                releases.mark(key, summed)
+            noised = add_noise(summed, std, key)
+            grads = jax.tree.map(
+                lambda g, p: (g / jnp.asarray(divisor, g.dtype)).astype(jnp.asarray(p).dtype),
+                noised,
+                params,
+            )
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, _norms.tree_norm(grads)
+
+        def step(
+            params: Any, opt_state: Any, batch: Any, mask: Any, key: jax.Array
+        ) -> tuple[Any, Any, PrivateStepMetrics]:
+            summed, info = clipped_sum(params, batch, mask)
+            params, opt_state, gnorm = noisy_update(params, opt_state, summed, key)
+            m = jnp.asarray(mask).astype(bool)
+            real = jnp.maximum(jnp.sum(m), 1)
+            loss = jnp.sum(jnp.where(m, info.values, 0)) / real
+            metrics = PrivateStepMetrics(
                 loss=loss,
                 num_clipped=info.num_clipped,
                 grad_norm=gnorm,
                 num_nonfinite=_num_nonfinite(info.norms, m),
-            ),
-        )
+            )
+            return params, opt_state, metrics
 
+        return noisy_update, step
+
+    noisy_update, step = updates(report=True)
+    # called directly: a program without the callback, its calls counted on the host
+    if releases is not None:
+        plain_update, plain_step = updates(report=False)
+        noisy_update = CountedUpdate(noisy_update, plain_update, releases)
+        step = CountedUpdate(step, plain_step, releases)
     return _StepFunctions(init, step, clipped_sum, noisy_update)

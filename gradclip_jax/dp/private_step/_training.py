@@ -53,12 +53,15 @@ class PrivateTraining:
       grad_fn: the :func:`gradclip_jax.clipped_grad` function.
       init: ``init(params) -> opt_state``.
       step: ``step(params, opt_state, batch, mask, key) -> (params, opt_state,
-        metrics)``, with ``metrics`` a :class:`PrivateStepMetrics`.
+        metrics)``, with ``metrics`` a :class:`PrivateStepMetrics`. Jitted: call it
+        directly (compiled on the first call, without a host callback, so JAX's
+        persistent cache keeps it), or inside your own transformations;
+        ``step.lower(...).compile()`` compiles it ahead.
       clipped_sum: ``clipped_sum(params, batch, mask) -> (sum, info)``: the
         clipped sum of a (piece of a) batch, for host-side accumulation.
       noisy_update: ``noisy_update(params, opt_state, summed, key) ->
         (params, opt_state, grad_norm)``: noise once, divide by the expected
-        batch size, apply the optimizer.
+        batch size, apply the optimizer (jitted, as ``step``).
       allow_beyond_plan: record steps beyond ``steps`` with a
         :class:`PrivacyBudgetWarning` instead of a :class:`PrivacyBudgetError`.
       hardened: ``None``, or the hardened mode (``'sum_of_normals'``, ``'discrete'``).
@@ -350,7 +353,7 @@ class PrivateTraining:
                 "cached list of batches trained over again) or a step on a batch not drawn from this "
                 "run releases more than a recorded step. Run each step once, on a batch from "
                 "priv.batches(); to compile the step without running it, "
-                "jax.jit(priv.step).lower(...).compile()"
+                "priv.step.lower(...).compile()"
             )
 
 
