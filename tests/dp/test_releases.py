@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 import warnings
 
 import jax
@@ -82,6 +83,49 @@ def test_a_step_called_directly_runs_a_program_without_callback_and_counts_each_
     priv.step(w, opt, *items[0][:2], jax.random.key(99))  # a batch used again
     with pytest.raises(PrivacyBudgetError, match=rf"{STEPS + 1} noisy updates"):
         priv.epsilon()
+
+
+def test_a_direct_call_counts_the_key_its_program_received():
+    """The log reads a direct call's key bits from an output of the program, not from the
+    caller's key: a key deleted (or donated) after the call, or a numpy buffer refilled with the
+    next step's bits, is still counted as it was used; a uint64 key is the uint32 key JAX
+    makes of it, as in the traced program."""
+    priv, data = _priv(), _data()
+    w, opt = jnp.zeros(3), priv.init(jnp.zeros(3))
+    items = list(priv.batches(data, noise_key=jax.random.key(1)))
+    buffer = np.zeros(2, np.uint32)
+    for i, (batch, mask, key) in enumerate(items):
+        if i < 3:
+            priv.step(w, opt, batch, mask, key)
+            key.delete()
+        else:
+            buffer[:] = [0, i]  # raw keys (0, 3), (0, 4), (0, 5): distinct
+            priv.step(w, opt, batch, mask, buffer)
+    buffer[:] = 7
+    assert priv.releases.counts() == (STEPS, 0)
+    jax.jit(priv.noisy_update)(w, opt, jnp.ones(3), np.array([0, 3], np.uint32))
+    assert priv.releases.counts() == (STEPS, 1)  # the traced program saw the same key
+    if not jax.config.jax_enable_x64:
+        priv.noisy_update(w, opt, jnp.ones(3), np.array([0, 4], np.uint64))
+        assert priv.releases.counts() == (STEPS, 2)
+
+
+def test_a_compiled_update_cannot_leave_the_count():
+    """A compiled direct update shows JAX's text and analyses, not its executable, and cannot be
+    pickled: serialized and loaded again it would run updates the log never counts."""
+    priv = _priv()
+    w, opt = jnp.zeros(3), priv.init(jnp.zeros(3))
+    compiled = priv.noisy_update.lower(w, opt, jnp.ones(3), jax.random.key(0)).compile()
+    assert compiled.memory_analysis() is not None and "HloModule" in compiled.as_text()
+    with pytest.raises(AttributeError, match="not '_executable'"):
+        assert compiled._executable is None  # (raises)
+    with pytest.raises(TypeError, match="cannot be serialized"):
+        pickle.dumps(compiled)
+    pytest.importorskip("jax.experimental.serialize_executable")
+    from jax.experimental import serialize_executable
+
+    with pytest.raises(AttributeError):
+        serialize_executable.serialize(compiled)
 
 
 def test_an_update_on_constants_inside_a_jit_counts_each_run_of_the_program():

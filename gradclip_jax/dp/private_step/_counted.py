@@ -19,7 +19,7 @@ from typing import Any
 import jax
 
 from gradclip_jax._core import jaxcompat
-from gradclip_jax.dp.private_step._releases import ReleaseLog
+from gradclip_jax.dp.private_step._releases import ReleaseLog, key_words
 
 
 class CountedUpdate:
@@ -29,22 +29,28 @@ class CountedUpdate:
     def __init__(
         self, traced: Callable[..., Any], plain: Callable[..., Any], releases: ReleaseLog
     ) -> None:
+        signature = inspect.signature(traced)
+
+        def counted(*args: Any, **kwargs: Any) -> tuple[Any, jax.Array]:
+            # the key's bits as this program received them, in a buffer of the log's own
+            key = signature.bind(*args, **kwargs).arguments["key"]
+            return plain(*args, **kwargs), key_words(key)
+
         self._traced = traced
-        self._jitted = jax.jit(plain)
-        self._signature = inspect.signature(traced)
+        self._jitted = jax.jit(counted)
         self._releases = releases
         functools.update_wrapper(self, traced)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if jaxcompat.tracing((args, kwargs)):
             return self._traced(*args, **kwargs)
-        out = self._jitted(*args, **kwargs)
-        self.count(args, kwargs)
-        return out
+        return self.counted(self._jitted(*args, **kwargs))
 
-    def count(self, args: tuple, kwargs: dict) -> None:
-        """Hands the ``key`` among a dispatched call's arguments to the log."""
-        self._releases.dispatched(self._signature.bind(*args, **kwargs).arguments["key"])
+    def counted(self, result: tuple[Any, jax.Array]) -> Any:
+        """The update's outputs; hands the key's bits among them to the log."""
+        out, words = result
+        self._releases.dispatched(words)
+        return out
 
     def lower(self, *args: Any, **kwargs: Any) -> _Lowered:
         """The update lowered for these arguments (as ``jax.jit(f).lower``, without the host
@@ -55,29 +61,45 @@ class CountedUpdate:
         return self  # a copy of a run (``copy.deepcopy(priv)``) reports to the same log
 
 
-class _Lowered:
+# What a lowered or compiled update shows of JAX's own object: text and analyses, never the
+# executable (one serialized and loaded again would run without the count)
+_SHOWN = frozenset(
+    {"as_text", "cost_analysis", "memory_analysis", "compiler_ir", "in_tree", "out_tree"}
+)
+
+
+class _Stage:
+    """A stage of an update's compilation that shows JAX's object's :data:`_SHOWN` attributes
+    alone and cannot be pickled."""
+
+    def __init__(self, stage: Any, update: CountedUpdate) -> None:
+        self._stage, self._update = stage, update
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in _SHOWN:
+            raise AttributeError(
+                f"a counted update's {type(self).__name__.strip('_').lower()} step shows "
+                f"{sorted(_SHOWN)} of JAX's object, not {name!r}: its executable would run "
+                "updates the release log does not count"
+            )
+        return getattr(self._stage, name)
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "a counted update's compiled step cannot be serialized: loaded again, it would run "
+            "updates the release log does not count (JAX's persistent cache keeps its program)"
+        )
+
+
+class _Lowered(_Stage):
     """``jax.stages.Lowered`` of an update; ``compile()`` keeps the count of its calls."""
 
-    def __init__(self, lowered: Any, update: CountedUpdate) -> None:
-        self._lowered, self._update = lowered, update
-
     def compile(self, *args: Any, **kwargs: Any) -> _Compiled:
-        return _Compiled(self._lowered.compile(*args, **kwargs), self._update)
-
-    def __getattr__(self, name: str) -> Any:  # as_text, cost_analysis, ...
-        return getattr(self._lowered, name)
+        return _Compiled(self._stage.compile(*args, **kwargs), self._update)
 
 
-class _Compiled:
+class _Compiled(_Stage):
     """``jax.stages.Compiled`` of an update: each call's key goes to the log."""
 
-    def __init__(self, compiled: Any, update: CountedUpdate) -> None:
-        self._compiled, self._update = compiled, update
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        out = self._compiled(*args, **kwargs)
-        self._update.count(args, kwargs)
-        return out
-
-    def __getattr__(self, name: str) -> Any:  # memory_analysis, cost_analysis, as_text, ...
-        return getattr(self._compiled, name)
+        return self._update.counted(self._stage(*args, **kwargs))

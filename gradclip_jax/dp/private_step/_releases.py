@@ -40,6 +40,14 @@ import numpy as np
 from gradclip_jax._core import jaxcompat
 
 
+def key_words(key: Any) -> jax.Array:
+    """A noise key's bits as the program holds them (a typed key's data; a raw key as is)."""
+    key = jnp.asarray(key)
+    return (
+        jax.random.key_data(key) if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+    )
+
+
 class ReleaseLog:
     """The noise keys of the noisy updates a run has executed, each with the devices it ran on."""
 
@@ -50,7 +58,10 @@ class ReleaseLog:
         self._report = self._reporter()
         self.warned_unreleased = False  # the warning of batches drawn without an update: once
         self._before: set[bytes] = set()  # keys the run used before it was resumed
-        self._pending: list[Any] = []  # keys of updates dispatched from the host, not yet read
+        self._pending: list[
+            jax.Array
+        ] = []  # keys of updates dispatched from the host, not yet read
+        self._reading = threading.RLock()
 
     def resume(self, saved: Any) -> None:
         """Takes the keys an interrupted run used (:meth:`saved`): using one again is a reuse."""
@@ -63,9 +74,10 @@ class ReleaseLog:
 
     def saved(self) -> list[str]:
         """Every key used, before the resume and since, as hex strings (plain values for a checkpoint)."""
-        self._read_pending(wait=True)
-        with self._lock:
-            return sorted(k.hex() for k in self._before | set(self._devices))
+        with self._reading:
+            self._read_pending(wait=True)
+            with self._lock:
+                return sorted(k.hex() for k in self._before | set(self._devices))
 
     def __deepcopy__(self, memo: dict) -> ReleaseLog:
         # a copy of a run (``copy.deepcopy(priv)``) keeps its step functions, which report here
@@ -74,8 +86,7 @@ class ReleaseLog:
     def mark(self, key: jax.Array, summed: Any) -> None:
         """Inside the traced update: reports ``key`` to the host each time the update of ``summed``
         runs (``summed`` only says whether, under ``vmap``, there is one sum per run)."""
-        if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-            key = jax.random.key_data(key)
+        key = key_words(key)
         leaves = jax.tree_util.tree_leaves(summed)
         runs = jnp.ravel(leaves[0])[:0] if leaves else jnp.zeros((0,))  # batched as the sums are
         self._report(key, jaxcompat.manual_device_index(), runs)
@@ -99,32 +110,38 @@ class ReleaseLog:
 
         return report
 
-    def dispatched(self, key: Any) -> None:
-        """On the host: the update with ``key`` was dispatched (one program for every device).
-        Its bits are read later (:meth:`counts`), so the loop does not wait for the key."""
-        if jax.dtypes.issubdtype(getattr(key, "dtype", np.uint32), jax.dtypes.prng_key):
-            key = jax.random.key_data(key)
-        if isinstance(key, jax.Array):
-            key.copy_to_host_async()
+    def dispatched(self, words: jax.Array) -> None:
+        """On the host: an update was dispatched (one program for every device); ``words`` are
+        its key's bits as that program received them, an output of the program (a buffer of
+        the log's own: the caller's key may be deleted, donated or refilled since). They are
+        read later (:meth:`counts`), so the loop does not wait for them."""
+        words.copy_to_host_async()
         with self._lock:
-            self._pending.append(key)
+            self._pending.append(words)
 
     def _read_pending(self, wait: bool) -> int:
         """Records the dispatched keys whose bits are on hand (all with ``wait``); returns how
-        many are left (they count as run: a dispatched update runs)."""
-        with self._lock:
-            pending, self._pending = self._pending, []
-        left = []
-        for key in pending:
-            if wait or getattr(key, "is_ready", lambda: True)():
-                self._record(np.asarray(key), np.asarray(0))
-            else:
-                left.append(key)
-        with self._lock:
-            self._pending = left + self._pending
-            return len(self._pending)
+        many are left (they count as run: a dispatched update runs). Readers take turns
+        (``_reading``): one that is waiting for bits holds the others back, which would
+        otherwise see neither those keys pending nor recorded."""
+        with self._reading:
+            with self._lock:
+                pending = list(self._pending)
+            done = 0
+            try:
+                for words in pending:
+                    if not (wait or words.is_ready()):  # type: ignore[attr-defined]
+                        break
+                    self._record(np.asarray(words), np.asarray(0))
+                    done += 1
+            finally:  # (the ones read are recorded; the rest stay pending)
+                with self._lock:
+                    del self._pending[:done]
+            with self._lock:
+                return len(self._pending)
 
     def _record(self, words: np.ndarray, device: np.ndarray) -> None:
+        # (``_read_pending`` and the callback both record; ``_lock`` guards the tables)
         words = np.asarray(words)
         rows = words.reshape(-1, words.shape[-1]) if words.ndim else words.reshape(1, 1)
         bit = 1 << int(device)
@@ -140,6 +157,7 @@ class ReleaseLog:
         (``jax.effects_barrier``), else as far as the host has heard."""
         if wait:
             jax.effects_barrier()
-        left = self._read_pending(wait)
-        with self._lock:
-            return len(self._devices) + left, self._reused
+        with self._reading:  # the keys read and the count, as one reader's view
+            left = self._read_pending(wait)
+            with self._lock:
+                return len(self._devices) + left, self._reused
