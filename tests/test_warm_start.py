@@ -75,3 +75,45 @@ def test_a_warm_started_dp_step_is_read_from_the_cache_and_equals_the_cold_one()
     assert r["cold"]["misses"] >= 1 and r["entries"] >= 1
     assert (r["warm"]["hits"], r["warm"]["misses"]) == (1, 0)
     assert r["warm"]["digest"] == r["cold"]["digest"]
+
+
+_DEMO_RUN = """
+import json, sys, jax
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+events = []
+jax.monitoring.register_event_listener(lambda name, **_: events.append(name))
+jax.monitoring.register_event_duration_secs_listener(lambda name, secs, **_: events.append(name))
+from gradclip_jax import demo
+demo.run(methods=("dp-sgd",), steps=4, progress=False)
+names = ["/jax/compilation_cache/cache_hits", "/jax/core/compile/backend_compile_duration"]
+print(json.dumps([events.count(n) for n in names]))
+"""
+
+
+@pytest.mark.slow
+def test_the_dp_notebooks_run_again_compiles_nothing(tmp_path):
+    """The DP notebook's run (the demo's ``'dp-sgd'`` run, which calls ``priv.step`` directly)
+    in a second fresh process with the same cache folder reads every program back and compiles
+    none (the step jitted around ``priv.step`` carried the release log's host callback: JAX
+    neither reads nor writes such a program, and compiled it in every process)."""
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"},
+        "JAX_PLATFORMS": "cpu",
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+    }
+
+    def run() -> list[int]:
+        out = subprocess.run(
+            [sys.executable, "-c", _DEMO_RUN, str(tmp_path)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+    # (JAX times a program read back as a compile too: the ones compiled anew are the difference)
+    hits, compiles = run()
+    assert hits == 0 and compiles >= 1
+    assert run() == [compiles, compiles]  # every program read back, none compiled anew

@@ -79,7 +79,8 @@ def train(
     data: tuple[np.ndarray, ...],
     progress: bool,
 ) -> tuple[Any, list[float], list[float], float]:
-    """Runs ``step_fn(params, opt_state, x, y, *args) -> (params, opt_state, loss, frac)``.
+    """Runs ``step_fn(params, opt_state, x, y, *args) -> (params, opt_state, loss, frac)``
+    (jitted already: the DP run's is a host function around ``priv.step``, called directly).
 
     ``batches`` yields each step's ``args`` (host arrays of one fixed shape, so
     the step compiles once); the training data stays on the device. The time per
@@ -87,7 +88,7 @@ def train(
     the batch and running the step to completion.
     """
     x_tr, y_tr = jnp.asarray(data[0]), jnp.asarray(data[1])
-    step = jax.jit(step_fn)
+    step = step_fn
     bar = progress_bar(total, name, progress)
     losses, fracs, times = [], [], []
     start = time.perf_counter()
@@ -274,7 +275,7 @@ def _plain_setup(
         return optax.apply_updates(p, u), s, loss, frac
 
     return _Setup(
-        plain_step,
+        jax.jit(plain_step),
         tx.init(params0),
         ((b,) for b in idx),
         [batch_size] * steps,
@@ -304,11 +305,18 @@ def _private_setup(
     )
     noise_key = jax.random.fold_in(jax.random.key(seed), 1)
 
-    def dp_step(p, s, x, y, b, mask, t):
-        batch = {"x": x[b], "y": y[b]}
-        p, s, m = priv.step(p, s, batch, mask, priv.step_key(noise_key, t))
+    gather = jax.jit(lambda x, y, b: {"x": x[b], "y": y[b]})
+
+    @jax.jit
+    def loss_and_frac(m, mask):
         real = jnp.maximum(jnp.sum(mask), 1).astype(jnp.float32)
-        return p, s, m.loss, m.num_clipped.astype(jnp.float32) / real
+        return m.loss, m.num_clipped.astype(jnp.float32) / real
+
+    def dp_step(p, s, x, y, b, mask, t):
+        # priv.step called directly: its program has no host callback, so JAX's persistent cache
+        # keeps it (a rerun notebook cell reads it back) and the host counts each call
+        p, s, m = priv.step(p, s, gather(x, y, b), mask, priv.step_key(noise_key, t))
+        return p, s, *loss_and_frac(m, mask)
 
     sizes: list[int] = []
     live = progress and has_tqdm()  # tqdm bar with the live epsilon from priv.batches
