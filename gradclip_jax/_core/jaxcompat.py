@@ -197,6 +197,11 @@ def is_tracer(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
+def jit_disabled() -> bool:
+    """Whether ``jax.disable_jit()`` is in force (a jitted function then runs op by op)."""
+    return bool(getattr(jax.config, "jax_disable_jit", False))
+
+
 def tracing(tree: Any = ()) -> bool:
     """Whether this code runs inside a JAX transformation (``jit``, ``vmap``, ``scan``, ``grad``,
     ``shard_map``, a ``lower``) or has a traced value among ``tree``'s leaves: then a call does not

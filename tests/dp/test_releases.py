@@ -110,6 +110,19 @@ def test_a_direct_call_counts_the_key_its_program_received():
         assert priv.releases.counts() == (STEPS, 2)
 
 
+def test_a_direct_call_under_disable_jit_is_counted_at_once():
+    """Under ``jax.disable_jit`` the program's outputs can be the caller's own key: the update
+    reports as it runs, so deleting the key afterwards leaves the run's checks working."""
+    priv, data = _priv(), _data()
+    w, opt = jnp.zeros(3), priv.init(jnp.zeros(3))
+    batch, mask, key = next(iter(priv.batches(data, noise_key=jax.random.key(1))))
+    with jax.disable_jit():
+        priv.step(w, opt, batch, mask, key)
+    key.delete()
+    assert priv.releases.counts() == (1, 0)
+    assert len(priv.state_dict()["noise_keys"]) == 1
+
+
 def test_a_compiled_update_cannot_leave_the_count():
     """A compiled direct update shows JAX's text and analyses, not its executable, and cannot be
     pickled: serialized and loaded again it would run updates the log never counts."""

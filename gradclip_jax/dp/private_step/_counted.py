@@ -42,7 +42,9 @@ class CountedUpdate:
         functools.update_wrapper(self, traced)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if jaxcompat.tracing((args, kwargs)):
+        # (under ``jax.disable_jit`` the program's outputs could be the caller's own key: the
+        # traced update's report then runs at once)
+        if jaxcompat.jit_disabled() or jaxcompat.tracing((args, kwargs)):
             return self._traced(*args, **kwargs)
         return self.counted(self._jitted(*args, **kwargs))
 
