@@ -50,12 +50,15 @@ Nothing is hidden: the step's state is ``params`` and ``opt_state`` (pytrees)
 and the ``key`` you pass (:meth:`PrivateTraining.batches` with ``noise_key=``
 gives each step's, the same after a resume); the accountant is a host-side record.
 Each executed update reports its noise key to the host (``_releases``): the run gives no
-epsilon while more updates ran than steps were recorded, or a key was used twice.
+epsilon while more updates ran than steps were recorded, or a key was used twice. ``step`` and
+``noisy_update`` are jitted functions: called directly, their program reports nothing (so JAX's
+persistent cache keeps it) and the host counts each call (``_counted``).
 """
 
 # _make_private: make_private; _step: the jit-able step functions and their metrics; _training: the
 # run on the host (batches recorded step by step, progress, state); _resume: the plan, checked on resume;
-# _releases: the executed noisy updates, counted on the host
+# _releases: the executed noisy updates, counted on the host; _counted: step and noisy_update as
+# jitted functions whose direct calls are counted on the host (a program JAX's cache can keep)
 from gradclip_jax.dp.private_step._make_private import (
     make_private as make_private,
 )
