@@ -45,7 +45,10 @@ def test_ghost_equals_vmap(kw: dict) -> None:
     np.testing.assert_allclose(gi.norms, vi.norms, rtol=1e-4)
     assert int(vi.num_clipped) >= 1  # the clip bites: scaling matters in the comparison
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(v), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+        # float32 sums in two orders: an element near 0 differs by rounding of the leaf's scale
+        # (1.4e-6 at 0.0035 in a leaf up to 0.24, once in CI), not of its own value
+        scale = float(np.max(np.abs(b)))
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale)
 
 
 def test_lora_trains_adapters_only() -> None:
