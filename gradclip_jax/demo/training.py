@@ -88,12 +88,11 @@ def train(
     the batch and running the step to completion.
     """
     x_tr, y_tr = jnp.asarray(data[0]), jnp.asarray(data[1])
-    step = step_fn
     bar = progress_bar(total, name, progress)
     losses, fracs, times = [], [], []
     start = time.perf_counter()
     for i, args in enumerate(batches):
-        params, opt_state, loss, frac = step(params, opt_state, x_tr, y_tr, *args)
+        params, opt_state, loss, frac = step_fn(params, opt_state, x_tr, y_tr, *args)
         jax.block_until_ready(params)
         now = time.perf_counter()
         if i > 0:  # step 0 compiles

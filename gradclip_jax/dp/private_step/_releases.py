@@ -58,10 +58,9 @@ class ReleaseLog:
         self._report = self._reporter()
         self.warned_unreleased = False  # the warning of batches drawn without an update: once
         self._before: set[bytes] = set()  # keys the run used before it was resumed
-        self._pending: list[
-            jax.Array
-        ] = []  # keys of updates dispatched from the host, not yet read
-        self._reading = threading.RLock()
+        # keys of updates dispatched from the host, not yet read; one reader at a time reads them
+        self._pending: list[jax.Array] = []
+        self._reading = threading.Lock()
 
     def resume(self, saved: Any) -> None:
         """Takes the keys an interrupted run used (:meth:`saved`): using one again is a reuse."""
@@ -121,28 +120,27 @@ class ReleaseLog:
 
     def _read_pending(self, wait: bool) -> int:
         """Records the dispatched keys whose bits are on hand (all with ``wait``); returns how
-        many are left (they count as run: a dispatched update runs). Readers take turns
-        (``_reading``): one that is waiting for bits holds the others back, which would
-        otherwise see neither those keys pending nor recorded."""
-        with self._reading:
+        many are left (they count as run: a dispatched update runs). The caller holds
+        ``_reading``: a reader waiting for bits holds the others back, which would otherwise
+        see neither those keys pending nor recorded."""
+        with self._lock:
+            pending = list(self._pending)
+        done = 0
+        try:
+            for words in pending:
+                try:
+                    if not (wait or words.is_ready()):  # type: ignore[attr-defined]
+                        break
+                    bits = np.asarray(words)
+                except Exception:  # unreadable (deleted): still one update that ran
+                    bits = np.frombuffer(f"unread {id(words)} {done}".encode(), np.uint8)
+                self._record(bits, np.asarray(0))
+                done += 1
+        finally:  # (the ones read are recorded; the rest stay pending)
             with self._lock:
-                pending = list(self._pending)
-            done = 0
-            try:
-                for words in pending:
-                    try:
-                        if not (wait or words.is_ready()):  # type: ignore[attr-defined]
-                            break
-                        bits = np.asarray(words)
-                    except Exception:  # unreadable (deleted): still one update that ran
-                        bits = np.frombuffer(f"unread {id(words)} {done}".encode(), np.uint8)
-                    self._record(bits, np.asarray(0))
-                    done += 1
-            finally:  # (the ones read are recorded; the rest stay pending)
-                with self._lock:
-                    del self._pending[:done]
-            with self._lock:
-                return len(self._pending)
+                del self._pending[:done]
+        with self._lock:
+            return len(self._pending)
 
     def _record(self, words: np.ndarray, device: np.ndarray) -> None:
         # (``_read_pending`` and the callback both record; ``_lock`` guards the tables)
