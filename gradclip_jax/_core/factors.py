@@ -76,7 +76,8 @@ def clip_factor(norm: jax.Array, max_norm: Any = None, min_norm: Any = None) -> 
     ``max_norm / norm`` when ``norm > max_norm``, ``min_norm / norm`` when
     ``0 < norm < min_norm``, else exactly 1. A zero, negative or non-finite norm
     gives 1: there is nothing meaningful to rescale, and non-finite inputs stay
-    visible instead of being zeroed. An infinite bound never clips; a NaN or
+    visible instead of being zeroed (for a norm of finite elements that
+    overflowed, callers use :func:`overflow_safe`). An infinite bound never clips; a NaN or
     negative bound gives a NaN factor (never a sign flip, never "no clipping").
     Each branch has its own safe operands, so derivatives are finite everywhere,
     also for norms of 1e-30 or 1e30 and for infinite bounds.
@@ -94,6 +95,29 @@ def clip_factor(norm: jax.Array, max_norm: Any = None, min_norm: Any = None) -> 
         factor = jnp.where(sel, _ratio(jnp.where(sel, b, one), jnp.where(sel, norm, one)), factor)
         factor = jnp.where(jnp.isnan(b) | (b < 0), jnp.full_like(factor, jnp.nan), factor)
     return factor
+
+
+def overflow_safe(factor_fn: Any, norm: jax.Array, overflowed: jax.Array) -> jax.Array:
+    """``factor_fn(norm)``, and 0 where the norm ``overflowed`` (finite elements, a norm past
+    the dtype's range, reported ``inf``) and would be scaled down: ``c / inf``.
+
+    A non-finite norm gets a factor of 1 (:func:`clip_factor`), so that an infinite
+    or NaN element stays visible; a norm that overflowed would then pass finite
+    elements up to 38 orders of magnitude above the bound, unclipped. Its factor is
+    what ``factor_fn`` gives the largest finite norm: 0 where that is below 1
+    (``c / inf``, as optax's and torch's clipping give, and as XLA already gives a
+    norm above about ``8.5e37 * c`` by flushing its subnormal factor ``c / norm``
+    to 0), else that factor (1 for an infinite bound, NaN for an invalid one).
+
+    Example:
+      >>> import functools, jax.numpy as jnp
+      >>> f = functools.partial(clip_factor, max_norm=1.0)
+      >>> overflow_safe(f, jnp.array([jnp.inf, jnp.inf]), jnp.array([True, False]))
+      Array([0., 1.], dtype=float32)
+    """
+    big = jnp.asarray(jnp.finfo(norm.dtype).max, norm.dtype)
+    factor = factor_fn(jnp.where(overflowed, big, norm))
+    return jnp.where(overflowed & (factor < 1), jnp.zeros_like(factor), factor)
 
 
 def normalize_factor(norm: jax.Array, norm_value: Any) -> jax.Array:
@@ -145,8 +169,8 @@ def rescale_tree(
     _norms.check_complex(fn, flat, spec)
     arrays = flat.arrays
     if dim == "global":
-        norm = _norms.global_norm(arrays, spec, axis_name, dtype=norm_dtype)
-        factor = factor_fn(norm)
+        norm, overflowed = _norms.global_norm_and_overflow(arrays, spec, axis_name, norm_dtype)
+        factor = overflow_safe(factor_fn, norm, overflowed)
         settled = _settled(
             arrays,
             [factor] * len(arrays),
@@ -165,7 +189,12 @@ def rescale_tree(
         if ax is not None:
             todo.append(pos)
             axes.append(ax)
-    measured = _norms.slice_norms([arrays[p] for p in todo], axes, spec, then=factor_fn)
+    measured = _norms.slice_norms(
+        [arrays[p] for p in todo],
+        axes,
+        spec,
+        then=lambda n, overflowed: overflow_safe(factor_fn, n, overflowed),
+    )
     oks = _settled(
         [arrays[p] for p in todo], [f for _, f in measured], axes, bound, spec, False, axis_name
     )

@@ -22,7 +22,7 @@ from jax import lax
 
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.control import cond
-from gradclip_jax._core.factors import scale_leaf
+from gradclip_jax._core.factors import clip_factor, overflow_safe, scale_leaf
 from gradclip_jax._core.hyperparam_rules import counts, increment, poison
 from gradclip_jax._core.numerics import count0 as count0
 
@@ -102,6 +102,24 @@ def whole_leaf_norms(arrays: Sequence[jax.Array], spec: _norms.NormSpec) -> list
     """
     out = _norms.slice_norms(arrays, [tuple(range(x.ndim)) for x in arrays], spec)
     return [n.reshape(()) for n in out]
+
+
+def norms_and_overflow(
+    arrays: Sequence[jax.Array], spec: _norms.NormSpec, tensorwise: bool, dtype: Any
+) -> tuple[jax.Array, jax.Array]:
+    """The update's norms, one per leaf (``tensorwise``) or the global one (in ``dtype``), stacked
+    in the norms' dtype, and where each overflowed (finite elements, a norm past the dtype's range:
+    :func:`~gradclip_jax._core.factors.overflow_safe`)."""
+    if tensorwise:
+        pairs = _norms.slice_norms(
+            arrays, [tuple(range(x.ndim)) for x in arrays], spec, then=lambda n, over: over
+        )
+        norms, overs = [n.reshape(()) for n, _ in pairs], [o.reshape(()) for _, o in pairs]
+    else:
+        n, o = _norms.global_norm_and_overflow(arrays, spec, dtype=dtype)
+        norms, overs = [n], [o]
+    dt = _norms.tree_acc_dtype(norms)
+    return stack(norms, dt), jnp.stack(overs) if overs else jnp.zeros((0,), bool)
 
 
 def stack(scalars: Sequence[jax.Array], dtype: Any) -> jax.Array:
@@ -283,8 +301,8 @@ def init_inner(inner: optax.GradientTransformation | None, params: Any) -> Any:
 
 def finish(
     flat: _norms.FlatTree,
-    f: jax.Array,
     n: jax.Array,
+    overflowed: jax.Array,
     thr: jax.Array,
     state: Any,
     skip: bool,
@@ -292,18 +310,22 @@ def finish(
 ) -> tuple[Any, jax.Array, dict[str, jax.Array]]:
     """The shared ending of the global-norm clippers (autoclip, zclip, quantile_clip).
 
-    Scales the update by ``f`` (by 1 when ``skip`` and the norm ``n`` is not
-    finite; NaN when a hyperparameter is ``invalid``) and returns
-    ``(out, ok, fields)``: ``ok`` says whether the step counts, and ``fields`` are
-    the state's monitoring fields ``count``, ``norm``, ``clip_norm`` (``thr``, or
-    the previous one on a skipped step) and ``clipped``.
+    Clips the update of norm ``n`` at ``thr`` (not when ``skip`` and the norm is
+    not finite, unless it ``overflowed``: finite elements, clipped as
+    :func:`~gradclip_jax._core.factors.overflow_safe` says; NaN when a
+    hyperparameter is ``invalid``) and returns ``(out, ok, fields)``: ``ok`` says
+    whether the step counts, and ``fields`` are the state's monitoring fields
+    ``count``, ``norm``, ``clip_norm`` (``thr``, or the previous one on a skipped
+    step) and ``clipped``.
     """
+    f = overflow_safe(lambda m: clip_factor(m, thr), n, overflowed)
     ok = (jnp.isfinite(n) if skip else jnp.ones((), bool)) & counts(invalid)
-    out = scale_all(flat, poison(jnp.where(ok, f, jnp.ones_like(f)), invalid))
+    applied = ok | overflowed  # an overflowed norm is clipped, but its step is not absorbed
+    out = scale_all(flat, poison(jnp.where(applied, f, jnp.ones_like(f)), invalid))
     fields = {
         "count": jnp.where(ok, increment(state.count), state.count),
         "norm": n,
         "clip_norm": jnp.where(ok, thr, state.clip_norm),
-        "clipped": ok & (f < 1),
+        "clipped": applied & (f < 1),
     }
     return out, ok, fields

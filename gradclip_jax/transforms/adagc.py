@@ -10,7 +10,7 @@ import optax
 
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.control import cond
-from gradclip_jax._core.factors import clip_factor as _clip_factor
+from gradclip_jax._core.factors import clip_factor as _clip_factor, overflow_safe
 from gradclip_jax._core.hyperparam_rules import (
     Hyperparam,
     Hyperparams,
@@ -60,33 +60,34 @@ def _warmup_step(
     v: dict,
     sdt: Any,
     global_warmup: bool,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(factor, bound, gamma)`` of a warm-up step: global clipping at ``warmup_max_norm`` (the
-    global norm is only computed during warm-up; none without ``global_warmup``), and each
-    leaf's ``gamma`` the smallest positive post-clip norm seen."""
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``(factor, bound, gamma, overflowed)`` of a warm-up step: global clipping at
+    ``warmup_max_norm`` (the global norm is only computed during warm-up; none without
+    ``global_warmup``), each leaf's ``gamma`` the smallest positive post-clip norm seen, and
+    whether the global norm overflowed (:func:`~gradclip_jax._core.factors.overflow_safe`)."""
     if global_warmup:
-        total = cond(
+        total, over = cond(
             in_warmup,
-            lambda: _norms.global_norm(arrays, spec, dtype=sdt),
-            lambda: jnp.zeros((), sdt),
+            lambda: _norms.global_norm_and_overflow(arrays, spec, dtype=sdt),
+            lambda: (jnp.zeros((), sdt), jnp.zeros((), bool)),
         )
         bound_w = v["warmup_max_norm"]
-        fg = _clip_factor(total, bound_w)
+        fg = overflow_safe(lambda m: _clip_factor(m, bound_w), total, over)
     else:
         bound_w = jnp.full((), jnp.inf, sdt)
-        fg = jnp.ones((), sdt)
+        fg, over = jnp.ones((), sdt), jnp.zeros((), bool)
     post = n * fg
-    return fg, bound_w, jnp.where(post > 0, jnp.minimum(gamma, post), gamma)
+    return fg, bound_w, jnp.where(post > 0, jnp.minimum(gamma, post), gamma), over
 
 
 def _adaptive_step(
-    n: jax.Array, gamma: jax.Array, v: dict
+    n: jax.Array, gamma: jax.Array, v: dict, over: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(factors, bounds, gamma)`` after warm-up: each leaf clipped at ``clip_ratio * gamma``, and
-    ``gamma`` an EMA of the clipped norm."""
+    ``gamma`` an EMA of the clipped norm (``over``: where a leaf's norm overflowed)."""
     base = jnp.maximum(jnp.where(jnp.isinf(gamma), n, gamma), v["min_gamma"])
     bound = v["clip_ratio"] * base
-    f = _clip_factor(n, bound)
+    f = overflow_safe(lambda m: _clip_factor(m, bound), n, over)
     b = v["beta"]
     return f, bound, jnp.where(n > 0, b * base + (1 - b) * (n * f), gamma)
 
@@ -178,16 +179,19 @@ def adagc(
         v, invalid = hps.at(count, sdt)
         gamma = _st.stack(_st.leaves_of(state.gamma, k, fn, "gamma"), sdt)
         old = _st.stack(_st.leaves_of(state.clip_norm, k, fn, "clip_norm"), sdt)
-        n = _st.stack(_st.whole_leaf_norms(arrays, spec), sdt)
+        n, over = _st.norms_and_overflow(arrays, spec, True, sdt)
+        n = n.astype(sdt)
 
         global_warmup = warmup_max_norm is not None and warm > 0
-        fg, bound_w, gamma_w = _warmup_step(
+        fg, bound_w, gamma_w, over_w = _warmup_step(
             arrays, spec, n, gamma, in_warmup, v, sdt, global_warmup
         )
-        f, bound, gamma_a = _adaptive_step(n, gamma, v)
+        f, bound, gamma_a = _adaptive_step(n, gamma, v, over)
 
         ok = (_st.all_finite([n]) if skip else jnp.ones((), bool)) & counts(invalid)
-        factors = poison(jnp.where(ok, jnp.where(in_warmup, fg, f), 1), invalid)
+        # an overflowed norm (finite elements) is clipped, but its step is not absorbed
+        applied = ok | jnp.where(in_warmup, over_w, over)
+        factors = poison(jnp.where(applied, jnp.where(in_warmup, fg, f), 1), invalid)
         out = _st.scale_all(flat, _st.unstack(factors))
         return out, AdaGCState(
             count=jnp.where(ok, increment(count), count),
@@ -198,7 +202,7 @@ def adagc(
             clip_norm=_st.pack(
                 True, state.clip_norm, jnp.where(ok, jnp.where(in_warmup, bound_w, bound), old)
             ),
-            clipped=_st.pack(True, state.clipped, ok & jnp.where(in_warmup, fg < 1, f < 1)),
+            clipped=_st.pack(True, state.clipped, applied & jnp.where(in_warmup, fg < 1, f < 1)),
         )
 
     return optax.GradientTransformation(_adagc_init, update_fn)

@@ -9,7 +9,14 @@ import jax.numpy as jnp
 import optax
 
 from gradclip_jax._core import norms as _norms
-from gradclip_jax._core.factors import clip_factor, is_float, like_state, scale_leaf, tree_dtype
+from gradclip_jax._core.factors import (
+    clip_factor,
+    is_float,
+    like_state,
+    overflow_safe,
+    scale_leaf,
+    tree_dtype,
+)
 from gradclip_jax._core.hyperparam_rules import (
     Hyperparam,
     Hyperparams,
@@ -175,13 +182,15 @@ def adaptive_grad_clip(
         lam, floor = v["clipping"], v["eps"]
         gflat, parr, axes = _paired_leaves(fn, updates, params, axis)
         garr = gflat.arrays
-        gn = _norms.slice_norms(garr, axes, l2)
+        gn = _norms.slice_norms(garr, axes, l2, then=lambda n, over: over)
         pn = _norms.slice_norms(parr, axes, l2)
         new, reported, clipped = [], [], []
-        for g, ax, gnorm, pnorm in zip(garr, axes, gn, pn):
+        for g, ax, (gnorm, over), pnorm in zip(garr, axes, gn, pn):
             dtype = gnorm.dtype
             bound = lam.astype(dtype) * jnp.maximum(pnorm.astype(dtype), floor.astype(dtype))
-            factor = poison(clip_factor(gnorm, bound), invalid)
+            factor = poison(
+                overflow_safe(lambda n, b=bound: clip_factor(n, b), gnorm, over), invalid
+            )
             new.append(scale_leaf(g, factor))
             reported.append(jnp.squeeze(gnorm, axis=ax))
             clipped.append(jnp.any(factor < 1))

@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import optax
 
 from gradclip_jax._core import norms as _norms
-from gradclip_jax._core.factors import clip_factor as _clip_factor
 from gradclip_jax._core.hyperparam_rules import Hyperparam, Hyperparams, counts, mark_static
 from gradclip_jax._core.norms import OrdLike
 from gradclip_jax._core.state_registry import register_state
@@ -174,14 +173,14 @@ def autoclip(
         flat = _st.measured(updates, spec, fn)
         dt = state.norm.dtype
         v, invalid = hps.at(state.count, dt)
-        n = _norms.global_norm(flat.arrays, spec, axis_name, dtype=dt)
+        n, over = _norms.global_norm_and_overflow(flat.arrays, spec, axis_name, dt)
         # an invalid traced hyperparameter leaves the statistics as they were (house rule)
         record = jnp.isfinite(n) & (n > 0) & counts(invalid)
         history = state.history.at[state.head].set(jnp.where(record, n, state.history[state.head]))
         head = jnp.where(record, (state.head + 1) % size, state.head)
         filled = jnp.where(record, jnp.minimum(state.filled + 1, size), state.filled)
         thr = jnp.maximum(_percentile(history, filled, v["percentile"] / 100), floor(v))
-        out, _, fields = finish(flat, _clip_factor(n, thr), n, thr, state, skip, invalid)
+        out, _, fields = finish(flat, n, over, thr, state, skip, invalid)
         return out, AutoClipState(history=history, head=head, filled=filled, **fields)
 
     return optax.GradientTransformation(init_fn, update_fn)

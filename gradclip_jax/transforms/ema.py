@@ -28,7 +28,7 @@ import numpy as np
 import optax
 
 from gradclip_jax._core import norms as _norms
-from gradclip_jax._core.factors import clip_factor, normalize_factor
+from gradclip_jax._core.factors import clip_factor, normalize_factor, overflow_safe
 from gradclip_jax._core.hyperparam_rules import (
     Hyperparam,
     Hyperparams,
@@ -204,13 +204,17 @@ def _rescaling(
     normalize: bool,
     ok: jax.Array,
     invalid: jax.Array | None,
+    over: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
     """``(factors, flags)`` of the update's rescaling, ``a / max(e, eps)`` clamped (torchzero's
-    denominator): 1 on a step that does not count, NaN where a hyperparameter is invalid."""
+    denominator): 1 on a step that does not count unless ``a`` overflowed (:func:`overflow_safe`
+    clips it), NaN where a hyperparameter is invalid."""
     bound = jnp.maximum(e, 2 * float(np.finfo(dt).tiny))
-    f = normalize_factor(a, bound) if normalize else clip_factor(a, bound)
-    flags = (f != 1) if normalize else (f < 1)
-    return poison(jnp.where(ok, f, jnp.ones_like(f)), invalid), flags
+    factor = normalize_factor if normalize else clip_factor
+    f = overflow_safe(lambda n: factor(n, bound), a, over)
+    applied = ok | over
+    flags = ((f != 1) if normalize else (f < 1)) & applied
+    return poison(jnp.where(applied, f, jnp.ones_like(f)), invalid), flags
 
 
 def _norm_by_ema(
@@ -243,13 +247,10 @@ def _norm_by_ema(
         first = count == 0
         old_ema = _st.leaves_of(state.exp_avg, len(arrays), fn, "exp_avg")
         v, invalid = hps.at(count, _norms.tree_acc_dtype(arrays))
-        a_list = (
-            _st.whole_leaf_norms(arrays, spec)
-            if tensorwise
-            else [_norms.global_norm(arrays, spec, dtype=state.norm.dtype)]
+        a, over = _st.norms_and_overflow(
+            arrays, spec, tensorwise, None if tensorwise else state.norm.dtype
         )
-        dt = _norms.tree_acc_dtype(a_list)
-        a = _st.stack(a_list, dt)
+        dt = a.dtype
         # Whether the step counts is known before the EMA is formed, so the kept EMA is written
         # in the same elementwise pass as the new one. The stored EMA is then read by that pass
         # only, and a donated state is updated in place (no copy kept for a skipped step).
@@ -261,7 +262,7 @@ def _norm_by_ema(
 
         if max_ema_growth is not None:
             ema, e = _limit_ema_growth(ema, e, prev, first, v, dt, tensorwise, ok)
-        f, flags = _rescaling(a, e, dt, normalize, ok, invalid)
+        f, flags = _rescaling(a, e, dt, normalize, ok, invalid, over)
         out_flat, inner_state = _st.run_inner(inner, updates, flat, state.inner_state, params, fn)
         out = _st.scale_all(out_flat, _st.unstack(f) if tensorwise else f[0])
 
@@ -271,7 +272,7 @@ def _norm_by_ema(
             prev_ema_norm=_st.pack(tensorwise, state.prev_ema_norm, jnp.where(ok, e, prev)),
             norm=_st.pack(tensorwise, state.norm, a),
             clip_norm=_st.pack(tensorwise, state.clip_norm, jnp.where(ok, e, old_clip)),
-            clipped=_st.pack(tensorwise, state.clipped, flags & ok),
+            clipped=_st.pack(tensorwise, state.clipped, flags),
             inner_state=inner_state,
         )
         return out, new_state

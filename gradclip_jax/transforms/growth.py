@@ -27,7 +27,7 @@ import numpy as np
 import optax
 
 from gradclip_jax._core import norms as _norms
-from gradclip_jax._core.factors import clip_factor
+from gradclip_jax._core.factors import clip_factor, overflow_safe
 from gradclip_jax._core.hyperparam_rules import (
     Hyperparam,
     Hyperparams,
@@ -119,12 +119,13 @@ class _GrowthSteps:
     has_decay: bool
 
     def norm_step(
-        self, nrm: jax.Array, prev: jax.Array, first: jax.Array, v: dict
+        self, nrm: jax.Array, prev: jax.Array, first: jax.Array, v: dict, over: jax.Array
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """``(factors, bounds, tracked)`` of :func:`clip_norm_growth` for the norms ``nrm`` given
         the tracked ones ``prev``: each norm is clipped to ``prev + add`` and ``mul * prev``,
         and the tracked norm follows the clipped one, decaying by at most ``max_decay`` and
-        floored at ``min_value`` (the first step tracks the norm itself)."""
+        floored at ``min_value`` (the first step tracks the norm itself). ``over``: where a
+        norm overflowed (:func:`~gradclip_jax._core.factors.overflow_safe`)."""
         bound = jnp.full_like(nrm, jnp.inf)
         if self.has_add:
             bound = jnp.minimum(bound, prev + v["add"])
@@ -133,7 +134,7 @@ class _GrowthSteps:
         # first step, or a NaN tracked norm (absorbed with skip_nonfinite=False): no
         # bound, so the tracked norm recovers at the next finite update
         bound = jnp.where(first | jnp.isnan(bound), jnp.inf, bound)
-        f = clip_factor(nrm, bound)
+        f = overflow_safe(lambda n: clip_factor(n, bound), nrm, over)
         new = nrm * f  # the clipped norm, min(n, bound)
         if self.has_decay:
             md = v["max_decay"]
@@ -285,20 +286,22 @@ def clip_norm_growth(
         # below runs on these vectors, one fused op for all leaves.
         if tensorwise:
             k = len(arrays)
-            norm_list = _st.whole_leaf_norms(arrays, spec)
             prev_list = _st.leaves_of(state.prev_norm, k, fn, "prev_norm")
             old_list = _st.leaves_of(state.clip_norm, k, fn, "clip_norm")
         else:
-            norm_list = [_norms.global_norm(arrays, spec, dtype=state.norm.dtype)]
             prev_list, old_list = [state.prev_norm], [state.clip_norm]
-        dt = _norms.tree_acc_dtype(norm_list)
-        nrm, prev = _st.stack(norm_list, dt), _st.stack(prev_list, dt)
+        nrm, over = _st.norms_and_overflow(
+            arrays, spec, tensorwise, None if tensorwise else state.norm.dtype
+        )
+        dt = nrm.dtype
+        prev = _st.stack(prev_list, dt)
         v, invalid = hps.at(count, dt)
 
-        f, bound, tracked = steps.norm_step(nrm, prev, first, v)
+        f, bound, tracked = steps.norm_step(nrm, prev, first, v, over)
 
         ok = (_st.all_finite([nrm]) if skip else jnp.ones((), bool)) & counts(invalid)
-        f = poison(jnp.where(ok, f, jnp.ones_like(f)), invalid)
+        # an overflowed norm (finite elements) is clipped, but its step is not absorbed
+        f = poison(jnp.where(ok | over, f, jnp.ones_like(f)), invalid)
         out = _st.scale_all(flat, _st.unstack(f) if tensorwise else f[0])
         new_state = ClipNormGrowthState(
             count=jnp.where(ok, increment(count), count),
@@ -307,7 +310,7 @@ def clip_norm_growth(
             clip_norm=_st.pack(
                 tensorwise, state.clip_norm, jnp.where(ok, bound, _st.stack(old_list, dt))
             ),
-            clipped=_st.pack(tensorwise, state.clipped, (f < 1) & ok),
+            clipped=_st.pack(tensorwise, state.clipped, (f < 1) & (ok | over)),
         )
         return out, new_state
 

@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import optax
 
 from gradclip_jax._core import norms as _norms
-from gradclip_jax._core.factors import clip_factor as _clip_factor
 from gradclip_jax._core.hyperparam_rules import (
     Hyperparam,
     Hyperparams,
@@ -126,10 +125,10 @@ def quantile_clip(
         dt = state.norm.dtype
         v, invalid = hps.at(state.count, dt)
         c = state.estimate
-        n = _norms.global_norm(flat.arrays, spec, axis_name, dtype=dt)
+        n, over = _norms.global_norm_and_overflow(flat.arrays, spec, axis_name, dt)
         unclipped = (n <= c).astype(dt)
         nxt = c * jnp.exp(-v["learning_rate"] * (unclipped - v["target_quantile"]))
-        out, ok, fields = finish(flat, _clip_factor(n, c), n, c, state, skip, invalid)
+        out, ok, fields = finish(flat, n, over, c, state, skip, invalid)
         return out, QuantileClipState(estimate=jnp.where(ok, nxt, c), **fields)
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import optax
 
 from gradclip_jax._core import norms as _norms
-from gradclip_jax._core.factors import clip_factor as _clip_factor
 from gradclip_jax._core.hyperparam_rules import Hyperparam, Hyperparams, mark_static
 from gradclip_jax._core.norms import OrdLike
 from gradclip_jax._core.numerics import sqrt_safe
@@ -158,13 +157,13 @@ def zclip(
         flat = _st.measured(updates, spec, fn)
         dt = state.norm.dtype
         v, invalid = hps.at(state.count, dt)
-        n = _norms.global_norm(flat.arrays, spec, axis_name, dtype=dt)
+        n, over = _norms.global_norm_and_overflow(flat.arrays, spec, axis_name, dt)
         in_warmup = state.count < warm
         tau, spike = _zclip_threshold(n, state.mean, state.var, ~in_warmup, v, md, opt)
         cap = jnp.where(spike, tau, n)
         if max_grad_norm is not None:
             cap = jnp.minimum(cap, v["max_grad_norm"])
-        out, ok, fields = finish(flat, _clip_factor(n, cap), n, cap, state, skip, invalid)
+        out, ok, fields = finish(flat, n, over, cap, state, skip, invalid)
         mean, var = _zclip_statistics(
             n, state, in_warmup, jnp.where(spike, tau, n), spike & skip_stats, v
         )

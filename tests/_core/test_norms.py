@@ -389,3 +389,27 @@ def test_global_std_of_complex_leaves_is_that_of_the_concatenated_leaves():
     assert float(gcx.tree_norm(const, ord="std")) == 0.0
     out, _ = gcx.clip_by_global_norm(0.5, ord="std").update(const, None)
     np.testing.assert_array_equal(np.asarray(out["a"]), np.asarray(const["a"]))
+
+
+@pytest.mark.parametrize(
+    ("values", "norm", "overflowed"),
+    [
+        ([3e38, 3e38], math.inf, True),  # finite elements, the norm (4.2e38) does not fit
+        ([1e38, 2e38], 2.236068e38, False),  # squares overflow, the norm fits
+        ([math.inf, 1.0], math.inf, False),  # an infinite element
+        ([math.nan, 3e38], math.nan, False),
+        ([3.0, 4.0], 5.0, False),
+    ],
+)
+def test_global_norm_and_overflow_tells_an_overflowed_norm_from_an_infinite_element(
+    values, norm, overflowed
+):
+    from gradclip_jax._core import norms
+
+    x = [jnp.array(values, jnp.float32), jnp.ones(3, jnp.bfloat16)]
+    spec = norms.parse_ord(2)
+    n, over = jax.jit(lambda xs: norms.global_norm_and_overflow(xs, spec))(x)
+    np.testing.assert_allclose(float(n), math.sqrt(norm**2 + 3), rtol=1e-6)
+    assert bool(over) is overflowed
+    pairs = norms.slice_norms(x, [(0,), (0,)], spec, then=lambda n, over: over)
+    assert [bool(o) for _, o in pairs] == [overflowed, False]

@@ -575,3 +575,44 @@ def test_clip_grad_norm_leaves_a_non_positive_signed_sum_unchanged():
         np.testing.assert_array_equal(np.asarray(out["w"]), np.asarray(x, np.float32))
     out, _ = gcx.clip_grad_norm({"w": jnp.array([jnp.nan, 4.0])}, 1.0)
     assert np.all(np.isnan(np.asarray(out["w"])))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: gcx.clip_by_global_norm(1.0),
+        lambda: gcx.clip_by_norm(1.0),
+        lambda: gcx.clip_by_norm(1.0, dim=1),
+        lambda: gcx.normalize(1.0),
+        lambda: gcx.adaptive_grad_clip(0.01),
+    ],
+    ids=["global", "per_leaf", "per_row", "normalize", "agc"],
+)
+def test_norm_past_float32_range_is_clipped_not_passed(make):
+    """Elements that are all finite but whose norm does not fit in float32 (reported inf) are
+    clipped (c / inf = 0, as optax), not passed on unclipped as an infinite element's are."""
+    tx = make()
+    params = {"w": jnp.ones((2, 4)), "b": jnp.ones(3)}
+    huge = {"w": jnp.full((2, 4), 3e38, jnp.float32), "b": jnp.full(3, 0.5)}
+    out, state = jax.jit(tx.update)(huge, tx.init(params), params)
+    np.testing.assert_array_equal(np.asarray(out["w"]), 0.0)
+    assert np.all(np.asarray(jax.tree_util.tree_leaves(state.norm)[-1]) == np.inf)
+    if hasattr(state, "clipped"):
+        assert bool(np.all(jax.tree_util.tree_leaves(state.clipped)[-1]))
+    # an infinite element still stays visible, and its finite neighbours are kept
+    inf = {"w": huge["w"].at[0, 0].set(jnp.inf), "b": huge["b"]}
+    out, _ = jax.jit(tx.update)(inf, tx.init(params), params)
+    assert float(out["w"][0, 0]) == math.inf
+
+
+def test_norm_past_float32_range_with_an_infinite_bound_is_not_clipped():
+    tx = gcx.clip_by_global_norm(jnp.inf)
+    huge = [jnp.full(4, 3e38, jnp.float32)]
+    out, state = tx.update(huge, tx.init(huge))
+    np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(huge[0]))
+    assert not bool(state.clipped)
+    tx = gcx.inject_hyperparams(gcx.clip_by_global_norm)(max_norm=1.0)
+    state = tx.init(huge)
+    state.hyperparams["max_norm"] = jnp.asarray(jnp.nan)
+    out, _ = jax.jit(tx.update)(huge, state)
+    assert bool(jnp.all(jnp.isnan(out[0])))  # an invalid bound still poisons the update

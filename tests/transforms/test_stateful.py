@@ -419,3 +419,24 @@ def test_training_with_spikes_stays_stable():
         assert np.all(np.isfinite(losses))
         assert losses[60:].max() < 1.0  # the spikes are absorbed
         assert losses[-1] < 0.05 and losses[-1] < 1e-3 * plain[-1]
+
+
+@pytest.mark.parametrize("name", sorted(NORM_BASED))
+def test_norm_past_float32_range_is_clipped_and_not_absorbed(name):
+    """Finite elements whose norm does not fit in float32 (reported inf): clipped (to zero, c/inf),
+    never passed on unclipped, and the step is not absorbed into the statistics."""
+    tx = _make(name)
+    batch = _updates()
+    update = jax.jit(tx.update)
+    state = tx.init(_params())
+    for i in range(4):
+        _, state = update(_at(batch, i), state)
+    huge = dict(_at(batch, 4), w=jnp.full((3, 2), 3e38, jnp.float32))
+    out, skipped = update(huge, state)
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(out))
+    np.testing.assert_array_equal(np.asarray(out["w"]), 0.0)
+    assert bool(np.any(jax.tree_util.tree_leaves(skipped.clipped)))
+    a, s_a = update(_at(batch, 5), skipped)
+    b, s_b = update(_at(batch, 5), state)
+    _assert_trees(a, b, rtol=0, atol=0)
+    _assert_trees(s_a, s_b, rtol=0, atol=0)

@@ -21,6 +21,7 @@ from gradclip_jax._core.norms._engine import (
     SUMSQ_STRATEGY as SUMSQ_STRATEGY,
     check_complex as check_complex,
     global_norm as global_norm,
+    global_norm_and_overflow as global_norm_and_overflow,
     row_sums_of_squares as row_sums_of_squares,
     slice_norms as slice_norms,
 )

@@ -267,18 +267,41 @@ def global_norm(
     ``axis_name`` combines the partial statistics across devices (``psum``/``pmax``)
     for leaves sharded by hand inside ``shard_map`` or ``pmap``.
     """
+    return global_norm_and_overflow(arrays, spec, axis_name, dtype)[0]
+
+
+def global_norm_and_overflow(
+    arrays: Sequence[jax.Array],
+    spec: NormSpec,
+    axis_name: Any = None,
+    dtype: np.dtype | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`global_norm`, and whether it overflowed: every element finite, the norm
+    past the dtype's range (reported ``inf``; see :func:`_overflowed`)."""
     jobs, _ = plan_jobs(arrays, [None] * len(arrays), keepdims=False)
     r, m = _compute(
         jobs, spec, combine=True, axis_name=axis_name, dtype=dtype or tree_acc_dtype(arrays)
     )
-    return r * m
+    return r * m, _overflowed(r, m)
+
+
+def _overflowed(r: jax.Array, m: jax.Array) -> jax.Array:
+    """Where the norm ``r * m`` of finite elements is past the dtype's range.
+
+    The fallback measures in units ``m`` of about max|x|, so ``r`` and ``m`` are
+    finite exactly when every element is; an infinite or NaN element leaves the
+    fast pass's non-finite ``r``. Only the product can then overflow. (With Blue's
+    algorithm, :data:`SUMSQ_STRATEGY` ``"blue"``, ``m`` is 1 and an overflowed norm
+    looks like an infinite element's.)
+    """
+    return jnp.isfinite(r) & jnp.isfinite(m) & ~jnp.isfinite(r * m)
 
 
 def slice_norms(
     arrays: Sequence[jax.Array],
     axes: Sequence[tuple[int, ...]],
     spec: NormSpec,
-    then: Callable[[jax.Array], jax.Array] | None = None,
+    then: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
     branch_free: bool = False,
 ) -> Any:
     """Per-slice norms of each array over its ``axes``, with ``keepdims=True``.
@@ -290,7 +313,8 @@ def slice_norms(
       arrays: the leaves.
       axes: each leaf's reduction axes.
       spec: the parsed ``ord``.
-      then: optional elementwise function of the norms (for example a clip factor).
+      then: optional elementwise function ``then(norms, overflowed)`` of the norms
+        and where they overflowed (:func:`_overflowed`), for example a clip factor.
         It is applied to the packed norms of small leaves in one vectorized call,
         which keeps compile time flat for trees of thousands of small leaves.
       branch_free: 2-norms and ``'rms'`` by Blue's algorithm whatever the
@@ -299,12 +323,16 @@ def slice_norms(
         on GPUs).
 
     Returns:
-      The list of norms, or, with ``then``, a list of ``(norm, then(norm))`` pairs.
+      The list of norms, or, with ``then``, a list of ``(norm, then(norm, overflowed))`` pairs.
     """
     jobs, where = plan_jobs(arrays, axes, keepdims=True)
     rs, ms = _compute(jobs, spec, combine=False, axis_name=None, branch_free=branch_free)
     norms = [r * m for r, m in zip(rs, ms)]
-    derived = [then(n) for n in norms] if then is not None else norms
+    derived = (
+        [then(n, _overflowed(r, m)) for n, r, m in zip(norms, rs, ms)]
+        if then is not None
+        else norms
+    )
     out = []
     for i, (x, (j, row)) in enumerate(zip(arrays, where)):
         n, d = norms[j], derived[j]

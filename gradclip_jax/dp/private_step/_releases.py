@@ -136,11 +136,11 @@ class ReleaseLog:
                     bits = np.frombuffer(f"unread {id(words)} {done}".encode(), np.uint8)
                 self._record(bits, np.asarray(0))
                 done += 1
-        finally:  # (the ones read are recorded; the rest stay pending)
+        finally:  # (the ones read are recorded; the rest stay pending, counted under one lock)
             with self._lock:
                 del self._pending[:done]
-        with self._lock:
-            return len(self._pending)
+                left = len(self._pending)
+        return left
 
     def _record(self, words: np.ndarray, device: np.ndarray) -> None:
         # (``_read_pending`` and the callback both record; ``_lock`` guards the tables)
