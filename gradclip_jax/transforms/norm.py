@@ -96,7 +96,10 @@ def clip_by_global_norm(
     A drop-in replacement for :func:`optax.clip_by_global_norm` that also records
     ``n`` in its state, never gives NaN at a zero norm (also with
     ``max_norm=0``), accumulates 16-bit norms in float32, does not overflow for
-    large fp16/fp32 values, supports any ``ord`` and leaves sharded by hand.
+    large fp16/fp32 values, supports any ``ord`` and leaves sharded by hand. An
+    infinite or NaN element passes through (``optax.apply_if_finite`` sees it);
+    finite elements whose norm is past the dtype's range (reported ``inf``) are
+    clipped to 0 (``max_norm / inf``), never passed on unclipped.
 
     Args:
       max_norm: the bound (>= 0): a number, an array or a schedule ``step -> value``.
@@ -300,8 +303,10 @@ def normalize(
 
     .. math:: s \\leftarrow s \\cdot \\text{norm\\_value} / n_s \\quad (n_s > 0)
 
-    A slice with norm 0 (or a non-finite norm) is left unchanged: no NaN, unlike
-    ``optax.contrib.normalize`` and torchzero's global ``Normalize``.
+    A slice with norm 0 (or a non-finite element) is left unchanged: no NaN, unlike
+    ``optax.contrib.normalize`` and torchzero's global ``Normalize``. A slice of
+    finite elements whose norm is past the dtype's range (reported ``inf``)
+    becomes 0 (``norm_value / inf``), as every norm-based clipper treats it.
 
     Args:
       norm_value: the target norm (>= 0), number, array or schedule.

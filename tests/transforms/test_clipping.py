@@ -578,22 +578,23 @@ def test_clip_grad_norm_leaves_a_non_positive_signed_sum_unchanged():
 
 
 @pytest.mark.parametrize(
-    "make",
+    ("make", "big"),
     [
-        lambda: gcx.clip_by_global_norm(1.0),
-        lambda: gcx.clip_by_norm(1.0),
-        lambda: gcx.clip_by_norm(1.0, dim=1),
-        lambda: gcx.normalize(1.0),
-        lambda: gcx.adaptive_grad_clip(0.01),
+        (lambda: gcx.clip_by_global_norm(1.0), 3e38),
+        (lambda: gcx.clip_by_norm(1.0), 3e38),
+        (lambda: gcx.clip_by_norm(1.0, dim=1), 3e38),
+        (lambda: gcx.clip_by_norm(1.0, ord="var"), 1e25),  # a variance of 1e50
+        (lambda: gcx.normalize(1.0), 3e38),
+        (lambda: gcx.adaptive_grad_clip(0.01), 3e38),
     ],
-    ids=["global", "per_leaf", "per_row", "normalize", "agc"],
+    ids=["global", "per_leaf", "per_row", "var", "normalize", "agc"],
 )
-def test_norm_past_float32_range_is_clipped_not_passed(make):
+def test_norm_past_float32_range_is_clipped_not_passed(make, big):
     """Elements that are all finite but whose norm does not fit in float32 (reported inf) are
     clipped (c / inf = 0, as optax), not passed on unclipped as an infinite element's are."""
     tx = make()
     params = {"w": jnp.ones((2, 4)), "b": jnp.ones(3)}
-    huge = {"w": jnp.full((2, 4), 3e38, jnp.float32), "b": jnp.full(3, 0.5)}
+    huge = {"w": jnp.tile(jnp.array([big, -big], jnp.float32), (2, 2)), "b": jnp.full(3, 0.5)}
     out, state = jax.jit(tx.update)(huge, tx.init(params), params)
     np.testing.assert_array_equal(np.asarray(out["w"]), 0.0)
     assert np.all(np.asarray(jax.tree_util.tree_leaves(state.norm)[-1]) == np.inf)

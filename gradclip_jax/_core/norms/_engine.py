@@ -151,8 +151,9 @@ def _compute(
 
     ``r`` is a list of keepdims arrays, or one scalar when ``combine``; ``m`` (same
     structure) is the constant the overflow fallback divided by (exactly 1 on the
-    fast path), returned apart so that ``var`` (which scales with ``m**2``) and the
-    rest share one code path.
+    fast path; ``var`` scales with ``m**2``, and ``r`` holds the other ``m``),
+    returned apart so that a norm past the dtype's range can be told from a
+    non-finite element (:func:`_overflowed`).
     """
     k = spec.kind
     comb = Combiner(dtype or tree_acc_dtype([j.x for j in jobs]), axis_name)
@@ -230,16 +231,14 @@ def _compute(
             ok = jnp.isfinite(ms) & (ms > 0)
             safe_m = jnp.where(ok, ms, jnp.ones_like(ms))
             scaled, _ = one_pass(safe_m)
-            if spec.kind == "var":  # var scales with m^2: report it in one piece
-                return jnp.where(ok, scaled * safe_m * safe_m, main), jnp.ones_like(main)
+            if spec.kind == "var":  # var scales with m^2: one m in r (r * m may overflow alone)
+                return jnp.where(ok, scaled * safe_m, main), safe_m
             return jnp.where(ok, scaled, main), safe_m
         oks = [jnp.isfinite(m) & (m > 0) for m in ms]
         safe = [jnp.where(o, m, jnp.ones_like(m)) for o, m in zip(oks, ms)]
         scaled, _ = one_pass(safe)
         if spec.kind == "var":
-            return [
-                jnp.where(o, r * m * m, mn) for o, r, m, mn in zip(oks, scaled, safe, main)
-            ], tree_ones_like(main)
+            return [jnp.where(o, r * m, mn) for o, r, m, mn in zip(oks, scaled, safe, main)], safe
         return [jnp.where(o, r, mn) for o, r, mn in zip(oks, scaled, main)], safe
 
     if not jobs:
