@@ -179,7 +179,7 @@ def adagc(
         v, invalid = hps.at(count, sdt)
         gamma = _st.stack(_st.leaves_of(state.gamma, k, fn, "gamma"), sdt)
         old = _st.stack(_st.leaves_of(state.clip_norm, k, fn, "clip_norm"), sdt)
-        n, over = _st.norms_and_overflow(arrays, spec, True, sdt)
+        n, over = _st.norms_and_overflow(arrays, spec, True, None)
         n = n.astype(sdt)
 
         global_warmup = warmup_max_norm is not None and warm > 0

@@ -266,7 +266,8 @@ def global_norm(
     ``axis_name`` combines the partial statistics across devices (``psum``/``pmax``)
     for leaves sharded by hand inside ``shard_map`` or ``pmap``.
     """
-    return global_norm_and_overflow(arrays, spec, axis_name, dtype)[0]
+    r, m = _global_parts(arrays, spec, axis_name, dtype)
+    return r * m
 
 
 def global_norm_and_overflow(
@@ -277,15 +278,23 @@ def global_norm_and_overflow(
 ) -> tuple[jax.Array, jax.Array]:
     """:func:`global_norm`, and whether it overflowed: every element finite, the norm
     past the dtype's range (reported ``inf``; see :func:`_overflowed`)."""
+    r, m = _global_parts(arrays, spec, axis_name, dtype)
+    norm = r * m
+    return norm, _overflowed(r, m, norm)
+
+
+def _global_parts(
+    arrays: Sequence[jax.Array], spec: NormSpec, axis_name: Any, dtype: np.dtype | None
+) -> tuple[Any, Any]:
+    """:func:`_compute`'s ``(r, m)`` of the norm over all ``arrays``."""
     jobs, _ = plan_jobs(arrays, [None] * len(arrays), keepdims=False)
-    r, m = _compute(
+    return _compute(
         jobs, spec, combine=True, axis_name=axis_name, dtype=dtype or tree_acc_dtype(arrays)
     )
-    return r * m, _overflowed(r, m)
 
 
-def _overflowed(r: jax.Array, m: jax.Array) -> jax.Array:
-    """Where the norm ``r * m`` of finite elements is past the dtype's range.
+def _overflowed(r: jax.Array, m: jax.Array, norm: jax.Array) -> jax.Array:
+    """Where the norm ``norm = r * m`` of finite elements is past the dtype's range.
 
     The fallback measures in units ``m`` of about max|x|, so ``r`` and ``m`` are
     finite exactly when every element is; an infinite or NaN element leaves the
@@ -293,7 +302,7 @@ def _overflowed(r: jax.Array, m: jax.Array) -> jax.Array:
     algorithm, :data:`SUMSQ_STRATEGY` ``"blue"``, ``m`` is 1 and an overflowed norm
     looks like an infinite element's.)
     """
-    return jnp.isfinite(r) & jnp.isfinite(m) & ~jnp.isfinite(r * m)
+    return jnp.isfinite(r) & jnp.isfinite(m) & ~jnp.isfinite(norm)
 
 
 def slice_norms(
@@ -328,7 +337,7 @@ def slice_norms(
     rs, ms = _compute(jobs, spec, combine=False, axis_name=None, branch_free=branch_free)
     norms = [r * m for r, m in zip(rs, ms)]
     derived = (
-        [then(n, _overflowed(r, m)) for n, r, m in zip(norms, rs, ms)]
+        [then(n, _overflowed(r, m, n)) for n, r, m in zip(norms, rs, ms)]
         if then is not None
         else norms
     )
