@@ -17,7 +17,7 @@ from gradclip_jax._core.deprecations import top_level_getattr
 from gradclip_jax._core.factors import (
     normalize_factor,
     rescale_tree,
-    scale_leaf,
+    scale_leaves,
     validate_shape_args,
 )
 from gradclip_jax._core.hyperparam_rules import Hyperparams, poison
@@ -80,7 +80,7 @@ def clip_grad_norm(
     # a norm <= 0 (ord='sum' of a negative sum) leaves the tree unchanged (a negative
     # coefficient flipped its signs, and scaled it up below max_norm)
     coef = poison(jnp.where((total > 0) | jnp.isnan(total), coef, jnp.ones_like(coef)), invalid)
-    return flat.rebuild([scale_leaf(x, coef) for x in flat.arrays]), total
+    return flat.rebuild(scale_leaves(flat.arrays, [coef] * len(flat.arrays))), total
 
 
 def clip_grad_value(grads: Any, clip_value: float | jax.Array) -> Any:

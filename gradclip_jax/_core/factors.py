@@ -11,7 +11,7 @@ import numpy as np
 
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.norms import DimLike, OrdLike
-from gradclip_jax._core.numerics import bounded_factor
+from gradclip_jax._core.numerics import bounded_factor, bounded_factors
 from gradclip_jax._core.stored import certified_factors, stored_scale
 from gradclip_jax._core.validation import is_int, static_value
 
@@ -29,6 +29,24 @@ def scale_leaf(x: jax.Array, factor: jax.Array, settled: jax.Array | None = None
     return stored_scale(
         x, bounded_factor(f, x.dtype) if settled is None else settled.astype(f.dtype)
     )
+
+
+def scale_leaves(
+    arrays: Sequence[jax.Array],
+    factors: Sequence[jax.Array],
+    settled: Sequence[jax.Array | None] | None = None,
+) -> list[jax.Array]:
+    """:func:`scale_leaf` of each array by its factor; a factor several arrays share (a global
+    clip's) is lowered by the margin once per dtype, not once per array (see
+    :func:`~gradclip_jax._core.numerics.bounded_factors`)."""
+    settled = [None] * len(arrays) if settled is None else settled
+    todo = [i for i, s in enumerate(settled) if s is None]
+    accs = [factors[i].astype(_norms.acc_dtype(arrays[i].dtype)) for i in todo]
+    given = dict(zip(todo, bounded_factors(accs, [arrays[i].dtype for i in todo]), strict=True))
+    return [
+        scale_leaf(x, f, given.get(i, s))
+        for i, (x, f, s) in enumerate(zip(arrays, factors, settled, strict=True))
+    ]
 
 
 def _settled(
@@ -180,7 +198,7 @@ def rescale_tree(
             True,
             axis_name,
         )
-        out = flat.rebuild([scale_leaf(x, factor, s) for x, s in zip(arrays, settled, strict=True)])
+        out = flat.rebuild(scale_leaves(arrays, [factor] * len(arrays), settled))
         return out, norm, factor < 1
     _norms.check_axes_exist(fn, [x.shape for x in arrays], dim)
     todo, axes = [], []

@@ -6,7 +6,7 @@ double-``where`` trick) and never turns a NaN into a number.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
@@ -91,6 +91,20 @@ def rounding_margin(store: Any, acc: Any) -> float:
     float16, ``5.4e-7`` for float32).
     """
     return 1.0 - (_unit_roundoff(store) + _ACC_UNITS * _unit_roundoff(acc))
+
+
+def bounded_factors(factors: Sequence[jax.Array], stores: Sequence[Any]) -> list[jax.Array]:
+    """:func:`bounded_factor` of each factor for its store, formed once per distinct pair.
+
+    A global clip passes one factor for every leaf: under ``jit`` XLA merges the copies of
+    its lowering, but an eager call dispatches each op, three per leaf.
+    """
+    done: dict[tuple[int, np.dtype], jax.Array] = {}
+    keys = [(id(f), np.dtype(s)) for f, s in zip(factors, stores, strict=True)]
+    for f, key in zip(factors, keys, strict=True):
+        if key not in done:
+            done[key] = bounded_factor(f, key[1])
+    return [done[key] for key in keys]
 
 
 def lowest_precision(dtypes: Iterable[Any]) -> np.dtype:

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gradclip_jax._core.numerics import bounded_factor
+from gradclip_jax._core.numerics import bounded_factor, bounded_factors
 
 __all__ = ["EXACT_CHECK_MAX", "certified_factors", "stored_scale"]
 
@@ -227,7 +227,7 @@ def certified_factors(
     if sum(int(np.size(x)) for x in arrays) > EXACT_CHECK_MAX or any(
         jnp.iscomplexobj(x) for x in arrays
     ):
-        return [bounded_factor(f, s) for f, s in zip(factors, stores, strict=True)]
+        return bounded_factors(factors, stores)
     acc = jnp.result_type(*[f.dtype for f in factors])
     return _certified(
         list(arrays),

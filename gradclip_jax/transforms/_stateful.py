@@ -22,7 +22,7 @@ from jax import lax
 
 from gradclip_jax._core import norms as _norms
 from gradclip_jax._core.control import cond
-from gradclip_jax._core.factors import clip_factor, overflow_safe, scale_leaf
+from gradclip_jax._core.factors import clip_factor, overflow_safe, scale_leaves
 from gradclip_jax._core.hyperparam_rules import counts, increment, poison
 from gradclip_jax._core.numerics import count0 as count0
 
@@ -261,7 +261,7 @@ def scale_all(flat: _norms.FlatTree, factors: Sequence[jax.Array] | jax.Array) -
     per_leaf: list[jax.Array] = (
         list(factors) if isinstance(factors, (list, tuple)) else [factors] * len(arrays)  # type: ignore[list-item]
     )
-    return flat.rebuild([scale_leaf(x, f) for x, f in zip(arrays, per_leaf, strict=True)])
+    return flat.rebuild(scale_leaves(arrays, per_leaf))
 
 
 def measured(updates: Any, spec: _norms.NormSpec | None, fn: str) -> _norms.FlatTree:

@@ -36,3 +36,31 @@ def test_stored_scale_keeps_complex_values_complex():
     np.testing.assert_array_equal(
         np.asarray(half, np.float32), np.float32(jnp.bfloat16(np.float32(1 / 3)))
     )
+
+
+def test_one_factor_shared_by_many_leaves_is_lowered_once_per_dtype():
+    # past the exact check every factor takes its store's margin; a global clip passes the same
+    # factor for each leaf, and an eager call dispatches every op, so the margin's ops must not
+    # be repeated per leaf (50 leaves cost 150 dispatches, a third of an eager update)
+    from gradclip_jax._core.numerics import bounded_factor
+
+    def run(n):
+        arrays = [jnp.ones((70, 70), jnp.bfloat16 if i % 2 else jnp.float32) for i in range(n)]
+        f = jnp.float32(0.3)
+
+        def margins(f):
+            axes = [(0, 1)] * n
+            return _stored.certified_factors(arrays, [f] * n, axes, 1.0, combine=True)
+
+        scalar_ops = [
+            e
+            for e in jax.make_jaxpr(margins)(f).jaxpr.eqns
+            if all(v.aval.ndim == 0 for v in e.outvars)
+        ]
+        return margins(f), len(scalar_ops), arrays, f
+
+    out, ops, arrays, f = run(30)
+    assert ops == run(2)[1]
+    for got, x in zip(out, arrays, strict=True):
+        assert float(got) == float(bounded_factor(f, x.dtype)) < float(f)
+    assert float(out[0]) != float(out[1])  # each dtype its own margin
