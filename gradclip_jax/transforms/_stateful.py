@@ -299,6 +299,20 @@ def init_inner(inner: optax.GradientTransformation | None, params: Any) -> Any:
     return optax.EmptyState() if inner is None else inner.init(params)
 
 
+def applied_factors(
+    f: jax.Array, ok: jax.Array, overflowed: jax.Array, invalid: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
+    """``(factors, applied)``: the factors a step of a stateful clipper applies.
+
+    ``f`` where the step counts (``ok``) or its norm ``overflowed`` (finite elements: the
+    update is clipped, but the step is not absorbed into the statistics), else 1 (a skipped
+    non-finite step passes unchanged); NaN wherever a hyperparameter is ``invalid``.
+    ``applied`` says where ``f`` was used.
+    """
+    applied = ok | overflowed
+    return poison(jnp.where(applied, f, jnp.ones_like(f)), invalid), applied
+
+
 def finish(
     flat: _norms.FlatTree,
     n: jax.Array,
@@ -320,8 +334,8 @@ def finish(
     """
     f = overflow_safe(lambda m: clip_factor(m, thr), n, overflowed)
     ok = (jnp.isfinite(n) if skip else jnp.ones((), bool)) & counts(invalid)
-    applied = ok | overflowed  # an overflowed norm is clipped, but its step is not absorbed
-    out = scale_all(flat, poison(jnp.where(applied, f, jnp.ones_like(f)), invalid))
+    factor, applied = applied_factors(f, ok, overflowed, invalid)
+    out = scale_all(flat, factor)
     fields = {
         "count": jnp.where(ok, increment(state.count), state.count),
         "norm": n,

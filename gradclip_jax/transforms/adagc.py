@@ -17,7 +17,6 @@ from gradclip_jax._core.hyperparam_rules import (
     counts,
     increment,
     mark_static,
-    poison,
 )
 from gradclip_jax._core.norms import OrdLike
 from gradclip_jax._core.state_registry import register_state
@@ -189,9 +188,9 @@ def adagc(
         f, bound, gamma_a = _adaptive_step(n, gamma, v, over)
 
         ok = (_st.all_finite([n]) if skip else jnp.ones((), bool)) & counts(invalid)
-        # an overflowed norm (finite elements) is clipped, but its step is not absorbed
-        applied = ok | jnp.where(in_warmup, over_w, over)
-        factors = poison(jnp.where(applied, jnp.where(in_warmup, fg, f), 1), invalid)
+        factors, applied = _st.applied_factors(
+            jnp.where(in_warmup, fg, f), ok, jnp.where(in_warmup, over_w, over), invalid
+        )
         out = _st.scale_all(flat, _st.unstack(factors))
         return out, AdaGCState(
             count=jnp.where(ok, increment(count), count),

@@ -212,9 +212,8 @@ def _rescaling(
     bound = jnp.maximum(e, 2 * float(np.finfo(dt).tiny))
     factor = normalize_factor if normalize else clip_factor
     f = overflow_safe(lambda n: factor(n, bound), a, over)
-    applied = ok | over
-    flags = ((f != 1) if normalize else (f < 1)) & applied
-    return poison(jnp.where(applied, f, jnp.ones_like(f)), invalid), flags
+    factors, applied = _st.applied_factors(f, ok, over, invalid)
+    return factors, ((f != 1) if normalize else (f < 1)) & applied
 
 
 def _norm_by_ema(

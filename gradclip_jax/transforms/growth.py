@@ -300,8 +300,7 @@ def clip_norm_growth(
         f, bound, tracked = steps.norm_step(nrm, prev, first, v, over)
 
         ok = (_st.all_finite([nrm]) if skip else jnp.ones((), bool)) & counts(invalid)
-        # an overflowed norm (finite elements) is clipped, but its step is not absorbed
-        f = poison(jnp.where(ok | over, f, jnp.ones_like(f)), invalid)
+        f, applied = _st.applied_factors(f, ok, over, invalid)
         out = _st.scale_all(flat, _st.unstack(f) if tensorwise else f[0])
         new_state = ClipNormGrowthState(
             count=jnp.where(ok, increment(count), count),
@@ -310,7 +309,7 @@ def clip_norm_growth(
             clip_norm=_st.pack(
                 tensorwise, state.clip_norm, jnp.where(ok, bound, _st.stack(old_list, dt))
             ),
-            clipped=_st.pack(tensorwise, state.clipped, (f < 1) & (ok | over)),
+            clipped=_st.pack(tensorwise, state.clipped, (f < 1) & applied),
         )
         return out, new_state
 
