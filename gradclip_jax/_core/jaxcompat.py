@@ -287,6 +287,34 @@ def varying_axes(x: Any) -> frozenset:
         aval = jax.typeof(x)
     except Exception:  # not an array
         return frozenset()
+    return _aval_varying(aval)
+
+
+# Equations that name mesh axes but move no values between devices: a device's own index, and
+# the casts between values the same on every device and values that vary
+_NO_TRANSFER = frozenset({"axis_index", "axis_size", "pvary", "pcast", "pbroadcast"})
+
+
+def cross_device_axes(eqn: Any) -> frozenset:
+    """The ``shard_map`` mesh axes over which ``eqn`` brings in other devices' values: those a
+    collective (``psum``, ``all_gather``, ``ppermute``, ``reduce_scatter``, ...) names and one of
+    its operands varies over. Empty for every other equation."""
+    if eqn.primitive.name in _NO_TRANSFER:
+        return frozenset()
+    names: set[str] = set()
+    for key in ("axes", "axis_name"):
+        given = param(eqn, key, None)
+        names.update(
+            a
+            for a in (given if isinstance(given, (tuple, list)) else (given,))
+            if isinstance(a, str)
+        )
+    if not names:
+        return frozenset()
+    return frozenset(names) & frozenset().union(*(_aval_varying(v.aval) for v in eqn.invars))
+
+
+def _aval_varying(aval: Any) -> frozenset:
     mat = getattr(aval, "manual_axis_type", None)
     if mat is not None:
         return frozenset(getattr(mat, "varying", frozenset()) or frozenset())

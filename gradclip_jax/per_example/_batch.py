@@ -346,6 +346,11 @@ def vary_like(x: jax.Array, ref: Any) -> jax.Array:
     return jc.vary_over(x, jc.varying_axes(ref))  # type: ignore[no-any-return]
 
 
+def batch_axes(batch: Any) -> frozenset:
+    """The ``shard_map`` mesh axes the batch is split over (empty outside ``shard_map``)."""
+    return frozenset().union(*map(jc.varying_axes, jax.tree_util.tree_leaves(batch)))
+
+
 def vary_like_batch(params: Any, batch: Any, fn: str = "clipped_grad") -> Any:
     """Inside ``shard_map``: marks params as varying over the batch's mesh axes.
 
@@ -354,9 +359,7 @@ def vary_like_batch(params: Any, batch: Any, fn: str = "clipped_grad") -> Any:
     would mix examples of different devices before they are clipped. With this,
     ``grad_fn`` returns the clipped sum of the *local* examples; ``psum`` it.
     """
-    axes: frozenset = frozenset()
-    for x in jax.tree_util.tree_leaves(batch):
-        axes = axes | jc.varying_axes(x)
+    axes = batch_axes(batch)
     _check_params_whole(fn, params, axes)
     if not axes:
         return params

@@ -36,6 +36,7 @@ from gradclip_jax.per_example._config import (
     Method,
 )
 from gradclip_jax.per_example._keys import split_key_arg
+from gradclip_jax.per_example._on_device import check_loss_on_device
 from gradclip_jax.per_example._optax_compat import (  # the top level's public door to them
     per_example_global_norm_clip as per_example_global_norm_clip,
     per_example_layer_norm_clip as per_example_layer_norm_clip,
@@ -116,6 +117,9 @@ def _grad_fn(config: ClipConfig) -> Callable[..., tuple[Any, ClippedGradInfo]]:
             # arrays on an explicit mesh, outside jax.set_mesh: JAX's vmap of a sharded batch
             # (the ghost path's per-row gradients) needs that mesh in context
             with jc.mesh_context_of(call.batch):
+                check_loss_on_device(
+                    cfg.fn, cfg.loss_fn, cfg.has_aux, call.params, call.batch, call.args
+                )
                 return run(cfg, call)
         except ValueError as err:
             if "combines examples at" in str(
