@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from gradclip_jax._core import jaxcompat
 from gradclip_jax.dp.private_step._releases import ReleaseLog, key_words
@@ -36,6 +37,7 @@ class CountedUpdate:
             key = signature.bind(*args, **kwargs).arguments["key"]
             return plain(*args, **kwargs), key_words(key)
 
+        self._signature = signature
         self._traced = traced
         self._jitted = jax.jit(counted)
         self._releases = releases
@@ -46,7 +48,19 @@ class CountedUpdate:
         # traced update's report then runs at once)
         if jaxcompat.jit_disabled() or jaxcompat.tracing((args, kwargs)):
             return self._traced(*args, **kwargs)
+        args, kwargs = self.own_key(args, kwargs)
         return self.counted(self._jitted(*args, **kwargs))
+
+    def own_key(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The arguments with a NumPy ``key`` copied. JAX may read a host buffer after the call
+        has returned (on the CPU it can use the buffer itself), so a caller refilling it with
+        the next step's key could change the key this update draws its noise with: two updates
+        would then share their noise (the log counts it, as a reused key)."""
+        bound = self._signature.bind(*args, **kwargs)
+        if not isinstance(bound.arguments.get("key"), np.ndarray):
+            return args, kwargs
+        bound.arguments["key"] = np.array(bound.arguments["key"], copy=True)
+        return bound.args, bound.kwargs
 
     def counted(self, result: tuple[Any, jax.Array]) -> Any:
         """The update's outputs; hands the key's bits among them to the log."""
@@ -104,4 +118,5 @@ class _Compiled(_Stage):
     """``jax.stages.Compiled`` of an update: each call's key goes to the log."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = self._update.own_key(args, kwargs)
         return self._update.counted(self._stage(*args, **kwargs))
