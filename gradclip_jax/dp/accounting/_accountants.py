@@ -145,6 +145,3 @@ def make_accountant(
             relation_of(neighboring), value_discretization_interval=pld_interval(noise_multiplier)
         )
     raise ValueError(f"{fn}: unknown accountant {name!r}; expected one of {ACCOUNTANTS}")
-
-
-PLD_RELIABLE = 500.0  # above, dp-accounting's PLD epsilon nears exp() overflow (inf past ~709)
