@@ -96,6 +96,34 @@ def _step_rdp_uncached(event: Any, neighboring: str) -> tuple[np.ndarray, np.nda
     return acc.orders, acc.rdp
 
 
+# dp-accounting's sparse PMF holds at most this many losses; past it, self_compose goes dense
+_SPARSE_LIMIT = 1000
+
+
+def _dense_if_it_will_be(pmf: Any, times: int) -> Any:
+    """``pmf`` as dp-accounting's dense PMF where its ``self_compose(times)`` turns it into one.
+
+    Its sparse PMF decides by computing ``size ** times`` exactly, a Python integer of millions
+    of digits on long runs (9.4 s of a 9.5 s epsilon at 4 million steps; 40 s at 10 million).
+    ``size ** min(times, 10)`` decides the same (a size of 2 or more passes the limit by 10
+    composition already), and converting first runs the very code it would have run.
+    """
+    sparse = isinstance(pmf, import_dp_accounting().pld.pld_pmf.SparsePLDPmf)
+    if sparse and pmf.size ** min(times, 10) > _SPARSE_LIMIT:
+        return pmf.to_dense_pmf()
+    return pmf
+
+
+def self_composed(pld: Any, times: int) -> Any:
+    """``pld.self_compose(times)`` (dp-accounting's), without its cost of ``size ** times``."""
+    pld_module = import_dp_accounting().pld.privacy_loss_distribution
+    remove = _dense_if_it_will_be(pld._pmf_remove, times)
+    if pld._symmetric:
+        return pld_module.PrivacyLossDistribution(remove).self_compose(times)
+    add = _dense_if_it_will_be(pld._pmf_add, times)
+    return pld_module.PrivacyLossDistribution(remove, add).self_compose(times)
+
+
 _step_pld_cached = functools.lru_cache(maxsize=32)(_step_pld_uncached)
 _step_rdp_cached = functools.lru_cache(maxsize=64)(_step_rdp_uncached)
 
@@ -230,7 +258,7 @@ class Composition:
         try:
             kept_steps, kept = self._kept.get(key, (0, None))
         except TypeError:  # unhashable event: nothing kept
-            return step.self_compose(count)
+            return self_composed(step, count)
         if kept_steps == count:
             return kept
         extra = count - kept_steps
@@ -240,7 +268,7 @@ class Composition:
                 if bit == "1":
                     out = out.compose(self._power(key, step, j))
         else:
-            out = step.self_compose(count)
+            out = self_composed(step, count)
         self._kept[key] = (count, out)
         return out
 
