@@ -12,13 +12,13 @@ for such collectives before anything runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
 
 from gradclip_jax._core import jaxcompat as jc
-from gradclip_jax.per_example._batch import batch_axes, one_example_loss
+from gradclip_jax.per_example._batch import Call, batch_axes, one_example_loss
 
 
 def _first_transfer(jaxpr: Any, axes: frozenset) -> tuple[str, tuple[str, ...]] | None:
@@ -35,21 +35,15 @@ def _first_transfer(jaxpr: Any, axes: frozenset) -> tuple[str, tuple[str, ...]] 
     return None
 
 
-def check_loss_on_device(
-    fn: str,
-    loss_fn: Callable[..., Any],
-    has_aux: bool,
-    params: Any,
-    batch: Any,
-    args: Sequence[Any],
-) -> None:
-    """ValueError when, inside ``shard_map``, the loss of one example communicates over a
-    mesh axis the batch is split over (does nothing outside ``shard_map``: no trace)."""
-    axes = batch_axes(batch)
+def check_loss_on_device(fn: str, loss_fn: Callable[..., Any], has_aux: bool, call: Call) -> None:
+    """ValueError when, inside ``shard_map``, the loss of one example of ``call`` communicates
+    over a mesh axis the batch is split over (does nothing outside ``shard_map``: no trace)."""
+    axes = batch_axes(call.batch)
     if not axes:
         return
-    example = jax.tree_util.tree_map(lambda x: x[0], batch)
-    closed = jax.make_jaxpr(one_example_loss(loss_fn, has_aux))(params, example, *args)
+    example = jax.tree_util.tree_map(lambda x: x[0], call.batch)
+    one = one_example_loss(loss_fn, has_aux)
+    closed = jax.make_jaxpr(one)(call.params, example, *call.args)
     found = _first_transfer(jc.open_jaxpr(closed)[0], axes)
     if found is None:
         return

@@ -117,9 +117,7 @@ def _grad_fn(config: ClipConfig) -> Callable[..., tuple[Any, ClippedGradInfo]]:
             # arrays on an explicit mesh, outside jax.set_mesh: JAX's vmap of a sharded batch
             # (the ghost path's per-row gradients) needs that mesh in context
             with jc.mesh_context_of(call.batch):
-                check_loss_on_device(
-                    cfg.fn, cfg.loss_fn, cfg.has_aux, call.params, call.batch, call.args
-                )
+                check_loss_on_device(cfg.fn, cfg.loss_fn, cfg.has_aux, call)
                 return run(cfg, call)
         except ValueError as err:
             if "combines examples at" in str(
