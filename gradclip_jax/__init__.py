@@ -37,7 +37,7 @@ from gradclip_jax.functional import clip_grad_norm, clip_grad_value, normalize_g
 from gradclip_jax.hyperparams import inject_hyperparams
 from gradclip_jax.monitor import norms_from_state
 from gradclip_jax.norms import NormSpec, leaf_norms, parse_ord, tree_norm
-from gradclip_jax.per_example.activation_sharding import with_sharding_constraint
+from gradclip_jax.per_example.activation_sharding import batch_sharding, with_sharding_constraint
 from gradclip_jax.per_example.api import (
     ClippedGradFn,
     ClippedGradInfo,
@@ -145,6 +145,7 @@ __all__ = [
     # per-example and differential privacy
     "clipped_grad",
     "with_sharding_constraint",
+    "batch_sharding",
     "per_example_global_norm_clip",
     "per_example_layer_norm_clip",
     "per_example_norms",

@@ -328,6 +328,22 @@ def on_mesh_of(x: Any, spec: Any) -> Any:
     return jax.sharding.NamedSharding(jax.typeof(x).sharding.mesh, spec)
 
 
+def sharded_like(x: Any, ref: Any) -> Any:
+    """``x`` resharded to ``ref``'s type-level sharding where ``ref`` has an explicit one that
+    ``x`` lacks: a cotangent built from parts must carry its primal's sharding into a
+    ``jax.vjp`` pull-back (``float32[1,64@model]``, not ``float32[1,64]``)."""
+    try:
+        want = jax.typeof(ref).sharding
+        have = jax.typeof(x).sharding
+    except Exception:  # not an array, or no sharding in its type
+        return x
+    if getattr(want.mesh, "empty", True) or tuple(want.spec) == tuple(have.spec):
+        return x
+    if all(s is None for s in want.spec) and all(s is None for s in have.spec):
+        return x
+    return jax.sharding.reshard(x, want)
+
+
 def mesh_context_of(tree: Any) -> contextlib.AbstractContextManager:
     """A context with the abstract mesh of ``tree``'s explicitly sharded arrays, where no mesh
     is in context (``jax.set_mesh`` not entered); else a context that does nothing."""

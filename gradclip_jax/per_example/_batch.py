@@ -166,6 +166,18 @@ def _fails_on_the_batch(
     return False
 
 
+def _sharding_hint(err: Exception) -> str:
+    """The remedy when ``err`` is a batch sharding applied to a batch of one, else ``""``."""
+    if "does not evenly divide the dimension size 1" not in str(err):
+        return ""
+    return (
+        ". A sharding that names the batch's mesh axes (an out_sharding, reshard or "
+        "with_sharding_constraint) cannot apply to a batch of one: write it as "
+        "gradclip_jax.batch_sharding(spec) (or gradclip_jax.with_sharding_constraint), which "
+        "leaves the batch entry to vmap there"
+    )
+
+
 def check_one_example(
     fn: str,
     loss_fn: Callable[..., Any],
@@ -183,7 +195,8 @@ def check_one_example(
     """
     # Abstract and unsharded: slicing one row of a batch sharded on axis 0 is refused.
     try:
-        out = jax.eval_shape(loss_fn, params, _abstract(batch, rows=1), *args)
+        with one_example_scope():  # as every path runs a loss on one example
+            out = jax.eval_shape(loss_fn, params, _abstract(batch, rows=1), *args)
     except Exception as err:
         bn = batchnorm_error(err, fn)
         if bn is not None:
@@ -193,6 +206,7 @@ def check_one_example(
         raise ValueError(
             f"{fn}: calling loss_fn on a batch of one example failed ({type(err).__name__}: "
             f"{str(err).splitlines()[0] if str(err) else ''}); {LOSS_CONTRACT}"
+            f"{_sharding_hint(err)}"
         ) from err
     loss = out[0] if has_aux and isinstance(out, tuple) and len(out) == 2 else out
     shape = getattr(loss, "shape", None)

@@ -118,7 +118,9 @@ def run_chunks(chunk: Chunk, config: ClipConfig, call: Call) -> tuple[Any, Clipp
     if mb is None or mb >= call.bsize:
         sums, ns, flags, vals, aux = chunk(call.batch, call.valid)
     else:
-        init = [jnp.zeros(x.shape, a) for x, a in zip(pflat.arrays, carry, strict=True)]
+        # zeros_like: the running sums carry their parameters' explicit sharding (a scan's
+        # carry must keep its type)
+        init = [jnp.zeros_like(x, a) for x, a in zip(pflat.arrays, carry, strict=True)]
 
         def cast_chunk(batch: Any, valid: Any) -> tuple:
             out = chunk(batch, valid)

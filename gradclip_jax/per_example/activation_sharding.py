@@ -1,4 +1,4 @@
-"""One activation sharding annotation for every per-example path."""
+"""Activation sharding annotations that suit every per-example path."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from gradclip_jax.per_example._batch import in_one_example
 
-# with_sharding_constraint's home is gradclip_jax (CONTRIBUTING.md, "Import paths")
+# batch_sharding's and with_sharding_constraint's home is gradclip_jax (CONTRIBUTING.md, "Import paths")
 __all__: list[str] = []
 
 
@@ -18,16 +18,76 @@ def _drop_batch_entry(spec: PartitionSpec) -> PartitionSpec:
     return PartitionSpec(None, *tuple(spec)[1:]) if len(spec) else spec
 
 
-def _per_example(sharding: Any, name: str) -> Any:
-    """``sharding`` for a batch of one; a TypeError naming ``name`` if it has no spec to edit."""
+def _per_example(sharding: Any, name: str, fn: str) -> Any:
+    """``sharding`` for a batch of one; a TypeError naming ``fn`` and ``name`` if it has no spec
+    to edit."""
     if isinstance(sharding, PartitionSpec):
         return _drop_batch_entry(sharding)
     if isinstance(sharding, NamedSharding):
         return NamedSharding(sharding.mesh, _drop_batch_entry(sharding.spec))
     raise TypeError(
-        f"with_sharding_constraint: {name} is a {type(sharding).__name__}; give a "
+        f"{fn}: {name} is a {type(sharding).__name__}; give a "
         "jax.sharding.PartitionSpec or NamedSharding, whose first entry is the batch axis"
     )
+
+
+def _fitted(shardings: Any, fn: str) -> Any:
+    """``shardings`` (a pytree) with each batch entry dropped where the loss runs on one example;
+    every sharding checked on every path, so that a bad one fails whichever path runs."""
+    is_sharding = lambda s: isinstance(s, (PartitionSpec, jax.sharding.Sharding))  # noqa: E731
+    paths, treedef = jax.tree_util.tree_flatten_with_path(shardings, is_leaf=is_sharding)
+    one_example = in_one_example()
+
+    def placed(path: Any, sharding: Any) -> Any:
+        dropped = _per_example(sharding, f"shardings{jax.tree_util.keystr(path)}", fn)
+        return dropped if one_example else sharding
+
+    return jax.tree_util.tree_unflatten(treedef, [placed(p, s) for p, s in paths])
+
+
+def batch_sharding(shardings: Any) -> Any:
+    """The sharding of an activation whose axis 0 is the batch, as fits where the loss runs.
+
+    For the ``out_sharding`` of an operation (``jnp.matmul``, ``jnp.einsum``, ``jnp.zeros``)
+    or :func:`jax.sharding.reshard`, which under ``Explicit`` mesh axes a model must often
+    state (a contraction over a model-sharded axis is refused without one): on the whole
+    batch ``(B, ...)`` (the ghost path, the non-private step) ``shardings`` is returned as
+    given; where the loss runs on one example under ``jax.vmap``, as a batch of one
+    ``(1, ...)`` (the vmap path, ghost's per-example fallbacks and microbatch checks, the
+    jax-privacy drop-in's ``fun``), the first entry of each spec is ``None`` and ``vmap``
+    places the examples' axis. The other entries apply as given. A spec naming the batch's
+    mesh axes on a batch of one is an error under ``Explicit`` axes ("does not evenly
+    divide the dimension size 1").
+
+    Args:
+      shardings: a :class:`jax.sharding.PartitionSpec` or
+        :class:`jax.sharding.NamedSharding`, or a pytree of them.
+
+    Returns:
+      ``shardings``, each with its batch entry left to ``vmap`` where the loss runs on one
+      example; as given elsewhere.
+
+    Raises:
+      TypeError: a sharding that is neither a ``PartitionSpec`` nor a ``NamedSharding``
+        (checked on every path, so that a bad sharding fails whichever path runs).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import gradclip_jax as gcx
+      >>> from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((1, 1), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+      >>> def losses(w, batch):  # w's rows (the contraction) over "model"
+      ...     y = jnp.matmul(batch, w, out_sharding=gcx.batch_sharding(P("data", None)))
+      ...     return jnp.sum(jnp.tanh(y) ** 2, axis=1)
+      >>> with jax.set_mesh(mesh):
+      ...     w = jax.device_put(jnp.ones((3, 2)) / 4, P("model", None))
+      ...     batch = jax.device_put(jnp.ones((4, 3)), P("data", None))
+      ...     g_ghost, _ = jax.jit(gcx.clipped_grad(losses, 1.0, method="ghost"))(w, batch)
+      ...     g_vmap, _ = jax.jit(gcx.clipped_grad(losses, 1.0, method="vmap"))(w, batch)
+      >>> bool(jnp.allclose(g_ghost, g_vmap))
+      True
+    """
+    return _fitted(shardings, "batch_sharding")
 
 
 def with_sharding_constraint(x: Any, shardings: Any) -> Any:
@@ -82,14 +142,4 @@ def with_sharding_constraint(x: Any, shardings: Any) -> Any:
       >>> bool(jnp.allclose(g_ghost, g_vmap))
       True
     """
-    is_sharding = lambda s: isinstance(s, (PartitionSpec, jax.sharding.Sharding))  # noqa: E731
-    paths, treedef = jax.tree_util.tree_flatten_with_path(shardings, is_leaf=is_sharding)
-    one_example = in_one_example()
-
-    def placed(path: Any, sharding: Any) -> Any:
-        # checked on every path, so a bad sharding fails the same way whichever path runs
-        dropped = _per_example(sharding, f"shardings{jax.tree_util.keystr(path)}")
-        return dropped if one_example else sharding
-
-    fitted = [placed(p, s) for p, s in paths]
-    return jax.lax.with_sharding_constraint(x, jax.tree_util.tree_unflatten(treedef, fitted))
+    return jax.lax.with_sharding_constraint(x, _fitted(shardings, "with_sharding_constraint"))

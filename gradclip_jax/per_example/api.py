@@ -128,7 +128,10 @@ def _grad_fn(config: ClipConfig) -> Callable[..., tuple[Any, ClippedGradInfo]]:
                     raise ValueError(
                         f"{cfg.fn}: loss_fn combines examples in BatchNorm layer {layer!r}; {BATCHNORM_REMEDY}"
                     ) from err
-            raise  # our own checks: already name the argument or leaf
+            if str(err).startswith(f"{cfg.fn}:"):
+                raise  # our own checks: already name the argument or leaf
+            check_one_example(cfg.fn, cfg.loss_fn, cfg.has_aux, call.params, call.batch, call.args)
+            raise
         except Exception:
             # Diagnosed only on failure: a check up front would trace the loss once
             # more on every call. Raises a ValueError stating the per-example

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gradclip_jax._core import norms as _norms
+from gradclip_jax._core import jaxcompat as jc, norms as _norms
 from gradclip_jax._core.backend import per_backend
 from gradclip_jax.per_example._batch import (
     Call,
@@ -272,7 +272,8 @@ def local_grads(
             lambda w: apply_site(closed, site, vals, w, acc, example_of=bsize),
             param.astype(widen(param.dtype, acc)),
         )
-        return pull(jnp.expand_dims(gb, out_axis).astype(out.dtype))[0]  # type: ignore[no-any-return]
+        ct = jc.sharded_like(jnp.expand_dims(gb, out_axis).astype(out.dtype), out)
+        return pull(ct)[0]  # type: ignore[no-any-return]
 
     ref = invals[site.rows[0]]
     row_vals = [
