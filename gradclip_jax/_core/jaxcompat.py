@@ -328,20 +328,71 @@ def on_mesh_of(x: Any, spec: Any) -> Any:
     return jax.sharding.NamedSharding(jax.typeof(x).sharding.mesh, spec)
 
 
+def typed_sharding(x: Any) -> Any:
+    """The sharding in ``x``'s type, or ``None`` where its type has none."""
+    try:
+        return jax.typeof(x).sharding
+    except Exception:  # not an array, or no sharding in its type
+        return None
+
+
 def sharded_like(x: Any, ref: Any) -> Any:
     """``x`` resharded to ``ref``'s type-level sharding where ``ref`` has an explicit one that
     ``x`` lacks: a cotangent built from parts must carry its primal's sharding into a
     ``jax.vjp`` pull-back (``float32[1,64@model]``, not ``float32[1,64]``)."""
-    try:
-        want = jax.typeof(ref).sharding
-        have = jax.typeof(x).sharding
-    except Exception:  # not an array, or no sharding in its type
+    want = ref.sharding if isinstance(ref, jax.ShapeDtypeStruct) else typed_sharding(ref)
+    have = typed_sharding(x)
+    if want is None or have is None or not hasattr(want, "spec"):
         return x
-    if getattr(want.mesh, "empty", True) or tuple(want.spec) == tuple(have.spec):
+    if getattr(want.mesh, "empty", True):
         return x
-    if all(s is None for s in want.spec) and all(s is None for s in have.spec):
+
+    def entries(spec: Any) -> tuple:
+        e = list(spec)
+        while e and e[-1] is None:
+            e.pop()
+        return tuple(e)
+
+    # the same mesh (axis types included: JAX's own lowerings place some values on an Auto
+    # copy of an Explicit mesh) and the same spec: nothing to do
+    if getattr(have, "mesh", None) == want.mesh and entries(have.spec) == entries(want.spec):
         return x
     return jax.sharding.reshard(x, want)
+
+
+def einsum_out_sharding(subscripts: str, a: Any, b: Any) -> Any:
+    """The output sharding of ``jnp.einsum(subscripts, a, b)`` under ``Explicit`` mesh axes,
+    where JAX asks for one (a contraction over a sharded axis): each output axis keeps its
+    operand's sharding (``a``'s first), a mesh axis used twice kept once, the contracted
+    axes summed over their devices. ``None`` where neither operand is explicitly sharded."""
+    specs = []
+    for x in (a, b):
+        try:
+            sharding = jax.typeof(x).sharding
+        except Exception:  # not an array, or no sharding in its type
+            return None
+        specs.append((sharding, tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))))
+    if all(all(e is None for e in sp) for _, sp in specs):
+        return None
+    ins, out = subscripts.replace(" ", "").split("->")
+    # an ellipsis stands for the same leading axes in every operand: name them by digits
+    lead = max(len(sp) - len(t.replace("...", "")) for t, (_, sp) in zip(ins.split(","), specs))
+    dots = "".join(map(str, range(lead)))
+    ins, out = ins.replace("...", dots), out.replace("...", dots)
+    of: dict[str, Any] = {}
+    for letters, (_, sp) in zip(ins.split(","), specs, strict=True):
+        for c, e in zip(letters, sp, strict=True):
+            of[c] = of.get(c) or e
+    used: set = set()
+    entries = []
+    for c in out:
+        names = of.get(c)
+        names = names if isinstance(names, tuple) else (() if names is None else (names,))
+        kept = tuple(n for n in names if n not in used)
+        used.update(kept)
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    mesh = next(sh.mesh for sh, sp in specs if any(e is not None for e in sp))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*entries))
 
 
 def mesh_context_of(tree: Any) -> contextlib.AbstractContextManager:

@@ -355,6 +355,38 @@ def match_batch_sharding(v: jax.Array, like: jax.Array) -> jax.Array:
     return jax.sharding.reshard(v, jc.on_mesh_of(like, spec))
 
 
+def gathered_over_batch(tree: Any, batch: Any, axis: int = 0) -> Any:
+    """``tree``'s leaves with the batch's mesh axes (those of axis ``axis`` of ``batch``'s first
+    leaf) removed from their explicit shardings.
+
+    ``jax.vmap`` over a batch explicitly sharded on mesh axis ``"data"`` refuses an unmapped
+    argument sharded on ``"data"`` too (parameters split FSDP-style under ``Explicit`` axes):
+    each device's examples need the whole parameter, which the loss would gather anyway.
+    """
+    spec = explicit_spec(first_leaf(batch))
+    ax0 = None if spec is None else spec[axis]
+    if ax0 is None:
+        return tree
+    axes = set(ax0 if isinstance(ax0, tuple) else (ax0,))
+
+    def without(entry: Any) -> Any:
+        names = entry if isinstance(entry, tuple) else (entry,)
+        kept = tuple(n for n in names if n is not None and n not in axes)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    def gathered(x: Any) -> Any:
+        spec = explicit_spec(x)
+        if spec is None or not axes.intersection(
+            n for e in spec if e is not None for n in (e if isinstance(e, tuple) else (e,))
+        ):
+            return x
+        return jax.sharding.reshard(
+            x, jc.on_mesh_of(x, jax.sharding.PartitionSpec(*map(without, spec)))
+        )
+
+    return jax.tree_util.tree_map(gathered, tree)
+
+
 def vary_like(x: jax.Array, ref: Any) -> jax.Array:
     """``x`` marked as varying over every ``shard_map`` axis ``ref`` varies over."""
     return jc.vary_over(x, jc.varying_axes(ref))  # type: ignore[no-any-return]

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gradclip_jax._core import norms as _norms
+from gradclip_jax._core import jaxcompat as jc, norms as _norms
 from gradclip_jax._core.numerics import rounding_margin
 from gradclip_jax.per_example._batch import (
     Call,
@@ -137,6 +137,8 @@ def run_chunks(chunk: Chunk, config: ClipConfig, call: Call) -> tuple[Any, Clipp
         ns = per_layer_tree(config, pflat, ns)
     else:
         num_clipped = jnp.sum(flags).astype(jnp.int32)
+    # split as their parameters (under Explicit axes a sum over the batch comes back whole)
+    sums = [jc.sharded_like(x, p) for x, p in zip(sums, pflat.arrays, strict=True)]
     grads = pflat.rebuild(sums, fill=None)
     return grads, ClippedGradInfo(
         num_clipped=num_clipped, norms=ns, values=vals, aux=aux if config.has_aux else None

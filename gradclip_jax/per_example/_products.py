@@ -66,6 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from gradclip_jax._core import jaxcompat as jc
 from gradclip_jax._core.backend import per_backend
 
 __all__ = [
@@ -273,9 +274,16 @@ def product_einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     of one 16-bit float type (:func:`exact_in_float32`) are multiplied as they are, at
     ``Precision.DEFAULT`` with a float32 result: exact products, float32 accumulation, the
     values their float32 widening gives at ``"highest"`` up to the order of the sum."""
+    # under Explicit mesh axes a contraction over a sharded axis states its output's sharding
+    out = jc.einsum_out_sharding(spec, a, b)
     if exact_in_float32(a.dtype, b.dtype):
         return jnp.einsum(
-            spec, a, b, precision=lax.Precision.DEFAULT, preferred_element_type=jnp.float32
+            spec,
+            a,
+            b,
+            precision=lax.Precision.DEFAULT,
+            preferred_element_type=jnp.float32,
+            out_sharding=out,
         )
     if a.dtype != b.dtype:  # a 16-bit view beside a wider one: both widened, then as for those
         wide = jnp.promote_types(a.dtype, b.dtype)
@@ -287,11 +295,14 @@ def product_einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
             tf32_round(b),
             precision=lax.Precision.DEFAULT,
             preferred_element_type=jnp.float32,
+            out_sharding=out,
         )
     prec = product_precision(a.dtype, b.dtype)
     if isinstance(prec, lax.Precision):
-        return jnp.einsum(spec, a, b, precision=prec)
-    return jnp.einsum(spec, a, b, precision=prec, preferred_element_type=jnp.float32)
+        return jnp.einsum(spec, a, b, precision=prec, out_sharding=out)
+    return jnp.einsum(
+        spec, a, b, precision=prec, preferred_element_type=jnp.float32, out_sharding=out
+    )
 
 
 def _tf32_split(x: jax.Array) -> tuple[jax.Array, jax.Array]:

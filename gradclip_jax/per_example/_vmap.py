@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from gradclip_jax._core import norms as _norms
 from gradclip_jax.per_example._batch import (
     Call,
+    gathered_over_batch,
     match_batch_sharding,
     one_example_loss,
 )
@@ -32,7 +33,7 @@ def per_example_grads(config: ClipConfig, call: Call, batch: Any) -> tuple:
 
     in_axes = (None, 0) + (None,) * len(call.args)
     return jax.vmap(one, in_axes=in_axes, spmd_axis_name=config.spmd_axis_name)(  # type: ignore[no-any-return]
-        call.params, batch, *call.args
+        gathered_over_batch(call.params, batch), batch, *call.args
     )
 
 

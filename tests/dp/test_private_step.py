@@ -566,7 +566,9 @@ def test_resume_reuses_the_calibration(monkeypatch, accountant):
     resumed = _priv(steps=40, accountant=accountant, resume_from=state)
     assert resumed.noise_multiplier == priv.noise_multiplier
     assert resumed.planned_epsilon == priv.planned_epsilon
-    assert resumed.epsilon() == pytest.approx(priv.epsilon(), rel=1e-12)
+    # the same 25 steps composed by another route (dp-accounting's FFTs) may differ in the last
+    # bits (one failure at rel=1e-12 in many runs); another calibration would differ by far more
+    assert resumed.epsilon() == pytest.approx(priv.epsilon(), rel=1e-9)
     with pytest.raises(AssertionError, match="calibration ran"):
         _priv(steps=40, accountant=accountant)  # a fresh run does search
 

@@ -269,3 +269,126 @@ def test_make_private_on_tensor_parallel_weights_equals_one_device(method, monke
         out = run(p_sh, lambda x: jax.device_put(x, NamedSharding(mesh, P("data"))))
     assert_tree_close(out, ref, rtol=1e-5, atol=1e-6)
     assert tuple(out["w2"].sharding.spec) == tuple(_TP["w2"])
+
+
+def _scanned_tp_decoder():
+    """``(losses, params, data, specs)``: a token model whose ``jax.checkpoint``'d blocks run
+    under ``lax.scan`` (the ghost path streams their norms and sums through the loop), each
+    block's hidden units split over ``"model"``; the (one-hot) embedding and the blocks' output
+    projection state their batch-leading outputs' shardings."""
+    layers, d, hidden, vocab, seq, batch = 2, 16, 64, 32, 8, 8
+    r = np.random.default_rng(1)
+
+    def w(*shape, scale):
+        return jnp.asarray(r.normal(size=shape) * scale, jnp.float32)
+
+    params = {
+        "emb": w(vocab, d, scale=0.25),
+        "up": w(layers, d, hidden, scale=0.25),
+        "bias": w(layers, hidden, scale=0.1),
+        "down": w(layers, hidden, d, scale=0.125),
+        "head": w(d, vocab, scale=0.25),
+    }
+    specs = {
+        "emb": P(),
+        "up": P(None, None, "model"),
+        "bias": P(None, "model"),
+        "down": P(None, "model", None),
+        "head": P(),
+    }
+    data = {
+        "x": jnp.asarray(r.integers(0, vocab, (batch, seq))),
+        "y": jnp.asarray(r.integers(0, vocab, (batch, seq))),
+    }
+
+    def losses(p, b):
+        on_mesh = not jax.sharding.get_abstract_mesh().empty
+        rows = gcx.batch_sharding(P("data", None, None)) if on_mesh else None
+        # one-hot, which ghost measures (JAX writes `.at[ids].get(out_sharding=...)` with
+        # reshards, and ghost forms that table's per-example gradients instead)
+        h = jnp.einsum("btv,vd->btd", jax.nn.one_hot(b["x"], vocab), p["emb"], out_sharding=rows)
+
+        @jax.checkpoint
+        def block(h, blk):
+            u = jax.nn.gelu(h @ blk["up"] + blk["bias"])
+            return h + jnp.einsum("bth,hd->btd", u, blk["down"], out_sharding=rows), None
+
+        h, _ = jax.lax.scan(block, h, {k: p[k] for k in ("up", "bias", "down")})
+        logp = jax.nn.log_softmax(h @ p["head"])
+        return -jnp.mean(jnp.take_along_axis(logp, b["y"][..., None], -1)[..., 0], -1)
+
+    return losses, params, data, specs
+
+
+SCANNED_PATHS = {
+    "ghost": {"method": "ghost"},
+    "ghost-microbatches-per-layer": {"method": "ghost", "microbatch_size": 4, "per_layer": True},
+    "vmap": {"method": "vmap"},
+}
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+@pytest.mark.parametrize("kwargs", SCANNED_PATHS.values(), ids=SCANNED_PATHS.keys())
+def test_a_scanned_rematerialized_decoder_split_over_a_model_axis_equals_one_device(kwargs):
+    """The Gram products contract model-split axes (their output's sharding stated), the scan's
+    steps merge into one batch of the batch's sharding, and the per-site sums are pulled back
+    with cotangents of their output's sharding."""
+    losses, params, data, specs = _scanned_tp_decoder()
+    ref, ref_info = jax.jit(gcx.clipped_grad(losses, 0.1, **kwargs))(params, data)
+    mesh = _tp_mesh()
+    with jax.set_mesh(mesh):
+        p_sh = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
+        d_sh = jax.device_put(data, NamedSharding(mesh, P("data")))
+        grads, info = jax.jit(gcx.clipped_grad(losses, 0.1, **kwargs))(p_sh, d_sh)
+    assert_tree_close(grads, ref, rtol=1e-5, atol=1e-6)
+    assert_tree_close(info.norms, ref_info.norms, rtol=1e-5, atol=1e-6)
+    assert {k: _entries(v.sharding.spec) for k, v in grads.items()} == {
+        k: _entries(s) for k, s in specs.items()
+    }
+
+
+def _entries(spec):
+    """A spec's entries without trailing ``None``s (``P()`` and ``P(None, None)`` alike)."""
+    entries = list(spec)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return tuple(entries)
+
+
+FSDP_PATHS = {
+    "ghost": {"method": "ghost"},
+    "ghost-microbatches": {"method": "ghost", "microbatch_size": 8},
+    "vmap": {"method": "vmap"},
+}
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+@pytest.mark.parametrize("kwargs", FSDP_PATHS.values(), ids=FSDP_PATHS.keys())
+def test_fsdp_under_explicit_axes_equals_one_device(kwargs):
+    """Parameters split over the batch's own mesh axis and gathered in the loss by
+    ``jax.sharding.reshard``: the per-example paths gather them before their ``vmap`` (which
+    refuses an unmapped argument split over the mapped axis; ghost forms the gathered leaves'
+    per-example gradients, as it does for an operation it does not measure), and a dropped
+    non-finite example's safe sums keep the fast sums' sharding."""
+    losses, params, data = _tp_model(lambda: gcx.batch_sharding(P("data", None)))
+    data["x"] = data["x"].at[5, 2].set(jnp.nan)
+
+    def gathering(p, b):
+        if not jax.sharding.get_abstract_mesh().empty:
+            p = {k: jax.sharding.reshard(v, P()) for k, v in p.items()}
+        return losses(p, b)
+
+    specs = {k: P(*[("data" if e == "model" else e) for e in s]) for k, s in _TP.items()}
+    ref, ref_info = jax.jit(gcx.clipped_grad(gathering, 0.5, **kwargs))(params, data)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        p_sh = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
+        d_sh = jax.device_put(data, NamedSharding(mesh, P("data")))
+        grads, info = jax.jit(gcx.clipped_grad(gathering, 0.5, **kwargs))(p_sh, d_sh)
+    assert not np.isfinite(np.asarray(info.norms)[5])
+    assert np.all(np.isfinite(np.asarray(grads["w1"])))
+    assert_tree_close(grads, ref, rtol=1e-5, atol=1e-6)
+    assert_tree_close(info.norms, ref_info.norms, rtol=1e-5, atol=1e-6)
+    assert {k: _entries(v.sharding.spec) for k, v in grads.items()} == {
+        k: _entries(s) for k, s in specs.items()
+    }

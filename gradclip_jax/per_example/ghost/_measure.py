@@ -13,12 +13,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from gradclip_jax._core import jaxcompat as jc, norms as _norms
 from gradclip_jax._core.backend import per_backend
 from gradclip_jax.per_example._batch import (
     Call,
     explicit_spec,
+    gathered_over_batch,
     match_batch_sharding,
     one_example_loss,
 )
@@ -140,7 +142,9 @@ def steps_as_batch(x: jax.Array, axis: int, merged: int = 1) -> jax.Array:
     steps, shape = x.shape[0], x.shape[1:]
     y = jnp.reshape(x, (steps, *shape[:axis], shape[axis] // merged, merged, *shape[axis + 1 :]))
     y = jnp.moveaxis(y, 0, axis + 1)  # (..., B, L, merged, ...)
-    return jnp.reshape(y, (*shape[:axis], -1, *shape[axis + 1 :]))
+    spec = explicit_spec(y)  # under Explicit axes the merge states its sharding: the batch's
+    out = None if spec is None else jc.on_mesh_of(y, P(*spec[: axis + 1], *spec[axis + 3 :]))
+    return jnp.reshape(y, (*shape[:axis], -1, *shape[axis + 1 :]), out_sharding=out)
 
 
 def each_step(
@@ -263,6 +267,7 @@ def local_grads(
     # ``jax.vmap`` of equinox's ``Linear`` gives: the output's batch on axis 1).
     axis, out_axis = site.axis, site.out_axis
     bsize = invals[site.rows[0]].shape[axis]
+    param = gathered_over_batch(param, invals[site.rows[0]], axis)  # unmapped in the vmap below
 
     def one(row_vals: list, gb: jax.Array) -> jax.Array:
         vals = list(invals)

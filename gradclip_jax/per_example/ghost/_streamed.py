@@ -132,6 +132,7 @@ def _site_fn(
     rule traced inside a scan's transpose cannot read the body's values); ``z`` and ``sink``
     give only their shapes and dtypes."""
     z_dtype, s_shape, s_dtype = z.dtype, sink.shape, sink.dtype
+    s_like = jax.ShapeDtypeStruct(s_shape, s_dtype, sharding=jc.typed_sharding(sink))
 
     @jax.custom_vjp
     def f(param: Any, ops: list, z: Any, sink: Any) -> tuple:
@@ -149,7 +150,8 @@ def _site_fn(
             jnp.zeros_like(param),
             _op_cotangents(closed, site, param, ops, g),
             norm,
-            jnp.reshape(summed, s_shape).astype(s_dtype),
+            # of the sink's type: a sum over a model-split block comes back split as the block
+            jc.sharded_like(jnp.reshape(summed, s_shape).astype(s_dtype), s_like),
         )
 
     f.defvjp(fwd, bwd)

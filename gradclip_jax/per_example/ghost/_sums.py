@@ -18,6 +18,7 @@ from gradclip_jax.per_example._batch import (
     along_axis,
     batch_axis_sharding,
     first_leaf,
+    gathered_over_batch,
     one_example_loss,
     vary_like,
     zeroed,
@@ -98,8 +99,8 @@ def site_sum(
         tf32_passes(vals[site.rows[0]], ct) if site.kind == "conv" and len(site.rows) == 1 else None
     )
     if passes is None:
-        _, pull = jax.vjp(lambda p: apply_site(closed, site, vals, p, acc), p0)
-        return pull(ct)[0]  # type: ignore[no-any-return]
+        out, pull = jax.vjp(lambda p: apply_site(closed, site, vals, p, acc), p0)
+        return pull(jc.sharded_like(ct, out))[0]  # type: ignore[no-any-return]
     # A convolution takes no dot algorithm: at "tf32x3" its three passes are written out.
     row = site.rows[0]
     total = None
@@ -179,7 +180,8 @@ def _pulled(
 ) -> jax.Array:
     """The sum of the pull-backs of ``cts`` through the site's operation on ``vals``, its products
     at ``Precision.DEFAULT`` (each pass exact on TF32 operands; TF32 tensor cores on NVIDIA GPUs)."""
-    _, pull = jax.vjp(lambda p: apply_site(closed, site, vals, p, acc, lax.Precision.DEFAULT), p0)
+    out, pull = jax.vjp(lambda p: apply_site(closed, site, vals, p, acc, lax.Precision.DEFAULT), p0)
+    cts = [jc.sharded_like(c, out) for c in cts]
     total = pull(cts[0])[0]
     for c in cts[1:]:
         total = total + pull(c)[0]
@@ -302,8 +304,10 @@ def clipped_sums(
     pflat = call.pflat
     scalar_loss = one_example_loss(config.loss_fn, config.has_aux)
 
+    params = gathered_over_batch(call.params, batch)  # unmapped in the vmap below
+
     def grad_of(example: Any) -> Any:
-        return jax.grad(lambda p: scalar_loss(p, example, *call.args)[0])(call.params)
+        return jax.grad(lambda p: scalar_loss(p, example, *call.args)[0])(params)
 
     def safe(_: Any) -> list[jax.Array]:  # the fast sums may hold NaN: not used
         if zeroes_dropped:
@@ -329,4 +333,8 @@ def clipped_sums(
     # results: XLA's CPU backend runs convolutions inside a branch without its fast
     # kernels (a conv kernel's book-kept or second-pass sum took 15x longer there).
     sums = fast(None)
-    return cond(risky, safe, lambda s: s, sums)  # type: ignore[no-any-return]
+
+    def safe_typed(s: list[jax.Array]) -> list[jax.Array]:  # both branches of one type
+        return [jc.sharded_like(x, y) for x, y in zip(safe(s), s, strict=True)]
+
+    return cond(risky, safe_typed, lambda s: s, sums)  # type: ignore[no-any-return]
